@@ -1,0 +1,271 @@
+//! A lent block device served on a vhost-user socket.
+//!
+//! [`Attachment::start`] checks the device with the lender, binds the socket and serves
+//! it on a thread: each frontend connection (a VMM, libblkio) gets a fresh
+//! [`BlkBackend`] and daemon (a daemon cannot serve twice), on the same listening socket,
+//! so a VMM can disconnect and come back. [`Attachment::stop`] completes the requests in
+//! flight, drops the connection and removes the socket.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::blk::backend::{BlkBackend, DRAIN_TIMEOUT};
+use crate::blk::engine::{LenderTarget, QueueStats, StatsSnapshot, CONNECT_TIMEOUT};
+use crate::blk::request::DeviceLimits;
+use crate::blk::spec::MAX_QUEUES;
+
+/// What to serve and where.
+#[derive(Debug, Clone)]
+pub struct AttachmentConfig {
+    /// Path of the vhost-user unix socket to create (an existing file there is replaced).
+    pub socket: PathBuf,
+    /// The lender and device name.
+    pub lender: LenderTarget,
+    /// Number of virtqueues offered (1..=16), each with its own fabric connection.
+    pub num_queues: u16,
+}
+
+/// Why an attachment could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachmentError {
+    /// The queue count is out of range.
+    #[error("queue count {0} is out of range 1..={MAX_QUEUES}")]
+    Queues(u16),
+    /// The lender could not be reached or refused the device.
+    #[error("cannot open the device on the lender")]
+    Lender(#[source] devlend_fabric::tcp::ConnectError),
+    /// The socket could not be created.
+    #[error("cannot listen on {path}")]
+    Listen {
+        /// Socket path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: vhost::vhost_user::Error,
+    },
+    /// A thread or eventfd could not be created.
+    #[error("cannot start the serving thread")]
+    Thread(#[source] std::io::Error),
+}
+
+#[derive(Default)]
+struct Shared {
+    stop: AtomicBool,
+    current: Mutex<Option<(Arc<BlkBackend>, Option<ShutdownHandle>)>>,
+    connected: AtomicBool,
+}
+
+/// A running attachment.
+pub struct Attachment {
+    config: AttachmentConfig,
+    limits: Arc<DeviceLimits>,
+    stats: Arc<QueueStats>,
+    shared: Arc<Shared>,
+    wake: EventFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Attachment {
+    /// Opens a session to the lender to learn the device (capacity, limits, serial),
+    /// binds the socket and starts serving it.
+    ///
+    /// # Errors
+    /// [`AttachmentError`] naming what failed; nothing is left behind on error.
+    pub fn start(config: AttachmentConfig) -> Result<Self, AttachmentError> {
+        if config.num_queues == 0 || config.num_queues > MAX_QUEUES {
+            return Err(AttachmentError::Queues(config.num_queues));
+        }
+        let (_probe, reply) = devlend_fabric::tcp::connect(
+            &config.lender.addr,
+            &config.lender.device,
+            0,
+            CONNECT_TIMEOUT,
+        )
+        .map_err(AttachmentError::Lender)?;
+        let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
+        let listener =
+            Listener::new(&config.socket, true).map_err(|source| AttachmentError::Listen {
+                path: config.socket.clone(),
+                source,
+            })?;
+        let wake = EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?;
+        let stats = Arc::new(QueueStats::default());
+        let shared = Arc::new(Shared::default());
+        let thread = {
+            let (config, limits, stats, shared) = (
+                config.clone(),
+                limits.clone(),
+                stats.clone(),
+                shared.clone(),
+            );
+            let wake = wake.try_clone().map_err(AttachmentError::Thread)?;
+            std::thread::Builder::new()
+                .name(format!("attach-{}", config.lender.device))
+                .spawn(move || serve(listener, wake, config, limits, stats, shared))
+                .map_err(AttachmentError::Thread)?
+        };
+        Ok(Attachment {
+            config,
+            limits,
+            stats,
+            shared,
+            wake,
+            thread: Some(thread),
+        })
+    }
+
+    /// The configuration it was started with.
+    pub fn config(&self) -> &AttachmentConfig {
+        &self.config
+    }
+
+    /// The device as the lender described it.
+    pub fn limits(&self) -> &DeviceLimits {
+        &self.limits
+    }
+
+    /// The socket path.
+    pub fn socket(&self) -> &Path {
+        &self.config.socket
+    }
+
+    /// I/O counters since start.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    /// Whether a frontend is connected now.
+    pub fn connected(&self) -> bool {
+        self.shared.connected.load(Ordering::Acquire)
+    }
+
+    /// Completes the requests in flight (up to [`DRAIN_TIMEOUT`], after which they fail
+    /// with IOERR), disconnects the frontend and removes the socket.
+    ///
+    /// Idempotent; the attachment's counters stay readable afterwards.
+    pub fn stop(&mut self) {
+        if self.thread.is_some() {
+            self.shutdown(DRAIN_TIMEOUT);
+        }
+    }
+
+    fn shutdown(&mut self, timeout: Duration) {
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        let current = self
+            .shared
+            .current
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or(None);
+        if let Some((backend, handle)) = current {
+            backend.drain_all(timeout);
+            if let Some(h) = handle {
+                h.shutdown();
+            }
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.config.socket);
+    }
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn set_current(shared: &Shared, v: Option<(Arc<BlkBackend>, Option<ShutdownHandle>)>) {
+    if let Ok(mut c) = shared.current.lock() {
+        *c = v;
+    }
+}
+
+/// Waits until the listener has a pending connection (true) or stop is asked (false).
+fn wait_for_client(listener: &Listener, wake: &EventFd, shared: &Shared) -> bool {
+    loop {
+        if shared.stop.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: fds is a valid array of two pollfds for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n > 0 && fds[0].revents & libc::POLLIN != 0 && !shared.stop.load(Ordering::Acquire) {
+            return true;
+        }
+    }
+}
+
+fn serve(
+    mut listener: Listener,
+    wake: EventFd,
+    config: AttachmentConfig,
+    limits: Arc<DeviceLimits>,
+    stats: Arc<QueueStats>,
+    shared: Arc<Shared>,
+) {
+    let name = format!("devlend-blk-{}", config.lender.device);
+    while wait_for_client(&listener, &wake, &shared) {
+        let backend = Arc::new(BlkBackend::new(
+            limits.clone(),
+            config.num_queues,
+            &config.lender,
+            stats.clone(),
+        ));
+        let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory())
+        {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot create vhost-user daemon");
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+        };
+        backend.attach_handlers(&daemon.get_epoll_handlers());
+        set_current(&shared, Some((backend.clone(), None)));
+        if let Err(e) = daemon.start(&mut listener) {
+            tracing::warn!(error = %e, "vhost-user connection failed to start");
+        } else {
+            set_current(&shared, Some((backend.clone(), daemon.shutdown_handle())));
+            shared.connected.store(true, Ordering::Release);
+            tracing::info!(socket = %config.socket.display(), "frontend connected");
+            if shared.stop.load(Ordering::Acquire) {
+                backend.drain_all(DRAIN_TIMEOUT);
+                daemon.request_shutdown();
+            }
+            match daemon.wait() {
+                Ok(()) => {
+                    tracing::info!(socket = %config.socket.display(), "frontend disconnected")
+                }
+                Err(e) => {
+                    tracing::info!(socket = %config.socket.display(), error = %e, "frontend connection ended")
+                }
+            }
+            shared.connected.store(false, Ordering::Release);
+        }
+        set_current(&shared, None);
+        drop(daemon);
+        backend.close_exit_fds();
+    }
+}

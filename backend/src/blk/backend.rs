@@ -1,0 +1,272 @@
+//! The `vhost-user-backend` glue for one vhost-user connection.
+//!
+//! One worker thread per virtqueue (`queues_per_thread`), each with its own fabric
+//! connection registered in the worker's epoll set under [`BlkBackend::fabric_event`].
+//! The library's vring lock and a per-queue engine mutex are the only locks on the
+//! path; each is taken once per batch and only the queue's own worker takes them during
+//! I/O (GET_VRING_BASE takes them to drain, after the library stopped the ring).
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::blk::engine::{LenderTarget, QueueEngine, QueueStats};
+use crate::blk::request::DeviceLimits;
+use crate::blk::spec::{config_slice, config_space, features, CONFIG_LEN, MAX_QUEUE_SIZE};
+use crate::guest::GuestMemory;
+
+/// How long GET_VRING_BASE and detach wait for requests in flight before failing them.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+type Handler = VringEpollHandler<Arc<BlkBackend>>;
+
+struct QueueCell {
+    engine: QueueEngine,
+    vring: Option<VringRwLock>,
+    registered: (Option<RawFd>, u64),
+}
+
+/// The vhost-user-blk backend of one frontend connection.
+pub struct BlkBackend {
+    limits: Arc<DeviceLimits>,
+    config: [u8; CONFIG_LEN],
+    queues: Vec<Mutex<QueueCell>>,
+    mem: GuestMemoryAtomic<GuestMemory>,
+    handlers: Mutex<Vec<Weak<Handler>>>,
+    exit_fds: Mutex<Vec<(EventNotifier, RawFd)>>,
+    stopping: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl BlkBackend {
+    /// A backend for `num_queues` virtqueues; opens one fabric session per queue (a
+    /// failed one is retried on the queue's next request).
+    pub fn new(
+        limits: Arc<DeviceLimits>,
+        num_queues: u16,
+        target: &LenderTarget,
+        stats: Arc<QueueStats>,
+    ) -> Self {
+        let queues = (0..num_queues)
+            .map(|i| {
+                let mut engine = QueueEngine::new(i, target.clone(), limits.clone(), stats.clone());
+                if let Err(e) = engine.connect() {
+                    tracing::warn!(queue = i, error = %crate::blk::engine::DisplayChain(&e), "cannot open fabric session yet");
+                }
+                Mutex::new(QueueCell { engine, vring: None, registered: (None, 0) })
+            })
+            .collect();
+        BlkBackend {
+            config: config_space(&limits, num_queues),
+            limits,
+            queues,
+            mem: GuestMemoryAtomic::new(GuestMemory::new()),
+            handlers: Mutex::new(Vec::new()),
+            exit_fds: Mutex::new(Vec::new()),
+            stopping: AtomicBool::new(false),
+        }
+    }
+
+    /// The guest memory map that the daemon must be created with (the library updates
+    /// it on SET_MEM_TABLE / ADD_MEM_REG).
+    pub fn memory(&self) -> GuestMemoryAtomic<GuestMemory> {
+        self.mem.clone()
+    }
+
+    /// The epoll event id of the fabric socket in each worker: above every queue index
+    /// and the reserved id `num_queues`.
+    pub fn fabric_event(&self) -> u16 {
+        self.queues.len() as u16 + 1
+    }
+
+    /// Takes the daemon's per-worker epoll handlers and registers each queue's fabric
+    /// socket in its worker.
+    pub fn attach_handlers(&self, handlers: &[Arc<Handler>]) {
+        *lock(&self.handlers) = handlers.iter().map(Arc::downgrade).collect();
+        for q in 0..self.queues.len() {
+            let mut cell = lock(&self.queues[q]);
+            self.sync_registration(q, &mut cell);
+        }
+    }
+
+    fn sync_registration(&self, q: usize, cell: &mut QueueCell) {
+        let (fd, gen) = cell.engine.fabric_fd();
+        if (fd, gen) == cell.registered {
+            return;
+        }
+        let Some(handler) = lock(&self.handlers).get(q).and_then(Weak::upgrade) else {
+            return;
+        };
+        let id = u64::from(self.fabric_event());
+        if let Some(old) = cell.registered.0 {
+            // The old socket is closed already (epoll dropped it then) or its number was
+            // reused by the new one; either way a failure here is expected and harmless.
+            let _ = handler.unregister_listener(old, EventSet::IN, id);
+        }
+        if let Some(fd) = fd {
+            if let Err(e) = handler.register_listener(fd, EventSet::IN, id) {
+                tracing::error!(queue = q, error = %e, "cannot watch fabric socket");
+            }
+        }
+        cell.registered = (fd, gen);
+    }
+
+    /// Stops taking requests from the guest and waits for those in flight to complete
+    /// (detach). Used entries are returned and the guest is notified.
+    pub fn drain_all(&self, timeout: Duration) {
+        self.stopping.store(true, Ordering::Release);
+        for (q, cell) in self.queues.iter().enumerate() {
+            let mut cell = lock(cell);
+            cell.engine.set_stopping();
+            if let Err(e) = self.drain_queue(&mut cell, timeout) {
+                tracing::warn!(queue = q, error = %e, "drain failed");
+            }
+        }
+    }
+
+    fn drain_queue(&self, cell: &mut QueueCell, timeout: Duration) -> io::Result<()> {
+        if cell.engine.inflight() == 0 {
+            return Ok(());
+        }
+        let Some(vring) = cell.vring.clone() else {
+            return Ok(());
+        };
+        let mem = self.mem.memory().into_inner();
+        let mut state = vring.get_mut();
+        let used = cell
+            .engine
+            .drain(state.get_queue_mut(), &mem, timeout)
+            .map_err(io::Error::other)?;
+        if used {
+            state.signal_used_queue()?;
+        }
+        Ok(())
+    }
+
+    /// Closes the exit eventfds that the library's workers leave open; call once the
+    /// daemon (and so every worker thread) is gone.
+    pub fn close_exit_fds(&self) {
+        for (_notifier, fd) in lock(&self.exit_fds).drain(..) {
+            // SAFETY: `fd` is the consumer end handed to the library in `exit_event`,
+            // which registered it in a worker's epoll set (now closed with the worker)
+            // and never closes it; nothing else refers to it.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+impl VhostUserBackend for BlkBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        self.queues.len()
+    }
+
+    fn max_queue_size(&self) -> usize {
+        MAX_QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        features(&self.limits)
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+    }
+
+    fn set_event_idx(&self, _enabled: bool) {
+        // The library sets EVENT_IDX on each vring; the engine asks the queue.
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        config_slice(&self.config, offset, size)
+    }
+
+    fn update_memory(&self, _mem: GuestMemoryAtomic<GuestMemory>) -> io::Result<()> {
+        // `self.mem` is the same atomic the library just updated; requests in flight
+        // hold the map they were parsed against.
+        Ok(())
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        (0..self.queues.len()).map(|q| 1u64 << q).collect()
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
+        let keep = notifier.try_clone().ok()?;
+        lock(&self.exit_fds).push((keep, consumer.as_raw_fd()));
+        Some((consumer, notifier))
+    }
+
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        let Some(cell) = self.queues.get(queue_index as usize) else {
+            return Ok(());
+        };
+        let mut cell = lock(cell);
+        self.drain_queue(&mut cell, DRAIN_TIMEOUT)
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        _evset: EventSet,
+        vrings: &[VringRwLock],
+        thread_id: usize,
+    ) -> io::Result<()> {
+        let (Some(cell), Some(vring)) = (self.queues.get(thread_id), vrings.first()) else {
+            return Ok(());
+        };
+        let mut cell = lock(cell);
+        if cell.vring.is_none() {
+            cell.vring = Some(vring.clone());
+        }
+        let mem = self.mem.memory().into_inner();
+        let mut state = vring.get_mut();
+        let queue = state.get_queue_mut();
+        if !queue.ready() {
+            return Ok(());
+        }
+        let used = if device_event == self.fabric_event() {
+            cell.engine.process_responses(queue, &mem)
+        } else if device_event == 0 && !self.stopping.load(Ordering::Acquire) {
+            cell.engine.process_avail(queue, &mem)
+        } else {
+            Ok(false)
+        }
+        .map_err(io::Error::other)?;
+        if used
+            && queue
+                .needs_notification(mem.as_ref())
+                .map_err(io::Error::other)?
+        {
+            state.signal_used_queue()?;
+        }
+        drop(state);
+        self.sync_registration(thread_id, &mut cell);
+        Ok(())
+    }
+}
+
+/// Acked-feature helper for tests and status: whether PROTOCOL_FEATURES was offered.
+pub fn offers_protocol_features(features: u64) -> bool {
+    features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0
+}

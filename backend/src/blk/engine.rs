@@ -1,0 +1,703 @@
+//! One virtqueue's requests in flight over one fabric connection.
+//!
+//! The engine is driven by the queue's worker thread: [`QueueEngine::process_avail`] on a
+//! guest kick, [`QueueEngine::process_responses`] when the fabric socket is readable. A
+//! batch of chains popped from the avail ring goes out in one vectored write (headers and
+//! guest data buffers, no copy); responses are received with vectored reads straight into
+//! the guest buffers of the request they complete. Request ids carry the chain's head
+//! index in their low 16 bits, so the table of requests in flight is indexed by head and
+//! needs no allocation per request.
+
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use devlend_fabric::wire::{
+    RequestHeader, ResponseHeader, FLAG_UNMAP, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
+};
+use devlend_fabric::{Op, Status};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::blk::request::{parse, DeviceLimits, Disposition, Request, Scratch};
+use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
+use crate::blk::tcp::{recv_vectored_nonblocking, write_all_vectored};
+use crate::guest::{GuestMemory, GuestMemoryRef, HostIov};
+
+/// Where the device is lent from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LenderTarget {
+    /// `HOST:PORT` of the lender.
+    pub addr: String,
+    /// Device name on the lender.
+    pub device: String,
+}
+
+/// Timeout of one connect + handshake attempt to the lender.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// I/O counters of one attachment, shared by its queues. All counts are since the
+/// attachment was created; bytes are data bytes (headers excluded).
+#[derive(Debug, Default)]
+pub struct QueueStats {
+    reads: AtomicU64,
+    writes: AtomicU64,
+    flushes: AtomicU64,
+    discards: AtomicU64,
+    write_zeroes: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    errors: AtomicU64,
+    local: AtomicU64,
+    reconnects: AtomicU64,
+    inflight: AtomicI64,
+}
+
+/// A copy of [`QueueStats`] at one instant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// Completed IN requests.
+    pub reads: u64,
+    /// Completed OUT requests.
+    pub writes: u64,
+    /// Completed FLUSH requests.
+    pub flushes: u64,
+    /// Completed DISCARD requests.
+    pub discards: u64,
+    /// Completed WRITE_ZEROES requests.
+    pub write_zeroes: u64,
+    /// Bytes read by completed IN requests.
+    pub bytes_read: u64,
+    /// Bytes written by completed OUT requests.
+    pub bytes_written: u64,
+    /// Requests completed with a status other than OK (IOERR or UNSUPP).
+    pub errors: u64,
+    /// Requests answered by the backend itself (GET_ID, invalid requests).
+    pub local: u64,
+    /// Fabric connections re-established after a loss.
+    pub reconnects: u64,
+    /// Requests in flight to the lender now.
+    pub inflight: u64,
+}
+
+impl QueueStats {
+    /// Reads every counter.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StatsSnapshot {
+            reads: g(&self.reads),
+            writes: g(&self.writes),
+            flushes: g(&self.flushes),
+            discards: g(&self.discards),
+            write_zeroes: g(&self.write_zeroes),
+            bytes_read: g(&self.bytes_read),
+            bytes_written: g(&self.bytes_written),
+            errors: g(&self.errors),
+            local: g(&self.local),
+            reconnects: g(&self.reconnects),
+            inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
+        }
+    }
+
+    fn count(&self, op: Op, len: u32, status: u8) {
+        let add = |a: &AtomicU64, v: u64| {
+            a.fetch_add(v, Ordering::Relaxed);
+        };
+        if status != S_OK {
+            add(&self.errors, 1);
+            return;
+        }
+        match op {
+            Op::Read => {
+                add(&self.reads, 1);
+                add(&self.bytes_read, u64::from(len));
+            }
+            Op::Write => {
+                add(&self.writes, 1);
+                add(&self.bytes_written, u64::from(len));
+            }
+            Op::Flush => add(&self.flushes, 1),
+            Op::Discard => add(&self.discards, 1),
+            Op::WriteZeroes => add(&self.write_zeroes, 1),
+        }
+    }
+}
+
+/// A request in flight, in the slot of its head descriptor index.
+#[derive(Debug, Default)]
+struct Slot {
+    busy: bool,
+    id: u64,
+    op: Option<Op>,
+    len: u32,
+    status_addr: GuestAddress,
+    iovs: Vec<HostIov>,
+    mem: Option<GuestMemoryRef>,
+}
+
+/// Receive progress on the fabric connection.
+#[derive(Debug, Clone, Copy)]
+enum Rx {
+    /// `got` bytes of the next response header are in `rx_hdr`.
+    Header { got: usize },
+    /// `got` payload bytes of the read in slot `head` have landed in guest memory.
+    Payload { head: u16, got: usize },
+}
+
+/// Why the fabric connection was dropped.
+#[derive(Debug, thiserror::Error)]
+enum FabricFault {
+    #[error("lender closed the connection")]
+    Closed,
+    #[error("fabric I/O failed")]
+    Io(#[source] io::Error),
+    #[error("malformed response")]
+    Wire(#[source] devlend_fabric::WireError),
+    #[error("response for request {0:#x}, which is not in flight")]
+    UnknownId(u64),
+    #[error("response length {got} where {want} was expected")]
+    BadLength { got: u32, want: u32 },
+    /// Not a fabric fault: the guest's used ring is not in guest memory.
+    #[error("used ring inaccessible")]
+    Ring(#[source] virtio_queue::Error),
+}
+
+/// The state of one virtqueue of one attachment.
+pub struct QueueEngine {
+    index: u16,
+    target: LenderTarget,
+    limits: Arc<DeviceLimits>,
+    stats: Arc<QueueStats>,
+    conn: Option<TcpStream>,
+    conn_gen: u64,
+    slots: Vec<Slot>,
+    inflight: usize,
+    seq: u64,
+    scratch: Scratch,
+    iov_tmp: Vec<HostIov>,
+    tx_headers: Vec<[u8; REQUEST_HEADER_LEN]>,
+    tx_heads: Vec<(u16, bool)>,
+    tx_iovs: Vec<libc::iovec>,
+    rx: Rx,
+    rx_hdr: Box<[u8; RESPONSE_HEADER_LEN]>,
+    rx_iovs: Vec<libc::iovec>,
+    stopping: bool,
+}
+
+// SAFETY: the raw pointers inside (iovec bases) point into guest memory mappings kept
+// alive by the `Arc`s in the slots, or into buffers owned by the engine itself; the
+// engine is used by one thread at a time (it lives behind a Mutex).
+unsafe impl Send for QueueEngine {}
+
+impl QueueEngine {
+    /// A disconnected engine for virtqueue `index`; [`Self::connect`] opens the session.
+    pub fn new(
+        index: u16,
+        target: LenderTarget,
+        limits: Arc<DeviceLimits>,
+        stats: Arc<QueueStats>,
+    ) -> Self {
+        QueueEngine {
+            index,
+            target,
+            limits,
+            stats,
+            conn: None,
+            conn_gen: 0,
+            slots: Vec::new(),
+            inflight: 0,
+            seq: 0,
+            scratch: Scratch::default(),
+            iov_tmp: Vec::new(),
+            tx_headers: Vec::new(),
+            tx_heads: Vec::new(),
+            tx_iovs: Vec::new(),
+            rx: Rx::Header { got: 0 },
+            rx_hdr: Box::new([0; RESPONSE_HEADER_LEN]),
+            rx_iovs: Vec::new(),
+            stopping: false,
+        }
+    }
+
+    /// Opens the fabric session to the lender for this queue (TCP connect + handshake).
+    ///
+    /// # Errors
+    /// The connect error, or a device whose capacity changed since attach.
+    pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
+        let (stream, reply) = devlend_fabric::tcp::connect(
+            &self.target.addr,
+            &self.target.device,
+            self.index,
+            CONNECT_TIMEOUT,
+        )?;
+        if reply.device.capacity_sectors != self.limits.capacity_sectors {
+            tracing::warn!(
+                queue = self.index,
+                was = self.limits.capacity_sectors,
+                now = reply.device.capacity_sectors,
+                "lent device changed capacity; requests are still checked against the old one"
+            );
+        }
+        self.conn = Some(stream);
+        self.conn_gen += 1;
+        self.rx = Rx::Header { got: 0 };
+        Ok(())
+    }
+
+    /// The fabric socket to watch for readability, and a generation number that changes
+    /// whenever the connection is replaced (the socket number alone may be reused).
+    pub fn fabric_fd(&self) -> (Option<RawFd>, u64) {
+        (self.conn.as_ref().map(|c| c.as_raw_fd()), self.conn_gen)
+    }
+
+    /// Requests sent to the lender and not yet completed.
+    pub fn inflight(&self) -> usize {
+        self.inflight
+    }
+
+    /// Stops taking new chains from the avail ring (detach in progress); chains already
+    /// in flight still complete.
+    pub fn set_stopping(&mut self) {
+        self.stopping = true;
+    }
+
+    /// Pops every available chain, completes the invalid ones and sends the rest to the
+    /// lender in one batch. Loops with notifications re-enabled so that no kick is lost
+    /// (EVENT_IDX). Returns whether used-ring entries were added (the caller then checks
+    /// `needs_notification` and signals the guest).
+    ///
+    /// # Errors
+    /// A guest memory error on the rings themselves (the queue is then unusable).
+    pub fn process_avail(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        let mut used = false;
+        if self.stopping {
+            return Ok(false);
+        }
+        if self.slots.len() < usize::from(queue.size()) {
+            self.slots
+                .resize_with(usize::from(queue.size()), Slot::default);
+        }
+        loop {
+            queue.disable_notification(mem.as_ref())?;
+            while let Some(chain) = queue.pop_descriptor_chain(mem.as_ref()) {
+                used |= self.take_chain(queue, mem, chain)?;
+            }
+            used |= self.flush_tx(queue, mem)?;
+            if !queue.enable_notification(mem.as_ref())? {
+                break;
+            }
+        }
+        Ok(used)
+    }
+
+    fn take_chain(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+        chain: virtio_queue::DescriptorChain<&GuestMemory>,
+    ) -> Result<bool, virtio_queue::Error> {
+        let parsed = parse(
+            chain,
+            mem,
+            &self.limits,
+            &mut self.scratch,
+            &mut self.iov_tmp,
+        );
+        let head = parsed.head;
+        match parsed.disposition {
+            Disposition::NoStatus => {
+                queue.add_used(mem.as_ref(), head, 0)?;
+                self.stats.local.fetch_add(1, Ordering::Relaxed);
+                Ok(true)
+            }
+            Disposition::Complete { status, written } => {
+                // The status address was checked to be in guest memory by `parse`.
+                let _ = mem.write_obj(status, parsed.status_addr);
+                queue.add_used(mem.as_ref(), head, written + 1)?;
+                self.stats.local.fetch_add(1, Ordering::Relaxed);
+                if status != S_OK {
+                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(true)
+            }
+            Disposition::Submit(req) => {
+                match self.slots.get(usize::from(head)) {
+                    Some(slot) if !slot.busy => {}
+                    _ => {
+                        tracing::warn!(
+                            queue = self.index,
+                            head,
+                            "guest reused a descriptor head still in flight; chain ignored"
+                        );
+                        return Ok(false);
+                    }
+                }
+                if self.conn.is_none() {
+                    self.reconnect();
+                }
+                if self.conn.is_none() {
+                    let _ = mem.write_obj(S_IOERR, parsed.status_addr);
+                    queue.add_used(mem.as_ref(), head, 1)?;
+                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    return Ok(true);
+                }
+                self.seq = self.seq.wrapping_add(1);
+                let id = (self.seq << 16) | u64::from(head);
+                let slot = &mut self.slots[usize::from(head)];
+                let (op, len, sector, flags) = match req {
+                    Request::Read { sector, len } => (Op::Read, len, sector, 0),
+                    Request::Write { sector, len } => (Op::Write, len, sector, 0),
+                    Request::Flush => (Op::Flush, 0, 0, 0),
+                    Request::Discard { sector, sectors } => (Op::Discard, sectors, sector, 0),
+                    Request::WriteZeroes {
+                        sector,
+                        sectors,
+                        unmap,
+                    } => (
+                        Op::WriteZeroes,
+                        sectors,
+                        sector,
+                        if unmap { FLAG_UNMAP } else { 0 },
+                    ),
+                };
+                slot.busy = true;
+                slot.id = id;
+                slot.op = Some(op);
+                slot.len = len;
+                slot.status_addr = parsed.status_addr;
+                std::mem::swap(&mut slot.iovs, &mut self.iov_tmp);
+                slot.mem = Some(Arc::clone(mem));
+                self.inflight += 1;
+                self.stats.inflight.fetch_add(1, Ordering::Relaxed);
+                self.tx_headers.push(
+                    RequestHeader {
+                        op,
+                        flags,
+                        len,
+                        id,
+                        sector,
+                    }
+                    .encode(),
+                );
+                self.tx_heads.push((head, op == Op::Write));
+                Ok(false)
+            }
+        }
+    }
+
+    fn reconnect(&mut self) {
+        match self.connect() {
+            Ok(()) => {
+                self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(queue = self.index, lender = %self.target.addr, "fabric session re-established");
+            }
+            Err(e) => {
+                tracing::warn!(queue = self.index, error = %DisplayChain(&e), "lender unreachable; failing request");
+            }
+        }
+    }
+
+    /// Sends the batched requests in one vectored write.
+    fn flush_tx(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        if self.tx_heads.is_empty() {
+            return Ok(false);
+        }
+        self.tx_iovs.clear();
+        for (i, &(head, has_data)) in self.tx_heads.iter().enumerate() {
+            let h = &mut self.tx_headers[i];
+            self.tx_iovs.push(libc::iovec {
+                iov_base: h.as_mut_ptr().cast(),
+                iov_len: h.len(),
+            });
+            if has_data {
+                self.tx_iovs.extend(
+                    self.slots[usize::from(head)]
+                        .iovs
+                        .iter()
+                        .map(HostIov::as_iovec),
+                );
+            }
+        }
+        self.tx_headers.clear();
+        self.tx_heads.clear();
+        let result = match &self.conn {
+            Some(c) => write_all_vectored(c.as_raw_fd(), &mut self.tx_iovs),
+            None => Err(io::Error::from(io::ErrorKind::NotConnected)),
+        };
+        match result {
+            Ok(()) => Ok(false),
+            Err(e) => self.fail_connection(queue, mem, FabricFault::Io(e)),
+        }
+    }
+
+    /// Receives every response that has arrived, completing requests into the used ring.
+    /// Returns whether used-ring entries were added.
+    ///
+    /// # Errors
+    /// A guest memory error on the used ring.
+    pub fn process_responses(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        let mut used = false;
+        loop {
+            let Some(fd) = self.conn.as_ref().map(|c| c.as_raw_fd()) else {
+                return Ok(used);
+            };
+            self.build_rx_iovs();
+            let n = match recv_vectored_nonblocking(fd, &mut self.rx_iovs) {
+                Ok(None) => return Ok(used),
+                Ok(Some(0)) => {
+                    return Ok(self.fail_connection(queue, mem, FabricFault::Closed)? | used)
+                }
+                Ok(Some(n)) => n,
+                Err(e) => return Ok(self.fail_connection(queue, mem, FabricFault::Io(e))? | used),
+            };
+            match self.advance_rx(queue, mem, n) {
+                Ok(u) => used |= u,
+                Err(FabricFault::Ring(e)) => return Err(e),
+                Err(fault) => return Ok(self.fail_connection(queue, mem, fault)? | used),
+            }
+        }
+    }
+
+    fn build_rx_iovs(&mut self) {
+        self.rx_iovs.clear();
+        let hdr = self.rx_hdr.as_mut_ptr();
+        match self.rx {
+            Rx::Header { got } => {
+                // SAFETY: got < RESPONSE_HEADER_LEN, so the pointer stays in rx_hdr.
+                let base = unsafe { hdr.add(got) };
+                self.rx_iovs.push(libc::iovec {
+                    iov_base: base.cast(),
+                    iov_len: RESPONSE_HEADER_LEN - got,
+                });
+            }
+            Rx::Payload { head, got } => {
+                let mut skip = got;
+                for iov in &self.slots[usize::from(head)].iovs {
+                    if skip >= iov.len {
+                        skip -= iov.len;
+                        continue;
+                    }
+                    // SAFETY: skip < iov.len, so the pointer stays inside this guest buffer.
+                    let base = unsafe { iov.ptr.add(skip) };
+                    self.rx_iovs.push(libc::iovec {
+                        iov_base: base.cast(),
+                        iov_len: iov.len - skip,
+                    });
+                    skip = 0;
+                }
+                // Read the next response header in the same call.
+                self.rx_iovs.push(libc::iovec {
+                    iov_base: hdr.cast(),
+                    iov_len: RESPONSE_HEADER_LEN,
+                });
+            }
+        }
+    }
+
+    fn advance_rx(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+        mut n: usize,
+    ) -> Result<bool, FabricFault> {
+        let mut used = false;
+        loop {
+            match self.rx {
+                Rx::Header { got } => {
+                    let got = got + n;
+                    if got < RESPONSE_HEADER_LEN {
+                        self.rx = Rx::Header { got };
+                        return Ok(used);
+                    }
+                    self.rx = Rx::Header { got: 0 };
+                    used |= self.on_header(queue, mem)?;
+                    return Ok(used);
+                }
+                Rx::Payload { head, got } => {
+                    let want = self.slots[usize::from(head)].len as usize;
+                    let take = n.min(want - got);
+                    let got = got + take;
+                    n -= take;
+                    if got < want {
+                        self.rx = Rx::Payload { head, got };
+                        return Ok(used);
+                    }
+                    used |= self
+                        .complete(queue, mem, head, S_OK)
+                        .map_err(FabricFault::Ring)?;
+                    self.rx = Rx::Header { got: 0 };
+                    if n == 0 {
+                        return Ok(used);
+                    }
+                    // The rest of this receive is the start of the next header, which
+                    // landed at the start of rx_hdr.
+                }
+            }
+        }
+    }
+
+    fn on_header(&mut self, queue: &mut Queue, mem: &GuestMemoryRef) -> Result<bool, FabricFault> {
+        let h = ResponseHeader::decode(&self.rx_hdr).map_err(FabricFault::Wire)?;
+        let head = (h.id & 0xffff) as u16;
+        let slot = self
+            .slots
+            .get(usize::from(head))
+            .filter(|s| s.busy && s.id == h.id)
+            .ok_or(FabricFault::UnknownId(h.id))?;
+        let want = if h.status == Status::Ok && slot.op == Some(Op::Read) {
+            slot.len
+        } else {
+            0
+        };
+        if h.len != want {
+            return Err(FabricFault::BadLength { got: h.len, want });
+        }
+        if want > 0 {
+            self.rx = Rx::Payload { head, got: 0 };
+            return Ok(false);
+        }
+        let status = match h.status {
+            Status::Ok => S_OK,
+            Status::IoErr => S_IOERR,
+            Status::Unsupp => S_UNSUPP,
+        };
+        self.complete(queue, mem, head, status)
+            .map_err(FabricFault::Ring)
+    }
+
+    /// Stores the status byte, returns the chain to the used ring and frees the slot.
+    fn complete(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+        head: u16,
+        status: u8,
+    ) -> Result<bool, virtio_queue::Error> {
+        let slot = &mut self.slots[usize::from(head)];
+        let op = slot.op.unwrap_or(Op::Flush);
+        let data = if status == S_OK && op == Op::Read {
+            slot.len
+        } else {
+            0
+        };
+        if let Some(m) = &slot.mem {
+            // The status address was validated against this memory map by `parse`.
+            let _ = m.write_obj(status, slot.status_addr);
+        }
+        self.stats.count(op, slot.len, status);
+        slot.busy = false;
+        slot.mem = None;
+        self.inflight -= 1;
+        self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
+        queue.add_used(mem.as_ref(), head, data + 1)?;
+        Ok(true)
+    }
+
+    /// Drops the connection and completes every request in flight with IOERR; the next
+    /// request reconnects.
+    fn fail_connection(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+        fault: FabricFault,
+    ) -> Result<bool, virtio_queue::Error> {
+        tracing::warn!(
+            queue = self.index,
+            lender = %self.target.addr,
+            device = %self.target.device,
+            inflight = self.inflight,
+            error = %DisplayChain(&fault),
+            "fabric session lost; failing requests in flight"
+        );
+        self.conn = None;
+        self.rx = Rx::Header { got: 0 };
+        self.fail_all(queue, mem)
+    }
+
+    fn fail_all(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        let mut used = false;
+        for head in 0..self.slots.len() {
+            if self.slots[head].busy {
+                used |= self.complete(queue, mem, head as u16, S_IOERR)?;
+            }
+        }
+        Ok(used)
+    }
+
+    /// Waits up to `timeout` for every request in flight to complete (GET_VRING_BASE,
+    /// detach); whatever is still in flight then completes with IOERR. Returns whether
+    /// used-ring entries were added.
+    ///
+    /// # Errors
+    /// A guest memory error on the used ring.
+    pub fn drain(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+        timeout: Duration,
+    ) -> Result<bool, virtio_queue::Error> {
+        let deadline = Instant::now() + timeout;
+        let mut used = false;
+        while self.inflight > 0 {
+            let Some(fd) = self.conn.as_ref().map(|c| c.as_raw_fd()) else {
+                break;
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let ms = left.as_millis().min(100) as libc::c_int;
+            // SAFETY: pfd is a valid pollfd for the duration of the call.
+            unsafe { libc::poll(&mut pfd, 1, ms) };
+            used |= self.process_responses(queue, mem)?;
+        }
+        if self.inflight > 0 {
+            tracing::warn!(
+                queue = self.index,
+                inflight = self.inflight,
+                "requests still in flight at drain deadline; failing them"
+            );
+            used |= self.fail_all(queue, mem)?;
+        }
+        Ok(used)
+    }
+}
+
+/// Formats an error with its chain of sources, for logs.
+pub struct DisplayChain<'a, E: std::error::Error>(pub &'a E);
+
+impl<E: std::error::Error> std::fmt::Display for DisplayChain<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut src = self.0.source();
+        while let Some(s) = src {
+            write!(f, ": {s}")?;
+            src = s.source();
+        }
+        Ok(())
+    }
+}

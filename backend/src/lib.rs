@@ -1,0 +1,9 @@
+//! devlend's vhost-user device backends, run by the compute agent (the borrower).
+//!
+//! [`blk`] is a vhost-user-blk backend: it pops descriptor chains from the guest's
+//! virtqueues, validates them (virtio 1.2 §5.2.6), sends the requests to the lender over
+//! one fabric connection per virtqueue, and returns completions to the used ring.
+//! Payloads move between the socket and guest memory directly ([`guest`]).
+
+pub mod blk;
+pub mod guest;

@@ -1,0 +1,246 @@
+//! A vhost-user-blk frontend without a VM, on the `blkio` crate.
+//!
+//! It connects to a vhost-user-blk socket, maps one buffer as a memory region shared with
+//! the backend, and runs requests on its queues, one at a time or a batch at a time.
+
+use std::mem::MaybeUninit;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+
+/// One request of a batch. Offsets and lengths are in bytes; `buf` is an offset into
+/// [`BlkClient::buffer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlkOp {
+    /// Read `len` bytes at `offset` into the buffer at `buf`.
+    Read {
+        /// Device offset.
+        offset: u64,
+        /// Buffer offset.
+        buf: usize,
+        /// Length.
+        len: usize,
+    },
+    /// Write `len` bytes from the buffer at `buf` to `offset`.
+    Write {
+        /// Device offset.
+        offset: u64,
+        /// Buffer offset.
+        buf: usize,
+        /// Length.
+        len: usize,
+    },
+    /// Flush.
+    Flush,
+    /// Discard `len` bytes at `offset`.
+    Discard {
+        /// Device offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// Zero `len` bytes at `offset`; `unmap` lets the device deallocate them.
+    WriteZeroes {
+        /// Device offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Allow deallocation.
+        unmap: bool,
+    },
+}
+
+/// A connected frontend.
+pub struct BlkClient {
+    queues: Vec<Blkioq>,
+    region: MemoryRegion,
+    capacity: u64,
+    read_only: bool,
+    // Dropped last: it owns the connection and the memory region.
+    blkio: Blkio,
+}
+
+impl BlkClient {
+    /// Connects to `socket` with `num_queues` queues and a shared buffer of `buf_len`
+    /// bytes (rounded up to the driver's alignment).
+    ///
+    /// # Errors
+    /// Any libblkio error, with the socket named.
+    pub fn connect(socket: &Path, num_queues: usize, buf_len: usize) -> Result<Self> {
+        Self::connect_with(socket, num_queues, buf_len, false)
+    }
+
+    /// As [`Self::connect`], read-only when `read_only` (libblkio refuses to start on a
+    /// read-only device otherwise).
+    ///
+    /// # Errors
+    /// Any libblkio error, with the socket named.
+    pub fn connect_with(
+        socket: &Path,
+        num_queues: usize,
+        buf_len: usize,
+        read_only: bool,
+    ) -> Result<Self> {
+        let ctx = || format!("vhost-user-blk socket {}", socket.display());
+        let mut b = Blkio::new("virtio-blk-vhost-user")
+            .map_err(err)
+            .with_context(ctx)?;
+        let path = socket
+            .to_str()
+            .ok_or_else(|| anyhow!("socket path is not UTF-8"))?;
+        b.set_str("path", path).map_err(err).with_context(ctx)?;
+        b.set_bool("read-only", read_only)
+            .map_err(err)
+            .with_context(ctx)?;
+        b.connect().map_err(err).with_context(ctx)?;
+        b.set_i32("num-queues", num_queues as i32)
+            .map_err(err)
+            .with_context(ctx)?;
+        let started = b.start().map_err(err).with_context(ctx)?;
+        let capacity = b.get_u64("capacity").map_err(err)?;
+        let read_only = b.get_bool("read-only").map_err(err)?;
+        let align = b.get_u64("mem-region-alignment").map_err(err)?.max(4096) as usize;
+        let len = buf_len.max(1).div_ceil(align) * align;
+        let region = b.alloc_mem_region(len).map_err(err)?;
+        b.map_mem_region(&region).map_err(err)?;
+        Ok(BlkClient {
+            queues: started.queues,
+            region,
+            capacity,
+            read_only,
+            blkio: b,
+        })
+    }
+
+    /// Device capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Whether the device is read-only (VIRTIO_BLK_F_RO offered).
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// Number of queues.
+    pub fn num_queues(&self) -> usize {
+        self.queues.len()
+    }
+
+    /// A libblkio property of the device (e.g. `max-transfer`).
+    ///
+    /// # Errors
+    /// Unknown property.
+    pub fn property_u64(&self, name: &str) -> Result<u64> {
+        self.blkio.get_u64(name).map_err(err)
+    }
+
+    /// The shared buffer.
+    pub fn buffer(&mut self) -> &mut [u8] {
+        // SAFETY: the region is `len` bytes mapped by libblkio for as long as `self`
+        // lives, and only this client (through `&mut self`) touches it while no request
+        // is in flight: requests are always waited for before the methods return.
+        unsafe { std::slice::from_raw_parts_mut(self.region.addr as *mut u8, self.region.len) }
+    }
+
+    /// Runs `ops` on queue `q` with all of them in flight at once; returns each one's
+    /// result (0, or a negative errno such as -EIO for IOERR, -ENOTSUP for UNSUPP).
+    ///
+    /// # Errors
+    /// A buffer range outside the shared buffer, or a libblkio failure.
+    pub fn run(&mut self, q: usize, ops: &[BlkOp]) -> Result<Vec<i32>> {
+        Ok(self.run_multi(&[(q, ops)])?.remove(0))
+    }
+
+    /// Submits every batch on its queue first, so that all queues have requests in
+    /// flight at the same time, then waits for all; returns the results per batch.
+    ///
+    /// # Errors
+    /// As [`Self::run`].
+    pub fn run_multi(&mut self, batches: &[(usize, &[BlkOp])]) -> Result<Vec<Vec<i32>>> {
+        let base = self.region.addr as *mut u8;
+        let buf_len = self.region.len;
+        for &(q, ops) in batches {
+            let queue = self
+                .queues
+                .get_mut(q)
+                .ok_or_else(|| anyhow!("no queue {q}"))?;
+            for (i, op) in ops.iter().enumerate() {
+                submit(queue, base, buf_len, i, op)?;
+            }
+        }
+        let mut all = Vec::with_capacity(batches.len());
+        for &(q, ops) in batches {
+            let queue = self
+                .queues
+                .get_mut(q)
+                .ok_or_else(|| anyhow!("no queue {q}"))?;
+            let mut results = vec![i32::MIN; ops.len()];
+            let mut done = 0;
+            let mut comps: Vec<MaybeUninit<Completion>> =
+                (0..ops.len()).map(|_| MaybeUninit::uninit()).collect();
+            while done < ops.len() {
+                let n = queue.do_io(&mut comps, 1, None, None).map_err(err)?;
+                for c in &comps[..n] {
+                    // SAFETY: do_io initialised the first n completions.
+                    let c = unsafe { c.assume_init_ref() };
+                    if let Some(r) = results.get_mut(c.user_data) {
+                        *r = c.ret;
+                        done += 1;
+                    }
+                }
+            }
+            all.push(results);
+        }
+        Ok(all)
+    }
+
+    /// Runs one request on queue `q` and returns its result (see [`Self::run`]).
+    ///
+    /// # Errors
+    /// As [`Self::run`].
+    pub fn run_one(&mut self, q: usize, op: BlkOp) -> Result<i32> {
+        Ok(self.run(q, &[op])?[0])
+    }
+}
+
+impl Drop for BlkClient {
+    fn drop(&mut self) {
+        self.queues.clear();
+        self.blkio.unmap_mem_region(&self.region);
+        self.blkio.free_mem_region(&self.region);
+    }
+}
+
+fn submit(queue: &mut Blkioq, base: *mut u8, buf_len: usize, i: usize, op: &BlkOp) -> Result<()> {
+    match *op {
+        BlkOp::Read { offset, buf, len } | BlkOp::Write { offset, buf, len } => {
+            if buf.checked_add(len).is_none_or(|end| end > buf_len) {
+                bail!("buffer range {buf}+{len} is outside the {buf_len}-byte buffer");
+            }
+            // SAFETY: buf + len <= buf_len, checked above, so p stays in the region.
+            let p = unsafe { base.add(buf) };
+            if matches!(op, BlkOp::Read { .. }) {
+                queue.read(offset, p, len, i, ReqFlags::empty());
+            } else {
+                queue.write(offset, p, len, i, ReqFlags::empty());
+            }
+        }
+        BlkOp::Flush => queue.flush(i, ReqFlags::empty()),
+        BlkOp::Discard { offset, len } => queue.discard(offset, len, i, ReqFlags::empty()),
+        BlkOp::WriteZeroes { offset, len, unmap } => {
+            let f = if unmap {
+                ReqFlags::empty()
+            } else {
+                ReqFlags::NO_UNMAP
+            };
+            queue.write_zeroes(offset, len, i, f)
+        }
+    }
+    Ok(())
+}
+
+fn err(e: blkio::Error) -> anyhow::Error {
+    anyhow!("libblkio: {} ({:?})", e.message(), e.errno())
+}

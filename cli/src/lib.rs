@@ -1,0 +1,13 @@
+//! The `devlend` command-line tool, as a library for the binary and for tests.
+//!
+//! - [`blk_client`]: a vhost-user-blk frontend built on the `blkio` crate (libblkio's
+//!   `virtio-blk-vhost-user` driver), used by `devlend demo` and by tests;
+//! - [`api_client`]: the compute agent's control API over its unix socket;
+//! - [`output`]: what attach prints (QEMU arguments, libvirt XML) and status tables;
+//! - [`demo`]: the local end-to-end demo (the README's main job).
+
+pub mod api_client;
+pub mod blk_client;
+pub mod demo;
+pub mod output;
+pub mod pattern;

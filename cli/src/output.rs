@@ -1,0 +1,94 @@
+//! What the CLI prints for people.
+
+use devlend_compute_agent::api::AttachmentInfo;
+
+/// Formats a byte count with a binary unit (`1.0 GiB`).
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// The QEMU arguments that join the attachment's socket.
+pub fn qemu_args(a: &AttachmentInfo) -> String {
+    let id = format!("devlend-{}", a.id);
+    let mq = if a.queues > 1 {
+        format!(",num-queues={}", a.queues)
+    } else {
+        String::new()
+    };
+    format!(
+        "-object memory-backend-memfd,id=mem,size=<guest RAM>,share=on -numa node,memdev=mem \\\n  \
+         -chardev socket,id={id},path={},reconnect-ms=1000 \\\n  \
+         -device vhost-user-blk-pci,chardev={id}{mq},queue-size={}",
+        a.socket.display(),
+        a.queue_size
+    )
+}
+
+/// A libvirt `<disk type='vhostuser'>` element for the attachment.
+pub fn libvirt_xml(a: &AttachmentInfo) -> String {
+    let ro = if a.read_only { "\n  <readonly/>" } else { "" };
+    format!(
+        "<disk type='vhostuser' device='disk'>\n  \
+         <driver name='qemu' type='raw' queues='{}'/>\n  \
+         <source type='unix' path='{}'>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  \
+         <target dev='vdb' bus='virtio'/>\n  <serial>{}</serial>{ro}\n</disk>\n\
+         <!-- the domain needs shared memory: <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking> -->",
+        a.queues,
+        a.socket.display(),
+        a.serial
+    )
+}
+
+/// The `devlend status` table.
+pub fn status_table(list: &[AttachmentInfo]) -> String {
+    if list.is_empty() {
+        return "no attachments\n".to_owned();
+    }
+    let mut out = format!(
+        "{:<16} {:<12} {:<21} {:>9} {:>2} {:<4} {:>10} {:>10} {:>10} {:>10} {:>6} {:>5}  {}\n",
+        "ID",
+        "DEVICE",
+        "LENDER",
+        "SIZE",
+        "Q",
+        "VMM",
+        "READS",
+        "WRITES",
+        "READ",
+        "WRITTEN",
+        "ERRORS",
+        "INFL",
+        "SOCKET"
+    );
+    for a in list {
+        let c = &a.counters;
+        out.push_str(&format!(
+            "{:<16} {:<12} {:<21} {:>9} {:>2} {:<4} {:>10} {:>10} {:>10} {:>10} {:>6} {:>5}  {}\n",
+            a.id,
+            a.device,
+            a.lender,
+            human_bytes(a.capacity_sectors * 512),
+            a.queues,
+            if a.connected { "yes" } else { "no" },
+            c.reads,
+            c.writes,
+            human_bytes(c.bytes_read),
+            human_bytes(c.bytes_written),
+            c.errors,
+            c.inflight,
+            a.socket.display()
+        ));
+    }
+    out
+}

@@ -1,0 +1,123 @@
+//! Types of the compute agent's control API (JSON over HTTP on a unix socket).
+//!
+//! | method and path | body | answer |
+//! | --- | --- | --- |
+//! | `GET /v1/attachments` | | `200` `[AttachmentInfo]` |
+//! | `POST /v1/attachments` | [`AttachRequest`] | `201` [`AttachmentInfo`]; `400`, `409`, `502` [`ApiError`] |
+//! | `GET /v1/attachments/{id}` | | `200` [`AttachmentInfo`]; `404` |
+//! | `DELETE /v1/attachments/{id}` | | `200` [`AttachmentInfo`] (final counters); `404` |
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Ask to attach a lent block device on a new vhost-user socket.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AttachRequest {
+    /// Attachment id (letters, digits, `-`, `_`, `.`; at most 64); default: the device
+    /// name, with a numeric suffix if taken.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Lender address, `HOST:PORT`.
+    pub lender: String,
+    /// Device name on the lender.
+    pub device: String,
+    /// Path of the vhost-user socket to create.
+    pub socket: PathBuf,
+    /// Number of virtqueues (1..=16); default 1.
+    #[serde(default = "default_queues")]
+    pub queues: u16,
+    /// Virtqueue size to suggest to the VMM (a power of two, 64..=1024); default 256.
+    #[serde(default = "default_queue_size")]
+    pub queue_size: u16,
+}
+
+fn default_queues() -> u16 {
+    1
+}
+
+fn default_queue_size() -> u16 {
+    256
+}
+
+/// I/O counters of an attachment (since it was created).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct IoCounters {
+    /// Completed reads.
+    pub reads: u64,
+    /// Completed writes.
+    pub writes: u64,
+    /// Completed flushes.
+    pub flushes: u64,
+    /// Completed discards.
+    pub discards: u64,
+    /// Completed write-zeroes.
+    pub write_zeroes: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Requests that completed with IOERR or UNSUPP.
+    pub errors: u64,
+    /// Requests answered without the lender (GET_ID, invalid requests).
+    pub local: u64,
+    /// Fabric sessions re-established.
+    pub reconnects: u64,
+    /// Requests in flight now.
+    pub inflight: u64,
+}
+
+impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
+    fn from(s: devlend_backend::blk::StatsSnapshot) -> Self {
+        IoCounters {
+            reads: s.reads,
+            writes: s.writes,
+            flushes: s.flushes,
+            discards: s.discards,
+            write_zeroes: s.write_zeroes,
+            bytes_read: s.bytes_read,
+            bytes_written: s.bytes_written,
+            errors: s.errors,
+            local: s.local,
+            reconnects: s.reconnects,
+            inflight: s.inflight,
+        }
+    }
+}
+
+/// An attachment as the API reports it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AttachmentInfo {
+    /// Attachment id.
+    pub id: String,
+    /// Lender address.
+    pub lender: String,
+    /// Device name on the lender.
+    pub device: String,
+    /// vhost-user socket path.
+    pub socket: PathBuf,
+    /// Number of virtqueues.
+    pub queues: u16,
+    /// Suggested virtqueue size.
+    pub queue_size: u16,
+    /// Capacity in 512-byte sectors.
+    pub capacity_sectors: u64,
+    /// Logical block size in bytes.
+    pub block_size: u32,
+    /// Whether the device is read-only.
+    pub read_only: bool,
+    /// Device serial (GET_ID), without NUL padding.
+    pub serial: String,
+    /// Whether a VMM (frontend) is connected to the socket now.
+    pub connected: bool,
+    /// I/O counters.
+    pub counters: IoCounters,
+}
+
+/// An error answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ApiError {
+    /// What went wrong, for people.
+    pub error: String,
+}

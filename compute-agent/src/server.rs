@@ -1,0 +1,117 @@
+//! The control API routes (axum) over a unix socket.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path as UrlPath, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+
+use crate::api::{ApiError, AttachRequest};
+use crate::registry::{Registry, RegistryError};
+
+fn error(status: StatusCode, msg: String) -> Response {
+    (status, Json(ApiError { error: msg })).into_response()
+}
+
+impl IntoResponse for RegistryError {
+    fn into_response(self) -> Response {
+        let status = match &self {
+            RegistryError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            RegistryError::Conflict(_) => StatusCode::CONFLICT,
+            RegistryError::NotFound(_) => StatusCode::NOT_FOUND,
+            RegistryError::Start(_) => StatusCode::BAD_GATEWAY,
+        };
+        error(status, self.to_string())
+    }
+}
+
+/// The API router over a registry.
+pub fn router(registry: Arc<Registry>) -> Router {
+    Router::new()
+        .route("/v1/attachments", get(list).post(attach))
+        .route("/v1/attachments/{id}", get(show).delete(detach))
+        .with_state(registry)
+}
+
+async fn list(State(r): State<Arc<Registry>>) -> Response {
+    Json(r.list()).into_response()
+}
+
+async fn show(State(r): State<Arc<Registry>>, UrlPath(id): UrlPath<String>) -> Response {
+    match r.get(&id) {
+        Ok(i) => Json(i).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn attach(
+    State(r): State<Arc<Registry>>,
+    body: Result<Json<AttachRequest>, JsonRejection>,
+) -> Response {
+    let req = match body {
+        Ok(Json(req)) => req,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
+    };
+    match tokio::task::spawn_blocking(move || r.attach(req)).await {
+        Ok(Ok(info)) => (StatusCode::CREATED, Json(info)).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("attach task failed: {e}"),
+        ),
+    }
+}
+
+async fn detach(State(r): State<Arc<Registry>>, UrlPath(id): UrlPath<String>) -> Response {
+    match tokio::task::spawn_blocking(move || r.detach(&id)).await {
+        Ok(Ok(info)) => Json(info).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("detach task failed: {e}"),
+        ),
+    }
+}
+
+/// Serves the API on `socket` until SIGINT or SIGTERM, then detaches everything.
+///
+/// An existing file at `socket` is replaced; the parent directory is created. The
+/// socket is made `0660`.
+///
+/// # Errors
+/// Binding the socket; the server failing.
+pub async fn serve(socket: &Path, registry: Arc<Registry>) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let _ = std::fs::remove_file(socket);
+    let listener = tokio::net::UnixListener::bind(socket)
+        .with_context(|| format!("cannot listen on {}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("cannot set permissions of {}", socket.display()))?;
+    tracing::info!(api = %socket.display(), "compute agent ready");
+    let shutdown = async {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {},
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; }, None => std::future::pending().await } } => {},
+        }
+    };
+    axum::serve(listener, router(registry.clone()))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("API server failed")?;
+    tracing::info!("shutting down: detaching everything");
+    tokio::task::spawn_blocking(move || registry.detach_all())
+        .await
+        .ok();
+    let _ = std::fs::remove_file(socket);
+    Ok(())
+}

@@ -1,0 +1,424 @@
+//! What to lend and where to listen: command-line flags, the TOML config file, and the
+//! `NAME=PATH[,ro][,serial=S]` device spec.
+//!
+//! Flags override and extend the file: `--listen` replaces `listen`; each `--device` is
+//! added, and replaces a file device of the same name. Within the file, and within the
+//! flags, a device name may appear once.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use devlend_fabric::handshake::MAX_NAME_LEN;
+use serde::Deserialize;
+
+use crate::{Error, MAX_SERIAL_LEN};
+
+/// One device to lend.
+///
+/// As a flag: `NAME=PATH[,ro][,serial=S]` (the path may not contain a comma). In the
+/// config file: a `[[device]]` table with keys `name`, `path`, `read_only` (default
+/// false) and `serial` (optional).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceSpec {
+    /// The name borrowers ask for in their hello (1 to 255 bytes of UTF-8).
+    pub name: String,
+    /// A regular file or a block device.
+    pub path: PathBuf,
+    /// Open the path read-only and answer writes, discards and write-zeroes with an I/O
+    /// error.
+    #[serde(default)]
+    pub read_only: bool,
+    /// The virtio-blk serial (GET_ID), 1 to 20 bytes without NUL; when absent, the
+    /// device name truncated to 20 bytes.
+    pub serial: Option<String>,
+}
+
+impl DeviceSpec {
+    /// Checks the name and the serial.
+    ///
+    /// # Errors
+    /// [`Error::BadName`] for an empty name or one longer than 255 bytes;
+    /// [`Error::SerialTooLong`] for a serial longer than [`MAX_SERIAL_LEN`] bytes;
+    /// [`Error::BadSerial`] for an empty serial or one holding a NUL byte.
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad_name = |reason| {
+            Err(Error::BadName {
+                name: self.name.clone(),
+                reason,
+            })
+        };
+        if self.name.is_empty() {
+            return bad_name("empty");
+        }
+        if self.name.len() > MAX_NAME_LEN {
+            return bad_name("longer than 255 bytes");
+        }
+        if let Some(serial) = &self.serial {
+            let bad = |reason| {
+                Err(Error::BadSerial {
+                    device: self.name.clone(),
+                    serial: serial.clone(),
+                    reason,
+                })
+            };
+            if serial.len() > MAX_SERIAL_LEN {
+                return Err(Error::SerialTooLong {
+                    device: self.name.clone(),
+                    serial: serial.clone(),
+                    len: serial.len(),
+                });
+            }
+            if serial.is_empty() {
+                return bad("empty");
+            }
+            if serial.contains('\0') {
+                return bad("holds a NUL byte");
+            }
+        }
+        Ok(())
+    }
+
+    /// The serial as sent in the handshake: the given serial, else the name truncated to
+    /// 20 bytes, NUL-padded to 20 bytes.
+    pub fn serial_bytes(&self) -> [u8; MAX_SERIAL_LEN] {
+        let src = self.serial.as_deref().unwrap_or(&self.name).as_bytes();
+        let n = src.len().min(MAX_SERIAL_LEN);
+        let mut out = [0u8; MAX_SERIAL_LEN];
+        out[..n].copy_from_slice(&src[..n]);
+        out
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = Error;
+
+    /// Parses `NAME=PATH[,ro][,serial=S]`.
+    ///
+    /// # Errors
+    /// [`Error::BadSpec`] for a malformed spec, and those of [`DeviceSpec::validate`].
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let bad = |reason: String| Error::BadSpec {
+            spec: s.to_owned(),
+            reason,
+        };
+        let (name, rest) = s
+            .split_once('=')
+            .ok_or_else(|| bad("expected NAME=PATH[,ro][,serial=S]".into()))?;
+        let mut parts = rest.split(',');
+        let path = parts.next().unwrap_or_default();
+        if path.is_empty() {
+            return Err(bad("empty path".into()));
+        }
+        let mut spec = DeviceSpec {
+            name: name.to_owned(),
+            path: PathBuf::from(path),
+            read_only: false,
+            serial: None,
+        };
+        for opt in parts {
+            match opt {
+                "ro" => spec.read_only = true,
+                _ if opt.starts_with("serial=") => {
+                    if spec.serial.is_some() {
+                        return Err(bad("serial given twice".into()));
+                    }
+                    spec.serial = Some(opt["serial=".len()..].to_owned());
+                }
+                "" => return Err(bad("empty option".into())),
+                _ => {
+                    return Err(bad(format!(
+                        "unknown option {opt:?} (expected ro or serial=S)"
+                    )))
+                }
+            }
+        }
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+/// The command line of `devlend-device-agent`.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "devlend-device-agent",
+    version,
+    about = "Lends block devices to devlend borrowers"
+)]
+pub struct Cli {
+    /// Address and port to listen on, e.g. 0.0.0.0:7700 (overrides `listen` in the file).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub listen: Option<String>,
+    /// A device to lend; repeatable. Replaces a config-file device of the same name.
+    #[arg(long = "device", value_name = "NAME=PATH[,ro][,serial=S]")]
+    pub devices: Vec<DeviceSpec>,
+    /// TOML config file with `listen` and `[[device]]` tables.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Log filter (e.g. `info`, `debug`, `devlend_device_agent=trace`); overrides
+    /// RUST_LOG. Default: RUST_LOG, else `info`.
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+}
+
+/// The config file: `listen = "ADDR:PORT"` and `[[device]]` tables ([`DeviceSpec`]).
+/// Unknown keys are refused.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<String>,
+    #[serde(default, rename = "device")]
+    devices: Vec<DeviceSpec>,
+}
+
+/// A complete, validated configuration: what to lend and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Address and port to listen on.
+    pub listen: String,
+    /// Devices to lend, with distinct names (file devices first, in file order).
+    pub devices: Vec<DeviceSpec>,
+}
+
+impl Config {
+    /// Reads the config file named by `cli.config` (if any) and applies the flags over it.
+    ///
+    /// # Errors
+    /// [`Error::ConfigRead`], [`Error::ConfigParse`] (bad TOML, unknown key: the message
+    /// names the file and the key), [`Error::ConfigDevice`] (a file device fails
+    /// [`DeviceSpec::validate`]), [`Error::DuplicateDevice`], [`Error::NoListen`],
+    /// [`Error::NoDevices`].
+    pub fn from_cli(cli: &Cli) -> Result<Config, Error> {
+        let file = match &cli.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| Error::ConfigRead {
+                    path: path.clone(),
+                    source,
+                })?;
+                Self::parse_file(path, &text)?
+            }
+            None => FileConfig::default(),
+        };
+        check_unique(&cli.devices)?;
+        let mut devices: Vec<DeviceSpec> = file
+            .devices
+            .into_iter()
+            .filter(|d| !cli.devices.iter().any(|f| f.name == d.name))
+            .collect();
+        devices.extend(cli.devices.iter().cloned());
+        let listen = cli.listen.clone().or(file.listen).ok_or(Error::NoListen)?;
+        if devices.is_empty() {
+            return Err(Error::NoDevices);
+        }
+        Ok(Config { listen, devices })
+    }
+
+    fn parse_file(path: &Path, text: &str) -> Result<FileConfig, Error> {
+        let file: FileConfig = toml::from_str(text).map_err(|source| Error::ConfigParse {
+            path: path.to_owned(),
+            source,
+        })?;
+        let in_file = |source: Error| Error::ConfigDevice {
+            path: path.to_owned(),
+            source: Box::new(source),
+        };
+        for d in &file.devices {
+            d.validate().map_err(in_file)?;
+        }
+        check_unique(&file.devices).map_err(in_file)?;
+        Ok(file)
+    }
+}
+
+/// Refuses two devices of the same name.
+///
+/// # Errors
+/// [`Error::DuplicateDevice`] naming the first repeated name.
+pub(crate) fn check_unique(devices: &[DeviceSpec]) -> Result<(), Error> {
+    let mut seen = HashSet::new();
+    for d in devices {
+        if !seen.insert(d.name.as_str()) {
+            return Err(Error::DuplicateDevice(d.name.clone()));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn spec(s: &str) -> Result<DeviceSpec, Error> {
+        s.parse()
+    }
+
+    #[test]
+    fn parses_plain_ro_and_serial() {
+        let d = spec("disk0=/dev/nvme0n1").unwrap();
+        assert_eq!(d.name, "disk0");
+        assert_eq!(d.path, PathBuf::from("/dev/nvme0n1"));
+        assert!(!d.read_only);
+        assert_eq!(d.serial, None);
+
+        let d = spec("d=/tmp/a.img,ro,serial=SN-1").unwrap();
+        assert!(d.read_only);
+        assert_eq!(d.serial.as_deref(), Some("SN-1"));
+
+        let d = spec("d=/tmp/a.img,serial=X,ro").unwrap();
+        assert!(d.read_only);
+        assert_eq!(d.serial.as_deref(), Some("X"));
+
+        // Exactly 20 bytes is fine.
+        let d = spec("d=/x,serial=01234567890123456789").unwrap();
+        assert_eq!(&d.serial_bytes(), b"01234567890123456789");
+    }
+
+    #[test]
+    fn refuses_bad_forms() {
+        for bad in [
+            "disk0",
+            "=/x",
+            "disk0=",
+            "disk0=,ro",
+            "disk0=/x,",
+            "disk0=/x,rw",
+            "disk0=/x,readonly",
+            "disk0=/x,serial=",
+            "disk0=/x,serial=a,serial=b",
+        ] {
+            assert!(spec(bad).is_err(), "{bad:?} was accepted");
+        }
+        let long = format!("{}=/x", "n".repeat(256));
+        assert!(matches!(spec(&long), Err(Error::BadName { .. })));
+    }
+
+    #[test]
+    fn refuses_serial_over_20_bytes_naming_the_device() {
+        let err = spec("disk7=/x,serial=012345678901234567890").unwrap_err();
+        assert!(
+            matches!(err, Error::SerialTooLong { len: 21, .. }),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("disk7") && msg.contains("21") && msg.contains("20"),
+            "{msg}"
+        );
+        // Length counts bytes, not characters: 7 × 3 bytes = 21.
+        assert!(matches!(
+            spec("d=/x,serial=€€€€€€€"),
+            Err(Error::SerialTooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn default_serial_is_the_name_truncated_to_20_bytes() {
+        let d = spec("disk0=/x").unwrap();
+        let mut want = [0u8; 20];
+        want[..5].copy_from_slice(b"disk0");
+        assert_eq!(d.serial_bytes(), want);
+        let d = spec("a-very-long-device-name-indeed=/x").unwrap();
+        assert_eq!(&d.serial_bytes(), b"a-very-long-device-n");
+    }
+
+    fn write_config(text: &str) -> tempfile::NamedTempFile {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), text).unwrap();
+        f
+    }
+
+    #[test]
+    fn file_and_flags_merge() {
+        let f = write_config(
+            r#"
+            listen = "0.0.0.0:7700"
+            [[device]]
+            name = "disk0"
+            path = "/dev/nvme0n1"
+            read_only = false
+            serial = "SN0"
+            [[device]]
+            name = "disk1"
+            path = "/srv/disk1.img"
+            "#,
+        );
+        let cli = Cli::parse_from([
+            "x",
+            "--config",
+            f.path().to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:9",
+            "--device",
+            "disk1=/other.img,ro",
+            "--device",
+            "disk2=/two.img",
+        ]);
+        let c = Config::from_cli(&cli).unwrap();
+        assert_eq!(c.listen, "127.0.0.1:9");
+        let names: Vec<_> = c.devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["disk0", "disk1", "disk2"]);
+        assert_eq!(c.devices[0].serial.as_deref(), Some("SN0"));
+        assert_eq!(c.devices[1].path, PathBuf::from("/other.img"));
+        assert!(c.devices[1].read_only);
+    }
+
+    #[test]
+    fn file_refuses_unknown_keys_naming_file_and_key() {
+        let f = write_config(
+            "listen = \"[::]:1\"\n[[device]]\nname = \"d\"\npath = \"/x\"\nreadonly = true\n",
+        );
+        let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+        let err = Config::from_cli(&cli).unwrap_err();
+        let chain = format!("{:#}", anyhow::Error::from(err));
+        assert!(chain.contains(&f.path().display().to_string()), "{chain}");
+        assert!(chain.contains("readonly"), "{chain}");
+
+        let f = write_config("listen = \"[::]:1\"\nport = 3\n");
+        let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+        let chain = format!(
+            "{:#}",
+            anyhow::Error::from(Config::from_cli(&cli).unwrap_err())
+        );
+        assert!(chain.contains("port"), "{chain}");
+    }
+
+    #[test]
+    fn file_refuses_duplicates_and_long_serials() {
+        let f = write_config(
+            "listen = \"[::]:1\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n[[device]]\nname = \"d\"\npath = \"/y\"\n",
+        );
+        let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+        let chain = format!(
+            "{:#}",
+            anyhow::Error::from(Config::from_cli(&cli).unwrap_err())
+        );
+        assert!(chain.contains("\"d\" is given more than once"), "{chain}");
+
+        let f = write_config(
+            "listen = \"[::]:1\"\n[[device]]\nname = \"d9\"\npath = \"/x\"\nserial = \"123456789012345678901\"\n",
+        );
+        let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+        let chain = format!(
+            "{:#}",
+            anyhow::Error::from(Config::from_cli(&cli).unwrap_err())
+        );
+        assert!(
+            chain.contains("d9") && chain.contains("21 bytes"),
+            "{chain}"
+        );
+    }
+
+    #[test]
+    fn flags_refuse_duplicates_and_need_listen_and_devices() {
+        let cli = Cli::parse_from([
+            "x", "--listen", "[::]:1", "--device", "a=/x", "--device", "a=/y",
+        ]);
+        assert!(matches!(Config::from_cli(&cli), Err(Error::DuplicateDevice(n)) if n == "a"));
+        let cli = Cli::parse_from(["x", "--device", "a=/x"]);
+        assert!(matches!(Config::from_cli(&cli), Err(Error::NoListen)));
+        let cli = Cli::parse_from(["x", "--listen", "[::]:1"]);
+        assert!(matches!(Config::from_cli(&cli), Err(Error::NoDevices)));
+    }
+}

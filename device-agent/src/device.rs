@@ -1,0 +1,227 @@
+//! Opening a lent device: the backing file or block device, its capacity, and the
+//! [`DeviceInfo`] advertised in the handshake.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileTypeExt;
+use std::path::PathBuf;
+
+use devlend_fabric::handshake::{DEV_DISCARD, DEV_READ_ONLY, DEV_WRITE_ZEROES};
+use devlend_fabric::{DeviceInfo, SECTOR_SIZE};
+
+use crate::stats::DeviceStats;
+use crate::{DeviceSpec, Error, MAX_DISCARD_SECTORS, MAX_TRANSFER_BYTES, MAX_WRITE_ZEROES_SECTORS};
+
+/// `BLKGETSIZE64`: size of a block device in bytes (`u64`).
+const BLKGETSIZE64: libc::Ioctl = libc::_IOR::<u64>(0x12, 114);
+
+/// An open, lendable device.
+#[derive(Debug)]
+pub(crate) struct Device {
+    /// The name borrowers ask for.
+    pub(crate) name: String,
+    /// The backing path.
+    pub(crate) path: PathBuf,
+    /// The open backing file or block device (`O_RDONLY` when read-only).
+    pub(crate) file: File,
+    /// Writes, discards and write-zeroes are refused.
+    pub(crate) read_only: bool,
+    /// Lendable bytes: the backing size rounded down to a multiple of 512.
+    pub(crate) capacity_bytes: u64,
+    /// What the handshake advertises.
+    pub(crate) info: DeviceInfo,
+    /// The device's counters.
+    pub(crate) stats: DeviceStats,
+}
+
+impl Device {
+    /// Opens the spec's path (read-write, or read-only for `read_only`) and reads its size
+    /// (`fstat` for a regular file, `BLKGETSIZE64` and `BLKSSZGET` for a block device).
+    ///
+    /// # Errors
+    /// [`Error::Open`], [`Error::Size`], [`Error::NotBlock`], [`Error::TooSmall`], and
+    /// those of [`DeviceSpec::validate`].
+    pub(crate) fn open(spec: &DeviceSpec) -> Result<Device, Error> {
+        spec.validate()?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!spec.read_only)
+            .open(&spec.path)
+            .map_err(|source| Error::Open {
+                device: spec.name.clone(),
+                path: spec.path.clone(),
+                source,
+            })?;
+        let size_err = |source| Error::Size {
+            device: spec.name.clone(),
+            path: spec.path.clone(),
+            source,
+        };
+        let meta = file.metadata().map_err(size_err)?;
+        let kind = meta.file_type();
+        let (size, block_size) = if kind.is_file() {
+            (meta.len(), SECTOR_SIZE as u32)
+        } else if kind.is_block_device() {
+            (
+                block_device_size(&file).map_err(size_err)?,
+                logical_block_size(&file),
+            )
+        } else {
+            return Err(Error::NotBlock {
+                device: spec.name.clone(),
+                path: spec.path.clone(),
+            });
+        };
+        let capacity_sectors = capacity_sectors(size);
+        if capacity_sectors == 0 {
+            return Err(Error::TooSmall {
+                device: spec.name.clone(),
+                path: spec.path.clone(),
+                bytes: size,
+            });
+        }
+        let hidden = size % SECTOR_SIZE;
+        if hidden != 0 {
+            tracing::info!(
+                device = %spec.name,
+                path = %spec.path.display(),
+                size,
+                hidden,
+                "size is not a multiple of 512 bytes: the last {hidden} bytes are not lent"
+            );
+        }
+        let mut flags = DEV_DISCARD | DEV_WRITE_ZEROES;
+        if spec.read_only {
+            flags |= DEV_READ_ONLY;
+        }
+        let info = DeviceInfo {
+            capacity_sectors,
+            block_size,
+            max_transfer: MAX_TRANSFER_BYTES,
+            max_discard_sectors: MAX_DISCARD_SECTORS,
+            max_write_zeroes_sectors: MAX_WRITE_ZEROES_SECTORS,
+            flags,
+            serial: spec.serial_bytes(),
+        };
+        tracing::info!(
+            device = %spec.name,
+            path = %spec.path.display(),
+            capacity_sectors,
+            block_size,
+            read_only = spec.read_only,
+            "device ready"
+        );
+        Ok(Device {
+            name: spec.name.clone(),
+            path: spec.path.clone(),
+            file,
+            read_only: spec.read_only,
+            capacity_bytes: capacity_sectors * SECTOR_SIZE,
+            info,
+            stats: DeviceStats::default(),
+        })
+    }
+}
+
+/// Capacity in 512-byte sectors of a backing store of `size_bytes`: a partial last
+/// sector is not lent.
+pub(crate) fn capacity_sectors(size_bytes: u64) -> u64 {
+    size_bytes / SECTOR_SIZE
+}
+
+/// Size of a block device in bytes.
+fn block_device_size(file: &File) -> io::Result<u64> {
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to a live,
+    // writable u64; the fd is open for the duration of the call.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(size)
+}
+
+/// Logical block size of a block device in bytes; 512 if the ioctl fails or answers a
+/// value that is not a power of two in 512..=65536.
+fn logical_block_size(file: &File) -> u32 {
+    let mut bs: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one int through the pointer, which points to a live,
+    // writable c_int; the fd is open for the duration of the call.
+    let rc = unsafe {
+        libc::ioctl(
+            file.as_raw_fd(),
+            libc::BLKSSZGET,
+            &mut bs as *mut libc::c_int,
+        )
+    };
+    match u32::try_from(bs) {
+        Ok(bs) if rc == 0 && bs.is_power_of_two() && (512..=65536).contains(&bs) => bs,
+        _ => SECTOR_SIZE as u32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec_for(path: &std::path::Path, ro: bool) -> DeviceSpec {
+        DeviceSpec {
+            name: "t".into(),
+            path: path.to_owned(),
+            read_only: ro,
+            serial: None,
+        }
+    }
+
+    #[test]
+    fn capacity_rounds_down_to_whole_sectors() {
+        assert_eq!(capacity_sectors(0), 0);
+        assert_eq!(capacity_sectors(511), 0);
+        assert_eq!(capacity_sectors(512), 1);
+        assert_eq!(capacity_sectors(1000), 1);
+        assert_eq!(capacity_sectors(1024), 2);
+    }
+
+    #[test]
+    fn a_1000_byte_file_lends_one_sector() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(1000).unwrap();
+        let d = Device::open(&spec_for(f.path(), false)).unwrap();
+        assert_eq!(d.info.capacity_sectors, 1);
+        assert_eq!(d.capacity_bytes, 512);
+        assert_eq!(d.info.block_size, 512);
+        assert_eq!(d.info.flags, DEV_DISCARD | DEV_WRITE_ZEROES);
+        assert_eq!(&d.info.serial[..2], b"t\0");
+    }
+
+    #[test]
+    fn read_only_flag_and_errors_name_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("a.img");
+        std::fs::write(&img, vec![0u8; 4096]).unwrap();
+        let d = Device::open(&spec_for(&img, true)).unwrap();
+        assert!(d.info.read_only());
+
+        let missing = dir.path().join("missing.img");
+        let msg = Device::open(&spec_for(&missing, false))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("missing.img") && msg.contains("\"t\""),
+            "{msg}"
+        );
+
+        let small = dir.path().join("small.img");
+        std::fs::write(&small, [0u8; 100]).unwrap();
+        assert!(matches!(
+            Device::open(&spec_for(&small, false)),
+            Err(Error::TooSmall { .. })
+        ));
+
+        assert!(matches!(
+            Device::open(&spec_for(dir.path(), true)),
+            Err(Error::NotBlock { .. })
+        ));
+    }
+}

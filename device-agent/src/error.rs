@@ -1,0 +1,139 @@
+//! Errors of starting a lender: configuration, opening devices, binding the listener.
+//!
+//! Nothing a peer sends ends up here: a bad request fails that request or closes that
+//! session, and is logged.
+
+use std::io;
+use std::path::PathBuf;
+
+/// Why a lender could not be configured or started.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A `NAME=PATH[,ro][,serial=S]` device spec could not be parsed.
+    #[error("invalid device spec {spec:?}: {reason}")]
+    BadSpec {
+        /// The spec as given.
+        spec: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A device name is empty or longer than the protocol allows.
+    #[error("invalid device name {name:?}: {reason}")]
+    BadName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A serial is longer than [`crate::MAX_SERIAL_LEN`] bytes.
+    #[error("serial {serial:?} of device {device:?} is {len} bytes long; at most {max} bytes are allowed", max = crate::MAX_SERIAL_LEN)]
+    SerialTooLong {
+        /// The device it was given for.
+        device: String,
+        /// The serial.
+        serial: String,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// A serial is empty or holds a NUL byte.
+    #[error("invalid serial {serial:?} of device {device:?}: {reason}")]
+    BadSerial {
+        /// The device it was given for.
+        device: String,
+        /// The serial.
+        serial: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// Two devices have the same name (within the config file, or within the flags).
+    #[error("device {0:?} is given more than once")]
+    DuplicateDevice(String),
+    /// The backing file or block device could not be opened.
+    #[error("cannot open {} for device {device:?}", path.display())]
+    Open {
+        /// The device.
+        device: String,
+        /// Its path.
+        path: PathBuf,
+        /// The open error.
+        #[source]
+        source: io::Error,
+    },
+    /// The size (or logical block size) of the backing file or device could not be read.
+    #[error("cannot read the size of {} (device {device:?})", path.display())]
+    Size {
+        /// The device.
+        device: String,
+        /// Its path.
+        path: PathBuf,
+        /// The `fstat` or ioctl error.
+        #[source]
+        source: io::Error,
+    },
+    /// The path is neither a regular file nor a block device.
+    #[error("{} (device {device:?}) is neither a regular file nor a block device", path.display())]
+    NotBlock {
+        /// The device.
+        device: String,
+        /// Its path.
+        path: PathBuf,
+    },
+    /// The backing file or device holds less than one 512-byte sector.
+    #[error("{} (device {device:?}) is {bytes} bytes: smaller than one 512-byte sector", path.display())]
+    TooSmall {
+        /// The device.
+        device: String,
+        /// Its path.
+        path: PathBuf,
+        /// Its size in bytes.
+        bytes: u64,
+    },
+    /// The configuration file could not be read.
+    #[error("cannot read config file {}", path.display())]
+    ConfigRead {
+        /// The file.
+        path: PathBuf,
+        /// The read error.
+        #[source]
+        source: io::Error,
+    },
+    /// The configuration file is not valid TOML or holds an unknown or ill-typed key.
+    #[error("invalid config file {}", path.display())]
+    ConfigParse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error, naming the key, line and column.
+        #[source]
+        source: toml::de::Error,
+    },
+    /// A device in the configuration file is invalid.
+    #[error("config file {}", path.display())]
+    ConfigDevice {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with the device.
+        #[source]
+        source: Box<Error>,
+    },
+    /// Neither `--listen` nor `listen` in the config file was given.
+    #[error("no listen address: give --listen ADDR:PORT or `listen` in the config file")]
+    NoListen,
+    /// No device was given.
+    #[error("no device to lend: give --device NAME=PATH or [[device]] in the config file")]
+    NoDevices,
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}")]
+    Bind {
+        /// The address as given.
+        addr: String,
+        /// The socket error.
+        #[source]
+        source: io::Error,
+    },
+    /// The accept loop failed in a way it cannot recover from.
+    #[error("accepting connections failed")]
+    Accept(#[source] io::Error),
+    /// A thread could not be started.
+    #[error("cannot start a thread")]
+    Thread(#[source] io::Error),
+}

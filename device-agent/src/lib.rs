@@ -1,0 +1,58 @@
+//! devlend's lender: serves local block devices and regular files to borrowers over
+//! the fabric.
+//!
+//! A [`Lender`] opens the devices named by [`DeviceSpec`]s, binds a TCP listener and
+//! serves one session per accepted connection: the handshake of
+//! [`devlend_fabric::handshake`], then block requests ([`devlend_fabric::wire`]) executed
+//! on the backing file through io_uring, many in flight, answered in completion order.
+//!
+//! Limits (advertised in the handshake, enforced per request):
+//! [`MAX_TRANSFER_BYTES`], [`MAX_DISCARD_SECTORS`], [`MAX_WRITE_ZEROES_SECTORS`]; per
+//! session at most [`MAX_IN_FLIGHT`] requests and [`MAX_IN_FLIGHT_BYTES`] of data buffers
+//! in flight, beyond which the session stops reading its socket (TCP backpressure).
+//!
+//! Per-device counters ([`DeviceStatsSnapshot`]) are available from [`Lender::stats`] and
+//! [`LenderHandle::stats`]; tests use them to check which I/O reached the device.
+//!
+//! Linux only (io_uring, `fallocate`, block device ioctls).
+
+pub mod config;
+mod device;
+mod engine;
+pub mod error;
+mod frame;
+mod pool;
+mod request;
+mod server;
+mod session;
+pub mod stats;
+mod uring;
+
+pub use config::{Cli, Config, DeviceSpec};
+pub use error::Error;
+pub use server::{Lender, LenderHandle, Options};
+pub use stats::DeviceStatsSnapshot;
+
+/// Largest data length of one read or write request, in bytes (4 MiB), advertised as
+/// `max_transfer`. Linux guests send at most 1.25 MiB per request by default, so the
+/// borrower rarely has to split.
+pub const MAX_TRANSFER_BYTES: u32 = 4 << 20;
+
+/// Largest discard, in 512-byte sectors (4 Mi sectors = 2 GiB), advertised as
+/// `max_discard_sectors`.
+pub const MAX_DISCARD_SECTORS: u32 = 1 << 22;
+
+/// Largest write-zeroes, in 512-byte sectors (4 Mi sectors = 2 GiB), advertised as
+/// `max_write_zeroes_sectors`.
+pub const MAX_WRITE_ZEROES_SECTORS: u32 = 1 << 22;
+
+/// Most requests in flight on one session; a session that reaches it stops reading its
+/// socket until a request completes.
+pub const MAX_IN_FLIGHT: usize = 1024;
+
+/// Most bytes of read/write data buffers in flight on one session (64 MiB); a session
+/// that reaches it stops reading its socket until a request completes.
+pub const MAX_IN_FLIGHT_BYTES: usize = 64 << 20;
+
+/// Largest serial in bytes (virtio-blk's device ID string, 20 bytes).
+pub const MAX_SERIAL_LEN: usize = devlend_fabric::SERIAL_LEN;

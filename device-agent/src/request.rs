@@ -1,0 +1,416 @@
+//! One block request as it moves through io_uring: which operation to issue next, and
+//! what a completion means (continue a short transfer, fall back, or finish with a
+//! status).
+
+use std::sync::OnceLock;
+
+use devlend_fabric::wire::{FLAG_UNMAP, RESPONSE_HEADER_LEN};
+use devlend_fabric::{Op, RequestHeader, ResponseHeader, Status, SECTOR_SIZE};
+use io_uring::{opcode, squeue, types};
+
+use crate::device::Device;
+use crate::{MAX_DISCARD_SECTORS, MAX_TRANSFER_BYTES, MAX_WRITE_ZEROES_SECTORS};
+
+/// Size in bytes of the zeroed buffer that the write-zeroes fallback writes from, one
+/// chunk at a time.
+const ZERO_CHUNK: usize = 1 << 20;
+
+/// A shared, never-written buffer of zeroes for the write-zeroes fallback.
+fn zeroes() -> &'static [u8] {
+    static ZEROES: OnceLock<Box<[u8]>> = OnceLock::new();
+    ZEROES.get_or_init(|| vec![0u8; ZERO_CHUNK].into_boxed_slice())
+}
+
+/// What the request has in flight (or, for [`Stage::Immediate`], its final status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// No device I/O: answered with this status (carried by a NOP so that every response
+    /// leaves through the completion thread).
+    Immediate(Status),
+    /// `read` into the buffer.
+    Read,
+    /// `write` from the buffer.
+    Write,
+    /// `fdatasync`.
+    Flush,
+    /// `fallocate(PUNCH_HOLE | KEEP_SIZE)` for a discard.
+    Discard,
+    /// `fallocate(PUNCH_HOLE | KEEP_SIZE)` for a write-zeroes with UNMAP.
+    ZeroPunch,
+    /// `fallocate(ZERO_RANGE | KEEP_SIZE)` for a write-zeroes.
+    ZeroRange,
+    /// `write`s from the zero buffer, one chunk at a time: the fallback of write-zeroes.
+    ZeroWrite,
+}
+
+/// Why a request header cannot be served at all: the session must end.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum FramingError {
+    /// A read or write length beyond [`MAX_TRANSFER_BYTES`].
+    #[error("{op:?} of {len} bytes exceeds max_transfer ({MAX_TRANSFER_BYTES} bytes)")]
+    TooLong {
+        /// The operation.
+        op: Op,
+        /// Its length in bytes.
+        len: u32,
+    },
+    /// A read or write length that is not a multiple of 512.
+    #[error("{op:?} of {len} bytes is not a multiple of 512 bytes")]
+    Unaligned {
+        /// The operation.
+        op: Op,
+        /// Its length in bytes.
+        len: u32,
+    },
+}
+
+/// Checks what a header must satisfy for the stream to stay in frame: the length of the
+/// data that follows a write, and the buffer a read needs.
+///
+/// Returns the bytes of buffer the request needs (its data length for a read or write,
+/// else 0).
+pub(crate) fn check_framing(h: &RequestHeader) -> Result<usize, FramingError> {
+    match h.op {
+        Op::Read | Op::Write => {
+            if h.len > MAX_TRANSFER_BYTES {
+                Err(FramingError::TooLong {
+                    op: h.op,
+                    len: h.len,
+                })
+            } else if u64::from(h.len) % SECTOR_SIZE != 0 {
+                Err(FramingError::Unaligned {
+                    op: h.op,
+                    len: h.len,
+                })
+            } else {
+                Ok(h.len as usize)
+            }
+        }
+        Op::Flush | Op::Discard | Op::WriteZeroes => Ok(0),
+    }
+}
+
+/// Why a well-framed request is refused (answered with I/O error, no device I/O).
+fn refuse_reason(h: &RequestHeader, dev: &Device) -> Option<&'static str> {
+    let (bytes, max_sectors) = match h.op {
+        Op::Flush => return (h.len != 0).then_some("flush with a non-zero length"),
+        Op::Read | Op::Write => (u64::from(h.len), None),
+        Op::Discard => (u64::from(h.len) * SECTOR_SIZE, Some(MAX_DISCARD_SECTORS)),
+        Op::WriteZeroes => (
+            u64::from(h.len) * SECTOR_SIZE,
+            Some(MAX_WRITE_ZEROES_SECTORS),
+        ),
+    };
+    if h.op != Op::Read && dev.read_only {
+        return Some("device is read-only");
+    }
+    if bytes == 0 {
+        return Some("zero length");
+    }
+    if max_sectors.is_some_and(|max| h.len > max) {
+        return Some("length beyond the advertised limit");
+    }
+    let end = h
+        .sector
+        .checked_mul(SECTOR_SIZE)
+        .and_then(|off| off.checked_add(bytes));
+    match end {
+        Some(end) if end <= dev.capacity_bytes => None,
+        _ => Some("range beyond the capacity"),
+    }
+}
+
+/// How a completion leaves the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Issue [`Request::entry`] again (the next part of a transfer, or a fallback).
+    Again,
+    /// Answer with the status in [`Request::status`].
+    Done,
+}
+
+/// A request and its data buffer. Boxed, and owned by the kernel (through `user_data`)
+/// while an operation is in flight; reused through the session's pool afterwards.
+#[derive(Debug)]
+pub(crate) struct Request {
+    /// The borrower's id.
+    pub(crate) id: u64,
+    /// The operation.
+    pub(crate) op: Op,
+    stage: Stage,
+    /// Byte offset of the range on the device.
+    offset: u64,
+    /// Bytes of the range (the data length for read and write).
+    len: u64,
+    /// Bytes of the range done so far (reads, writes, zero-filling writes).
+    done: u64,
+    /// Data buffer; its first `len` bytes hold a read's or a write's data.
+    pub(crate) buf: Vec<u8>,
+    /// Bytes charged against the session's in-flight budget.
+    pub(crate) charge: usize,
+    /// Final status, once [`Next::Done`].
+    pub(crate) status: Status,
+    /// Last errno reported by the device, for the log.
+    pub(crate) errno: i32,
+    /// The encoded response header, once finished.
+    resp: [u8; RESPONSE_HEADER_LEN],
+}
+
+impl Request {
+    /// An empty request with no buffer.
+    pub(crate) fn new() -> Request {
+        Request {
+            id: 0,
+            op: Op::Flush,
+            stage: Stage::Immediate(Status::IoErr),
+            offset: 0,
+            len: 0,
+            done: 0,
+            buf: Vec::new(),
+            charge: 0,
+            status: Status::IoErr,
+            errno: 0,
+            resp: [0; RESPONSE_HEADER_LEN],
+        }
+    }
+
+    /// Makes the buffer hold at least `n` bytes; returns the slice of the first `n`.
+    pub(crate) fn buffer(&mut self, n: usize) -> &mut [u8] {
+        if self.buf.len() < n {
+            self.buf.reserve_exact(n - self.buf.len());
+            self.buf.resize(n, 0);
+        }
+        &mut self.buf[..n]
+    }
+
+    /// Sets the request up from a header that passed [`check_framing`], with its buffer
+    /// already sized (and, for a write, filled). Requests the device cannot serve
+    /// (read-only, zero length, beyond a limit or the capacity) become immediate I/O
+    /// errors; returns the reason for those.
+    pub(crate) fn start(&mut self, h: &RequestHeader, dev: &Device) -> Option<&'static str> {
+        self.id = h.id;
+        self.op = h.op;
+        self.done = 0;
+        self.errno = 0;
+        self.status = Status::Ok;
+        self.offset = h.sector.wrapping_mul(SECTOR_SIZE);
+        self.len = match h.op {
+            Op::Read | Op::Write => u64::from(h.len),
+            Op::Flush => 0,
+            Op::Discard | Op::WriteZeroes => u64::from(h.len) * SECTOR_SIZE,
+        };
+        let mut reason = refuse_reason(h, dev);
+        if reason.is_none()
+            && matches!(h.op, Op::Read | Op::Write)
+            && self.buf.len() < h.len as usize
+        {
+            // The session sizes the buffer before; never index past it.
+            reason = Some("internal: data buffer too small");
+        }
+        self.stage = match (reason, h.op) {
+            (Some(_), _) => Stage::Immediate(Status::IoErr),
+            (None, Op::Read) => Stage::Read,
+            (None, Op::Write) => Stage::Write,
+            (None, Op::Flush) => Stage::Flush,
+            (None, Op::Discard) => Stage::Discard,
+            (None, Op::WriteZeroes) if h.flags & FLAG_UNMAP != 0 => Stage::ZeroPunch,
+            (None, Op::WriteZeroes) => Stage::ZeroRange,
+        };
+        reason
+    }
+
+    /// Whether the next entry does device I/O (as opposed to a NOP).
+    pub(crate) fn touches_device(&self) -> bool {
+        !matches!(self.stage, Stage::Immediate(_))
+    }
+
+    /// The submission entry for the current stage, with `user_data` as given.
+    ///
+    /// The entry points into `self.buf` (read, write) or the static zero buffer; the
+    /// caller keeps the request alive and untouched until the completion.
+    pub(crate) fn entry(&mut self, fd: types::Fd, user_data: u64) -> squeue::Entry {
+        // Invariants kept by `start` and `complete`: done < len ≤ buf.len() for the
+        // transfer stages, and every range lies within u32 for one operation.
+        let rest = self.len.saturating_sub(self.done);
+        let at = self.offset + self.done;
+        let entry = match self.stage {
+            Stage::Immediate(_) => opcode::Nop::new().build(),
+            Stage::Read => {
+                let part = &mut self.buf[self.done as usize..self.len as usize];
+                opcode::Read::new(fd, part.as_mut_ptr(), part.len() as u32)
+                    .offset(at)
+                    .build()
+            }
+            Stage::Write => {
+                let part = &self.buf[self.done as usize..self.len as usize];
+                opcode::Write::new(fd, part.as_ptr(), part.len() as u32)
+                    .offset(at)
+                    .build()
+            }
+            Stage::Flush => opcode::Fsync::new(fd)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
+            Stage::Discard | Stage::ZeroPunch => opcode::Fallocate::new(fd, self.len)
+                .offset(self.offset)
+                .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
+            Stage::ZeroRange => opcode::Fallocate::new(fd, self.len)
+                .offset(self.offset)
+                .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
+            Stage::ZeroWrite => {
+                let chunk = rest.min(ZERO_CHUNK as u64) as u32;
+                opcode::Write::new(fd, zeroes().as_ptr(), chunk)
+                    .offset(at)
+                    .build()
+            }
+        };
+        entry.user_data(user_data)
+    }
+
+    /// Applies a completion result (bytes transferred, or `-errno`).
+    pub(crate) fn complete(&mut self, res: i32) -> Next {
+        let fail = |r: &mut Request, status| {
+            r.errno = -res;
+            r.status = status;
+            Next::Done
+        };
+        match self.stage {
+            Stage::Immediate(status) => {
+                self.status = status;
+                Next::Done
+            }
+            Stage::Read | Stage::Write | Stage::ZeroWrite => {
+                // A 0-byte transfer would loop forever: report it.
+                if res <= 0 {
+                    return fail(self, Status::IoErr);
+                }
+                self.done += res as u64;
+                if self.done < self.len {
+                    Next::Again
+                } else {
+                    self.status = Status::Ok;
+                    Next::Done
+                }
+            }
+            Stage::Flush if res < 0 => fail(self, Status::IoErr),
+            Stage::Discard if res == -libc::EOPNOTSUPP => fail(self, Status::Unsupp),
+            Stage::Discard if res < 0 => fail(self, Status::IoErr),
+            Stage::ZeroPunch | Stage::ZeroRange
+                if res == -libc::EOPNOTSUPP || res == -libc::EINVAL =>
+            {
+                self.stage = if self.stage == Stage::ZeroPunch {
+                    Stage::ZeroRange
+                } else {
+                    Stage::ZeroWrite
+                };
+                Next::Again
+            }
+            Stage::ZeroPunch | Stage::ZeroRange if res < 0 => fail(self, Status::IoErr),
+            Stage::Flush | Stage::Discard | Stage::ZeroPunch | Stage::ZeroRange => {
+                self.status = Status::Ok;
+                Next::Done
+            }
+        }
+    }
+
+    /// Encodes the response header from the final status.
+    pub(crate) fn encode_response(&mut self) {
+        let len = self.response_data_len() as u32;
+        self.resp = ResponseHeader {
+            status: self.status,
+            len,
+            id: self.id,
+        }
+        .encode();
+    }
+
+    /// The response header (as last encoded) and the data that follows it: a successful
+    /// read's data, else nothing.
+    pub(crate) fn response(&self) -> (&[u8], &[u8]) {
+        (&self.resp, &self.buf[..self.response_data_len()])
+    }
+
+    fn response_data_len(&self) -> usize {
+        if self.op == Op::Read && self.status == Status::Ok {
+            self.len as usize
+        } else {
+            0
+        }
+    }
+
+    /// Bytes of request data moved to or from the device (for the counters).
+    pub(crate) fn data_bytes(&self) -> u64 {
+        if self.status == Status::Ok && matches!(self.op, Op::Read | Op::Write) {
+            self.len
+        } else {
+            0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hdr(op: Op, len: u32) -> RequestHeader {
+        RequestHeader {
+            op,
+            flags: 0,
+            len,
+            id: 1,
+            sector: 0,
+        }
+    }
+
+    #[test]
+    fn framing_limits() {
+        assert_eq!(check_framing(&hdr(Op::Read, 4096)), Ok(4096));
+        assert_eq!(
+            check_framing(&hdr(Op::Write, MAX_TRANSFER_BYTES)),
+            Ok(4 << 20)
+        );
+        assert!(check_framing(&hdr(Op::Write, MAX_TRANSFER_BYTES + 512)).is_err());
+        assert!(check_framing(&hdr(Op::Read, 100)).is_err());
+        assert_eq!(check_framing(&hdr(Op::Discard, u32::MAX)), Ok(0));
+    }
+
+    #[test]
+    fn short_transfers_continue_and_zero_bytes_fail() {
+        let mut r = Request::new();
+        r.stage = Stage::Read;
+        r.op = Op::Read;
+        r.len = 4096;
+        r.buffer(4096);
+        assert_eq!(r.complete(1000), Next::Again);
+        assert_eq!(r.done, 1000);
+        assert_eq!(r.complete(3096), Next::Done);
+        assert_eq!(r.status, Status::Ok);
+
+        r.done = 0;
+        assert_eq!(r.complete(0), Next::Done);
+        assert_eq!(r.status, Status::IoErr);
+    }
+
+    #[test]
+    fn write_zeroes_falls_back_to_zero_range_then_writes() {
+        let mut r = Request::new();
+        r.stage = Stage::ZeroPunch;
+        r.op = Op::WriteZeroes;
+        r.len = 3 << 20;
+        assert_eq!(r.complete(-libc::EOPNOTSUPP), Next::Again);
+        assert_eq!(r.stage, Stage::ZeroRange);
+        assert_eq!(r.complete(-libc::EINVAL), Next::Again);
+        assert_eq!(r.stage, Stage::ZeroWrite);
+        for _ in 0..2 {
+            assert_eq!(r.complete(ZERO_CHUNK as i32), Next::Again);
+        }
+        assert_eq!(r.complete(ZERO_CHUNK as i32), Next::Done);
+        assert_eq!(r.status, Status::Ok);
+
+        let mut d = Request::new();
+        d.stage = Stage::Discard;
+        assert_eq!(d.complete(-libc::EOPNOTSUPP), Next::Done);
+        assert_eq!(d.status, Status::Unsupp);
+    }
+}

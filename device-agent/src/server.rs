@@ -1,0 +1,334 @@
+//! The lender: devices, the listener, the accept loop, and the sessions it starts.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use devlend_fabric::DeviceInfo;
+
+use crate::config::check_unique;
+use crate::device::Device;
+use crate::{session, DeviceSpec, DeviceStatsSnapshot, Error};
+
+/// Tunables of a lender beyond its devices and address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// How long a new connection may take to send its hello, and the lender to send its
+    /// reply (default 10 s).
+    pub handshake_timeout: Duration,
+    /// How long the rest of a request frame may take once its first byte arrived
+    /// (default 30 s); between frames there is no timeout. A peer that stalls inside a
+    /// frame for longer breaks the protocol and its session is closed.
+    pub frame_timeout: Duration,
+    /// Most sessions open at once, over all devices (default 256); the next hello is
+    /// answered `Busy`.
+    pub max_sessions: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            handshake_timeout: Duration::from_secs(10),
+            frame_timeout: Duration::from_secs(30),
+            max_sessions: 256,
+        }
+    }
+}
+
+/// State shared by the accept loop, the sessions and the handle.
+pub(crate) struct Shared {
+    devices: HashMap<String, Arc<Device>>,
+    pub(crate) options: Options,
+    active: AtomicUsize,
+    registry: Mutex<Registry>,
+}
+
+/// The open connections, so that shutdown can close them.
+#[derive(Default)]
+struct Registry {
+    closed: bool,
+    streams: HashMap<u64, TcpStream>,
+}
+
+/// A session counted among the lender's active sessions until dropped.
+pub(crate) struct ActiveSession<'a>(&'a AtomicUsize);
+
+impl Drop for ActiveSession<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Shared {
+    pub(crate) fn device(&self, name: &str) -> Option<Arc<Device>> {
+        self.devices.get(name).cloned()
+    }
+
+    /// Counts one more active session, unless at [`Options::max_sessions`].
+    pub(crate) fn try_activate(&self) -> Option<ActiveSession<'_>> {
+        let max = self.options.max_sessions;
+        self.active
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| ActiveSession(&self.active))
+    }
+
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records an accepted connection; false once the lender is shutting down.
+    fn register(&self, id: u64, sock: &TcpStream) -> bool {
+        let mut reg = self.registry();
+        if reg.closed {
+            return false;
+        }
+        match sock.try_clone() {
+            Ok(s) => {
+                reg.streams.insert(id, s);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot track a connection; closing it");
+                false
+            }
+        }
+    }
+
+    fn unregister(&self, id: u64) {
+        self.registry().streams.remove(&id);
+    }
+
+    /// Stops accepting and shuts every connection down (their sessions then end).
+    fn close(&self) {
+        let mut reg = self.registry();
+        reg.closed = true;
+        for s in reg.streams.values() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.registry().closed
+    }
+
+    fn stats(&self, device: &str) -> Option<DeviceStatsSnapshot> {
+        self.devices.get(device).map(|d| d.stats.snapshot())
+    }
+}
+
+/// A lender bound to its address, with its devices open, not yet serving.
+pub struct Lender {
+    listener: Arc<TcpListener>,
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+impl Lender {
+    /// Opens `devices` and binds `listen` (`ADDR:PORT`; port 0 picks a free port), with
+    /// default [`Options`].
+    ///
+    /// # Errors
+    /// [`Error::NoDevices`], [`Error::DuplicateDevice`], the errors of opening a device
+    /// ([`Error::Open`], [`Error::Size`], [`Error::NotBlock`], [`Error::TooSmall`],
+    /// [`Error::SerialTooLong`], ...), [`Error::Bind`].
+    pub fn bind(listen: &str, devices: Vec<DeviceSpec>) -> Result<Lender, Error> {
+        Self::bind_with(listen, devices, Options::default())
+    }
+
+    /// [`Lender::bind`] with explicit options. Zero durations are raised to 1 ms.
+    ///
+    /// # Errors
+    /// Those of [`Lender::bind`].
+    pub fn bind_with(
+        listen: &str,
+        devices: Vec<DeviceSpec>,
+        mut options: Options,
+    ) -> Result<Lender, Error> {
+        if devices.is_empty() {
+            return Err(Error::NoDevices);
+        }
+        check_unique(&devices)?;
+        let min = Duration::from_millis(1);
+        options.handshake_timeout = options.handshake_timeout.max(min);
+        options.frame_timeout = options.frame_timeout.max(min);
+        let devices = devices
+            .iter()
+            .map(|spec| Ok((spec.name.clone(), Arc::new(Device::open(spec)?))))
+            .collect::<Result<HashMap<_, _>, Error>>()?;
+        let bind_err = |source| Error::Bind {
+            addr: listen.to_owned(),
+            source,
+        };
+        let listener = TcpListener::bind(listen).map_err(bind_err)?;
+        let addr = listener.local_addr().map_err(bind_err)?;
+        tracing::info!(%addr, devices = devices.len(), "listening");
+        Ok(Lender {
+            listener: Arc::new(listener),
+            addr,
+            shared: Arc::new(Shared {
+                devices,
+                options,
+                active: AtomicUsize::new(0),
+                registry: Mutex::new(Registry::default()),
+            }),
+        })
+    }
+
+    /// The address the listener is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The counters of `device`; `None` if no device has that name.
+    pub fn stats(&self, device: &str) -> Option<DeviceStatsSnapshot> {
+        self.shared.stats(device)
+    }
+
+    /// What the handshake advertises for `device` (capacity in 512-byte sectors, limits,
+    /// flags, serial); `None` if no device has that name.
+    pub fn device_info(&self, device: &str) -> Option<DeviceInfo> {
+        self.shared.devices.get(device).map(|d| d.info.clone())
+    }
+
+    /// The names of the lent devices, sorted.
+    pub fn devices(&self) -> Vec<String> {
+        let mut names: Vec<_> = self.shared.devices.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Runs the accept loop on a new thread.
+    ///
+    /// # Panics
+    /// If the thread cannot be created.
+    pub fn spawn(self) -> LenderHandle {
+        let listener = Arc::clone(&self.listener);
+        let shared = Arc::clone(&self.shared);
+        let addr = self.addr;
+        let thread = std::thread::Builder::new()
+            .name("dl-accept".into())
+            .spawn(move || {
+                if let Err(e) = self.run() {
+                    tracing::error!(error = %e, "the lender stopped");
+                }
+            })
+            .expect("cannot start the lender's accept thread");
+        LenderHandle {
+            listener,
+            addr,
+            shared,
+            thread: Some(thread),
+        }
+    }
+
+    /// Runs the accept loop on this thread: one session (two threads) per connection.
+    /// Returns after [`LenderHandle::shutdown`] once every session has ended.
+    ///
+    /// # Errors
+    /// [`Error::Accept`] if accepting fails for a reason other than a transient one
+    /// (a connection aborted, or running out of file descriptors or memory: those are
+    /// logged and retried).
+    pub fn run(self) -> Result<(), Error> {
+        let mut sessions: Vec<JoinHandle<()>> = Vec::new();
+        let mut next_id: u64 = 0;
+        let result = loop {
+            let (sock, peer) = match self.listener.accept() {
+                Ok(x) => x,
+                Err(_) if self.shared.is_closed() => break Ok(()),
+                Err(e) => match e.raw_os_error() {
+                    Some(libc::EINTR | libc::ECONNABORTED | libc::EPROTO | libc::EPERM) => continue,
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
+                        tracing::warn!(error = %e, "cannot accept a connection; retrying");
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                    _ => break Err(Error::Accept(e)),
+                },
+            };
+            let id = next_id;
+            next_id += 1;
+            if !self.shared.register(id, &sock) {
+                if self.shared.is_closed() {
+                    break Ok(());
+                }
+                continue;
+            }
+            tracing::debug!(%peer, id, "connection accepted");
+            let shared = Arc::clone(&self.shared);
+            let spawned = std::thread::Builder::new()
+                .name(format!("dl-session-{id}"))
+                .spawn(move || {
+                    session::serve(&shared, sock, peer, id);
+                    shared.unregister(id);
+                });
+            match spawned {
+                Ok(h) => sessions.push(h),
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "cannot start a session thread");
+                    self.shared.unregister(id);
+                }
+            }
+            sessions.retain(|h| !h.is_finished());
+        };
+        for h in sessions {
+            let _ = h.join();
+        }
+        result
+    }
+}
+
+/// A lender running on its own thread (see [`Lender::spawn`]). Dropping it shuts the
+/// lender down like [`LenderHandle::shutdown`].
+pub struct LenderHandle {
+    listener: Arc<TcpListener>,
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl LenderHandle {
+    /// The address the listener is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The counters of `device`; `None` if no device has that name.
+    pub fn stats(&self, device: &str) -> Option<DeviceStatsSnapshot> {
+        self.shared.stats(device)
+    }
+
+    /// Stops accepting, closes every session's connection, and waits until every
+    /// session has finished the I/O it had in flight.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        self.shared.close();
+        // Wakes the blocked accept(): on Linux, shutting a listening socket down makes
+        // accept fail with EINVAL.
+        // SAFETY: the listener's fd stays open while `self.listener` holds its Arc.
+        if unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) } != 0 {
+            tracing::warn!(error = %io::Error::last_os_error(), "cannot stop the listener");
+        }
+        let _ = thread.join();
+        tracing::info!(addr = %self.addr, "lender stopped");
+    }
+}
+
+impl Drop for LenderHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

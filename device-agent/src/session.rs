@@ -1,0 +1,161 @@
+//! One borrower connection: the handshake, then the I/O engine, then the bookkeeping.
+
+use std::io;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError, PROTOCOL_VERSION};
+
+use crate::device::Device;
+use crate::engine::{self, End};
+use crate::server::{ActiveSession, Shared};
+use crate::uring::Ring;
+
+/// Submission entries of a session's ring (completions: twice as many). Every request in
+/// flight has at most one operation queued, and the ring is submitted as entries are
+/// queued, so this never limits the requests in flight.
+const RING_ENTRIES: u32 = 1024;
+
+/// Serves one accepted connection to its end.
+pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64) {
+    if let Err(e) = sock.set_nodelay(true).and_then(|()| set_keepalive(&sock)) {
+        tracing::warn!(%peer, error = %e, "cannot set socket options; closing");
+        return;
+    }
+    let Some((dev, ring, _active)) = handshake(shared, &sock, peer) else {
+        return;
+    };
+    dev.stats.session_opened();
+    let end = engine::run(
+        &dev,
+        &sock,
+        peer,
+        &ring,
+        shared.options.frame_timeout,
+        format!("dl-cq-{id}"),
+    );
+    dev.stats.session_closed();
+    match &end {
+        End::PeerClosed => tracing::info!(%peer, device = %dev.name, "session closed"),
+        End::Protocol(reason) => {
+            dev.stats.protocol_error();
+            tracing::warn!(%peer, device = %dev.name, %reason, "protocol error; session closed");
+        }
+        End::Completer => tracing::info!(%peer, device = %dev.name, "session closed: {end}"),
+        End::Socket(e) | End::Ring(e) | End::Thread(e) => {
+            tracing::warn!(%peer, device = %dev.name, error = %e, "session closed: {end}");
+        }
+    }
+}
+
+/// Reads the hello and answers it. On success, returns the device, the session's ring,
+/// and its slot among the lender's active sessions.
+fn handshake<'s>(
+    shared: &'s Shared,
+    sock: &TcpStream,
+    peer: SocketAddr,
+) -> Option<(Arc<Device>, Ring, ActiveSession<'s>)> {
+    let timeout = Some(shared.options.handshake_timeout);
+    if let Err(e) = sock
+        .set_read_timeout(timeout)
+        .and_then(|()| sock.set_write_timeout(timeout))
+    {
+        tracing::warn!(%peer, error = %e, "cannot set the handshake timeout; closing");
+        return None;
+    }
+    let hello = match Hello::read_from(&mut &*sock) {
+        Ok(h) => h,
+        Err(WireError::Closed) => {
+            tracing::debug!(%peer, "peer closed the connection before its hello");
+            return None;
+        }
+        Err(e) => {
+            tracing::warn!(%peer, error = %e, "handshake failed");
+            return None;
+        }
+    };
+    let refuse = |status: HelloStatus, message: String| {
+        tracing::info!(%peer, device = %hello.device, ?status, reason = %message, "session refused");
+        if let Err(e) = HelloReply::refuse(status, &message).write_to(&mut &*sock) {
+            tracing::debug!(%peer, error = %e, "cannot send the refusal");
+        }
+        None
+    };
+    if hello.version != PROTOCOL_VERSION {
+        return refuse(
+            HelloStatus::UnsupportedVersion,
+            format!(
+                "protocol version {} is not supported; this lender speaks version {PROTOCOL_VERSION}",
+                hello.version
+            ),
+        );
+    }
+    let Some(dev) = shared.device(&hello.device) else {
+        return refuse(
+            HelloStatus::NoSuchDevice,
+            format!("no device {:?} is lent here", hello.device),
+        );
+    };
+    let Some(active) = shared.try_activate() else {
+        return refuse(
+            HelloStatus::Busy,
+            format!(
+                "the lender serves its maximum of {} sessions",
+                shared.options.max_sessions
+            ),
+        );
+    };
+    let ring = match Ring::new(RING_ENTRIES) {
+        Ok(r) => r,
+        Err(e) => {
+            return refuse(
+                HelloStatus::Busy,
+                format!("cannot set up I/O for the session: {e}"),
+            )
+        }
+    };
+    if let Err(e) = HelloReply::ok(dev.info.clone()).write_to(&mut &*sock) {
+        tracing::warn!(%peer, device = %dev.name, error = %e, "cannot send the hello reply");
+        return None;
+    }
+    if let Err(e) = sock
+        .set_read_timeout(None)
+        .and_then(|()| sock.set_write_timeout(None))
+    {
+        tracing::warn!(%peer, error = %e, "cannot clear the handshake timeout; closing");
+        return None;
+    }
+    tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "session opened");
+    Some((dev, ring, active))
+}
+
+/// Turns on TCP keepalive (idle 60 s, then 6 probes 10 s apart), so that a session whose
+/// borrower vanished without a FIN or RST ends within about two minutes instead of
+/// waiting for a request forever.
+fn set_keepalive(sock: &TcpStream) -> io::Result<()> {
+    let fd = sock.as_raw_fd();
+    for (level, name, value) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 60),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 6),
+    ] {
+        let value: libc::c_int = value;
+        // SAFETY: `fd` is an open socket for the duration of the call, and the option
+        // value points to a live c_int whose size is passed along.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,121 @@
+//! Per-device counters, updated with relaxed atomics on the I/O path.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use devlend_fabric::Op;
+
+/// A copy of one device's counters at one moment. Every field counts since the lender
+/// started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceStatsSnapshot {
+    /// Sessions whose handshake for this device succeeded.
+    pub sessions_opened: u64,
+    /// Sessions of this device open now.
+    pub sessions_active: u64,
+    /// Well-formed read requests received (including those answered with an error).
+    pub reads: u64,
+    /// Well-formed write requests received.
+    pub writes: u64,
+    /// Flush requests received.
+    pub flushes: u64,
+    /// Discard requests received.
+    pub discards: u64,
+    /// Write-zeroes requests received.
+    pub write_zeroes: u64,
+    /// Bytes read from the device for successful read requests.
+    pub bytes_read: u64,
+    /// Bytes of request data written to the device by successful write requests.
+    pub bytes_written: u64,
+    /// Operations issued to the backing file or device (read, write, fdatasync,
+    /// fallocate, including the continuations of short transfers and the zero-filling
+    /// writes of a write-zeroes fallback). 0 means no I/O reached the device.
+    pub device_ops: u64,
+    /// Requests answered with a status other than OK (I/O error or unsupported).
+    pub request_errors: u64,
+    /// Sessions closed because the peer broke the protocol (malformed or truncated
+    /// frame, a length beyond the limits, a stall in the middle of a frame).
+    pub protocol_errors: u64,
+}
+
+impl DeviceStatsSnapshot {
+    /// Requests received, all operations together.
+    pub fn requests(&self) -> u64 {
+        self.reads + self.writes + self.flushes + self.discards + self.write_zeroes
+    }
+}
+
+/// The live counters of one device.
+#[derive(Debug, Default)]
+pub(crate) struct DeviceStats {
+    sessions_opened: AtomicU64,
+    sessions_active: AtomicU64,
+    reads: AtomicU64,
+    writes: AtomicU64,
+    flushes: AtomicU64,
+    discards: AtomicU64,
+    write_zeroes: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    device_ops: AtomicU64,
+    request_errors: AtomicU64,
+    protocol_errors: AtomicU64,
+}
+
+impl DeviceStats {
+    pub(crate) fn session_opened(&self) {
+        self.sessions_opened.fetch_add(1, Relaxed);
+        self.sessions_active.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn session_closed(&self) {
+        self.sessions_active.fetch_sub(1, Relaxed);
+    }
+
+    pub(crate) fn request(&self, op: Op) {
+        let c = match op {
+            Op::Read => &self.reads,
+            Op::Write => &self.writes,
+            Op::Flush => &self.flushes,
+            Op::Discard => &self.discards,
+            Op::WriteZeroes => &self.write_zeroes,
+        };
+        c.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn read_bytes(&self, n: u64) {
+        self.bytes_read.fetch_add(n, Relaxed);
+    }
+
+    pub(crate) fn wrote_bytes(&self, n: u64) {
+        self.bytes_written.fetch_add(n, Relaxed);
+    }
+
+    pub(crate) fn device_op(&self) {
+        self.device_ops.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn request_error(&self) {
+        self.request_errors.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn protocol_error(&self) {
+        self.protocol_errors.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> DeviceStatsSnapshot {
+        DeviceStatsSnapshot {
+            sessions_opened: self.sessions_opened.load(Relaxed),
+            sessions_active: self.sessions_active.load(Relaxed),
+            reads: self.reads.load(Relaxed),
+            writes: self.writes.load(Relaxed),
+            flushes: self.flushes.load(Relaxed),
+            discards: self.discards.load(Relaxed),
+            write_zeroes: self.write_zeroes.load(Relaxed),
+            bytes_read: self.bytes_read.load(Relaxed),
+            bytes_written: self.bytes_written.load(Relaxed),
+            device_ops: self.device_ops.load(Relaxed),
+            request_errors: self.request_errors.load(Relaxed),
+            protocol_errors: self.protocol_errors.load(Relaxed),
+        }
+    }
+}

@@ -1,0 +1,388 @@
+//! The session handshake: the first message each way on a fabric connection.
+//!
+//! The borrower sends a [`Hello`]: protocol version, device name, queue index, features.
+//! The lender answers with a [`HelloReply`]: a [`HelloStatus`] and, when the status is
+//! [`HelloStatus::Ok`], the [`DeviceInfo`] (capacity, limits, read-only, serial). Every
+//! integer is little-endian; layouts are in `docs/protocol.md`.
+
+use std::io::{Read, Write};
+
+use crate::{io_util::read_exact_or_eof, WireError, PROTOCOL_VERSION, SERIAL_LEN};
+
+/// The 4 bytes that start both handshake messages.
+pub const MAGIC: [u8; 4] = *b"DVLD";
+/// Longest device name in bytes.
+pub const MAX_NAME_LEN: usize = 255;
+/// Longest error message in a [`HelloReply`], in bytes.
+pub const MAX_MESSAGE_LEN: usize = 1024;
+
+const HELLO_FIXED_LEN: usize = 20;
+const REPLY_FIXED_LEN: usize = 68;
+
+/// [`DeviceInfo::flags`] bit: the device is read-only.
+pub const DEV_READ_ONLY: u32 = 1 << 0;
+/// [`DeviceInfo::flags`] bit: the lender executes discard.
+pub const DEV_DISCARD: u32 = 1 << 1;
+/// [`DeviceInfo::flags`] bit: the lender executes write-zeroes.
+pub const DEV_WRITE_ZEROES: u32 = 1 << 2;
+
+/// The borrower's opening message.
+///
+/// Layout: `magic: [u8;4] = "DVLD", version: u16, queue_index: u16, features: u64,
+/// name_len: u16, reserved: u16 = 0`, then `name_len` bytes of UTF-8 device name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// Protocol version the borrower speaks.
+    pub version: u16,
+    /// Index of the virtqueue this connection serves (0-based).
+    pub queue_index: u16,
+    /// Optional protocol features requested; none are defined in version 1 (send 0).
+    pub features: u64,
+    /// Name of the device to open, as configured on the lender (1..=255 bytes).
+    pub device: String,
+}
+
+impl Hello {
+    /// A hello for this build's protocol version, with no features.
+    pub fn new(device: &str, queue_index: u16) -> Self {
+        Hello {
+            version: PROTOCOL_VERSION,
+            queue_index,
+            features: 0,
+            device: device.to_owned(),
+        }
+    }
+
+    /// Writes the message in one `write_all`.
+    ///
+    /// # Errors
+    /// [`WireError::TooLong`] when the name exceeds [`MAX_NAME_LEN`]; [`WireError::Io`].
+    pub fn write_to(&self, w: &mut impl Write) -> Result<(), WireError> {
+        let name = self.device.as_bytes();
+        if name.len() > MAX_NAME_LEN {
+            return Err(WireError::TooLong {
+                what: "device name",
+                len: name.len() as u64,
+                limit: MAX_NAME_LEN as u64,
+            });
+        }
+        let mut b = Vec::with_capacity(HELLO_FIXED_LEN + name.len());
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&self.version.to_le_bytes());
+        b.extend_from_slice(&self.queue_index.to_le_bytes());
+        b.extend_from_slice(&self.features.to_le_bytes());
+        b.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        b.extend_from_slice(&[0, 0]);
+        b.extend_from_slice(name);
+        w.write_all(&b)?;
+        Ok(())
+    }
+
+    /// Reads and validates the message.
+    ///
+    /// The version is returned as sent, so that the lender can answer
+    /// [`HelloStatus::UnsupportedVersion`] rather than drop the connection.
+    ///
+    /// # Errors
+    /// [`WireError::BadMagic`], [`WireError::TooLong`] (name), [`WireError::Invalid`]
+    /// (reserved bits, empty or non-UTF-8 name), [`WireError::Closed`] /
+    /// [`WireError::Truncated`] / [`WireError::Io`].
+    pub fn read_from(r: &mut impl Read) -> Result<Self, WireError> {
+        let mut b = [0u8; HELLO_FIXED_LEN];
+        read_exact_or_eof(r, &mut b)?;
+        let magic = [b[0], b[1], b[2], b[3]];
+        if magic != MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        let queue_index = u16::from_le_bytes([b[6], b[7]]);
+        let features = u64::from_le_bytes(b[8..16].try_into().unwrap_or_default());
+        let name_len = u16::from_le_bytes([b[16], b[17]]) as usize;
+        if b[18] != 0 || b[19] != 0 {
+            return Err(WireError::Invalid("reserved bytes of hello"));
+        }
+        if name_len > MAX_NAME_LEN {
+            return Err(WireError::TooLong {
+                what: "device name",
+                len: name_len as u64,
+                limit: MAX_NAME_LEN as u64,
+            });
+        }
+        if name_len == 0 {
+            return Err(WireError::Invalid("empty device name"));
+        }
+        let mut name = vec![0u8; name_len];
+        read_exact_or_eof(r, &mut name).map_err(|e| match e {
+            WireError::Closed => WireError::Truncated {
+                got: HELLO_FIXED_LEN,
+                want: HELLO_FIXED_LEN + name_len,
+            },
+            e => e,
+        })?;
+        let device =
+            String::from_utf8(name).map_err(|_| WireError::Invalid("device name is not UTF-8"))?;
+        Ok(Hello {
+            version,
+            queue_index,
+            features,
+            device,
+        })
+    }
+}
+
+/// Outcome of a handshake, as the lender states it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum HelloStatus {
+    /// The session is open; requests may follow.
+    Ok = 0,
+    /// The lender does not speak the borrower's protocol version.
+    UnsupportedVersion = 1,
+    /// No device of that name is lent here.
+    NoSuchDevice = 2,
+    /// The hello was malformed or asked for something not allowed (e.g. the queue index).
+    BadRequest = 3,
+    /// The lender cannot take the session now (resource limit).
+    Busy = 4,
+    /// The session was refused by policy (authentication, lease).
+    Denied = 5,
+}
+
+impl HelloStatus {
+    fn from_u16(v: u16) -> Result<Self, WireError> {
+        Ok(match v {
+            0 => HelloStatus::Ok,
+            1 => HelloStatus::UnsupportedVersion,
+            2 => HelloStatus::NoSuchDevice,
+            3 => HelloStatus::BadRequest,
+            4 => HelloStatus::Busy,
+            5 => HelloStatus::Denied,
+            _ => return Err(WireError::Invalid("hello reply status")),
+        })
+    }
+}
+
+/// What the borrower needs to know of a lent block device.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DeviceInfo {
+    /// Capacity in 512-byte sectors (the backing size rounded down to a multiple of 512).
+    pub capacity_sectors: u64,
+    /// Logical block size in bytes that the guest should use (a power of two, ≥ 512).
+    pub block_size: u32,
+    /// Largest data length of one read or write request, in bytes.
+    pub max_transfer: u32,
+    /// Largest discard, in 512-byte sectors (0 when discard is not executed).
+    pub max_discard_sectors: u32,
+    /// Largest write-zeroes, in 512-byte sectors (0 when write-zeroes is not executed).
+    pub max_write_zeroes_sectors: u32,
+    /// [`DEV_READ_ONLY`], [`DEV_DISCARD`], [`DEV_WRITE_ZEROES`].
+    pub flags: u32,
+    /// Device serial, NUL-padded to 20 bytes (virtio 1.2 §5.2.6, GET_ID).
+    pub serial: [u8; SERIAL_LEN],
+}
+
+impl DeviceInfo {
+    /// Whether the device refuses writes.
+    pub fn read_only(&self) -> bool {
+        self.flags & DEV_READ_ONLY != 0
+    }
+}
+
+/// The lender's answer to a [`Hello`].
+///
+/// Layout (68 bytes, then `msg_len` bytes of UTF-8 message): `magic: [u8;4], version: u16,
+/// status: u16, features: u64, capacity_sectors: u64, block_size: u32, max_transfer: u32,
+/// max_discard_sectors: u32, max_write_zeroes_sectors: u32, flags: u32, msg_len: u16,
+/// reserved: u16 = 0, serial: [u8; 20]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HelloReply {
+    /// Protocol version the lender speaks.
+    pub version: u16,
+    /// Whether the session is open.
+    pub status: HelloStatus,
+    /// Features granted (a subset of those asked for; none in version 1).
+    pub features: u64,
+    /// The device; all zero when `status` is not [`HelloStatus::Ok`].
+    pub device: DeviceInfo,
+    /// Why the session was refused (empty on success), at most [`MAX_MESSAGE_LEN`] bytes.
+    pub message: String,
+}
+
+impl HelloReply {
+    /// A successful reply.
+    pub fn ok(device: DeviceInfo) -> Self {
+        HelloReply {
+            version: PROTOCOL_VERSION,
+            status: HelloStatus::Ok,
+            features: 0,
+            device,
+            message: String::new(),
+        }
+    }
+
+    /// A refusal, with a message for the borrower's operator (truncated to
+    /// [`MAX_MESSAGE_LEN`] bytes on a character boundary).
+    pub fn refuse(status: HelloStatus, message: &str) -> Self {
+        let mut end = message.len().min(MAX_MESSAGE_LEN);
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        HelloReply {
+            version: PROTOCOL_VERSION,
+            status,
+            features: 0,
+            device: DeviceInfo::default(),
+            message: message[..end].to_owned(),
+        }
+    }
+
+    /// Writes the reply in one `write_all`.
+    ///
+    /// # Errors
+    /// [`WireError::Io`].
+    pub fn write_to(&self, w: &mut impl Write) -> Result<(), WireError> {
+        let msg = &self.message.as_bytes()[..self.message.len().min(MAX_MESSAGE_LEN)];
+        let d = &self.device;
+        let mut b = Vec::with_capacity(REPLY_FIXED_LEN + msg.len());
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&self.version.to_le_bytes());
+        b.extend_from_slice(&(self.status as u16).to_le_bytes());
+        b.extend_from_slice(&self.features.to_le_bytes());
+        b.extend_from_slice(&d.capacity_sectors.to_le_bytes());
+        b.extend_from_slice(&d.block_size.to_le_bytes());
+        b.extend_from_slice(&d.max_transfer.to_le_bytes());
+        b.extend_from_slice(&d.max_discard_sectors.to_le_bytes());
+        b.extend_from_slice(&d.max_write_zeroes_sectors.to_le_bytes());
+        b.extend_from_slice(&d.flags.to_le_bytes());
+        b.extend_from_slice(&(msg.len() as u16).to_le_bytes());
+        b.extend_from_slice(&[0, 0]);
+        b.extend_from_slice(&d.serial);
+        b.extend_from_slice(msg);
+        w.write_all(&b)?;
+        Ok(())
+    }
+
+    /// Reads and validates a reply.
+    ///
+    /// # Errors
+    /// [`WireError::BadMagic`], [`WireError::Invalid`] (status, reserved bytes, a block
+    /// size that is not a power of two ≥ 512), [`WireError::TooLong`] (message),
+    /// [`WireError::Closed`] / [`WireError::Truncated`] / [`WireError::Io`].
+    pub fn read_from(r: &mut impl Read) -> Result<Self, WireError> {
+        let mut b = [0u8; REPLY_FIXED_LEN];
+        read_exact_or_eof(r, &mut b)?;
+        let magic = [b[0], b[1], b[2], b[3]];
+        if magic != MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        let status = HelloStatus::from_u16(u16::from_le_bytes([b[6], b[7]]))?;
+        let msg_len = u16::from_le_bytes([b[44], b[45]]) as usize;
+        if b[46] != 0 || b[47] != 0 {
+            return Err(WireError::Invalid("reserved bytes of hello reply"));
+        }
+        if msg_len > MAX_MESSAGE_LEN {
+            return Err(WireError::TooLong {
+                what: "hello reply message",
+                len: msg_len as u64,
+                limit: MAX_MESSAGE_LEN as u64,
+            });
+        }
+        let mut serial = [0u8; SERIAL_LEN];
+        serial.copy_from_slice(&b[48..68]);
+        let device = DeviceInfo {
+            capacity_sectors: u64_at(16),
+            block_size: u32_at(24),
+            max_transfer: u32_at(28),
+            max_discard_sectors: u32_at(32),
+            max_write_zeroes_sectors: u32_at(36),
+            flags: u32_at(40),
+            serial,
+        };
+        let mut msg = vec![0u8; msg_len];
+        read_exact_or_eof(r, &mut msg)?;
+        if status == HelloStatus::Ok
+            && (device.block_size < 512 || !device.block_size.is_power_of_two())
+        {
+            return Err(WireError::Invalid("block size"));
+        }
+        Ok(HelloReply {
+            version,
+            status,
+            features: u64_at(8),
+            device,
+            message: String::from_utf8_lossy(&msg).into_owned(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trips() {
+        let h = Hello::new("disk0", 3);
+        let mut buf = Vec::new();
+        h.write_to(&mut buf).unwrap();
+        assert_eq!(Hello::read_from(&mut buf.as_slice()).unwrap(), h);
+    }
+
+    #[test]
+    fn hello_rejects_bad_magic_truncation_and_long_names() {
+        let mut buf = Vec::new();
+        Hello::new("disk0", 0).write_to(&mut buf).unwrap();
+        let mut bad = buf.clone();
+        bad[0] = b'X';
+        assert!(matches!(
+            Hello::read_from(&mut bad.as_slice()),
+            Err(WireError::BadMagic(_))
+        ));
+        let cut = &buf[..10];
+        assert!(matches!(
+            Hello::read_from(&mut &cut[..]),
+            Err(WireError::Truncated { got: 10, want: 20 })
+        ));
+        let cut = &buf[..22];
+        assert!(matches!(
+            Hello::read_from(&mut &cut[..]),
+            Err(WireError::Truncated { .. })
+        ));
+        let mut long = buf.clone();
+        long[16..18].copy_from_slice(&1000u16.to_le_bytes());
+        assert!(matches!(
+            Hello::read_from(&mut long.as_slice()),
+            Err(WireError::TooLong { .. })
+        ));
+        assert!(Hello::new(&"x".repeat(300), 0)
+            .write_to(&mut Vec::new())
+            .is_err());
+    }
+
+    #[test]
+    fn reply_round_trips() {
+        let mut serial = [0u8; SERIAL_LEN];
+        serial[..4].copy_from_slice(b"SN01");
+        let r = HelloReply::ok(DeviceInfo {
+            capacity_sectors: 2048,
+            block_size: 4096,
+            max_transfer: 1 << 20,
+            max_discard_sectors: 1 << 16,
+            max_write_zeroes_sectors: 1 << 16,
+            flags: DEV_DISCARD | DEV_READ_ONLY,
+            serial,
+        });
+        let mut buf = Vec::new();
+        r.write_to(&mut buf).unwrap();
+        let back = HelloReply::read_from(&mut buf.as_slice()).unwrap();
+        assert_eq!(back, r);
+        assert!(back.device.read_only());
+
+        let refusal = HelloReply::refuse(HelloStatus::NoSuchDevice, "no device \"x\"");
+        let mut buf = Vec::new();
+        refusal.write_to(&mut buf).unwrap();
+        assert_eq!(HelloReply::read_from(&mut buf.as_slice()).unwrap(), refusal);
+    }
+}

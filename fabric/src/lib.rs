@@ -1,0 +1,29 @@
+//! devlend's lend protocol: what a borrower (compute agent) and a lender (device agent)
+//! say to each other over one fabric connection.
+//!
+//! One connection carries one virtqueue. It starts with a handshake ([`handshake`]) and
+//! then carries block requests and their responses ([`wire`]), many in flight at once,
+//! completed in any order. The byte layout is specified in `docs/protocol.md`; the
+//! constants and codecs here are the single source of truth for it.
+//!
+//! Transports: [`tcp`] (the default). RDMA comes behind a cargo feature.
+
+pub mod error;
+pub mod handshake;
+pub mod io_util;
+pub mod tcp;
+pub mod wire;
+
+pub use error::WireError;
+pub use handshake::{DeviceInfo, Hello, HelloReply, HelloStatus};
+pub use wire::{Op, RequestHeader, ResponseHeader, Status};
+
+/// Protocol version spoken by this build (the handshake's `version` field).
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Size of a logical sector in bytes: every `sector` field on the wire counts these
+/// (virtio 1.2 §5.2.6: sectors are 512 bytes regardless of `blk_size`).
+pub const SECTOR_SIZE: u64 = 512;
+
+/// Length of a virtio-blk device ID string in bytes (virtio 1.2 §5.2.6, VIRTIO_BLK_T_GET_ID).
+pub const SERIAL_LEN: usize = 20;

@@ -1,0 +1,252 @@
+//! Real devlend processes for tests: a lender (`devlend-device-agent`), a borrower
+//! (`devlend-compute-agent`) and the `devlend` CLI, all from the same cargo build.
+
+use std::fs::File;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+/// Path of a workspace binary built beside the running test (target/<profile>/NAME).
+///
+/// # Errors
+/// The binary is missing (build the workspace first).
+pub fn bin(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe
+        .parent()
+        .and_then(|d| {
+            if d.ends_with("deps") {
+                d.parent()
+            } else {
+                Some(d)
+            }
+        })
+        .ok_or_else(|| anyhow!("cannot locate the target directory"))?;
+    let p = dir.join(name);
+    if !p.is_file() {
+        bail!(
+            "{} is missing: run `cargo build --release --workspace` first",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
+/// A child process killed (SIGTERM, then SIGKILL) on drop, its output in a log file.
+pub struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `program` with `args`, output to `DIR/NAME.log`.
+    ///
+    /// # Errors
+    /// The program cannot start.
+    pub fn spawn(name: &str, program: &Path, args: &[String], dir: &Path) -> Result<Self> {
+        let log = dir.join(format!("{name}.log"));
+        let out = File::create(&log)?;
+        let child = Command::new(program)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("cannot start {}", program.display()))?;
+        Ok(Proc {
+            name: name.to_owned(),
+            child,
+            log,
+        })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// What the process printed so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Fails if the process has exited.
+    ///
+    /// # Errors
+    /// The process exited (its log is in the error).
+    pub fn check_alive(&mut self) -> Result<()> {
+        if let Some(s) = self.child.try_wait()? {
+            bail!("{} exited ({s}):\n{}", self.name, self.log());
+        }
+        Ok(())
+    }
+
+    /// Sends SIGTERM and waits up to `timeout` for the exit; returns the exit status.
+    ///
+    /// # Errors
+    /// The process did not exit in time (it is then killed).
+    pub fn terminate(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        // SAFETY: kill(2) on our own child's pid with a valid signal.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait()? {
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                bail!("{} did not exit within {timeout:?} of SIGTERM", self.name);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn wait_ready(&mut self, what: &str, mut ready: impl FnMut() -> bool) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ready() {
+            self.check_alive()?;
+            if Instant::now() > deadline {
+                bail!("{what} not ready after 20 s:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.terminate(Duration::from_secs(5));
+        }
+        if std::env::var_os("DEVLEND_TEST_VERBOSE").is_some() {
+            eprintln!("--- {} log ---\n{}", self.name, self.log());
+        }
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (racy by nature; fine on a test machine).
+///
+/// # Errors
+/// No port could be bound.
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A running lender.
+pub struct Lender {
+    /// The process.
+    pub proc: Proc,
+    /// Its `HOST:PORT`.
+    pub addr: String,
+}
+
+impl Lender {
+    /// Starts `devlend-device-agent --listen 127.0.0.1:PORT --device D...` and waits until
+    /// it accepts connections.
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start(dir: &Path, devices: &[String]) -> Result<Self> {
+        let addr = format!("127.0.0.1:{}", free_port()?);
+        let mut args = vec!["--listen".to_owned(), addr.clone()];
+        for d in devices {
+            args.push("--device".into());
+            args.push(d.clone());
+        }
+        let mut proc = Proc::spawn("device-agent", &bin("devlend-device-agent")?, &args, dir)?;
+        proc.wait_ready("lender", || TcpStream::connect(&addr).is_ok())?;
+        Ok(Lender { proc, addr })
+    }
+}
+
+/// A running borrower and the CLI that drives it.
+pub struct Borrower {
+    /// The process.
+    pub proc: Proc,
+    /// Its API socket.
+    pub api: PathBuf,
+}
+
+impl Borrower {
+    /// Starts `devlend-compute-agent --api DIR/api.sock` and waits for its API.
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start(dir: &Path) -> Result<Self> {
+        let api = dir.join("api.sock");
+        let mut proc = Proc::spawn(
+            "compute-agent",
+            &bin("devlend-compute-agent")?,
+            &["--api".into(), api.display().to_string()],
+            dir,
+        )?;
+        let probe = api.clone();
+        proc.wait_ready("borrower", || {
+            std::os::unix::net::UnixStream::connect(&probe).is_ok()
+        })?;
+        Ok(Borrower { proc, api })
+    }
+
+    /// Runs `devlend --api API ARGS...` and returns its output.
+    ///
+    /// # Errors
+    /// The CLI cannot run.
+    pub fn cli(&self, args: &[&str]) -> Result<Output> {
+        Ok(Command::new(bin("devlend")?)
+            .arg("--api")
+            .arg(&self.api)
+            .args(args)
+            .env_remove("RUST_BACKTRACE")
+            .output()?)
+    }
+
+    /// Runs a CLI command with `--json` that must succeed and returns its JSON.
+    ///
+    /// # Errors
+    /// The command failed (its stderr is in the error) or printed no JSON.
+    pub fn cli_json(&self, args: &[&str]) -> Result<serde_json::Value> {
+        let mut a = args.to_vec();
+        a.push("--json");
+        let out = self.cli(&a)?;
+        if !out.status.success() {
+            bail!(
+                "devlend {args:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    /// Attaches `device` of `lender` on `socket` with `queues` queues.
+    ///
+    /// # Errors
+    /// As [`Self::cli_json`].
+    pub fn attach(
+        &self,
+        lender: &str,
+        device: &str,
+        socket: &Path,
+        queues: u16,
+    ) -> Result<serde_json::Value> {
+        let q = queues.to_string();
+        let s = socket.display().to_string();
+        self.cli_json(&[
+            "attach", "--lender", lender, "--device", device, "--socket", &s, "--queues", &q,
+        ])
+    }
+}
+
+/// Creates a sparse file of `len` bytes.
+///
+/// # Errors
+/// The file cannot be created.
+pub fn sparse_file(path: &Path, len: u64) -> Result<()> {
+    File::create(path)?.set_len(len)?;
+    Ok(())
+}
