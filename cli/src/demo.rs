@@ -50,7 +50,7 @@ pub struct DemoSummary {
 
 const CHUNK: usize = 1 << 20;
 const DEPTH: usize = 4;
-const SEED: u64 = 0x6465_766c_656e_64;
+const SEED: u64 = 0x0064_6576_6c65_6e64;
 
 /// Kills the child on drop.
 struct Daemon {
@@ -166,7 +166,7 @@ fn bar(progress: bool, len: u64, msg: &'static str) -> indicatif::ProgressBar {
 /// Any step failing, with the agents' logs when one of them died; a data mismatch.
 pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
     let t0 = Instant::now();
-    if opts.size == 0 || opts.size % CHUNK as u64 != 0 {
+    if opts.size == 0 || !opts.size.is_multiple_of(CHUNK as u64) {
         bail!("demo size must be a non-zero multiple of 1 MiB");
     }
     let lender_bin = sibling_binary("devlend-device-agent")?;

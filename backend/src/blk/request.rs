@@ -409,7 +409,7 @@ fn classify(
 /// (§5.2.6.1), at most `max_transfer`, inside the capacity. A zero-length request
 /// inside the capacity is valid and completes without I/O.
 fn data_len(limits: &DeviceLimits, sector: u64, len: u64) -> Option<u32> {
-    if len % 512 != 0 || len > u64::from(limits.max_transfer) {
+    if !len.is_multiple_of(512) || len > u64::from(limits.max_transfer) {
         return None;
     }
     limits.in_range(sector, len / 512).then_some(len as u32)
@@ -424,7 +424,7 @@ fn segment(
     max_sectors: u32,
 ) -> Disposition {
     let seg_len = SEGMENT_LEN as u64;
-    if payload == 0 || payload % seg_len != 0 {
+    if payload == 0 || !payload.is_multiple_of(seg_len) {
         return ioerr();
     }
     if payload / seg_len > u64::from(MAX_SEGMENTS) {
