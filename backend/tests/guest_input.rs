@@ -59,6 +59,7 @@ impl Rig {
         let target = LenderTarget {
             addr: lender.local_addr().to_string(),
             device: "disk".into(),
+            borrower: [1; 16],
         };
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();

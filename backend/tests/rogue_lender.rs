@@ -117,6 +117,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
         LenderTarget {
             addr,
             device: "d".into(),
+            borrower: [1; 16],
         },
         limits,
         stats.clone(),

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use devlend_backend::blk::engine::LenderTarget;
+use devlend_backend::blk::engine::{new_borrower_id, LenderTarget};
 use devlend_backend::blk::{Attachment, AttachmentConfig, AttachmentError};
 
 use crate::api::{AttachRequest, AttachmentInfo};
@@ -159,6 +159,7 @@ impl Registry {
             lender: LenderTarget {
                 addr: req.lender.clone(),
                 device: req.device.clone(),
+                borrower: new_borrower_id(),
             },
             num_queues: req.queues,
         })

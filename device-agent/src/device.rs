@@ -6,6 +6,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use devlend_fabric::handshake::{DEV_DISCARD, DEV_READ_ONLY, DEV_WRITE_ZEROES};
 use devlend_fabric::{DeviceInfo, SECTOR_SIZE};
@@ -33,9 +34,52 @@ pub(crate) struct Device {
     pub(crate) info: DeviceInfo,
     /// The device's counters.
     pub(crate) stats: DeviceStats,
+    /// The borrower that holds the device, and how many of its sessions are open.
+    holder: Mutex<Option<([u8; 16], usize)>>,
+}
+
+/// A session's share of a device's ownership; released on drop.
+pub(crate) struct Claim {
+    device: Arc<Device>,
+    borrower: [u8; 16],
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.borrower == [0; 16] {
+            return;
+        }
+        let mut h = self.device.holder.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((id, n)) = h.as_mut() {
+            if *id == self.borrower {
+                *n -= 1;
+                if *n == 0 {
+                    *h = None;
+                }
+            }
+        }
+    }
 }
 
 impl Device {
+    /// Lets a session of `borrower` use the device: a device is lent to one borrower at
+    /// a time, for as long as it has a session open. An anonymous borrower (all zero)
+    /// gets a session only while nobody holds the device, and does not hold it. Returns
+    /// the id of the holder on refusal.
+    pub(crate) fn claim(self: &Arc<Self>, borrower: [u8; 16]) -> Result<Claim, [u8; 16]> {
+        let mut h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
+        match h.as_mut() {
+            Some((id, _)) if *id != borrower => return Err(*id),
+            Some((_, n)) => *n += 1,
+            None if borrower != [0; 16] => *h = Some((borrower, 1)),
+            None => {}
+        }
+        Ok(Claim {
+            device: Arc::clone(self),
+            borrower,
+        })
+    }
+
     /// Opens the spec's path (read-write, or read-only for `read_only`) and reads its size
     /// (`fstat` for a regular file, `BLKGETSIZE64` and `BLKSSZGET` for a block device).
     ///
@@ -120,6 +164,7 @@ impl Device {
             capacity_bytes: capacity_sectors * SECTOR_SIZE,
             info,
             stats: DeviceStats::default(),
+            holder: Mutex::new(None),
         })
     }
 }

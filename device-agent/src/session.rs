@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError, PROTOCOL_VERSION};
 
-use crate::device::Device;
+use crate::device::{Claim, Device};
 use crate::engine::{self, End};
 use crate::server::{ActiveSession, Shared};
 use crate::uring::Ring;
@@ -23,7 +23,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
         tracing::warn!(%peer, error = %e, "cannot set socket options; closing");
         return;
     }
-    let Some((dev, ring, _active)) = handshake(shared, &sock, peer) else {
+    let Some((dev, ring, _active, _claim)) = handshake(shared, &sock, peer) else {
         return;
     };
     dev.stats.session_opened();
@@ -55,7 +55,7 @@ fn handshake<'s>(
     shared: &'s Shared,
     sock: &TcpStream,
     peer: SocketAddr,
-) -> Option<(Arc<Device>, Ring, ActiveSession<'s>)> {
+) -> Option<(Arc<Device>, Ring, ActiveSession<'s>, Claim)> {
     let timeout = Some(shared.options.handshake_timeout);
     if let Err(e) = sock
         .set_read_timeout(timeout)
@@ -97,6 +97,22 @@ fn handshake<'s>(
             format!("no device {:?} is lent here", hello.device),
         );
     };
+    let claim = match dev.claim(hello.borrower) {
+        Ok(c) => c,
+        Err(holder) => {
+            return refuse(
+                HelloStatus::Busy,
+                format!(
+                    "device {:?} is attached by another borrower ({})",
+                    hello.device,
+                    holder
+                        .iter()
+                        .map(|b| format!("{b:02x}"))
+                        .collect::<String>()
+                ),
+            )
+        }
+    };
     let Some(active) = shared.try_activate() else {
         return refuse(
             HelloStatus::Busy,
@@ -127,7 +143,7 @@ fn handshake<'s>(
         return None;
     }
     tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "session opened");
-    Some((dev, ring, active))
+    Some((dev, ring, active, claim))
 }
 
 /// Turns on TCP keepalive (idle 60 s, then 6 probes 10 s apart), so that a session whose

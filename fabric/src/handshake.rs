@@ -16,7 +16,7 @@ pub const MAX_NAME_LEN: usize = 255;
 /// Longest error message in a [`HelloReply`], in bytes.
 pub const MAX_MESSAGE_LEN: usize = 1024;
 
-const HELLO_FIXED_LEN: usize = 20;
+const HELLO_FIXED_LEN: usize = 36;
 const REPLY_FIXED_LEN: usize = 68;
 
 /// [`DeviceInfo::flags`] bit: the device is read-only.
@@ -29,7 +29,8 @@ pub const DEV_WRITE_ZEROES: u32 = 1 << 2;
 /// The borrower's opening message.
 ///
 /// Layout: `magic: [u8;4] = "DVLD", version: u16, queue_index: u16, features: u64,
-/// name_len: u16, reserved: u16 = 0`, then `name_len` bytes of UTF-8 device name.
+/// borrower: [u8; 16], name_len: u16, reserved: u16 = 0`, then `name_len` bytes of
+/// UTF-8 device name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Protocol version the borrower speaks.
@@ -38,17 +39,22 @@ pub struct Hello {
     pub queue_index: u16,
     /// Optional protocol features requested; none are defined in version 1 (send 0).
     pub features: u64,
+    /// Identity of the borrower's attachment (random, the same on all its connections).
+    /// A lender gives a device to one borrower at a time; all zero means anonymous: such
+    /// a session is refused while the device is held and does not hold it.
+    pub borrower: [u8; 16],
     /// Name of the device to open, as configured on the lender (1..=255 bytes).
     pub device: String,
 }
 
 impl Hello {
-    /// A hello for this build's protocol version, with no features.
+    /// An anonymous hello for this build's protocol version, with no features.
     pub fn new(device: &str, queue_index: u16) -> Self {
         Hello {
             version: PROTOCOL_VERSION,
             queue_index,
             features: 0,
+            borrower: [0; 16],
             device: device.to_owned(),
         }
     }
@@ -71,6 +77,7 @@ impl Hello {
         b.extend_from_slice(&self.version.to_le_bytes());
         b.extend_from_slice(&self.queue_index.to_le_bytes());
         b.extend_from_slice(&self.features.to_le_bytes());
+        b.extend_from_slice(&self.borrower);
         b.extend_from_slice(&(name.len() as u16).to_le_bytes());
         b.extend_from_slice(&[0, 0]);
         b.extend_from_slice(name);
@@ -97,8 +104,10 @@ impl Hello {
         let version = u16::from_le_bytes([b[4], b[5]]);
         let queue_index = u16::from_le_bytes([b[6], b[7]]);
         let features = u64::from_le_bytes(b[8..16].try_into().unwrap_or_default());
-        let name_len = u16::from_le_bytes([b[16], b[17]]) as usize;
-        if b[18] != 0 || b[19] != 0 {
+        let mut borrower = [0u8; 16];
+        borrower.copy_from_slice(&b[16..32]);
+        let name_len = u16::from_le_bytes([b[32], b[33]]) as usize;
+        if b[34] != 0 || b[35] != 0 {
             return Err(WireError::Invalid("reserved bytes of hello"));
         }
         if name_len > MAX_NAME_LEN {
@@ -125,6 +134,7 @@ impl Hello {
             version,
             queue_index,
             features,
+            borrower,
             device,
         })
     }
@@ -324,7 +334,8 @@ mod tests {
 
     #[test]
     fn hello_round_trips() {
-        let h = Hello::new("disk0", 3);
+        let mut h = Hello::new("disk0", 3);
+        h.borrower = [7; 16];
         let mut buf = Vec::new();
         h.write_to(&mut buf).unwrap();
         assert_eq!(Hello::read_from(&mut buf.as_slice()).unwrap(), h);
@@ -343,15 +354,15 @@ mod tests {
         let cut = &buf[..10];
         assert!(matches!(
             Hello::read_from(&mut &cut[..]),
-            Err(WireError::Truncated { got: 10, want: 20 })
+            Err(WireError::Truncated { got: 10, want: 36 })
         ));
-        let cut = &buf[..22];
+        let cut = &buf[..38];
         assert!(matches!(
             Hello::read_from(&mut &cut[..]),
             Err(WireError::Truncated { .. })
         ));
         let mut long = buf.clone();
-        long[16..18].copy_from_slice(&1000u16.to_le_bytes());
+        long[32..34].copy_from_slice(&1000u16.to_le_bytes());
         assert!(matches!(
             Hello::read_from(&mut long.as_slice()),
             Err(WireError::TooLong { .. })

@@ -68,6 +68,19 @@ pub fn connect(
     queue_index: u16,
     timeout: Duration,
 ) -> Result<(TcpStream, HelloReply), ConnectError> {
+    connect_as(addr, &Hello::new(device, queue_index), timeout)
+}
+
+/// As [`connect`], with a prepared [`Hello`] (e.g. carrying the borrower's identity).
+///
+/// # Errors
+/// [`ConnectError`] for each failure, naming the address and the device.
+pub fn connect_as(
+    addr: &str,
+    hello: &Hello,
+    timeout: Duration,
+) -> Result<(TcpStream, HelloReply), ConnectError> {
+    let device = hello.device.as_str();
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|source| ConnectError::Resolve {
@@ -101,9 +114,7 @@ pub fn connect(
     stream
         .set_write_timeout(Some(timeout))
         .map_err(|e| hs(WireError::Io(e)))?;
-    Hello::new(device, queue_index)
-        .write_to(&mut stream)
-        .map_err(hs)?;
+    hello.write_to(&mut stream).map_err(hs)?;
     let reply = HelloReply::read_from(&mut stream).map_err(hs)?;
     if reply.status != HelloStatus::Ok {
         return Err(ConnectError::Refused {

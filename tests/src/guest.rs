@@ -210,6 +210,7 @@ pub struct GuestBuilder {
     files: Vec<GuestFile>,
     image: Option<GuestImage>,
     next_vhost_user_blk: u32,
+    native_pcie_hotplug: bool,
 }
 
 impl Default for GuestBuilder {
@@ -233,6 +234,7 @@ impl GuestBuilder {
             files: Vec::new(),
             image: None,
             next_vhost_user_blk: 0,
+            native_pcie_hotplug: false,
         }
     }
 
@@ -260,6 +262,16 @@ impl GuestBuilder {
     /// arguments must not reuse those ids.
     pub fn root_ports(mut self, count: u32) -> Self {
         self.root_ports = count;
+        self
+    }
+
+    /// Hand PCIe hot-plug of the root ports to the guest's native driver
+    /// (`pciehp`) instead of QEMU's default for q35, ACPI hot-plug
+    /// (`acpiphp`). Both see a device plugged in within ~0.2 s; on unplug
+    /// `pciehp` waits out the 5 s attention-button delay (~6 s in all)
+    /// where ACPI takes ~0.1 s. Default: off.
+    pub fn native_pcie_hotplug(mut self, native: bool) -> Self {
+        self.native_pcie_hotplug = native;
         self
     }
 
@@ -409,6 +421,10 @@ impl GuestBuilder {
             "-qmp".into(),
             format!("unix:{},server=on,wait=off", qmp.display()),
         ]);
+        if self.native_pcie_hotplug {
+            args.push("-global".into());
+            args.push("ICH9-LPC.acpi-pci-hotplug-with-bridge-support=off".into());
+        }
         for i in 1..=self.root_ports {
             args.push("-device".into());
             args.push(format!("pcie-root-port,id=rp{i},slot={i},chassis={i}"));

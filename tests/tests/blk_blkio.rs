@@ -452,3 +452,62 @@ fn cli_attach_prints_qemu_and_libvirt_and_detach_removes_the_socket() {
         serde_json::json!([])
     );
 }
+
+#[test]
+fn a_device_is_lent_to_one_borrower_at_a_time() {
+    let s = setup(&[("disk0", 8 * MIB, "")]);
+    let first = s.dir.path().join("first.sock");
+    s.borrower
+        .attach(&s.lender.addr, "disk0", &first, 1)
+        .unwrap();
+    // A second borrower (another compute agent) is refused while the first holds it.
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = Borrower::start(other_dir.path()).unwrap();
+    let second = other_dir.path().join("second.sock");
+    let out = other
+        .cli(&[
+            "attach",
+            "--lender",
+            &s.lender.addr,
+            "--device",
+            "disk0",
+            "--socket",
+            second.to_str().unwrap(),
+        ])
+        .unwrap();
+    assert!(!out.status.success(), "a second borrower got the device");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("attached by another borrower"), "{err}");
+    assert!(!second.exists(), "a refused attach left its socket behind");
+    // So is a second attachment on the same compute agent.
+    let again = s.dir.path().join("again.sock");
+    let out = s
+        .borrower
+        .cli(&[
+            "attach",
+            "--lender",
+            &s.lender.addr,
+            "--device",
+            "disk0",
+            "--socket",
+            again.to_str().unwrap(),
+        ])
+        .unwrap();
+    assert!(!out.status.success());
+    // Once the first detaches, the device can be attached again.
+    s.borrower
+        .cli_json(&["detach", first.to_str().unwrap()])
+        .unwrap();
+    other.attach(&s.lender.addr, "disk0", &second, 1).unwrap();
+    let mut c = BlkClient::connect(&second, 1, MIB as usize).unwrap();
+    ok(&[c
+        .run_one(
+            0,
+            BlkOp::Read {
+                offset: 0,
+                buf: 0,
+                len: 4096,
+            },
+        )
+        .unwrap()]);
+}

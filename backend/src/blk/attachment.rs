@@ -22,6 +22,9 @@ use crate::blk::engine::{LenderTarget, QueueStats, StatsSnapshot, CONNECT_TIMEOU
 use crate::blk::request::DeviceLimits;
 use crate::blk::spec::MAX_QUEUES;
 
+/// Queue index of the session that holds the device for the attachment.
+pub const CONTROL_QUEUE: u16 = u16::MAX;
+
 /// What to serve and where.
 #[derive(Debug, Clone)]
 pub struct AttachmentConfig {
@@ -65,6 +68,7 @@ struct Shared {
 
 /// A running attachment.
 pub struct Attachment {
+    hold: std::net::TcpStream,
     config: AttachmentConfig,
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
@@ -83,10 +87,11 @@ impl Attachment {
         if config.num_queues == 0 || config.num_queues > MAX_QUEUES {
             return Err(AttachmentError::Queues(config.num_queues));
         }
-        let (_probe, reply) = devlend_fabric::tcp::connect(
+        // This session holds the device on the lender for the attachment's lifetime
+        // (a device is lent to one borrower at a time); it carries no I/O.
+        let (hold, reply) = devlend_fabric::tcp::connect_as(
             &config.lender.addr,
-            &config.lender.device,
-            0,
+            &config.lender.hello(CONTROL_QUEUE),
             CONNECT_TIMEOUT,
         )
         .map_err(AttachmentError::Lender)?;
@@ -113,6 +118,7 @@ impl Attachment {
                 .map_err(AttachmentError::Thread)?
         };
         Ok(Attachment {
+            hold,
             config,
             limits,
             stats,
@@ -176,6 +182,8 @@ impl Attachment {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.config.socket);
+        // Release the device on the lender.
+        let _ = self.hold.shutdown(std::net::Shutdown::Both);
     }
 }
 

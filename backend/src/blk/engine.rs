@@ -34,6 +34,37 @@ pub struct LenderTarget {
     pub addr: String,
     /// Device name on the lender.
     pub device: String,
+    /// The attachment's identity, sent in every hello: the lender lends a device to one
+    /// borrower at a time.
+    pub borrower: [u8; 16],
+}
+
+impl LenderTarget {
+    /// The hello for virtqueue `queue_index`.
+    pub fn hello(&self, queue_index: u16) -> devlend_fabric::Hello {
+        let mut h = devlend_fabric::Hello::new(&self.device, queue_index);
+        h.borrower = self.borrower;
+        h
+    }
+}
+
+/// A fresh random borrower identity (from the kernel's random source; falls back to
+/// the clock and process id if it is unavailable).
+pub fn new_borrower_id() -> [u8; 16] {
+    let mut id = [0u8; 16];
+    let ok = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut id))
+        .is_ok();
+    if !ok || id == [0; 16] {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(1);
+        id[..8].copy_from_slice(&(t as u64).to_le_bytes());
+        id[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        id[15] |= 1;
+    }
+    id
 }
 
 /// Timeout of one connect + handshake attempt to the lender.
@@ -227,10 +258,9 @@ impl QueueEngine {
     /// # Errors
     /// The connect error, or a device whose capacity changed since attach.
     pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
-        let (stream, reply) = devlend_fabric::tcp::connect(
+        let (stream, reply) = devlend_fabric::tcp::connect_as(
             &self.target.addr,
-            &self.target.device,
-            self.index,
+            &self.target.hello(self.index),
             CONNECT_TIMEOUT,
         )?;
         if reply.device.capacity_sectors != self.limits.capacity_sectors {
