@@ -71,11 +71,12 @@ impl ApiClient {
         r.json().context("bad answer from the compute agent")
     }
 
-    /// `DELETE /v1/attachments/{id}`, where `target` is an id or a socket path.
+    /// `DELETE /v1/attachments/{id}`, where `target` is an id or a socket path;
+    /// `release_timeout_s` bounds the wait for the guest to release a live-plugged device.
     ///
     /// # Errors
     /// No such attachment; the agent is unreachable.
-    pub fn detach(&self, target: &str) -> Result<AttachmentInfo> {
+    pub fn detach(&self, target: &str, release_timeout_s: u64) -> Result<AttachmentInfo> {
         let id = if target.contains('/') {
             self.list()?
                 .into_iter()
@@ -85,7 +86,8 @@ impl ApiClient {
         } else {
             target.to_owned()
         };
-        let url = format!("http://localhost/v1/attachments/{id}");
+        let url =
+            format!("http://localhost/v1/attachments/{id}?release_timeout_s={release_timeout_s}");
         let r = self.check(self.http.delete(url).send())?;
         r.json().context("bad answer from the compute agent")
     }

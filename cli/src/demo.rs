@@ -247,6 +247,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         socket: socket.clone(),
         queues: 1,
         queue_size: 256,
+        vmm: None,
     })?;
 
     step(
@@ -318,7 +319,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
     drop(blk);
 
     step(p, "detaching (requests in flight complete, socket removed)");
-    let detached = client.detach("demo")?;
+    let detached = client.detach("demo", 30)?;
     if socket.exists() {
         bail!("socket {} still exists after detach", socket.display());
     }

@@ -7,7 +7,8 @@ use clap::{Parser, Subcommand};
 use devlend_cli::api_client::ApiClient;
 use devlend_cli::demo::{self, DemoOptions};
 use devlend_cli::output::{human_bytes, libvirt_xml, qemu_args, status_table};
-use devlend_compute_agent::api::AttachRequest;
+use devlend_compute_agent::api::{AttachRequest, VmmTarget};
+use devlend_compute_agent::vmm::cloud_hypervisor;
 use devlend_compute_agent::DEFAULT_API_SOCKET;
 
 /// Lend block devices across machines to VMs.
@@ -40,9 +41,18 @@ enum Cmd {
         /// Virtqueue size to give the VMM (a power of two, 64..=1024).
         #[arg(long, default_value_t = 256)]
         queue_size: u16,
-        /// Attachment id (default: the device name).
+        /// Attachment id, also the device id in the VMM (default: the device name).
         #[arg(long)]
         id: Option<String>,
+        /// Hotplug into the running QEMU behind this QMP socket.
+        #[arg(long, conflicts_with = "ch_api")]
+        qmp: Option<PathBuf>,
+        /// Hot-add into the running Cloud Hypervisor behind this API socket.
+        #[arg(long)]
+        ch_api: Option<PathBuf>,
+        /// Which VMM's arguments to print.
+        #[arg(long, value_enum, default_value_t = Vmm::Qemu)]
+        vmm: Vmm,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -51,6 +61,9 @@ enum Cmd {
     Detach {
         /// Attachment id or socket path.
         target: String,
+        /// Seconds the guest gets to release a live-plugged device.
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -75,6 +88,15 @@ enum Cmd {
     },
 }
 
+/// A VMM whose command-line arguments `attach` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Vmm {
+    /// QEMU (`-chardev` + `-device vhost-user-blk-pci`) and libvirt.
+    Qemu,
+    /// Cloud Hypervisor (`--disk vhost_user=true,...`).
+    CloudHypervisor,
+}
+
 fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let (num, mult) = match s.char_indices().last() {
@@ -95,6 +117,14 @@ fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size {s:?} is too large"))
 }
 
+fn absolute(p: PathBuf) -> Result<PathBuf> {
+    Ok(if p.is_absolute() {
+        p
+    } else {
+        std::env::current_dir()?.join(p)
+    })
+}
+
 fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(v)?);
     Ok(())
@@ -110,6 +140,9 @@ fn main() -> Result<()> {
             queues,
             queue_size,
             id,
+            qmp,
+            ch_api,
+            vmm,
             json,
         } => {
             let socket = if socket.is_absolute() {
@@ -124,6 +157,15 @@ fn main() -> Result<()> {
                 socket,
                 queues,
                 queue_size,
+                vmm: match (qmp, ch_api) {
+                    (Some(qmp), _) => Some(VmmTarget::Qemu {
+                        qmp: absolute(qmp)?,
+                    }),
+                    (None, Some(api)) => Some(VmmTarget::CloudHypervisor {
+                        api: absolute(api)?,
+                    }),
+                    (None, None) => None,
+                },
             })?;
             if json {
                 return print_json(&a);
@@ -137,12 +179,38 @@ fn main() -> Result<()> {
                 a.serial,
                 if a.read_only { ", read-only" } else { "" }
             );
-            println!("vhost-user socket: {}\n", a.socket.display());
-            println!("QEMU:\n  {}\n", qemu_args(&a));
-            println!("libvirt:\n{}", libvirt_xml(&a));
+            println!("vhost-user socket: {}", a.socket.display());
+            if let Some(p) = &a.vmm {
+                println!(
+                    "plugged into the running VM as device {:?} at {}",
+                    p.device_id, p.location
+                );
+                return Ok(());
+            }
+            println!();
+            match vmm {
+                Vmm::Qemu => {
+                    println!("QEMU:\n  {}\n", qemu_args(&a));
+                    println!("libvirt:\n{}", libvirt_xml(&a));
+                }
+                Vmm::CloudHypervisor => {
+                    let arg = cloud_hypervisor::cli_arg(
+                        &a.socket,
+                        &a.id,
+                        a.queues,
+                        a.queue_size,
+                        a.read_only,
+                    );
+                    println!("Cloud Hypervisor:\n  --memory size=<guest RAM>,shared=on {arg}");
+                }
+            }
         }
-        Cmd::Detach { target, json } => {
-            let a = ApiClient::new(&cli.api)?.detach(&target)?;
+        Cmd::Detach {
+            target,
+            timeout,
+            json,
+        } => {
+            let a = ApiClient::new(&cli.api)?.detach(&target, timeout)?;
             if json {
                 return print_json(&a);
             }

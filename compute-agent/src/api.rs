@@ -5,7 +5,7 @@
 //! | `GET /v1/attachments` | | `200` `[AttachmentInfo]` |
 //! | `POST /v1/attachments` | [`AttachRequest`] | `201` [`AttachmentInfo`]; `400`, `409`, `502` [`ApiError`] |
 //! | `GET /v1/attachments/{id}` | | `200` [`AttachmentInfo`]; `404` |
-//! | `DELETE /v1/attachments/{id}` | | `200` [`AttachmentInfo`] (final counters); `404` |
+//! | `DELETE /v1/attachments/{id}[?release_timeout_s=N]` | | `200` [`AttachmentInfo`] (final counters); `404`; `504` when the guest keeps the device |
 
 use std::path::PathBuf;
 
@@ -31,6 +31,38 @@ pub struct AttachRequest {
     /// Virtqueue size to suggest to the VMM (a power of two, 64..=1024); default 256.
     #[serde(default = "default_queue_size")]
     pub queue_size: u16,
+    /// Plug the device into this running VM once the socket is served; the VMM's device
+    /// id is the attachment id.
+    #[serde(default)]
+    pub vmm: Option<VmmTarget>,
+}
+
+/// A running VM to plug an attachment into.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "type", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum VmmTarget {
+    /// QEMU, through its QMP socket (`-qmp unix:PATH,server=on,wait=off`); needs a free
+    /// `pcie-root-port`.
+    Qemu {
+        /// QMP socket path.
+        qmp: PathBuf,
+    },
+    /// Cloud Hypervisor, through its API socket (`--api-socket PATH`).
+    CloudHypervisor {
+        /// API socket path.
+        api: PathBuf,
+    },
+}
+
+/// Where an attachment is plugged.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VmmPlug {
+    /// The VM.
+    pub target: VmmTarget,
+    /// The device id in the VMM.
+    pub device_id: String,
+    /// QEMU: the root port it sits on; Cloud Hypervisor: its PCI address (BDF).
+    pub location: String,
 }
 
 fn default_queues() -> u16 {
@@ -42,7 +74,7 @@ fn default_queue_size() -> u16 {
 }
 
 /// I/O counters of an attachment (since it was created).
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct IoCounters {
     /// Completed reads.
     pub reads: u64,
@@ -66,6 +98,8 @@ pub struct IoCounters {
     pub reconnects: u64,
     /// Requests in flight now.
     pub inflight: u64,
+    /// Requests completed by the lender, per virtqueue.
+    pub per_queue: Vec<u64>,
 }
 
 impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
@@ -82,6 +116,7 @@ impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
             local: s.local,
             reconnects: s.reconnects,
             inflight: s.inflight,
+            per_queue: s.per_queue,
         }
     }
 }
@@ -111,6 +146,8 @@ pub struct AttachmentInfo {
     pub serial: String,
     /// Whether a VMM (frontend) is connected to the socket now.
     pub connected: bool,
+    /// The VM it was plugged into live, if any.
+    pub vmm: Option<VmmPlug>,
     /// I/O counters.
     pub counters: IoCounters,
 }

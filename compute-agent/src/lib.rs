@@ -7,6 +7,7 @@
 pub mod api;
 pub mod registry;
 pub mod server;
+pub mod vmm;
 
 /// Default path of the control API socket.
 pub const DEFAULT_API_SOCKET: &str = "/run/devlend/compute-agent.sock";

@@ -2,11 +2,14 @@
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use devlend_backend::blk::engine::{new_borrower_id, LenderTarget};
 use devlend_backend::blk::{Attachment, AttachmentConfig, AttachmentError};
 
-use crate::api::{AttachRequest, AttachmentInfo};
+use crate::api::{AttachRequest, AttachmentInfo, VmmPlug, VmmTarget};
+use crate::vmm::cloud_hypervisor::{self as ch, ChError};
+use crate::vmm::qemu::{self, HotplugError};
 
 /// Why an attach or detach was refused.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +26,20 @@ pub enum RegistryError {
     /// The attachment could not start.
     #[error("cannot attach: {}", chain(.0))]
     Start(#[source] AttachmentError),
+    /// Plugging into or unplugging from the VM failed.
+    #[error("{}", chain(.0))]
+    Vmm(#[source] VmmError),
+}
+
+/// A failure of the VMM glue.
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    /// QEMU hotplug.
+    #[error("QEMU hotplug failed")]
+    Qemu(#[source] HotplugError),
+    /// Cloud Hypervisor API.
+    #[error("Cloud Hypervisor API failed")]
+    CloudHypervisor(#[source] ChError),
 }
 
 fn chain(e: &dyn std::error::Error) -> String {
@@ -40,12 +57,15 @@ struct Entry {
     request: AttachRequest,
     id: String,
     attachment: Attachment,
+    plug: Option<VmmPlug>,
 }
 
 /// Attachments by id.
 #[derive(Default)]
 pub struct Registry {
     entries: Mutex<BTreeMap<String, Entry>>,
+    /// Ids and sockets of attachments being set up.
+    pending: Mutex<Vec<(String, std::path::PathBuf)>>,
 }
 
 fn valid_id(id: &str) -> bool {
@@ -75,11 +95,44 @@ fn info(e: &Entry) -> AttachmentInfo {
         read_only: l.read_only,
         serial: String::from_utf8_lossy(&l.serial[..end]).into_owned(),
         connected: e.attachment.connected(),
+        vmm: e.plug.clone(),
         counters: e.attachment.stats().into(),
     }
 }
 
 impl Registry {
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<(String, std::path::PathBuf)>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn start_and_plug(
+        &self,
+        id: &str,
+        req: &AttachRequest,
+    ) -> Result<(Attachment, Option<VmmPlug>), RegistryError> {
+        let mut attachment = Attachment::start(AttachmentConfig {
+            socket: req.socket.clone(),
+            lender: LenderTarget {
+                addr: req.lender.clone(),
+                device: req.device.clone(),
+                borrower: new_borrower_id(),
+            },
+            num_queues: req.queues,
+        })
+        .map_err(RegistryError::Start)?;
+        let plug = match &req.vmm {
+            None => None,
+            Some(target) => match plug(target, id, req, attachment.limits().read_only) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    attachment.stop();
+                    return Err(RegistryError::Vmm(e));
+                }
+            },
+        };
+        Ok((attachment, plug))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
         self.entries.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -104,6 +157,15 @@ impl Registry {
         }
         let id = {
             let entries = self.lock();
+            let pending = self.lock_pending();
+            if let Some((i, _)) = pending
+                .iter()
+                .find(|(i, sock)| *sock == req.socket || Some(i) == req.id.as_ref())
+            {
+                return Err(RegistryError::Conflict(format!(
+                    "attachment {i} is being set up with that id or socket"
+                )));
+            }
             if let Some(e) = entries.values().find(|e| e.request.socket == req.socket) {
                 return Err(RegistryError::Conflict(format!(
                     "socket {} is already used by attachment {}",
@@ -154,33 +216,23 @@ impl Registry {
                 }
             }
         };
-        let attachment = Attachment::start(AttachmentConfig {
-            socket: req.socket.clone(),
-            lender: LenderTarget {
-                addr: req.lender.clone(),
-                device: req.device.clone(),
-                borrower: new_borrower_id(),
-            },
-            num_queues: req.queues,
-        })
-        .map_err(RegistryError::Start)?;
+        self.lock_pending().push((id.clone(), req.socket.clone()));
+        // Start the socket and plug into the VM without holding the registry; the id
+        // and socket stay reserved meanwhile.
+        let result = self.start_and_plug(&id, &req);
+        // Lock order everywhere: entries, then pending.
+        let mut entries = self.lock();
+        self.lock_pending().retain(|(i, _)| *i != id);
+        let (attachment, plug) = result?;
         let entry = Entry {
             request: req,
             id: id.clone(),
             attachment,
+            plug,
         };
         let out = info(&entry);
-        let mut entries = self.lock();
-        if entries.contains_key(&id) {
-            // Lost a race for the same id: undo.
-            drop(entries);
-            let mut entry = entry;
-            entry.attachment.stop();
-            return Err(RegistryError::Conflict(format!(
-                "attachment id {id:?} is taken"
-            )));
-        }
         entries.insert(id, entry);
+        drop(entries);
         tracing::info!(id = %out.id, device = %out.device, lender = %out.lender, socket = %out.socket.display(), "attached");
         Ok(out)
     }
@@ -206,7 +258,21 @@ impl Registry {
     ///
     /// # Errors
     /// [`RegistryError::NotFound`].
-    pub fn detach(&self, id: &str) -> Result<AttachmentInfo, RegistryError> {
+    pub fn detach(
+        &self,
+        id: &str,
+        release_timeout: Duration,
+    ) -> Result<AttachmentInfo, RegistryError> {
+        // Unplug from the VM first, without holding the registry: the guest may take
+        // seconds. If it keeps the device, the attachment stays, still served.
+        let plug = self
+            .lock()
+            .get(id)
+            .map(|e| e.plug.clone())
+            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+        if let Some(p) = &plug {
+            unplug(p, release_timeout).map_err(RegistryError::Vmm)?;
+        }
         let mut entry = self
             .lock()
             .remove(id)
@@ -223,7 +289,46 @@ impl Registry {
     pub fn detach_all(&self) {
         let ids: Vec<String> = self.lock().keys().cloned().collect();
         for id in ids {
-            let _ = self.detach(&id);
+            let _ = self.detach(&id, qemu::RELEASE_TIMEOUT);
+        }
+    }
+}
+
+fn plug(
+    target: &VmmTarget,
+    id: &str,
+    req: &AttachRequest,
+    read_only: bool,
+) -> Result<VmmPlug, VmmError> {
+    match target {
+        VmmTarget::Qemu { qmp } => {
+            let p = qemu::plug(qmp, id, &req.socket, req.queues, req.queue_size)
+                .map_err(VmmError::Qemu)?;
+            tracing::info!(id, qmp = %qmp.display(), port = %p.port, "plugged into QEMU");
+            Ok(VmmPlug {
+                target: target.clone(),
+                device_id: p.device_id,
+                location: p.port,
+            })
+        }
+        VmmTarget::CloudHypervisor { api } => {
+            let body = ch::disk_config(&req.socket, id, req.queues, req.queue_size, read_only);
+            let d = ch::add_disk(api, &body).map_err(VmmError::CloudHypervisor)?;
+            tracing::info!(id, api = %api.display(), bdf = %d.bdf, "plugged into Cloud Hypervisor");
+            Ok(VmmPlug {
+                target: target.clone(),
+                device_id: d.id,
+                location: d.bdf,
+            })
+        }
+    }
+}
+
+fn unplug(p: &VmmPlug, timeout: Duration) -> Result<(), VmmError> {
+    match &p.target {
+        VmmTarget::Qemu { qmp } => qemu::unplug(qmp, &p.device_id, timeout).map_err(VmmError::Qemu),
+        VmmTarget::CloudHypervisor { api } => {
+            ch::remove_device(api, &p.device_id).map_err(VmmError::CloudHypervisor)
         }
     }
 }

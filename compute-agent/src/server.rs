@@ -3,15 +3,18 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path as UrlPath, State};
+use std::time::Duration;
+
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 
 use crate::api::{ApiError, AttachRequest};
-use crate::registry::{Registry, RegistryError};
+use crate::registry::{Registry, RegistryError, VmmError};
+use crate::vmm::qemu::{HotplugError, RELEASE_TIMEOUT};
 
 fn error(status: StatusCode, msg: String) -> Response {
     (status, Json(ApiError { error: msg })).into_response()
@@ -24,6 +27,13 @@ impl IntoResponse for RegistryError {
             RegistryError::Conflict(_) => StatusCode::CONFLICT,
             RegistryError::NotFound(_) => StatusCode::NOT_FOUND,
             RegistryError::Start(_) => StatusCode::BAD_GATEWAY,
+            RegistryError::Vmm(VmmError::Qemu(
+                HotplugError::IdInUse(_) | HotplugError::NoFreePort,
+            )) => StatusCode::CONFLICT,
+            RegistryError::Vmm(VmmError::Qemu(HotplugError::NotReleased { .. })) => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
+            RegistryError::Vmm(_) => StatusCode::BAD_GATEWAY,
         };
         error(status, self.to_string())
     }
@@ -66,8 +76,27 @@ async fn attach(
     }
 }
 
-async fn detach(State(r): State<Arc<Registry>>, UrlPath(id): UrlPath<String>) -> Response {
-    match tokio::task::spawn_blocking(move || r.detach(&id)).await {
+/// Query of `DELETE /v1/attachments/{id}`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DetachQuery {
+    /// Seconds the guest gets to release a live-plugged device (default 30).
+    release_timeout_s: Option<u64>,
+}
+
+async fn detach(
+    State(r): State<Arc<Registry>>,
+    UrlPath(id): UrlPath<String>,
+    query: Result<Query<DetachQuery>, QueryRejection>,
+) -> Response {
+    let timeout = match query {
+        Ok(Query(q)) => q
+            .release_timeout_s
+            .map(Duration::from_secs)
+            .unwrap_or(RELEASE_TIMEOUT),
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
+    };
+    match tokio::task::spawn_blocking(move || r.detach(&id, timeout)).await {
         Ok(Ok(info)) => Json(info).into_response(),
         Ok(Err(e)) => e.into_response(),
         Err(e) => error(

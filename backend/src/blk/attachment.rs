@@ -102,7 +102,7 @@ impl Attachment {
                 source,
             })?;
         let wake = EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?;
-        let stats = Arc::new(QueueStats::default());
+        let stats = Arc::new(QueueStats::new(config.num_queues));
         let shared = Arc::new(Shared::default());
         let thread = {
             let (config, limits, stats, shared) = (

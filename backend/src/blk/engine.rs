@@ -85,10 +85,11 @@ pub struct QueueStats {
     local: AtomicU64,
     reconnects: AtomicU64,
     inflight: AtomicI64,
+    per_queue: Vec<AtomicU64>,
 }
 
 /// A copy of [`QueueStats`] at one instant.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatsSnapshot {
     /// Completed IN requests.
     pub reads: u64,
@@ -112,9 +113,19 @@ pub struct StatsSnapshot {
     pub reconnects: u64,
     /// Requests in flight to the lender now.
     pub inflight: u64,
+    /// Requests completed by the lender, per virtqueue.
+    pub per_queue: Vec<u64>,
 }
 
 impl QueueStats {
+    /// Counters for a device of `num_queues` virtqueues.
+    pub fn new(num_queues: u16) -> Self {
+        QueueStats {
+            per_queue: (0..num_queues).map(|_| AtomicU64::new(0)).collect(),
+            ..Default::default()
+        }
+    }
+
     /// Reads every counter.
     pub fn snapshot(&self) -> StatsSnapshot {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -130,6 +141,7 @@ impl QueueStats {
             local: g(&self.local),
             reconnects: g(&self.reconnects),
             inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
+            per_queue: self.per_queue.iter().map(g).collect(),
         }
     }
 
@@ -630,6 +642,9 @@ impl QueueEngine {
             let _ = m.write_obj(status, slot.status_addr);
         }
         self.stats.count(op, slot.len, status);
+        if let Some(q) = self.stats.per_queue.get(usize::from(self.index)) {
+            q.fetch_add(1, Ordering::Relaxed);
+        }
         slot.busy = false;
         slot.mem = None;
         self.inflight -= 1;
