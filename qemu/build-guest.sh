@@ -401,7 +401,7 @@ cat >"$root/init" <<'EOF'
 # Runs /test.sh if present, then prints "DEVLEND-DONE rc=<its exit code>" and
 # powers off. Kernel arguments: devlend.modules=a,b (load at boot),
 # devlend.shell=1 (interactive shell on the console before powering off).
-export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export HOME=/root
 cd /
 mount -t proc proc /proc
@@ -416,9 +416,14 @@ while read -r m; do
 	insmod "/lib/modules/$kver/$m" || echo "devlend-init: insmod $m failed"
 done </etc/devlend/boot-modules
 shell=0
-for arg in $(cat /proc/cmdline); do
+read -r cmdline </proc/cmdline
+for arg in $cmdline; do
 	case "$arg" in
-	devlend.modules=*) devlend-modprobe $(echo "${arg#devlend.modules=}" | tr ',' ' ') ;;
+	devlend.modules=*)
+		mods="$(echo "${arg#devlend.modules=}" | tr ',' ' ')"
+		# shellcheck disable=SC2086 # one argument per module
+		devlend-modprobe $mods
+		;;
 	devlend.shell=1) shell=1 ;;
 	esac
 done

@@ -97,7 +97,8 @@ has_apt_suite() {
 	return 1
 }
 
-readonly SUITE="$(codename)-backports"
+SUITE="$(codename)-backports"
+readonly SUITE
 
 # --- What is missing? -------------------------------------------------------
 missing_base=()

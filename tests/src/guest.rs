@@ -561,7 +561,10 @@ impl Guest {
                 "[{}] {} {}",
                 builder.name,
                 qemu.display(),
-                args.join(" ")
+                args.iter()
+                    .map(|a| shell_quote(a))
+                    .collect::<Vec<_>>()
+                    .join(" ")
             );
         }
         let started = Instant::now();
@@ -655,30 +658,32 @@ impl Guest {
     }
 
     /// Waits up to `timeout` for a console line for which `matches` is true
-    /// and returns it.
+    /// and returns it (without the line end).
     ///
     /// Lines are consumed in order: the search starts after the line the
     /// previous successful call returned (at the first line on the first
-    /// call), so waiting twice for the same text needs it printed twice.
+    /// call), so waiting twice for the same text needs it printed twice. A
+    /// failed call consumes nothing.
     ///
     /// # Errors
     /// On timeout, or when QEMU exits first; the error quotes the tail of
     /// the console.
     pub fn wait_for_line(
         &self,
-        timeout: Duration,
         matches: impl Fn(&str) -> bool,
+        timeout: Duration,
     ) -> Result<String> {
         let mut cursor = self.cursor.lock().unwrap_or_else(|e| e.into_inner());
         let deadline = Instant::now() + timeout;
         let mut state = self.console.lock();
+        let mut scanned = *cursor;
         loop {
-            if let Some(offset) = state.lines[*cursor..].iter().position(|l| matches(&l.text)) {
-                let index = *cursor + offset;
+            if let Some(offset) = state.lines[scanned..].iter().position(|l| matches(&l.text)) {
+                let index = scanned + offset;
                 *cursor = index + 1;
                 return Ok(state.lines[index].text.clone());
             }
-            *cursor = state.lines.len();
+            scanned = state.lines.len();
             if state.eof {
                 bail!(
                     "{}: QEMU exited before the awaited console line appeared\n{}",
@@ -709,7 +714,7 @@ impl Guest {
     /// # Errors
     /// As [`Guest::wait_for_line`].
     pub fn wait_for_text(&self, needle: &str, timeout: Duration) -> Result<String> {
-        self.wait_for_line(timeout, |line| line.contains(needle))
+        self.wait_for_line(|line| line.contains(needle), timeout)
             .with_context(|| format!("waiting for {needle:?}"))
     }
 
@@ -836,6 +841,19 @@ fn find_done(lines: &[Line]) -> Option<(i32, Duration)> {
     })
 }
 
+/// `arg` quoted for a POSIX shell when it needs it (for log lines).
+fn shell_quote(arg: &str) -> String {
+    let plain = !arg.is_empty()
+        && arg
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=,:@+%".contains(c));
+    if plain {
+        arg.to_string()
+    } else {
+        format!("'{}'", arg.replace('\'', r"'\''"))
+    }
+}
+
 /// `key=value` of a `DEVLEND-RESULT key=value` line (the marker may follow
 /// other output on the same line).
 fn parse_result(line: &str) -> Option<(&str, &str)> {
@@ -874,6 +892,16 @@ fn describe(state: &ConsoleState) -> String {
     text
 }
 
+/// Where the console reader is in a terminal escape sequence.
+#[derive(Clone, Copy)]
+enum Escape {
+    None,
+    /// After ESC.
+    Start,
+    /// After ESC [, until a final byte.
+    Csi,
+}
+
 fn spawn_console_reader(
     mut stdout: ChildStdout,
     console: Arc<Console>,
@@ -885,6 +913,7 @@ fn spawn_console_reader(
         .name(format!("{name}-console"))
         .spawn(move || {
             let mut buf = [0u8; 4096];
+            let mut escape = Escape::None;
             loop {
                 let n = match stdout.read(&mut buf) {
                     Ok(0) | Err(_) => break,
@@ -893,6 +922,25 @@ fn spawn_console_reader(
                 let chunk = String::from_utf8_lossy(&buf[..n]);
                 let mut state = console.lock();
                 for c in chunk.chars() {
+                    // Drop terminal escape sequences (the firmware clears
+                    // the screen): ESC [ ... final byte, or ESC + one char.
+                    match escape {
+                        Escape::None if c == '\x1b' => {
+                            escape = Escape::Start;
+                            continue;
+                        }
+                        Escape::None => {}
+                        Escape::Start => {
+                            escape = if c == '[' { Escape::Csi } else { Escape::None };
+                            continue;
+                        }
+                        Escape::Csi => {
+                            if ('\x40'..='\x7e').contains(&c) {
+                                escape = Escape::None;
+                            }
+                            continue;
+                        }
+                    }
                     match c {
                         '\n' => {
                             let text = std::mem::take(&mut state.partial);
