@@ -313,7 +313,16 @@ fn plug(
         }
         VmmTarget::CloudHypervisor { api } => {
             let body = ch::disk_config(&req.socket, id, req.queues, req.queue_size, read_only);
-            let d = ch::add_disk(api, &body).map_err(VmmError::CloudHypervisor)?;
+            let d = match ch::add_disk(api, &body) {
+                Ok(d) => d,
+                Err(e @ ChError::ColdAdded { .. }) => {
+                    // The VM is not running: the disk went into its configuration only.
+                    // Take it out again, so that it does not later boot on a gone socket.
+                    let _ = ch::remove_device(api, id);
+                    return Err(VmmError::CloudHypervisor(e));
+                }
+                Err(e) => return Err(VmmError::CloudHypervisor(e)),
+            };
             tracing::info!(id, api = %api.display(), bdf = %d.bdf, "plugged into Cloud Hypervisor");
             Ok(VmmPlug {
                 target: target.clone(),

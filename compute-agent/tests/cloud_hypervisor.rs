@@ -29,8 +29,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::put;
 use axum::Router;
 use devlend_compute_agent::vmm::cloud_hypervisor::{
-    add_disk, cli_arg, disk_config, remove_device, remove_device_body, ChError, PciDeviceInfo,
-    OP_ADD_DISK, OP_REMOVE_DEVICE,
+    add_disk, cli_arg, disk_config, disk_option, remove_device, remove_device_body, ChError,
+    PciDeviceInfo, OP_ADD_DISK, OP_REMOVE_DEVICE,
 };
 use serde_json::{json, Value};
 
@@ -113,7 +113,10 @@ impl Contract {
     /// `components/schemas/NAME`.
     fn schema(&self, name: &str) -> &Value {
         let s = &self.doc["components"]["schemas"][name];
-        assert!(s.is_object(), "no components/schemas/{name} in the document");
+        assert!(
+            s.is_object(),
+            "no components/schemas/{name} in the document"
+        );
         s
     }
 
@@ -179,13 +182,17 @@ impl Contract {
         let s = self.resolve(schema);
         for k in ["allOf", "anyOf", "oneOf", "not"] {
             if s.get(k).is_some() {
-                errs.push(format!("strict: {at}: schema uses {k}, which this checker does not handle"));
+                errs.push(format!(
+                    "strict: {at}: schema uses {k}, which this checker does not handle"
+                ));
                 return;
             }
         }
         if v.is_null() {
             if s.get("nullable") != Some(&Value::Bool(true)) {
-                errs.push(format!("strict: {at}: null where the schema is not nullable"));
+                errs.push(format!(
+                    "strict: {at}: null where the schema is not nullable"
+                ));
             }
             return;
         }
@@ -215,9 +222,9 @@ impl Contract {
                         Some(ps) => self.strict(ps, x, &here, errs),
                         None => match s.get("additionalProperties") {
                             Some(ap) if ap.is_object() => self.strict(ap, x, &here, errs),
-                            _ => errs.push(format!(
-                                "strict: {here}: no such property in the schema"
-                            )),
+                            _ => {
+                                errs.push(format!("strict: {here}: no such property in the schema"))
+                            }
                         },
                     }
                 }
@@ -325,7 +332,7 @@ fn openapi_schema_to_json_schema(s: &Value) -> Value {
 }
 
 /// The `$ref` of an operation's JSON request body.
-fn request_schema_ref<'a>(op: &'a Value) -> &'a str {
+fn request_schema_ref(op: &Value) -> &str {
     op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         .as_str()
         .unwrap_or_default()
@@ -358,7 +365,10 @@ fn document_defines_the_operations_devlend_calls() {
     );
 
     let remove = &c.doc["paths"][format!("/{OP_REMOVE_DEVICE}")]["put"];
-    assert!(remove.is_object(), "no PUT /{OP_REMOVE_DEVICE} in the document");
+    assert!(
+        remove.is_object(),
+        "no PUT /{OP_REMOVE_DEVICE} in the document"
+    );
     assert_eq!(
         request_schema_ref(remove),
         "#/components/schemas/VmRemoveDevice"
@@ -395,7 +405,10 @@ fn disk_config_bodies_satisfy_the_schema() {
     for (socket, id, queues, qsize, ro) in cases {
         let body = disk_config(Path::new(socket), id, queues, qsize, ro);
         let errs = c.check("DiskConfig", &body);
-        assert!(errs.is_empty(), "{body} is not a valid DiskConfig: {errs:#?}");
+        assert!(
+            errs.is_empty(),
+            "{body} is not a valid DiskConfig: {errs:#?}"
+        );
         // What Cloud Hypervisor needs of a vhost-user disk beyond the schema: a socket
         // and no path (it refuses both together).
         assert_eq!(body["vhost_user"], json!(true));
@@ -509,7 +522,11 @@ fn the_checkers_reject_bad_bodies() {
     assert!(!c.jsonschema_errors("DiskConfig", &e).is_empty());
     assert!(!c.strict_errors("DiskConfig", &e).is_empty());
     e["image_type"] = json!("Raw");
-    assert!(c.check("DiskConfig", &e).is_empty(), "{:?}", c.check("DiskConfig", &e));
+    assert!(
+        c.check("DiskConfig", &e).is_empty(),
+        "{:?}",
+        c.check("DiskConfig", &e)
+    );
 
     // Integer formats: pci_segment is an int16.
     let mut seg = good.clone();
@@ -519,13 +536,18 @@ fn the_checkers_reject_bad_bodies() {
     assert!(c.check("DiskConfig", &seg).is_empty());
 
     // A wrong or misspelled remove body.
-    assert!(!c.strict_errors("VmRemoveDevice", &json!({ "ids": "vol1" })).is_empty());
+    assert!(!c
+        .strict_errors("VmRemoveDevice", &json!({ "ids": "vol1" }))
+        .is_empty());
     assert!(!c.check("VmRemoveDevice", &json!({ "id": 7 })).is_empty());
     assert!(!c.check("VmRemoveDevice", &json!(["vol1"])).is_empty());
 
     // A PciDeviceInfo without its required bdf.
     let errs = c.check("PciDeviceInfo", &json!({ "id": "vol1" }));
-    assert!(errs.iter().any(|e| e.starts_with("jsonschema:")), "{errs:?}");
+    assert!(
+        errs.iter().any(|e| e.starts_with("jsonschema:")),
+        "{errs:?}"
+    );
     assert!(errs.iter().any(|e| e.starts_with("strict:")), "{errs:?}");
 }
 
@@ -542,7 +564,10 @@ fn pci_device_info_matches_the_schema() {
         bdf: "0000:00:06.0".into(),
     })
     .expect("serialize");
-    let ours_keys: Vec<&String> = ours.as_object().map(|o| o.keys().collect()).unwrap_or_default();
+    let ours_keys: Vec<&String> = ours
+        .as_object()
+        .map(|o| o.keys().collect())
+        .unwrap_or_default();
     assert_eq!(declared, ours_keys, "PciDeviceInfo fields");
     assert!(c.check("PciDeviceInfo", &ours).is_empty());
     for (k, p) in schema["properties"].as_object().into_iter().flatten() {
@@ -558,7 +583,7 @@ fn pci_device_info_matches_the_schema() {
 }
 
 // ---------------------------------------------------------------------------------------
-// cli_arg.
+// cli_arg and disk_option.
 
 /// Splits a Cloud Hypervisor `key=value,...` option the way its option parser does:
 /// commas inside double quotes do not split, and the quotes are dropped.
@@ -586,14 +611,14 @@ fn parse_ch_option(s: &str) -> Vec<(String, String)> {
 fn cli_arg_cases() {
     assert_eq!(
         cli_arg(Path::new("/run/devlend/vol1.sock"), "vol1", 1, 256, false),
-        "vhost_user=true,socket=/run/devlend/vol1.sock,num_queues=1,queue_size=256,id=vol1"
+        "--disk vhost_user=true,socket=/run/devlend/vol1.sock,num_queues=1,queue_size=256,id=vol1"
     );
     assert_eq!(
         cli_arg(Path::new("/run/devlend/ro.sock"), "ro", 4, 128, true),
-        "vhost_user=true,socket=/run/devlend/ro.sock,num_queues=4,queue_size=128,id=ro,readonly=on"
+        "--disk vhost_user=true,socket=/run/devlend/ro.sock,num_queues=4,queue_size=128,id=ro,readonly=on"
     );
     assert_eq!(
-        cli_arg(Path::new("/tmp/a,b.sock"), "a", 2, 64, false),
+        disk_option(Path::new("/tmp/a,b.sock"), "a", 2, 64, false),
         "vhost_user=true,socket=\"/tmp/a,b.sock\",num_queues=2,queue_size=64,id=a"
     );
 }
@@ -610,11 +635,19 @@ fn cli_arg_agrees_with_disk_config() {
         ("/run/devlend/ro.sock", "backup-ro", 4, 128, true),
         ("/tmp/odd,name.sock", "odd", 2, 64, false),
     ] {
-        let arg = cli_arg(Path::new(socket), id, q, qs, ro);
+        let arg = disk_option(Path::new(socket), id, q, qs, ro);
+        assert_eq!(
+            cli_arg(Path::new(socket), id, q, qs, ro),
+            format!("--disk {arg}")
+        );
         let mut from_cli = serde_json::Map::new();
         for (k, v) in parse_ch_option(&arg) {
             // `socket` is the option's name for the API's `vhost_socket`.
-            let key = if k == "socket" { "vhost_socket".to_owned() } else { k };
+            let key = if k == "socket" {
+                "vhost_socket".to_owned()
+            } else {
+                k
+            };
             let ty = props
                 .get(&key)
                 .unwrap_or_else(|| panic!("{arg}: {key} is not a DiskConfig property"))["type"]
@@ -684,7 +717,10 @@ impl StandIn {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
         let app = Router::new()
             .route(&format!("/api/v1/{OP_ADD_DISK}"), put(stand_in_add_disk))
-            .route(&format!("/api/v1/{OP_REMOVE_DEVICE}"), put(stand_in_remove_device))
+            .route(
+                &format!("/api/v1/{OP_REMOVE_DEVICE}"),
+                put(stand_in_remove_device),
+            )
             .with_state(state.clone());
         let sock = socket.clone();
         let thread = std::thread::spawn(move || {
@@ -741,14 +777,15 @@ fn answer(status: u16, body: String) -> Response {
     (status, body).into_response()
 }
 
-/// Records the request and checks it against `schema`; an answer if it must be refused.
+/// Records the request and checks it against `schema`; the status and body of the
+/// answer if it must be refused.
 fn stand_in_receive(
     state: &StandInState,
     path: &str,
     schema: &str,
     headers: &HeaderMap,
     bytes: &[u8],
-) -> Result<Value, Response> {
+) -> Result<Value, (u16, String)> {
     let content_type = headers
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -768,13 +805,13 @@ fn stand_in_receive(
         errors: errors.clone(),
     });
     if content_type != "application/json" {
-        return Err(answer(400, format!("content type {content_type:?}")));
+        return Err((400, format!("content type {content_type:?}")));
     }
     if !errors.is_empty() {
-        return Err(answer(400, format!("invalid {schema}: {}", errors.join("; "))));
+        return Err((400, format!("invalid {schema}: {}", errors.join("; "))));
     }
     if let Some((status, text)) = state.next_answer.lock().expect("lock").take() {
-        return Err(answer(status, text));
+        return Err((status, text));
     }
     Ok(body)
 }
@@ -787,7 +824,7 @@ async fn stand_in_add_disk(
     let path = format!("/api/v1/{OP_ADD_DISK}");
     let body = match stand_in_receive(&state, &path, "DiskConfig", &headers, &bytes) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err((status, text)) => return answer(status, text),
     };
     // Cloud Hypervisor's own rules for a vhost-user disk.
     if body["vhost_user"] == json!(true) && body.get("vhost_socket").is_none() {
@@ -821,7 +858,7 @@ async fn stand_in_remove_device(
     let path = format!("/api/v1/{OP_REMOVE_DEVICE}");
     let body = match stand_in_receive(&state, &path, "VmRemoveDevice", &headers, &bytes) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err((status, text)) => return answer(status, text),
     };
     let id = body["id"].as_str().unwrap_or_default().to_owned();
     match state.devices.lock().expect("lock").remove(&id) {
@@ -852,7 +889,10 @@ fn add_and_remove_against_the_stand_in() {
     // A duplicate id: the VMM's 409 and message come back.
     let e = add_disk(&ch.socket, &ro).expect_err("duplicate id");
     assert!(matches!(e, ChError::Refused { status: 409, .. }), "{e:?}");
-    assert!(e.to_string().contains("Identifier vol1 is not unique"), "{e}");
+    assert!(
+        e.to_string().contains("Identifier vol1 is not unique"),
+        "{e}"
+    );
 
     remove_device(&ch.socket, "vol1").expect("remove vol1");
     let e = remove_device(&ch.socket, "vol1").expect_err("already removed");
@@ -926,7 +966,10 @@ fn odd_success_answers() {
     // A 200 where remove-device defines only 204.
     ch.answer_next(200, "{}");
     let e = remove_device(&ch.socket, "cold").expect_err("200");
-    assert!(matches!(e, ChError::UnexpectedStatus { status: 200, .. }), "{e:?}");
+    assert!(
+        matches!(e, ChError::UnexpectedStatus { status: 200, .. }),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -950,4 +993,98 @@ fn an_unreachable_socket_is_told_apart() {
     let e = remove_device(&stale, "v").expect_err("stale socket");
     assert!(matches!(e, ChError::Unreachable { .. }), "{e:?}");
     assert!(e.to_string().contains(OP_REMOVE_DEVICE), "{e}");
+}
+
+#[test]
+fn the_stand_in_refuses_what_the_schema_refuses() {
+    let ch = StandIn::start();
+    let mut typo = disk_config(Path::new("/run/devlend/v.sock"), "v", 1, 256, false);
+    typo["num_queue"] = json!(2);
+    let e = add_disk(&ch.socket, &typo).expect_err("misspelled key");
+    assert_eq!(e.status(), Some(400));
+    assert!(
+        e.to_string()
+            .contains("DiskConfig.num_queue: no such property"),
+        "{e}"
+    );
+    let e = add_disk(&ch.socket, &json!({ "vhost_user": true })).expect_err("no socket");
+    assert!(e.to_string().contains("No socket provided"), "{e}");
+    let got = ch.received();
+    assert_eq!(got.len(), 2);
+    assert!(!got[0].errors.is_empty());
+}
+
+/// The whole attach path with `--ch-api`: the compute agent's registry serves a device
+/// lent by a real (in-process) lender, hot-adds it through the API, and removes it on
+/// detach. A VM that is not running (204: cold-added) is rolled back.
+#[test]
+fn attach_and_detach_through_the_registry_use_the_api() {
+    use devlend_compute_agent::api::{AttachRequest, VmmTarget};
+    use devlend_compute_agent::registry::Registry;
+    use devlend_device_agent::{DeviceSpec, Lender};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let img = dir.path().join("d.img");
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(1 << 20))
+        .expect("image");
+    let spec = DeviceSpec {
+        name: "d".into(),
+        path: img,
+        read_only: false,
+        serial: None,
+    };
+    let lender = Lender::bind("127.0.0.1:0", vec![spec])
+        .expect("bind")
+        .spawn();
+    let ch = StandIn::start();
+    let registry = Registry::default();
+    let socket = dir.path().join("d.sock");
+    let req = |id: &str| AttachRequest {
+        id: Some(id.into()),
+        lender: lender.local_addr().to_string(),
+        device: "d".into(),
+        socket: socket.clone(),
+        queues: 2,
+        queue_size: 128,
+        vmm: Some(VmmTarget::CloudHypervisor {
+            api: ch.socket.clone(),
+        }),
+    };
+    let info = registry.attach(req("vm1-d")).expect("attach");
+    let plug = info.vmm.expect("plugged");
+    assert_eq!(
+        (plug.device_id.as_str(), plug.location.as_str()),
+        ("vm1-d", "0000:00:06.0")
+    );
+    assert!(socket.exists());
+    let got = ch.received();
+    assert_eq!(got.len(), 1);
+    assert!(got[0].errors.is_empty(), "{:?}", got[0]);
+    assert_eq!(got[0].body["vhost_socket"], socket.display().to_string());
+    assert_eq!(got[0].body["num_queues"], 2);
+
+    registry
+        .detach("vm1-d", std::time::Duration::from_secs(5))
+        .expect("detach");
+    assert!(!socket.exists());
+    let got = ch.received();
+    assert_eq!(
+        got.last().map(|r| r.body.clone()),
+        Some(json!({ "id": "vm1-d" }))
+    );
+
+    // A VM that has not booted answers 204: the disk is taken out again, nothing stays.
+    ch.answer_next(204, "");
+    let e = registry
+        .attach(req("vm2-d"))
+        .expect_err("cold add must fail");
+    assert!(e.to_string().contains("Cloud Hypervisor"), "{e}");
+    let got = ch.received();
+    assert_eq!(
+        got.last().map(|r| r.path.as_str()),
+        Some("/api/v1/vm.remove-device")
+    );
+    assert!(registry.list().is_empty());
+    assert!(!socket.exists());
 }

@@ -5,5 +5,5 @@
 //! they share.
 
 pub mod agents;
-pub mod guest;
+pub use devlend_qemu::guest;
 pub mod storage_daemon;

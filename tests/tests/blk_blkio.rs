@@ -331,7 +331,10 @@ fn out_of_range_io_fails_and_the_rest_goes_on() {
 
 #[test]
 fn cli_attach_prints_qemu_and_libvirt_and_detach_removes_the_socket() {
-    let s = setup(&[("disk0", 8 * MIB, ",serial=SN-CLI-01")]);
+    let s = setup(&[
+        ("disk0", 8 * MIB, ",serial=SN-CLI-01"),
+        ("disk1", 8 * MIB, ""),
+    ]);
     let sock = s.dir.path().join("cli.sock");
     let out = s
         .borrower
@@ -434,6 +437,41 @@ fn cli_attach_prints_qemu_and_libvirt_and_detach_removes_the_socket() {
         String::from_utf8_lossy(&dead.stderr).contains(&lender),
         "{dead:?}"
     );
+
+    // Cloud Hypervisor's argument, for a VM started with the disk.
+    let ch_sock = s.dir.path().join("ch.sock");
+    let out = s
+        .borrower
+        .cli(&[
+            "attach",
+            "--lender",
+            &s.lender.addr,
+            "--device",
+            "disk1",
+            "--socket",
+            ch_sock.to_str().unwrap(),
+            "--vmm",
+            "cloud-hypervisor",
+        ])
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("--memory size=<guest RAM>,shared=on"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "--disk vhost_user=true,socket={}",
+            ch_sock.display()
+        )),
+        "{text}"
+    );
+    s.borrower.cli_json(&["detach", "disk1"]).unwrap();
 
     // Status lists it; detach by socket path removes it.
     let status = String::from_utf8_lossy(&s.borrower.cli(&["status"]).unwrap().stdout).into_owned();

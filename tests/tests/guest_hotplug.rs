@@ -92,10 +92,13 @@ fn live_attach_io_detach_and_reattach() -> Result<()> {
     f[..MIB].copy_from_slice(&head);
     f[8 * MIB..9 * MIB].copy_from_slice(&head);
     fs::write(&img, &f)?;
-    let lender = Lender::start(
-        dir.path(),
-        &[format!("disk0={},serial={SERIAL}", img.display())],
-    )?;
+    let mut devices = vec![format!("disk0={},serial={SERIAL}", img.display())];
+    for d in ["disk1", "disk2"] {
+        let p = dir.path().join(format!("{d}.img"));
+        sparse_file(&p, 4 << 20)?;
+        devices.push(format!("{d}={}", p.display()));
+    }
+    let lender = Lender::start(dir.path(), &devices)?;
     let borrower = Borrower::start(dir.path())?;
 
     let mut guest = Guest::builder()
@@ -174,6 +177,58 @@ fn live_attach_io_detach_and_reattach() -> Result<()> {
         "both virtqueues must carry I/O: {status}"
     );
     ensure!(status[0]["vmm"]["device_id"] == "vdisk", "{status}");
+
+    // A second device takes the last free root port; a third finds none, and leaves
+    // nothing behind.
+    let live = |dev: &str, id: &str| -> Result<std::process::Output> {
+        let sock = dir.path().join(format!("{dev}.sock"));
+        borrower.cli(&[
+            "attach",
+            "--lender",
+            &lender.addr,
+            "--device",
+            dev,
+            "--socket",
+            sock.to_str().context("utf8")?,
+            "--qmp",
+            qmp.to_str().context("utf8")?,
+            "--id",
+            id,
+        ])
+    };
+    let one = live("disk1", "vdisk1")?;
+    ensure!(
+        one.status.success(),
+        "second live attach failed: {}",
+        err_text(&one)
+    );
+    let full = live("disk2", "vdisk2")?;
+    ensure!(
+        !full.status.success()
+            && err_text(&full).contains("no free hotplug-capable PCIe root port"),
+        "{}",
+        err_text(&full)
+    );
+    ensure!(
+        !dir.path().join("disk2.sock").exists(),
+        "a refused attach left its socket"
+    );
+    ensure!(borrower.cli_json(&["status"])?.as_array().map(Vec::len) == Some(2));
+    // A guest that does not release the device in time: the attachment stays, served;
+    // a later detach finishes the job.
+    let slow = borrower.cli(&["detach", "vdisk1", "--timeout", "0"])?;
+    ensure!(
+        !slow.status.success() && err_text(&slow).contains("did not release"),
+        "{}",
+        err_text(&slow)
+    );
+    ensure!(
+        borrower.cli_json(&["status"])?.as_array().map(Vec::len) == Some(2),
+        "the attachment went away"
+    );
+    ensure!(dir.path().join("disk1.sock").exists());
+    borrower.cli_json(&["detach", "vdisk1"])?;
+    ensure!(!dir.path().join("disk1.sock").exists());
 
     // Detach live: the guest releases it, the socket goes away.
     let d = borrower.cli_json(&["detach", "vdisk"])?;

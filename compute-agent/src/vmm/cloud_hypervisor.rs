@@ -1,8 +1,8 @@
 //! Cloud Hypervisor: an attachment's vhost-user-blk socket as a VM disk.
 //!
 //! Two ways in:
-//! - at VM start, [`cli_arg`] gives the value of Cloud Hypervisor's `--disk` option
-//!   (`vhost_user=true,socket=...`);
+//! - at VM start, [`cli_arg`] gives Cloud Hypervisor's `--disk vhost_user=true,socket=...`
+//!   option ([`disk_option`] its value alone, for an argument list or `ch-remote add-disk`);
 //! - into a running VM, [`add_disk`] sends [`disk_config`] as `PUT /api/v1/vm.add-disk`
 //!   over the VMM's API socket (`--api-socket`), and [`remove_device`] takes the disk out
 //!   again with `PUT /api/v1/vm.remove-device`.
@@ -182,16 +182,14 @@ impl ChError {
 ///
 /// - No `path`: a vhost-user disk has no image path, and Cloud Hypervisor refuses a disk
 ///   with both `path` and `vhost_socket`. The published schema agrees: `DiskConfig`
-///   declares no required property, so `path` may be left out (older schemas required
-///   it, which a vhost-user disk could not honour).
+///   declares no required property, so `path` may be left out.
 /// - `vhost_user` is a boolean in the schema: `true` here (the `--disk` option spells
 ///   it `vhost_user=true` or `on`).
 /// - An empty `id` is left out, and the VMM picks one (returned in [`PciDeviceInfo`]).
 /// - `readonly` records intent in the VM's configuration; the guest sees the disk
 ///   read-only through `VIRTIO_BLK_F_RO`, which devlend's backend offers when the lent
 ///   device is read-only and enforces in any case.
-/// - Cloud Hypervisor refuses more queues than the VM has boot vCPUs, and wants
-///   `queue_size` a power of two.
+/// - Cloud Hypervisor refuses more queues than the VM has boot vCPUs.
 /// - `socket` must be valid UTF-8 (a JSON string cannot carry other bytes); anything
 ///   else is replaced lossily.
 pub fn disk_config(
@@ -219,20 +217,37 @@ pub fn remove_device_body(id: &str) -> Value {
     json!({ "id": id })
 }
 
-/// The value of Cloud Hypervisor's `--disk` option (one argument, after `--disk`) for a
-/// vhost-user-blk disk served on `socket`:
-/// `vhost_user=true,socket=PATH,num_queues=N,queue_size=N,id=ID`, plus `readonly=on`
-/// when read-only. `ch-remote add-disk` takes the same string.
+/// Cloud Hypervisor's `--disk` option for a vhost-user-blk disk served on `socket`, as
+/// one line to show people:
+/// `--disk vhost_user=true,socket=PATH,num_queues=N,queue_size=N,id=ID`, plus
+/// `,readonly=on` when read-only. The value alone is [`disk_option`].
 ///
 /// The VM must be started with shared memory, `--memory size=...,shared=on`, or Cloud
 /// Hypervisor refuses vhost-user disks.
+pub fn cli_arg(
+    socket: &Path,
+    id: &str,
+    num_queues: u16,
+    queue_size: u16,
+    read_only: bool,
+) -> String {
+    format!(
+        "--disk {}",
+        disk_option(socket, id, num_queues, queue_size, read_only)
+    )
+}
+
+/// The value of Cloud Hypervisor's `--disk` option for a vhost-user-blk disk served on
+/// `socket` (one argument after `--disk` when starting the VMM; also what
+/// `ch-remote add-disk` takes): `vhost_user=true,socket=PATH,num_queues=N,queue_size=N,id=ID`,
+/// plus `readonly=on` when read-only.
 ///
 /// An empty `id` is left out (the VMM picks one). A socket path or id with a comma is
-/// quoted (`socket="/run/a,b.sock"`), as Cloud Hypervisor's option syntax wants;
-/// that syntax cannot carry a `"` and treats `[`/`]` as nesting, so a socket path with
-/// those is not usable here (devlend's own socket paths have none). A non-UTF-8 path is
-/// replaced lossily.
-pub fn cli_arg(
+/// quoted (`socket="/run/a,b.sock"`), as Cloud Hypervisor's option syntax wants (a shell
+/// drops such quotes: quote the whole argument there); that syntax cannot carry a `"`
+/// and treats `[`/`]` as nesting, so a socket path with those is not usable here
+/// (devlend's own socket paths have none). A non-UTF-8 path is replaced lossily.
+pub fn disk_option(
     socket: &Path,
     id: &str,
     num_queues: u16,
@@ -417,7 +432,7 @@ mod tests {
         assert!(b.get("id").is_none());
         assert_eq!(
             cli_arg(Path::new("/s"), "", 1, 128, false),
-            "vhost_user=true,socket=/s,num_queues=1,queue_size=128"
+            "--disk vhost_user=true,socket=/s,num_queues=1,queue_size=128"
         );
     }
 }

@@ -59,12 +59,26 @@ const EXIT_GRACE: Duration = Duration::from_secs(10);
 /// Console lines quoted in error messages.
 const ERROR_TAIL_LINES: usize = 40;
 
-/// The devlend repository root (the parent of the `tests` crate).
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from(".."))
+/// `qemu/build-guest.sh`, embedded so that the `devlend` binary can build guests
+/// anywhere.
+const BUILD_GUEST_SH: &str = include_str!("../build-guest.sh");
+/// `qemu/install-deps.sh`, which `build-guest.sh` runs first.
+const INSTALL_DEPS_SH: &str = include_str!("../install-deps.sh");
+
+/// Writes the embedded scripts into a fresh directory; returns it and the path of
+/// `build-guest.sh` in it.
+fn write_scripts() -> Result<(tempfile::TempDir, PathBuf)> {
+    let dir = tempfile::Builder::new().prefix("devlend-qemu-").tempdir()?;
+    for (name, text) in [
+        ("build-guest.sh", BUILD_GUEST_SH),
+        ("install-deps.sh", INSTALL_DEPS_SH),
+    ] {
+        let p = dir.path().join(name);
+        fs::write(&p, text).with_context(|| format!("writing {}", p.display()))?;
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o755))?;
+    }
+    let script = dir.path().join("build-guest.sh");
+    Ok((dir, script))
 }
 
 /// The QEMU binary: `$DEVLEND_QEMU`, else `qemu-system-x86_64` from `PATH`.
@@ -99,9 +113,9 @@ static ENSURED: Mutex<Option<GuestImage>> = Mutex::new(None);
 impl GuestImage {
     /// Builds the guest image if needed and returns it.
     ///
-    /// Runs `qemu/build-guest.sh` (which first runs `qemu/install-deps.sh`;
-    /// both are fast no-ops when everything is in place) once per process and
-    /// reuses the answer afterwards.
+    /// Runs `qemu/build-guest.sh` (embedded in this crate; it first runs
+    /// `qemu/install-deps.sh`; both are fast no-ops when everything is in place) once
+    /// per process and reuses the answer afterwards.
     ///
     /// # Errors
     /// When the script cannot be run or fails (its output is in the error),
@@ -111,7 +125,7 @@ impl GuestImage {
         if let Some(image) = cached.as_ref() {
             return Ok(image.clone());
         }
-        let script = repo_root().join("qemu").join("build-guest.sh");
+        let (_scripts, script) = write_scripts()?;
         let started = Instant::now();
         let out = Command::new("bash")
             .arg(&script)

@@ -1,0 +1,239 @@
+//! What every demo needs: a work directory, a sparse image, a lender and a borrower.
+
+use std::fs::File;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::api_client::ApiClient;
+use crate::output::human_bytes;
+
+/// A child process stopped (SIGTERM, then SIGKILL) on drop; its output goes to a log.
+pub struct Daemon {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid, with a valid signal number.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Daemon {
+    fn spawn(name: &'static str, bin: &Path, args: &[String], dir: &Path) -> Result<Self> {
+        let log = dir.join(format!("{name}.log"));
+        let out = File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
+        let child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("cannot start {}", bin.display()))?;
+        Ok(Daemon { name, child, log })
+    }
+
+    /// Fails, with the daemon's log, if it has exited.
+    ///
+    /// # Errors
+    /// The daemon exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            bail!("{} exited ({status}):\n{log}", self.name);
+        }
+        Ok(())
+    }
+
+    fn wait_until(&mut self, what: &str, mut ready: impl FnMut() -> bool) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ready() {
+            self.check_alive()?;
+            if Instant::now() > deadline {
+                bail!(
+                    "{what} did not become ready in 20 s (log: {})",
+                    self.log.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+}
+
+/// Finds a sibling binary of the running executable (both come from `cargo build`).
+///
+/// # Errors
+/// The binary is not there.
+pub fn sibling_binary(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("cannot locate the devlend executable")?;
+    let dir = exe.parent().ok_or_else(|| anyhow!("no parent directory"))?;
+    for d in [Some(dir), dir.parent()].into_iter().flatten() {
+        let p = d.join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!(
+        "{name} not found next to {}: build it with `cargo build --release --workspace`",
+        exe.display()
+    )
+}
+
+/// Prints a progress step.
+pub fn step(progress: bool, msg: &str) {
+    if progress {
+        eprintln!("==> {msg}");
+    }
+}
+
+/// A byte progress bar (hidden when `progress` is off).
+pub fn bar(progress: bool, len: u64, msg: &'static str) -> indicatif::ProgressBar {
+    if !progress {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(len);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "    {msg:<8} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    pb.set_message(msg);
+    pb
+}
+
+/// The lender, the borrower and the image.
+pub struct Rig {
+    /// Work directory.
+    pub dir: PathBuf,
+    /// The lent image file.
+    pub image: PathBuf,
+    /// The lender's `HOST:PORT`.
+    pub lender_addr: String,
+    /// The borrower's API.
+    pub client: ApiClient,
+    // Dropped after the client: borrower first, then lender.
+    _borrower: Daemon,
+    _lender: Daemon,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl Rig {
+    /// Creates the work directory and a sparse image of `size` bytes, starts a lender
+    /// lending it as `disk0` on a free loopback port and a borrower.
+    ///
+    /// # Errors
+    /// A binary is missing or a daemon does not start.
+    pub fn start(dir: Option<&Path>, size: u64, progress: bool) -> Result<Rig> {
+        let lender_bin = sibling_binary("devlend-device-agent")?;
+        let borrower_bin = sibling_binary("devlend-compute-agent")?;
+        let (tmp, dir) = match dir {
+            Some(d) => {
+                std::fs::create_dir_all(d)?;
+                (None, d.to_owned())
+            }
+            None => {
+                let t = tempfile::Builder::new().prefix("devlend-demo-").tempdir()?;
+                let d = t.path().to_owned();
+                (Some(t), d)
+            }
+        };
+        let image = dir.join("disk0.img");
+        step(
+            progress,
+            &format!(
+                "creating a {} sparse image {}",
+                human_bytes(size),
+                image.display()
+            ),
+        );
+        File::create(&image)?.set_len(size)?;
+
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let lender_addr = format!("127.0.0.1:{port}");
+        step(
+            progress,
+            &format!("starting the lender (devlend-device-agent) on {lender_addr}"),
+        );
+        let mut lender = Daemon::spawn(
+            "device-agent",
+            &lender_bin,
+            &[
+                "--listen".into(),
+                lender_addr.clone(),
+                "--device".into(),
+                format!("disk0={},serial=devlend-demo", image.display()),
+            ],
+            &dir,
+        )?;
+        lender.wait_until("the lender", || TcpStream::connect(&lender_addr).is_ok())?;
+
+        let api = dir.join("compute-agent.sock");
+        step(
+            progress,
+            &format!(
+                "starting the borrower (devlend-compute-agent), API {}",
+                api.display()
+            ),
+        );
+        let mut borrower = Daemon::spawn(
+            "compute-agent",
+            &borrower_bin,
+            &["--api".into(), api.display().to_string()],
+            &dir,
+        )?;
+        let client = ApiClient::new(&api)?;
+        borrower.wait_until("the borrower", || api.exists() && client.list().is_ok())?;
+        Ok(Rig {
+            dir,
+            image,
+            lender_addr,
+            client,
+            _borrower: borrower,
+            _lender: lender,
+            _tmp: tmp,
+        })
+    }
+}
+
+/// Lower-case hex of bytes.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// SHA-256 of a whole file, in hex.
+///
+/// # Errors
+/// Reading the file.
+pub fn file_sha256(path: &Path) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut h = Sha256::new();
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex(&h.finalize()))
+}

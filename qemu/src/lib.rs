@@ -1,0 +1,8 @@
+//! devlend's QEMU guests, for the end-to-end tests and `devlend demo`.
+//!
+//! [`guest`] builds (through the embedded `build-guest.sh`, cached under
+//! `/var/cache/devlend/guest`) and boots TCG guests, feeds them a test script and reads
+//! their results from the serial console. Live attach over QMP lives in the compute
+//! agent (`devlend_compute_agent::vmm`).
+
+pub mod guest;
