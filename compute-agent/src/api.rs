@@ -100,6 +100,22 @@ pub struct IoCounters {
     pub inflight: u64,
     /// Requests completed by the lender, per virtqueue.
     pub per_queue: Vec<u64>,
+    /// Completion latency histogram of those requests.
+    pub latency: Latency,
+}
+
+/// A latency histogram: `buckets[i]` counts the samples at most `bounds_us[i]`
+/// microseconds and above the previous bound; the last bucket has no upper bound.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Latency {
+    /// Bucket upper bounds in microseconds.
+    pub bounds_us: Vec<u64>,
+    /// Samples per bucket (one more than `bounds_us`).
+    pub buckets: Vec<u64>,
+    /// Sum of the samples in nanoseconds.
+    pub sum_ns: u64,
+    /// Number of samples.
+    pub count: u64,
 }
 
 impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
@@ -117,6 +133,12 @@ impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
             reconnects: s.reconnects,
             inflight: s.inflight,
             per_queue: s.per_queue,
+            latency: Latency {
+                bounds_us: devlend_backend::blk::latency::BOUNDS_US.to_vec(),
+                buckets: s.latency.buckets,
+                sum_ns: s.latency.sum_ns,
+                count: s.latency.count,
+            },
         }
     }
 }

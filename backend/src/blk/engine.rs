@@ -22,6 +22,7 @@ use devlend_fabric::{Op, Status};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
+use crate::blk::latency::{LatencyHistogram, LatencySnapshot};
 use crate::blk::request::{parse, DeviceLimits, Disposition, Request, Scratch};
 use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
 use crate::blk::tcp::{recv_vectored_nonblocking, write_all_vectored};
@@ -86,6 +87,7 @@ pub struct QueueStats {
     reconnects: AtomicU64,
     inflight: AtomicI64,
     per_queue: Vec<AtomicU64>,
+    latency: LatencyHistogram,
 }
 
 /// A copy of [`QueueStats`] at one instant.
@@ -115,6 +117,8 @@ pub struct StatsSnapshot {
     pub inflight: u64,
     /// Requests completed by the lender, per virtqueue.
     pub per_queue: Vec<u64>,
+    /// Completion latency of the requests the lender completed.
+    pub latency: LatencySnapshot,
 }
 
 impl QueueStats {
@@ -142,6 +146,7 @@ impl QueueStats {
             reconnects: g(&self.reconnects),
             inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
             per_queue: self.per_queue.iter().map(g).collect(),
+            latency: self.latency.snapshot(),
         }
     }
 
@@ -179,6 +184,7 @@ struct Slot {
     status_addr: GuestAddress,
     iovs: Vec<HostIov>,
     mem: Option<GuestMemoryRef>,
+    sent: Option<Instant>,
 }
 
 /// Receive progress on the fabric connection.
@@ -416,6 +422,7 @@ impl QueueEngine {
                 slot.status_addr = parsed.status_addr;
                 std::mem::swap(&mut slot.iovs, &mut self.iov_tmp);
                 slot.mem = Some(Arc::clone(mem));
+                slot.sent = None;
                 self.inflight += 1;
                 self.stats.inflight.fetch_add(1, Ordering::Relaxed);
                 self.tx_headers.push(
@@ -456,6 +463,10 @@ impl QueueEngine {
             return Ok(false);
         }
         self.tx_iovs.clear();
+        let now = Instant::now();
+        for &(head, _) in &self.tx_heads {
+            self.slots[usize::from(head)].sent = Some(now);
+        }
         for (i, &(head, has_data)) in self.tx_heads.iter().enumerate() {
             let h = &mut self.tx_headers[i];
             self.tx_iovs.push(libc::iovec {
@@ -644,6 +655,9 @@ impl QueueEngine {
         self.stats.count(op, slot.len, status);
         if let Some(q) = self.stats.per_queue.get(usize::from(self.index)) {
             q.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(t) = slot.sent.take() {
+            self.stats.latency.record(t.elapsed());
         }
         slot.busy = false;
         slot.mem = None;
