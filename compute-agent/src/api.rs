@@ -31,6 +31,11 @@ pub struct AttachRequest {
     /// Virtqueue size to suggest to the VMM (a power of two, 64..=1024); default 256.
     #[serde(default = "default_queue_size")]
     pub queue_size: u16,
+    /// Busy-poll budget in microseconds: after handling events, each queue's worker
+    /// polls the guest's ring and the fabric this long before it sleeps again (0, the
+    /// default: interrupt-driven, no spinning). Costs CPU for lower latency.
+    #[serde(default)]
+    pub poll_us: u32,
     /// Plug the device into this running VM once the socket is served; the VMM's device
     /// id is the attachment id.
     #[serde(default)]
@@ -90,8 +95,14 @@ pub struct IoCounters {
     pub bytes_read: u64,
     /// Bytes written.
     pub bytes_written: u64,
-    /// Requests that completed with IOERR or UNSUPP.
+    /// Requests that completed with IOERR or UNSUPP (the sum of the next three).
     pub errors: u64,
+    /// Invalid guest requests refused by the backend.
+    pub errors_invalid: u64,
+    /// Requests the lender answered IOERR or UNSUPP.
+    pub errors_lender: u64,
+    /// Requests failed because the fabric session was lost or could not be opened.
+    pub errors_fabric: u64,
     /// Requests answered without the lender (GET_ID, invalid requests).
     pub local: u64,
     /// Fabric sessions re-established.
@@ -129,6 +140,9 @@ impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
             bytes_read: s.bytes_read,
             bytes_written: s.bytes_written,
             errors: s.errors,
+            errors_invalid: s.errors_invalid,
+            errors_lender: s.errors_lender,
+            errors_fabric: s.errors_fabric,
             local: s.local,
             reconnects: s.reconnects,
             inflight: s.inflight,
@@ -144,7 +158,7 @@ impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
 }
 
 /// An attachment as the API reports it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct AttachmentInfo {
     /// Attachment id.
     pub id: String,
@@ -170,8 +184,26 @@ pub struct AttachmentInfo {
     pub connected: bool,
     /// The VM it was plugged into live, if any.
     pub vmm: Option<VmmPlug>,
+    /// I/O rates over the last seconds (absent until two samples, one second apart).
+    #[serde(default)]
+    pub rates: Option<Rates>,
     /// I/O counters.
     pub counters: IoCounters,
+}
+
+/// Recent I/O rates of an attachment.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct Rates {
+    /// Seconds the rates are taken over.
+    pub window_s: f64,
+    /// Requests completed per second.
+    pub iops: f64,
+    /// Megabytes (10^6 bytes) read per second.
+    pub read_mb_s: f64,
+    /// Megabytes written per second.
+    pub write_mb_s: f64,
+    /// 99th percentile completion latency (upper bucket bound), microseconds.
+    pub p99_us: Option<u64>,
 }
 
 /// An error answer.

@@ -5,6 +5,9 @@
 //! ([`api`] types, [`server`] routes) that the `devlend` CLI drives.
 
 pub mod api;
+pub mod config;
+pub mod metrics;
+pub mod rates;
 pub mod registry;
 pub mod server;
 pub mod vmm;

@@ -1,34 +1,55 @@
 //! `devlend-compute-agent`: the borrower daemon.
 
-use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use devlend_compute_agent::{registry::Registry, server, DEFAULT_API_SOCKET};
+use devlend_compute_agent::config::{Cli, Config};
+use devlend_compute_agent::metrics::AttachmentMetrics;
+use devlend_compute_agent::registry::Registry;
+use devlend_compute_agent::server::{self, Reload};
 
-/// Serves block devices lent by device agents to VMs as vhost-user-blk sockets.
-#[derive(Debug, Parser)]
-#[command(name = "devlend-compute-agent", version)]
-struct Args {
-    /// Path of the control API unix socket (used by `devlend`).
-    #[arg(long, default_value = DEFAULT_API_SOCKET)]
-    api: PathBuf,
-    /// Log filter (error, warn, info, debug, trace, or a tracing filter); RUST_LOG wins.
-    #[arg(long, default_value = "info")]
-    log_level: String,
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::load(&cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("devlend-compute-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if cli.print_config {
+        print!("{}", config.to_toml());
+        return ExitCode::SUCCESS;
+    }
+    let log = match devlend_daemon::logging::init(&config.log_level, config.log_format) {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("devlend-compute-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(cli, config, log) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("devlend-compute-agent: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
-fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&args.log_level))?;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> anyhow::Result<()> {
+    let registry = Arc::new(Registry::default());
+    if let Some(addr) = config.metrics_listen {
+        devlend_daemon::metrics::serve(addr, AttachmentMetrics(registry.clone()))?;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(server::serve(&args.api, Arc::new(Registry::default())))
+    rt.block_on(server::serve(
+        &config.api,
+        registry,
+        Some(Reload { cli, log }),
+    ))
 }

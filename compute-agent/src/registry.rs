@@ -66,6 +66,7 @@ pub struct Registry {
     entries: Mutex<BTreeMap<String, Entry>>,
     /// Ids and sockets of attachments being set up.
     pending: Mutex<Vec<(String, std::path::PathBuf)>>,
+    rates: crate::rates::RateTracker,
 }
 
 fn valid_id(id: &str) -> bool {
@@ -96,6 +97,7 @@ fn info(e: &Entry) -> AttachmentInfo {
         serial: String::from_utf8_lossy(&l.serial[..end]).into_owned(),
         connected: e.attachment.connected(),
         vmm: e.plug.clone(),
+        rates: None,
         counters: e.attachment.stats().into(),
     }
 }
@@ -237,9 +239,24 @@ impl Registry {
         Ok(out)
     }
 
-    /// All attachments, by id.
+    /// All attachments, by id, with their recent rates.
     pub fn list(&self) -> Vec<AttachmentInfo> {
-        self.lock().values().map(info).collect()
+        let mut all: Vec<AttachmentInfo> = self.lock().values().map(info).collect();
+        for a in &mut all {
+            a.rates = self.rates.rates(&a.id);
+        }
+        all
+    }
+
+    /// Samples every attachment's counters for [`AttachmentInfo::rates`]; call about
+    /// once a second.
+    pub fn sample_rates(&self) {
+        let current: Vec<(String, crate::api::IoCounters)> = self
+            .lock()
+            .values()
+            .map(|e| (e.id.clone(), e.attachment.stats().into()))
+            .collect();
+        self.rates.sample(std::time::Instant::now(), current);
     }
 
     /// One attachment.
@@ -247,10 +264,13 @@ impl Registry {
     /// # Errors
     /// [`RegistryError::NotFound`].
     pub fn get(&self, id: &str) -> Result<AttachmentInfo, RegistryError> {
-        self.lock()
+        let mut a = self
+            .lock()
             .get(id)
             .map(info)
-            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))
+            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+        a.rates = self.rates.rates(id);
+        Ok(a)
     }
 
     /// Stops an attachment: completes its requests in flight, disconnects the VMM and

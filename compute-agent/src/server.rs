@@ -106,16 +106,32 @@ async fn detach(
     }
 }
 
-/// Serves the API on `socket` until SIGINT or SIGTERM, then detaches everything.
+/// What a SIGHUP reloads: the config file is read again and the log level applied.
+pub struct Reload {
+    /// The command line, applied over the file again.
+    pub cli: crate::config::Cli,
+    /// The log filter's handle.
+    pub log: devlend_daemon::logging::LogHandle,
+}
+
+/// Serves the API on `socket` until SIGINT or SIGTERM, then detaches everything
+/// (requests in flight complete first). SIGHUP re-reads the config file and applies the
+/// log level (the other keys need a restart). Tells systemd when it is ready, reloading
+/// and stopping.
 ///
 /// An existing file at `socket` is replaced; the parent directory is created. The
 /// socket is made `0660`.
 ///
 /// # Errors
 /// Binding the socket; the server failing.
-pub async fn serve(socket: &Path, registry: Arc<Registry>) -> anyhow::Result<()> {
+pub async fn serve(
+    socket: &Path,
+    registry: Arc<Registry>,
+    reload: Option<Reload>,
+) -> anyhow::Result<()> {
     use anyhow::Context;
     use std::os::unix::fs::PermissionsExt;
+    use tokio::signal::unix::{signal, SignalKind};
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
@@ -124,15 +140,43 @@ pub async fn serve(socket: &Path, registry: Arc<Registry>) -> anyhow::Result<()>
         .with_context(|| format!("cannot listen on {}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o660))
         .with_context(|| format!("cannot set permissions of {}", socket.display()))?;
-    tracing::info!(api = %socket.display(), "compute agent ready");
-    let shutdown = async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; }, None => std::future::pending().await } } => {},
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut hup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
+    {
+        let r = registry.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                r.sample_rates();
+            }
+        });
+    }
+    let shutdown = async move {
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break,
+                _ = term.recv() => break,
+                _ = hup.recv() => {
+                    devlend_daemon::notify::reloading();
+                    match &reload {
+                        Some(r) => match crate::config::Config::load(&r.cli) {
+                            Ok(c) => match r.log.set_level(&c.log_level) {
+                                Ok(()) => tracing::info!(level = %c.log_level, "configuration reloaded"),
+                                Err(e) => tracing::warn!(error = %e, "reload: log level not changed"),
+                            },
+                            Err(e) => tracing::warn!(error = %e, "reload failed; configuration unchanged"),
+                        },
+                        None => tracing::info!("nothing to reload"),
+                    }
+                    devlend_daemon::notify::ready("serving");
+                }
+            }
         }
+        devlend_daemon::notify::stopping();
     };
+    tracing::info!(api = %socket.display(), "compute agent ready");
+    devlend_daemon::notify::ready(&format!("serving the API on {}", socket.display()));
     axum::serve(listener, router(registry.clone()))
         .with_graceful_shutdown(shutdown)
         .await

@@ -1047,6 +1047,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         socket: socket.clone(),
         queues: 2,
         queue_size: 128,
+        poll_us: 0,
         vmm: Some(VmmTarget::CloudHypervisor {
             api: ch.socket.clone(),
         }),

@@ -9,8 +9,9 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use devlend_daemon::logging::LogFormat;
 use devlend_fabric::handshake::MAX_NAME_LEN;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{Error, MAX_SERIAL_LEN};
 
@@ -19,7 +20,7 @@ use crate::{Error, MAX_SERIAL_LEN};
 /// As a flag: `NAME=PATH[,ro][,serial=S]` (the path may not contain a comma). In the
 /// config file: a `[[device]]` table with keys `name`, `path`, `read_only` (default
 /// false) and `serial` (optional).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceSpec {
     /// The name borrowers ask for in their hello (1 to 255 bytes of UTF-8).
@@ -153,13 +154,22 @@ pub struct Cli {
     /// A device to lend; repeatable. Replaces a config-file device of the same name.
     #[arg(long = "device", value_name = "NAME=PATH[,ro][,serial=S]")]
     pub devices: Vec<DeviceSpec>,
-    /// TOML config file with `listen` and `[[device]]` tables.
+    /// TOML config file with `listen`, `log_level`, `log_format`, `metrics_listen` and
+    /// `[[device]]` tables; default /etc/devlend/device-agent.toml when it exists.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Log filter (e.g. `info`, `debug`, `devlend_device_agent=trace`); overrides
-    /// RUST_LOG. Default: RUST_LOG, else `info`.
+    /// Log filter (e.g. `info`, `debug`, `devlend_device_agent=trace`) [default: info].
     #[arg(long, value_name = "FILTER")]
     pub log_level: Option<String>,
+    /// Log line format [default: human].
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Print the merged configuration (file, then flags) as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
 /// The config file: `listen = "ADDR:PORT"` and `[[device]]` tables ([`DeviceSpec`]).
@@ -168,18 +178,39 @@ pub struct Cli {
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     listen: Option<String>,
+    log_level: Option<String>,
+    log_format: Option<LogFormat>,
+    metrics_listen: Option<std::net::SocketAddr>,
     #[serde(default, rename = "device")]
     devices: Vec<DeviceSpec>,
 }
 
 /// A complete, validated configuration: what to lend and where.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Config {
     /// Address and port to listen on.
     pub listen: String,
+    /// Log filter.
+    pub log_level: String,
+    /// Log line format.
+    pub log_format: LogFormat,
+    /// Metrics address, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Devices to lend, with distinct names (file devices first, in file order).
+    #[serde(rename = "device")]
     pub devices: Vec<DeviceSpec>,
 }
+
+impl Config {
+    /// The configuration as TOML, as `--print-config` shows it (a valid config file).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the configuration: {e}\n"))
+    }
+}
+
+/// The default config file, read when `--config` is not given and it exists.
+pub const DEFAULT_CONFIG: &str = "/etc/devlend/device-agent.toml";
 
 impl Config {
     /// Reads the config file named by `cli.config` (if any) and applies the flags over it.
@@ -190,7 +221,9 @@ impl Config {
     /// [`DeviceSpec::validate`]), [`Error::DuplicateDevice`], [`Error::NoListen`],
     /// [`Error::NoDevices`].
     pub fn from_cli(cli: &Cli) -> Result<Config, Error> {
-        let file = match &cli.config {
+        let default = PathBuf::from(DEFAULT_CONFIG);
+        let path = cli.config.as_ref().or(default.exists().then_some(&default));
+        let file = match path {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|source| Error::ConfigRead {
                     path: path.clone(),
@@ -211,7 +244,17 @@ impl Config {
         if devices.is_empty() {
             return Err(Error::NoDevices);
         }
-        Ok(Config { listen, devices })
+        Ok(Config {
+            listen,
+            log_level: cli
+                .log_level
+                .clone()
+                .or(file.log_level)
+                .unwrap_or_else(|| "info".into()),
+            log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
+            metrics_listen: cli.metrics_listen.or(file.metrics_listen),
+            devices,
+        })
     }
 
     fn parse_file(path: &Path, text: &str) -> Result<FileConfig, Error> {

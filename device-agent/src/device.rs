@@ -36,6 +36,8 @@ pub(crate) struct Device {
     pub(crate) stats: DeviceStats,
     /// The borrower that holds the device, and how many of its sessions are open.
     holder: Mutex<Option<([u8; 16], usize)>>,
+    /// The spec it was opened from.
+    spec: DeviceSpec,
 }
 
 /// A session's share of a device's ownership; released on drop.
@@ -62,6 +64,19 @@ impl Drop for Claim {
 }
 
 impl Device {
+    /// Whether a borrower holds the device (has a session open on it).
+    pub(crate) fn is_held(&self) -> bool {
+        self.holder
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    /// Whether `spec` describes this device as it was opened.
+    pub(crate) fn spec_matches(&self, spec: &DeviceSpec) -> bool {
+        self.spec == *spec
+    }
+
     /// Lets a session of `borrower` use the device: a device is lent to one borrower at
     /// a time, for as long as it has a session open. An anonymous borrower (all zero)
     /// gets a session only while nobody holds the device, and does not hold it. Returns
@@ -165,6 +180,7 @@ impl Device {
             info,
             stats: DeviceStats::default(),
             holder: Mutex::new(None),
+            spec: spec.clone(),
         })
     }
 }

@@ -21,6 +21,7 @@ mod device;
 mod engine;
 pub mod error;
 mod frame;
+pub mod metrics;
 mod pool;
 mod request;
 mod server;
@@ -30,7 +31,7 @@ mod uring;
 
 pub use config::{Cli, Config, DeviceSpec};
 pub use error::Error;
-pub use server::{Lender, LenderHandle, Options};
+pub use server::{Lender, LenderHandle, Options, ReloadReport, StatsView};
 pub use stats::DeviceStatsSnapshot;
 
 /// Largest data length of one read or write request, in bytes (4 MiB), advertised as

@@ -1,20 +1,35 @@
 //! `devlend-device-agent`: lends block devices and regular files to devlend borrowers.
 //! See the crate's README for options and the config file.
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
+use devlend_device_agent::metrics::DeviceMetrics;
 use devlend_device_agent::{Cli, Config, Lender};
-use tracing_subscriber::filter::{EnvFilter, LevelFilter};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Err(e) = init_logging(cli.log_level.as_deref()) {
-        eprintln!("devlend-device-agent: {e:#}");
-        return ExitCode::from(2);
+    let config = match Config::from_cli(&cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("devlend-device-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if cli.print_config {
+        print!("{}", config.to_toml());
+        return ExitCode::SUCCESS;
     }
-    match run(&cli) {
+    let log = match devlend_daemon::logging::init(&config.log_level, config.log_format) {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("devlend-device-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&cli, config, &log) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("devlend-device-agent: {e:#}");
@@ -23,26 +38,45 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: &Cli) -> anyhow::Result<()> {
-    let config = Config::from_cli(cli)?;
-    Lender::bind(&config.listen, config.devices)?.run()?;
-    Ok(())
-}
-
-/// Logs to stderr, filtered by `--log-level`, else RUST_LOG, else `info`.
-fn init_logging(level: Option<&str>) -> anyhow::Result<()> {
-    let filter = match level {
-        Some(l) => {
-            EnvFilter::try_new(l).map_err(|e| anyhow::anyhow!("invalid --log-level {l:?}: {e}"))?
+/// Serves until SIGTERM or SIGINT, then drains: sessions answer what they have in
+/// flight, then close. SIGHUP re-reads the configuration: the log level and the device
+/// list (added devices are lent, removed ones are refused unless a borrower holds them).
+fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> anyhow::Result<()> {
+    // Signals first, so that none arrives unhandled once sessions run.
+    let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP])?;
+    let lender = Lender::bind(&config.listen, config.devices)?;
+    if let Some(addr) = config.metrics_listen {
+        devlend_daemon::metrics::serve(addr, DeviceMetrics(lender.stats_view()))?;
+    }
+    let addr = lender.local_addr();
+    let handle = lender.spawn();
+    devlend_daemon::notify::ready(&format!("lending on {addr}"));
+    for sig in signals.forever() {
+        if sig != SIGHUP {
+            tracing::info!(
+                signal = sig,
+                "draining: sessions finish their requests in flight"
+            );
+            devlend_daemon::notify::stopping();
+            break;
         }
-        None => EnvFilter::builder()
-            .with_default_directive(LevelFilter::INFO.into())
-            .from_env_lossy(),
-    };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        devlend_daemon::notify::reloading();
+        match Config::from_cli(cli) {
+            Ok(new) => {
+                if let Err(e) = log.set_level(&new.log_level) {
+                    tracing::warn!(error = %e, "reload: log level not changed");
+                }
+                match handle.reload(&new.devices) {
+                    Ok(r) => {
+                        tracing::info!(added = ?r.added, removed = ?r.removed, kept_while_attached = ?r.kept_held, "configuration reloaded")
+                    }
+                    Err(e) => tracing::warn!(error = %e, "reload: device list unchanged"),
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "reload failed; configuration unchanged"),
+        }
+        devlend_daemon::notify::ready(&format!("lending on {addr}"));
+    }
+    handle.shutdown();
     Ok(())
 }

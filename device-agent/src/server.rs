@@ -5,7 +5,7 @@ use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -42,7 +42,7 @@ impl Default for Options {
 
 /// State shared by the accept loop, the sessions and the handle.
 pub(crate) struct Shared {
-    devices: HashMap<String, Arc<Device>>,
+    devices: RwLock<HashMap<String, Arc<Device>>>,
     pub(crate) options: Options,
     active: AtomicUsize,
     registry: Mutex<Registry>,
@@ -66,7 +66,70 @@ impl Drop for ActiveSession<'_> {
 
 impl Shared {
     pub(crate) fn device(&self, name: &str) -> Option<Arc<Device>> {
-        self.devices.get(name).cloned()
+        self.devices
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .cloned()
+    }
+
+    fn all_devices(&self) -> Vec<Arc<Device>> {
+        let mut v: Vec<_> = self
+            .devices
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// Applies a new device list: new names are opened and lent, names no longer listed
+    /// stop being lent unless a borrower holds them (then they stay, with a warning), and
+    /// a changed spec counts as removed + added.
+    fn reload(&self, specs: &[DeviceSpec]) -> Result<ReloadReport, Error> {
+        check_unique(specs)?;
+        let mut report = ReloadReport::default();
+        // Open the new devices before touching the map: a bad spec changes nothing.
+        let mut opened = Vec::new();
+        {
+            let current = self.devices.read().unwrap_or_else(PoisonError::into_inner);
+            for spec in specs {
+                let same = current
+                    .get(&spec.name)
+                    .is_some_and(|d| d.spec_matches(spec));
+                if !same {
+                    opened.push(Arc::new(Device::open(spec)?));
+                }
+            }
+        }
+        let mut map = self.devices.write().unwrap_or_else(PoisonError::into_inner);
+        let wanted: std::collections::HashSet<&str> =
+            specs.iter().map(|s| s.name.as_str()).collect();
+        let names: Vec<String> = map.keys().cloned().collect();
+        for name in names {
+            let replaced = opened.iter().any(|d| d.name == name);
+            if wanted.contains(name.as_str()) && !replaced {
+                continue;
+            }
+            let held = map.get(&name).is_some_and(|d| d.is_held());
+            if held {
+                tracing::warn!(device = %name, "device is attached by a borrower; it stays lent until detached");
+                report.kept_held.push(name.clone());
+                opened.retain(|d| d.name != name);
+            } else {
+                map.remove(&name);
+                report.removed.push(name);
+            }
+        }
+        for d in opened {
+            report.added.push(d.name.clone());
+            map.insert(d.name.clone(), d);
+        }
+        report.added.sort();
+        report.removed.sort();
+        Ok(report)
     }
 
     /// Counts one more active session, unless at [`Options::max_sessions`].
@@ -107,11 +170,13 @@ impl Shared {
     }
 
     /// Stops accepting and shuts every connection down (their sessions then end).
+    /// Stops every session from reading new requests; each answers what it has in
+    /// flight, then closes.
     fn close(&self) {
         let mut reg = self.registry();
         reg.closed = true;
         for s in reg.streams.values() {
-            let _ = s.shutdown(Shutdown::Both);
+            let _ = s.shutdown(Shutdown::Read);
         }
     }
 
@@ -120,7 +185,7 @@ impl Shared {
     }
 
     fn stats(&self, device: &str) -> Option<DeviceStatsSnapshot> {
-        self.devices.get(device).map(|d| d.stats.snapshot())
+        self.device(device).map(|d| d.stats.snapshot())
     }
 }
 
@@ -174,7 +239,7 @@ impl Lender {
             listener: Arc::new(listener),
             addr,
             shared: Arc::new(Shared {
-                devices,
+                devices: RwLock::new(devices),
                 options,
                 active: AtomicUsize::new(0),
                 registry: Mutex::new(Registry::default()),
@@ -195,14 +260,21 @@ impl Lender {
     /// What the handshake advertises for `device` (capacity in 512-byte sectors, limits,
     /// flags, serial); `None` if no device has that name.
     pub fn device_info(&self, device: &str) -> Option<DeviceInfo> {
-        self.shared.devices.get(device).map(|d| d.info.clone())
+        self.shared.device(device).map(|d| d.info.clone())
     }
 
     /// The names of the lent devices, sorted.
     pub fn devices(&self) -> Vec<String> {
-        let mut names: Vec<_> = self.shared.devices.keys().cloned().collect();
-        names.sort();
-        names
+        self.shared
+            .all_devices()
+            .iter()
+            .map(|d| d.name.clone())
+            .collect()
+    }
+
+    /// A handle on the counters of every device, for a metrics endpoint.
+    pub fn stats_view(&self) -> StatsView {
+        StatsView(Arc::clone(&self.shared))
     }
 
     /// Runs the accept loop on a new thread.
@@ -285,6 +357,38 @@ impl Lender {
     }
 }
 
+/// What a reload changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReloadReport {
+    /// Devices lent from now on.
+    pub added: Vec<String>,
+    /// Devices no longer lent.
+    pub removed: Vec<String>,
+    /// Devices to remove that stay lent because a borrower holds them.
+    pub kept_held: Vec<String>,
+}
+
+/// The counters of every device of a running lender.
+#[derive(Clone)]
+pub struct StatsView(Arc<Shared>);
+
+impl StatsView {
+    /// Each device's name and counters, by name.
+    pub fn all(&self) -> Vec<(String, DeviceStatsSnapshot)> {
+        self.0
+            .all_devices()
+            .iter()
+            .map(|d| (d.name.clone(), d.stats.snapshot()))
+            .collect()
+    }
+}
+
+impl std::fmt::Debug for StatsView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StatsView")
+    }
+}
+
 /// A lender running on its own thread (see [`Lender::spawn`]). Dropping it shuts the
 /// lender down like [`LenderHandle::shutdown`].
 pub struct LenderHandle {
@@ -303,6 +407,21 @@ impl LenderHandle {
     /// The counters of `device`; `None` if no device has that name.
     pub fn stats(&self, device: &str) -> Option<DeviceStatsSnapshot> {
         self.shared.stats(device)
+    }
+
+    /// A handle on the counters of every device, for a metrics endpoint.
+    pub fn stats_view(&self) -> StatsView {
+        StatsView(Arc::clone(&self.shared))
+    }
+
+    /// Applies a new device list without dropping I/O (SIGHUP): added devices are lent
+    /// from now on, removed ones are refused to new sessions unless a borrower holds
+    /// them, in which case they stay lent until it detaches.
+    ///
+    /// # Errors
+    /// A new device cannot be opened, or names repeat; nothing changes then.
+    pub fn reload(&self, devices: &[DeviceSpec]) -> Result<ReloadReport, Error> {
+        self.shared.reload(devices)
     }
 
     /// Stops accepting, closes every session's connection, and waits until every

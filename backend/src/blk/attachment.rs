@@ -22,6 +22,10 @@ use crate::blk::engine::{LenderTarget, QueueStats, StatsSnapshot, CONNECT_TIMEOU
 use crate::blk::request::DeviceLimits;
 use crate::blk::spec::MAX_QUEUES;
 
+/// How long an attach retries a lender that answers "busy" (the device may be in the
+/// middle of being released by its previous borrower).
+pub const BUSY_RETRY: Duration = Duration::from_secs(2);
+
 /// Queue index of the session that holds the device for the attachment.
 pub const CONTROL_QUEUE: u16 = u16::MAX;
 
@@ -89,12 +93,24 @@ impl Attachment {
         }
         // This session holds the device on the lender for the attachment's lifetime
         // (a device is lent to one borrower at a time); it carries no I/O.
-        let (hold, reply) = devlend_fabric::tcp::connect_as(
-            &config.lender.addr,
-            &config.lender.hello(CONTROL_QUEUE),
-            CONNECT_TIMEOUT,
-        )
-        .map_err(AttachmentError::Lender)?;
+        // A borrower that just detached releases the device a moment after its
+        // sessions close; a "busy" answer is retried for up to BUSY_RETRY.
+        let deadline = std::time::Instant::now() + BUSY_RETRY;
+        let (hold, reply) = loop {
+            match devlend_fabric::tcp::connect_as(
+                &config.lender.addr,
+                &config.lender.hello(CONTROL_QUEUE),
+                CONNECT_TIMEOUT,
+            ) {
+                Err(devlend_fabric::tcp::ConnectError::Refused {
+                    status: devlend_fabric::HelloStatus::Busy,
+                    ..
+                }) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                other => break other.map_err(AttachmentError::Lender)?,
+            }
+        };
         let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
         let listener =
             Listener::new(&config.socket, true).map_err(|source| AttachmentError::Listen {
@@ -182,8 +198,17 @@ impl Attachment {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.config.socket);
-        // Release the device on the lender.
-        let _ = self.hold.shutdown(std::net::Shutdown::Both);
+        // Release the device on the lender, and wait (briefly) until the lender has
+        // closed the session: it releases the device before closing, so a new attach
+        // right after this one finds the device free.
+        let _ = self.hold.shutdown(std::net::Shutdown::Write);
+        let _ = self.hold.set_read_timeout(Some(Duration::from_secs(2)));
+        let mut sink = [0u8; 64];
+        while let Ok(n) = std::io::Read::read(&mut self.hold, &mut sink) {
+            if n == 0 {
+                break;
+            }
+        }
     }
 }
 

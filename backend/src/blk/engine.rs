@@ -82,7 +82,9 @@ pub struct QueueStats {
     write_zeroes: AtomicU64,
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
-    errors: AtomicU64,
+    errors_invalid: AtomicU64,
+    errors_lender: AtomicU64,
+    errors_fabric: AtomicU64,
     local: AtomicU64,
     reconnects: AtomicU64,
     inflight: AtomicI64,
@@ -107,8 +109,15 @@ pub struct StatsSnapshot {
     pub bytes_read: u64,
     /// Bytes written by completed OUT requests.
     pub bytes_written: u64,
-    /// Requests completed with a status other than OK (IOERR or UNSUPP).
+    /// Requests completed with a status other than OK (IOERR or UNSUPP): the sum of
+    /// the three kinds below.
     pub errors: u64,
+    /// Refused by the backend itself: invalid guest requests (bad chain, range, type).
+    pub errors_invalid: u64,
+    /// Answered IOERR or UNSUPP by the lender.
+    pub errors_lender: u64,
+    /// Failed because the fabric session was lost or could not be opened.
+    pub errors_fabric: u64,
     /// Requests answered by the backend itself (GET_ID, invalid requests).
     pub local: u64,
     /// Fabric connections re-established after a loss.
@@ -141,7 +150,10 @@ impl QueueStats {
             write_zeroes: g(&self.write_zeroes),
             bytes_read: g(&self.bytes_read),
             bytes_written: g(&self.bytes_written),
-            errors: g(&self.errors),
+            errors: g(&self.errors_invalid) + g(&self.errors_lender) + g(&self.errors_fabric),
+            errors_invalid: g(&self.errors_invalid),
+            errors_lender: g(&self.errors_lender),
+            errors_fabric: g(&self.errors_fabric),
             local: g(&self.local),
             reconnects: g(&self.reconnects),
             inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
@@ -150,12 +162,20 @@ impl QueueStats {
         }
     }
 
-    fn count(&self, op: Op, len: u32, status: u8) {
+    /// Counts a completion; a failure is the lender's, or the fabric's when `fabric`.
+    fn count(&self, op: Op, len: u32, status: u8, fabric: bool) {
         let add = |a: &AtomicU64, v: u64| {
             a.fetch_add(v, Ordering::Relaxed);
         };
         if status != S_OK {
-            add(&self.errors, 1);
+            add(
+                if fabric {
+                    &self.errors_fabric
+                } else {
+                    &self.errors_lender
+                },
+                1,
+            );
             return;
         }
         match op {
@@ -234,6 +254,8 @@ pub struct QueueEngine {
     rx_hdr: Box<[u8; RESPONSE_HEADER_LEN]>,
     rx_iovs: Vec<libc::iovec>,
     stopping: bool,
+    /// Set while requests fail because of the fabric (for the error counters).
+    failing: bool,
 }
 
 // SAFETY: the raw pointers inside (iovec bases) point into guest memory mappings kept
@@ -268,6 +290,7 @@ impl QueueEngine {
             rx_hdr: Box::new([0; RESPONSE_HEADER_LEN]),
             rx_iovs: Vec::new(),
             stopping: false,
+            failing: false,
         }
     }
 
@@ -371,7 +394,7 @@ impl QueueEngine {
                 queue.add_used(mem.as_ref(), head, written + 1)?;
                 self.stats.local.fetch_add(1, Ordering::Relaxed);
                 if status != S_OK {
-                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    self.stats.errors_invalid.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(true)
             }
@@ -393,7 +416,7 @@ impl QueueEngine {
                 if self.conn.is_none() {
                     let _ = mem.write_obj(S_IOERR, parsed.status_addr);
                     queue.add_used(mem.as_ref(), head, 1)?;
-                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    self.stats.errors_fabric.fetch_add(1, Ordering::Relaxed);
                     return Ok(true);
                 }
                 self.seq = self.seq.wrapping_add(1);
@@ -652,7 +675,7 @@ impl QueueEngine {
             // The status address was validated against this memory map by `parse`.
             let _ = m.write_obj(status, slot.status_addr);
         }
-        self.stats.count(op, slot.len, status);
+        self.stats.count(op, slot.len, status, self.failing);
         if let Some(q) = self.stats.per_queue.get(usize::from(self.index)) {
             q.fetch_add(1, Ordering::Relaxed);
         }
@@ -694,11 +717,19 @@ impl QueueEngine {
         mem: &GuestMemoryRef,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
+        self.failing = true;
         for head in 0..self.slots.len() {
             if self.slots[head].busy {
-                used |= self.complete(queue, mem, head as u16, S_IOERR)?;
+                match self.complete(queue, mem, head as u16, S_IOERR) {
+                    Ok(u) => used |= u,
+                    Err(e) => {
+                        self.failing = false;
+                        return Err(e);
+                    }
+                }
             }
         }
+        self.failing = false;
         Ok(used)
     }
 

@@ -1,0 +1,141 @@
+//! The compute agent's configuration: command line over the config file.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use devlend_daemon::logging::LogFormat;
+use serde::{Deserialize, Serialize};
+
+use crate::DEFAULT_API_SOCKET;
+
+/// The name of this daemon's config file: `/etc/devlend/compute-agent.toml`.
+pub const DAEMON: &str = "compute-agent";
+
+/// Serves block devices lent by device agents to VMs as vhost-user-blk sockets.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "devlend-compute-agent", version)]
+pub struct Cli {
+    /// Config file (TOML); default /etc/devlend/compute-agent.toml when it exists.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Path of the control API unix socket (used by `devlend`) [default:
+    /// /run/devlend/compute-agent.sock].
+    #[arg(long, value_name = "PATH")]
+    pub api: Option<PathBuf>,
+    /// Log filter: error, warn, info, debug, trace, or a tracing filter [default: info].
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+    /// Log line format [default: human].
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Print the merged configuration (file, then flags) as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+/// The config file; every key is optional and a flag of the same name overrides it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// Control API socket path.
+    pub api: Option<PathBuf>,
+    /// Log filter.
+    pub log_level: Option<String>,
+    /// `human` or `json`.
+    pub log_format: Option<LogFormat>,
+    /// Metrics address, `ADDR:PORT`.
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+/// The merged configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Config {
+    /// Control API socket path.
+    pub api: PathBuf,
+    /// Log filter.
+    pub log_level: String,
+    /// Log line format.
+    pub log_format: LogFormat,
+    /// Metrics address, if any.
+    pub metrics_listen: Option<SocketAddr>,
+    /// The config file read, if any (not a key of the file).
+    #[serde(skip)]
+    pub file: Option<PathBuf>,
+}
+
+impl Config {
+    /// Reads the config file and applies the flags over it.
+    ///
+    /// # Errors
+    /// The file cannot be read or has an unknown key or a bad value (named in the error).
+    pub fn load(cli: &Cli) -> Result<Config, devlend_daemon::config::ConfigError> {
+        let (file, path): (FileConfig, _) =
+            devlend_daemon::config::load(DAEMON, cli.config.as_deref())?;
+        Ok(Config::merge(&file, cli, path))
+    }
+
+    /// The flags over the file.
+    pub fn merge(file: &FileConfig, cli: &Cli, path: Option<PathBuf>) -> Config {
+        Config {
+            api: cli
+                .api
+                .clone()
+                .or_else(|| file.api.clone())
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_API_SOCKET)),
+            log_level: cli
+                .log_level
+                .clone()
+                .or_else(|| file.log_level.clone())
+                .unwrap_or_else(|| "info".into()),
+            log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
+            metrics_listen: cli.metrics_listen.or(file.metrics_listen),
+            file: path,
+        }
+    }
+
+    /// The configuration as TOML, as `--print-config` shows it.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the configuration: {e}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn flags_override_the_file() {
+        let file: FileConfig = devlend_daemon::config::parse(
+            std::path::Path::new("c.toml"),
+            "api = \"/run/a.sock\"\nlog_level = \"debug\"\nlog_format = \"json\"\nmetrics_listen = \"127.0.0.1:9100\"\n",
+        )
+        .unwrap();
+        let cli = Cli::parse_from(["x", "--api", "/run/b.sock"]);
+        let c = Config::merge(&file, &cli, None);
+        assert_eq!(c.api, PathBuf::from("/run/b.sock"));
+        assert_eq!(c.log_level, "debug");
+        assert_eq!(c.log_format, LogFormat::Json);
+        assert_eq!(c.metrics_listen, Some("127.0.0.1:9100".parse().unwrap()));
+        let d = Config::merge(&FileConfig::default(), &Cli::parse_from(["x"]), None);
+        assert_eq!(d.api, PathBuf::from(DEFAULT_API_SOCKET));
+        assert!(c.to_toml().contains("log_format = \"json\""));
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        let e = devlend_daemon::config::parse::<FileConfig>(
+            std::path::Path::new("/etc/devlend/compute-agent.toml"),
+            "apii = \"x\"",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("compute-agent.toml") && e.contains("apii"),
+            "{e}"
+        );
+    }
+}

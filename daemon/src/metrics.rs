@@ -1,0 +1,186 @@
+//! The metrics endpoint: `GET /metrics` in the OpenMetrics text format (which Prometheus
+//! scrapes), served on its own thread.
+//!
+//! A daemon hands over a [`Collector`] that reads its counters at scrape time; nothing is
+//! recorded twice. Names follow Prometheus conventions: a `devlend_` prefix, the unit in
+//! the name (`_bytes`, `_seconds`), `_total` on counters (added by the encoder).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::header::CONTENT_TYPE;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+pub use prometheus_client::collector::Collector;
+pub use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+pub use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+/// Why the endpoint could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    /// The address could not be bound.
+    #[error("cannot listen for metrics on {addr}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server thread could not start.
+    #[error("cannot start the metrics thread")]
+    Thread(#[source] std::io::Error),
+}
+
+/// A running endpoint; it stops when the process exits.
+pub struct MetricsServer {
+    addr: SocketAddr,
+}
+
+impl MetricsServer {
+    /// The bound address (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+/// Binds `addr` and serves `GET /metrics` from `collector`.
+///
+/// # Errors
+/// [`MetricsError`].
+pub fn serve(addr: SocketAddr, collector: impl Collector) -> Result<MetricsServer, MetricsError> {
+    let listener =
+        std::net::TcpListener::bind(addr).map_err(|source| MetricsError::Bind { addr, source })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| MetricsError::Bind { addr, source })?;
+    let local = listener
+        .local_addr()
+        .map_err(|source| MetricsError::Bind { addr, source })?;
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(collector));
+    let registry = Arc::new(registry);
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!(error = %e, "metrics endpoint cannot start");
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "metrics endpoint cannot start");
+                        return;
+                    }
+                };
+                let app = Router::new().route(
+                    "/metrics",
+                    get(move || {
+                        let registry = registry.clone();
+                        async move {
+                            let mut body = String::new();
+                            match prometheus_client::encoding::text::encode(&mut body, &registry) {
+                                Ok(()) => (
+                                    [(CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+                                    body,
+                                )
+                                    .into_response(),
+                                Err(_) => axum::http::StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                            }
+                        }
+                    }),
+                );
+                if let Err(e) = axum::serve(listener, app).await {
+                    tracing::error!(error = %e, "metrics endpoint failed");
+                }
+            });
+        })
+        .map_err(MetricsError::Thread)?;
+    tracing::info!(addr = %local, "metrics endpoint ready at /metrics");
+    Ok(MetricsServer { addr: local })
+}
+
+/// Labels of one series.
+pub type Labels = Vec<(String, String)>;
+
+/// Encodes a counter family: `name` gets `_total` appended by the encoder.
+///
+/// # Errors
+/// Encoding errors (a broken writer).
+pub fn counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(Labels, u64)],
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, v) in series {
+        m.encode_family(labels)?
+            .encode_counter::<Labels, u64, f64>(v, None)?;
+    }
+    Ok(())
+}
+
+/// Encodes a gauge family.
+///
+/// # Errors
+/// Encoding errors.
+pub fn gauge(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(Labels, i64)],
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in series {
+        m.encode_family(labels)?.encode_gauge(v)?;
+    }
+    Ok(())
+}
+
+/// A histogram series: sum, count and per-bucket (not cumulative) counts with their
+/// upper bounds; the last count is the +Inf bucket.
+#[derive(Debug, Clone)]
+pub struct HistogramSeries {
+    /// Labels.
+    pub labels: Labels,
+    /// Sum of samples, in the histogram's unit.
+    pub sum: f64,
+    /// Number of samples.
+    pub count: u64,
+    /// Upper bounds, in the histogram's unit.
+    pub bounds: Vec<f64>,
+    /// Samples per bucket, one more than `bounds`.
+    pub buckets: Vec<u64>,
+}
+
+/// Encodes a histogram family.
+///
+/// # Errors
+/// Encoding errors.
+pub fn histogram(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[HistogramSeries],
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Histogram)?;
+    for s in series {
+        let mut cum = 0u64;
+        let mut buckets: Vec<(f64, u64)> = Vec::with_capacity(s.buckets.len());
+        for (i, n) in s.buckets.iter().enumerate() {
+            cum += n;
+            buckets.push((s.bounds.get(i).copied().unwrap_or(f64::INFINITY), cum));
+        }
+        m.encode_family(&s.labels)?
+            .encode_histogram::<Labels>(s.sum, s.count, &buckets, None)?;
+    }
+    Ok(())
+}
