@@ -1,10 +1,14 @@
 //! A vhost-user-blk frontend without a VM, on the `blkio` crate.
 //!
 //! It connects to a vhost-user-blk socket, maps one buffer as a memory region shared with
-//! the backend, and runs requests on its queues, one at a time or a batch at a time.
+//! the backend, and runs requests on its queues, one at a time or a batch at a time; or,
+//! through [`BlkClient::queue_ios`], hands each queue with its own share of the buffer to
+//! a thread that keeps requests in flight itself (the bench's closed loop).
 
+use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
@@ -202,6 +206,108 @@ impl BlkClient {
     /// As [`Self::run`].
     pub fn run_one(&mut self, q: usize, op: BlkOp) -> Result<i32> {
         Ok(self.run(q, &[op])?[0])
+    }
+}
+
+impl BlkClient {
+    /// Splits the client into one [`QueueIo`] per queue, each with an equal, disjoint,
+    /// 4 KiB-aligned share of the shared buffer, for one thread each. The handles borrow
+    /// the client, so it outlives every request they start.
+    pub fn queue_ios(&mut self) -> Vec<QueueIo<'_>> {
+        let n = self.queues.len().max(1);
+        let share = (self.region.len / n) & !4095;
+        let base = self.region.addr as *mut u8;
+        self.queues
+            .iter_mut()
+            .enumerate()
+            .map(|(i, queue)| QueueIo {
+                queue,
+                // SAFETY: i < n, so i * share + share <= region.len: the share is inside
+                // the mapped region.
+                base: unsafe { base.add(i * share) },
+                len: share,
+                comps: Vec::new(),
+                _buf: PhantomData,
+            })
+            .collect()
+    }
+}
+
+/// One queue of a [`BlkClient`] and its share of the shared buffer: submit requests,
+/// reap completions, with as many in flight as the caller likes (up to the queue size;
+/// libblkio holds back the excess).
+pub struct QueueIo<'a> {
+    queue: &'a mut Blkioq,
+    base: *mut u8,
+    len: usize,
+    comps: Vec<MaybeUninit<Completion>>,
+    _buf: PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: `base..base+len` is this handle's own share of the client's buffer (the shares
+// are disjoint), and the borrowed queue is only used through `&mut self`; libblkio's
+// queue type is Send.
+unsafe impl Send for QueueIo<'_> {}
+
+impl QueueIo<'_> {
+    /// Bytes of buffer this queue owns; `buf` offsets of its requests are within it.
+    pub fn buffer_len(&self) -> usize {
+        self.len
+    }
+
+    /// Fills this queue's buffer with a byte pattern derived from `seed` (data for
+    /// writes). Call it with nothing in flight.
+    pub fn fill(&mut self, seed: u8) {
+        for i in 0..self.len {
+            // SAFETY: i < len, inside this queue's share of the mapped region; nothing
+            // is in flight on it (see above), so nobody else touches it.
+            unsafe {
+                self.base
+                    .add(i)
+                    .write_volatile(seed.wrapping_add((i % 251) as u8))
+            };
+        }
+    }
+
+    /// Queues `op` with `user_data` (returned in its completion). Buffer offsets are
+    /// relative to this queue's share. Requests go to the device at the next
+    /// [`Self::complete`].
+    ///
+    /// # Errors
+    /// A buffer range outside this queue's share.
+    pub fn submit(&mut self, op: &BlkOp, user_data: usize) -> Result<()> {
+        submit(self.queue, self.base, self.len, user_data, op)
+    }
+
+    /// Sends the queued requests, then waits up to `timeout` until at least `min`
+    /// completions are there, and appends every completion available as
+    /// `(user_data, result)` (result 0, or a negative errno).
+    ///
+    /// # Errors
+    /// A libblkio failure, or no completion within `timeout` while `min` > 0.
+    pub fn complete(
+        &mut self,
+        min: usize,
+        timeout: Duration,
+        out: &mut Vec<(usize, i32)>,
+    ) -> Result<()> {
+        if self.comps.len() < 1024 {
+            self.comps = (0..1024).map(|_| MaybeUninit::uninit()).collect();
+        }
+        let mut t = timeout;
+        let n = self
+            .queue
+            .do_io(&mut self.comps, min, Some(&mut t), None)
+            .map_err(err)?;
+        if n < min {
+            bail!("no completion within {timeout:?}");
+        }
+        for c in &self.comps[..n] {
+            // SAFETY: do_io initialised the first n completions.
+            let c = unsafe { c.assume_init_ref() };
+            out.push((c.user_data, c.ret));
+        }
+        Ok(())
     }
 }
 

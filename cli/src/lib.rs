@@ -4,9 +4,11 @@
 //!   `virtio-blk-vhost-user` driver), used by `devlend demo` and by tests;
 //! - [`api_client`]: the compute agent's control API over its unix socket;
 //! - [`output`]: what attach prints (QEMU arguments, libvirt XML) and status tables;
-//! - [`demo`]: the local end-to-end demo (the README's main job).
+//! - [`demo`]: the local end-to-end demo (the README's main job);
+//! - [`bench`]: `devlend bench`, block performance beside qemu-storage-daemon.
 
 pub mod api_client;
+pub mod bench;
 pub mod blk_client;
 pub mod demo;
 pub mod output;

@@ -1,10 +1,14 @@
-//! `devlend`: attach lent devices, detach them, show status, run the local demo.
+//! `devlend`: attach lent devices, detach them, show status, run the local demo, bench.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 use devlend_cli::api_client::ApiClient;
+use devlend_cli::bench::options::{
+    parse_secs, parse_size, BenchOptions, Matrix, PeersOptions, Rw, Workload,
+};
 use devlend_cli::demo::{self, DemoOptions, Frontend};
 use devlend_cli::output::{human_bytes, libvirt_xml, qemu_args, status_table};
 use devlend_compute_agent::api::{AttachRequest, VmmTarget};
@@ -32,7 +36,8 @@ enum Cmd {
         /// Device name on the lender.
         #[arg(long)]
         device: String,
-        /// vhost-user socket to create (an absolute path).
+        /// vhost-user socket to create (a relative path is taken from the current
+        /// directory).
         #[arg(long)]
         socket: PathBuf,
         /// Number of virtqueues (1..=16).
@@ -41,6 +46,10 @@ enum Cmd {
         /// Virtqueue size to give the VMM (a power of two, 64..=1024).
         #[arg(long, default_value_t = 256)]
         queue_size: u16,
+        /// Busy-poll budget in microseconds of each queue's worker before it sleeps
+        /// (0: interrupt-driven). Lower latency for more CPU.
+        #[arg(long, default_value_t = 0)]
+        poll_us: u32,
         /// Attachment id, also the device id in the VMM (default: the device name).
         #[arg(long)]
         id: Option<String>,
@@ -68,16 +77,31 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// List attachments with their I/O counters.
+    /// List attachments: size, queues, recent IOPS, MB/s and p99 latency, errors, state.
     Status {
+        /// Refresh every SECS seconds until interrupted.
+        #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
+        watch: Option<u64>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
+    /// Write man pages for devlend, devlend-device-agent and devlend-compute-agent.
+    Man {
+        /// Directory to write `devlend.1`, `devlend-device-agent.8`, ... into.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
+    },
+    /// Print a shell completion script for devlend.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Lend a sparse disk image on this machine to a QEMU guest, live, and write and
     /// verify it end to end.
     Demo {
-        /// Disk size (bytes, or with K, M, G suffix; a multiple of 1 MiB).
+        /// Disk size (bytes, or with a K, M, G or T suffix; a multiple of 1 MiB).
         #[arg(long, default_value = "128M", value_parser = parse_size)]
         size: u64,
         /// Who drives the disk: a QEMU guest (`vm`) or the libblkio frontend (`blkio`).
@@ -86,6 +110,54 @@ enum Cmd {
         /// Work directory (default: a temporary directory, removed afterwards).
         #[arg(long)]
         dir: Option<PathBuf>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure block performance through a vhost-user-blk socket (libblkio frontend):
+    /// IOPS, MB/s, completion latency, and the CPU time and peak RSS of the servers.
+    /// With --peers, run devlend, qemu-storage-daemon locally and a qemu-storage-daemon
+    /// NBD chain through a matrix of workloads and print the ratios.
+    Bench {
+        /// vhost-user-blk socket to bench (without --peers).
+        #[arg(long, required_unless_present = "peers", conflicts_with = "peers")]
+        socket: Option<PathBuf>,
+        /// A server process to measure (repeatable; without --peers).
+        #[arg(long = "pid", conflicts_with = "peers")]
+        pids: Vec<u32>,
+        /// Access pattern.
+        #[arg(long, value_enum, default_value_t = Rw::Randread)]
+        rw: Rw,
+        /// Request size (bytes, or with K, M suffix; a multiple of 512).
+        #[arg(long, default_value = "4K", value_parser = parse_size)]
+        bs: u64,
+        /// Requests in flight per queue.
+        #[arg(long, default_value_t = 32)]
+        iodepth: usize,
+        /// Queues, one thread each.
+        #[arg(long, default_value_t = 1)]
+        queues: usize,
+        /// Seconds measured (per run; per cell and server with --peers).
+        #[arg(long, default_value = "5", value_parser = parse_secs)]
+        runtime: Duration,
+        /// Seconds of warm-up before each measured window.
+        #[arg(long, default_value = "1", value_parser = parse_secs)]
+        ramp: Duration,
+        /// Start devlend and both qemu-storage-daemon peers and run the matrix on each.
+        #[arg(long)]
+        peers: bool,
+        /// Cells of the --peers matrix.
+        #[arg(long, value_enum, default_value_t = Matrix::Full, requires = "peers")]
+        matrix: Matrix,
+        /// Size of the backing file in /dev/shm for --peers (written fully first).
+        #[arg(long, default_value = "1G", value_parser = parse_size, requires = "peers")]
+        size: u64,
+        /// Work directory for --peers (default: a temporary one in /dev/shm).
+        #[arg(long, requires = "peers")]
+        dir: Option<PathBuf>,
+        /// devlend's busy-poll budget in microseconds for --peers (0: interrupt-driven).
+        #[arg(long, default_value_t = 0, requires = "peers")]
+        poll_us: u32,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -101,32 +173,10 @@ enum Vmm {
     CloudHypervisor,
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let m: u64 = match c.to_ascii_uppercase() {
-                'K' => 1 << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                'T' => 1 << 40,
-                _ => return Err(format!("unknown size suffix {c:?} (use K, M, G or T)")),
-            };
-            (&s[..i], m)
-        }
-        _ => (s, 1),
-    };
-    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?}"))?;
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} is too large"))
-}
-
 fn absolute(p: PathBuf) -> Result<PathBuf> {
-    Ok(if p.is_absolute() {
-        p
-    } else {
-        std::env::current_dir()?.join(p)
-    })
+    // Lexically absolute, with `.` components removed, so that `./x.sock` and `x.sock`
+    // name the same attachment.
+    Ok(std::path::absolute(&p)?)
 }
 
 fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
@@ -135,6 +185,9 @@ fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
 }
 
 fn main() -> std::process::ExitCode {
+    // Die quietly on a closed pipe (`devlend status | head`), as command-line tools do.
+    // SAFETY: setting a signal disposition to the default before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     match run(Cli::parse()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -152,6 +205,7 @@ fn run(cli: Cli) -> Result<()> {
             socket,
             queues,
             queue_size,
+            poll_us,
             id,
             qmp,
             ch_api,
@@ -170,6 +224,7 @@ fn run(cli: Cli) -> Result<()> {
                 socket,
                 queues,
                 queue_size,
+                poll_us,
                 vmm: match (qmp, ch_api) {
                     (Some(qmp), _) => Some(VmmTarget::Qemu {
                         qmp: absolute(qmp)?,
@@ -223,6 +278,12 @@ fn run(cli: Cli) -> Result<()> {
             timeout,
             json,
         } => {
+            // A path (it has a slash, or names an existing file) is a socket path.
+            let target = if target.contains('/') || std::path::Path::new(&target).exists() {
+                absolute(PathBuf::from(&target))?.display().to_string()
+            } else {
+                target
+            };
             let a = ApiClient::new(&cli.api)?.detach(&target, timeout)?;
             if json {
                 return print_json(&a);
@@ -236,12 +297,94 @@ fn run(cli: Cli) -> Result<()> {
                 a.socket.display()
             );
         }
-        Cmd::Status { json } => {
-            let list = ApiClient::new(&cli.api)?.list()?;
-            if json {
-                return print_json(&list);
+        Cmd::Man { out } => {
+            use clap::CommandFactory;
+            std::fs::create_dir_all(&out)?;
+            let pages = [
+                (Cli::command(), "1"),
+                (devlend_device_agent::Cli::command(), "8"),
+                (devlend_compute_agent::config::Cli::command(), "8"),
+            ];
+            for (cmd, section) in pages {
+                let cmd = cmd.version(env!("CARGO_PKG_VERSION"));
+                let path = out.join(format!("{}.{section}", cmd.get_name()));
+                let mut buf = Vec::new();
+                clap_mangen::Man::new(cmd)
+                    .section(section)
+                    .render(&mut buf)?;
+                std::fs::write(&path, buf)?;
+                println!("{}", path.display());
             }
-            print!("{}", status_table(&list));
+        }
+        Cmd::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "devlend",
+                &mut std::io::stdout(),
+            );
+        }
+        Cmd::Status { watch, json } => {
+            let client = ApiClient::new(&cli.api)?;
+            loop {
+                let list = client.list()?;
+                if json {
+                    print_json(&list)?;
+                } else {
+                    if watch.is_some() {
+                        // Clear the screen and go home, as watch(1) does.
+                        print!("\x1b[2J\x1b[H");
+                    }
+                    print!("{}", status_table(&list));
+                }
+                match watch {
+                    Some(secs) => std::thread::sleep(std::time::Duration::from_secs(secs.max(1))),
+                    None => break,
+                }
+            }
+        }
+        Cmd::Bench {
+            socket,
+            pids,
+            rw,
+            bs,
+            iodepth,
+            queues,
+            runtime,
+            ramp,
+            peers,
+            matrix,
+            size,
+            dir,
+            poll_us,
+            json,
+        } => {
+            let opts = BenchOptions {
+                workload: Workload {
+                    rw,
+                    bs: usize::try_from(bs)?,
+                    iodepth,
+                    queues,
+                    runtime,
+                    ramp,
+                },
+                socket,
+                pids,
+                peers: peers.then_some(PeersOptions {
+                    matrix,
+                    size,
+                    dir,
+                    poll_us,
+                }),
+                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            };
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            let out = devlend_cli::bench::run(&opts, command)?;
+            if json {
+                return print_json(&out);
+            }
+            print!("{}", out.table());
         }
         Cmd::Demo {
             size,

@@ -42,7 +42,7 @@ pub fn libvirt_xml(a: &AttachmentInfo) -> String {
         "<disk type='vhostuser' device='disk'>\n  \
          <driver name='qemu' type='raw' queues='{}'/>\n  \
          <source type='unix' path='{}'>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  \
-         <target dev='vdb' bus='virtio'/>\n  <serial>{}</serial>{ro}\n</disk>\n\
+         <target dev='vdb' bus='virtio'/>  <!-- a disk name free in the domain -->\n  <serial>{}</serial>{ro}\n</disk>\n\
          <!-- the domain needs shared memory: <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking> -->",
         a.queues,
         a.socket.display(),
@@ -50,43 +50,57 @@ pub fn libvirt_xml(a: &AttachmentInfo) -> String {
     )
 }
 
-/// The `devlend status` table.
+/// The `devlend status` table: one line per attachment, with the rates of the last
+/// seconds (IOPS, MB/s read and written, p99 latency upper bound).
 pub fn status_table(list: &[AttachmentInfo]) -> String {
     if list.is_empty() {
         return "no attachments\n".to_owned();
     }
     let mut out = format!(
-        "{:<16} {:<12} {:<21} {:>9} {:>2} {:<4} {:>10} {:>10} {:>10} {:>10} {:>6} {:>5}  {}\n",
+        "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8} {:>8} {:>8} {:>8} {:>6} {:>4}  {:<11} {}\n",
         "ID",
         "DEVICE",
         "LENDER",
+        "TRANSPORT",
         "SIZE",
         "Q",
-        "VMM",
-        "READS",
-        "WRITES",
-        "READ",
-        "WRITTEN",
+        "IOPS",
+        "RD MB/s",
+        "WR MB/s",
+        "P99",
         "ERRORS",
         "INFL",
+        "STATE",
         "SOCKET"
     );
     for a in list {
         let c = &a.counters;
+        let r = a.rates.unwrap_or_default();
+        let p99 = match r.p99_us {
+            Some(us) if us >= 1000 => format!("{}ms", us / 1000),
+            Some(us) => format!("{us}us"),
+            None => "-".to_owned(),
+        };
+        let state = match (&a.vmm, a.connected) {
+            (_, true) => "vm-attached",
+            (Some(_), false) => "plugging",
+            (None, false) => "waiting-vmm",
+        };
         out.push_str(&format!(
-            "{:<16} {:<12} {:<21} {:>9} {:>2} {:<4} {:>10} {:>10} {:>10} {:>10} {:>6} {:>5}  {}\n",
+            "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8.0} {:>8.1} {:>8.1} {:>8} {:>6} {:>4}  {:<11} {}\n",
             a.id,
             a.device,
             a.lender,
+            "tcp",
             human_bytes(a.capacity_sectors * 512),
             a.queues,
-            if a.connected { "yes" } else { "no" },
-            c.reads,
-            c.writes,
-            human_bytes(c.bytes_read),
-            human_bytes(c.bytes_written),
+            r.iops,
+            r.read_mb_s,
+            r.write_mb_s,
+            p99,
             c.errors,
             c.inflight,
+            state,
             a.socket.display()
         ));
     }

@@ -56,6 +56,15 @@ impl RateTracker {
             .collect();
     }
 
+    /// Starts the history of a new attachment with all-zero counters, so that I/O done
+    /// before its first periodic sample still shows in its rates.
+    pub fn start(&self, id: &str, now: Instant) {
+        let mut by_id = self.by_id.lock().unwrap_or_else(|p| p.into_inner());
+        let h = by_id.entry(id.to_owned()).or_default();
+        h.samples.clear();
+        h.samples.push_back((now, IoCounters::default()));
+    }
+
     /// Rates of attachment `id` over the samples kept (None before two samples).
     pub fn rates(&self, id: &str) -> Option<Rates> {
         let by_id = self.by_id.lock().unwrap_or_else(|p| p.into_inner());

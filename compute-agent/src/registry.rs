@@ -113,6 +113,7 @@ impl Registry {
         req: &AttachRequest,
     ) -> Result<(Attachment, Option<VmmPlug>), RegistryError> {
         let mut attachment = Attachment::start(AttachmentConfig {
+            id: id.to_owned(),
             socket: req.socket.clone(),
             lender: LenderTarget {
                 addr: req.lender.clone(),
@@ -233,6 +234,7 @@ impl Registry {
             plug,
         };
         let out = info(&entry);
+        self.rates.start(&id, std::time::Instant::now());
         entries.insert(id, entry);
         drop(entries);
         tracing::info!(id = %out.id, device = %out.device, lender = %out.lender, socket = %out.socket.display(), "attached");
@@ -251,8 +253,10 @@ impl Registry {
     /// Samples every attachment's counters for [`AttachmentInfo::rates`]; call about
     /// once a second.
     pub fn sample_rates(&self) {
-        let current: Vec<(String, crate::api::IoCounters)> = self
-            .lock()
+        // Under the registry lock, so that an attach (which starts its history under the
+        // same lock) cannot fall between the listing and the sample.
+        let entries = self.lock();
+        let current: Vec<(String, crate::api::IoCounters)> = entries
             .values()
             .map(|e| (e.id.clone(), e.attachment.stats().into()))
             .collect();

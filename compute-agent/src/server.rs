@@ -26,6 +26,9 @@ impl IntoResponse for RegistryError {
             RegistryError::BadRequest(_) => StatusCode::BAD_REQUEST,
             RegistryError::Conflict(_) => StatusCode::CONFLICT,
             RegistryError::NotFound(_) => StatusCode::NOT_FOUND,
+            RegistryError::Start(devlend_backend::blk::AttachmentError::SocketPath { .. }) => {
+                StatusCode::CONFLICT
+            }
             RegistryError::Start(_) => StatusCode::BAD_GATEWAY,
             RegistryError::Vmm(VmmError::Qemu(
                 HotplugError::IdInUse(_) | HotplugError::NoFreePort,
@@ -135,7 +138,8 @@ pub async fn serve(
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    let _ = std::fs::remove_file(socket);
+    devlend_backend::blk::attachment::prepare_socket_path(socket)
+        .map_err(|e| anyhow::anyhow!("cannot use the API socket: {e}"))?;
     let listener = tokio::net::UnixListener::bind(socket)
         .with_context(|| format!("cannot listen on {}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o660))

@@ -1,7 +1,6 @@
 //! devlend's Cloud Hypervisor glue (`vmm::cloud_hypervisor`) checked against Cloud
-//! Hypervisor's published OpenAPI document, `cloud-hypervisor.yaml`, found in
-//! `shared/third_party/cloud-hypervisor/` beside or above the work tree, or at
-//! `$DEVLEND_CH_OPENAPI`.
+//! Hypervisor's published OpenAPI document, `cloud-hypervisor.yaml`: the copy in
+//! `third_party/cloud-hypervisor/` of this repository (or `$DEVLEND_CH_OPENAPI`).
 //!
 //! Cloud Hypervisor itself cannot run on devlend's build and CI machines (there is no
 //! usable KVM), so this document is the contract:
@@ -44,6 +43,14 @@ fn doc_path() -> PathBuf {
         return PathBuf::from(p);
     }
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The copy kept in the repository (third_party/cloud-hypervisor/), else a shared/
+    // tree above it.
+    if let Some(repo) = here.parent() {
+        let copy = repo.join("third_party/cloud-hypervisor/cloud-hypervisor.yaml");
+        if copy.is_file() {
+            return copy;
+        }
+    }
     here.ancestors()
         .map(|dir| dir.join(DOC_IN_SHARED))
         .find(|p| p.is_file())

@@ -88,3 +88,23 @@ impl LogHandle {
             .map_err(|e| LogError::Reload(e.to_string()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_are_checked() {
+        for ok in [
+            "info",
+            "DEBUG",
+            "warn,devlend_backend=trace",
+            "devlend_device_agent=debug",
+        ] {
+            assert!(filter(ok).is_ok(), "{ok}");
+        }
+        for bad in ["bogus", "", "info,,", "verbose"] {
+            assert!(filter(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -19,6 +19,8 @@ const RING_ENTRIES: u32 = 1024;
 
 /// Serves one accepted connection to its end.
 pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64) {
+    // Every line this session logs carries its id and peer.
+    let _span = tracing::info_span!("session", id, %peer).entered();
     if let Err(e) = sock.set_nodelay(true).and_then(|()| set_keepalive(&sock)) {
         tracing::warn!(%peer, error = %e, "cannot set socket options; closing");
         return;
@@ -71,7 +73,10 @@ fn handshake<'s>(
             return None;
         }
         Err(e) => {
-            tracing::warn!(%peer, error = %e, "handshake failed");
+            let cause = std::error::Error::source(&e)
+                .map(|c| format!(": {c}"))
+                .unwrap_or_default();
+            tracing::warn!(%peer, error = %format!("{e}{cause}"), "handshake failed");
             return None;
         }
     };

@@ -297,9 +297,20 @@ fn two_queues_carry_io_at_once() {
     assert!(c.buffer()[(3 * MIB) as usize..(4 * MIB) as usize]
         .iter()
         .all(|&b| b == 0x11));
+    // The agent samples counters every second: the recent rates show the I/O.
+    std::thread::sleep(std::time::Duration::from_millis(2200));
     let status = s.borrower.cli_json(&["status"]).unwrap();
     assert_eq!(status[0]["queues"], 2);
     assert_eq!(status[0]["counters"]["writes"], 32);
+    let rates = &status[0]["rates"];
+    assert!(rates["iops"].as_f64().unwrap() > 0.0, "{status}");
+    assert!(rates["write_mb_s"].as_f64().unwrap() > 0.0, "{status}");
+    assert!(rates["p99_us"].as_u64().is_some(), "{status}");
+    let table = String::from_utf8_lossy(&s.borrower.cli(&["status"]).unwrap().stdout).into_owned();
+    assert!(
+        table.contains("IOPS") && table.contains("P99") && table.contains("tcp"),
+        "{table}"
+    );
 }
 
 #[test]
@@ -548,4 +559,99 @@ fn a_device_is_lent_to_one_borrower_at_a_time() {
             },
         )
         .unwrap()]);
+}
+
+#[test]
+fn socket_paths_never_destroy_files() {
+    let s = setup(&[("disk0", 4 * MIB, "")]);
+    let img = s.image("disk0");
+    // The lent image itself, the agent's own API socket, a directory: all refused.
+    for (target, why) in [
+        (img.clone(), "not a socket"),
+        (s.borrower.api.clone(), "live socket"),
+        (s.dir.path().to_owned(), "not a socket"),
+    ] {
+        let out = s
+            .borrower
+            .cli(&[
+                "attach",
+                "--lender",
+                &s.lender.addr,
+                "--device",
+                "disk0",
+                "--socket",
+                target.to_str().unwrap(),
+            ])
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(why),
+            "{}: {err}",
+            target.display()
+        );
+    }
+    assert_eq!(
+        std::fs::metadata(&img).unwrap().len(),
+        4 * MIB,
+        "the image was touched"
+    );
+    assert!(
+        s.borrower.cli_json(&["status"]).is_ok(),
+        "the API socket was replaced"
+    );
+    // A second compute agent on the same API socket is refused; one on a regular file too.
+    for api in [s.borrower.api.clone(), img.clone()] {
+        let out = std::process::Command::new(
+            devlend_tests::agents::bin("devlend-compute-agent").unwrap(),
+        )
+        .arg("--api")
+        .arg(&api)
+        .output()
+        .unwrap();
+        assert!(
+            !out.status.success(),
+            "a second agent took {}",
+            api.display()
+        );
+    }
+    assert!(s.borrower.cli_json(&["status"]).is_ok());
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), 4 * MIB);
+    // A stale socket (nobody listening) is replaced; relative paths work for detach.
+    let stale = s.dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let out = std::process::Command::new(devlend_tests::agents::bin("devlend").unwrap())
+        .current_dir(s.dir.path())
+        .args([
+            "--api",
+            s.borrower.api.to_str().unwrap(),
+            "attach",
+            "--lender",
+            &s.lender.addr,
+            "--device",
+            "disk0",
+        ])
+        .args(["--socket", "stale.sock"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = std::process::Command::new(devlend_tests::agents::bin("devlend").unwrap())
+        .current_dir(s.dir.path())
+        .args([
+            "--api",
+            s.borrower.api.to_str().unwrap(),
+            "detach",
+            "./stale.sock",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!stale.exists());
 }

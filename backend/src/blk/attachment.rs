@@ -32,6 +32,8 @@ pub const CONTROL_QUEUE: u16 = u16::MAX;
 /// What to serve and where.
 #[derive(Debug, Clone)]
 pub struct AttachmentConfig {
+    /// The attachment's id (for logs).
+    pub id: String,
     /// Path of the vhost-user unix socket to create (an existing file there is replaced).
     pub socket: PathBuf,
     /// The lender and device name.
@@ -57,6 +59,14 @@ pub enum AttachmentError {
         /// The error.
         #[source]
         source: vhost::vhost_user::Error,
+    },
+    /// Something that is not a stale socket is at the socket path.
+    #[error("{path}: {reason}")]
+    SocketPath {
+        /// Socket path.
+        path: PathBuf,
+        /// What is in the way.
+        reason: String,
     },
     /// A thread or eventfd could not be created.
     #[error("cannot start the serving thread")]
@@ -93,6 +103,7 @@ impl Attachment {
         }
         // This session holds the device on the lender for the attachment's lifetime
         // (a device is lent to one borrower at a time); it carries no I/O.
+        prepare_socket_path(&config.socket)?;
         // A borrower that just detached releases the device a moment after its
         // sessions close; a "busy" answer is retried for up to BUSY_RETRY.
         let deadline = std::time::Instant::now() + BUSY_RETRY;
@@ -261,6 +272,7 @@ fn serve(
     let name = format!("devlend-blk-{}", config.lender.device);
     while wait_for_client(&listener, &wake, &shared) {
         let backend = Arc::new(BlkBackend::new(
+            Arc::from(config.id.as_str()),
             limits.clone(),
             config.num_queues,
             &config.lender,
@@ -270,7 +282,7 @@ fn serve(
         {
             Ok(d) => d,
             Err(e) => {
-                tracing::error!(error = %e, "cannot create vhost-user daemon");
+                tracing::error!(attachment = %config.id, error = %e, "cannot create vhost-user daemon");
                 std::thread::sleep(Duration::from_millis(200));
                 continue;
             }
@@ -278,21 +290,21 @@ fn serve(
         backend.attach_handlers(&daemon.get_epoll_handlers());
         set_current(&shared, Some((backend.clone(), None)));
         if let Err(e) = daemon.start(&mut listener) {
-            tracing::warn!(error = %e, "vhost-user connection failed to start");
+            tracing::warn!(attachment = %config.id, error = %e, "vhost-user connection failed to start");
         } else {
             set_current(&shared, Some((backend.clone(), daemon.shutdown_handle())));
             shared.connected.store(true, Ordering::Release);
-            tracing::info!(socket = %config.socket.display(), "frontend connected");
+            tracing::info!(attachment = %config.id, socket = %config.socket.display(), "frontend connected");
             if shared.stop.load(Ordering::Acquire) {
                 backend.drain_all(DRAIN_TIMEOUT);
                 daemon.request_shutdown();
             }
             match daemon.wait() {
                 Ok(()) => {
-                    tracing::info!(socket = %config.socket.display(), "frontend disconnected")
+                    tracing::info!(attachment = %config.id, socket = %config.socket.display(), "frontend disconnected")
                 }
                 Err(e) => {
-                    tracing::info!(socket = %config.socket.display(), error = %e, "frontend connection ended")
+                    tracing::info!(attachment = %config.id, socket = %config.socket.display(), error = %e, "frontend connection ended")
                 }
             }
             shared.connected.store(false, Ordering::Release);
@@ -301,4 +313,36 @@ fn serve(
         drop(daemon);
         backend.close_exit_fds();
     }
+}
+
+/// Makes `path` usable for a new listening socket without destroying anything: a stale
+/// socket (nobody listening) is removed; a live socket, a file of any other type, or a
+/// missing parent directory is an error.
+///
+/// # Errors
+/// [`AttachmentError::SocketPath`] saying what is in the way.
+pub fn prepare_socket_path(path: &Path) -> Result<(), AttachmentError> {
+    use std::os::unix::fs::FileTypeExt;
+    let err = |reason: &str| AttachmentError::SocketPath {
+        path: path.to_owned(),
+        reason: reason.to_owned(),
+    };
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() && !dir.is_dir() => {
+            return Err(err("its directory does not exist"));
+        }
+        _ => {}
+    }
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(err(&format!("cannot inspect it: {e}"))),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(err("exists and is not a socket (refusing to replace it)"));
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(err("a live socket: another process is listening on it"));
+    }
+    std::fs::remove_file(path).map_err(|e| err(&format!("cannot remove the stale socket: {e}")))
 }

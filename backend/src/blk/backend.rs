@@ -53,9 +53,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl BlkBackend {
-    /// A backend for `num_queues` virtqueues; opens one fabric session per queue (a
-    /// failed one is retried on the queue's next request).
+    /// A backend for `num_queues` virtqueues of attachment `name`; opens one fabric
+    /// session per queue (a failed one is retried on the queue's next request).
     pub fn new(
+        name: Arc<str>,
         limits: Arc<DeviceLimits>,
         num_queues: u16,
         target: &LenderTarget,
@@ -63,7 +64,7 @@ impl BlkBackend {
     ) -> Self {
         let queues = (0..num_queues)
             .map(|i| {
-                let mut engine = QueueEngine::new(i, target.clone(), limits.clone(), stats.clone());
+                let mut engine = QueueEngine::new(i, target.clone(), limits.clone(), stats.clone()).named(name.clone());
                 if let Err(e) = engine.connect() {
                     tracing::warn!(queue = i, error = %crate::blk::engine::DisplayChain(&e), "cannot open fabric session yet");
                 }

@@ -236,6 +236,8 @@ enum FabricFault {
 
 /// The state of one virtqueue of one attachment.
 pub struct QueueEngine {
+    /// The attachment's id, for logs.
+    name: Arc<str>,
     index: u16,
     target: LenderTarget,
     limits: Arc<DeviceLimits>,
@@ -272,6 +274,7 @@ impl QueueEngine {
         stats: Arc<QueueStats>,
     ) -> Self {
         QueueEngine {
+            name: Arc::from(""),
             index,
             target,
             limits,
@@ -294,6 +297,12 @@ impl QueueEngine {
         }
     }
 
+    /// Names the attachment this queue belongs to, for logs.
+    pub fn named(mut self, name: Arc<str>) -> Self {
+        self.name = name;
+        self
+    }
+
     /// Opens the fabric session to the lender for this queue (TCP connect + handshake).
     ///
     /// # Errors
@@ -306,10 +315,11 @@ impl QueueEngine {
         )?;
         if reply.device.capacity_sectors != self.limits.capacity_sectors {
             tracing::warn!(
+                attachment = %self.name,
                 queue = self.index,
                 was = self.limits.capacity_sectors,
                 now = reply.device.capacity_sectors,
-                "lent device changed capacity; requests are still checked against the old one"
+                "lent device changed capacity; requests are still checked against the old one",
             );
         }
         self.conn = Some(stream);
@@ -403,9 +413,10 @@ impl QueueEngine {
                     Some(slot) if !slot.busy => {}
                     _ => {
                         tracing::warn!(
+                            attachment = %self.name,
                             queue = self.index,
                             head,
-                            "guest reused a descriptor head still in flight; chain ignored"
+                            "guest reused a descriptor head still in flight; chain ignored",
                         );
                         return Ok(false);
                     }
@@ -468,10 +479,20 @@ impl QueueEngine {
         match self.connect() {
             Ok(()) => {
                 self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(queue = self.index, lender = %self.target.addr, "fabric session re-established");
+                tracing::info!(
+                    attachment = %self.name,
+                    queue = self.index,
+                    lender = %self.target.addr,
+                    "fabric session re-established",
+                );
             }
             Err(e) => {
-                tracing::warn!(queue = self.index, error = %DisplayChain(&e), "lender unreachable; failing request");
+                tracing::warn!(
+                    attachment = %self.name,
+                    queue = self.index,
+                    error = %DisplayChain(&e),
+                    "lender unreachable; failing request",
+                );
             }
         }
     }
@@ -699,12 +720,13 @@ impl QueueEngine {
         fault: FabricFault,
     ) -> Result<bool, virtio_queue::Error> {
         tracing::warn!(
+            attachment = %self.name,
             queue = self.index,
             lender = %self.target.addr,
             device = %self.target.device,
             inflight = self.inflight,
             error = %DisplayChain(&fault),
-            "fabric session lost; failing requests in flight"
+            "fabric session lost; failing requests in flight",
         );
         self.conn = None;
         self.rx = Rx::Header { got: 0 };
@@ -767,9 +789,10 @@ impl QueueEngine {
         }
         if self.inflight > 0 {
             tracing::warn!(
+                attachment = %self.name,
                 queue = self.index,
                 inflight = self.inflight,
-                "requests still in flight at drain deadline; failing them"
+                "requests still in flight at drain deadline; failing them",
             );
             used |= self.fail_all(queue, mem)?;
         }

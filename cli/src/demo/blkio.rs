@@ -41,6 +41,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         socket: socket.clone(),
         queues: 1,
         queue_size: 256,
+        poll_us: 0,
         vmm: None,
     })?;
 

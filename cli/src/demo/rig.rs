@@ -35,7 +35,11 @@ impl Drop for Daemon {
 }
 
 impl Daemon {
-    fn spawn(name: &'static str, bin: &Path, args: &[String], dir: &Path) -> Result<Self> {
+    /// Starts `bin` with `args`, its output to `DIR/NAME.log`.
+    ///
+    /// # Errors
+    /// The log cannot be created or the program cannot start.
+    pub fn spawn(name: &'static str, bin: &Path, args: &[String], dir: &Path) -> Result<Self> {
         let log = dir.join(format!("{name}.log"));
         let out = File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
         let child = Command::new(bin)
@@ -60,7 +64,16 @@ impl Daemon {
         Ok(())
     }
 
-    fn wait_until(&mut self, what: &str, mut ready: impl FnMut() -> bool) -> Result<()> {
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits up to 20 s until `ready` holds.
+    ///
+    /// # Errors
+    /// The daemon exited (with its log), or 20 s passed.
+    pub fn wait_until(&mut self, what: &str, mut ready: impl FnMut() -> bool) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(20);
         while !ready() {
             self.check_alive()?;
@@ -164,6 +177,12 @@ impl Rig {
                 image.display()
             ),
         );
+        if image.exists() {
+            bail!(
+                "{} already exists; the demo will not overwrite it (use another --dir)",
+                image.display()
+            );
+        }
         File::create(&image)?.set_len(size)?;
 
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();

@@ -158,6 +158,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         socket: socket.clone(),
         queues: 1,
         queue_size: 256,
+        poll_us: 0,
         vmm: Some(VmmTarget::Qemu {
             qmp: guest.qmp_socket().to_owned(),
         }),
@@ -193,7 +194,22 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
             },
             PHASE_TIMEOUT,
         )?;
-        if line.contains("DEVLEND-PHASE io-done") || line.contains("DEVLEND-DONE") {
+        if line.contains("DEVLEND-DONE") {
+            // The script ended before finishing its I/O: say why, from what it printed.
+            pb.finish_and_clear();
+            let outcome = guest.wait_done(PHASE_TIMEOUT)?;
+            let why = match outcome.result("verified") {
+                Some("no") => "the data read back differs from what was written".to_owned(),
+                _ => format!("the guest's script failed (exit status {})", outcome.rc),
+            };
+            let tail: Vec<&str> = outcome.console.lines().rev().take(15).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            bail!(
+                "the guest's I/O on the lent disk failed: {why}\nguest console (last lines):\n{}",
+                tail.join("\n")
+            );
+        }
+        if line.contains("DEVLEND-PHASE io-done") {
             break;
         }
         let f: Vec<&str> = line.split_whitespace().collect();
