@@ -308,6 +308,7 @@ impl Session<'_> {
     /// Counts a finished request.
     fn account(&self, req: &Request) {
         let stats = &self.dev.stats;
+        stats.answered(req.received);
         match (req.status, req.op) {
             (Status::Ok, Op::Read) => stats.read_bytes(req.data_bytes()),
             (Status::Ok, Op::Write) => stats.wrote_bytes(req.data_bytes()),

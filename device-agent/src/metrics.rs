@@ -4,9 +4,13 @@
 //! `devlend_device_bytes_total{op}`, `devlend_device_errors_total{kind}` (`request`:
 //! answered IOERR/UNSUPP, `protocol`: sessions closed for a protocol error),
 //! `devlend_device_sessions` (open now), `devlend_device_sessions_opened_total`,
-//! `devlend_device_operations_total` (operations issued to the backing file).
+//! `devlend_device_operations_total` (operations issued to the backing file),
+//! `devlend_device_requests_in_flight`, `devlend_device_request_duration_seconds`.
 
-use devlend_daemon::metrics::{counter, gauge, Collector, DescriptorEncoder, Labels};
+use devlend_daemon::metrics::{
+    counter, gauge, histogram, Collector, DescriptorEncoder, HistogramSeries, Labels,
+};
+use devlend_fabric::latency::BOUNDS_US;
 
 use crate::StatsView;
 
@@ -24,18 +28,22 @@ fn l(device: &str, extra: &[(&str, &str)]) -> Labels {
     v
 }
 
+#[derive(Default)]
+struct Families {
+    req: Vec<(Labels, u64)>,
+    bytes: Vec<(Labels, u64)>,
+    errs: Vec<(Labels, u64)>,
+    sessions: Vec<(Labels, i64)>,
+    opened: Vec<(Labels, u64)>,
+    ops: Vec<(Labels, u64)>,
+    inflight: Vec<(Labels, i64)>,
+    latency: Vec<HistogramSeries>,
+}
+
 impl Collector for DeviceMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let all = self.0.all();
-        let (mut req, mut bytes, mut errs, mut sess, mut opened, mut ops) = (
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-        );
-        for (name, s) in &all {
+        let mut f = Families::default();
+        for (name, s, lat) in self.0.all_with_latency() {
             for (op, n) in [
                 ("read", s.reads),
                 ("write", s.writes),
@@ -43,46 +51,70 @@ impl Collector for DeviceMetrics {
                 ("discard", s.discards),
                 ("write_zeroes", s.write_zeroes),
             ] {
-                req.push((l(name, &[("op", op)]), n));
+                f.req.push((l(&name, &[("op", op)]), n));
             }
-            bytes.push((l(name, &[("op", "read")]), s.bytes_read));
-            bytes.push((l(name, &[("op", "write")]), s.bytes_written));
-            errs.push((l(name, &[("kind", "request")]), s.request_errors));
-            errs.push((l(name, &[("kind", "protocol")]), s.protocol_errors));
-            sess.push((l(name, &[]), s.sessions_active as i64));
-            opened.push((l(name, &[]), s.sessions_opened));
-            ops.push((l(name, &[]), s.device_ops));
+            f.bytes.push((l(&name, &[("op", "read")]), s.bytes_read));
+            f.bytes
+                .push((l(&name, &[("op", "write")]), s.bytes_written));
+            f.errs
+                .push((l(&name, &[("kind", "request")]), s.request_errors));
+            f.errs
+                .push((l(&name, &[("kind", "protocol")]), s.protocol_errors));
+            f.sessions.push((l(&name, &[]), s.sessions_active as i64));
+            f.opened.push((l(&name, &[]), s.sessions_opened));
+            f.ops.push((l(&name, &[]), s.device_ops));
+            f.inflight.push((l(&name, &[]), s.in_flight as i64));
+            f.latency.push(HistogramSeries {
+                labels: l(&name, &[]),
+                sum: lat.sum_ns as f64 / 1e9,
+                count: lat.count,
+                bounds: BOUNDS_US.iter().map(|&us| us as f64 / 1e6).collect(),
+                buckets: lat.buckets,
+            });
         }
+        let e = &mut enc;
         counter(
-            &mut enc,
+            e,
             "devlend_device_requests",
             "Requests received, by operation.",
-            &req,
+            &f.req,
         )?;
         counter(
-            &mut enc,
+            e,
             "devlend_device_bytes",
-            "Data bytes moved by successful requests, by operation.",
-            &bytes,
+            "Data bytes of successful requests, by operation.",
+            &f.bytes,
         )?;
-        counter(&mut enc, "devlend_device_errors", "Errors, by kind.", &errs)?;
+        counter(e, "devlend_device_errors", "Errors, by kind.", &f.errs)?;
         gauge(
-            &mut enc,
+            e,
             "devlend_device_sessions",
             "Fabric sessions open now.",
-            &sess,
+            &f.sessions,
         )?;
         counter(
-            &mut enc,
+            e,
             "devlend_device_sessions_opened",
             "Fabric sessions opened.",
-            &opened,
+            &f.opened,
         )?;
         counter(
-            &mut enc,
+            e,
             "devlend_device_operations",
             "Operations issued to the backing file or device.",
-            &ops,
+            &f.ops,
+        )?;
+        gauge(
+            e,
+            "devlend_device_requests_in_flight",
+            "Requests received and not yet answered.",
+            &f.inflight,
+        )?;
+        histogram(
+            e,
+            "devlend_device_request_duration_seconds",
+            "Time from receiving a request to queueing its response.",
+            &f.latency,
         )?;
         Ok(())
     }

@@ -154,6 +154,8 @@ pub(crate) struct Request {
     pub(crate) errno: i32,
     /// The encoded response header, once finished.
     resp: [u8; RESPONSE_HEADER_LEN],
+    /// When the request was received (for the latency histogram).
+    pub(crate) received: Option<std::time::Instant>,
 }
 
 impl Request {
@@ -171,6 +173,7 @@ impl Request {
             status: Status::IoErr,
             errno: 0,
             resp: [0; RESPONSE_HEADER_LEN],
+            received: None,
         }
     }
 
@@ -190,6 +193,7 @@ impl Request {
     pub(crate) fn start(&mut self, h: &RequestHeader, dev: &Device) -> Option<&'static str> {
         self.id = h.id;
         self.op = h.op;
+        self.received = Some(std::time::Instant::now());
         self.done = 0;
         self.errno = 0;
         self.status = Status::Ok;

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use devlend_fabric::latency::LatencySnapshot;
 use devlend_fabric::DeviceInfo;
 
 use crate::config::check_unique;
@@ -379,6 +380,16 @@ impl StatsView {
             .all_devices()
             .iter()
             .map(|d| (d.name.clone(), d.stats.snapshot()))
+            .collect()
+    }
+
+    /// Each device's name, counters and latency histogram (from receiving a request to
+    /// queueing its response), by name.
+    pub fn all_with_latency(&self) -> Vec<(String, DeviceStatsSnapshot, LatencySnapshot)> {
+        self.0
+            .all_devices()
+            .iter()
+            .map(|d| (d.name.clone(), d.stats.snapshot(), d.stats.latency()))
             .collect()
     }
 }

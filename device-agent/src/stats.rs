@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use devlend_fabric::latency::{LatencyHistogram, LatencySnapshot};
 use devlend_fabric::Op;
 
 /// A copy of one device's counters at one moment. Every field counts since the lender
@@ -35,6 +36,8 @@ pub struct DeviceStatsSnapshot {
     /// Sessions closed because the peer broke the protocol (malformed or truncated
     /// frame, a length beyond the limits, a stall in the middle of a frame).
     pub protocol_errors: u64,
+    /// Requests received and not yet answered.
+    pub in_flight: u64,
 }
 
 impl DeviceStatsSnapshot {
@@ -59,9 +62,24 @@ pub(crate) struct DeviceStats {
     device_ops: AtomicU64,
     request_errors: AtomicU64,
     protocol_errors: AtomicU64,
+    answered: AtomicU64,
+    latency: LatencyHistogram,
 }
 
 impl DeviceStats {
+    /// Counts a request answered, `received` being when it arrived.
+    pub(crate) fn answered(&self, received: Option<std::time::Instant>) {
+        self.answered.fetch_add(1, Relaxed);
+        if let Some(t) = received {
+            self.latency.record(t.elapsed());
+        }
+    }
+
+    /// The latency histogram: from receiving a request to queueing its response.
+    pub(crate) fn latency(&self) -> LatencySnapshot {
+        self.latency.snapshot()
+    }
+
     pub(crate) fn session_opened(&self) {
         self.sessions_opened.fetch_add(1, Relaxed);
         self.sessions_active.fetch_add(1, Relaxed);
@@ -116,6 +134,14 @@ impl DeviceStats {
             device_ops: self.device_ops.load(Relaxed),
             request_errors: self.request_errors.load(Relaxed),
             protocol_errors: self.protocol_errors.load(Relaxed),
+            in_flight: {
+                let received = self.reads.load(Relaxed)
+                    + self.writes.load(Relaxed)
+                    + self.flushes.load(Relaxed)
+                    + self.discards.load(Relaxed)
+                    + self.write_zeroes.load(Relaxed);
+                received.saturating_sub(self.answered.load(Relaxed))
+            },
         }
     }
 }

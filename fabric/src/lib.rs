@@ -11,6 +11,7 @@
 pub mod error;
 pub mod handshake;
 pub mod io_util;
+pub mod latency;
 pub mod tcp;
 pub mod wire;
 

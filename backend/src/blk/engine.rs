@@ -22,11 +22,11 @@ use devlend_fabric::{Op, Status};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::blk::latency::{LatencyHistogram, LatencySnapshot};
 use crate::blk::request::{parse, DeviceLimits, Disposition, Request, Scratch};
 use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
 use crate::blk::tcp::{recv_vectored_nonblocking, write_all_vectored};
 use crate::guest::{GuestMemory, GuestMemoryRef, HostIov};
+use devlend_fabric::latency::{LatencyHistogram, LatencySnapshot};
 
 /// Where the device is lent from.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,14 +3,13 @@
 //! - [`spec`]: virtio-blk constants, feature bits and config space (virtio 1.2 §5.2);
 //! - [`request`]: descriptor chain → validated request, or an immediate status;
 //! - [`engine`]: one virtqueue's requests in flight over one fabric connection;
-//! - [`latency`]: the completion-latency histogram;
 //! - [`backend`]: the `vhost-user-backend` glue (features, config, workers);
 //! - [`attachment`]: a listening vhost-user socket served for one lent device.
 
 pub mod attachment;
 pub mod backend;
 pub mod engine;
-pub mod latency;
+pub use devlend_fabric::latency;
 pub mod request;
 pub mod spec;
 mod tcp;

@@ -1,7 +1,8 @@
-//! A lock-free latency histogram with fixed buckets, for metrics and `devlend status`.
+//! A lock-free latency histogram with fixed buckets, kept by both ends of a session for
+//! metrics and `devlend status`.
 //!
 //! Recording is one relaxed atomic add per bucket, sum and count; the bucket bounds are
-//! the Prometheus histogram `le` bounds exported by the compute agent.
+//! the Prometheus histogram `le` bounds the agents export.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -12,8 +13,8 @@ pub const BOUNDS_US: [u64; 19] = [
     500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000,
 ];
 
-/// Request completion latencies (from the batch that sent the request to the lender to
-/// its completion into the used ring).
+/// Request latencies: on the borrower from sending to completion into the used ring, on
+/// the lender from receiving the request to queueing its response.
 #[derive(Debug, Default)]
 pub struct LatencyHistogram {
     buckets: [AtomicU64; BOUNDS_US.len() + 1],
