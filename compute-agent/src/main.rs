@@ -14,7 +14,7 @@ fn main() -> ExitCode {
     let config = match Config::load(&cli) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("devlend-compute-agent: {e}");
+            eprintln!("devlend-compute-agent: {:#}", anyhow::Error::from(e));
             return ExitCode::from(2);
         }
     };

@@ -14,7 +14,7 @@ fn main() -> ExitCode {
     let config = match Config::from_cli(&cli) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("devlend-device-agent: {e}");
+            eprintln!("devlend-device-agent: {:#}", anyhow::Error::from(e));
             return ExitCode::from(2);
         }
     };
