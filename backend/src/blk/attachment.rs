@@ -128,6 +128,15 @@ impl Attachment {
                 path: config.socket.clone(),
                 source,
             })?;
+        // Only the owner and its group (e.g. the VMM's) may join the socket.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&config.socket, std::fs::Permissions::from_mode(0o660))
+                .map_err(|source| AttachmentError::Listen {
+                    path: config.socket.clone(),
+                    source: vhost::vhost_user::Error::SocketError(source),
+                })?;
+        }
         let wake = EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?;
         let stats = Arc::new(QueueStats::new(config.num_queues));
         let shared = Arc::new(Shared::default());
