@@ -31,9 +31,10 @@ pub struct AttachRequest {
     /// Virtqueue size to suggest to the VMM (a power of two, 64..=1024); default 256.
     #[serde(default = "default_queue_size")]
     pub queue_size: u16,
-    /// Busy-poll budget in microseconds: after handling events, each queue's worker
-    /// polls the guest's ring and the fabric this long before it sleeps again (0, the
-    /// default: interrupt-driven, no spinning). Costs CPU for lower latency.
+    /// Busy-poll budget in microseconds (0..=1000): after handling events, each queue's
+    /// worker polls the guest's ring and the fabric until nothing happened for this long
+    /// before it sleeps again (0, the default: interrupt-driven, no spinning). Costs CPU
+    /// for lower latency.
     #[serde(default)]
     pub poll_us: u32,
     /// Plug the device into this running VM once the socket is served; the VMM's device

@@ -60,6 +60,9 @@ struct Entry {
     plug: Option<VmmPlug>,
 }
 
+/// Largest busy-poll budget an attachment may ask for, in microseconds.
+pub const MAX_POLL_US: u32 = 1000;
+
 /// Attachments by id.
 #[derive(Default)]
 pub struct Registry {
@@ -121,6 +124,7 @@ impl Registry {
                 borrower: new_borrower_id(),
             },
             num_queues: req.queues,
+            poll: std::time::Duration::from_micros(u64::from(req.poll_us)),
         })
         .map_err(RegistryError::Start)?;
         let plug = match &req.vmm {
@@ -150,6 +154,12 @@ impl Registry {
             return Err(RegistryError::BadRequest(format!(
                 "queue size {} must be a power of two in 64..=1024",
                 req.queue_size
+            )));
+        }
+        if req.poll_us > MAX_POLL_US {
+            return Err(RegistryError::BadRequest(format!(
+                "poll_us {} is above the maximum of {MAX_POLL_US} µs",
+                req.poll_us
             )));
         }
         if req.socket.as_os_str().is_empty() || !req.socket.is_absolute() {

@@ -40,6 +40,22 @@ pub enum LogError {
 }
 
 fn filter(level: &str) -> Result<EnvFilter, LogError> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    // A bare word would be taken as a target name and silence everything else.
+    let known = level.split(',').all(|d| {
+        let d = d.trim();
+        !d.is_empty()
+            && (d.contains('=')
+                || d.contains("::")
+                || LEVELS.contains(&d.to_ascii_lowercase().as_str()))
+    });
+    if !known {
+        return Err(LogError::Level {
+            level: level.to_owned(),
+            reason: "expected off, error, warn, info, debug, trace, or target=level directives"
+                .into(),
+        });
+    }
     EnvFilter::try_new(level).map_err(|e| LogError::Level {
         level: level.to_owned(),
         reason: e.to_string(),

@@ -32,6 +32,9 @@ pub(crate) struct Device {
     pub(crate) capacity_bytes: u64,
     /// What the handshake advertises.
     pub(crate) info: DeviceInfo,
+    /// The backing file lives in memory (tmpfs, ramfs): its I/O is a memory copy that
+    /// never waits for a device.
+    pub(crate) memory_backed: bool,
     /// The device's counters.
     pub(crate) stats: DeviceStats,
     /// The borrower that holds the device, and how many of its sessions are open.
@@ -150,6 +153,7 @@ impl Device {
                 "size is not a multiple of 512 bytes: the last {hidden} bytes are not lent"
             );
         }
+        let memory_backed = kind.is_file() && memory_backed(&file);
         let mut flags = DEV_DISCARD | DEV_WRITE_ZEROES;
         if spec.read_only {
             flags |= DEV_READ_ONLY;
@@ -178,6 +182,7 @@ impl Device {
             read_only: spec.read_only,
             capacity_bytes: capacity_sectors * SECTOR_SIZE,
             info,
+            memory_backed,
             stats: DeviceStats::default(),
             holder: Mutex::new(None),
             spec: spec.clone(),
@@ -189,6 +194,20 @@ impl Device {
 /// sector is not lent.
 pub(crate) fn capacity_sectors(size_bytes: u64) -> u64 {
     size_bytes / SECTOR_SIZE
+}
+
+/// Whether `file` is on a memory file system (tmpfs or ramfs).
+fn memory_backed(file: &File) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    // SAFETY: statfs is plain old data; all-zero is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the fd is open for the duration of the call and `st` is a live, writable
+    // statfs.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return false;
+    }
+    matches!(st.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC)
 }
 
 /// Size of a block device in bytes.
@@ -232,6 +251,16 @@ mod tests {
             path: path.to_owned(),
             read_only: ro,
             serial: None,
+        }
+    }
+
+    #[test]
+    fn files_in_memory_are_recognised() {
+        if let Ok(f) = tempfile::tempfile_in("/dev/shm") {
+            assert!(memory_backed(&f));
+        }
+        if let Ok(f) = File::open("/proc/self/stat") {
+            assert!(!memory_backed(&f));
         }
     }
 

@@ -2,9 +2,10 @@
 //! the fabric.
 //!
 //! A [`Lender`] opens the devices named by [`DeviceSpec`]s, binds a TCP listener and
-//! serves one session per accepted connection: the handshake of
+//! serves one session per accepted connection, each on its own thread: the handshake of
 //! [`devlend_fabric::handshake`], then block requests ([`devlend_fabric::wire`]) executed
-//! on the backing file through io_uring, many in flight, answered in completion order.
+//! on the backing file through io_uring (or plain system calls for files in memory, see
+//! [`IoMode`]), many in flight, answered in completion order.
 //!
 //! Limits (advertised in the handshake, enforced per request):
 //! [`MAX_TRANSFER_BYTES`], [`MAX_DISCARD_SECTORS`], [`MAX_WRITE_ZEROES_SECTORS`]; per
@@ -30,6 +31,7 @@ pub mod stats;
 mod uring;
 
 pub use config::{Cli, Config, DeviceSpec};
+pub use engine::IoMode;
 pub use error::Error;
 pub use server::{Lender, LenderHandle, Options, ReloadReport, StatsView};
 pub use stats::DeviceStatsSnapshot;

@@ -2,6 +2,7 @@
 //! what a completion means (continue a short transfer, fall back, or finish with a
 //! status).
 
+use std::os::fd::RawFd;
 use std::sync::OnceLock;
 
 use devlend_fabric::wire::{FLAG_UNMAP, RESPONSE_HEADER_LEN};
@@ -156,6 +157,23 @@ pub(crate) struct Request {
     resp: [u8; RESPONSE_HEADER_LEN],
     /// When the request was received (for the latency histogram).
     pub(crate) received: Option<std::time::Instant>,
+    /// A read whose data is sent straight from the file (`sendfile`) rather than read
+    /// into `buf` first.
+    from_file: bool,
+}
+
+/// Where a response's data comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ResponseData<'a> {
+    /// These bytes (empty when the response has no data).
+    Buf(&'a [u8]),
+    /// `len` bytes of the device at byte `offset`.
+    File {
+        /// Byte offset on the device.
+        offset: u64,
+        /// Bytes.
+        len: usize,
+    },
 }
 
 impl Request {
@@ -174,6 +192,7 @@ impl Request {
             errno: 0,
             resp: [0; RESPONSE_HEADER_LEN],
             received: None,
+            from_file: false,
         }
     }
 
@@ -194,6 +213,7 @@ impl Request {
         self.id = h.id;
         self.op = h.op;
         self.received = Some(std::time::Instant::now());
+        self.from_file = false;
         self.done = 0;
         self.errno = 0;
         self.status = Status::Ok;
@@ -272,6 +292,69 @@ impl Request {
         entry.user_data(user_data)
     }
 
+    /// Runs the current stage's operation with a blocking system call on `fd`, and
+    /// returns its result as io_uring would (bytes transferred, or `-errno`). For files
+    /// whose I/O is a memory copy (tmpfs), where handing it to io_uring only adds a
+    /// kernel worker thread hop.
+    pub(crate) fn run_sync(&mut self, fd: RawFd) -> i32 {
+        let rest = self.len.saturating_sub(self.done);
+        let at = (self.offset + self.done) as libc::off_t;
+        let ret = |r: isize| -> i32 {
+            if r < 0 {
+                -std::io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::EIO)
+            } else {
+                i32::try_from(r).unwrap_or(i32::MAX)
+            }
+        };
+        // Invariants kept by `start` and `complete`: done < len ≤ buf.len() for the
+        // transfer stages.
+        match self.stage {
+            Stage::Immediate(_) => 0,
+            Stage::Read => {
+                let part = &mut self.buf[self.done as usize..self.len as usize];
+                // SAFETY: `part` is a live, writable buffer of `part.len()` bytes.
+                ret(unsafe { libc::pread(fd, part.as_mut_ptr().cast(), part.len(), at) })
+            }
+            Stage::Write => {
+                let part = &self.buf[self.done as usize..self.len as usize];
+                // SAFETY: `part` is a live buffer of `part.len()` bytes, only read.
+                ret(unsafe { libc::pwrite(fd, part.as_ptr().cast(), part.len(), at) })
+            }
+            // SAFETY: plain system calls on an open file descriptor, no memory passed.
+            Stage::Flush => ret(unsafe { libc::fdatasync(fd) } as isize),
+            Stage::Discard | Stage::ZeroPunch | Stage::ZeroRange => {
+                let mode = if self.stage == Stage::ZeroRange {
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+                } else {
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+                };
+                let (off, len) = (self.offset as libc::off_t, self.len as libc::off_t);
+                // SAFETY: a plain system call on an open file descriptor.
+                ret(unsafe { libc::fallocate(fd, mode, off, len) } as isize)
+            }
+            Stage::ZeroWrite => {
+                let chunk = rest.min(ZERO_CHUNK as u64) as usize;
+                // SAFETY: the zero buffer is static and at least `chunk` bytes long.
+                ret(unsafe { libc::pwrite(fd, zeroes().as_ptr().cast(), chunk, at) })
+            }
+        }
+    }
+
+    /// Whether this is a read that is about to read its data from the device.
+    pub(crate) fn is_pending_read(&self) -> bool {
+        self.stage == Stage::Read && self.done == 0
+    }
+
+    /// Finishes a pending read without reading: its response will carry its range of
+    /// the device straight from the file (see [`ResponseData::File`]).
+    pub(crate) fn send_from_file(&mut self) {
+        self.from_file = true;
+        self.done = self.len;
+        self.status = Status::Ok;
+    }
+
     /// Applies a completion result (bytes transferred, or `-errno`).
     pub(crate) fn complete(&mut self, res: i32) -> Next {
         let fail = |r: &mut Request, status| {
@@ -331,8 +414,17 @@ impl Request {
 
     /// The response header (as last encoded) and the data that follows it: a successful
     /// read's data, else nothing.
-    pub(crate) fn response(&self) -> (&[u8], &[u8]) {
-        (&self.resp, &self.buf[..self.response_data_len()])
+    pub(crate) fn response(&self) -> (&[u8; RESPONSE_HEADER_LEN], ResponseData<'_>) {
+        let n = self.response_data_len();
+        let data = if self.from_file && n > 0 {
+            ResponseData::File {
+                offset: self.offset,
+                len: n,
+            }
+        } else {
+            ResponseData::Buf(&self.buf[..n])
+        };
+        (&self.resp, data)
     }
 
     fn response_data_len(&self) -> usize {

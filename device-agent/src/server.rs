@@ -14,6 +14,7 @@ use devlend_fabric::DeviceInfo;
 
 use crate::config::check_unique;
 use crate::device::Device;
+use crate::engine::IoMode;
 use crate::{session, DeviceSpec, DeviceStatsSnapshot, Error};
 
 /// Tunables of a lender beyond its devices and address.
@@ -29,6 +30,9 @@ pub struct Options {
     /// Most sessions open at once, over all devices (default 256); the next hello is
     /// answered `Busy`.
     pub max_sessions: usize,
+    /// How sessions do device I/O (default: plain system calls for files in memory,
+    /// io_uring otherwise).
+    pub io: IoMode,
 }
 
 impl Default for Options {
@@ -37,6 +41,7 @@ impl Default for Options {
             handshake_timeout: Duration::from_secs(10),
             frame_timeout: Duration::from_secs(30),
             max_sessions: 256,
+            io: IoMode::Auto,
         }
     }
 }

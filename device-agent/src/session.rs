@@ -13,8 +13,8 @@ use crate::server::{ActiveSession, Shared};
 use crate::uring::Ring;
 
 /// Submission entries of a session's ring (completions: twice as many). Every request in
-/// flight has at most one operation queued, and the ring is submitted as entries are
-/// queued, so this never limits the requests in flight.
+/// flight has at most one operation queued (plus two socket polls), and the ring is
+/// submitted as entries are queued, so this never limits the requests in flight.
 const RING_ENTRIES: u32 = 1024;
 
 /// Serves one accepted connection to its end.
@@ -25,17 +25,18 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
         tracing::warn!(%peer, error = %e, "cannot set socket options; closing");
         return;
     }
-    let Some((dev, ring, _active, _claim)) = handshake(shared, &sock, peer) else {
+    let Some((dev, mut ring, _active, _claim)) = handshake(shared, &sock, peer) else {
         return;
     };
     dev.stats.session_opened();
+    tracing::debug!(%peer, id, "session serving");
     let end = engine::run(
         &dev,
         &sock,
         peer,
-        &ring,
+        &mut ring,
         shared.options.frame_timeout,
-        format!("dl-cq-{id}"),
+        shared.options.io,
     );
     dev.stats.session_closed();
     match &end {
@@ -44,8 +45,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             dev.stats.protocol_error();
             tracing::warn!(%peer, device = %dev.name, %reason, "protocol error; session closed");
         }
-        End::Completer => tracing::info!(%peer, device = %dev.name, "session closed: {end}"),
-        End::Socket(e) | End::Ring(e) | End::Thread(e) => {
+        End::Socket(e) | End::Ring(e) => {
             tracing::warn!(%peer, device = %dev.name, error = %e, "session closed: {end}");
         }
     }

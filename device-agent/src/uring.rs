@@ -1,21 +1,16 @@
-//! One io_uring instance shared by the two threads of a session.
+//! A session's io_uring: device I/O, and the wait for the socket or a completion.
 //!
-//! Both threads push submission entries (the request reader, and the completion thread
-//! for continuations); only the completion thread reaps completions. Each queue is
-//! guarded by its own mutex, private to the session, so the unsafe `*_shared` accessors
-//! of the io-uring crate are never used concurrently.
+//! Only the session's thread uses it.
 
 use std::io;
-use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use io_uring::{squeue, IoUring};
+use io_uring::{squeue, types, IoUring};
 
 /// A session's ring.
 pub(crate) struct Ring {
     ring: IoUring,
-    sq: Mutex<()>,
-    cq: Mutex<()>,
+    ext_arg: bool,
 }
 
 impl Ring {
@@ -30,15 +25,12 @@ impl Ring {
             Ok(r) => r,
             Err(_) => IoUring::new(entries)?,
         };
-        Ok(Ring {
-            ring,
-            sq: Mutex::new(()),
-            cq: Mutex::new(()),
-        })
+        let ext_arg = ring.params().is_feature_ext_arg();
+        Ok(Ring { ring, ext_arg })
     }
 
     /// Queues one entry (submitting to make room when the queue is full). The entry is
-    /// handed to the kernel by the next [`Ring::submit`] or [`Ring::submit_and_wait`].
+    /// handed to the kernel by the next [`Ring::submit`] or [`Ring::wait`].
     ///
     /// # Errors
     /// Those of [`Ring::submit`] when the queue was full.
@@ -47,16 +39,12 @@ impl Ring {
     /// Every buffer the entry points to must stay valid (and, for a read, not be accessed)
     /// until its completion has been reaped, and its `user_data` must be owned by that
     /// completion.
-    pub(crate) unsafe fn push(&self, entry: &squeue::Entry) -> io::Result<()> {
-        let _guard = self.sq.lock().unwrap_or_else(PoisonError::into_inner);
+    pub(crate) unsafe fn push(&mut self, entry: &squeue::Entry) -> io::Result<()> {
         loop {
-            // SAFETY: the guard makes this the only submission queue alive.
-            let mut sq = unsafe { self.ring.submission_shared() };
             // SAFETY: the caller guarantees the buffers and user_data (see `# Safety`).
-            if unsafe { sq.push(entry) }.is_ok() {
+            if unsafe { self.ring.submission().push(entry) }.is_ok() {
                 return Ok(());
             }
-            drop(sq);
             self.submit()?;
         }
     }
@@ -66,7 +54,7 @@ impl Ring {
     ///
     /// # Errors
     /// Any other `io_uring_enter` error.
-    pub(crate) fn submit(&self) -> io::Result<()> {
+    pub(crate) fn submit(&mut self) -> io::Result<()> {
         loop {
             match self.ring.submit() {
                 Ok(_) => return Ok(()),
@@ -77,15 +65,26 @@ impl Ring {
         }
     }
 
-    /// Submits queued entries and waits for at least one completion. Returns early (with
-    /// no completion) on EINTR, EAGAIN and EBUSY; the caller reaps and calls again.
+    /// Submits queued entries and waits for at least one completion, at most `timeout`
+    /// (when the kernel supports timed waits; else without limit). Returns early (with
+    /// no completion) on a timeout, EINTR, EAGAIN and EBUSY; the caller reaps and
+    /// decides.
     ///
     /// # Errors
     /// Any other `io_uring_enter` error.
-    pub(crate) fn submit_and_wait(&self) -> io::Result<()> {
-        match self.ring.submit_and_wait(1) {
+    pub(crate) fn wait(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        let res = match timeout {
+            Some(t) if self.ext_arg => {
+                let ts = types::Timespec::from(t);
+                let args = types::SubmitArgs::new().timespec(&ts);
+                self.ring.submitter().submit_with_args(1, &args)
+            }
+            _ => self.ring.submit_and_wait(1),
+        };
+        match res {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ETIME) => Ok(()),
             Err(e) if is_transient(&e) => {
                 std::thread::sleep(Duration::from_millis(1));
                 Ok(())
@@ -95,11 +94,8 @@ impl Ring {
     }
 
     /// Moves every available completion, as `(user_data, result)`, into `out`.
-    pub(crate) fn reap(&self, out: &mut Vec<(u64, i32)>) {
-        let _guard = self.cq.lock().unwrap_or_else(PoisonError::into_inner);
-        // SAFETY: the guard makes this the only completion queue alive.
-        let cq = unsafe { self.ring.completion_shared() };
-        out.extend(cq.map(|c| (c.user_data(), c.result())));
+    pub(crate) fn reap(&mut self, out: &mut Vec<(u64, i32)>) {
+        out.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
     }
 }
 

@@ -392,7 +392,10 @@ fn cli_attach_prints_qemu_and_libvirt_and_detach_removes_the_socket() {
     assert!(sock.exists());
     use std::os::unix::fs::PermissionsExt;
     let mode = fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode, 0o660, "the vhost-user socket must be owner+group only");
+    assert_eq!(
+        mode, 0o660,
+        "the vhost-user socket must be owner+group only"
+    );
 
     // The same id or socket again is refused with a clear message.
     let again = s

@@ -339,8 +339,18 @@ fn units_start_reload_drain_and_count() {
         11.0 * 8192.0
     );
     assert!(after_b.contains("# TYPE devlend_attachment_request_duration_seconds histogram"));
-    assert_eq!(delta(&after_l, &before_l, "devlend_device_request_duration_seconds_count{device=\"d2\"}"), 48.0);
-    assert_eq!(value(&after_l, "devlend_device_requests_in_flight{device=\"d2\"}"), 0.0);
+    assert_eq!(
+        delta(
+            &after_l,
+            &before_l,
+            "devlend_device_request_duration_seconds_count{device=\"d2\"}"
+        ),
+        48.0
+    );
+    assert_eq!(
+        value(&after_l, "devlend_device_requests_in_flight{device=\"d2\"}"),
+        0.0
+    );
     drop(c);
     let blog = std::fs::read_to_string(d.join("borrower.log")).unwrap();
     assert!(

@@ -40,6 +40,8 @@ pub struct AttachmentConfig {
     pub lender: LenderTarget,
     /// Number of virtqueues offered (1..=16), each with its own fabric connection.
     pub num_queues: u16,
+    /// How long each queue's worker busy-polls before it sleeps (zero: interrupt-driven).
+    pub poll: Duration,
 }
 
 /// Why an attachment could not start.
@@ -280,13 +282,16 @@ fn serve(
 ) {
     let name = format!("devlend-blk-{}", config.lender.device);
     while wait_for_client(&listener, &wake, &shared) {
-        let backend = Arc::new(BlkBackend::new(
-            Arc::from(config.id.as_str()),
-            limits.clone(),
-            config.num_queues,
-            &config.lender,
-            stats.clone(),
-        ));
+        let backend = Arc::new(
+            BlkBackend::new(
+                Arc::from(config.id.as_str()),
+                limits.clone(),
+                config.num_queues,
+                &config.lender,
+                stats.clone(),
+            )
+            .with_poll(config.poll),
+        );
         let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory())
         {
             Ok(d) => d,

@@ -210,10 +210,26 @@ struct Slot {
 /// Receive progress on the fabric connection.
 #[derive(Debug, Clone, Copy)]
 enum Rx {
-    /// `got` bytes of the next response header are in `rx_hdr`.
+    /// `got` bytes of the next response headers are in `rx_hdr`.
     Header { got: usize },
     /// `got` payload bytes of the read in slot `head` have landed in guest memory.
     Payload { head: u16, got: usize },
+}
+
+/// Most response headers received in one call (when no read is in flight, responses
+/// carry no data, so the stream is headers only).
+const RX_HEADERS: usize = 64;
+
+/// Where the bytes of the last receive went, beyond what [`Rx`] says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RxLayout {
+    /// Into `rx_hdr` only.
+    Headers,
+    /// A header into `rx_hdr`, then the data of the read in this slot, the only request
+    /// in flight (nothing else can follow its response).
+    HeaderThenData(u16),
+    /// The rest of a read's data, then the next header into `rx_hdr`.
+    DataThenHeader,
 }
 
 /// Why the fabric connection was dropped.
@@ -229,6 +245,8 @@ enum FabricFault {
     UnknownId(u64),
     #[error("response length {got} where {want} was expected")]
     BadLength { got: u32, want: u32 },
+    #[error("bytes after a response that has no data, where no response was due")]
+    Misframed,
     /// Not a fabric fault: the guest's used ring is not in guest memory.
     #[error("used ring inaccessible")]
     Ring(#[source] virtio_queue::Error),
@@ -253,8 +271,14 @@ pub struct QueueEngine {
     tx_heads: Vec<(u16, bool)>,
     tx_iovs: Vec<libc::iovec>,
     rx: Rx,
-    rx_hdr: Box<[u8; RESPONSE_HEADER_LEN]>,
+    rx_layout: RxLayout,
+    rx_hdr: Box<[u8; RESPONSE_HEADER_LEN * RX_HEADERS]>,
     rx_iovs: Vec<libc::iovec>,
+    /// Reads in flight (their responses carry data).
+    reads_inflight: usize,
+    /// XOR of the heads in flight: the head of the only request in flight when
+    /// `inflight` is 1.
+    heads_xor: u16,
     stopping: bool,
     /// Set while requests fail because of the fabric (for the error counters).
     failing: bool,
@@ -290,8 +314,11 @@ impl QueueEngine {
             tx_heads: Vec::new(),
             tx_iovs: Vec::new(),
             rx: Rx::Header { got: 0 },
-            rx_hdr: Box::new([0; RESPONSE_HEADER_LEN]),
+            rx_layout: RxLayout::Headers,
+            rx_hdr: Box::new([0; RESPONSE_HEADER_LEN * RX_HEADERS]),
             rx_iovs: Vec::new(),
+            reads_inflight: 0,
+            heads_xor: 0,
             stopping: false,
             failing: false,
         }
@@ -458,6 +485,10 @@ impl QueueEngine {
                 slot.mem = Some(Arc::clone(mem));
                 slot.sent = None;
                 self.inflight += 1;
+                self.heads_xor ^= head;
+                if op == Op::Read {
+                    self.reads_inflight += 1;
+                }
                 self.stats.inflight.fetch_add(1, Ordering::Relaxed);
                 self.tx_headers.push(
                     RequestHeader {
@@ -553,7 +584,7 @@ impl QueueEngine {
             let Some(fd) = self.conn.as_ref().map(|c| c.as_raw_fd()) else {
                 return Ok(used);
             };
-            self.build_rx_iovs();
+            let asked = self.build_rx_iovs();
             let n = match recv_vectored_nonblocking(fd, &mut self.rx_iovs) {
                 Ok(None) => return Ok(used),
                 Ok(Some(0)) => {
@@ -567,20 +598,56 @@ impl QueueEngine {
                 Err(FabricFault::Ring(e)) => return Err(e),
                 Err(fault) => return Ok(self.fail_connection(queue, mem, fault)? | used),
             }
+            if n < asked {
+                // A short receive emptied the socket: save the call that would say so
+                // (the socket's readiness wakes the worker again when more arrives).
+                return Ok(used);
+            }
         }
     }
 
-    fn build_rx_iovs(&mut self) {
+    /// Points the receive iovecs at where the next bytes of the stream belong; returns
+    /// how many bytes they take.
+    ///
+    /// A read's data goes straight into its guest buffers, so a receive never reads past
+    /// a header whose data could follow, with two exceptions that know where the data
+    /// goes: the rest of a read's data and the next header; and, when the only request
+    /// in flight is a read, its header and its data.
+    fn build_rx_iovs(&mut self) -> usize {
         self.rx_iovs.clear();
         let hdr = self.rx_hdr.as_mut_ptr();
+        let mut total = 0;
         match self.rx {
             Rx::Header { got } => {
-                // SAFETY: got < RESPONSE_HEADER_LEN, so the pointer stays in rx_hdr.
+                let single_read = self.inflight == 1 && self.reads_inflight == 1;
+                let want = if got == 0 && single_read {
+                    RESPONSE_HEADER_LEN
+                } else if self.reads_inflight == 0 {
+                    // Headers only, one per request in flight (at least one header, to
+                    // see a close or a stray response).
+                    RESPONSE_HEADER_LEN * self.inflight.clamp(1, RX_HEADERS)
+                } else {
+                    RESPONSE_HEADER_LEN
+                };
+                let want = want.max(got + 1);
+                // SAFETY: got < want ≤ the size of rx_hdr, so the range stays inside it.
                 let base = unsafe { hdr.add(got) };
                 self.rx_iovs.push(libc::iovec {
                     iov_base: base.cast(),
-                    iov_len: RESPONSE_HEADER_LEN - got,
+                    iov_len: want - got,
                 });
+                total += want - got;
+                self.rx_layout = RxLayout::Headers;
+                if got == 0 && single_read {
+                    let head = self.heads_xor;
+                    if let Some(slot) = self.slots.get(usize::from(head)).filter(|s| s.busy) {
+                        for iov in &slot.iovs {
+                            self.rx_iovs.push(iov.as_iovec());
+                            total += iov.len;
+                        }
+                        self.rx_layout = RxLayout::HeaderThenData(head);
+                    }
+                }
             }
             Rx::Payload { head, got } => {
                 let mut skip = got;
@@ -595,6 +662,7 @@ impl QueueEngine {
                         iov_base: base.cast(),
                         iov_len: iov.len - skip,
                     });
+                    total += iov.len - skip;
                     skip = 0;
                 }
                 // Read the next response header in the same call.
@@ -602,8 +670,11 @@ impl QueueEngine {
                     iov_base: hdr.cast(),
                     iov_len: RESPONSE_HEADER_LEN,
                 });
+                total += RESPONSE_HEADER_LEN;
+                self.rx_layout = RxLayout::DataThenHeader;
             }
         }
+        total
     }
 
     fn advance_rx(
@@ -616,13 +687,30 @@ impl QueueEngine {
         loop {
             match self.rx {
                 Rx::Header { got } => {
-                    let got = got + n;
-                    if got < RESPONSE_HEADER_LEN {
-                        self.rx = Rx::Header { got };
-                        return Ok(used);
+                    let layout = std::mem::replace(&mut self.rx_layout, RxLayout::Headers);
+                    if let RxLayout::HeaderThenData(head) = layout {
+                        return self.advance_single(queue, mem, head, got + n);
                     }
-                    self.rx = Rx::Header { got: 0 };
-                    used |= self.on_header(queue, mem)?;
+                    let have = got + n;
+                    let mut at = 0;
+                    while have - at >= RESPONSE_HEADER_LEN {
+                        let mut h = [0u8; RESPONSE_HEADER_LEN];
+                        h.copy_from_slice(&self.rx_hdr[at..at + RESPONSE_HEADER_LEN]);
+                        at += RESPONSE_HEADER_LEN;
+                        self.rx = Rx::Header { got: 0 };
+                        used |= self.on_header(queue, mem, &h)?;
+                        if let Rx::Payload { .. } = self.rx {
+                            if at != have {
+                                // Never asked for: only one header is read while a read
+                                // is in flight.
+                                return Err(FabricFault::Misframed);
+                            }
+                            return Ok(used);
+                        }
+                    }
+                    let left = have - at;
+                    self.rx_hdr.copy_within(at..have, 0);
+                    self.rx = Rx::Header { got: left };
                     return Ok(used);
                 }
                 Rx::Payload { head, got } => {
@@ -648,8 +736,50 @@ impl QueueEngine {
         }
     }
 
-    fn on_header(&mut self, queue: &mut Queue, mem: &GuestMemoryRef) -> Result<bool, FabricFault> {
-        let h = ResponseHeader::decode(&self.rx_hdr).map_err(FabricFault::Wire)?;
+    /// A receive of `have` bytes laid out as [`RxLayout::HeaderThenData`] for the read in
+    /// slot `head`, the only request in flight.
+    fn advance_single(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+        head: u16,
+        have: usize,
+    ) -> Result<bool, FabricFault> {
+        if have < RESPONSE_HEADER_LEN {
+            self.rx = Rx::Header { got: have };
+            return Ok(false);
+        }
+        let mut h = [0u8; RESPONSE_HEADER_LEN];
+        h.copy_from_slice(&self.rx_hdr[..RESPONSE_HEADER_LEN]);
+        let data = have - RESPONSE_HEADER_LEN;
+        let used = self.on_header(queue, mem, &h)?;
+        match self.rx {
+            Rx::Payload { head: h2, .. } if h2 == head => {
+                let want = self.slots[usize::from(head)].len as usize;
+                if data < want {
+                    self.rx = Rx::Payload { head, got: data };
+                    return Ok(used);
+                }
+                self.rx = Rx::Header { got: 0 };
+                Ok(used
+                    | self
+                        .complete(queue, mem, head, S_OK)
+                        .map_err(FabricFault::Ring)?)
+            }
+            // Completed without data (an error status): nothing may follow it, since
+            // nothing else was in flight.
+            _ if data > 0 => Err(FabricFault::Misframed),
+            _ => Ok(used),
+        }
+    }
+
+    fn on_header(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+        raw: &[u8; RESPONSE_HEADER_LEN],
+    ) -> Result<bool, FabricFault> {
+        let h = ResponseHeader::decode(raw).map_err(FabricFault::Wire)?;
         let head = (h.id & 0xffff) as u16;
         let slot = self
             .slots
@@ -706,6 +836,10 @@ impl QueueEngine {
         slot.busy = false;
         slot.mem = None;
         self.inflight -= 1;
+        self.heads_xor ^= head;
+        if op == Op::Read {
+            self.reads_inflight -= 1;
+        }
         self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
         queue.add_used(mem.as_ref(), head, data + 1)?;
         Ok(true)
@@ -730,6 +864,7 @@ impl QueueEngine {
         );
         self.conn = None;
         self.rx = Rx::Header { got: 0 };
+        self.rx_layout = RxLayout::Headers;
         self.fail_all(queue, mem)
     }
 

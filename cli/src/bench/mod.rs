@@ -104,7 +104,7 @@ fn single(opts: &BenchOptions, progress: &Progress) -> Result<RunReport> {
         .pids
         .iter()
         .map(|&pid| Watched {
-            name: format!("pid {pid}"),
+            name: procstat::comm(pid).unwrap_or_else(|| format!("pid {pid}")),
             pid,
         })
         .collect();

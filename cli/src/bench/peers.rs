@@ -8,8 +8,10 @@
 //!   loopback, a second imports it and exports it as vhost-user-blk.
 //!
 //! Every server uses buffered I/O on the file (tmpfs has no O_DIRECT) and offers the
-//! same number of queues. The QEMU daemons open the file with `locking=off`, since all
-//! three servers hold it open at once (only one does I/O at a time).
+//! same number of queues. The QEMU daemons use `aio=io_uring` (their better setting
+//! here: `aio=threads` is slower for 4 KiB requests) and open the file with
+//! `locking=off`, since all three servers hold it open at once (only one does I/O at a
+//! time).
 
 use std::fs::File;
 use std::io::Write;
@@ -233,7 +235,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
 /// `--blockdev` of the backing file, the same for every QEMU daemon.
 fn file_blockdev(image: &Path) -> String {
     format!(
-        "driver=file,node-name=f0,filename={},cache.direct=off,aio=threads,locking=off",
+        "driver=file,node-name=f0,filename={},cache.direct=off,aio=io_uring,locking=off",
         image.display()
     )
 }

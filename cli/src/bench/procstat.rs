@@ -73,6 +73,14 @@ impl Window {
     }
 }
 
+/// A process's command name (`/proc/PID/comm`, at most 15 bytes).
+pub fn comm(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
+
 /// `sysconf(_SC_CLK_TCK)`, the unit of /proc CPU times (100 if unknown).
 pub fn clock_ticks_per_second() -> u64 {
     // SAFETY: sysconf has no memory effects.

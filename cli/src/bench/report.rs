@@ -425,3 +425,75 @@ pub fn peers_table(rep: &PeersReport) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::options::Matrix;
+    use crate::bench::stats::LatencySummary;
+    use std::time::Duration;
+
+    fn run(target: &str, w: &Workload, iops: f64, p50: f64, cpu: f64, rss: u64) -> RunReport {
+        let figures = Figures {
+            ios: iops as u64,
+            reads: iops as u64,
+            seconds: 1.0,
+            iops,
+            mb_per_s: iops * w.bs as f64 / 1e6,
+            latency: LatencySummary {
+                p50_us: p50,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let procs = vec![ProcFigures {
+            name: format!("{target}-agent"),
+            pid: 1,
+            cpu_seconds: cpu,
+            peak_rss_bytes: rss,
+        }];
+        RunReport::new(target, w, Measured { figures, procs })
+    }
+
+    #[test]
+    fn ratios_and_targets() {
+        let cells: Vec<Cell> = Matrix::Full
+            .cells(Duration::from_secs(1), Duration::ZERO)
+            .iter()
+            .map(|w| {
+                Cell::new(
+                    w.label(),
+                    vec![
+                        run("devlend", w, 3000.0, 40.0, 0.03, 8 << 20),
+                        run("qsd-local", w, 4000.0, 30.0, 0.02, 9 << 20),
+                        run("qsd-nbd-chain", w, 1000.0, 60.0, 0.05, 9 << 20),
+                    ],
+                )
+            })
+            .collect();
+        let r = &cells[0].ratios["qsd-nbd-chain"];
+        assert_eq!(r.iops, Some(3.0));
+        assert!((r.p50.unwrap() - 2.0 / 3.0).abs() < 1e-9);
+        assert!((r.cpu_per_io.unwrap() - 0.2).abs() < 1e-9);
+        let rep = PeersReport::new(
+            Machine::this("test".into()),
+            "devlend bench --peers".into(),
+            BTreeMap::new(),
+            cells,
+        );
+        let by = |s: &str| {
+            rep.checks
+                .iter()
+                .find(|c| c.target.contains(s))
+                .unwrap_or_else(|| panic!("no check {s}"))
+        };
+        assert!(by("QD32 IOPS, devlend / qsd-nbd-chain").met);
+        assert!(by("QD32 IOPS, devlend / qsd-local").met); // 0.75 >= 0.7
+        assert!(by("QD1 p50").met); // 0.67 <= 0.8
+        assert!(by("128K seq read").met);
+        assert!(by("CPU per I/O").met);
+        assert_eq!(by("RSS of the devlend-agent").value, Some(8.0));
+        let table = peers_table(&rep);
+        assert!(table.contains("devlend/qsd-nbd-chain") && table.contains("[met]"));
+    }
+}

@@ -136,7 +136,7 @@ mod tests {
         a.merge(&b).unwrap();
         assert_eq!(a.count(), 1001);
         let s = a.summary();
-        assert!((s.p50_us - 500.0).abs() < 1.0, "{s:?}");
+        assert!((s.p50_us - 500.0).abs() < 2.5, "{s:?}");
         assert!(s.p50_us <= s.p99_us && s.p99_us <= s.p999_us && s.p999_us <= s.max_us);
         assert!(s.max_us >= 59_000_000.0);
         let f = Figures::new(2000, 2000, 0, 0, 2.0, 4096, &a);
