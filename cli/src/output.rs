@@ -82,9 +82,9 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
             None => "-".to_owned(),
         };
         let state = match (&a.vmm, a.connected) {
-            (_, true) => "vm-attached",
-            (Some(_), false) => "plugging",
-            (None, false) => "waiting-vmm",
+            (_, true) => "connected",
+            (Some(_), false) => "unplugged",
+            (None, false) => "waiting",
         };
         out.push_str(&format!(
             "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8.0} {:>8.1} {:>8.1} {:>8} {:>6} {:>4}  {:<11} {}\n",
