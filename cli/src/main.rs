@@ -305,7 +305,18 @@ fn run(cli: Cli) -> Result<()> {
                 (devlend_device_agent::Cli::command(), "8"),
                 (devlend_compute_agent::config::Cli::command(), "8"),
             ];
-            for (cmd, section) in pages {
+            let top = Cli::command();
+            let subpages: Vec<(clap::Command, &str)> = top
+                .get_subcommands()
+                .filter(|c| c.get_name() != "help")
+                .map(|c| {
+                    // clap names are 'static; this one-shot command leaks a few bytes.
+                    let name: &'static str =
+                        Box::leak(format!("devlend-{}", c.get_name()).into_boxed_str());
+                    (c.clone().name(name), "1")
+                })
+                .collect();
+            for (cmd, section) in pages.into_iter().chain(subpages) {
                 let cmd = cmd.version(env!("CARGO_PKG_VERSION"));
                 let path = out.join(format!("{}.{section}", cmd.get_name()));
                 let mut buf = Vec::new();

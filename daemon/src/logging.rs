@@ -44,10 +44,7 @@ fn filter(level: &str) -> Result<EnvFilter, LogError> {
     // A bare word would be taken as a target name and silence everything else.
     let known = level.split(',').all(|d| {
         let d = d.trim();
-        !d.is_empty()
-            && (d.contains('=')
-                || d.contains("::")
-                || LEVELS.contains(&d.to_ascii_lowercase().as_str()))
+        !d.is_empty() && (d.contains('=') || LEVELS.contains(&d.to_ascii_lowercase().as_str()))
     });
     if !known {
         return Err(LogError::Level {
@@ -92,6 +89,14 @@ pub fn init(level: &str, format: LogFormat) -> Result<LogHandle, LogError> {
     Ok(LogHandle(handle))
 }
 
+/// Checks a log filter without applying it.
+///
+/// # Errors
+/// [`LogError::Level`] for an invalid filter.
+pub fn check_level(level: &str) -> Result<(), LogError> {
+    filter(level).map(|_| ())
+}
+
 impl LogHandle {
     /// Replaces the filter.
     ///
@@ -119,7 +124,7 @@ mod tests {
         ] {
             assert!(filter(ok).is_ok(), "{ok}");
         }
-        for bad in ["bogus", "", "info,,", "verbose"] {
+        for bad in ["bogus", "", "info,,", "verbose", "foo::bar"] {
             assert!(filter(bad).is_err(), "{bad}");
         }
     }

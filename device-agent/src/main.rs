@@ -63,17 +63,24 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
         devlend_daemon::notify::reloading();
         match Config::from_cli(cli) {
             Ok(new) => {
-                if let Err(e) = log.set_level(&new.log_level) {
-                    tracing::warn!(error = %e, "reload: log level not changed");
-                }
-                match handle.reload(&new.devices) {
-                    Ok(r) => {
-                        tracing::info!(added = ?r.added, removed = ?r.removed, kept_while_attached = ?r.kept_held, "configuration reloaded")
+                // Apply nothing unless everything is valid.
+                if let Err(e) = devlend_daemon::logging::check_level(&new.log_level) {
+                    tracing::warn!(error = %e, "reload failed; configuration unchanged");
+                } else {
+                    match handle.reload(&new.devices) {
+                        Ok(r) => {
+                            let _ = log.set_level(&new.log_level);
+                            tracing::info!(level = %new.log_level, added = ?r.added, removed = ?r.removed, kept_while_attached = ?r.kept_held, "configuration reloaded");
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %format!("{:#}", anyhow::Error::from(e)), "reload failed; configuration unchanged")
+                        }
                     }
-                    Err(e) => tracing::warn!(error = %e, "reload: device list unchanged"),
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "reload failed; configuration unchanged"),
+            Err(e) => {
+                tracing::warn!(error = %format!("{:#}", anyhow::Error::from(e)), "reload failed; configuration unchanged")
+            }
         }
         devlend_daemon::notify::ready(&format!("lending on {addr}"));
     }

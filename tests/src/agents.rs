@@ -153,7 +153,15 @@ impl Lender {
     /// # Errors
     /// It cannot start or exits.
     pub fn start(dir: &Path, devices: &[String]) -> Result<Self> {
-        let addr = format!("127.0.0.1:{}", free_port()?);
+        Self::start_on(dir, &format!("127.0.0.1:{}", free_port()?), devices)
+    }
+
+    /// As [`Self::start`], on a given `HOST:PORT` (e.g. to restart a lender in place).
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start_on(dir: &Path, addr: &str, devices: &[String]) -> Result<Self> {
+        let addr = addr.to_owned();
         let mut args = vec!["--listen".to_owned(), addr.clone()];
         for d in devices {
             args.push("--device".into());

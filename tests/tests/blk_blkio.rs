@@ -661,3 +661,94 @@ fn socket_paths_never_destroy_files() {
     );
     assert!(!stale.exists());
 }
+
+#[test]
+fn a_lender_restart_keeps_the_device_with_its_borrower() {
+    let mut s = setup(&[("disk0", 8 * MIB, "")]);
+    let (sock, mut c) = s.attach("disk0", 1);
+    ok(&[c
+        .run_one(
+            0,
+            BlkOp::Write {
+                offset: 0,
+                buf: 0,
+                len: 4096,
+            },
+        )
+        .unwrap()]);
+    // Restart the lender in place.
+    let spec = format!("disk0={}", s.image("disk0").display());
+    s.lender
+        .proc
+        .terminate(std::time::Duration::from_secs(10))
+        .unwrap();
+    s.lender = Lender::start_on(s.dir.path(), &s.lender.addr.clone(), &[spec]).unwrap();
+    // The borrower's holding session comes back: the device is its own again.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match devlend_fabric::tcp::connect(
+            &s.lender.addr,
+            "disk0",
+            0,
+            std::time::Duration::from_secs(2),
+        ) {
+            Err(devlend_fabric::tcp::ConnectError::Refused {
+                status: devlend_fabric::HelloStatus::Busy,
+                ..
+            }) => break,
+            _ => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the holding session was not re-established"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+    }
+    // Another borrower is refused; the first one's I/O goes on.
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = Borrower::start(other_dir.path()).unwrap();
+    let other_sock = other_dir.path().join("b.sock");
+    let out = other
+        .cli(&[
+            "attach",
+            "--lender",
+            &s.lender.addr,
+            "--device",
+            "disk0",
+            "--socket",
+            other_sock.to_str().unwrap(),
+        ])
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "a second borrower took the device after a lender restart"
+    );
+    // The first request after the restart may fail (the session was lost); the next works.
+    let _ = c.run_one(
+        0,
+        BlkOp::Read {
+            offset: 0,
+            buf: 0,
+            len: 4096,
+        },
+    );
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    ok(&[c
+        .run_one(
+            0,
+            BlkOp::Read {
+                offset: 0,
+                buf: 0,
+                len: 4096,
+            },
+        )
+        .unwrap()]);
+    let status = s.borrower.cli_json(&["status"]).unwrap();
+    assert!(
+        status[0]["counters"]["reconnects"].as_u64().unwrap() >= 1,
+        "{status}"
+    );
+    drop(c);
+    let _ = sock;
+}

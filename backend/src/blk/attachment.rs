@@ -18,16 +18,12 @@ use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::blk::backend::{BlkBackend, DRAIN_TIMEOUT};
-use crate::blk::engine::{LenderTarget, QueueStats, StatsSnapshot, CONNECT_TIMEOUT};
+use crate::blk::engine::{LenderTarget, QueueStats, StatsSnapshot};
+use crate::blk::holder::Holder;
 use crate::blk::request::DeviceLimits;
 use crate::blk::spec::MAX_QUEUES;
 
-/// How long an attach retries a lender that answers "busy" (the device may be in the
-/// middle of being released by its previous borrower).
-pub const BUSY_RETRY: Duration = Duration::from_secs(2);
-
-/// Queue index of the session that holds the device for the attachment.
-pub const CONTROL_QUEUE: u16 = u16::MAX;
+pub use crate::blk::holder::{BUSY_RETRY, CONTROL_QUEUE};
 
 /// What to serve and where.
 #[derive(Debug, Clone)]
@@ -84,7 +80,7 @@ struct Shared {
 
 /// A running attachment.
 pub struct Attachment {
-    hold: std::net::TcpStream,
+    hold: Holder,
     config: AttachmentConfig,
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
@@ -103,27 +99,13 @@ impl Attachment {
         if config.num_queues == 0 || config.num_queues > MAX_QUEUES {
             return Err(AttachmentError::Queues(config.num_queues));
         }
+        prepare_socket_path(&config.socket)?;
         // This session holds the device on the lender for the attachment's lifetime
         // (a device is lent to one borrower at a time); it carries no I/O.
-        prepare_socket_path(&config.socket)?;
-        // A borrower that just detached releases the device a moment after its
-        // sessions close; a "busy" answer is retried for up to BUSY_RETRY.
-        let deadline = std::time::Instant::now() + BUSY_RETRY;
-        let (hold, reply) = loop {
-            match devlend_fabric::tcp::connect_as(
-                &config.lender.addr,
-                &config.lender.hello(CONTROL_QUEUE),
-                CONNECT_TIMEOUT,
-            ) {
-                Err(devlend_fabric::tcp::ConnectError::Refused {
-                    status: devlend_fabric::HelloStatus::Busy,
-                    ..
-                }) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-                other => break other.map_err(AttachmentError::Lender)?,
-            }
-        };
+        let (hold, reply) =
+            crate::blk::holder::open(&config.lender).map_err(AttachmentError::Lender)?;
+        let hold = Holder::start(&config.id, config.lender.clone(), hold)
+            .map_err(AttachmentError::Thread)?;
         let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
         let listener =
             Listener::new(&config.socket, true).map_err(|source| AttachmentError::Listen {
@@ -220,17 +202,8 @@ impl Attachment {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.config.socket);
-        // Release the device on the lender, and wait (briefly) until the lender has
-        // closed the session: it releases the device before closing, so a new attach
-        // right after this one finds the device free.
-        let _ = self.hold.shutdown(std::net::Shutdown::Write);
-        let _ = self.hold.set_read_timeout(Some(Duration::from_secs(2)));
-        let mut sink = [0u8; 64];
-        while let Ok(n) = std::io::Read::read(&mut self.hold, &mut sink) {
-            if n == 0 {
-                break;
-            }
-        }
+        // Release the device on the lender.
+        self.hold.release();
     }
 }
 

@@ -282,7 +282,20 @@ pub struct QueueEngine {
     stopping: bool,
     /// Set while requests fail because of the fabric (for the error counters).
     failing: bool,
+    /// No reconnect attempt before this instant.
+    retry_at: Option<Instant>,
+    /// Current reconnect backoff.
+    backoff: Duration,
+    /// When a reconnect failure was last logged.
+    failure_logged: Option<Instant>,
 }
+
+/// First reconnect backoff.
+const RETRY_MIN: Duration = Duration::from_millis(100);
+/// Longest reconnect backoff.
+const RETRY_MAX: Duration = Duration::from_secs(2);
+/// Reconnect failures are logged at most this often per queue.
+const FAILURE_LOG_EVERY: Duration = Duration::from_secs(10);
 
 // SAFETY: the raw pointers inside (iovec bases) point into guest memory mappings kept
 // alive by the `Arc`s in the slots, or into buffers owned by the engine itself; the
@@ -321,6 +334,9 @@ impl QueueEngine {
             heads_xor: 0,
             stopping: false,
             failing: false,
+            retry_at: None,
+            backoff: RETRY_MIN,
+            failure_logged: None,
         }
     }
 
@@ -506,10 +522,19 @@ impl QueueEngine {
         }
     }
 
+    /// Tries to reopen the fabric session, at most once per backoff period (100 ms,
+    /// doubling to 2 s while the lender stays away); logs a failure at most every 10 s.
     fn reconnect(&mut self) {
+        let now = Instant::now();
+        if self.retry_at.is_some_and(|t| now < t) {
+            return;
+        }
         match self.connect() {
             Ok(()) => {
                 self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+                self.retry_at = None;
+                self.backoff = RETRY_MIN;
+                self.failure_logged = None;
                 tracing::info!(
                     attachment = %self.name,
                     queue = self.index,
@@ -518,12 +543,20 @@ impl QueueEngine {
                 );
             }
             Err(e) => {
-                tracing::warn!(
-                    attachment = %self.name,
-                    queue = self.index,
-                    error = %DisplayChain(&e),
-                    "lender unreachable; failing request",
-                );
+                self.retry_at = Some(now + self.backoff);
+                self.backoff = (self.backoff * 2).min(RETRY_MAX);
+                if self
+                    .failure_logged
+                    .is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_EVERY)
+                {
+                    self.failure_logged = Some(now);
+                    tracing::warn!(
+                        attachment = %self.name,
+                        queue = self.index,
+                        error = %DisplayChain(&e),
+                        "cannot open a fabric session; requests fail with IOERR until it reopens",
+                    );
+                }
             }
         }
     }

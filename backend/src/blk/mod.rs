@@ -9,6 +9,7 @@
 pub mod attachment;
 pub mod backend;
 pub mod engine;
+pub mod holder;
 pub use devlend_fabric::latency;
 pub mod request;
 pub mod spec;
