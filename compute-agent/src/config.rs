@@ -102,6 +102,16 @@ impl Config {
     }
 }
 
+impl devlend_daemon::DaemonConfig for Config {
+    fn to_toml(&self) -> String {
+        Config::to_toml(self)
+    }
+
+    fn logging(&self) -> (&str, LogFormat) {
+        (&self.log_level, self.log_format)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

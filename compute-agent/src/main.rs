@@ -11,23 +11,13 @@ use devlend_compute_agent::server::{self, Reload};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let config = match Config::load(&cli) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("devlend-compute-agent: {:#}", anyhow::Error::from(e));
-            return ExitCode::from(2);
-        }
-    };
-    if cli.print_config {
-        print!("{}", config.to_toml());
-        return ExitCode::SUCCESS;
-    }
-    let log = match devlend_daemon::logging::init(&config.log_level, config.log_format) {
-        Ok(h) => h,
-        Err(e) => {
-            eprintln!("devlend-compute-agent: {e}");
-            return ExitCode::from(2);
-        }
+    let (config, log) = match devlend_daemon::startup(
+        "devlend-compute-agent",
+        Config::load(&cli),
+        cli.print_config,
+    ) {
+        Ok(x) => x,
+        Err(code) => return code,
     };
     match run(cli, config, log) {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,3 +10,40 @@ pub mod config;
 pub mod logging;
 pub mod metrics;
 pub mod notify;
+
+use std::process::ExitCode;
+
+/// What a daemon's configuration offers to [`startup`].
+pub trait DaemonConfig {
+    /// The configuration as TOML (`--print-config`).
+    fn to_toml(&self) -> String;
+    /// The log filter and format.
+    fn logging(&self) -> (&str, logging::LogFormat);
+}
+
+/// The start of every daemon's `main`: a configuration error exits 2 with its causes;
+/// `--print-config` prints and exits 0; otherwise logging is installed and the
+/// configuration and the log handle are returned.
+///
+/// # Errors
+/// The exit code to return from `main`.
+pub fn startup<C: DaemonConfig, E: Into<anyhow::Error>>(
+    daemon: &str,
+    config: Result<C, E>,
+    print_config: bool,
+) -> Result<(C, logging::LogHandle), ExitCode> {
+    let config = config.map_err(|e| {
+        eprintln!("{daemon}: {:#}", e.into());
+        ExitCode::from(2)
+    })?;
+    if print_config {
+        print!("{}", config.to_toml());
+        return Err(ExitCode::SUCCESS);
+    }
+    let (level, format) = config.logging();
+    let log = logging::init(level, format).map_err(|e| {
+        eprintln!("{daemon}: {e}");
+        ExitCode::from(2)
+    })?;
+    Ok((config, log))
+}

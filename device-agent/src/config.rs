@@ -288,6 +288,16 @@ pub(crate) fn check_unique(devices: &[DeviceSpec]) -> Result<(), Error> {
     Ok(())
 }
 
+impl devlend_daemon::DaemonConfig for Config {
+    fn to_toml(&self) -> String {
+        Config::to_toml(self)
+    }
+
+    fn logging(&self) -> (&str, LogFormat) {
+        (&self.log_level, self.log_format)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

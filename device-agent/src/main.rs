@@ -11,23 +11,13 @@ use signal_hook::iterator::Signals;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let config = match Config::from_cli(&cli) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("devlend-device-agent: {:#}", anyhow::Error::from(e));
-            return ExitCode::from(2);
-        }
-    };
-    if cli.print_config {
-        print!("{}", config.to_toml());
-        return ExitCode::SUCCESS;
-    }
-    let log = match devlend_daemon::logging::init(&config.log_level, config.log_format) {
-        Ok(h) => h,
-        Err(e) => {
-            eprintln!("devlend-device-agent: {e}");
-            return ExitCode::from(2);
-        }
+    let (config, log) = match devlend_daemon::startup(
+        "devlend-device-agent",
+        Config::from_cli(&cli),
+        cli.print_config,
+    ) {
+        Ok(x) => x,
+        Err(code) => return code,
     };
     match run(&cli, config, &log) {
         Ok(()) => ExitCode::SUCCESS,
