@@ -12,6 +12,7 @@ pub mod error;
 pub mod handshake;
 pub mod io_util;
 pub mod latency;
+pub mod lease_token;
 pub mod tcp;
 pub mod wire;
 

@@ -1,0 +1,336 @@
+//! Lease tokens: the pool's signed statement that one borrower may open one device.
+//!
+//! The pool signs a [`LeaseClaims`] with its Ed25519 key when it grants a lease; the
+//! borrower sends the token in its session [`Hello`](crate::Hello); the lender checks the
+//! signature against the pool's public key and the claims against the hello (device,
+//! provider, borrower identity = lease id) and the clock.
+//!
+//! Binary layout (all integers little-endian):
+//! `version: u8 = 1, lease_id: [u8; 16], expires_at_ms: u64, provider_len: u16, provider,
+//! device_len: u16, device, consumer_len: u16, consumer, signature: [u8; 64]`. The
+//! signature covers [`SIGNING_CONTEXT`] followed by every byte before it. Text form
+//! (JSON, command lines): unpadded base64url of the binary form.
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine;
+use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
+
+/// Token layout version.
+pub const TOKEN_VERSION: u8 = 1;
+/// Domain separation prefix of every signed message.
+pub const SIGNING_CONTEXT: &[u8] = b"devlend-lease-token-v1\0";
+/// Longest token accepted, in bytes of binary form (fits the hello's `token_len: u16`).
+pub const MAX_TOKEN_LEN: usize = 1024;
+/// Longest text field (provider, device, consumer), in bytes.
+pub const MAX_FIELD_LEN: usize = 255;
+const SIGNATURE_LEN: usize = 64;
+
+/// Why a token was not issued or not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenError {
+    /// Not base64url, or not of the token layout.
+    #[error("malformed lease token: {0}")]
+    Malformed(&'static str),
+    /// The signature does not verify with the pool's key: forged or altered.
+    #[error("lease token signature does not verify")]
+    BadSignature,
+    /// A field is longer than [`MAX_FIELD_LEN`] bytes.
+    #[error("lease token field {0} is longer than 255 bytes")]
+    FieldTooLong(&'static str),
+    /// A key is not 32 bytes of base64url.
+    #[error("malformed public key: {0}")]
+    BadKey(&'static str),
+    /// The system's random source failed.
+    #[error("no randomness for a new signing key")]
+    Random,
+}
+
+/// What a lease token grants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseClaims {
+    /// The lease's id (a UUID's 16 bytes). The borrower sends it as its identity in the
+    /// hello, so one lease is one holder of the device.
+    pub lease_id: [u8; 16],
+    /// Expiry at signing time, in milliseconds since the Unix epoch. Renewals move the
+    /// lease's expiry; the lender learns them from the pool (heartbeat answers).
+    pub expires_at_ms: u64,
+    /// Name of the resource provider (the lender) that serves the device.
+    pub provider: String,
+    /// Device name on that lender.
+    pub device: String,
+    /// The consumer the lease was granted to (a VM id).
+    pub consumer: String,
+}
+
+/// A signed token in binary form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseToken(Vec<u8>);
+
+impl LeaseToken {
+    /// Wraps bytes as received (e.g. from a hello); check them with [`PublicKey::verify`].
+    pub fn from_bytes(bytes: Vec<u8>) -> Self {
+        LeaseToken(bytes)
+    }
+
+    /// Parses the text form.
+    ///
+    /// # Errors
+    /// [`TokenError::Malformed`] when it is not base64url or longer than
+    /// [`MAX_TOKEN_LEN`] bytes.
+    pub fn from_text(text: &str) -> Result<Self, TokenError> {
+        if text.len() > MAX_TOKEN_LEN * 4 / 3 + 4 {
+            return Err(TokenError::Malformed("too long"));
+        }
+        let bytes = URL_SAFE_NO_PAD
+            .decode(text.trim())
+            .map_err(|_| TokenError::Malformed("not base64url"))?;
+        if bytes.len() > MAX_TOKEN_LEN {
+            return Err(TokenError::Malformed("too long"));
+        }
+        Ok(LeaseToken(bytes))
+    }
+
+    /// The text form: unpadded base64url.
+    pub fn to_text(&self) -> String {
+        URL_SAFE_NO_PAD.encode(&self.0)
+    }
+
+    /// The binary form.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The pool's signing key (Ed25519, RFC 8032).
+pub struct TokenSigner {
+    key: SigningKey,
+}
+
+impl std::fmt::Debug for TokenSigner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenSigner")
+            .field("public_key", &self.public_key().to_text())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TokenSigner {
+    /// A key from its 32-byte seed (as stored by the pool).
+    pub fn from_seed(seed: [u8; 32]) -> Self {
+        TokenSigner {
+            key: SigningKey::from_bytes(&seed),
+        }
+    }
+
+    /// A new random key.
+    ///
+    /// # Errors
+    /// [`TokenError::Random`] when the system's random source fails.
+    pub fn generate() -> Result<Self, TokenError> {
+        let mut seed = [0u8; 32];
+        getrandom::fill(&mut seed).map_err(|_| TokenError::Random)?;
+        Ok(Self::from_seed(seed))
+    }
+
+    /// The 32-byte seed, to store the key.
+    pub fn seed(&self) -> [u8; 32] {
+        self.key.to_bytes()
+    }
+
+    /// The key lenders verify tokens with.
+    pub fn public_key(&self) -> PublicKey {
+        PublicKey(self.key.verifying_key())
+    }
+
+    /// Signs `claims` into a token.
+    ///
+    /// # Errors
+    /// [`TokenError::FieldTooLong`] when a text field exceeds [`MAX_FIELD_LEN`] bytes.
+    pub fn sign(&self, claims: &LeaseClaims) -> Result<LeaseToken, TokenError> {
+        let mut body = encode_claims(claims)?;
+        let mut msg = SIGNING_CONTEXT.to_vec();
+        msg.extend_from_slice(&body);
+        let sig = self.key.sign(&msg);
+        body.extend_from_slice(&sig.to_bytes());
+        Ok(LeaseToken(body))
+    }
+}
+
+/// The pool's public key, which lenders verify tokens with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublicKey(VerifyingKey);
+
+impl PublicKey {
+    /// Parses the text form: unpadded base64url of the 32 key bytes.
+    ///
+    /// # Errors
+    /// [`TokenError::BadKey`] when it is not base64url of 32 bytes or not a valid point.
+    pub fn from_text(text: &str) -> Result<Self, TokenError> {
+        let bytes = URL_SAFE_NO_PAD
+            .decode(text.trim())
+            .map_err(|_| TokenError::BadKey("not base64url"))?;
+        let bytes: [u8; 32] = bytes
+            .try_into()
+            .map_err(|_| TokenError::BadKey("not 32 bytes"))?;
+        VerifyingKey::from_bytes(&bytes)
+            .map(PublicKey)
+            .map_err(|_| TokenError::BadKey("not an Ed25519 public key"))
+    }
+
+    /// The text form: unpadded base64url.
+    pub fn to_text(&self) -> String {
+        URL_SAFE_NO_PAD.encode(self.0.as_bytes())
+    }
+
+    /// Checks the signature of `token` and decodes its claims. The caller still checks
+    /// the claims (device, provider, lease id, expiry) against the session.
+    ///
+    /// # Errors
+    /// [`TokenError::Malformed`] for a bad layout, [`TokenError::BadSignature`] for a
+    /// forged or altered token.
+    pub fn verify(&self, token: &LeaseToken) -> Result<LeaseClaims, TokenError> {
+        let bytes = token.as_bytes();
+        if bytes.len() > MAX_TOKEN_LEN {
+            return Err(TokenError::Malformed("too long"));
+        }
+        let split = bytes
+            .len()
+            .checked_sub(SIGNATURE_LEN)
+            .ok_or(TokenError::Malformed("shorter than a signature"))?;
+        let (body, sig) = bytes.split_at(split);
+        let sig: [u8; SIGNATURE_LEN] = sig
+            .try_into()
+            .map_err(|_| TokenError::Malformed("signature length"))?;
+        let mut msg = SIGNING_CONTEXT.to_vec();
+        msg.extend_from_slice(body);
+        self.0
+            .verify(&msg, &Signature::from_bytes(&sig))
+            .map_err(|_| TokenError::BadSignature)?;
+        decode_claims(body)
+    }
+}
+
+fn put_field(b: &mut Vec<u8>, name: &'static str, v: &str) -> Result<(), TokenError> {
+    if v.len() > MAX_FIELD_LEN {
+        return Err(TokenError::FieldTooLong(name));
+    }
+    b.extend_from_slice(&(v.len() as u16).to_le_bytes());
+    b.extend_from_slice(v.as_bytes());
+    Ok(())
+}
+
+fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
+    let mut b = Vec::with_capacity(64 + c.provider.len() + c.device.len() + c.consumer.len());
+    b.push(TOKEN_VERSION);
+    b.extend_from_slice(&c.lease_id);
+    b.extend_from_slice(&c.expires_at_ms.to_le_bytes());
+    put_field(&mut b, "provider", &c.provider)?;
+    put_field(&mut b, "device", &c.device)?;
+    put_field(&mut b, "consumer", &c.consumer)?;
+    Ok(b)
+}
+
+struct Cursor<'a>(&'a [u8]);
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], TokenError> {
+        if self.0.len() < n {
+            return Err(TokenError::Malformed("truncated"));
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+
+    fn field(&mut self) -> Result<String, TokenError> {
+        let len = self.take(2)?;
+        let len = u16::from_le_bytes([len[0], len[1]]) as usize;
+        if len > MAX_FIELD_LEN {
+            return Err(TokenError::Malformed("field too long"));
+        }
+        String::from_utf8(self.take(len)?.to_vec())
+            .map_err(|_| TokenError::Malformed("field is not UTF-8"))
+    }
+}
+
+fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
+    let mut c = Cursor(body);
+    if c.take(1)?[0] != TOKEN_VERSION {
+        return Err(TokenError::Malformed("unknown token version"));
+    }
+    let mut lease_id = [0u8; 16];
+    lease_id.copy_from_slice(c.take(16)?);
+    let mut exp = [0u8; 8];
+    exp.copy_from_slice(c.take(8)?);
+    let claims = LeaseClaims {
+        lease_id,
+        expires_at_ms: u64::from_le_bytes(exp),
+        provider: c.field()?,
+        device: c.field()?,
+        consumer: c.field()?,
+    };
+    if !c.0.is_empty() {
+        return Err(TokenError::Malformed("trailing bytes"));
+    }
+    Ok(claims)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claims() -> LeaseClaims {
+        LeaseClaims {
+            lease_id: [7; 16],
+            expires_at_ms: 1_800_000_000_000,
+            provider: "lender-a".into(),
+            device: "disk0".into(),
+            consumer: "vm-1".into(),
+        }
+    }
+
+    #[test]
+    fn signed_token_verifies_and_round_trips_through_text() {
+        let signer = TokenSigner::from_seed([1; 32]);
+        let token = signer.sign(&claims()).unwrap();
+        let text = token.to_text();
+        let back = LeaseToken::from_text(&text).unwrap();
+        let key = PublicKey::from_text(&signer.public_key().to_text()).unwrap();
+        assert_eq!(key.verify(&back).unwrap(), claims());
+    }
+
+    #[test]
+    fn every_altered_byte_is_refused() {
+        let signer = TokenSigner::from_seed([2; 32]);
+        let token = signer.sign(&claims()).unwrap();
+        for i in 0..token.as_bytes().len() {
+            let mut b = token.as_bytes().to_vec();
+            b[i] ^= 0x01;
+            let r = signer.public_key().verify(&LeaseToken::from_bytes(b));
+            assert!(r.is_err(), "byte {i} altered yet accepted");
+        }
+    }
+
+    #[test]
+    fn another_pools_key_is_refused() {
+        let token = TokenSigner::from_seed([3; 32]).sign(&claims()).unwrap();
+        let other = TokenSigner::from_seed([4; 32]).public_key();
+        assert_eq!(other.verify(&token), Err(TokenError::BadSignature));
+    }
+
+    #[test]
+    fn malformed_inputs_are_errors_not_panics() {
+        let key = TokenSigner::from_seed([5; 32]).public_key();
+        for b in [vec![], vec![1u8; 10], vec![0u8; 64], vec![1u8; 2000]] {
+            assert!(key.verify(&LeaseToken::from_bytes(b)).is_err());
+        }
+        assert!(LeaseToken::from_text("not base64!").is_err());
+        assert!(PublicKey::from_text("AAAA").is_err());
+        let mut long = claims();
+        long.device = "x".repeat(256);
+        assert_eq!(
+            TokenSigner::from_seed([5; 32]).sign(&long),
+            Err(TokenError::FieldTooLong("device"))
+        );
+    }
+}
