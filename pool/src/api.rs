@@ -1,0 +1,388 @@
+//! The pool's HTTP API types: request bodies, answers, and the error shape.
+//!
+//! Every request body refuses unknown fields. Times are milliseconds since the Unix
+//! epoch (`*_ms`), durations are milliseconds (`ttl_ms`), sizes are bytes. Generations
+//! are counters that every state change of a record increments; a write carries the
+//! generation it read and gets 409 `stale_generation` when the record moved on.
+//! The routes and their examples are in `docs/pool.md`.
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+#[cfg(feature = "server")]
+use utoipa::ToSchema;
+
+/// Lease time to live when a request does not give one, in ms.
+pub const DEFAULT_LEASE_TTL_MS: u64 = 30_000;
+/// Shortest lease time to live accepted, in ms.
+pub const MIN_LEASE_TTL_MS: u64 = 1_000;
+/// Longest lease time to live accepted (one day), in ms.
+pub const MAX_LEASE_TTL_MS: u64 = 86_400_000;
+/// Provider heartbeat time to live when a registration does not give one, in ms.
+pub const DEFAULT_HEARTBEAT_TTL_MS: u64 = 6_000;
+/// Shortest provider heartbeat time to live accepted, in ms.
+pub const MIN_HEARTBEAT_TTL_MS: u64 = 1_000;
+/// Longest provider heartbeat time to live accepted (one hour), in ms.
+pub const MAX_HEARTBEAT_TTL_MS: u64 = 3_600_000;
+/// Largest device capacity accepted (1 EiB), in bytes.
+pub const MAX_CAPACITY_BYTES: u64 = 1 << 60;
+/// Most devices one provider may register.
+pub const MAX_DEVICES_PER_PROVIDER: usize = 4096;
+/// Most traits one device (or one request) may carry.
+pub const MAX_TRAITS: usize = 64;
+/// Longest name, consumer, compute host, address, trait or class, in bytes (the lease
+/// token's field limit).
+pub const MAX_NAME_LEN: usize = 255;
+
+/// The error body of every 4xx and 5xx answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct ErrorBody {
+    /// A stable snake_case code for programs (see [`codes`]).
+    pub code: String,
+    /// A sentence for people.
+    pub message: String,
+}
+
+/// The `code`s the pool answers with.
+pub mod codes {
+    /// The body is not JSON.
+    pub const BAD_JSON: &str = "bad_json";
+    /// The body is JSON of the wrong shape (unknown field, wrong type, negative number).
+    pub const INVALID_REQUEST: &str = "invalid_request";
+    /// A field's value is out of bounds or of the wrong syntax.
+    pub const INVALID_VALUE: &str = "invalid_value";
+    /// A query string parameter is unknown or malformed.
+    pub const BAD_QUERY: &str = "bad_query";
+    /// A path segment is malformed (for example not a UUID).
+    pub const BAD_PATH: &str = "bad_path";
+    /// No such route.
+    pub const NOT_FOUND: &str = "not_found";
+    /// The route exists but not with this method.
+    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
+    /// The body is larger than the pool accepts.
+    pub const TOO_LARGE: &str = "payload_too_large";
+    /// The provider is not registered (a lender then registers again).
+    pub const UNKNOWN_PROVIDER: &str = "unknown_provider";
+    /// No lease with that id.
+    pub const UNKNOWN_LEASE: &str = "unknown_lease";
+    /// No device with that id.
+    pub const UNKNOWN_DEVICE: &str = "unknown_device";
+    /// The write carried a generation older than the record's.
+    pub const STALE_GENERATION: &str = "stale_generation";
+    /// The device asked for by id is leased.
+    pub const DEVICE_LEASED: &str = "device_leased";
+    /// The lease was released or has expired.
+    pub const LEASE_ENDED: &str = "lease_ended";
+    /// The lease is already bound.
+    pub const LEASE_ALREADY_BOUND: &str = "lease_already_bound";
+    /// Placement: no device of that resource class at all.
+    pub const NO_DEVICE_OF_CLASS: &str = "no_device_of_class";
+    /// Placement: devices of that class exist, none large enough.
+    pub const TOO_SMALL: &str = "too_small";
+    /// Placement: devices of that class and size exist, none with every wanted trait.
+    pub const NO_DEVICE_WITH_TRAITS: &str = "no_device_with_traits";
+    /// Placement: every matching device on a live provider is leased.
+    pub const ALL_LEASED: &str = "all_leased";
+    /// Placement: the matching devices are all on providers that stopped heartbeating.
+    pub const PROVIDERS_UNAVAILABLE: &str = "providers_unavailable";
+    /// The storage failed (not the client's fault).
+    pub const INTERNAL: &str = "internal";
+}
+
+/// `GET /v1/signing-key`: the key lenders verify lease tokens with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct SigningKey {
+    /// Always `ed25519`.
+    pub algorithm: String,
+    /// Unpadded base64url of the 32 key bytes (`devlend_fabric::lease_token::PublicKey`).
+    pub public_key: String,
+}
+
+/// `PUT /v1/providers/{name}`: a lender registers itself and its devices. Idempotent;
+/// it counts as a heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct RegisterProvider {
+    /// Where borrowers reach the lender's fabric server, `HOST:PORT`.
+    pub fabric_address: String,
+    /// Fabric transports the lender serves (`tcp`, `rdma`), lower case.
+    #[serde(default)]
+    pub transports: Vec<String>,
+    /// The provider is unavailable when its last heartbeat is older than this, in ms
+    /// (1000..=3600000, default 6000).
+    #[serde(default = "default_heartbeat_ttl")]
+    pub heartbeat_ttl_ms: u64,
+    /// The lendable devices. A device no longer listed is removed, unless it is leased:
+    /// then it stays, `unavailable`, until its lease ends and the next registration.
+    #[serde(default)]
+    pub devices: Vec<DeviceSpec>,
+}
+
+fn default_heartbeat_ttl() -> u64 {
+    DEFAULT_HEARTBEAT_TTL_MS
+}
+
+/// One device in a registration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct DeviceSpec {
+    /// Device name on the lender (`[A-Za-z0-9._:-]`, 1..=255 bytes).
+    pub name: String,
+    /// `BLOCK`, `NIC` or `PCI_<vendor>_<device>` (four upper-case hex digits each).
+    pub resource_class: String,
+    /// Capacity in bytes (at most 2^60).
+    pub capacity_bytes: u64,
+    /// Upper-case `[A-Z0-9_]+` traits: `FABRIC_TCP`, `FABRIC_RDMA`, `DISCARD`,
+    /// `READ_ONLY`, `NUMA_0`, ...
+    #[serde(default)]
+    pub traits: Vec<String>,
+}
+
+/// A resource provider: one lender (device server).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct Provider {
+    /// Stable id, given at first registration.
+    pub id: Uuid,
+    /// The lender's name (the provider in lease tokens).
+    pub name: String,
+    /// `HOST:PORT` of its fabric server.
+    pub fabric_address: String,
+    /// Transports it serves.
+    pub transports: Vec<String>,
+    /// Heartbeat time to live, in ms.
+    pub heartbeat_ttl_ms: u64,
+    /// Incremented by every registration that changes the provider or its devices.
+    pub generation: u64,
+    /// Whether its last heartbeat is younger than `heartbeat_ttl_ms`.
+    pub available: bool,
+    /// Its last heartbeat (or registration), ms since the epoch.
+    pub last_heartbeat_ms: u64,
+    /// Its devices.
+    pub devices: Vec<Device>,
+}
+
+/// Whether a device can be leased now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub enum DeviceState {
+    /// Free, on a live provider.
+    Available,
+    /// Held by a live lease (`lease_id`).
+    Leased,
+    /// Its provider stopped heartbeating, or no longer lists it.
+    Unavailable,
+}
+
+/// A lendable device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct Device {
+    /// Stable id, given at its first registration.
+    pub id: Uuid,
+    /// Provider name.
+    pub provider: String,
+    /// Provider id.
+    pub provider_id: Uuid,
+    /// `HOST:PORT` of the provider's fabric server.
+    pub fabric_address: String,
+    /// Device name on the lender.
+    pub name: String,
+    /// `BLOCK`, `NIC` or `PCI_<vendor>_<device>`.
+    pub resource_class: String,
+    /// Capacity in bytes.
+    pub capacity_bytes: u64,
+    /// Traits, sorted.
+    pub traits: Vec<String>,
+    /// Whether it can be leased now.
+    pub state: DeviceState,
+    /// The live lease holding it, if any.
+    pub lease_id: Option<Uuid>,
+    /// Incremented by every claim, release and change of its registration.
+    pub generation: u64,
+}
+
+/// `POST /v1/providers/{name}/heartbeat`: the provider's live leases.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct ProviderHeartbeat {
+    /// The provider's generation.
+    pub generation: u64,
+    /// Its leases in state claimed or bound that have not expired. A lease the lender
+    /// serves that is missing here has ended.
+    pub leases: Vec<ProviderLease>,
+}
+
+/// A live lease as its provider sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct ProviderLease {
+    /// Lease id (the `lease_id` of its token).
+    pub id: Uuid,
+    /// Device name on the lender.
+    pub device: String,
+    /// Current expiry (renewals move it), ms since the epoch.
+    pub expires_at_ms: u64,
+    /// `claimed` or `bound`.
+    pub state: LeaseState,
+}
+
+/// A lease's state: claimed -> bound -> released; `expired` once past its expiry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub enum LeaseState {
+    /// Granted; the borrower has not bound it yet.
+    Claimed,
+    /// The borrower attached the device.
+    Bound,
+    /// Released; the device is free.
+    Released,
+    /// Not renewed in time; the device is free.
+    Expired,
+}
+
+impl LeaseState {
+    /// Whether the lease still holds its device (claimed or bound, and not expired).
+    pub fn is_live(self) -> bool {
+        matches!(self, LeaseState::Claimed | LeaseState::Bound)
+    }
+
+    /// The lower-case name, as in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaseState::Claimed => "claimed",
+            LeaseState::Bound => "bound",
+            LeaseState::Released => "released",
+            LeaseState::Expired => "expired",
+        }
+    }
+}
+
+/// `POST /v1/leases`: lease a device, either by placement (`class`,
+/// `min_capacity_bytes`, `traits`, `numa_node`) or by id (`device_id` + `generation`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct LeaseRequest {
+    /// Who holds the lease (a VM's id), 1..=255 bytes without control characters.
+    pub consumer: String,
+    /// The compute host the consumer runs on.
+    pub compute_host: String,
+    /// Time to live, in ms (1000..=86400000, default 30000). Each lease heartbeat moves
+    /// the expiry to now + ttl_ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// Placement: the resource class wanted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
+    /// Placement: the smallest capacity accepted, in bytes (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_capacity_bytes: Option<u64>,
+    /// Placement: traits the device must all have.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub traits: Vec<String>,
+    /// Placement: prefer devices with trait `NUMA_<n>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
+    /// By id: the device to lease (then no placement fields).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id: Option<Uuid>,
+    /// By id: the device generation read (required with `device_id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+}
+
+/// A lease: one device held by one consumer on one compute host until `expires_at_ms`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct Lease {
+    /// Lease id (the `lease_id` of its token, and the borrower's identity to the lender).
+    pub id: Uuid,
+    /// The device's id.
+    pub device_id: Uuid,
+    /// Device name on the lender.
+    pub device: String,
+    /// Provider (lender) name.
+    pub provider: String,
+    /// `HOST:PORT` of the lender's fabric server.
+    pub fabric_address: String,
+    /// Holder (a VM's id).
+    pub consumer: String,
+    /// The compute host the holder runs on.
+    pub compute_host: String,
+    /// State as of the answer (past its expiry a live lease reads `expired`).
+    pub state: LeaseState,
+    /// Creation time, ms since the epoch.
+    pub created_ms: u64,
+    /// Expiry, ms since the epoch.
+    pub expires_at_ms: u64,
+    /// Time to live each renewal grants, in ms.
+    pub ttl_ms: u64,
+    /// Incremented by every state change (bind, release, expiry); not by renewals.
+    pub generation: u64,
+}
+
+/// `POST /v1/leases` answer: the lease and its signed token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct LeaseGrant {
+    /// The new lease, state `claimed`.
+    pub lease: Lease,
+    /// The lease token, text form (unpadded base64url, see
+    /// `devlend_fabric::lease_token`); the borrower hands it to the lender.
+    pub token: String,
+}
+
+/// Body of bind and release: the lease generation read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct GenerationBody {
+    /// The lease's generation as last read.
+    pub generation: u64,
+}
+
+/// Body of a lease heartbeat: empty, or `{}`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct EmptyBody {}
+
+/// Filter of `GET /v1/devices` (all optional).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceQuery {
+    /// Only this resource class (`class=`).
+    pub class: Option<String>,
+    /// Only devices with all of these traits (`trait=`, repeated).
+    pub traits: Vec<String>,
+    /// Only devices of at least this many bytes (`min_capacity=`).
+    pub min_capacity: Option<u64>,
+}
+
+/// Which leases `GET /v1/leases` lists.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub enum LeaseFilter {
+    /// Claimed or bound, not expired (the default).
+    #[default]
+    Active,
+    /// Every lease the pool remembers.
+    All,
+}
+
+impl LeaseFilter {
+    /// The query string value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaseFilter::Active => "active",
+            LeaseFilter::All => "all",
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! A blocking HTTP client of the pool, one method per endpoint.
+//!
+//! Built on `reqwest::blocking`: call it from plain threads, not from inside a tokio
+//! runtime (use `spawn_blocking` there).
+
+use std::time::Duration;
+
+use reqwest::blocking::{Client, RequestBuilder, Response};
+use reqwest::{Method, StatusCode, Url};
+use serde::de::DeserializeOwned;
+use uuid::Uuid;
+
+use crate::api::{
+    Device, DeviceQuery, EmptyBody, ErrorBody, GenerationBody, Lease, LeaseFilter, LeaseGrant,
+    LeaseRequest, Provider, ProviderHeartbeat, RegisterProvider, SigningKey,
+};
+
+/// Seconds a request may take before it fails with [`ClientError::Transport`].
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a pool request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The base URL is not an `http://` or `https://` URL.
+    #[error("bad pool URL {url:?}")]
+    BadUrl {
+        /// The URL given.
+        url: String,
+    },
+    /// The pool could not be reached, or did not answer in time.
+    #[error("cannot reach the pool at {url}")]
+    Transport {
+        /// The request's URL.
+        url: String,
+        /// What failed.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The pool answered with an error (4xx or 5xx) and its JSON error body.
+    #[error("pool: {message} ({status} {code})")]
+    Api {
+        /// The HTTP status.
+        status: u16,
+        /// The pool's error code (see [`crate::api::codes`]).
+        code: String,
+        /// The pool's message.
+        message: String,
+    },
+    /// The answer's body was not what the endpoint documents.
+    #[error("pool answered {status} with an unexpected body: {detail}")]
+    Decode {
+        /// The HTTP status.
+        status: u16,
+        /// What did not parse.
+        detail: String,
+    },
+}
+
+impl ClientError {
+    /// The pool's error code, for [`ClientError::Api`].
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ClientError::Api { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+
+    /// The HTTP status, for [`ClientError::Api`] and [`ClientError::Decode`].
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Api { status, .. } | ClientError::Decode { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// A client of one pool.
+#[derive(Debug, Clone)]
+pub struct PoolClient {
+    base: Url,
+    http: Client,
+}
+
+impl PoolClient {
+    /// A client of the pool at `base_url` (for example `http://127.0.0.1:7400`), with
+    /// [`DEFAULT_TIMEOUT`].
+    ///
+    /// # Errors
+    /// [`ClientError::BadUrl`] when `base_url` is not an http(s) URL;
+    /// [`ClientError::Transport`] when the HTTP client cannot be built.
+    pub fn new(base_url: &str) -> Result<Self, ClientError> {
+        Self::with_timeout(base_url, DEFAULT_TIMEOUT)
+    }
+
+    /// Like [`PoolClient::new`] with a request timeout.
+    ///
+    /// # Errors
+    /// As [`PoolClient::new`].
+    pub fn with_timeout(base_url: &str, timeout: Duration) -> Result<Self, ClientError> {
+        let bad = || ClientError::BadUrl {
+            url: base_url.to_string(),
+        };
+        let mut base = Url::parse(base_url).map_err(|_| bad())?;
+        if !matches!(base.scheme(), "http" | "https") || base.cannot_be_a_base() {
+            return Err(bad());
+        }
+        if !base.path().ends_with('/') {
+            let p = format!("{}/", base.path());
+            base.set_path(&p);
+        }
+        let http = Client::builder()
+            .timeout(timeout)
+            .build()
+            .map_err(|source| ClientError::Transport {
+                url: base_url.to_string(),
+                source,
+            })?;
+        Ok(PoolClient { base, http })
+    }
+
+    /// The base URL.
+    pub fn base_url(&self) -> &Url {
+        &self.base
+    }
+
+    /// `GET /openapi.json`: the OpenAPI 3 document.
+    ///
+    /// # Errors
+    /// [`ClientError`] as for every call.
+    pub fn openapi(&self) -> Result<serde_json::Value, ClientError> {
+        self.call(Method::GET, &["openapi.json"], &[], None::<&EmptyBody>)
+    }
+
+    /// `GET /v1/signing-key`: the key lease tokens are signed with.
+    ///
+    /// # Errors
+    /// [`ClientError`] as for every call.
+    pub fn signing_key(&self) -> Result<SigningKey, ClientError> {
+        self.call(Method::GET, &["v1", "signing-key"], &[], None::<&EmptyBody>)
+    }
+
+    /// `PUT /v1/providers/{name}`: registers a lender and its devices (idempotent).
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 422 `invalid_value` for a bad name, class or trait.
+    pub fn register_provider(
+        &self,
+        name: &str,
+        body: &RegisterProvider,
+    ) -> Result<Provider, ClientError> {
+        self.call(Method::PUT, &["v1", "providers", name], &[], Some(body))
+    }
+
+    /// `POST /v1/providers/{name}/heartbeat`: keeps the provider available and returns
+    /// its live leases.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 404 `unknown_provider` when it is not registered.
+    pub fn provider_heartbeat(&self, name: &str) -> Result<ProviderHeartbeat, ClientError> {
+        self.call(
+            Method::POST,
+            &["v1", "providers", name, "heartbeat"],
+            &[],
+            Some(&EmptyBody {}),
+        )
+    }
+
+    /// `GET /v1/providers`: every provider with its devices.
+    ///
+    /// # Errors
+    /// [`ClientError`] as for every call.
+    pub fn providers(&self) -> Result<Vec<Provider>, ClientError> {
+        self.call(Method::GET, &["v1", "providers"], &[], None::<&EmptyBody>)
+    }
+
+    /// `GET /v1/devices`: devices matching `query`.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 400 `bad_query` for a malformed filter.
+    pub fn devices(&self, query: &DeviceQuery) -> Result<Vec<Device>, ClientError> {
+        let mut q: Vec<(&str, String)> = Vec::new();
+        if let Some(c) = &query.class {
+            q.push(("class", c.clone()));
+        }
+        for t in &query.traits {
+            q.push(("trait", t.clone()));
+        }
+        if let Some(m) = query.min_capacity {
+            q.push(("min_capacity", m.to_string()));
+        }
+        self.call(Method::GET, &["v1", "devices"], &q, None::<&EmptyBody>)
+    }
+
+    /// `POST /v1/leases`: leases a device by placement or by id, and returns the lease
+    /// with its token.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 409 and a placement code (`all_leased`, ...) when
+    /// nothing can be placed, `stale_generation` / `device_leased` by id.
+    pub fn create_lease(&self, body: &LeaseRequest) -> Result<LeaseGrant, ClientError> {
+        self.call(Method::POST, &["v1", "leases"], &[], Some(body))
+    }
+
+    /// `GET /v1/leases`: live leases, or every lease with [`LeaseFilter::All`].
+    ///
+    /// # Errors
+    /// [`ClientError`] as for every call.
+    pub fn leases(&self, filter: LeaseFilter) -> Result<Vec<Lease>, ClientError> {
+        let q = [("state", filter.as_str().to_string())];
+        self.call(Method::GET, &["v1", "leases"], &q, None::<&EmptyBody>)
+    }
+
+    /// `GET /v1/leases/{id}`.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 404 `unknown_lease`.
+    pub fn lease(&self, id: Uuid) -> Result<Lease, ClientError> {
+        let id = id.to_string();
+        self.call(Method::GET, &["v1", "leases", &id], &[], None::<&EmptyBody>)
+    }
+
+    /// `POST /v1/leases/{id}/bind`: claimed -> bound.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 409 `stale_generation`, `lease_ended` or
+    /// `lease_already_bound`.
+    pub fn bind_lease(&self, id: Uuid, generation: u64) -> Result<Lease, ClientError> {
+        let id = id.to_string();
+        self.call(
+            Method::POST,
+            &["v1", "leases", &id, "bind"],
+            &[],
+            Some(&GenerationBody { generation }),
+        )
+    }
+
+    /// `POST /v1/leases/{id}/release`: ends the lease and frees its device.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 409 `stale_generation` or `lease_ended`.
+    pub fn release_lease(&self, id: Uuid, generation: u64) -> Result<Lease, ClientError> {
+        let id = id.to_string();
+        self.call(
+            Method::POST,
+            &["v1", "leases", &id, "release"],
+            &[],
+            Some(&GenerationBody { generation }),
+        )
+    }
+
+    /// `POST /v1/leases/{id}/heartbeat`: renews the lease (expiry = now + ttl_ms).
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 409 `lease_ended` once released or expired: the
+    /// borrower must stop using the device.
+    pub fn lease_heartbeat(&self, id: Uuid) -> Result<Lease, ClientError> {
+        let id = id.to_string();
+        self.call(
+            Method::POST,
+            &["v1", "leases", &id, "heartbeat"],
+            &[],
+            Some(&EmptyBody {}),
+        )
+    }
+
+    fn url(&self, segments: &[&str], query: &[(&str, String)]) -> Url {
+        let mut url = self.base.clone();
+        if let Ok(mut p) = url.path_segments_mut() {
+            p.pop_if_empty().extend(segments);
+        }
+        if !query.is_empty() {
+            let mut q = url.query_pairs_mut();
+            for (k, v) in query {
+                q.append_pair(k, v);
+            }
+        }
+        url
+    }
+
+    fn call<B: serde::Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        segments: &[&str],
+        query: &[(&str, String)],
+        body: Option<&B>,
+    ) -> Result<T, ClientError> {
+        let url = self.url(segments, query);
+        let mut req: RequestBuilder = self.http.request(method, url.clone());
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let transport = |source| ClientError::Transport {
+            url: url.to_string(),
+            source,
+        };
+        let resp: Response = req.send().map_err(transport)?;
+        let status = resp.status();
+        let bytes = resp.bytes().map_err(transport)?;
+        decode(status, &bytes)
+    }
+}
+
+fn decode<T: DeserializeOwned>(status: StatusCode, bytes: &[u8]) -> Result<T, ClientError> {
+    if status.is_success() {
+        return serde_json::from_slice(bytes).map_err(|e| ClientError::Decode {
+            status: status.as_u16(),
+            detail: e.to_string(),
+        });
+    }
+    match serde_json::from_slice::<ErrorBody>(bytes) {
+        Ok(e) => Err(ClientError::Api {
+            status: status.as_u16(),
+            code: e.code,
+            message: e.message,
+        }),
+        Err(_) => Err(ClientError::Api {
+            status: status.as_u16(),
+            code: "http_error".to_string(),
+            message: format!(
+                "{status}: {}",
+                String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+            ),
+        }),
+    }
+}

@@ -1,0 +1,236 @@
+//! The handlers, one per route, each annotated for the OpenAPI document.
+
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::StatusCode;
+use axum::Json;
+
+use super::error::{parse_uuid, ApiJson, OptionalJson};
+use crate::api::{
+    codes, Device, DeviceQuery, EmptyBody, ErrorBody, GenerationBody, Lease, LeaseFilter,
+    LeaseGrant, LeaseRequest, Provider, ProviderHeartbeat, RegisterProvider, SigningKey,
+};
+use crate::error::Error;
+use crate::service::PoolService;
+
+type Answer<T> = Result<Json<T>, Error>;
+
+fn segment(p: Result<Path<String>, PathRejection>) -> Result<String, Error> {
+    p.map(|Path(s)| s)
+        .map_err(|e| Error::bad_request(codes::BAD_PATH, e.body_text()))
+}
+
+fn query_pairs(q: &Option<String>, allowed: &[&str]) -> Result<Vec<(String, String)>, Error> {
+    let pairs: Vec<(String, String)> =
+        form_urlencoded::parse(q.as_deref().unwrap_or("").as_bytes())
+            .map(|(k, v)| (k.into_owned(), v.into_owned()))
+            .collect();
+    if let Some((k, _)) = pairs.iter().find(|(k, _)| !allowed.contains(&k.as_str())) {
+        return Err(Error::bad_request(
+            codes::BAD_QUERY,
+            format!(
+                "unknown query parameter {k:?}; known: {}",
+                allowed.join(", ")
+            ),
+        ));
+    }
+    Ok(pairs)
+}
+
+/// The OpenAPI 3 document of this API.
+#[utoipa::path(get, path = "/openapi.json", tag = "meta",
+    responses((status = 200, description = "The OpenAPI 3 document", body = Object)))]
+pub async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    Json(super::openapi::document())
+}
+
+/// The key lease tokens are signed with.
+#[utoipa::path(get, path = "/v1/signing-key", tag = "pool",
+    responses((status = 200, body = SigningKey)))]
+pub async fn signing_key(State(s): State<PoolService>) -> Json<SigningKey> {
+    Json(s.signing_key())
+}
+
+/// Registers a lender (resource provider) and its devices; idempotent, counts as a
+/// heartbeat.
+#[utoipa::path(put, path = "/v1/providers/{name}", tag = "providers",
+    params(("name" = String, Path, description = "Provider (lender) name")),
+    request_body = RegisterProvider,
+    responses(
+        (status = 200, body = Provider),
+        (status = 400, body = ErrorBody, description = "Not JSON"),
+        (status = 422, body = ErrorBody, description = "Unknown field, bad name, class, trait or size"),
+    ))]
+pub async fn register_provider(
+    State(s): State<PoolService>,
+    name: Result<Path<String>, PathRejection>,
+    ApiJson(body): ApiJson<RegisterProvider>,
+) -> Answer<Provider> {
+    Ok(Json(s.register(&segment(name)?, &body).await?))
+}
+
+/// A lender's heartbeat: keeps it available and returns its live leases.
+#[utoipa::path(post, path = "/v1/providers/{name}/heartbeat", tag = "providers",
+    params(("name" = String, Path, description = "Provider (lender) name")),
+    request_body(content = EmptyBody, description = "Empty, or {}"),
+    responses(
+        (status = 200, body = ProviderHeartbeat),
+        (status = 404, body = ErrorBody, description = "unknown_provider: register again"),
+    ))]
+pub async fn provider_heartbeat(
+    State(s): State<PoolService>,
+    name: Result<Path<String>, PathRejection>,
+    OptionalJson(_): OptionalJson<EmptyBody>,
+) -> Answer<ProviderHeartbeat> {
+    Ok(Json(s.provider_heartbeat(&segment(name)?).await?))
+}
+
+/// Every provider with its devices.
+#[utoipa::path(get, path = "/v1/providers", tag = "providers",
+    responses((status = 200, body = Vec<Provider>)))]
+pub async fn providers(State(s): State<PoolService>) -> Answer<Vec<Provider>> {
+    Ok(Json(s.providers().await?))
+}
+
+/// Devices, filtered by class, traits (all of them) and minimum capacity.
+#[utoipa::path(get, path = "/v1/devices", tag = "devices",
+    params(
+        ("class" = Option<String>, Query, description = "BLOCK, NIC or PCI_<vendor>_<device>"),
+        ("trait" = Option<Vec<String>>, Query, description = "A trait the device must have (repeatable)"),
+        ("min_capacity" = Option<u64>, Query, description = "Smallest capacity, bytes"),
+    ),
+    responses(
+        (status = 200, body = Vec<Device>),
+        (status = 400, body = ErrorBody, description = "Unknown or malformed parameter"),
+        (status = 422, body = ErrorBody, description = "Bad class or trait syntax"),
+    ))]
+pub async fn devices(State(s): State<PoolService>, RawQuery(q): RawQuery) -> Answer<Vec<Device>> {
+    let mut query = DeviceQuery::default();
+    for (k, v) in query_pairs(&q, &["class", "trait", "min_capacity"])? {
+        match k.as_str() {
+            "class" => query.class = Some(v),
+            "trait" => query.traits.push(v),
+            _ => {
+                query.min_capacity = Some(v.parse().map_err(|_| {
+                    Error::bad_request(
+                        codes::BAD_QUERY,
+                        format!("min_capacity {v:?} is not a number of bytes"),
+                    )
+                })?)
+            }
+        }
+    }
+    Ok(Json(s.devices(&query).await?))
+}
+
+/// Leases a device, by placement or by id; answers the lease and its signed token.
+#[utoipa::path(post, path = "/v1/leases", tag = "leases",
+    request_body = LeaseRequest,
+    responses(
+        (status = 201, body = LeaseGrant),
+        (status = 400, body = ErrorBody, description = "Not JSON"),
+        (status = 404, body = ErrorBody, description = "unknown_device"),
+        (status = 409, body = ErrorBody, description = "stale_generation, device_leased, \
+            no_device_of_class, too_small, no_device_with_traits, all_leased, providers_unavailable"),
+        (status = 422, body = ErrorBody, description = "Unknown field, bad value"),
+    ))]
+pub async fn create_lease(
+    State(s): State<PoolService>,
+    ApiJson(body): ApiJson<LeaseRequest>,
+) -> Result<(StatusCode, Json<LeaseGrant>), Error> {
+    Ok((StatusCode::CREATED, Json(s.create_lease(&body).await?)))
+}
+
+/// Leases: the live ones (default) or all.
+#[utoipa::path(get, path = "/v1/leases", tag = "leases",
+    params(("state" = Option<LeaseFilter>, Query, description = "active (default) or all")),
+    responses(
+        (status = 200, body = Vec<Lease>),
+        (status = 400, body = ErrorBody, description = "Unknown or malformed parameter"),
+    ))]
+pub async fn leases(State(s): State<PoolService>, RawQuery(q): RawQuery) -> Answer<Vec<Lease>> {
+    let mut filter = LeaseFilter::Active;
+    for (_, v) in query_pairs(&q, &["state"])? {
+        filter = match v.as_str() {
+            "active" => LeaseFilter::Active,
+            "all" => LeaseFilter::All,
+            _ => {
+                return Err(Error::bad_request(
+                    codes::BAD_QUERY,
+                    format!("state {v:?} is not active or all"),
+                ))
+            }
+        };
+    }
+    Ok(Json(s.leases(filter).await?))
+}
+
+/// One lease.
+#[utoipa::path(get, path = "/v1/leases/{id}", tag = "leases",
+    params(("id" = uuid::Uuid, Path, description = "Lease id")),
+    responses(
+        (status = 200, body = Lease),
+        (status = 400, body = ErrorBody, description = "Not a UUID"),
+        (status = 404, body = ErrorBody, description = "unknown_lease"),
+    ))]
+pub async fn lease(
+    State(s): State<PoolService>,
+    id: Result<Path<String>, PathRejection>,
+) -> Answer<Lease> {
+    let id = parse_uuid("lease id", &segment(id)?)?;
+    Ok(Json(s.lease(id).await?))
+}
+
+/// claimed -> bound, at the generation read.
+#[utoipa::path(post, path = "/v1/leases/{id}/bind", tag = "leases",
+    params(("id" = uuid::Uuid, Path, description = "Lease id")),
+    request_body = GenerationBody,
+    responses(
+        (status = 200, body = Lease),
+        (status = 404, body = ErrorBody, description = "unknown_lease"),
+        (status = 409, body = ErrorBody, description = "stale_generation, lease_ended, lease_already_bound"),
+    ))]
+pub async fn bind(
+    State(s): State<PoolService>,
+    id: Result<Path<String>, PathRejection>,
+    ApiJson(body): ApiJson<GenerationBody>,
+) -> Answer<Lease> {
+    let id = parse_uuid("lease id", &segment(id)?)?;
+    Ok(Json(s.bind(id, body.generation).await?))
+}
+
+/// Ends a lease at the generation read; its device is free again.
+#[utoipa::path(post, path = "/v1/leases/{id}/release", tag = "leases",
+    params(("id" = uuid::Uuid, Path, description = "Lease id")),
+    request_body = GenerationBody,
+    responses(
+        (status = 200, body = Lease),
+        (status = 404, body = ErrorBody, description = "unknown_lease"),
+        (status = 409, body = ErrorBody, description = "stale_generation, lease_ended"),
+    ))]
+pub async fn release(
+    State(s): State<PoolService>,
+    id: Result<Path<String>, PathRejection>,
+    ApiJson(body): ApiJson<GenerationBody>,
+) -> Answer<Lease> {
+    let id = parse_uuid("lease id", &segment(id)?)?;
+    Ok(Json(s.release(id, body.generation).await?))
+}
+
+/// Renews a lease: expiry = now + ttl_ms. Not generation-checked (idempotent).
+#[utoipa::path(post, path = "/v1/leases/{id}/heartbeat", tag = "leases",
+    params(("id" = uuid::Uuid, Path, description = "Lease id")),
+    request_body(content = EmptyBody, description = "Empty, or {}"),
+    responses(
+        (status = 200, body = Lease),
+        (status = 404, body = ErrorBody, description = "unknown_lease"),
+        (status = 409, body = ErrorBody, description = "lease_ended: stop using the device"),
+    ))]
+pub async fn lease_heartbeat(
+    State(s): State<PoolService>,
+    id: Result<Path<String>, PathRejection>,
+    OptionalJson(_): OptionalJson<EmptyBody>,
+) -> Answer<Lease> {
+    let id = parse_uuid("lease id", &segment(id)?)?;
+    Ok(Json(s.renew(id).await?))
+}

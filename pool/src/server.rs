@@ -1,0 +1,244 @@
+//! Running the pool: [`serve`] inside a tokio runtime, or [`PoolServer`] on a
+//! background thread for programs and tests without one.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use devlend_fabric::lease_token::PublicKey;
+use tokio::net::TcpListener;
+
+use crate::error::{Error, Result};
+use crate::service::PoolService;
+
+/// Address the pool listens on by default.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7400";
+/// Directory of the SQLite database by default.
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/devlend/pool";
+/// File name of the SQLite database in the data directory.
+pub const DATABASE_FILE: &str = "pool.db";
+
+/// Where the pool listens and keeps its data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// HTTP listen address (port 0: any free port).
+    pub listen: SocketAddr,
+    /// Database URL: `sqlite:///PATH`, `sqlite::memory:`, or
+    /// `postgres://USER[:PASSWORD]@HOST[:PORT]/DB`. None: SQLite at
+    /// `data_dir/pool.db`.
+    pub database: Option<String>,
+    /// Directory for the SQLite database when `database` is None; created (mode 0700)
+    /// at first start.
+    pub data_dir: PathBuf,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: DEFAULT_LISTEN
+                .parse()
+                .expect("the default listen address parses"),
+            database: None,
+            data_dir: PathBuf::from(DEFAULT_DATA_DIR),
+        }
+    }
+}
+
+impl ServerConfig {
+    /// The database URL to connect to: `database`, with `?mode=rwc` added to a SQLite
+    /// file URL without options (so the file is created), or the data directory's
+    /// `pool.db`, creating the directory.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the data directory cannot be created.
+    pub fn database_url(&self) -> Result<String> {
+        match &self.database {
+            Some(url)
+                if url.starts_with("sqlite:")
+                    && !url.contains(":memory:")
+                    && !url.contains('?') =>
+            {
+                Ok(format!("{url}?mode=rwc"))
+            }
+            Some(url) => Ok(url.clone()),
+            None => {
+                use std::os::unix::fs::DirBuilderExt;
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&self.data_dir)
+                    .map_err(|e| {
+                        Error::io(
+                            format!(
+                                "cannot create the data directory {}",
+                                self.data_dir.display()
+                            ),
+                            e,
+                        )
+                    })?;
+                let path = self.data_dir.join(DATABASE_FILE);
+                Ok(format!("sqlite://{}?mode=rwc", path.display()))
+            }
+        }
+    }
+}
+
+/// Opens the database and binds the listener; the parts [`serve`] and
+/// [`PoolServer::start`] share.
+async fn prepare(config: &ServerConfig) -> Result<(PoolService, TcpListener)> {
+    let url = config.database_url()?;
+    let service = PoolService::open(&url).await?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| Error::io(format!("cannot listen on {}", config.listen), e))?;
+    Ok((service, listener))
+}
+
+async fn run(
+    service: PoolService,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    axum::serve(listener, crate::http::router(service))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| Error::io("the HTTP server failed", e))
+}
+
+/// Resolves at SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}
+
+/// Runs the pool until SIGINT or SIGTERM. Logs the URL and the signing key at start.
+///
+/// # Errors
+/// The database cannot be opened or migrated, the address cannot be bound, or the
+/// server fails.
+pub async fn serve(config: ServerConfig) -> Result<()> {
+    serve_with_shutdown(config, shutdown_signal()).await
+}
+
+/// Runs the pool until `shutdown` resolves.
+///
+/// # Errors
+/// As [`serve`].
+pub async fn serve_with_shutdown(
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let (service, listener) = prepare(&config).await?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::io("no local address", e))?;
+    tracing::info!(
+        url = %format!("http://{addr}"),
+        public_key = %service.public_key().to_text(),
+        backend = ?service.store().backend(),
+        "pool serving"
+    );
+    run(service, listener, shutdown).await
+}
+
+/// A pool running on its own tokio runtime on a background thread; stops on drop.
+#[derive(Debug)]
+pub struct PoolServer {
+    addr: SocketAddr,
+    public_key: PublicKey,
+    handle: tokio::runtime::Handle,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PoolServer {
+    /// Opens the database, binds `config.listen` and starts serving; returns once the
+    /// pool accepts requests.
+    ///
+    /// # Errors
+    /// As [`serve`]; [`Error::Io`] when the runtime or thread cannot be made.
+    pub fn start(config: ServerConfig) -> Result<PoolServer> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("devlend-pool")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("cannot start a tokio runtime", e))?;
+        let (service, listener) = rt.block_on(prepare(&config))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("no local address", e))?;
+        let public_key = service.public_key();
+        let handle = rt.handle().clone();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("devlend-pool".into())
+            .spawn(move || {
+                let shutdown = async {
+                    let _ = rx.await;
+                };
+                if let Err(e) = rt.block_on(run(service, listener, shutdown)) {
+                    tracing::error!(error = %e, "pool server stopped");
+                }
+            })
+            .map_err(|e| Error::io("cannot start the pool thread", e))?;
+        Ok(PoolServer {
+            addr,
+            public_key,
+            handle,
+            shutdown: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Its base URL, `http://ADDR`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The key its lease tokens are signed with.
+    pub fn public_key(&self) -> PublicKey {
+        self.public_key
+    }
+
+    /// Blocks the calling thread until SIGINT or SIGTERM.
+    pub fn wait_for_signal(&self) {
+        self.handle.block_on(shutdown_signal());
+    }
+
+    /// Stops serving (requests in flight complete) and joins the thread.
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+
+    fn stop_inner(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for PoolServer {
+    fn drop(&mut self) {
+        self.stop_inner();
+    }
+}

@@ -1,0 +1,295 @@
+//! Leases: the atomic claim of a device, bind, release, renewal, reads.
+//!
+//! A lease is live while its stored state is `claimed` or `bound` and `expires_at_ms`
+//! is in the future; past expiry it reads `expired`, and the device it claimed is free
+//! (no sweeper: every read and claim compares with the clock). A claim that takes over a
+//! device from an expired lease marks that lease `expired` in the same transaction,
+//! conditionally on it still being past expiry, so a renewal racing the claim either
+//! lands first (and the claim moves on) or finds the lease ended.
+
+use sqlx::any::AnyRow;
+use sqlx::Row;
+use uuid::Uuid;
+
+use super::providers::DeviceRow;
+use super::{get_u64, get_uuid, Store};
+use crate::api::{codes, Lease, LeaseFilter, LeaseState};
+use crate::error::{Error, Result};
+
+const LEASE_SELECT: &str = "SELECT id, device_id, device_name, provider_name, \
+    fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
+    generation FROM leases";
+
+fn lease_from_row(r: &AnyRow, now: i64) -> Result<Lease> {
+    let state: String = r.try_get("state")?;
+    let exp: i64 = r.try_get("expires_at_ms")?;
+    let state = match state.as_str() {
+        "claimed" | "bound" if exp <= now => LeaseState::Expired,
+        "claimed" => LeaseState::Claimed,
+        "bound" => LeaseState::Bound,
+        "released" => LeaseState::Released,
+        _ => LeaseState::Expired,
+    };
+    Ok(Lease {
+        id: get_uuid(r, "id")?,
+        device_id: get_uuid(r, "device_id")?,
+        device: r.try_get("device_name")?,
+        provider: r.try_get("provider_name")?,
+        fabric_address: r.try_get("fabric_address")?,
+        consumer: r.try_get("consumer")?,
+        compute_host: r.try_get("compute_host")?,
+        state,
+        created_ms: get_u64(r, "created_ms")?,
+        expires_at_ms: get_u64(r, "expires_at_ms")?,
+        ttl_ms: get_u64(r, "ttl_ms")?,
+        generation: get_u64(r, "generation")?,
+    })
+}
+
+/// What a new lease is for.
+#[derive(Debug, Clone)]
+pub struct NewLease<'a> {
+    /// Holder (a VM id).
+    pub consumer: &'a str,
+    /// Compute host of the holder.
+    pub compute_host: &'a str,
+    /// Time to live, ms.
+    pub ttl_ms: i64,
+}
+
+impl Store {
+    /// Claims `dev` as read (its generation) for a new lease at `now`. `Ok(None)` when
+    /// the device moved on since it was read (another claim won, or its expired lease
+    /// was renewed in between): placement then tries its next candidate.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn claim(
+        &self,
+        dev: &DeviceRow,
+        new: &NewLease<'_>,
+        now: i64,
+    ) -> Result<Option<Lease>> {
+        let id = Uuid::new_v4();
+        let mut tx = self.pool().begin().await?;
+        // The conditional update is the claim: of two claimants that read the same
+        // generation, exactly one updates a row. It is the transaction's first
+        // statement, so SQLite takes its write lock before anything is read.
+        let won = sqlx::query(
+            "UPDATE devices SET lease_id = $1, generation = generation + 1 \
+             WHERE id = $2 AND generation = $3 AND listed = 1",
+        )
+        .bind(id.to_string())
+        .bind(dev.id.to_string())
+        .bind(super::db_i64(dev.generation))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if won != 1 {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        if let Some(old) = dev.lease_id {
+            let expired = sqlx::query(
+                "UPDATE leases SET state = 'expired', generation = generation + 1 \
+                 WHERE id = $1 AND state IN ('claimed', 'bound') AND expires_at_ms <= $2",
+            )
+            .bind(old.to_string())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if expired == 0 {
+                let still = sqlx::query(
+                    "SELECT state FROM leases WHERE id = $1 AND state IN ('claimed', 'bound')",
+                )
+                .bind(old.to_string())
+                .fetch_optional(&mut *tx)
+                .await?;
+                if still.is_some() {
+                    // Renewed since we read it: the device is held after all.
+                    tx.rollback().await?;
+                    return Ok(None);
+                }
+            }
+        }
+        sqlx::query(
+            "INSERT INTO leases (id, device_id, device_name, provider_id, provider_name, \
+             fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
+             generation) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'claimed', $9, $10, $11, 1)",
+        )
+        .bind(id.to_string())
+        .bind(dev.id.to_string())
+        .bind(&dev.name)
+        .bind(dev.provider_id.to_string())
+        .bind(&dev.provider)
+        .bind(&dev.fabric_address)
+        .bind(new.consumer)
+        .bind(new.compute_host)
+        .bind(now)
+        .bind(now.saturating_add(new.ttl_ms))
+        .bind(new.ttl_ms)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        self.lease(id, now).await.map(Some)
+    }
+
+    /// One lease, as of `now`.
+    ///
+    /// # Errors
+    /// 404 `unknown_lease`; [`Error::Database`].
+    pub async fn lease(&self, id: Uuid, now: i64) -> Result<Lease> {
+        let q = format!("{LEASE_SELECT} WHERE id = $1");
+        let row = sqlx::query(&q)
+            .bind(id.to_string())
+            .fetch_optional(self.pool())
+            .await?;
+        match row {
+            Some(r) => lease_from_row(&r, now),
+            None => Err(Error::not_found(
+                codes::UNKNOWN_LEASE,
+                format!("no lease {id}"),
+            )),
+        }
+    }
+
+    /// Leases, oldest first: the live ones, or all.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn leases(&self, filter: LeaseFilter, now: i64) -> Result<Vec<Lease>> {
+        let rows = match filter {
+            LeaseFilter::Active => {
+                let q = format!(
+                    "{LEASE_SELECT} WHERE state IN ('claimed', 'bound') AND expires_at_ms > $1 \
+                     ORDER BY created_ms, id"
+                );
+                sqlx::query(&q).bind(now).fetch_all(self.pool()).await?
+            }
+            LeaseFilter::All => {
+                let q = format!("{LEASE_SELECT} ORDER BY created_ms, id");
+                sqlx::query(&q).fetch_all(self.pool()).await?
+            }
+        };
+        rows.iter().map(|r| lease_from_row(r, now)).collect()
+    }
+
+    /// Why a conditional lease update matched no row: 404, `lease_ended`,
+    /// `stale_generation`, or `other` (a state the caller names).
+    async fn explain(
+        &self,
+        id: Uuid,
+        generation: Option<i64>,
+        now: i64,
+        other: (&'static str, &str),
+    ) -> Error {
+        let lease = match self.lease(id, now).await {
+            Ok(l) => l,
+            Err(e) => return e,
+        };
+        if !lease.state.is_live() {
+            return Error::conflict(
+                codes::LEASE_ENDED,
+                format!("lease {id} has ended (state {})", lease.state.as_str()),
+            );
+        }
+        if let Some(g) = generation {
+            if super::db_i64(lease.generation) != g {
+                return Error::conflict(
+                    codes::STALE_GENERATION,
+                    format!(
+                        "lease {id} is at generation {}, the request carried {g}: read it again",
+                        lease.generation
+                    ),
+                );
+            }
+        }
+        Error::conflict(other.0, format!("lease {id} {}", other.1))
+    }
+
+    /// claimed -> bound, if the lease is at `generation` and live.
+    ///
+    /// # Errors
+    /// 404 `unknown_lease`; 409 `lease_ended`, `stale_generation`,
+    /// `lease_already_bound`; [`Error::Database`].
+    pub async fn bind(&self, id: Uuid, generation: i64, now: i64) -> Result<Lease> {
+        let n = sqlx::query(
+            "UPDATE leases SET state = 'bound', generation = generation + 1 \
+             WHERE id = $1 AND generation = $2 AND state = 'claimed' AND expires_at_ms > $3",
+        )
+        .bind(id.to_string())
+        .bind(generation)
+        .bind(now)
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        if n == 0 {
+            return Err(self
+                .explain(
+                    id,
+                    Some(generation),
+                    now,
+                    (codes::LEASE_ALREADY_BOUND, "is already bound"),
+                )
+                .await);
+        }
+        self.lease(id, now).await
+    }
+
+    /// Ends the lease and frees its device, if the lease is at `generation` and live.
+    ///
+    /// # Errors
+    /// 404 `unknown_lease`; 409 `lease_ended`, `stale_generation`; [`Error::Database`].
+    pub async fn release(&self, id: Uuid, generation: i64, now: i64) -> Result<Lease> {
+        let mut tx = self.pool().begin().await?;
+        let n = sqlx::query(
+            "UPDATE leases SET state = 'released', generation = generation + 1 \
+             WHERE id = $1 AND generation = $2 AND state IN ('claimed', 'bound') \
+             AND expires_at_ms > $3",
+        )
+        .bind(id.to_string())
+        .bind(generation)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n == 0 {
+            tx.rollback().await?;
+            return Err(self
+                .explain(id, Some(generation), now, (codes::LEASE_ENDED, "has ended"))
+                .await);
+        }
+        sqlx::query(
+            "UPDATE devices SET lease_id = NULL, generation = generation + 1 WHERE lease_id = $1",
+        )
+        .bind(id.to_string())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        self.lease(id, now).await
+    }
+
+    /// Renews a live lease: expiry = `now` + its ttl_ms. Not generation-checked: it
+    /// changes only the expiry, and repeating it is harmless.
+    ///
+    /// # Errors
+    /// 404 `unknown_lease`; 409 `lease_ended`; [`Error::Database`].
+    pub async fn renew(&self, id: Uuid, now: i64) -> Result<Lease> {
+        let n = sqlx::query(
+            "UPDATE leases SET expires_at_ms = $1 + ttl_ms WHERE id = $2 \
+             AND state IN ('claimed', 'bound') AND expires_at_ms > $1",
+        )
+        .bind(now)
+        .bind(id.to_string())
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        if n == 0 {
+            return Err(self
+                .explain(id, None, now, (codes::LEASE_ENDED, "has ended"))
+                .await);
+        }
+        self.lease(id, now).await
+    }
+}
