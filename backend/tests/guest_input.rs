@@ -54,12 +54,14 @@ impl Rig {
             path: file.clone(),
             read_only,
             serial: Some("SERIAL-0123456789ABC".into()),
+            traits: Vec::new(),
         };
         let lender = Lender::bind("127.0.0.1:0", vec![spec]).unwrap().spawn();
         let target = LenderTarget {
             addr: lender.local_addr().to_string(),
             device: "disk".into(),
             borrower: [1; 16],
+            token: Vec::new(),
         };
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();

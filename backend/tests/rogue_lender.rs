@@ -118,6 +118,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
             addr,
             device: "d".into(),
             borrower: [1; 16],
+            token: Vec::new(),
         },
         limits,
         stats.clone(),

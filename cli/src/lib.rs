@@ -5,7 +5,8 @@
 //! - [`api_client`]: the compute agent's control API over its unix socket;
 //! - [`output`]: what attach prints (QEMU arguments, libvirt XML) and status tables;
 //! - [`demo`]: the local end-to-end demo (the README's main job);
-//! - [`bench`]: `devlend bench`, block performance beside qemu-storage-daemon.
+//! - [`bench`]: `devlend bench`, block performance beside qemu-storage-daemon;
+//! - [`placement`]: `devlend attach --class ...`, a device leased from the pool.
 
 pub mod api_client;
 pub mod bench;
@@ -13,3 +14,4 @@ pub mod blk_client;
 pub mod demo;
 pub mod output;
 pub mod pattern;
+pub mod placement;

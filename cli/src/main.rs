@@ -11,6 +11,7 @@ use devlend_cli::bench::options::{
 };
 use devlend_cli::demo::{self, DemoOptions, Frontend};
 use devlend_cli::output::{human_bytes, libvirt_xml, qemu_args, status_table};
+use devlend_cli::placement;
 use devlend_compute_agent::api::{AttachRequest, VmmTarget};
 use devlend_compute_agent::vmm::cloud_hypervisor;
 use devlend_compute_agent::DEFAULT_API_SOCKET;
@@ -28,14 +29,38 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Attach a device lent by a device agent on a new vhost-user-blk socket.
+    /// Attach a device lent by a device agent on a new vhost-user-blk socket: one named
+    /// with --lender and --device (direct mode), or one the pool places and leases
+    /// (--class, --min-capacity, --trait, --vm).
     Attach {
-        /// Lender address, HOST:PORT.
-        #[arg(long)]
-        lender: String,
-        /// Device name on the lender.
-        #[arg(long)]
-        device: String,
+        /// Lender address, HOST:PORT (direct mode).
+        #[arg(long, required_unless_present = "class", requires = "device")]
+        lender: Option<String>,
+        /// Device name on the lender (direct mode).
+        #[arg(long, conflicts_with = "class", requires = "lender")]
+        device: Option<String>,
+        /// Lease a device of this resource class from the pool (e.g. BLOCK).
+        #[arg(long, conflicts_with = "lender", requires = "vm")]
+        class: Option<String>,
+        /// With --class: the smallest capacity accepted (e.g. 10G).
+        #[arg(long, value_parser = parse_size, default_value = "0", requires = "class")]
+        min_capacity: u64,
+        /// With --class: a trait the device must have (repeatable), e.g. FABRIC_TCP.
+        #[arg(long = "trait", value_name = "TRAIT", requires = "class")]
+        traits: Vec<String>,
+        /// With --class: prefer devices on this NUMA node (trait NUMA_<n>).
+        #[arg(long, requires = "class")]
+        numa_node: Option<u32>,
+        /// With --class: the VM the lease is for (the lease's consumer).
+        #[arg(long, value_name = "NAME")]
+        vm: Option<String>,
+        /// With --class: lease time to live in seconds; the compute agent renews it every
+        /// third while attached.
+        #[arg(long, default_value_t = 30, requires = "class")]
+        lease_ttl: u64,
+        /// Device pool URL.
+        #[arg(long, env = "DEVLEND_POOL", default_value = "http://127.0.0.1:7400")]
+        pool: String,
         /// vhost-user socket to create (a relative path is taken from the current
         /// directory).
         #[arg(long)]
@@ -202,6 +227,13 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Attach {
             lender,
             device,
+            class,
+            min_capacity,
+            traits,
+            numa_node,
+            vm,
+            lease_ttl,
+            pool,
             socket,
             queues,
             queue_size,
@@ -217,7 +249,40 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 std::env::current_dir()?.join(socket)
             };
-            let a = ApiClient::new(&cli.api)?.attach(&AttachRequest {
+            let api = ApiClient::new(&cli.api)?;
+            let (lender, device, claimed) = match (lender, device, class) {
+                (Some(l), Some(d), _) => (l, d, None),
+                (_, _, Some(class)) => {
+                    let c = placement::claim(
+                        &pool,
+                        &placement::Wanted {
+                            class,
+                            min_capacity_bytes: min_capacity,
+                            traits,
+                            numa_node,
+                            vm: vm.unwrap_or_default(),
+                            ttl_ms: lease_ttl.saturating_mul(1000),
+                        },
+                    )?;
+                    if !json {
+                        println!(
+                            "leased {} on {} ({}), lease {}",
+                            c.grant.lease.device,
+                            c.grant.lease.provider,
+                            c.grant.lease.fabric_address,
+                            c.grant.lease.id
+                        );
+                    }
+                    (
+                        c.grant.lease.fabric_address.clone(),
+                        c.grant.lease.device.clone(),
+                        Some(c),
+                    )
+                }
+                _ => bail!("give --lender and --device, or --class and --vm"),
+            };
+            let lease = claimed.as_ref().map(|c| c.lease.clone());
+            let attached = api.attach(&AttachRequest {
                 id,
                 lender,
                 device,
@@ -234,7 +299,17 @@ fn run(cli: Cli) -> Result<()> {
                     }),
                     (None, None) => None,
                 },
-            })?;
+                lease,
+            });
+            let a = match attached {
+                Ok(a) => a,
+                Err(e) => {
+                    if let Some(c) = claimed {
+                        c.release();
+                    }
+                    return Err(e);
+                }
+            };
             if json {
                 return print_json(&a);
             }
@@ -296,6 +371,9 @@ fn run(cli: Cli) -> Result<()> {
                 a.counters.errors,
                 a.socket.display()
             );
+            if let Some(lease) = a.lease {
+                println!("lease {lease} released");
+            }
         }
         Cmd::Man { out } => {
             use clap::CommandFactory;

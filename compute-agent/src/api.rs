@@ -41,6 +41,23 @@ pub struct AttachRequest {
     /// id is the attachment id.
     #[serde(default)]
     pub vmm: Option<VmmTarget>,
+    /// Attach under this pool lease (its `lender` and `device` must match the request's):
+    /// the agent binds it, renews it while attached and releases it at detach. Without
+    /// one, the lender must be in direct mode.
+    #[serde(default)]
+    pub lease: Option<LeaseRef>,
+}
+
+/// A lease granted by a device pool (`POST /v1/leases`), handed to the compute agent.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseRef {
+    /// The pool's base URL, e.g. `http://pool:7400`.
+    pub pool: String,
+    /// The lease id.
+    pub id: uuid::Uuid,
+    /// The lease token, text form (unpadded base64url).
+    pub token: String,
 }
 
 /// A running VM to plug an attachment into.
@@ -185,6 +202,9 @@ pub struct AttachmentInfo {
     pub connected: bool,
     /// The VM it was plugged into live, if any.
     pub vmm: Option<VmmPlug>,
+    /// The pool lease it holds the device under, if any.
+    #[serde(default)]
+    pub lease: Option<uuid::Uuid>,
     /// I/O rates over the last seconds (absent until two samples, one second apart).
     #[serde(default)]
     pub rates: Option<Rates>,

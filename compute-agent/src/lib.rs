@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod config;
+pub mod lease;
 pub mod metrics;
 pub mod rates;
 pub mod registry;

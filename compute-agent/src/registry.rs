@@ -8,6 +8,7 @@ use devlend_backend::blk::engine::{new_borrower_id, LenderTarget};
 use devlend_backend::blk::{Attachment, AttachmentConfig, AttachmentError};
 
 use crate::api::{AttachRequest, AttachmentInfo, VmmPlug, VmmTarget};
+use crate::lease::{CheckedLease, LeaseError, LeaseKeeper};
 use crate::vmm::cloud_hypervisor::{self as ch, ChError};
 use crate::vmm::qemu::{self, HotplugError};
 
@@ -29,6 +30,9 @@ pub enum RegistryError {
     /// Plugging into or unplugging from the VM failed.
     #[error("{}", chain(.0))]
     Vmm(#[source] VmmError),
+    /// The pool lease cannot be used.
+    #[error("{}", chain(.0))]
+    Lease(#[source] LeaseError),
 }
 
 /// A failure of the VMM glue.
@@ -58,6 +62,7 @@ struct Entry {
     id: String,
     attachment: Attachment,
     plug: Option<VmmPlug>,
+    lease: Option<LeaseKeeper>,
 }
 
 /// Largest busy-poll budget an attachment may ask for, in microseconds.
@@ -100,6 +105,7 @@ fn info(e: &Entry) -> AttachmentInfo {
         serial: String::from_utf8_lossy(&l.serial[..end]).into_owned(),
         connected: e.attachment.connected(),
         vmm: e.plug.clone(),
+        lease: e.lease.as_ref().map(LeaseKeeper::id),
         rates: None,
         counters: e.attachment.stats().into(),
     }
@@ -114,19 +120,48 @@ impl Registry {
         &self,
         id: &str,
         req: &AttachRequest,
-    ) -> Result<(Attachment, Option<VmmPlug>), RegistryError> {
+    ) -> Result<(Attachment, Option<VmmPlug>, Option<LeaseKeeper>), RegistryError> {
+        let checked = match &req.lease {
+            None => None,
+            Some(r) => {
+                let c = CheckedLease::check(r).map_err(RegistryError::Lease)?;
+                if c.device() != req.device || c.lender() != req.lender {
+                    return Err(RegistryError::BadRequest(format!(
+                        "lease {} is for device {:?} at {}, not {:?} at {}",
+                        r.id,
+                        c.device(),
+                        c.lender(),
+                        req.device,
+                        req.lender
+                    )));
+                }
+                Some(c)
+            }
+        };
+        let (borrower, token) = match &checked {
+            Some(c) => (c.borrower(), c.token.clone()),
+            None => (new_borrower_id(), Vec::new()),
+        };
         let mut attachment = Attachment::start(AttachmentConfig {
             id: id.to_owned(),
             socket: req.socket.clone(),
             lender: LenderTarget {
                 addr: req.lender.clone(),
                 device: req.device.clone(),
-                borrower: new_borrower_id(),
+                borrower,
+                token,
             },
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),
         })
         .map_err(RegistryError::Start)?;
+        let keeper = match checked.map(|c| c.bind_and_keep(id)).transpose() {
+            Ok(k) => k,
+            Err(e) => {
+                attachment.stop();
+                return Err(RegistryError::Lease(e));
+            }
+        };
         let plug = match &req.vmm {
             None => None,
             Some(target) => match plug(target, id, req, attachment.limits().read_only) {
@@ -137,7 +172,7 @@ impl Registry {
                 }
             },
         };
-        Ok((attachment, plug))
+        Ok((attachment, plug, keeper))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
@@ -236,12 +271,13 @@ impl Registry {
         // Lock order everywhere: entries, then pending.
         let mut entries = self.lock();
         self.lock_pending().retain(|(i, _)| *i != id);
-        let (attachment, plug) = result?;
+        let (attachment, plug, lease) = result?;
         let entry = Entry {
             request: req,
             id: id.clone(),
             attachment,
             plug,
+            lease,
         };
         let out = info(&entry);
         self.rates.start(&id, std::time::Instant::now());
@@ -315,6 +351,9 @@ impl Registry {
         entry.attachment.stop();
         let mut out = info(&entry);
         out.connected = false;
+        if let Some(k) = entry.lease.take() {
+            k.release();
+        }
         tracing::info!(id, socket = %out.socket.display(), "detached");
         Ok(out)
     }

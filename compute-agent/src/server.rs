@@ -37,6 +37,9 @@ impl IntoResponse for RegistryError {
                 StatusCode::GATEWAY_TIMEOUT
             }
             RegistryError::Vmm(_) => StatusCode::BAD_GATEWAY,
+            RegistryError::Lease(crate::lease::LeaseError::Bad(_)) => StatusCode::BAD_REQUEST,
+            RegistryError::Lease(crate::lease::LeaseError::Ended { .. }) => StatusCode::CONFLICT,
+            RegistryError::Lease(crate::lease::LeaseError::Pool(_)) => StatusCode::BAD_GATEWAY,
         };
         error(status, self.to_string())
     }

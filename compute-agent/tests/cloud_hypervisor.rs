@@ -1040,6 +1040,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         path: img,
         read_only: false,
         serial: None,
+        traits: Vec::new(),
     };
     let lender = Lender::bind("127.0.0.1:0", vec![spec])
         .expect("bind")
@@ -1058,6 +1059,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         vmm: Some(VmmTarget::CloudHypervisor {
             api: ch.socket.clone(),
         }),
+        lease: None,
     };
     let info = registry.attach(req("vm1-d")).expect("attach");
     let plug = info.vmm.expect("plugged");

@@ -1,5 +1,5 @@
 //! What to lend and where to listen: command-line flags, the TOML config file, and the
-//! `NAME=PATH[,ro][,serial=S]` device spec.
+//! `NAME=PATH[,ro][,serial=S][,traits=A+B]` device spec.
 //!
 //! Flags override and extend the file: `--listen` replaces `listen`; each `--device` is
 //! added, and replaces a file device of the same name. Within the file, and within the
@@ -17,9 +17,9 @@ use crate::{Error, MAX_SERIAL_LEN};
 
 /// One device to lend.
 ///
-/// As a flag: `NAME=PATH[,ro][,serial=S]` (the path may not contain a comma). In the
-/// config file: a `[[device]]` table with keys `name`, `path`, `read_only` (default
-/// false) and `serial` (optional).
+/// As a flag: `NAME=PATH[,ro][,serial=S][,traits=A+B]` (the path may not contain a
+/// comma). In the config file: a `[[device]]` table with keys `name`, `path`,
+/// `read_only` (default false), `serial` (optional) and `traits` (optional).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceSpec {
@@ -34,6 +34,10 @@ pub struct DeviceSpec {
     /// The virtio-blk serial (GET_ID), 1 to 20 bytes without NUL; when absent, the
     /// device name truncated to 20 bytes.
     pub serial: Option<String>,
+    /// Extra traits to register with the pool (upper-case `[A-Z0-9_]+`, e.g. `NUMA_0`,
+    /// `SSD`), besides those the lender derives (`FABRIC_TCP`, `DISCARD`, `READ_ONLY`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub traits: Vec<String>,
 }
 
 impl DeviceSpec {
@@ -78,6 +82,18 @@ impl DeviceSpec {
                 return bad("holds a NUL byte");
             }
         }
+        for t in &self.traits {
+            let ok = !t.is_empty()
+                && t.len() <= 255
+                && t.bytes()
+                    .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+            if !ok {
+                return Err(Error::BadTrait {
+                    device: self.name.clone(),
+                    name: t.clone(),
+                });
+            }
+        }
         Ok(())
     }
 
@@ -117,6 +133,7 @@ impl FromStr for DeviceSpec {
             path: PathBuf::from(path),
             read_only: false,
             serial: None,
+            traits: Vec::new(),
         };
         for opt in parts {
             match opt {
@@ -127,10 +144,14 @@ impl FromStr for DeviceSpec {
                     }
                     spec.serial = Some(opt["serial=".len()..].to_owned());
                 }
+                _ if opt.starts_with("traits=") => {
+                    spec.traits
+                        .extend(opt["traits=".len()..].split('+').map(str::to_owned));
+                }
                 "" => return Err(bad("empty option".into())),
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {opt:?} (expected ro or serial=S)"
+                        "unknown option {opt:?} (expected ro, serial=S or traits=A+B)"
                     )))
                 }
             }
@@ -152,7 +173,7 @@ pub struct Cli {
     #[arg(long, value_name = "ADDR:PORT")]
     pub listen: Option<String>,
     /// A device to lend; repeatable. Replaces a config-file device of the same name.
-    #[arg(long = "device", value_name = "NAME=PATH[,ro][,serial=S]")]
+    #[arg(long = "device", value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B]")]
     pub devices: Vec<DeviceSpec>,
     /// TOML config file with `listen`, `log_level`, `log_format`, `metrics_listen` and
     /// `[[device]]` tables; default /etc/devlend/device-agent.toml when it exists.
@@ -170,6 +191,44 @@ pub struct Cli {
     /// Print the merged configuration (file, then flags) as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// Register with the device pool at this URL and serve leased devices only
+    /// (overrides `[pool] url`). Without a pool the lender is in direct mode,
+    /// unauthenticated.
+    #[arg(long, value_name = "URL")]
+    pub pool: Option<String>,
+    /// This lender's name in the pool [default: the host name].
+    #[arg(long, value_name = "NAME")]
+    pub provider: Option<String>,
+    /// Address borrowers reach this lender at, registered with the pool [default: the
+    /// listen address, which must then not be a wildcard].
+    #[arg(long, value_name = "HOST:PORT")]
+    pub advertise: Option<String>,
+}
+
+/// The `[pool]` table: register with a device pool and enforce its leases.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The pool's base URL, e.g. `http://pool.example:7400`.
+    pub url: String,
+    /// This lender's provider name (default: the host name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// `HOST:PORT` registered as this lender's fabric address (default: `listen`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<String>,
+    /// Milliseconds between heartbeats (500..=60000, default 2000); the pool marks the
+    /// lender unavailable after three missed ones.
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_interval_ms: u64,
+    /// The pool's public key (unpadded base64url), pinned: the lender refuses to start
+    /// if the pool presents another. Default: trust the key the pool presents at start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key: Option<String>,
+}
+
+fn default_heartbeat_ms() -> u64 {
+    2000
 }
 
 /// The config file: `listen = "ADDR:PORT"` and `[[device]]` tables ([`DeviceSpec`]).
@@ -181,6 +240,7 @@ struct FileConfig {
     log_level: Option<String>,
     log_format: Option<LogFormat>,
     metrics_listen: Option<std::net::SocketAddr>,
+    pool: Option<PoolConfig>,
     #[serde(default, rename = "device")]
     devices: Vec<DeviceSpec>,
 }
@@ -197,6 +257,9 @@ pub struct Config {
     /// Metrics address, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// The pool to register with; `None`: direct mode (unauthenticated).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<PoolConfig>,
     /// Devices to lend, with distinct names (file devices first, in file order).
     #[serde(rename = "device")]
     pub devices: Vec<DeviceSpec>,
@@ -244,7 +307,50 @@ impl Config {
         if devices.is_empty() {
             return Err(Error::NoDevices);
         }
+        let mut pool = file.pool;
+        if let Some(url) = &cli.pool {
+            pool = Some(PoolConfig {
+                url: url.clone(),
+                ..pool.unwrap_or(PoolConfig {
+                    url: String::new(),
+                    provider: None,
+                    advertise: None,
+                    heartbeat_interval_ms: default_heartbeat_ms(),
+                    public_key: None,
+                })
+            });
+        }
+        if let Some(p) = pool.as_mut() {
+            if cli.provider.is_some() {
+                p.provider = cli.provider.clone();
+            }
+            if cli.advertise.is_some() {
+                p.advertise = cli.advertise.clone();
+            }
+            if !(500..=60_000).contains(&p.heartbeat_interval_ms) {
+                return Err(Error::BadPool(format!(
+                    "heartbeat_interval_ms {} is outside 500..=60000",
+                    p.heartbeat_interval_ms
+                )));
+            }
+            if p.provider.is_none() {
+                p.provider = Some(host_name());
+            }
+            if p.advertise.is_none() {
+                if listen.starts_with("0.0.0.0:") || listen.starts_with("[::]:") {
+                    return Err(Error::BadPool(format!(
+                        "listen address {listen} is a wildcard: give the address borrowers reach this lender at with --advertise or [pool] advertise"
+                    )));
+                }
+                p.advertise = Some(listen.clone());
+            }
+        } else if cli.provider.is_some() || cli.advertise.is_some() {
+            return Err(Error::BadPool(
+                "--provider and --advertise need a pool (--pool URL or [pool] url)".into(),
+            ));
+        }
         Ok(Config {
+            pool,
             listen,
             log_level: cli
                 .log_level
@@ -272,6 +378,15 @@ impl Config {
         check_unique(&file.devices).map_err(in_file)?;
         Ok(file)
     }
+}
+
+/// This machine's host name (`uname -n`), or `localhost`.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
 }
 
 /// Refuses two devices of the same name.

@@ -75,6 +75,11 @@ impl Device {
             .is_some()
     }
 
+    /// The traits configured for the device (beyond the derived ones).
+    pub(crate) fn traits(&self) -> &[String] {
+        &self.spec.traits
+    }
+
     /// Whether `spec` describes this device as it was opened.
     pub(crate) fn spec_matches(&self, spec: &DeviceSpec) -> bool {
         self.spec == *spec
@@ -251,6 +256,7 @@ mod tests {
             path: path.to_owned(),
             read_only: ro,
             serial: None,
+            traits: Vec::new(),
         }
     }
 

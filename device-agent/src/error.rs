@@ -133,6 +133,25 @@ pub enum Error {
     /// The accept loop failed in a way it cannot recover from.
     #[error("accepting connections failed")]
     Accept(#[source] io::Error),
+    /// A device trait is not upper-case `[A-Z0-9_]+`.
+    #[error("device {device}: trait {name:?} must be upper-case letters, digits and _")]
+    BadTrait {
+        /// The device.
+        device: String,
+        /// The trait as given.
+        name: String,
+    },
+    /// The pool settings are inconsistent.
+    #[error("pool settings: {0}")]
+    BadPool(String),
+    /// The pool could not be used at start.
+    #[error("device pool at {url}: {reason}")]
+    Pool {
+        /// The pool's URL.
+        url: String,
+        /// What failed.
+        reason: String,
+    },
     /// A thread could not be started.
     #[error("cannot start a thread")]
     Thread(#[source] io::Error),

@@ -22,8 +22,10 @@ mod device;
 mod engine;
 pub mod error;
 mod frame;
+pub mod leases;
 pub mod metrics;
 mod pool;
+pub mod pool_link;
 mod request;
 mod server;
 mod session;
@@ -33,7 +35,10 @@ mod uring;
 pub use config::{Cli, Config, DeviceSpec};
 pub use engine::IoMode;
 pub use error::Error;
-pub use server::{Lender, LenderHandle, Options, ReloadReport, StatsView};
+pub use leases::LeaseGuard;
+pub use server::{
+    InventoryView, Lender, LenderHandle, LentDevice, Options, ReloadReport, StatsView,
+};
 pub use stats::DeviceStatsSnapshot;
 
 /// Largest data length of one read or write request, in bytes (4 MiB), advertised as

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use devlend_device_agent::metrics::DeviceMetrics;
+use devlend_device_agent::pool_link::{PoolLink, PoolSession, STARTUP_WAIT};
 use devlend_device_agent::{Cli, Config, Lender};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -38,8 +39,23 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     if let Some(addr) = config.metrics_listen {
         devlend_daemon::metrics::serve(addr, DeviceMetrics(lender.stats_view()))?;
     }
+    let pool = match &config.pool {
+        Some(p) => {
+            let session = PoolSession::connect(p, STARTUP_WAIT)?;
+            lender.require_leases(session.guard());
+            Some(session)
+        }
+        None => {
+            tracing::warn!("no device pool: direct mode, any borrower that reaches the port can attach an idle device (unauthenticated)");
+            None
+        }
+    };
+    let inventory = lender.inventory_view();
     let addr = lender.local_addr();
     let handle = lender.spawn();
+    let link = pool
+        .map(|session| PoolLink::start(session, inventory))
+        .transpose()?;
     devlend_daemon::notify::ready(&format!("lending on {addr}"));
     for sig in signals.forever() {
         if sig != SIGHUP {
@@ -60,6 +76,9 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
                     match handle.reload(&new.devices) {
                         Ok(r) => {
                             let _ = log.set_level(&new.log_level);
+                            if let Some(link) = &link {
+                                link.reregister();
+                            }
                             tracing::info!(level = %new.log_level, added = ?r.added, removed = ?r.removed, kept_while_attached = ?r.kept_held, "configuration reloaded");
                         }
                         Err(e) => {
@@ -74,6 +93,7 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
         }
         devlend_daemon::notify::ready(&format!("lending on {addr}"));
     }
+    drop(link);
     handle.shutdown();
     Ok(())
 }

@@ -5,7 +5,7 @@ use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use devlend_fabric::DeviceInfo;
 use crate::config::check_unique;
 use crate::device::Device;
 use crate::engine::IoMode;
+use crate::leases::{self, LeaseGuard};
 use crate::{session, DeviceSpec, DeviceStatsSnapshot, Error};
 
 /// Tunables of a lender beyond its devices and address.
@@ -52,13 +53,23 @@ pub(crate) struct Shared {
     pub(crate) options: Options,
     active: AtomicUsize,
     registry: Mutex<Registry>,
+    /// Set when the lender serves leased devices only (attached to a pool).
+    pub(crate) leases: OnceLock<Arc<LeaseGuard>>,
 }
 
-/// The open connections, so that shutdown can close them.
+/// The open connections, so that shutdown (or the end of a lease) can close them.
 #[derive(Default)]
 struct Registry {
     closed: bool,
-    streams: HashMap<u64, TcpStream>,
+    streams: HashMap<u64, Tracked>,
+}
+
+/// An open connection and the lease its session was admitted under.
+struct Tracked {
+    stream: TcpStream,
+    lease: Option<[u8; 16]>,
+    /// The session was told to stop (its lease ended).
+    stopping: bool,
 }
 
 /// A session counted among the lender's active sessions until dropped.
@@ -160,8 +171,15 @@ impl Shared {
             return false;
         }
         match sock.try_clone() {
-            Ok(s) => {
-                reg.streams.insert(id, s);
+            Ok(stream) => {
+                reg.streams.insert(
+                    id,
+                    Tracked {
+                        stream,
+                        lease: None,
+                        stopping: false,
+                    },
+                );
                 true
             }
             Err(e) => {
@@ -175,14 +193,39 @@ impl Shared {
         self.registry().streams.remove(&id);
     }
 
+    /// Records the lease that session `id` was admitted under.
+    pub(crate) fn set_session_lease(&self, id: u64, lease: [u8; 16]) {
+        if let Some(t) = self.registry().streams.get_mut(&id) {
+            t.lease = Some(lease);
+        }
+    }
+
+    /// Stops the sessions whose lease has ended: they answer their requests in flight,
+    /// then close. Returns how many were stopped.
+    fn stop_ended_leases(&self, guard: &LeaseGuard, now_ms: u64) -> usize {
+        let mut reg = self.registry();
+        let mut n = 0;
+        for (id, t) in reg.streams.iter_mut() {
+            let Some(lease) = t.lease else { continue };
+            if t.stopping || guard.is_live(&lease, now_ms) {
+                continue;
+            }
+            tracing::info!(session = id, lease = %leases::hex(&lease), "lease ended: the session answers its requests in flight, then closes");
+            let _ = t.stream.shutdown(Shutdown::Read);
+            t.stopping = true;
+            n += 1;
+        }
+        n
+    }
+
     /// Stops accepting and shuts every connection down (their sessions then end).
     /// Stops every session from reading new requests; each answers what it has in
     /// flight, then closes.
     fn close(&self) {
         let mut reg = self.registry();
         reg.closed = true;
-        for s in reg.streams.values() {
-            let _ = s.shutdown(Shutdown::Read);
+        for t in reg.streams.values() {
+            let _ = t.stream.shutdown(Shutdown::Read);
         }
     }
 
@@ -249,6 +292,7 @@ impl Lender {
                 options,
                 active: AtomicUsize::new(0),
                 registry: Mutex::new(Registry::default()),
+                leases: OnceLock::new(),
             }),
         })
     }
@@ -283,6 +327,21 @@ impl Lender {
         StatsView(Arc::clone(&self.shared))
     }
 
+    /// A handle on the list of lent devices (for registering with a pool).
+    pub fn inventory_view(&self) -> InventoryView {
+        InventoryView(Arc::clone(&self.shared))
+    }
+
+    /// Serves leased devices only: every hello must carry a lease token that `guard`
+    /// admits, and sessions end when their lease does (see [`crate::leases`]). Without
+    /// this call the lender is in direct mode (unauthenticated). Call before serving;
+    /// a second call is ignored.
+    pub fn require_leases(&self, guard: Arc<LeaseGuard>) {
+        if self.shared.leases.set(guard).is_err() {
+            tracing::warn!("lease checks were already set; keeping the first");
+        }
+    }
+
     /// Runs the accept loop on a new thread.
     ///
     /// # Panics
@@ -315,6 +374,19 @@ impl Lender {
     /// (a connection aborted, or running out of file descriptors or memory: those are
     /// logged and retried).
     pub fn run(self) -> Result<(), Error> {
+        let sweeper = self.shared.leases.get().cloned().map(|guard| {
+            let shared = Arc::clone(&self.shared);
+            std::thread::Builder::new()
+                .name("dl-lease-sweep".into())
+                .spawn(move || {
+                    while !shared.is_closed() {
+                        shared.stop_ended_leases(&guard, leases::now_ms());
+                        std::thread::sleep(leases::SWEEP_INTERVAL);
+                    }
+                })
+                .map_err(Error::Thread)
+        });
+        let sweeper = sweeper.transpose()?;
         let mut sessions: Vec<JoinHandle<()>> = Vec::new();
         let mut next_id: u64 = 0;
         let result = loop {
@@ -359,6 +431,9 @@ impl Lender {
         for h in sessions {
             let _ = h.join();
         }
+        if let Some(h) = sweeper {
+            let _ = h.join();
+        }
         result
     }
 }
@@ -372,6 +447,55 @@ pub struct ReloadReport {
     pub removed: Vec<String>,
     /// Devices to remove that stay lent because a borrower holds them.
     pub kept_held: Vec<String>,
+}
+
+/// A lent device as the pool sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LentDevice {
+    /// Device name.
+    pub name: String,
+    /// Lendable bytes (a multiple of 512).
+    pub capacity_bytes: u64,
+    /// Writes are refused.
+    pub read_only: bool,
+    /// Traits to register: `FABRIC_TCP`, `DISCARD`, `WRITE_ZEROES`, `READ_ONLY` as they
+    /// apply, then the configured ones; sorted, without repeats.
+    pub traits: Vec<String>,
+}
+
+/// A handle on the list of lent devices, which a reload can change.
+#[derive(Clone)]
+pub struct InventoryView(Arc<Shared>);
+
+impl InventoryView {
+    /// The devices lent now, sorted by name.
+    pub fn devices(&self) -> Vec<LentDevice> {
+        self.0
+            .all_devices()
+            .iter()
+            .map(|d| {
+                let mut traits = vec!["FABRIC_TCP".to_owned()];
+                if d.info.max_discard_sectors > 0 && !d.read_only {
+                    traits.push("DISCARD".into());
+                }
+                if d.info.max_write_zeroes_sectors > 0 && !d.read_only {
+                    traits.push("WRITE_ZEROES".into());
+                }
+                if d.read_only {
+                    traits.push("READ_ONLY".into());
+                }
+                traits.extend(d.traits().iter().cloned());
+                traits.sort();
+                traits.dedup();
+                LentDevice {
+                    name: d.name.clone(),
+                    capacity_bytes: d.capacity_bytes,
+                    read_only: d.read_only,
+                    traits,
+                }
+            })
+            .collect()
+    }
 }
 
 /// The counters of every device of a running lender.

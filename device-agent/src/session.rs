@@ -25,7 +25,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
         tracing::warn!(%peer, error = %e, "cannot set socket options; closing");
         return;
     }
-    let Some((dev, mut ring, _active, _claim)) = handshake(shared, &sock, peer) else {
+    let Some((dev, mut ring, _active, _claim)) = handshake(shared, &sock, peer, id) else {
         return;
     };
     dev.stats.session_opened();
@@ -57,6 +57,7 @@ fn handshake<'s>(
     shared: &'s Shared,
     sock: &TcpStream,
     peer: SocketAddr,
+    id: u64,
 ) -> Option<(Arc<Device>, Ring, ActiveSession<'s>, Claim)> {
     let timeout = Some(shared.options.handshake_timeout);
     if let Err(e) = sock
@@ -102,6 +103,15 @@ fn handshake<'s>(
             format!("no device {:?} is lent here", hello.device),
         );
     };
+    if let Some(guard) = shared.leases.get() {
+        match guard.admit(&hello, crate::leases::now_ms()) {
+            Ok(lease) => shared.set_session_lease(id, lease),
+            Err(reason) => {
+                tracing::warn!(%peer, device = %hello.device, %reason, "lease check failed");
+                return refuse(HelloStatus::Denied, reason);
+            }
+        }
+    }
     let claim = match dev.claim(hello.borrower) {
         Ok(c) => c,
         Err(holder) => {

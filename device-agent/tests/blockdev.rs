@@ -24,6 +24,7 @@ fn lends_a_block_device() {
         path: path.into(),
         read_only: false,
         serial: None,
+        traits: Vec::new(),
     };
     let lender = Lender::bind("127.0.0.1:0", vec![spec])
         .expect("lend the device")

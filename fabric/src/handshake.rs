@@ -7,6 +7,7 @@
 
 use std::io::{Read, Write};
 
+use crate::lease_token::MAX_TOKEN_LEN;
 use crate::{io_util::read_exact_or_eof, WireError, PROTOCOL_VERSION, SERIAL_LEN};
 
 /// The 4 bytes that start both handshake messages.
@@ -29,8 +30,9 @@ pub const DEV_WRITE_ZEROES: u32 = 1 << 2;
 /// The borrower's opening message.
 ///
 /// Layout: `magic: [u8;4] = "DVLD", version: u16, queue_index: u16, features: u64,
-/// borrower: [u8; 16], name_len: u16, reserved: u16 = 0`, then `name_len` bytes of
-/// UTF-8 device name.
+/// borrower: [u8; 16], name_len: u16, token_len: u16`, then `name_len` bytes of UTF-8
+/// device name, then `token_len` bytes of lease token (0 in direct mode; at most
+/// [`MAX_TOKEN_LEN`](crate::lease_token::MAX_TOKEN_LEN)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Protocol version the borrower speaks.
@@ -45,6 +47,9 @@ pub struct Hello {
     pub borrower: [u8; 16],
     /// Name of the device to open, as configured on the lender (1..=255 bytes).
     pub device: String,
+    /// The pool's lease token in binary form ([`crate::lease_token`]); empty in direct
+    /// mode. A lender attached to a pool refuses a hello without a valid one.
+    pub token: Vec<u8>,
 }
 
 impl Hello {
@@ -56,13 +61,15 @@ impl Hello {
             features: 0,
             borrower: [0; 16],
             device: device.to_owned(),
+            token: Vec::new(),
         }
     }
 
     /// Writes the message in one `write_all`.
     ///
     /// # Errors
-    /// [`WireError::TooLong`] when the name exceeds [`MAX_NAME_LEN`]; [`WireError::Io`].
+    /// [`WireError::TooLong`] when the name exceeds [`MAX_NAME_LEN`] or the token
+    /// [`MAX_TOKEN_LEN`](crate::lease_token::MAX_TOKEN_LEN); [`WireError::Io`].
     pub fn write_to(&self, w: &mut impl Write) -> Result<(), WireError> {
         let name = self.device.as_bytes();
         if name.len() > MAX_NAME_LEN {
@@ -72,15 +79,23 @@ impl Hello {
                 limit: MAX_NAME_LEN as u64,
             });
         }
-        let mut b = Vec::with_capacity(HELLO_FIXED_LEN + name.len());
+        if self.token.len() > MAX_TOKEN_LEN {
+            return Err(WireError::TooLong {
+                what: "lease token",
+                len: self.token.len() as u64,
+                limit: MAX_TOKEN_LEN as u64,
+            });
+        }
+        let mut b = Vec::with_capacity(HELLO_FIXED_LEN + name.len() + self.token.len());
         b.extend_from_slice(&MAGIC);
         b.extend_from_slice(&self.version.to_le_bytes());
         b.extend_from_slice(&self.queue_index.to_le_bytes());
         b.extend_from_slice(&self.features.to_le_bytes());
         b.extend_from_slice(&self.borrower);
         b.extend_from_slice(&(name.len() as u16).to_le_bytes());
-        b.extend_from_slice(&[0, 0]);
+        b.extend_from_slice(&(self.token.len() as u16).to_le_bytes());
         b.extend_from_slice(name);
+        b.extend_from_slice(&self.token);
         w.write_all(&b)?;
         Ok(())
     }
@@ -91,8 +106,8 @@ impl Hello {
     /// [`HelloStatus::UnsupportedVersion`] rather than drop the connection.
     ///
     /// # Errors
-    /// [`WireError::BadMagic`], [`WireError::TooLong`] (name), [`WireError::Invalid`]
-    /// (reserved bits, empty or non-UTF-8 name), [`WireError::Closed`] /
+    /// [`WireError::BadMagic`], [`WireError::TooLong`] (name, token),
+    /// [`WireError::Invalid`] (empty or non-UTF-8 name), [`WireError::Closed`] /
     /// [`WireError::Truncated`] / [`WireError::Io`].
     pub fn read_from(r: &mut impl Read) -> Result<Self, WireError> {
         let mut b = [0u8; HELLO_FIXED_LEN];
@@ -107,8 +122,13 @@ impl Hello {
         let mut borrower = [0u8; 16];
         borrower.copy_from_slice(&b[16..32]);
         let name_len = u16::from_le_bytes([b[32], b[33]]) as usize;
-        if b[34] != 0 || b[35] != 0 {
-            return Err(WireError::Invalid("reserved bytes of hello"));
+        let token_len = u16::from_le_bytes([b[34], b[35]]) as usize;
+        if token_len > MAX_TOKEN_LEN {
+            return Err(WireError::TooLong {
+                what: "lease token",
+                len: token_len as u64,
+                limit: MAX_TOKEN_LEN as u64,
+            });
         }
         if name_len > MAX_NAME_LEN {
             return Err(WireError::TooLong {
@@ -120,14 +140,16 @@ impl Hello {
         if name_len == 0 {
             return Err(WireError::Invalid("empty device name"));
         }
-        let mut name = vec![0u8; name_len];
-        read_exact_or_eof(r, &mut name).map_err(|e| match e {
+        let mut rest = vec![0u8; name_len + token_len];
+        read_exact_or_eof(r, &mut rest).map_err(|e| match e {
             WireError::Closed => WireError::Truncated {
                 got: HELLO_FIXED_LEN,
-                want: HELLO_FIXED_LEN + name_len,
+                want: HELLO_FIXED_LEN + name_len + token_len,
             },
             e => e,
         })?;
+        let token = rest.split_off(name_len);
+        let name = rest;
         let device =
             String::from_utf8(name).map_err(|_| WireError::Invalid("device name is not UTF-8"))?;
         Ok(Hello {
@@ -136,6 +158,7 @@ impl Hello {
             features,
             borrower,
             device,
+            token,
         })
     }
 }
@@ -339,6 +362,25 @@ mod tests {
         let mut buf = Vec::new();
         h.write_to(&mut buf).unwrap();
         assert_eq!(Hello::read_from(&mut buf.as_slice()).unwrap(), h);
+        h.token = vec![9; 300];
+        let mut buf = Vec::new();
+        h.write_to(&mut buf).unwrap();
+        assert_eq!(buf.len(), 36 + 5 + 300);
+        assert_eq!(Hello::read_from(&mut buf.as_slice()).unwrap(), h);
+        let cut = &buf[..buf.len() - 1];
+        assert!(matches!(
+            Hello::read_from(&mut &cut[..]),
+            Err(WireError::Truncated { .. })
+        ));
+        let mut long = buf.clone();
+        long[34..36].copy_from_slice(&2000u16.to_le_bytes());
+        assert!(matches!(
+            Hello::read_from(&mut long.as_slice()),
+            Err(WireError::TooLong {
+                what: "lease token",
+                ..
+            })
+        ));
     }
 
     #[test]

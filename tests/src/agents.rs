@@ -86,6 +86,12 @@ impl Proc {
         Ok(())
     }
 
+    /// Sends `signal` (e.g. `libc::SIGSTOP`) to the process.
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid with a valid signal.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+    }
+
     /// Sends SIGTERM and waits up to `timeout` for the exit; returns the exit status.
     ///
     /// # Errors
@@ -161,15 +167,63 @@ impl Lender {
     /// # Errors
     /// It cannot start or exits.
     pub fn start_on(dir: &Path, addr: &str, devices: &[String]) -> Result<Self> {
+        Self::start_with(dir, addr, devices, &[])
+    }
+
+    /// As [`Self::start_on`], with more arguments (e.g. `--pool URL`).
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start_with(
+        dir: &Path,
+        addr: &str,
+        devices: &[String],
+        extra: &[String],
+    ) -> Result<Self> {
         let addr = addr.to_owned();
         let mut args = vec!["--listen".to_owned(), addr.clone()];
         for d in devices {
             args.push("--device".into());
             args.push(d.clone());
         }
+        args.extend(extra.iter().cloned());
         let mut proc = Proc::spawn("device-agent", &bin("devlend-device-agent")?, &args, dir)?;
         proc.wait_ready("lender", || TcpStream::connect(&addr).is_ok())?;
         Ok(Lender { proc, addr })
+    }
+}
+
+/// A running device pool (`devlend pool serve`), SQLite in its own data directory.
+pub struct Pool {
+    /// The process.
+    pub proc: Proc,
+    /// Its base URL.
+    pub url: String,
+}
+
+impl Pool {
+    /// Starts `devlend pool serve --listen 127.0.0.1:PORT --data-dir DIR/pool` and waits
+    /// until it accepts connections.
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start(dir: &Path) -> Result<Self> {
+        let addr = format!("127.0.0.1:{}", free_port()?);
+        let data = dir.join("pool");
+        let args = vec![
+            "pool".to_owned(),
+            "serve".into(),
+            "--listen".into(),
+            addr.clone(),
+            "--data-dir".into(),
+            data.display().to_string(),
+        ];
+        let mut proc = Proc::spawn("pool", &bin("devlend")?, &args, dir)?;
+        proc.wait_ready("pool", || TcpStream::connect(&addr).is_ok())?;
+        Ok(Pool {
+            proc,
+            url: format!("http://{addr}"),
+        })
     }
 }
 

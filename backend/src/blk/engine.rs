@@ -36,8 +36,10 @@ pub struct LenderTarget {
     /// Device name on the lender.
     pub device: String,
     /// The attachment's identity, sent in every hello: the lender lends a device to one
-    /// borrower at a time.
+    /// borrower at a time. Under a lease, the lease id.
     pub borrower: [u8; 16],
+    /// The pool's lease token (binary form), sent in every hello; empty in direct mode.
+    pub token: Vec<u8>,
 }
 
 impl LenderTarget {
@@ -45,6 +47,7 @@ impl LenderTarget {
     pub fn hello(&self, queue_index: u16) -> devlend_fabric::Hello {
         let mut h = devlend_fabric::Hello::new(&self.device, queue_index);
         h.borrower = self.borrower;
+        h.token.clone_from(&self.token);
         h
     }
 }

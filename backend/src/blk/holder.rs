@@ -129,12 +129,20 @@ fn watch(
             match connect_as(&target.addr, &target.hello(CONTROL_QUEUE), CONNECT_TIMEOUT) {
                 Ok((s, _)) => break s,
                 Err(e) => {
-                    if let ConnectError::Refused {
-                        status: HelloStatus::Busy,
-                        ..
-                    } = e
-                    {
-                        tracing::error!(attachment = %name, error = %DisplayChain(&e), "the device was taken by another borrower while the lender was away");
+                    match &e {
+                        ConnectError::Refused {
+                            status: HelloStatus::Busy,
+                            ..
+                        } => {
+                            tracing::error!(attachment = %name, error = %DisplayChain(&e), "the device was taken by another borrower while the lender was away");
+                        }
+                        ConnectError::Refused {
+                            status: HelloStatus::Denied,
+                            ..
+                        } if backoff == Duration::from_millis(100) => {
+                            tracing::error!(attachment = %name, error = %DisplayChain(&e), "the lender refuses this attachment (its lease ended?)");
+                        }
+                        _ => {}
                     }
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(MAX_BACKOFF);

@@ -199,6 +199,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         queue_size: 256,
         poll_us: setup.poll_us,
         vmm: None,
+        lease: None,
     })?;
     let attach = format!(
         "devlend attach --lender 127.0.0.1:PORT --device disk0 --socket {} --queues {}{}",

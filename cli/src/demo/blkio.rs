@@ -27,22 +27,24 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
     }
     let p = opts.progress;
     let rig = Rig::start(opts.dir.as_deref(), opts.size, p)?;
-    let (dir, image, client, lender_addr) = (&rig.dir, &rig.image, &rig.client, &rig.lender_addr);
+    let (dir, image, client) = (&rig.dir, &rig.image, &rig.client);
     let t_attach = Instant::now();
     let socket = dir.join("disk0.vhost.sock");
     step(
         p,
         &format!("attaching disk0 on vhost-user socket {}", socket.display()),
     );
+    let claimed = rig.lease("demo-blkio", opts.size, p)?;
     client.attach(&AttachRequest {
         id: Some("demo".into()),
-        lender: lender_addr.clone(),
-        device: "disk0".into(),
+        lender: claimed.grant.lease.fabric_address.clone(),
+        device: claimed.grant.lease.device.clone(),
         socket: socket.clone(),
         queues: 1,
         queue_size: 256,
         poll_us: 0,
         vmm: None,
+        lease: Some(claimed.lease.clone()),
     })?;
 
     step(

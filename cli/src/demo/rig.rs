@@ -1,4 +1,5 @@
-//! What every demo needs: a work directory, a sparse image, a lender and a borrower.
+//! What every demo needs: a work directory, a sparse image, a device pool (embedded,
+//! SQLite in the work directory), a lender registered with it, and a borrower.
 
 use std::fs::File;
 use std::net::{TcpListener, TcpStream};
@@ -10,6 +11,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use crate::api_client::ApiClient;
 use crate::output::human_bytes;
+use crate::placement::{self, Claimed, Wanted};
 
 /// A child process stopped (SIGTERM, then SIGKILL) on drop; its output goes to a log.
 pub struct Daemon {
@@ -132,7 +134,7 @@ pub fn bar(progress: bool, len: u64, msg: &'static str) -> indicatif::ProgressBa
     pb
 }
 
-/// The lender, the borrower and the image.
+/// The pool, the lender, the borrower and the image.
 pub struct Rig {
     /// Work directory.
     pub dir: PathBuf,
@@ -142,9 +144,12 @@ pub struct Rig {
     pub lender_addr: String,
     /// The borrower's API.
     pub client: ApiClient,
-    // Dropped after the client: borrower first, then lender.
+    /// The embedded pool's URL.
+    pub pool_url: String,
+    // Dropped after the client: borrower first, then lender, then the pool.
     _borrower: Daemon,
     _lender: Daemon,
+    _pool: devlend_pool::PoolServer,
     _tmp: Option<tempfile::TempDir>,
 }
 
@@ -185,11 +190,25 @@ impl Rig {
         }
         File::create(&image)?.set_len(size)?;
 
+        let pool = devlend_pool::PoolServer::start(devlend_pool::ServerConfig {
+            listen: "127.0.0.1:0".parse()?,
+            database: None,
+            data_dir: dir.join("pool"),
+        })
+        .context("cannot start the embedded device pool")?;
+        let pool_url = pool.url();
+        step(
+            progress,
+            &format!(
+                "device pool on {pool_url} (SQLite in {})",
+                dir.join("pool").display()
+            ),
+        );
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let lender_addr = format!("127.0.0.1:{port}");
         step(
             progress,
-            &format!("starting the lender (devlend-device-agent) on {lender_addr}"),
+            &format!("starting the lender (devlend-device-agent) on {lender_addr}, registered with the pool"),
         );
         let mut lender = Daemon::spawn(
             "device-agent",
@@ -199,10 +218,20 @@ impl Rig {
                 lender_addr.clone(),
                 "--device".into(),
                 format!("disk0={},serial=devlend-demo", image.display()),
+                "--pool".into(),
+                pool_url.clone(),
+                "--provider".into(),
+                "demo-lender".into(),
             ],
             &dir,
         )?;
         lender.wait_until("the lender", || TcpStream::connect(&lender_addr).is_ok())?;
+        let pool_client = devlend_pool::PoolClient::new(&pool_url)?;
+        lender.wait_until("the lender's registration", || {
+            pool_client
+                .devices(&devlend_pool::api::DeviceQuery::default())
+                .is_ok_and(|d| !d.is_empty())
+        })?;
 
         let api = dir.join("compute-agent.sock");
         step(
@@ -225,10 +254,39 @@ impl Rig {
             image,
             lender_addr,
             client,
+            pool_url,
             _borrower: borrower,
             _lender: lender,
+            _pool: pool,
             _tmp: tmp,
         })
+    }
+
+    /// Leases a block device of at least `min_bytes` for `vm` from the pool (placement
+    /// picks the demo's disk0), as `devlend attach --class BLOCK` does.
+    ///
+    /// # Errors
+    /// The pool refuses (nothing matches) or cannot be reached.
+    pub fn lease(&self, vm: &str, min_bytes: u64, progress: bool) -> Result<Claimed> {
+        let c = placement::claim(
+            &self.pool_url,
+            &Wanted {
+                class: "BLOCK".into(),
+                min_capacity_bytes: min_bytes,
+                traits: vec!["FABRIC_TCP".into()],
+                numa_node: None,
+                vm: vm.into(),
+                ttl_ms: 30_000,
+            },
+        )?;
+        step(
+            progress,
+            &format!(
+                "leased {} on {} from the pool (lease {})",
+                c.grant.lease.device, c.grant.lease.provider, c.grant.lease.id
+            ),
+        );
+        Ok(c)
     }
 }
 

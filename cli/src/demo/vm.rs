@@ -151,10 +151,11 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         "attaching disk0 live into the running guest over QMP (vhost-user-blk-pci)",
     );
     let t = Instant::now();
+    let claimed = rig.lease("demo-vm", opts.size, p)?;
     let attached = rig.client.attach(&AttachRequest {
         id: Some("demo".into()),
-        lender: rig.lender_addr.clone(),
-        device: "disk0".into(),
+        lender: claimed.grant.lease.fabric_address.clone(),
+        device: claimed.grant.lease.device.clone(),
         socket: socket.clone(),
         queues: 1,
         queue_size: 256,
@@ -162,6 +163,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         vmm: Some(VmmTarget::Qemu {
             qmp: guest.qmp_socket().to_owned(),
         }),
+        lease: Some(claimed.lease.clone()),
     })?;
     guest.wait_for_line(
         |l| l.contains("DEVLEND-WAITED path=/dev/vda"),

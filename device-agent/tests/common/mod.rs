@@ -48,6 +48,7 @@ impl Fixture {
                     path,
                     read_only: ro,
                     serial: None,
+                    traits: Vec::new(),
                 }
             })
             .collect();

@@ -1,0 +1,89 @@
+//! `devlend attach --class ...`: ask the pool for a device that matches, lease it, and
+//! hand the lease to the compute agent.
+
+use anyhow::{Context, Result};
+use devlend_compute_agent::api::LeaseRef;
+use devlend_pool::api::{LeaseGrant, LeaseRequest};
+use devlend_pool::client::PoolClient;
+
+/// What the borrower asks the pool for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wanted {
+    /// Resource class, e.g. `BLOCK`.
+    pub class: String,
+    /// Smallest capacity accepted, in bytes.
+    pub min_capacity_bytes: u64,
+    /// Traits the device must all have.
+    pub traits: Vec<String>,
+    /// Prefer devices with trait `NUMA_<n>`.
+    pub numa_node: Option<u32>,
+    /// The consumer (the VM's name or id).
+    pub vm: String,
+    /// Lease time to live in milliseconds; the compute agent renews it every third.
+    pub ttl_ms: u64,
+}
+
+/// A lease granted for an attach, to release if the attach fails.
+#[derive(Debug)]
+pub struct Claimed {
+    client: PoolClient,
+    /// The grant: the lease and its token.
+    pub grant: LeaseGrant,
+    /// The reference the compute agent gets.
+    pub lease: LeaseRef,
+}
+
+/// This machine's host name, the lease's compute host.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Places and leases a device at the pool at `pool_url`.
+///
+/// # Errors
+/// The pool is unreachable, or nothing matches: the message is the pool's reason (no
+/// device of that class, all leased, none with those traits, ...).
+pub fn claim(pool_url: &str, w: &Wanted) -> Result<Claimed> {
+    let client = PoolClient::new(pool_url)?;
+    let grant = client
+        .create_lease(&LeaseRequest {
+            consumer: w.vm.clone(),
+            compute_host: host_name(),
+            ttl_ms: Some(w.ttl_ms),
+            class: Some(w.class.clone()),
+            min_capacity_bytes: Some(w.min_capacity_bytes),
+            traits: w.traits.clone(),
+            numa_node: w.numa_node,
+            device_id: None,
+            generation: None,
+        })
+        .with_context(|| format!("no lease from the pool at {pool_url}"))?;
+    let lease = LeaseRef {
+        pool: pool_url.to_owned(),
+        id: grant.lease.id,
+        token: grant.token.clone(),
+    };
+    Ok(Claimed {
+        client,
+        grant,
+        lease,
+    })
+}
+
+impl Claimed {
+    /// Gives the lease back (the attach failed).
+    pub fn release(self) {
+        let id = self.grant.lease.id;
+        let r = self
+            .client
+            .lease(id)
+            .and_then(|l| self.client.release_lease(id, l.generation));
+        if let Err(e) = r {
+            eprintln!("devlend: could not release lease {id} ({e}); it lapses at its expiry");
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! Keeping a pool lease while its attachment lives: bind it when the attachment is up,
+//! renew it (lease heartbeat) every third of its time to live, release it at detach.
+//!
+//! A renewal that fails because the pool is unreachable is retried at the next tick;
+//! the lease then lapses at its expiry unless a later renewal gets through, and the
+//! lender ends the attachment's sessions. A renewal answered `lease_ended` stops the
+//! renewals and is logged as an error: the attachment has lost its device.
+
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use devlend_fabric::lease_token::LeaseToken;
+use devlend_pool::api::{Lease, LeaseState};
+use devlend_pool::client::{ClientError, PoolClient};
+use uuid::Uuid;
+
+use crate::api::LeaseRef;
+
+/// Shortest renewal period.
+const MIN_RENEW: Duration = Duration::from_millis(200);
+
+/// Why a lease cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// The lease reference is malformed.
+    #[error("bad lease: {0}")]
+    Bad(String),
+    /// The lease is no longer live.
+    #[error("lease {id} is {state}; ask the pool for a new one")]
+    Ended {
+        /// Lease id.
+        id: Uuid,
+        /// Its state.
+        state: &'static str,
+    },
+    /// The pool refused or could not be reached.
+    #[error("device pool")]
+    Pool(#[source] ClientError),
+}
+
+/// A lease checked with the pool, ready for its attachment to start.
+#[derive(Debug)]
+pub struct CheckedLease {
+    client: PoolClient,
+    lease: Lease,
+    /// The token in binary form, for the hello.
+    pub token: Vec<u8>,
+}
+
+impl CheckedLease {
+    /// Reads the lease from its pool and checks that it is live.
+    ///
+    /// # Errors
+    /// [`LeaseError::Bad`] for a bad URL, id or token; [`LeaseError::Ended`];
+    /// [`LeaseError::Pool`].
+    pub fn check(r: &LeaseRef) -> Result<CheckedLease, LeaseError> {
+        let client = PoolClient::new(&r.pool).map_err(|e| LeaseError::Bad(e.to_string()))?;
+        let token = LeaseToken::from_text(&r.token)
+            .map_err(|e| LeaseError::Bad(e.to_string()))?
+            .as_bytes()
+            .to_vec();
+        let lease = client.lease(r.id).map_err(LeaseError::Pool)?;
+        if !lease.state.is_live() {
+            return Err(LeaseError::Ended {
+                id: r.id,
+                state: lease.state.as_str(),
+            });
+        }
+        Ok(CheckedLease {
+            client,
+            lease,
+            token,
+        })
+    }
+
+    /// The lease id: the borrower identity in every hello.
+    pub fn borrower(&self) -> [u8; 16] {
+        *self.lease.id.as_bytes()
+    }
+
+    /// The device name on the lender.
+    pub fn device(&self) -> &str {
+        &self.lease.device
+    }
+
+    /// The lender's fabric address.
+    pub fn lender(&self) -> &str {
+        &self.lease.fabric_address
+    }
+
+    /// Binds the lease (claimed → bound) and renews it on a new thread until
+    /// [`LeaseKeeper::release`].
+    ///
+    /// # Errors
+    /// [`LeaseError::Pool`] when the bind is refused (e.g. a stale generation).
+    pub fn bind_and_keep(self, attachment: &str) -> Result<LeaseKeeper, LeaseError> {
+        let lease = if self.lease.state == LeaseState::Claimed {
+            self.client
+                .bind_lease(self.lease.id, self.lease.generation)
+                .map_err(LeaseError::Pool)?
+        } else {
+            self.lease
+        };
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let period = Duration::from_millis(lease.ttl_ms / 3).max(MIN_RENEW);
+        let thread = {
+            let (client, stop, id, name) = (
+                self.client.clone(),
+                Arc::clone(&stop),
+                lease.id,
+                attachment.to_owned(),
+            );
+            std::thread::Builder::new()
+                .name(format!("lease-{attachment}"))
+                .spawn(move || renew(&client, id, period, &stop, &name))
+                .map_err(|e| LeaseError::Bad(format!("cannot start the renewal thread: {e}")))?
+        };
+        tracing::info!(attachment, lease = %lease.id, expires_at_ms = lease.expires_at_ms, "lease bound");
+        Ok(LeaseKeeper {
+            client: self.client,
+            id: lease.id,
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+fn renew(
+    client: &PoolClient,
+    id: Uuid,
+    period: Duration,
+    stop: &(Mutex<bool>, Condvar),
+    name: &str,
+) {
+    let (m, cv) = stop;
+    let mut failing = false;
+    loop {
+        {
+            let mut stopped = m.lock().unwrap_or_else(PoisonError::into_inner);
+            let deadline = std::time::Instant::now() + period;
+            while !*stopped {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                stopped = cv
+                    .wait_timeout(stopped, left)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+            if *stopped {
+                return;
+            }
+        }
+        match client.lease_heartbeat(id) {
+            Ok(_) => {
+                if failing {
+                    tracing::info!(attachment = name, lease = %id, "lease renewed again");
+                    failing = false;
+                }
+            }
+            Err(e) if e.code() == Some("lease_ended") => {
+                tracing::error!(attachment = name, lease = %id, "the lease has ended: the lender will refuse this attachment's sessions");
+                return;
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(attachment = name, lease = %id, error = %e, "cannot renew the lease; retrying");
+                    failing = true;
+                }
+            }
+        }
+    }
+}
+
+/// A lease renewed on a thread while its attachment lives.
+#[derive(Debug)]
+pub struct LeaseKeeper {
+    client: PoolClient,
+    id: Uuid,
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl LeaseKeeper {
+    /// The lease id.
+    pub fn id(&self) -> Uuid {
+        self.id
+    }
+
+    fn stop_renewing(&mut self) {
+        let (m, cv) = &*self.stop;
+        *m.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// Stops renewing and releases the lease at the pool (the device becomes free). A
+    /// lease that already ended is left as is; a pool that cannot be reached lets the
+    /// lease lapse at its expiry (logged).
+    pub fn release(mut self) {
+        self.stop_renewing();
+        let result = self
+            .client
+            .lease(self.id)
+            .and_then(|l| match l.state.is_live() {
+                true => self.client.release_lease(self.id, l.generation).map(|_| ()),
+                false => Ok(()),
+            });
+        match result {
+            Ok(()) => tracing::info!(lease = %self.id, "lease released"),
+            Err(e) => {
+                tracing::warn!(lease = %self.id, error = %e, "cannot release the lease; it lapses at its expiry")
+            }
+        }
+    }
+}
+
+impl Drop for LeaseKeeper {
+    fn drop(&mut self) {
+        self.stop_renewing();
+    }
+}

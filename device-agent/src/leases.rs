@@ -1,0 +1,243 @@
+//! Lease enforcement: which sessions a lender attached to a pool may serve.
+//!
+//! A borrower opens a session with the pool's lease token in its hello
+//! ([`devlend_fabric::lease_token`]). [`LeaseGuard::admit`] checks the signature against
+//! the pool's public key, that the token names this lender (provider) and the device
+//! asked for, that the hello's borrower identity is the lease id, and that the lease has
+//! not ended. The guard then tracks the lease: the pool's heartbeat answers
+//! ([`LeaseGuard::update_from_pool`]) carry renewed expiries, and a lease the pool no
+//! longer lists has been released or has expired. [`LeaseGuard::is_live`] is what the
+//! lender's sweeper asks, every [`SWEEP_INTERVAL`], of each open session's lease; the
+//! sessions of an ended lease stop reading requests, answer those in flight, and close.
+//!
+//! Without word from the pool (unreachable), a lease lives until the last expiry known:
+//! the token's, or the last heartbeat answer's. The lender fails closed.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use devlend_fabric::lease_token::{LeaseToken, PublicKey};
+use devlend_fabric::Hello;
+
+/// How often the lender checks the leases of its open sessions.
+pub const SWEEP_INTERVAL: Duration = Duration::from_millis(250);
+
+/// How long an ended lease is remembered, so that its token stays refused.
+const FORGET_AFTER_MS: u64 = 24 * 3600 * 1000;
+
+/// A lease's expiry as the pool reports it in a heartbeat answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolLease {
+    /// The lease id (a UUID's 16 bytes).
+    pub id: [u8; 16],
+    /// Device name on this lender.
+    pub device: String,
+    /// Expiry in milliseconds since the Unix epoch.
+    pub expires_at_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Tracked {
+    device: String,
+    expires_at_ms: u64,
+    /// The pool has listed it in a heartbeat answer at least once.
+    seen_by_pool: bool,
+    /// Released, or gone from the pool's answers: refused for good.
+    ended: bool,
+}
+
+/// The lease checks of one lender.
+#[derive(Debug)]
+pub struct LeaseGuard {
+    key: PublicKey,
+    provider: String,
+    leases: Mutex<HashMap<[u8; 16], Tracked>>,
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl LeaseGuard {
+    /// A guard that accepts tokens signed by `key` for the provider named `provider`.
+    pub fn new(key: PublicKey, provider: &str) -> Self {
+        LeaseGuard {
+            key,
+            provider: provider.to_owned(),
+            leases: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The provider name tokens must carry.
+    pub fn provider(&self) -> &str {
+        &self.provider
+    }
+
+    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 16], Tracked>> {
+        self.leases
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Checks the token of `hello` at `now_ms`. Returns the lease id, or the reason for
+    /// refusal (sent to the borrower with status `Denied`).
+    pub fn admit(&self, hello: &Hello, now_ms: u64) -> Result<[u8; 16], String> {
+        if hello.token.is_empty() {
+            return Err(
+                "this lender serves leased devices only: the hello carries no lease token".into(),
+            );
+        }
+        let claims = self
+            .key
+            .verify(&LeaseToken::from_bytes(hello.token.clone()))
+            .map_err(|e| format!("lease token refused: {e}"))?;
+        if claims.provider != self.provider {
+            return Err(format!(
+                "lease token is for provider {:?}, this lender is {:?}",
+                claims.provider, self.provider
+            ));
+        }
+        if claims.device != hello.device {
+            return Err(format!(
+                "lease token is for device {:?}, not {:?}",
+                claims.device, hello.device
+            ));
+        }
+        if claims.lease_id != hello.borrower {
+            return Err("the hello's borrower identity is not the token's lease id".into());
+        }
+        let mut leases = self.leases();
+        let t = leases.entry(claims.lease_id).or_insert_with(|| Tracked {
+            device: claims.device.clone(),
+            expires_at_ms: claims.expires_at_ms,
+            seen_by_pool: false,
+            ended: false,
+        });
+        if t.ended {
+            return Err("the lease has ended (released or expired)".into());
+        }
+        if t.expires_at_ms <= now_ms {
+            return Err(format!(
+                "the lease expired {} ms ago",
+                now_ms - t.expires_at_ms
+            ));
+        }
+        Ok(claims.lease_id)
+    }
+
+    /// Whether the lease may still be served at `now_ms`.
+    pub fn is_live(&self, lease: &[u8; 16], now_ms: u64) -> bool {
+        self.leases()
+            .get(lease)
+            .is_some_and(|t| !t.ended && t.expires_at_ms > now_ms)
+    }
+
+    /// Applies the pool's list of this lender's live leases (a heartbeat answer): their
+    /// expiries are renewed, and a lease the pool listed before but lists no more has
+    /// ended. A lease not yet listed keeps its token's expiry.
+    pub fn update_from_pool(&self, live: &[PoolLease], now_ms: u64) {
+        let mut leases = self.leases();
+        for l in live {
+            let t = leases.entry(l.id).or_insert_with(|| Tracked {
+                device: l.device.clone(),
+                expires_at_ms: l.expires_at_ms,
+                seen_by_pool: true,
+                ended: false,
+            });
+            if !t.ended {
+                t.expires_at_ms = l.expires_at_ms;
+                t.seen_by_pool = true;
+            }
+        }
+        for (id, t) in leases.iter_mut() {
+            if t.seen_by_pool && !t.ended && !live.iter().any(|l| l.id == *id) {
+                tracing::info!(lease = %hex(id), device = %t.device, "lease ended at the pool");
+                t.ended = true;
+            }
+        }
+        leases.retain(|_, t| t.expires_at_ms.saturating_add(FORGET_AFTER_MS) > now_ms);
+    }
+}
+
+/// Lower-case hex of a lease id.
+pub fn hex(id: &[u8; 16]) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use devlend_fabric::lease_token::{LeaseClaims, TokenSigner};
+
+    fn hello(signer: &TokenSigner, provider: &str, device: &str, expires: u64) -> Hello {
+        let claims = LeaseClaims {
+            lease_id: [9; 16],
+            expires_at_ms: expires,
+            provider: provider.into(),
+            device: device.into(),
+            consumer: "vm".into(),
+        };
+        let mut h = Hello::new(device, 0);
+        h.borrower = [9; 16];
+        h.token = signer.sign(&claims).unwrap().as_bytes().to_vec();
+        h
+    }
+
+    #[test]
+    fn admits_only_a_matching_unexpired_lease() {
+        let signer = TokenSigner::from_seed([1; 32]);
+        let g = LeaseGuard::new(signer.public_key(), "lender-a");
+        assert!(g
+            .admit(&hello(&signer, "lender-a", "d0", 2000), 1000)
+            .is_ok());
+        assert!(g.is_live(&[9; 16], 1999));
+        assert!(!g.is_live(&[9; 16], 2000));
+        let g = LeaseGuard::new(signer.public_key(), "lender-a");
+        assert!(g
+            .admit(&hello(&signer, "lender-b", "d0", 2000), 1000)
+            .is_err());
+        assert!(g
+            .admit(&hello(&signer, "lender-a", "d0", 900), 1000)
+            .is_err());
+        let mut h = hello(&signer, "lender-a", "d0", 2000);
+        h.device = "d1".into();
+        assert!(g.admit(&h, 1000).is_err());
+        let mut h = hello(&signer, "lender-a", "d0", 2000);
+        h.borrower = [8; 16];
+        assert!(g.admit(&h, 1000).is_err());
+        let mut h = hello(&signer, "lender-a", "d0", 2000);
+        h.token.clear();
+        assert!(g.admit(&h, 1000).is_err());
+        let other = TokenSigner::from_seed([2; 32]);
+        assert!(g
+            .admit(&hello(&other, "lender-a", "d0", 2000), 1000)
+            .is_err());
+    }
+
+    #[test]
+    fn pool_answers_renew_and_end_leases() {
+        let signer = TokenSigner::from_seed([1; 32]);
+        let g = LeaseGuard::new(signer.public_key(), "p");
+        let h = hello(&signer, "p", "d0", 2000);
+        g.admit(&h, 1000).unwrap();
+        // Not yet listed by the pool: the token's expiry holds.
+        g.update_from_pool(&[], 1100);
+        assert!(g.is_live(&[9; 16], 1500));
+        let renewed = PoolLease {
+            id: [9; 16],
+            device: "d0".into(),
+            expires_at_ms: 5000,
+        };
+        g.update_from_pool(std::slice::from_ref(&renewed), 1200);
+        assert!(g.is_live(&[9; 16], 4000));
+        // Listed before, gone now: released.
+        g.update_from_pool(&[], 1300);
+        assert!(!g.is_live(&[9; 16], 1300));
+        assert!(g.admit(&h, 1300).unwrap_err().contains("ended"));
+    }
+}

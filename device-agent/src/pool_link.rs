@@ -1,0 +1,267 @@
+//! The lender's side of the device pool: fetch the pool's signing key at start,
+//! register this lender (a resource provider) and its devices, heartbeat, and feed the
+//! [`LeaseGuard`] the pool's list of live leases.
+//!
+//! A heartbeat answered `404 unknown_provider` (the pool lost or dropped the
+//! registration) registers again. An unreachable pool is retried every interval and
+//! logged at most every 30 s; meanwhile the lender keeps serving the leases it knows,
+//! until their last known expiry.
+
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use devlend_fabric::lease_token::PublicKey;
+use devlend_pool::api::{DeviceSpec as PoolDevice, RegisterProvider};
+use devlend_pool::client::{ClientError, PoolClient};
+
+use crate::config::PoolConfig;
+use crate::leases::{self, LeaseGuard, PoolLease};
+use crate::{Error, InventoryView};
+
+/// How long the lender waits for the pool's key at start before giving up.
+pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
+
+/// Heartbeats a provider may miss before the pool marks it unavailable.
+const MISSED_HEARTBEATS: u64 = 3;
+
+/// How often a failing pool is logged.
+const LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// A pool, reached and its key known: the lender's next step is [`PoolLink::start`].
+#[derive(Debug)]
+pub struct PoolSession {
+    client: PoolClient,
+    config: PoolConfig,
+    provider: String,
+    advertise: String,
+    guard: Arc<LeaseGuard>,
+}
+
+impl PoolSession {
+    /// Fetches the pool's public key, retrying for up to `wait` while the pool is
+    /// unreachable, and checks it against the pinned key if one is configured.
+    ///
+    /// # Errors
+    /// [`Error::Pool`] for a bad URL, a pool that stays unreachable, a malformed key, or
+    /// a key that differs from the pinned one; [`Error::BadPool`] when the provider or
+    /// advertise address is missing.
+    pub fn connect(config: &PoolConfig, wait: Duration) -> Result<PoolSession, Error> {
+        let err = |reason: String| Error::Pool {
+            url: config.url.clone(),
+            reason,
+        };
+        let provider = config
+            .provider
+            .clone()
+            .ok_or_else(|| Error::BadPool("no provider name".into()))?;
+        let advertise = config
+            .advertise
+            .clone()
+            .ok_or_else(|| Error::BadPool("no advertise address".into()))?;
+        let client = PoolClient::new(&config.url).map_err(|e| err(e.to_string()))?;
+        let deadline = Instant::now() + wait;
+        let mut logged = false;
+        let key = loop {
+            match client.signing_key() {
+                Ok(k) => break k,
+                Err(ClientError::Transport { .. }) if Instant::now() < deadline => {
+                    if !logged {
+                        tracing::info!(url = %config.url, "waiting for the device pool");
+                        logged = true;
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                Err(e) => return Err(err(format!("cannot fetch its signing key: {}", chain(&e)))),
+            }
+        };
+        if key.algorithm != "ed25519" {
+            return Err(err(format!(
+                "unsupported signing algorithm {:?}",
+                key.algorithm
+            )));
+        }
+        let public = PublicKey::from_text(&key.public_key).map_err(|e| err(e.to_string()))?;
+        if let Some(pinned) = &config.public_key {
+            let pinned = PublicKey::from_text(pinned)
+                .map_err(|e| Error::BadPool(format!("public_key: {e}")))?;
+            if pinned != public {
+                return Err(err(format!(
+                    "its signing key {} is not the pinned key {}",
+                    public.to_text(),
+                    pinned.to_text()
+                )));
+            }
+        }
+        tracing::info!(url = %config.url, provider = %provider, key = %public.to_text(), "device pool reached; serving leased devices only");
+        Ok(PoolSession {
+            client,
+            config: config.clone(),
+            guard: Arc::new(LeaseGuard::new(public, &provider)),
+            provider,
+            advertise,
+        })
+    }
+
+    /// The lease checks to give the lender ([`crate::Lender::require_leases`]).
+    pub fn guard(&self) -> Arc<LeaseGuard> {
+        Arc::clone(&self.guard)
+    }
+}
+
+#[derive(Default)]
+struct Control {
+    stop: bool,
+    reregister: bool,
+}
+
+/// The registration and heartbeat thread.
+pub struct PoolLink {
+    control: Arc<(Mutex<Control>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PoolLink {
+    /// Registers the lender's devices and heartbeats every interval on a new thread.
+    ///
+    /// # Errors
+    /// [`Error::Thread`] when the thread cannot start.
+    pub fn start(session: PoolSession, inventory: InventoryView) -> Result<PoolLink, Error> {
+        let control = Arc::new((Mutex::new(Control::default()), Condvar::new()));
+        let c = Arc::clone(&control);
+        let thread = std::thread::Builder::new()
+            .name("dl-pool".into())
+            .spawn(move || run(&session, &inventory, &c))
+            .map_err(Error::Thread)?;
+        Ok(PoolLink {
+            control,
+            thread: Some(thread),
+        })
+    }
+
+    /// Registers again now (after the device list changed).
+    pub fn reregister(&self) {
+        let (m, cv) = &*self.control;
+        m.lock().unwrap_or_else(PoisonError::into_inner).reregister = true;
+        cv.notify_all();
+    }
+
+    /// Stops heartbeating (the pool marks the lender unavailable after its TTL).
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        let (m, cv) = &*self.control;
+        m.lock().unwrap_or_else(PoisonError::into_inner).stop = true;
+        cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for PoolLink {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn registration(s: &PoolSession, inventory: &InventoryView) -> RegisterProvider {
+    RegisterProvider {
+        fabric_address: s.advertise.clone(),
+        transports: vec!["tcp".into()],
+        heartbeat_ttl_ms: s.config.heartbeat_interval_ms * MISSED_HEARTBEATS,
+        devices: inventory
+            .devices()
+            .into_iter()
+            .map(|d| PoolDevice {
+                name: d.name,
+                resource_class: "BLOCK".into(),
+                capacity_bytes: d.capacity_bytes,
+                traits: d.traits,
+            })
+            .collect(),
+    }
+}
+
+fn run(s: &PoolSession, inventory: &InventoryView, control: &(Mutex<Control>, Condvar)) {
+    let interval = Duration::from_millis(s.config.heartbeat_interval_ms);
+    let mut registered = false;
+    let mut last_log: Option<Instant> = None;
+    let mut failing = false;
+    loop {
+        let result = if registered {
+            s.client.provider_heartbeat(&s.provider).map(|hb| {
+                let live: Vec<PoolLease> = hb
+                    .leases
+                    .iter()
+                    .map(|l| PoolLease {
+                        id: *l.id.as_bytes(),
+                        device: l.device.clone(),
+                        expires_at_ms: l.expires_at_ms,
+                    })
+                    .collect();
+                s.guard.update_from_pool(&live, leases::now_ms());
+            })
+        } else {
+            s.client
+                .register_provider(&s.provider, &registration(s, inventory))
+                .map(|p| {
+                    tracing::info!(provider = %s.provider, devices = p.devices.len(), generation = p.generation, "registered with the device pool");
+                    registered = true;
+                })
+        };
+        match result {
+            Ok(()) => {
+                if failing {
+                    tracing::info!(provider = %s.provider, "device pool reachable again");
+                    failing = false;
+                }
+            }
+            Err(e) if e.code() == Some("unknown_provider") => {
+                tracing::info!(provider = %s.provider, "the pool does not know this lender; registering again");
+                registered = false;
+                continue;
+            }
+            Err(e) => {
+                failing = true;
+                if last_log.is_none_or(|t| t.elapsed() >= LOG_EVERY) {
+                    tracing::warn!(provider = %s.provider, error = %chain(&e), "device pool request failed; retrying every heartbeat");
+                    last_log = Some(Instant::now());
+                }
+            }
+        }
+        let (m, cv) = control;
+        let mut c = m.lock().unwrap_or_else(PoisonError::into_inner);
+        let deadline = Instant::now() + interval;
+        while !c.stop && !c.reregister {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            c = cv
+                .wait_timeout(c, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        if c.stop {
+            return;
+        }
+        if c.reregister {
+            c.reregister = false;
+            registered = false;
+        }
+    }
+}

@@ -1,0 +1,408 @@
+//! Leases enforced for real: a device pool (`devlend pool serve`, SQLite), a lender
+//! registered with it, a borrower, the CLI and the `blkio` frontend, all real processes
+//! on loopback. The pool's own API behaviour (races, generations, bad input, PostgreSQL)
+//! is tested in `pool/tests`.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use devlend_cli::blk_client::{BlkClient, BlkOp};
+use devlend_fabric::lease_token::{LeaseToken, TokenSigner};
+use devlend_fabric::tcp::{connect_as, ConnectError};
+use devlend_fabric::{Hello, HelloStatus};
+use devlend_pool::api::{
+    DeviceQuery, DeviceState, LeaseFilter, LeaseGrant, LeaseRequest, LeaseState,
+};
+use devlend_pool::client::PoolClient;
+use devlend_tests::agents::{free_port, sparse_file, Borrower, Lender, Pool};
+
+const MIB: u64 = 1 << 20;
+const HEARTBEAT_MS: u64 = 500;
+const PROVIDER: &str = "lender-a";
+
+struct Rig {
+    dir: tempfile::TempDir,
+    pool: Pool,
+    client: PoolClient,
+    lender: Lender,
+}
+
+/// A pool and a lender registered with it, lending disk0 (64 MiB, NUMA_0) and disk1
+/// (16 MiB).
+fn rig() -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Pool::start(dir.path()).unwrap();
+    let client = PoolClient::new(&pool.url).unwrap();
+    for (name, size) in [("disk0", 64 * MIB), ("disk1", 16 * MIB)] {
+        sparse_file(&dir.path().join(format!("{name}.img")), size).unwrap();
+    }
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let config = dir.path().join("device-agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"listen = "{addr}"
+[pool]
+url = "{url}"
+provider = "{PROVIDER}"
+heartbeat_interval_ms = {HEARTBEAT_MS}
+
+[[device]]
+name = "disk0"
+path = "{d}/disk0.img"
+traits = ["NUMA_0"]
+
+[[device]]
+name = "disk1"
+path = "{d}/disk1.img"
+"#,
+            url = pool.url,
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    let lender = Lender::start_with(
+        dir.path(),
+        &addr,
+        &[],
+        &["--config".into(), config.display().to_string()],
+    )
+    .unwrap();
+    let r = Rig {
+        dir,
+        pool,
+        client,
+        lender,
+    };
+    r.wait_for("both devices registered and available", |c| {
+        let d = c.devices(&DeviceQuery::default()).unwrap_or_default();
+        d.len() == 2 && d.iter().all(|d| d.state == DeviceState::Available)
+    });
+    r
+}
+
+impl Rig {
+    fn wait_for(&self, what: &str, mut f: impl FnMut(&PoolClient) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !f(&self.client) {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for: {what}\npool log:\n{}\nlender log:\n{}",
+                self.pool.proc.log(),
+                self.lender.proc.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn device_id(&self, name: &str) -> (uuid::Uuid, u64) {
+        let d = self
+            .client
+            .devices(&DeviceQuery::default())
+            .unwrap()
+            .into_iter()
+            .find(|d| d.name == name)
+            .unwrap();
+        (d.id, d.generation)
+    }
+
+    /// Leases `name` directly (not through a borrower), with `ttl_ms`.
+    fn lease(&self, name: &str, ttl_ms: u64) -> LeaseGrant {
+        let (id, generation) = self.device_id(name);
+        self.client
+            .create_lease(&LeaseRequest {
+                consumer: "vm-test".into(),
+                compute_host: "test".into(),
+                ttl_ms: Some(ttl_ms),
+                device_id: Some(id),
+                generation: Some(generation),
+                ..LeaseRequest::default()
+            })
+            .unwrap()
+    }
+
+    fn sock(&self, name: &str) -> PathBuf {
+        self.dir.path().join(format!("{name}.sock"))
+    }
+}
+
+/// Opens a session on `device` with `token` as `borrower`; the lender's status.
+fn hello(
+    addr: &str,
+    device: &str,
+    borrower: [u8; 16],
+    token: Vec<u8>,
+) -> Result<std::net::TcpStream, (HelloStatus, String)> {
+    let mut h = Hello::new(device, 0);
+    h.borrower = borrower;
+    h.token = token;
+    match connect_as(addr, &h, Duration::from_secs(5)) {
+        Ok((s, _)) => Ok(s),
+        Err(ConnectError::Refused {
+            status, message, ..
+        }) => Err((status, message)),
+        Err(e) => panic!("connect failed: {e}"),
+    }
+}
+
+fn token_bytes(g: &LeaseGrant) -> Vec<u8> {
+    LeaseToken::from_text(&g.token).unwrap().as_bytes().to_vec()
+}
+
+fn write_read(c: &mut BlkClient, seed: u8) -> Vec<i32> {
+    for (i, b) in c.buffer()[..65536].iter_mut().enumerate() {
+        *b = seed.wrapping_add((i % 251) as u8);
+    }
+    let mut r = c
+        .run(
+            0,
+            &[BlkOp::Write {
+                offset: 4096,
+                buf: 0,
+                len: 65536,
+            }],
+        )
+        .unwrap();
+    r.extend(
+        c.run(
+            0,
+            &[BlkOp::Read {
+                offset: 4096,
+                buf: 65536,
+                len: 65536,
+            }],
+        )
+        .unwrap(),
+    );
+    if r.iter().all(|&x| x == 0) {
+        let b = c.buffer();
+        assert_eq!(b[..65536], b[65536..131072], "read back differs");
+    }
+    r
+}
+
+fn attach_by_class(b: &Borrower, r: &Rig, sock: &Path, extra: &[&str]) -> std::process::Output {
+    let s = sock.display().to_string();
+    let mut args = vec![
+        "attach",
+        "--pool",
+        &r.pool.url,
+        "--class",
+        "BLOCK",
+        "--vm",
+        "vm-1",
+        "--socket",
+        &s,
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    b.cli(&args).unwrap()
+}
+
+#[test]
+fn placement_leases_attaches_serves_io_and_detach_releases() {
+    let r = rig();
+    let b = Borrower::start(r.dir.path()).unwrap();
+    let sock = r.sock("a");
+    // Only disk0 has 32 MiB: placement must pick it.
+    let out = attach_by_class(&b, &r, &sock, &["--min-capacity", "32M"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let a: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(a["device"], "disk0");
+    let lease_id = a["lease"]
+        .as_str()
+        .expect("attachment reports its lease")
+        .to_owned();
+    let leases = r.client.leases(LeaseFilter::Active).unwrap();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(leases[0].id.to_string(), lease_id);
+    assert_eq!(leases[0].state, LeaseState::Bound);
+    assert_eq!(leases[0].consumer, "vm-1");
+
+    let mut c = BlkClient::connect(&sock, 1, 4 * MIB as usize).unwrap();
+    assert_eq!(c.capacity(), 64 * MIB);
+    assert_eq!(write_read(&mut c, 7), vec![0, 0]);
+
+    // disk0 is leased, disk1 is too small, nothing has RDMA: each says why.
+    let out = attach_by_class(&b, &r, &r.sock("b"), &["--min-capacity", "32M"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("leased"), "{err}");
+    let out = attach_by_class(&b, &r, &r.sock("b"), &["--trait", "FABRIC_RDMA"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("FABRIC_RDMA"), "{err}");
+    assert!(!r.sock("b").exists());
+
+    // The lease stays alive past its TTL while attached: the compute agent renews it.
+    let out = attach_by_class(&b, &r, &r.sock("c"), &["--lease-ttl", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let c2: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(c2["device"], "disk1");
+    std::thread::sleep(Duration::from_secs(4));
+    let mut cl = BlkClient::connect(&r.sock("c"), 1, 4 * MIB as usize).unwrap();
+    assert_eq!(write_read(&mut cl, 9), vec![0, 0]);
+    assert_eq!(r.client.leases(LeaseFilter::Active).unwrap().len(), 2);
+    drop(cl);
+
+    drop(c);
+    let d = b
+        .cli_json(&["detach", &sock.display().to_string()])
+        .unwrap();
+    assert_eq!(d["lease"].as_str(), Some(lease_id.as_str()));
+    let l = r.client.lease(lease_id.parse().unwrap()).unwrap();
+    assert_eq!(l.state, LeaseState::Released);
+    let (id, _) = r.device_id("disk0");
+    let dev = r
+        .client
+        .devices(&DeviceQuery::default())
+        .unwrap()
+        .into_iter()
+        .find(|d| d.id == id)
+        .unwrap();
+    assert_eq!(dev.state, DeviceState::Available);
+}
+
+#[test]
+fn the_lender_admits_only_the_right_token() {
+    let r = rig();
+    let addr = &r.lender.addr;
+    let g = r.lease("disk0", 60_000);
+    let id = *g.lease.id.as_bytes();
+    let token = token_bytes(&g);
+
+    let denied = |res: Result<std::net::TcpStream, (HelloStatus, String)>, what: &str| match res {
+        Err((HelloStatus::Denied, msg)) => msg,
+        Err(other) => panic!("{what}: refused with {other:?}, expected Denied"),
+        Ok(_) => panic!("{what}: session opened"),
+    };
+    // No token at all (direct-mode hello).
+    let m = denied(hello(addr, "disk0", id, Vec::new()), "no token");
+    assert!(m.contains("no lease token"), "{m}");
+    // The token of disk0 does not open disk1.
+    let m = denied(hello(addr, "disk1", id, token.clone()), "other device");
+    assert!(m.contains("disk0"), "{m}");
+    // Someone else presenting the token under another identity.
+    denied(
+        hello(addr, "disk0", [0x42; 16], token.clone()),
+        "other borrower",
+    );
+    // An altered token: the lease id inside flipped, or the expiry pushed out.
+    for i in [1, 17, 25] {
+        let mut t = token.clone();
+        t[i] ^= 0x80;
+        let m = denied(hello(addr, "disk0", id, t), "altered token");
+        assert!(m.contains("signature") || m.contains("malformed"), "{m}");
+    }
+    // A token signed by another key, with claims that would otherwise pass.
+    let forged = TokenSigner::generate()
+        .unwrap()
+        .sign(&devlend_fabric::lease_token::LeaseClaims {
+            lease_id: id,
+            expires_at_ms: u64::MAX / 2,
+            provider: PROVIDER.into(),
+            device: "disk0".into(),
+            consumer: "vm-test".into(),
+        })
+        .unwrap();
+    let m = denied(
+        hello(addr, "disk0", id, forged.as_bytes().to_vec()),
+        "forged token",
+    );
+    assert!(m.contains("signature"), "{m}");
+    // The right token opens the session.
+    hello(addr, "disk0", id, token).expect("valid token refused");
+    assert!(r.lender.proc.log().contains("lease check failed"));
+}
+
+#[test]
+fn an_ended_lease_ends_its_sessions() {
+    let r = rig();
+    // 1. Expiry: a lease nobody renews.
+    let g = r.lease("disk1", 1500);
+    let id = *g.lease.id.as_bytes();
+    let mut s = hello(&r.lender.addr, "disk1", id, token_bytes(&g)).expect("session");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let t0 = Instant::now();
+    let mut b = [0u8; 1];
+    let n = s
+        .read(&mut b)
+        .expect("the lender closes the session, not a timeout");
+    assert_eq!(n, 0);
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    match hello(&r.lender.addr, "disk1", id, token_bytes(&g)) {
+        Err((HelloStatus::Denied, m)) => {
+            assert!(m.contains("expired") || m.contains("ended"), "{m}")
+        }
+        other => panic!("expired token: {:?}", other.map(|_| ())),
+    }
+
+    // 2. Release by the pool while a borrower uses the device: its I/O stops.
+    let bw = Borrower::start(r.dir.path()).unwrap();
+    let sock = r.sock("a");
+    let out = attach_by_class(&bw, &r, &sock, &["--min-capacity", "32M"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let a: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lease: uuid::Uuid = a["lease"].as_str().unwrap().parse().unwrap();
+    let mut c = BlkClient::connect(&sock, 1, 4 * MIB as usize).unwrap();
+    assert_eq!(write_read(&mut c, 3), vec![0, 0]);
+    let l = r.client.lease(lease).unwrap();
+    r.client.release_lease(lease, l.generation).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let res = write_read(&mut c, 4);
+        if res.iter().any(|&x| x != 0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "I/O still served 10 s after the lease was released\n{}",
+            r.lender.proc.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = r.lender.proc.log();
+    assert!(log.contains("lease ended"), "{log}");
+}
+
+#[test]
+fn a_lender_that_stops_heartbeating_drops_out_of_placement_and_returns() {
+    let r = rig();
+    let want = LeaseRequest {
+        consumer: "vm-2".into(),
+        compute_host: "test".into(),
+        class: Some("BLOCK".into()),
+        ..LeaseRequest::default()
+    };
+    r.lender.proc.signal(libc::SIGSTOP);
+    r.wait_for("devices unavailable", |c| {
+        c.devices(&DeviceQuery::default())
+            .unwrap_or_default()
+            .iter()
+            .all(|d| d.state == DeviceState::Unavailable)
+    });
+    let e = r.client.create_lease(&want).unwrap_err();
+    assert_eq!(e.code(), Some("providers_unavailable"), "{e}");
+    r.lender.proc.signal(libc::SIGCONT);
+    r.wait_for("devices back", |c| {
+        c.devices(&DeviceQuery::default())
+            .unwrap_or_default()
+            .iter()
+            .all(|d| d.state == DeviceState::Available)
+    });
+    let g = r.client.create_lease(&want).unwrap();
+    assert_eq!(g.lease.provider, PROVIDER);
+}
