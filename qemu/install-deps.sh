@@ -4,7 +4,8 @@
 #     <codename>-backports suite; the plain bookworm QEMU (7.2) is too old;
 #   - the tools qemu/build-guest.sh uses to build the guest kernel + initramfs
 #     (busybox-static, cpio, kmod, xz-utils, zstd) and the host tools the tests
-#     use (iproute2, e2fsprogs).
+#     use (iproute2, e2fsprogs);
+#   - PostgreSQL (postgresql): the pool's tests start a private server from it.
 #
 # Idempotent and non-interactive. When everything is present it only checks and
 # exits within a fraction of a second (CI and the test harness call it on every
@@ -18,7 +19,7 @@
 set -euo pipefail
 
 readonly MIN_MAJOR="${DEVLEND_QEMU_MIN_MAJOR:-10}"
-readonly BASE_PACKAGES=(busybox-static cpio kmod iproute2 e2fsprogs xz-utils zstd util-linux)
+readonly BASE_PACKAGES=(busybox-static cpio kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql)
 readonly QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 readonly LOCK_FILE=/run/lock/devlend-install-deps.lock
 

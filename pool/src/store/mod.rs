@@ -108,7 +108,20 @@ impl Store {
             ),
             ..Migrator::DEFAULT
         };
-        migrator.run(&pool).await?;
+        // PostgreSQL serializes concurrent migrators with an advisory lock; SQLite has
+        // none, so a pool starting beside another on the same file may find the schema
+        // created under it: it then runs again and sees the migration applied.
+        let mut tries = 0;
+        loop {
+            match migrator.run(&pool).await {
+                Ok(()) => break,
+                Err(_) if backend == Backend::Sqlite && tries < 3 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         Ok(Store { pool, backend })
     }
 
