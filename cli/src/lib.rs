@@ -6,7 +6,8 @@
 //! - [`output`]: what attach prints (QEMU arguments, libvirt XML) and status tables;
 //! - [`demo`]: the local end-to-end demo (the README's main job);
 //! - [`bench`]: `devlend bench`, block performance beside qemu-storage-daemon;
-//! - [`placement`]: `devlend attach --class ...`, a device leased from the pool.
+//! - [`placement`]: `devlend attach --class ...`, a device leased from the pool;
+//! - [`pool_cmd`]: `devlend pool serve|devices|leases|providers`.
 
 pub mod api_client;
 pub mod bench;
@@ -15,3 +16,4 @@ pub mod demo;
 pub mod output;
 pub mod pattern;
 pub mod placement;
+pub mod pool_cmd;

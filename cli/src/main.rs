@@ -139,6 +139,11 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The device pool: run it, list its devices, leases and providers.
+    Pool {
+        #[command(subcommand)]
+        cmd: devlend_cli::pool_cmd::PoolCmd,
+    },
     /// Measure block performance through a vhost-user-blk socket (libblkio frontend):
     /// IOPS, MB/s, completion latency, and the CPU time and peak RSS of the servers.
     /// With --peers, run devlend, qemu-storage-daemon locally and a qemu-storage-daemon
@@ -475,6 +480,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             print!("{}", out.table());
         }
+        Cmd::Pool { cmd } => devlend_cli::pool_cmd::run(cmd)?,
         Cmd::Demo {
             size,
             dir,

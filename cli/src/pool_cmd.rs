@@ -1,0 +1,343 @@
+//! `devlend pool ...`: run the device pool, and list its devices, leases and providers.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Subcommand;
+use devlend_pool::api::{Device, DeviceQuery, DeviceState, Lease, LeaseFilter, Provider};
+use devlend_pool::server::{DEFAULT_DATA_DIR, DEFAULT_LISTEN};
+use devlend_pool::{PoolClient, PoolServer, ServerConfig};
+
+use crate::bench::options::parse_size;
+use crate::output::human_bytes;
+
+/// Default pool URL when neither `--pool` nor `DEVLEND_POOL` is given.
+pub const DEFAULT_POOL_URL: &str = "http://127.0.0.1:7400";
+
+/// The `devlend pool` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum PoolCmd {
+    /// Run the device pool (REST API; SQLite in the data directory, or PostgreSQL).
+    Serve {
+        /// HTTP listen address.
+        #[arg(long, default_value = DEFAULT_LISTEN)]
+        listen: SocketAddr,
+        /// Database URL: sqlite:///PATH, sqlite::memory: or postgres://USER@HOST/DB
+        /// (default: SQLite in --data-dir).
+        #[arg(long)]
+        database: Option<String>,
+        /// Directory of the SQLite database (pool.db), created at first start.
+        #[arg(long, default_value = DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+    },
+    /// List devices: ID, provider, name, class, capacity, traits, state, lease.
+    Devices {
+        /// Pool URL.
+        #[arg(long, env = "DEVLEND_POOL", default_value = DEFAULT_POOL_URL)]
+        pool: String,
+        /// Only this resource class (BLOCK, NIC, PCI_<vendor>_<device>).
+        #[arg(long)]
+        class: Option<String>,
+        /// Only devices with this trait (repeatable: all of them).
+        #[arg(long = "trait", value_name = "TRAIT")]
+        traits: Vec<String>,
+        /// Only devices of at least this size (bytes, or with a K, M, G or T suffix).
+        #[arg(long, value_parser = parse_size)]
+        min_capacity: Option<u64>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List leases (the live ones; --all for every lease the pool remembers).
+    Leases {
+        /// Pool URL.
+        #[arg(long, env = "DEVLEND_POOL", default_value = DEFAULT_POOL_URL)]
+        pool: String,
+        /// Include released and expired leases.
+        #[arg(long)]
+        all: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List providers (device servers): address, transports, availability, devices.
+    Providers {
+        /// Pool URL.
+        #[arg(long, env = "DEVLEND_POOL", default_value = DEFAULT_POOL_URL)]
+        pool: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs a `devlend pool` subcommand.
+///
+/// # Errors
+/// The pool cannot be reached or refuses; `serve` cannot open its database or address.
+pub fn run(cmd: PoolCmd) -> Result<()> {
+    match cmd {
+        PoolCmd::Serve {
+            listen,
+            database,
+            data_dir,
+        } => {
+            let server = PoolServer::start(ServerConfig {
+                listen,
+                database,
+                data_dir,
+            })
+            .context("cannot start the pool")?;
+            eprintln!("devlend pool: serving on {}", server.url());
+            eprintln!(
+                "devlend pool: lease tokens signed with ed25519 key {}",
+                server.public_key().to_text()
+            );
+            server.wait_for_signal();
+            eprintln!("devlend pool: stopping");
+            server.stop();
+        }
+        PoolCmd::Devices {
+            pool,
+            class,
+            traits,
+            min_capacity,
+            json,
+        } => {
+            let devices = client(&pool)?.devices(&DeviceQuery {
+                class,
+                traits,
+                min_capacity,
+            })?;
+            if json {
+                return print_json(&devices);
+            }
+            print!("{}", devices_table(&devices));
+        }
+        PoolCmd::Leases { pool, all, json } => {
+            let filter = if all {
+                LeaseFilter::All
+            } else {
+                LeaseFilter::Active
+            };
+            let leases = client(&pool)?.leases(filter)?;
+            if json {
+                return print_json(&leases);
+            }
+            print!("{}", leases_table(&leases, now_ms()));
+        }
+        PoolCmd::Providers { pool, json } => {
+            let providers = client(&pool)?.providers()?;
+            if json {
+                return print_json(&providers);
+            }
+            print!("{}", providers_table(&providers, now_ms()));
+        }
+    }
+    Ok(())
+}
+
+fn client(url: &str) -> Result<PoolClient> {
+    PoolClient::new(url).with_context(|| format!("pool URL {url:?}"))
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The first 8 characters of a UUID, as people read them.
+fn short(id: &uuid::Uuid) -> String {
+    id.to_string()[..8].to_string()
+}
+
+/// Columns padded to their widest cell; the last column is not padded.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let n = cells.len();
+        let mut s = String::new();
+        for (i, (c, w)) in cells.into_iter().zip(&widths).enumerate() {
+            if i + 1 == n {
+                s.push_str(&c);
+            } else {
+                s.push_str(&format!("{c:<w$}  "));
+            }
+        }
+        s.trim_end().to_string() + "\n"
+    };
+    let mut out = line(header.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        out.push_str(&line(r.clone()));
+    }
+    out
+}
+
+fn state_name(s: DeviceState) -> &'static str {
+    match s {
+        DeviceState::Available => "available",
+        DeviceState::Leased => "leased",
+        DeviceState::Unavailable => "unavailable",
+    }
+}
+
+/// The `devlend pool devices` table.
+pub fn devices_table(devices: &[Device]) -> String {
+    if devices.is_empty() {
+        return "no devices\n".into();
+    }
+    let rows: Vec<Vec<String>> = devices
+        .iter()
+        .map(|d| {
+            vec![
+                short(&d.id),
+                d.provider.clone(),
+                d.name.clone(),
+                d.resource_class.clone(),
+                human_bytes(d.capacity_bytes),
+                if d.traits.is_empty() {
+                    "-".into()
+                } else {
+                    d.traits.join(",")
+                },
+                state_name(d.state).into(),
+                d.lease_id.as_ref().map(short).unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ID", "PROVIDER", "NAME", "CLASS", "CAPACITY", "TRAITS", "STATE", "LEASE",
+        ],
+        &rows,
+    )
+}
+
+fn in_secs(at_ms: u64, now_ms: u64) -> String {
+    if at_ms >= now_ms {
+        format!("in {}s", (at_ms - now_ms).div_ceil(1000))
+    } else {
+        format!("{}s ago", (now_ms - at_ms) / 1000)
+    }
+}
+
+/// The `devlend pool leases` table.
+pub fn leases_table(leases: &[Lease], now_ms: u64) -> String {
+    if leases.is_empty() {
+        return "no leases\n".into();
+    }
+    let rows: Vec<Vec<String>> = leases
+        .iter()
+        .map(|l| {
+            vec![
+                short(&l.id),
+                l.consumer.clone(),
+                l.compute_host.clone(),
+                l.provider.clone(),
+                l.device.clone(),
+                l.state.as_str().into(),
+                in_secs(l.expires_at_ms, now_ms),
+                l.generation.to_string(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ID", "CONSUMER", "HOST", "PROVIDER", "DEVICE", "STATE", "EXPIRES", "GEN",
+        ],
+        &rows,
+    )
+}
+
+/// The `devlend pool providers` table.
+pub fn providers_table(providers: &[Provider], now_ms: u64) -> String {
+    if providers.is_empty() {
+        return "no providers\n".into();
+    }
+    let rows: Vec<Vec<String>> = providers
+        .iter()
+        .map(|p| {
+            let leased = p
+                .devices
+                .iter()
+                .filter(|d| d.state == DeviceState::Leased)
+                .count();
+            vec![
+                short(&p.id),
+                p.name.clone(),
+                p.fabric_address.clone(),
+                p.transports.join(","),
+                if p.available {
+                    "available"
+                } else {
+                    "unavailable"
+                }
+                .into(),
+                in_secs(p.last_heartbeat_ms, now_ms),
+                format!("{} ({leased} leased)", p.devices.len()),
+                p.generation.to_string(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ID",
+            "NAME",
+            "ADDRESS",
+            "TRANSPORTS",
+            "STATE",
+            "HEARTBEAT",
+            "DEVICES",
+            "GEN",
+        ],
+        &rows,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_table_has_the_columns() {
+        let d = Device {
+            id: uuid::Uuid::nil(),
+            provider: "lender-a".into(),
+            provider_id: uuid::Uuid::nil(),
+            fabric_address: "a:7700".into(),
+            name: "disk0".into(),
+            resource_class: "BLOCK".into(),
+            capacity_bytes: 10 << 30,
+            traits: vec!["DISCARD".into(), "FABRIC_TCP".into()],
+            state: DeviceState::Available,
+            lease_id: None,
+            generation: 1,
+        };
+        let t = devices_table(&[d]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("ID"), "{t}");
+        assert!(
+            lines[0].contains("CAPACITY") && lines[0].ends_with("LEASE"),
+            "{t}"
+        );
+        assert!(
+            lines[1].contains("lender-a") && lines[1].contains("DISCARD,FABRIC_TCP"),
+            "{t}"
+        );
+        assert!(lines[1].contains("available"), "{t}");
+        assert_eq!(devices_table(&[]), "no devices\n");
+    }
+}
