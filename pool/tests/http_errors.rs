@@ -209,3 +209,58 @@ fn openapi_lists_every_route() {
         );
     }
 }
+
+#[test]
+fn data_dir_and_memory_databases() {
+    // Default storage: pool.db in a data directory created at first start.
+    let tmp = tempfile::tempdir().unwrap();
+    let data_dir = tmp.path().join("var/lib/devlend/pool");
+    let config = devlend_pool::ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        database: None,
+        data_dir: data_dir.clone(),
+    };
+    let first = devlend_pool::PoolServer::start(config.clone()).unwrap();
+    let key = first.public_key();
+    let client = devlend_pool::PoolClient::new(&first.url()).unwrap();
+    register(
+        &client,
+        "lender-a",
+        60_000,
+        vec![device("disk0", "BLOCK", GIB, &[])],
+    );
+    drop(first);
+    assert!(data_dir.join("pool.db").exists());
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&data_dir).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o700);
+    // A restart keeps the inventory and the key.
+    let again = devlend_pool::PoolServer::start(config).unwrap();
+    assert_eq!(again.public_key(), key);
+    let client = devlend_pool::PoolClient::new(&again.url()).unwrap();
+    assert_eq!(client.providers().unwrap()[0].devices.len(), 1);
+
+    // In memory: one connection, same behaviour.
+    let mem = devlend_pool::PoolServer::start(devlend_pool::ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        database: Some("sqlite::memory:".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let client = devlend_pool::PoolClient::new(&mem.url()).unwrap();
+    register(
+        &client,
+        "lender-a",
+        60_000,
+        vec![device("disk0", "BLOCK", GIB, &[])],
+    );
+    let grant = client
+        .create_lease(&LeaseRequest {
+            consumer: "vm".into(),
+            compute_host: "h".into(),
+            class: Some("BLOCK".into()),
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(client.lease(grant.lease.id).unwrap().device, "disk0");
+}
