@@ -352,4 +352,80 @@ mod tests {
         cands.rotate_left(5);
         assert_eq!(first, names(&place(&want(0, &[]), &cands).unwrap()));
     }
+
+    /// A small xorshift generator: the property test below needs no crate.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+    }
+
+    #[test]
+    fn random_inventories_follow_the_rule() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let all_traits = ["FABRIC_TCP", "FABRIC_RDMA", "DISCARD", "NUMA_0", "NUMA_1"];
+        for _ in 0..2000 {
+            let cands: Vec<Candidate> = (0..rng.next(12))
+                .map(|i| {
+                    let traits: Vec<&str> = all_traits
+                        .iter()
+                        .copied()
+                        .filter(|_| rng.next(2) == 0)
+                        .collect();
+                    let mut c = dev(
+                        &format!("p{}", rng.next(3)),
+                        &format!("d{i}"),
+                        rng.next(5),
+                        &traits,
+                    );
+                    if rng.next(4) == 0 {
+                        c.resource_class = "NIC".into();
+                    }
+                    c.leased = rng.next(3) == 0;
+                    c.reachable = rng.next(5) != 0;
+                    c.provider_load = rng.next(3);
+                    c
+                })
+                .collect();
+            let mut w = want(rng.next(5), &all_traits[..rng.next(3) as usize]);
+            w.numa_node = (rng.next(2) == 0).then(|| rng.next(2) as u32);
+            let ok = |c: &Candidate| {
+                c.resource_class == "BLOCK"
+                    && c.capacity_bytes >= w.min_capacity_bytes
+                    && has_all(&c.traits, &w.traits)
+                    && c.reachable
+                    && !c.leased
+            };
+            match place(&w, &cands) {
+                Ok(order) => {
+                    assert!(!order.is_empty());
+                    assert_eq!(order.len(), cands.iter().filter(|c| ok(c)).count());
+                    assert!(order.iter().all(|c| ok(c)));
+                    // The documented key, spelled out independently of `order`.
+                    let numa = w.numa_node.map(|n| format!("NUMA_{n}"));
+                    let key = |c: &Candidate| {
+                        let far = numa.as_ref().is_some_and(|t| !c.traits.contains(t));
+                        (
+                            c.provider_load,
+                            far,
+                            c.capacity_bytes,
+                            c.provider.clone(),
+                            c.name.clone(),
+                        )
+                    };
+                    for pair in order.windows(2) {
+                        assert!(key(pair[0]) <= key(pair[1]), "{pair:?}");
+                    }
+                }
+                Err(e) => {
+                    assert!(!cands.iter().any(ok), "{e} but a device fits");
+                }
+            }
+        }
+    }
 }
