@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
+use devlend_daemon::logging::{self, LogFormat};
 use devlend_pool::api::{Device, DeviceQuery, DeviceState, Lease, LeaseFilter, Provider};
 use devlend_pool::server::{DEFAULT_DATA_DIR, DEFAULT_LISTEN};
 use devlend_pool::{PoolClient, PoolServer, ServerConfig};
@@ -30,6 +31,12 @@ pub enum PoolCmd {
         /// Directory of the SQLite database (pool.db), created at first start.
         #[arg(long, default_value = DEFAULT_DATA_DIR)]
         data_dir: PathBuf,
+        /// Log level: off, error, warn, info, debug, trace, or target=level directives.
+        #[arg(long, default_value = "info")]
+        log_level: String,
+        /// Log format on stderr.
+        #[arg(long, value_enum, default_value_t = LogFormat::Human)]
+        log_format: LogFormat,
     },
     /// List devices: ID, provider, name, class, capacity, traits, state, lease.
     Devices {
@@ -82,20 +89,18 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             listen,
             database,
             data_dir,
+            log_level,
+            log_format,
         } => {
+            // Logs the URL, the signing key and the database backend at start.
+            logging::init(&log_level, log_format)?;
             let server = PoolServer::start(ServerConfig {
                 listen,
                 database,
                 data_dir,
             })
             .context("cannot start the pool")?;
-            eprintln!("devlend pool: serving on {}", server.url());
-            eprintln!(
-                "devlend pool: lease tokens signed with ed25519 key {}",
-                server.public_key().to_text()
-            );
             server.wait_for_signal();
-            eprintln!("devlend pool: stopping");
             server.stop();
         }
         PoolCmd::Devices {

@@ -180,6 +180,12 @@ impl PoolServer {
             .local_addr()
             .map_err(|e| Error::io("no local address", e))?;
         let public_key = service.public_key();
+        tracing::info!(
+            url = %format!("http://{addr}"),
+            public_key = %public_key.to_text(),
+            backend = ?service.store().backend(),
+            "pool serving"
+        );
         let handle = rt.handle().clone();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -233,6 +239,7 @@ impl PoolServer {
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+            tracing::info!(addr = %self.addr, "pool stopped");
         }
     }
 }
