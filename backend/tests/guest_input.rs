@@ -42,7 +42,12 @@ struct Rig {
     _dir: tempfile::TempDir,
     engine: QueueEngine,
     limits: Arc<DeviceLimits>,
+    spec: DeviceSpec,
+    stats_handle: Arc<QueueStats>,
 }
+
+/// How long requests wait for a lost session in these tests.
+const DEADLINE: Duration = Duration::from_millis(1500);
 
 impl Rig {
     fn new(sectors: u64, read_only: bool) -> Rig {
@@ -56,7 +61,9 @@ impl Rig {
             serial: Some("SERIAL-0123456789ABC".into()),
             traits: Vec::new(),
         };
-        let lender = Lender::bind("127.0.0.1:0", vec![spec]).unwrap().spawn();
+        let lender = Lender::bind("127.0.0.1:0", vec![spec.clone()])
+            .unwrap()
+            .spawn();
         let target = LenderTarget {
             addr: lender.local_addr().to_string(),
             device: "disk".into(),
@@ -66,8 +73,9 @@ impl Rig {
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();
         let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
-        let mut engine =
-            QueueEngine::new(0, target, limits.clone(), Arc::new(QueueStats::default()));
+        let stats_handle = Arc::new(QueueStats::default());
+        let mut engine = QueueEngine::new(0, target, limits.clone(), stats_handle.clone())
+            .with_deadline(DEADLINE);
         engine.connect().unwrap();
         let mem = Arc::new(
             GuestMemory::from_ranges(&[(GuestAddress(R1.0), R1.1), (GuestAddress(R2.0), R2.1)])
@@ -80,7 +88,22 @@ impl Rig {
             _dir: dir,
             engine,
             limits,
+            spec,
+            stats_handle,
         }
+    }
+
+    fn engine_addr(&self) -> String {
+        self.lender.as_ref().unwrap().local_addr().to_string()
+    }
+
+    fn engine_resent(&self) -> u64 {
+        self.stats_handle.snapshot().resent
+    }
+
+    /// Starts the lender again on the address it had (after `lender.take()`).
+    fn restart_lender(&mut self, addr: &str) {
+        self.lender = Some(Lender::bind(addr, vec![self.spec.clone()]).unwrap().spawn());
     }
 
     /// The lender's I/O counters (requests received, operations on the file, bytes);
@@ -146,6 +169,19 @@ impl<'a> Vq<'a> {
     }
 
     /// Runs one chain; returns the used length. Panics if it does not complete in 5 s.
+    /// Drives the engine as a queue's worker does (responses, reconnect timer) until the
+    /// used ring's index reaches `idx`.
+    fn wait_used(&mut self, rig: &mut Rig, idx: u16) {
+        let mem = rig.mem.clone();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.mock.used().idx().load() < idx {
+            assert!(Instant::now() < deadline, "request did not complete");
+            std::thread::sleep(Duration::from_millis(1));
+            rig.engine.process_responses(&mut self.queue, &mem).unwrap();
+            rig.engine.on_timer(&mut self.queue, &mem).unwrap();
+        }
+    }
+
     fn run(&mut self, rig: &mut Rig, chain: &[D]) -> u32 {
         let base = self.next_desc;
         let descs: Vec<RawDescriptor> = chain
@@ -164,12 +200,7 @@ impl<'a> Vq<'a> {
         rig.put(STATUS, &[0xff]);
         let mem = rig.mem.clone();
         rig.engine.process_avail(&mut self.queue, &mem).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while self.mock.used().idx().load() == self.used {
-            assert!(Instant::now() < deadline, "request did not complete");
-            std::thread::sleep(Duration::from_millis(1));
-            rig.engine.process_responses(&mut self.queue, &mem).unwrap();
-        }
+        self.wait_used(rig, self.used + 1);
         let elem = self
             .mock
             .used()
@@ -573,7 +604,7 @@ fn a_readable_descriptor_after_a_writable_one_is_refused() {
 }
 
 #[test]
-fn many_requests_in_flight_complete_and_a_lost_lender_fails_them_with_ioerr() {
+fn many_requests_in_flight_complete_and_a_lender_that_stays_away_fails_them_at_the_deadline() {
     let mut rig = Rig::new(2048, false);
     let m = rig.mem.clone();
     let mut vq = Vq::new(&m);
@@ -623,9 +654,77 @@ fn many_requests_in_flight_complete_and_a_lost_lender_fails_them_with_ioerr() {
     }
     vq.next_desc += 96;
     vq.used = 32;
-    // The lender goes away: the next request fails with IOERR instead of hanging.
+    // The lender goes away for good: the next request waits for the deadline, then
+    // fails with IOERR instead of hanging.
     rig.lender.take().unwrap().shutdown();
     rig.header(0x10000, T_IN, 0);
+    let t = Instant::now();
     let len = vq.run(&mut rig, &[r(0x10000, 16), w(0x20000, 512), w(STATUS, 1)]);
     assert_eq!((len, rig.status()), (1, S_IOERR));
+    assert!(t.elapsed() >= DEADLINE, "failed after {:?}", t.elapsed());
+}
+
+#[test]
+fn requests_in_flight_when_the_lender_restarts_are_resent_and_complete() {
+    let mut rig = Rig::new(2048, false);
+    let addr = rig.engine_addr();
+    let m = rig.mem.clone();
+    let mut vq = Vq::new(&m);
+    // The lender stops; 8 writes and a read are submitted while it is away.
+    rig.lender.take().unwrap().shutdown();
+    let mut raw = Vec::new();
+    let base = vq.next_desc;
+    for i in 0..9u64 {
+        let hdr = 0x10000 + i * 64;
+        let data = 0x40000 + i * 4096;
+        if i < 8 {
+            rig.header(hdr, T_OUT, i * 8);
+            rig.put(data, &[0xa0 + i as u8; 4096]);
+        } else {
+            rig.header(hdr, T_IN, 100);
+        }
+        let idx = base + (i * 3) as u16;
+        let data_flags = if i < 8 { 0 } else { VRING_DESC_F_WRITE as u16 };
+        for (j, (addr, len, flags)) in [
+            (hdr, 16, VRING_DESC_F_NEXT as u16),
+            (data, 4096, data_flags | VRING_DESC_F_NEXT as u16),
+            (0x9000 + i, 1, VRING_DESC_F_WRITE as u16),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            raw.push(RawDescriptor::from(Descriptor::new(
+                addr,
+                len,
+                flags,
+                idx + j as u16 + 1,
+            )));
+        }
+    }
+    vq.mock.add_desc_chains(&raw, base).unwrap();
+    rig.put(0x9000, &[0xff; 9]);
+    let mem = rig.mem.clone();
+    rig.engine.process_avail(&mut vq.queue, &mem).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    rig.engine.on_timer(&mut vq.queue, &mem).unwrap();
+    assert_eq!(
+        vq.mock.used().idx().load(),
+        0,
+        "nothing completes while the lender is away"
+    );
+    rig.restart_lender(&addr);
+    vq.wait_used(&mut rig, 9);
+    assert_eq!(rig.get(0x9000, 9), vec![S_OK; 9]);
+    let file = rig.file();
+    for i in 0..8usize {
+        assert!(file[i * 4096..(i + 1) * 4096]
+            .iter()
+            .all(|&b| b == 0xa0 + i as u8));
+    }
+    // The read got the file's bytes at sector 100.
+    assert_eq!(
+        rig.get(0x40000 + 8 * 4096, 4096),
+        file[51200..51200 + 4096].to_vec()
+    );
+    assert!(rig.engine_resent() >= 9);
 }

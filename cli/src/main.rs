@@ -75,6 +75,14 @@ enum Cmd {
         /// (0: interrupt-driven). Lower latency for more CPU.
         #[arg(long, default_value_t = 0)]
         poll_us: u32,
+        /// Seconds requests wait for a lost fabric session (the lender restarting, the
+        /// network dropping it) before they fail with IOERR; meanwhile they are resent.
+        #[arg(
+            long = "reconnect-deadline",
+            default_value_t = 30,
+            value_name = "SECONDS"
+        )]
+        reconnect_deadline_s: u32,
         /// Attachment id, also the device id in the VMM (default: the device name).
         #[arg(long)]
         id: Option<String>,
@@ -243,6 +251,7 @@ fn run(cli: Cli) -> Result<()> {
             queues,
             queue_size,
             poll_us,
+            reconnect_deadline_s,
             id,
             qmp,
             ch_api,
@@ -295,6 +304,7 @@ fn run(cli: Cli) -> Result<()> {
                 queues,
                 queue_size,
                 poll_us,
+                reconnect_deadline_s,
                 vmm: match (qmp, ch_api) {
                     (Some(qmp), _) => Some(VmmTarget::Qemu {
                         qmp: absolute(qmp)?,

@@ -37,6 +37,11 @@ pub struct AttachRequest {
     /// for lower latency.
     #[serde(default)]
     pub poll_us: u32,
+    /// Seconds requests wait for a lost fabric session to come back (0..=3600; default
+    /// 30): the borrower reconnects with backoff and resends them, so the guest sees a
+    /// delay. Past it they complete with IOERR.
+    #[serde(default = "default_reconnect_deadline")]
+    pub reconnect_deadline_s: u32,
     /// Plug the device into this running VM once the socket is served; the VMM's device
     /// id is the attachment id.
     #[serde(default)]
@@ -92,6 +97,11 @@ fn default_queues() -> u16 {
     1
 }
 
+/// Default of [`AttachRequest::reconnect_deadline_s`].
+pub fn default_reconnect_deadline() -> u32 {
+    30
+}
+
 fn default_queue_size() -> u16 {
     256
 }
@@ -125,6 +135,9 @@ pub struct IoCounters {
     pub local: u64,
     /// Fabric sessions re-established.
     pub reconnects: u64,
+    /// Requests resent on a new session after theirs was lost.
+    #[serde(default)]
+    pub resent: u64,
     /// Requests in flight now.
     pub inflight: u64,
     /// Requests completed by the lender, per virtqueue.
@@ -163,6 +176,7 @@ impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
             errors_fabric: s.errors_fabric,
             local: s.local,
             reconnects: s.reconnects,
+            resent: s.resent,
             inflight: s.inflight,
             per_queue: s.per_queue,
             latency: Latency {

@@ -153,6 +153,7 @@ impl Registry {
             },
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),
+            reconnect_deadline: Duration::from_secs(u64::from(req.reconnect_deadline_s)),
         })
         .map_err(RegistryError::Start)?;
         let keeper = match checked.map(|c| c.bind_and_keep(id)).transpose() {
@@ -189,6 +190,12 @@ impl Registry {
             return Err(RegistryError::BadRequest(format!(
                 "queue size {} must be a power of two in 64..=1024",
                 req.queue_size
+            )));
+        }
+        if req.reconnect_deadline_s > 3600 {
+            return Err(RegistryError::BadRequest(format!(
+                "reconnect_deadline_s {} is above the maximum of 3600",
+                req.reconnect_deadline_s
             )));
         }
         if req.poll_us > MAX_POLL_US {

@@ -1056,6 +1056,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         queues: 2,
         queue_size: 128,
         poll_us: 0,
+        reconnect_deadline_s: 30,
         vmm: Some(VmmTarget::CloudHypervisor {
             api: ch.socket.clone(),
         }),

@@ -41,8 +41,10 @@ pub struct PoolLease {
 struct Tracked {
     device: String,
     expires_at_ms: u64,
-    /// The pool has listed it in a heartbeat answer at least once.
-    seen_by_pool: bool,
+    /// When the lender first learned of it (admitted a token, or saw it listed), ms
+    /// since the epoch. The lease existed at the pool by then, so any heartbeat asked
+    /// later that does not list it proves it ended.
+    known_since_ms: u64,
     /// Released, or gone from the pool's answers: refused for good.
     ended: bool,
 }
@@ -115,7 +117,7 @@ impl LeaseGuard {
         let t = leases.entry(claims.lease_id).or_insert_with(|| Tracked {
             device: claims.device.clone(),
             expires_at_ms: claims.expires_at_ms,
-            seen_by_pool: false,
+            known_since_ms: now_ms,
             ended: false,
         });
         if t.ended {
@@ -137,30 +139,29 @@ impl LeaseGuard {
             .is_some_and(|t| !t.ended && t.expires_at_ms > now_ms)
     }
 
-    /// Applies the pool's list of this lender's live leases (a heartbeat answer): their
-    /// expiries are renewed, and a lease the pool listed before but lists no more has
-    /// ended. A lease not yet listed keeps its token's expiry.
-    pub fn update_from_pool(&self, live: &[PoolLease], now_ms: u64) {
+    /// Applies the pool's list of this lender's live leases (a heartbeat answer to a
+    /// request sent at `asked_at_ms`): their expiries are renewed, and a lease the lender
+    /// knew of before `asked_at_ms` that is not listed has ended (released or expired).
+    pub fn update_from_pool(&self, live: &[PoolLease], asked_at_ms: u64) {
         let mut leases = self.leases();
         for l in live {
             let t = leases.entry(l.id).or_insert_with(|| Tracked {
                 device: l.device.clone(),
                 expires_at_ms: l.expires_at_ms,
-                seen_by_pool: true,
+                known_since_ms: asked_at_ms,
                 ended: false,
             });
             if !t.ended {
                 t.expires_at_ms = l.expires_at_ms;
-                t.seen_by_pool = true;
             }
         }
         for (id, t) in leases.iter_mut() {
-            if t.seen_by_pool && !t.ended && !live.iter().any(|l| l.id == *id) {
+            if t.known_since_ms <= asked_at_ms && !t.ended && !live.iter().any(|l| l.id == *id) {
                 tracing::info!(lease = %hex(id), device = %t.device, "lease ended at the pool");
                 t.ended = true;
             }
         }
-        leases.retain(|_, t| t.expires_at_ms.saturating_add(FORGET_AFTER_MS) > now_ms);
+        leases.retain(|_, t| t.expires_at_ms.saturating_add(FORGET_AFTER_MS) > asked_at_ms);
     }
 }
 
@@ -225,8 +226,9 @@ mod tests {
         let g = LeaseGuard::new(signer.public_key(), "p");
         let h = hello(&signer, "p", "d0", 2000);
         g.admit(&h, 1000).unwrap();
-        // Not yet listed by the pool: the token's expiry holds.
-        g.update_from_pool(&[], 1100);
+        // An answer to a heartbeat asked before the lender learned of the lease says
+        // nothing about it: the token's expiry holds.
+        g.update_from_pool(&[], 900);
         assert!(g.is_live(&[9; 16], 1500));
         let renewed = PoolLease {
             id: [9; 16],
@@ -235,7 +237,7 @@ mod tests {
         };
         g.update_from_pool(std::slice::from_ref(&renewed), 1200);
         assert!(g.is_live(&[9; 16], 4000));
-        // Listed before, gone now: released.
+        // Known before the heartbeat was asked, not listed: released.
         g.update_from_pool(&[], 1300);
         assert!(!g.is_live(&[9; 16], 1300));
         assert!(g.admit(&h, 1300).unwrap_err().contains("ended"));

@@ -202,6 +202,7 @@ fn run(s: &PoolSession, inventory: &InventoryView, control: &(Mutex<Control>, Co
     let mut last_log: Option<Instant> = None;
     let mut failing = false;
     loop {
+        let asked_at = leases::now_ms();
         let result = if registered {
             s.client.provider_heartbeat(&s.provider).map(|hb| {
                 let live: Vec<PoolLease> = hb
@@ -213,7 +214,7 @@ fn run(s: &PoolSession, inventory: &InventoryView, control: &(Mutex<Control>, Co
                         expires_at_ms: l.expires_at_ms,
                     })
                     .collect();
-                s.guard.update_from_pool(&live, leases::now_ms());
+                s.guard.update_from_pool(&live, asked_at);
             })
         } else {
             s.client

@@ -86,6 +86,12 @@ impl Proc {
         Ok(())
     }
 
+    /// Kills the process with SIGKILL and reaps it.
+    pub fn kill_hard(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// Sends `signal` (e.g. `libc::SIGSTOP`) to the process.
     pub fn signal(&self, signal: libc::c_int) {
         // SAFETY: kill(2) on our own child's pid with a valid signal.
@@ -180,6 +186,20 @@ impl Lender {
         devices: &[String],
         extra: &[String],
     ) -> Result<Self> {
+        Self::start_in(dir, None, addr, devices, extra)
+    }
+
+    /// As [`Self::start_with`], inside network namespace `netns` when given.
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start_in(
+        dir: &Path,
+        netns: Option<&str>,
+        addr: &str,
+        devices: &[String],
+        extra: &[String],
+    ) -> Result<Self> {
         let addr = addr.to_owned();
         let mut args = vec!["--listen".to_owned(), addr.clone()];
         for d in devices {
@@ -187,7 +207,20 @@ impl Lender {
             args.push(d.clone());
         }
         args.extend(extra.iter().cloned());
-        let mut proc = Proc::spawn("device-agent", &bin("devlend-device-agent")?, &args, dir)?;
+        let program = bin("devlend-device-agent")?;
+        let mut proc = match netns {
+            None => Proc::spawn("device-agent", &program, &args, dir)?,
+            Some(ns) => {
+                let mut a = vec![
+                    "netns".to_owned(),
+                    "exec".into(),
+                    ns.into(),
+                    program.display().to_string(),
+                ];
+                a.extend(args);
+                Proc::spawn("device-agent", Path::new("ip"), &a, dir)?
+            }
+        };
         proc.wait_ready("lender", || TcpStream::connect(&addr).is_ok())?;
         Ok(Lender { proc, addr })
     }

@@ -5,5 +5,6 @@
 //! they share.
 
 pub mod agents;
+pub mod netns;
 pub use devlend_qemu::guest;
 pub mod storage_daemon;

@@ -38,6 +38,10 @@ pub struct AttachmentConfig {
     pub num_queues: u16,
     /// How long each queue's worker busy-polls before it sleeps (zero: interrupt-driven).
     pub poll: Duration,
+    /// How long requests wait for a lost fabric session to come back (they are resent
+    /// on the new one) before they complete with IOERR; see
+    /// [`crate::blk::engine::DEFAULT_RECONNECT_DEADLINE`].
+    pub reconnect_deadline: Duration,
 }
 
 /// Why an attachment could not start.
@@ -262,6 +266,7 @@ fn serve(
                 config.num_queues,
                 &config.lender,
                 stats.clone(),
+                config.reconnect_deadline,
             )
             .with_poll(config.poll),
         );

@@ -65,10 +65,13 @@ impl BlkBackend {
         num_queues: u16,
         target: &LenderTarget,
         stats: Arc<QueueStats>,
+        reconnect_deadline: Duration,
     ) -> Self {
         let queues = (0..num_queues)
             .map(|i| {
-                let mut engine = QueueEngine::new(i, target.clone(), limits.clone(), stats.clone()).named(name.clone());
+                let mut engine = QueueEngine::new(i, target.clone(), limits.clone(), stats.clone())
+                    .named(name.clone())
+                    .with_deadline(reconnect_deadline);
                 if let Err(e) = engine.connect() {
                     tracing::warn!(queue = i, error = %crate::blk::engine::DisplayChain(&e), "cannot open fabric session yet");
                 }
@@ -107,6 +110,11 @@ impl BlkBackend {
         self.queues.len() as u16 + 1
     }
 
+    /// The epoll event id of each worker's reconnect timer.
+    pub fn timer_event(&self) -> u16 {
+        self.queues.len() as u16 + 2
+    }
+
     /// Takes the daemon's per-worker epoll handlers and registers each queue's fabric
     /// socket in its worker.
     pub fn attach_handlers(&self, handlers: &[Arc<Handler>]) {
@@ -114,6 +122,12 @@ impl BlkBackend {
         for q in 0..self.queues.len() {
             let mut cell = lock(&self.queues[q]);
             self.sync_registration(q, &mut cell);
+            if let (Some(fd), Some(h)) = (cell.engine.timer_fd(), handlers.get(q)) {
+                if let Err(e) = h.register_listener(fd, EventSet::IN, u64::from(self.timer_event()))
+                {
+                    tracing::error!(queue = q, error = %e, "cannot watch the reconnect timer");
+                }
+            }
         }
     }
 
@@ -261,6 +275,8 @@ impl VhostUserBackend for BlkBackend {
         }
         let mut used = if device_event == self.fabric_event() {
             cell.engine.process_responses(queue, &mem)
+        } else if device_event == self.timer_event() {
+            cell.engine.on_timer(queue, &mem)
         } else if device_event == 0 && !self.stopping.load(Ordering::Acquire) {
             cell.engine.process_avail(queue, &mem)
         } else {

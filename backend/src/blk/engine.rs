@@ -7,6 +7,19 @@
 //! the guest buffers of the request they complete. Request ids carry the chain's head
 //! index in their low 16 bits, so the table of requests in flight is indexed by head and
 //! needs no allocation per request.
+//!
+//! **A lost session costs the guest a delay, not an error.** When the connection fails
+//! (the lender restarts, the network drops it), the requests in flight stay in their
+//! slots; the engine reconnects with backoff (100 ms doubling to 2 s, driven by the
+//! queue's [`RetryTimer`]) and resends every one of them, in submission order, on the
+//! new session. Requests the guest submits meanwhile wait with them. Replaying is safe:
+//! a request is completed to the guest only once the lender has answered it, so no
+//! acknowledged write depends on a resend, and writing the same data again at the same
+//! sectors leaves the device as the guest expects (virtio-blk orders nothing between
+//! requests in flight at once). Only when the session is not back within the deadline
+//! ([`DEFAULT_RECONNECT_DEADLINE`], configurable) do the waiting requests complete with
+//! IOERR. A lender that refuses the session for good (denied, no such device) fails
+//! them at once.
 
 use std::io;
 use std::net::TcpStream;
@@ -18,13 +31,14 @@ use std::time::{Duration, Instant};
 use devlend_fabric::wire::{
     RequestHeader, ResponseHeader, FLAG_UNMAP, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
-use devlend_fabric::{Op, Status};
+use devlend_fabric::{HelloStatus, Op, Status};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::blk::request::{parse, DeviceLimits, Disposition, Request, Scratch};
 use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
 use crate::blk::tcp::{recv_vectored_nonblocking, write_all_vectored};
+use crate::blk::timer::RetryTimer;
 use crate::guest::{GuestMemory, GuestMemoryRef, HostIov};
 use devlend_fabric::latency::{LatencyHistogram, LatencySnapshot};
 
@@ -90,6 +104,7 @@ pub struct QueueStats {
     errors_fabric: AtomicU64,
     local: AtomicU64,
     reconnects: AtomicU64,
+    resent: AtomicU64,
     inflight: AtomicI64,
     per_queue: Vec<AtomicU64>,
     latency: LatencyHistogram,
@@ -125,6 +140,8 @@ pub struct StatsSnapshot {
     pub local: u64,
     /// Fabric connections re-established after a loss.
     pub reconnects: u64,
+    /// Requests sent again on a new session after theirs was lost.
+    pub resent: u64,
     /// Requests in flight to the lender now.
     pub inflight: u64,
     /// Requests completed by the lender, per virtqueue.
@@ -159,6 +176,7 @@ impl QueueStats {
             errors_fabric: g(&self.errors_fabric),
             local: g(&self.local),
             reconnects: g(&self.reconnects),
+            resent: g(&self.resent),
             inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
             per_queue: self.per_queue.iter().map(g).collect(),
             latency: self.latency.snapshot(),
@@ -204,6 +222,8 @@ struct Slot {
     id: u64,
     op: Option<Op>,
     len: u32,
+    sector: u64,
+    flags: u8,
     status_addr: GuestAddress,
     iovs: Vec<HostIov>,
     mem: Option<GuestMemoryRef>,
@@ -291,6 +311,26 @@ pub struct QueueEngine {
     backoff: Duration,
     /// When a reconnect failure was last logged.
     failure_logged: Option<Instant>,
+    /// When the session was lost with requests waiting for it; `None` while connected
+    /// or idle.
+    lost_at: Option<Instant>,
+    /// How long requests wait for a lost session before they fail.
+    deadline: Duration,
+    /// Wakes the worker for the next reconnect attempt.
+    timer: Option<RetryTimer>,
+}
+
+/// How long requests wait for a lost fabric session to come back before they complete
+/// with IOERR (30 s).
+pub const DEFAULT_RECONNECT_DEADLINE: Duration = Duration::from_secs(30);
+
+/// What a reconnect attempt came to.
+enum Reconnect {
+    Connected,
+    /// Not now (backoff) or failed for now: try again later.
+    Later,
+    /// The lender refuses this borrower for good (denied, no such device, ...).
+    Refused,
 }
 
 /// First reconnect backoff.
@@ -340,7 +380,29 @@ impl QueueEngine {
             retry_at: None,
             backoff: RETRY_MIN,
             failure_logged: None,
+            lost_at: None,
+            deadline: DEFAULT_RECONNECT_DEADLINE,
+            timer: match RetryTimer::new() {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    tracing::warn!(queue = index, error = %e, "no reconnect timer: a lost session is retried only when the guest submits");
+                    None
+                }
+            },
         }
+    }
+
+    /// Sets how long requests wait for a lost session (default
+    /// [`DEFAULT_RECONNECT_DEADLINE`]); zero fails them as soon as it is lost.
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// The reconnect timer's fd, to watch for readability in the worker's epoll set
+    /// (then call [`Self::on_timer`]).
+    pub fn timer_fd(&self) -> Option<RawFd> {
+        self.timer.as_ref().map(AsRawFd::as_raw_fd)
     }
 
     /// Names the attachment this queue belongs to, for logs.
@@ -421,6 +483,9 @@ impl QueueEngine {
                 break;
             }
         }
+        if self.conn.is_none() && self.inflight > 0 {
+            used |= self.recover(queue, mem)?;
+        }
         Ok(used)
     }
 
@@ -467,15 +532,6 @@ impl QueueEngine {
                         return Ok(false);
                     }
                 }
-                if self.conn.is_none() {
-                    self.reconnect();
-                }
-                if self.conn.is_none() {
-                    let _ = mem.write_obj(S_IOERR, parsed.status_addr);
-                    queue.add_used(mem.as_ref(), head, 1)?;
-                    self.stats.errors_fabric.fetch_add(1, Ordering::Relaxed);
-                    return Ok(true);
-                }
                 self.seq = self.seq.wrapping_add(1);
                 let id = (self.seq << 16) | u64::from(head);
                 let slot = &mut self.slots[usize::from(head)];
@@ -499,6 +555,8 @@ impl QueueEngine {
                 slot.id = id;
                 slot.op = Some(op);
                 slot.len = len;
+                slot.sector = sector;
+                slot.flags = flags;
                 slot.status_addr = parsed.status_addr;
                 std::mem::swap(&mut slot.iovs, &mut self.iov_tmp);
                 slot.mem = Some(Arc::clone(mem));
@@ -509,17 +567,22 @@ impl QueueEngine {
                     self.reads_inflight += 1;
                 }
                 self.stats.inflight.fetch_add(1, Ordering::Relaxed);
-                self.tx_headers.push(
-                    RequestHeader {
-                        op,
-                        flags,
-                        len,
-                        id,
-                        sector,
-                    }
-                    .encode(),
-                );
-                self.tx_heads.push((head, op == Op::Write));
+                if self.conn.is_some() {
+                    self.tx_headers.push(
+                        RequestHeader {
+                            op,
+                            flags,
+                            len,
+                            id,
+                            sector,
+                        }
+                        .encode(),
+                    );
+                    self.tx_heads.push((head, op == Op::Write));
+                } else {
+                    // Waits in its slot; sent with the others once the session is back.
+                    self.lost_at.get_or_insert_with(Instant::now);
+                }
                 Ok(false)
             }
         }
@@ -527,15 +590,16 @@ impl QueueEngine {
 
     /// Tries to reopen the fabric session, at most once per backoff period (100 ms,
     /// doubling to 2 s while the lender stays away); logs a failure at most every 10 s.
-    fn reconnect(&mut self) {
+    fn reconnect(&mut self) -> Reconnect {
         let now = Instant::now();
         if self.retry_at.is_some_and(|t| now < t) {
-            return;
+            return Reconnect::Later;
         }
         match self.connect() {
             Ok(()) => {
                 self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
-                self.retry_at = None;
+                // The next attempt, if this session fails at once, waits a little.
+                self.retry_at = Some(now + RETRY_MIN);
                 self.backoff = RETRY_MIN;
                 self.failure_logged = None;
                 tracing::info!(
@@ -544,23 +608,160 @@ impl QueueEngine {
                     lender = %self.target.addr,
                     "fabric session re-established",
                 );
+                Reconnect::Connected
             }
             Err(e) => {
                 self.retry_at = Some(now + self.backoff);
                 self.backoff = (self.backoff * 2).min(RETRY_MAX);
-                if self
-                    .failure_logged
-                    .is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_EVERY)
+                let permanent = matches!(
+                    e,
+                    devlend_fabric::tcp::ConnectError::Refused {
+                        status: HelloStatus::Denied
+                            | HelloStatus::NoSuchDevice
+                            | HelloStatus::BadRequest
+                            | HelloStatus::UnsupportedVersion,
+                        ..
+                    }
+                );
+                if permanent
+                    || self
+                        .failure_logged
+                        .is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_EVERY)
                 {
                     self.failure_logged = Some(now);
                     tracing::warn!(
                         attachment = %self.name,
                         queue = self.index,
                         error = %DisplayChain(&e),
-                        "cannot open a fabric session; requests fail with IOERR until it reopens",
+                        inflight = self.inflight,
+                        "cannot open a fabric session{}",
+                        if permanent { "; the lender refuses it: requests fail with IOERR" } else { "; requests wait for it" },
                     );
                 }
+                if permanent {
+                    Reconnect::Refused
+                } else {
+                    Reconnect::Later
+                }
             }
+        }
+    }
+
+    /// With the session lost and requests waiting: reconnects (when the backoff allows)
+    /// and resends them all, or fails them once the deadline has passed or the lender
+    /// refuses the session; otherwise arms the timer for the next attempt. Returns
+    /// whether used-ring entries were added.
+    fn recover(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        if self.conn.is_some() || self.inflight == 0 {
+            self.lost_at = None;
+            if let Some(t) = self.timer.as_mut() {
+                t.disarm();
+            }
+            return Ok(false);
+        }
+        let now = Instant::now();
+        let lost = *self.lost_at.get_or_insert(now);
+        let give_up = lost + self.deadline;
+        if now >= give_up {
+            tracing::error!(
+                attachment = %self.name,
+                queue = self.index,
+                lender = %self.target.addr,
+                inflight = self.inflight,
+                deadline_s = self.deadline.as_secs_f64(),
+                "fabric session not back within the deadline; failing the waiting requests with IOERR",
+            );
+            return self.give_up(queue, mem);
+        }
+        match self.reconnect() {
+            Reconnect::Connected => {
+                self.lost_at = None;
+                if let Some(t) = self.timer.as_mut() {
+                    t.disarm();
+                }
+                self.queue_resend();
+                self.flush_tx(queue, mem)
+            }
+            Reconnect::Refused => self.give_up(queue, mem),
+            Reconnect::Later => {
+                let next = self.retry_at.unwrap_or(now + RETRY_MIN).min(give_up);
+                if let Some(t) = self.timer.as_mut() {
+                    t.arm(next.saturating_duration_since(now));
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    fn give_up(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        self.lost_at = None;
+        if let Some(t) = self.timer.as_mut() {
+            t.disarm();
+        }
+        self.fail_all(queue, mem)
+    }
+
+    /// Queues every request in flight for sending on the new session, oldest first.
+    fn queue_resend(&mut self) {
+        let mut heads: Vec<u16> = (0..self.slots.len())
+            .filter(|&h| self.slots[h].busy)
+            .map(|h| h as u16)
+            .collect();
+        heads.sort_by_key(|&h| self.slots[usize::from(h)].id);
+        self.tx_headers.clear();
+        self.tx_heads.clear();
+        for head in heads {
+            let s = &self.slots[usize::from(head)];
+            let op = s.op.unwrap_or(Op::Flush);
+            self.tx_headers.push(
+                RequestHeader {
+                    op,
+                    flags: s.flags,
+                    len: s.len,
+                    id: s.id,
+                    sector: s.sector,
+                }
+                .encode(),
+            );
+            self.tx_heads.push((head, op == Op::Write));
+        }
+        let n = self.tx_heads.len() as u64;
+        self.stats.resent.fetch_add(n, Ordering::Relaxed);
+        if n > 0 {
+            tracing::info!(
+                attachment = %self.name,
+                queue = self.index,
+                requests = n,
+                "resending the requests in flight on the new session",
+            );
+        }
+    }
+
+    /// The reconnect timer fired: drains it and tries to recover. Returns whether
+    /// used-ring entries were added.
+    ///
+    /// # Errors
+    /// A guest memory error on the used ring.
+    pub fn on_timer(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        if let Some(t) = self.timer.as_mut() {
+            t.clear();
+        }
+        if self.conn.is_none() && self.inflight > 0 {
+            self.recover(queue, mem)
+        } else {
+            Ok(false)
         }
     }
 
@@ -881,8 +1082,8 @@ impl QueueEngine {
         Ok(true)
     }
 
-    /// Drops the connection and completes every request in flight with IOERR; the next
-    /// request reconnects.
+    /// Drops the connection; the requests in flight wait for a new one (see
+    /// [`Self::recover`]).
     fn fail_connection(
         &mut self,
         queue: &mut Queue,
@@ -896,12 +1097,18 @@ impl QueueEngine {
             device = %self.target.device,
             inflight = self.inflight,
             error = %DisplayChain(&fault),
-            "fabric session lost; failing requests in flight",
+            "fabric session lost; requests in flight wait for a new one and are resent",
         );
         self.conn = None;
         self.rx = Rx::Header { got: 0 };
         self.rx_layout = RxLayout::Headers;
-        self.fail_all(queue, mem)
+        self.tx_headers.clear();
+        self.tx_heads.clear();
+        if self.inflight == 0 {
+            return Ok(false);
+        }
+        self.lost_at.get_or_insert_with(Instant::now);
+        self.recover(queue, mem)
     }
 
     fn fail_all(
@@ -941,13 +1148,17 @@ impl QueueEngine {
         let deadline = Instant::now() + timeout;
         let mut used = false;
         while self.inflight > 0 {
-            let Some(fd) = self.conn.as_ref().map(|c| c.as_raw_fd()) else {
-                break;
-            };
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
+            let Some(fd) = self.conn.as_ref().map(|c| c.as_raw_fd()) else {
+                used |= self.recover(queue, mem)?;
+                if self.conn.is_none() && self.inflight > 0 {
+                    std::thread::sleep(left.min(Duration::from_millis(50)));
+                }
+                continue;
+            };
             let mut pfd = libc::pollfd {
                 fd,
                 events: libc::POLLIN,

@@ -198,6 +198,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         queues: setup.queues,
         queue_size: 256,
         poll_us: setup.poll_us,
+        reconnect_deadline_s: 30,
         vmm: None,
         lease: None,
     })?;

@@ -43,6 +43,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         queues: 1,
         queue_size: 256,
         poll_us: 0,
+        reconnect_deadline_s: 30,
         vmm: None,
         lease: Some(claimed.lease.clone()),
     })?;

@@ -160,6 +160,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         queues: 1,
         queue_size: 256,
         poll_us: 0,
+        reconnect_deadline_s: 30,
         vmm: Some(VmmTarget::Qemu {
             qmp: guest.qmp_socket().to_owned(),
         }),
