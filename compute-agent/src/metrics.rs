@@ -5,6 +5,7 @@
 //! `devlend_attachment_request_duration_seconds` (histogram),
 //! `devlend_attachment_requests_in_flight`, `devlend_attachment_errors_total{kind}`
 //! (`invalid`, `lender`, `fabric`), `devlend_attachment_reconnects_total`,
+//! `devlend_attachment_resent_total`,
 //! `devlend_attachment_frontend_connected`; and `devlend_attachments`.
 
 use std::sync::Arc;
@@ -53,6 +54,7 @@ impl Collector for AttachmentMetrics {
         let mut errs = Vec::new();
         let mut inflight = Vec::new();
         let mut reconnects = Vec::new();
+        let mut resent = Vec::new();
         let mut connected = Vec::new();
         let mut lat = Vec::new();
         for a in &all {
@@ -77,6 +79,7 @@ impl Collector for AttachmentMetrics {
             }
             inflight.push((labels(a, &[]), c.inflight as i64));
             reconnects.push((labels(a, &[]), c.reconnects));
+            resent.push((labels(a, &[]), c.resent));
             connected.push((labels(a, &[]), i64::from(a.connected)));
             lat.push(HistogramSeries {
                 labels: labels(a, &[]),
@@ -120,6 +123,12 @@ impl Collector for AttachmentMetrics {
             "devlend_attachment_reconnects",
             "Fabric sessions re-established after a loss.",
             &reconnects,
+        )?;
+        counter(
+            &mut enc,
+            "devlend_attachment_resent",
+            "Requests sent again on a new fabric session after theirs was lost.",
+            &resent,
         )?;
         gauge(
             &mut enc,

@@ -225,6 +225,7 @@ pub struct GuestBuilder {
     image: Option<GuestImage>,
     next_vhost_user_blk: u32,
     native_pcie_hotplug: bool,
+    allow_reset: bool,
 }
 
 impl Default for GuestBuilder {
@@ -249,7 +250,16 @@ impl GuestBuilder {
             image: None,
             next_vhost_user_blk: 0,
             native_pcie_hotplug: false,
+            allow_reset: false,
         }
+    }
+
+    /// Let a guest reset (QMP `system_reset`, a reboot from inside) restart the guest
+    /// instead of ending QEMU (`-no-reboot` is dropped). The test script then runs
+    /// again at the next boot. Default: off.
+    pub fn allow_reset(mut self, allow: bool) -> Self {
+        self.allow_reset = allow;
+        self
     }
 
     /// A short label for log lines and error messages (default `guest`).
@@ -414,11 +424,13 @@ impl GuestBuilder {
             "-nodefaults",
             "-no-user-config",
             "-nographic",
-            "-no-reboot",
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
+        if !self.allow_reset {
+            args.push("-no-reboot".into());
+        }
         args.extend([
             "-m".into(),
             format!("{mem}M"),
