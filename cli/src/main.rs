@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use devlend_cli::api_client::ApiClient;
 use devlend_cli::bench::options::{
@@ -118,6 +118,14 @@ enum Cmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Make a key pair for direct-mode authentication: the private key goes to FILE
+    /// (mode 0600) for the compute agent's --auth-key-file; the public key is printed,
+    /// for the lenders' --auth-key.
+    Keygen {
+        /// File to write the private key to; refuses to overwrite one.
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Write man pages for devlend, devlend-device-agent and devlend-compute-agent.
     Man {
@@ -389,6 +397,19 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(lease) = a.lease {
                 println!("lease {lease} released");
             }
+        }
+        Cmd::Keygen { out } => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let signer = devlend_fabric::lease_token::TokenSigner::generate()?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&out)
+                .with_context(|| format!("cannot create {}", out.display()))?;
+            writeln!(f, "{}", signer.seed_text())?;
+            println!("{}", signer.public_key().to_text());
         }
         Cmd::Man { out } => {
             use clap::CommandFactory;

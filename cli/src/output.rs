@@ -57,7 +57,7 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
         return "no attachments\n".to_owned();
     }
     let mut out = format!(
-        "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8} {:>8} {:>8} {:>8} {:>6} {:>4}  {:<11} {}\n",
+        "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8} {:>8} {:>8} {:>8} {:>6} {:>4}  {:<11} {:<8} {}\n",
         "ID",
         "DEVICE",
         "LENDER",
@@ -71,6 +71,7 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
         "ERRORS",
         "INFL",
         "STATE",
+        "LEASE",
         "SOCKET"
     );
     for a in list {
@@ -87,7 +88,7 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
             (None, false) => "waiting",
         };
         out.push_str(&format!(
-            "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8.0} {:>8.1} {:>8.1} {:>8} {:>6} {:>4}  {:<11} {}\n",
+            "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8.0} {:>8.1} {:>8.1} {:>8} {:>6} {:>4}  {:<11} {:<8} {}\n",
             a.id,
             a.device,
             a.lender,
@@ -101,6 +102,9 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
             c.errors,
             c.inflight,
             state,
+            a.lease
+                .map(|l| l.to_string()[..8].to_owned())
+                .unwrap_or_else(|| "-".into()),
             a.socket.display()
         ));
     }

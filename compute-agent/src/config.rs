@@ -34,6 +34,11 @@ pub struct Cli {
     /// Print the merged configuration (file, then flags) as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// Direct mode with authentication: sign a token for each session with the key in
+    /// FILE (from `devlend keygen`); lenders given its public key (`--auth-key`) admit
+    /// only such borrowers.
+    #[arg(long, value_name = "FILE")]
+    pub auth_key_file: Option<PathBuf>,
 }
 
 /// The config file; every key is optional and a flag of the same name overrides it.
@@ -48,6 +53,8 @@ pub struct FileConfig {
     pub log_format: Option<LogFormat>,
     /// Metrics address, `ADDR:PORT`.
     pub metrics_listen: Option<SocketAddr>,
+    /// Key file for direct-mode authentication.
+    pub auth_key_file: Option<PathBuf>,
 }
 
 /// The merged configuration.
@@ -61,6 +68,9 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Metrics address, if any.
     pub metrics_listen: Option<SocketAddr>,
+    /// Key file for direct-mode authentication, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auth_key_file: Option<PathBuf>,
     /// The config file read, if any (not a key of the file).
     #[serde(skip)]
     pub file: Option<PathBuf>,
@@ -92,6 +102,10 @@ impl Config {
                 .unwrap_or_else(|| "info".into()),
             log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
             metrics_listen: cli.metrics_listen.or(file.metrics_listen),
+            auth_key_file: cli
+                .auth_key_file
+                .clone()
+                .or_else(|| file.auth_key_file.clone()),
             file: path,
         }
     }

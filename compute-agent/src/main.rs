@@ -29,7 +29,17 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> anyhow::Result<()> {
-    let registry = Arc::new(Registry::default());
+    let mut registry = Registry::default();
+    if let Some(path) = &config.auth_key_file {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            anyhow::anyhow!("cannot read the auth key file {}: {e}", path.display())
+        })?;
+        let signer = devlend_fabric::lease_token::TokenSigner::from_seed_text(&text)
+            .map_err(|e| anyhow::anyhow!("auth key file {}: {e}", path.display()))?;
+        tracing::info!(public_key = %signer.public_key().to_text(), "direct attachments authenticate with this key");
+        registry.set_signer(signer);
+    }
+    let registry = Arc::new(registry);
     if let Some(addr) = config.metrics_listen {
         devlend_daemon::metrics::serve(addr, AttachmentMetrics(registry.clone()))?;
     }

@@ -65,6 +65,17 @@ struct Entry {
     lease: Option<LeaseKeeper>,
 }
 
+/// Lifetime of the token of a direct attachment (10 years): it lives as long as the
+/// attachment; the key, not the expiry, is what protects it.
+const DIRECT_TOKEN_LIFETIME_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 /// Largest busy-poll budget an attachment may ask for, in microseconds.
 pub const MAX_POLL_US: u32 = 1000;
 
@@ -75,6 +86,8 @@ pub struct Registry {
     /// Ids and sockets of attachments being set up.
     pending: Mutex<Vec<(String, std::path::PathBuf)>>,
     rates: crate::rates::RateTracker,
+    /// Signs the tokens of direct (lease-less) attachments, when configured.
+    signer: Option<devlend_fabric::lease_token::TokenSigner>,
 }
 
 fn valid_id(id: &str) -> bool {
@@ -112,6 +125,13 @@ fn info(e: &Entry) -> AttachmentInfo {
 }
 
 impl Registry {
+    /// Authenticates direct attachments: each gets a token signed with `signer`
+    /// (claims: its borrower identity, the device, an empty provider, a 10-year expiry),
+    /// which a lender given the public key (`--auth-key`) checks.
+    pub fn set_signer(&mut self, signer: devlend_fabric::lease_token::TokenSigner) {
+        self.signer = Some(signer);
+    }
+
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<(String, std::path::PathBuf)>> {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -138,9 +158,23 @@ impl Registry {
                 Some(c)
             }
         };
-        let (borrower, token) = match &checked {
-            Some(c) => (c.borrower(), c.token.clone()),
-            None => (new_borrower_id(), Vec::new()),
+        let (borrower, token) = match (&checked, &self.signer) {
+            (Some(c), _) => (c.borrower(), c.token.clone()),
+            (None, Some(signer)) => {
+                let borrower = new_borrower_id();
+                let claims = devlend_fabric::lease_token::LeaseClaims {
+                    lease_id: borrower,
+                    expires_at_ms: now_ms().saturating_add(DIRECT_TOKEN_LIFETIME_MS),
+                    provider: String::new(),
+                    device: req.device.clone(),
+                    consumer: id.to_owned(),
+                };
+                let token = signer
+                    .sign(&claims)
+                    .map_err(|e| RegistryError::BadRequest(format!("cannot sign a token: {e}")))?;
+                (borrower, token.as_bytes().to_vec())
+            }
+            (None, None) => (new_borrower_id(), Vec::new()),
         };
         let mut attachment = Attachment::start(AttachmentConfig {
             id: id.to_owned(),

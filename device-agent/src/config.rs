@@ -203,6 +203,10 @@ pub struct Cli {
     /// listen address, which must then not be a wildcard].
     #[arg(long, value_name = "HOST:PORT")]
     pub advertise: Option<String>,
+    /// Direct mode with authentication: serve only borrowers whose tokens verify with
+    /// this public key (from `devlend keygen`); repeatable. Adds to `auth_keys`.
+    #[arg(long = "auth-key", value_name = "PUBLIC_KEY")]
+    pub auth_keys: Vec<String>,
 }
 
 /// The `[pool]` table: register with a device pool and enforce its leases.
@@ -241,6 +245,8 @@ struct FileConfig {
     log_format: Option<LogFormat>,
     metrics_listen: Option<std::net::SocketAddr>,
     pool: Option<PoolConfig>,
+    #[serde(default)]
+    auth_keys: Vec<String>,
     #[serde(default, rename = "device")]
     devices: Vec<DeviceSpec>,
 }
@@ -260,6 +266,10 @@ pub struct Config {
     /// The pool to register with; `None`: direct mode (unauthenticated).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool: Option<PoolConfig>,
+    /// Direct mode with authentication: the borrowers' public keys (unpadded
+    /// base64url Ed25519, from `devlend keygen`); empty: unauthenticated direct mode.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub auth_keys: Vec<String>,
     /// Devices to lend, with distinct names (file devices first, in file order).
     #[serde(rename = "device")]
     pub devices: Vec<DeviceSpec>,
@@ -349,8 +359,20 @@ impl Config {
                 "--provider and --advertise need a pool (--pool URL or [pool] url)".into(),
             ));
         }
+        let mut auth_keys = file.auth_keys;
+        auth_keys.extend(cli.auth_keys.iter().cloned());
+        for k in &auth_keys {
+            devlend_fabric::lease_token::PublicKey::from_text(k)
+                .map_err(|e| Error::BadPool(format!("auth key {k:?}: {e}")))?;
+        }
+        if pool.is_some() && !auth_keys.is_empty() {
+            return Err(Error::BadPool(
+                "auth keys are for direct mode: with a pool, borrowers present lease tokens".into(),
+            ));
+        }
         Ok(Config {
             pool,
+            auth_keys,
             listen,
             log_level: cli
                 .log_level

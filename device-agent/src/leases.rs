@@ -52,7 +52,7 @@ struct Tracked {
 /// The lease checks of one lender.
 #[derive(Debug)]
 pub struct LeaseGuard {
-    key: PublicKey,
+    keys: Vec<PublicKey>,
     provider: String,
     leases: Mutex<HashMap<[u8; 16], Tracked>>,
 }
@@ -69,8 +69,20 @@ impl LeaseGuard {
     /// A guard that accepts tokens signed by `key` for the provider named `provider`.
     pub fn new(key: PublicKey, provider: &str) -> Self {
         LeaseGuard {
-            key,
+            keys: vec![key],
             provider: provider.to_owned(),
+            leases: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A guard for direct mode with authentication: it accepts tokens that a borrower
+    /// signed itself with one of `keys` (its compute agent's `auth_key_file`), with an
+    /// empty provider. No pool tells it of renewals or releases: a token is good until
+    /// its own expiry.
+    pub fn direct(keys: Vec<PublicKey>) -> Self {
+        LeaseGuard {
+            keys,
+            provider: String::new(),
             leases: Mutex::new(HashMap::new()),
         }
     }
@@ -91,13 +103,18 @@ impl LeaseGuard {
     pub fn admit(&self, hello: &Hello, now_ms: u64) -> Result<[u8; 16], String> {
         if hello.token.is_empty() {
             return Err(
-                "this lender serves leased devices only: the hello carries no lease token".into(),
+                "the hello carries no lease token: this lender serves only borrowers with a pool lease or a key it trusts".into(),
             );
         }
-        let claims = self
-            .key
-            .verify(&LeaseToken::from_bytes(hello.token.clone()))
-            .map_err(|e| format!("lease token refused: {e}"))?;
+        let token = LeaseToken::from_bytes(hello.token.clone());
+        let mut verified = Err(devlend_fabric::lease_token::TokenError::BadSignature);
+        for key in &self.keys {
+            verified = key.verify(&token);
+            if verified.is_ok() {
+                break;
+            }
+        }
+        let claims = verified.map_err(|e| format!("lease token refused: {e}"))?;
         if claims.provider != self.provider {
             return Err(format!(
                 "lease token is for provider {:?}, this lender is {:?}",

@@ -45,8 +45,23 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
             lender.require_leases(session.guard());
             Some(session)
         }
+        None if !config.auth_keys.is_empty() => {
+            let keys = config
+                .auth_keys
+                .iter()
+                .map(|k| devlend_fabric::lease_token::PublicKey::from_text(k))
+                .collect::<Result<Vec<_>, _>>()?;
+            tracing::info!(
+                keys = keys.len(),
+                "direct mode: serving borrowers whose tokens verify with a configured key"
+            );
+            lender.require_leases(std::sync::Arc::new(
+                devlend_device_agent::LeaseGuard::direct(keys),
+            ));
+            None
+        }
         None => {
-            tracing::warn!("no device pool: direct mode, any borrower that reaches the port can attach an idle device (unauthenticated)");
+            tracing::warn!("no device pool and no auth key: direct mode, any borrower that reaches the port can attach an idle device (unauthenticated)");
             None
         }
     };

@@ -137,6 +137,26 @@ impl TokenSigner {
         self.key.to_bytes()
     }
 
+    /// A key from the text form of its seed (unpadded base64url of 32 bytes, as in a
+    /// key file).
+    ///
+    /// # Errors
+    /// [`TokenError::BadKey`] when it is not base64url of 32 bytes.
+    pub fn from_seed_text(text: &str) -> Result<Self, TokenError> {
+        let bytes = URL_SAFE_NO_PAD
+            .decode(text.trim())
+            .map_err(|_| TokenError::BadKey("not base64url"))?;
+        let seed: [u8; 32] = bytes
+            .try_into()
+            .map_err(|_| TokenError::BadKey("not 32 bytes"))?;
+        Ok(Self::from_seed(seed))
+    }
+
+    /// The text form of the seed (unpadded base64url), for a key file.
+    pub fn seed_text(&self) -> String {
+        URL_SAFE_NO_PAD.encode(self.seed())
+    }
+
     /// The key lenders verify tokens with.
     pub fn public_key(&self) -> PublicKey {
         PublicKey(self.key.verifying_key())

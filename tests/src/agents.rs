@@ -274,13 +274,18 @@ impl Borrower {
     /// # Errors
     /// It cannot start or exits.
     pub fn start(dir: &Path) -> Result<Self> {
+        Self::start_with(dir, &[])
+    }
+
+    /// As [`Self::start`], with more arguments (e.g. `--auth-key-file F`).
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start_with(dir: &Path, extra: &[String]) -> Result<Self> {
         let api = dir.join("api.sock");
-        let mut proc = Proc::spawn(
-            "compute-agent",
-            &bin("devlend-compute-agent")?,
-            &["--api".into(), api.display().to_string()],
-            dir,
-        )?;
+        let mut args = vec!["--api".to_owned(), api.display().to_string()];
+        args.extend(extra.iter().cloned());
+        let mut proc = Proc::spawn("compute-agent", &bin("devlend-compute-agent")?, &args, dir)?;
         let probe = api.clone();
         proc.wait_ready("borrower", || {
             std::os::unix::net::UnixStream::connect(&probe).is_ok()
