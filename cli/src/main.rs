@@ -275,6 +275,12 @@ fn run(cli: Cli) -> Result<()> {
             let (lender, device, claimed) = match (lender, device, class) {
                 (Some(l), Some(d), _) => (l, d, None),
                 (_, _, Some(class)) => {
+                    if !(1..=86_400).contains(&lease_ttl) {
+                        bail!("--lease-ttl {lease_ttl} must be 1..=86400 seconds");
+                    }
+                    if !(1..=16).contains(&queues) || reconnect_deadline_s > 3600 {
+                        bail!("--queues must be 1..=16 and --reconnect-deadline at most 3600 s");
+                    }
                     let c = placement::claim(
                         &pool,
                         &placement::Wanted {

@@ -83,6 +83,7 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
             None => "-".to_owned(),
         };
         let state = match (&a.vmm, a.connected) {
+            _ if a.lease_ended => "lease-ended",
             (_, true) => "connected",
             (Some(_), false) => "unplugged",
             (None, false) => "waiting",

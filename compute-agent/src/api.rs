@@ -219,6 +219,10 @@ pub struct AttachmentInfo {
     /// The pool lease it holds the device under, if any.
     #[serde(default)]
     pub lease: Option<uuid::Uuid>,
+    /// The pool answered a renewal that the lease has ended: the device is no longer
+    /// this attachment's (detach it).
+    #[serde(default)]
+    pub lease_ended: bool,
     /// I/O rates over the last seconds (absent until two samples, one second apart).
     #[serde(default)]
     pub rates: Option<Rates>,

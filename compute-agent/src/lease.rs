@@ -6,6 +6,7 @@
 //! lender ends the attachment's sessions. A renewal answered `lease_ended` stops the
 //! renewals and is logged as an error: the attachment has lost its device.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -103,23 +104,26 @@ impl CheckedLease {
             self.lease
         };
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let ended = Arc::new(AtomicBool::new(false));
         let period = Duration::from_millis(lease.ttl_ms / 3).max(MIN_RENEW);
         let thread = {
-            let (client, stop, id, name) = (
+            let (client, stop, ended, id, name) = (
                 self.client.clone(),
                 Arc::clone(&stop),
+                Arc::clone(&ended),
                 lease.id,
                 attachment.to_owned(),
             );
             std::thread::Builder::new()
                 .name(format!("lease-{attachment}"))
-                .spawn(move || renew(&client, id, period, &stop, &name))
+                .spawn(move || renew(&client, id, period, &stop, &ended, &name))
                 .map_err(|e| LeaseError::Bad(format!("cannot start the renewal thread: {e}")))?
         };
         tracing::info!(attachment, lease = %lease.id, expires_at_ms = lease.expires_at_ms, "lease bound");
         Ok(LeaseKeeper {
             client: self.client,
             id: lease.id,
+            ended,
             stop,
             thread: Some(thread),
         })
@@ -131,6 +135,7 @@ fn renew(
     id: Uuid,
     period: Duration,
     stop: &(Mutex<bool>, Condvar),
+    ended: &AtomicBool,
     name: &str,
 ) {
     let (m, cv) = stop;
@@ -161,6 +166,7 @@ fn renew(
                 }
             }
             Err(e) if e.code() == Some("lease_ended") => {
+                ended.store(true, Ordering::Release);
                 tracing::error!(attachment = name, lease = %id, "the lease has ended: the lender will refuse this attachment's sessions");
                 return;
             }
@@ -179,6 +185,7 @@ fn renew(
 pub struct LeaseKeeper {
     client: PoolClient,
     id: Uuid,
+    ended: Arc<AtomicBool>,
     stop: Arc<(Mutex<bool>, Condvar)>,
     thread: Option<JoinHandle<()>>,
 }
@@ -187,6 +194,12 @@ impl LeaseKeeper {
     /// The lease id.
     pub fn id(&self) -> Uuid {
         self.id
+    }
+
+    /// Whether a renewal was answered that the lease has ended (released or expired at
+    /// the pool): the lender refuses the attachment from then on.
+    pub fn ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
     }
 
     fn stop_renewing(&mut self) {

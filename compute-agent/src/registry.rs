@@ -46,16 +46,7 @@ pub enum VmmError {
     CloudHypervisor(#[source] ChError),
 }
 
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
+use devlend_fabric::error::chain;
 
 struct Entry {
     request: AttachRequest,
@@ -119,6 +110,7 @@ fn info(e: &Entry) -> AttachmentInfo {
         connected: e.attachment.connected(),
         vmm: e.plug.clone(),
         lease: e.lease.as_ref().map(LeaseKeeper::id),
+        lease_ended: e.lease.as_ref().is_some_and(LeaseKeeper::ended),
         rates: None,
         counters: e.attachment.stats().into(),
     }

@@ -346,6 +346,13 @@ impl Config {
             if p.provider.is_none() {
                 p.provider = Some(host_name());
             }
+            if let Some(a) = &p.advertise {
+                if a.starts_with("0.0.0.0:") || a.starts_with("[::]:") || !a.contains(':') {
+                    return Err(Error::BadPool(format!(
+                        "advertise address {a} must be HOST:PORT that borrowers can reach, not a wildcard"
+                    )));
+                }
+            }
             if p.advertise.is_none() {
                 if listen.starts_with("0.0.0.0:") || listen.starts_with("[::]:") {
                     return Err(Error::BadPool(format!(

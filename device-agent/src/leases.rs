@@ -18,7 +18,15 @@ use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use devlend_fabric::lease_token::{LeaseToken, PublicKey};
-use devlend_fabric::Hello;
+use devlend_fabric::{Hello, HelloStatus};
+
+/// The outcome of a failed check.
+enum Check {
+    /// Past the token's expiry, no word from the pool yet.
+    Unconfirmed(String),
+    /// For good.
+    Refused(String),
+}
 
 /// How often the lender checks the leases of its open sessions.
 pub const SWEEP_INTERVAL: Duration = Duration::from_millis(250);
@@ -45,6 +53,8 @@ struct Tracked {
     /// since the epoch. The lease existed at the pool by then, so any heartbeat asked
     /// later that does not list it proves it ended.
     known_since_ms: u64,
+    /// A heartbeat answer has listed it (its expiry is the pool's, not the token's).
+    listed: bool,
     /// Released, or gone from the pool's answers: refused for good.
     ended: bool,
 }
@@ -98,13 +108,22 @@ impl LeaseGuard {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Checks the token of `hello` at `now_ms`. Returns the lease id, or the reason for
-    /// refusal (sent to the borrower with status `Denied`).
-    pub fn admit(&self, hello: &Hello, now_ms: u64) -> Result<[u8; 16], String> {
+    /// Checks the token of `hello` at `now_ms`. Returns the lease id, or the refusal:
+    /// `Busy` (retry) for a token past its own expiry whose lease the pool has not
+    /// listed yet (a renewal may be on its way: a lender that just restarted), `Denied`
+    /// for everything else.
+    pub fn admit(&self, hello: &Hello, now_ms: u64) -> Result<[u8; 16], (HelloStatus, String)> {
+        self.check(hello, now_ms).map_err(|r| match r {
+            Check::Unconfirmed(m) => (HelloStatus::Busy, m),
+            Check::Refused(m) => (HelloStatus::Denied, m),
+        })
+    }
+
+    fn check(&self, hello: &Hello, now_ms: u64) -> Result<[u8; 16], Check> {
         if hello.token.is_empty() {
-            return Err(
+            return Err(Check::Refused(
                 "the hello carries no lease token: this lender serves only borrowers with a pool lease or a key it trusts".into(),
-            );
+            ));
         }
         let token = LeaseToken::from_bytes(hello.token.clone());
         let mut verified = Err(devlend_fabric::lease_token::TokenError::BadSignature);
@@ -114,37 +133,46 @@ impl LeaseGuard {
                 break;
             }
         }
-        let claims = verified.map_err(|e| format!("lease token refused: {e}"))?;
+        let claims = verified.map_err(|e| Check::Refused(format!("lease token refused: {e}")))?;
         if claims.provider != self.provider {
-            return Err(format!(
+            return Err(Check::Refused(format!(
                 "lease token is for provider {:?}, this lender is {:?}",
                 claims.provider, self.provider
-            ));
+            )));
         }
         if claims.device != hello.device {
-            return Err(format!(
+            return Err(Check::Refused(format!(
                 "lease token is for device {:?}, not {:?}",
                 claims.device, hello.device
-            ));
+            )));
         }
         if claims.lease_id != hello.borrower {
-            return Err("the hello's borrower identity is not the token's lease id".into());
+            return Err(Check::Refused(
+                "the hello's borrower identity is not the token's lease id".into(),
+            ));
         }
         let mut leases = self.leases();
         let t = leases.entry(claims.lease_id).or_insert_with(|| Tracked {
             device: claims.device.clone(),
             expires_at_ms: claims.expires_at_ms,
             known_since_ms: now_ms,
+            listed: false,
             ended: false,
         });
         if t.ended {
-            return Err("the lease has ended (released or expired)".into());
+            return Err(Check::Refused(
+                "the lease has ended (released or expired)".into(),
+            ));
         }
         if t.expires_at_ms <= now_ms {
-            return Err(format!(
-                "the lease expired {} ms ago",
-                now_ms - t.expires_at_ms
-            ));
+            let m = format!("the lease expired {} ms ago", now_ms - t.expires_at_ms);
+            return Err(if t.listed || self.provider.is_empty() {
+                Check::Refused(m)
+            } else {
+                Check::Unconfirmed(format!(
+                    "{m} by its token; the pool has not confirmed a renewal yet, retry"
+                ))
+            });
         }
         Ok(claims.lease_id)
     }
@@ -166,10 +194,12 @@ impl LeaseGuard {
                 device: l.device.clone(),
                 expires_at_ms: l.expires_at_ms,
                 known_since_ms: asked_at_ms,
+                listed: true,
                 ended: false,
             });
             if !t.ended {
                 t.expires_at_ms = l.expires_at_ms;
+                t.listed = true;
             }
         }
         for (id, t) in leases.iter_mut() {
@@ -257,6 +287,6 @@ mod tests {
         // Known before the heartbeat was asked, not listed: released.
         g.update_from_pool(&[], 1300);
         assert!(!g.is_live(&[9; 16], 1300));
-        assert!(g.admit(&h, 1300).unwrap_err().contains("ended"));
+        assert!(g.admit(&h, 1300).unwrap_err().1.contains("ended"));
     }
 }

@@ -65,12 +65,12 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
             None
         }
     };
-    let inventory = lender.inventory_view();
+    // Registered, and the live leases known, before the first session is served.
+    let link = pool
+        .map(|session| PoolLink::start(session, lender.inventory_view()))
+        .transpose()?;
     let addr = lender.local_addr();
     let handle = lender.spawn();
-    let link = pool
-        .map(|session| PoolLink::start(session, inventory))
-        .transpose()?;
     devlend_daemon::notify::ready(&format!("lending on {addr}"));
     for sig in signals.forever() {
         if sig != SIGHUP {

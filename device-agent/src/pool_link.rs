@@ -11,6 +11,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use devlend_fabric::error::chain;
 use devlend_fabric::lease_token::PublicKey;
 use devlend_pool::api::{DeviceSpec as PoolDevice, RegisterProvider};
 use devlend_pool::client::{ClientError, PoolClient};
@@ -122,16 +123,36 @@ pub struct PoolLink {
 }
 
 impl PoolLink {
-    /// Registers the lender's devices and heartbeats every interval on a new thread.
+    /// Registers the lender's devices and takes the pool's list of live leases once,
+    /// before the lender serves (so that a restarted lender knows the renewed expiries
+    /// of the leases its borrowers come back with), then heartbeats every interval on a
+    /// new thread.
     ///
     /// # Errors
-    /// [`Error::Thread`] when the thread cannot start.
+    /// [`Error::Pool`] when the pool refuses the registration (a bad provider name or
+    /// address: it names the reason); [`Error::Thread`] when the thread cannot start. An
+    /// unreachable pool is not an error here: the thread keeps trying.
     pub fn start(session: PoolSession, inventory: InventoryView) -> Result<PoolLink, Error> {
+        let mut registered = false;
+        match exchange(&session, &inventory, &mut registered) {
+            Ok(()) => {}
+            Err(ClientError::Api {
+                status, message, ..
+            }) if (400..500).contains(&status) && status != 404 => {
+                return Err(Error::Pool {
+                    url: session.config.url.clone(),
+                    reason: format!("it refuses this lender's registration: {message}"),
+                });
+            }
+            Err(e) => {
+                tracing::warn!(provider = %session.provider, error = %chain(&e), "device pool not reachable yet; retrying every heartbeat");
+            }
+        }
         let control = Arc::new((Mutex::new(Control::default()), Condvar::new()));
         let c = Arc::clone(&control);
         let thread = std::thread::Builder::new()
             .name("dl-pool".into())
-            .spawn(move || run(&session, &inventory, &c))
+            .spawn(move || run(&session, &inventory, registered, &c))
             .map_err(Error::Thread)?;
         Ok(PoolLink {
             control,
@@ -167,17 +188,6 @@ impl Drop for PoolLink {
     }
 }
 
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 fn registration(s: &PoolSession, inventory: &InventoryView) -> RegisterProvider {
     RegisterProvider {
         fabric_address: s.advertise.clone(),
@@ -196,35 +206,79 @@ fn registration(s: &PoolSession, inventory: &InventoryView) -> RegisterProvider 
     }
 }
 
-fn run(s: &PoolSession, inventory: &InventoryView, control: &(Mutex<Control>, Condvar)) {
-    let interval = Duration::from_millis(s.config.heartbeat_interval_ms);
-    let mut registered = false;
-    let mut last_log: Option<Instant> = None;
-    let mut failing = false;
-    loop {
-        let asked_at = leases::now_ms();
-        let result = if registered {
-            s.client.provider_heartbeat(&s.provider).map(|hb| {
-                let live: Vec<PoolLease> = hb
-                    .leases
-                    .iter()
-                    .map(|l| PoolLease {
-                        id: *l.id.as_bytes(),
-                        device: l.device.clone(),
-                        expires_at_ms: l.expires_at_ms,
-                    })
-                    .collect();
-                s.guard.update_from_pool(&live, asked_at);
-            })
-        } else {
-            s.client
-                .register_provider(&s.provider, &registration(s, inventory))
-                .map(|p| {
-                    tracing::info!(provider = %s.provider, devices = p.devices.len(), generation = p.generation, "registered with the device pool");
-                    registered = true;
+/// One exchange with the pool: registers if not registered, then heartbeats and hands
+/// the live leases to the guard. A heartbeat answered `unknown_provider` clears
+/// `registered`, so the next exchange registers again.
+fn exchange(
+    s: &PoolSession,
+    inventory: &InventoryView,
+    registered: &mut bool,
+) -> Result<(), ClientError> {
+    if !*registered {
+        let p = s
+            .client
+            .register_provider(&s.provider, &registration(s, inventory))?;
+        tracing::info!(provider = %s.provider, devices = p.devices.len(), generation = p.generation, "registered with the device pool");
+        *registered = true;
+    }
+    let asked_at = leases::now_ms();
+    match s.client.provider_heartbeat(&s.provider) {
+        Ok(hb) => {
+            let live: Vec<PoolLease> = hb
+                .leases
+                .iter()
+                .map(|l| PoolLease {
+                    id: *l.id.as_bytes(),
+                    device: l.device.clone(),
+                    expires_at_ms: l.expires_at_ms,
                 })
-        };
-        match result {
+                .collect();
+            s.guard.update_from_pool(&live, asked_at);
+            Ok(())
+        }
+        Err(e) => {
+            if e.code() == Some("unknown_provider") {
+                tracing::info!(provider = %s.provider, "the pool does not know this lender; registering again");
+                *registered = false;
+            }
+            Err(e)
+        }
+    }
+}
+
+fn run(
+    s: &PoolSession,
+    inventory: &InventoryView,
+    mut registered: bool,
+    control: &(Mutex<Control>, Condvar),
+) {
+    let interval = Duration::from_millis(s.config.heartbeat_interval_ms);
+    let mut last_log: Option<Instant> = None;
+    let mut failing = !registered;
+    loop {
+        let (m, cv) = control;
+        {
+            let mut c = m.lock().unwrap_or_else(PoisonError::into_inner);
+            let deadline = Instant::now() + interval;
+            while !c.stop && !c.reregister {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                c = cv
+                    .wait_timeout(c, left)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+            if c.stop {
+                return;
+            }
+            if c.reregister {
+                c.reregister = false;
+                registered = false;
+            }
+        }
+        match exchange(s, inventory, &mut registered) {
             Ok(()) => {
                 if failing {
                     tracing::info!(provider = %s.provider, "device pool reachable again");
@@ -232,9 +286,10 @@ fn run(s: &PoolSession, inventory: &InventoryView, control: &(Mutex<Control>, Co
                 }
             }
             Err(e) if e.code() == Some("unknown_provider") => {
-                tracing::info!(provider = %s.provider, "the pool does not know this lender; registering again");
-                registered = false;
-                continue;
+                // Registers again at once.
+                if exchange(s, inventory, &mut registered).is_err() {
+                    failing = true;
+                }
             }
             Err(e) => {
                 failing = true;
@@ -243,26 +298,6 @@ fn run(s: &PoolSession, inventory: &InventoryView, control: &(Mutex<Control>, Co
                     last_log = Some(Instant::now());
                 }
             }
-        }
-        let (m, cv) = control;
-        let mut c = m.lock().unwrap_or_else(PoisonError::into_inner);
-        let deadline = Instant::now() + interval;
-        while !c.stop && !c.reregister {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            c = cv
-                .wait_timeout(c, left)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
-        if c.stop {
-            return;
-        }
-        if c.reregister {
-            c.reregister = false;
-            registered = false;
         }
     }
 }

@@ -2,7 +2,6 @@
 
 use std::io;
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError, PROTOCOL_VERSION};
@@ -106,9 +105,9 @@ fn handshake<'s>(
     if let Some(guard) = shared.leases.get() {
         match guard.admit(&hello, crate::leases::now_ms()) {
             Ok(lease) => shared.set_session_lease(id, lease),
-            Err(reason) => {
+            Err((status, reason)) => {
                 tracing::warn!(%peer, device = %hello.device, %reason, "lease check failed");
-                return refuse(HelloStatus::Denied, reason);
+                return refuse(status, reason);
             }
         }
     }
@@ -165,28 +164,13 @@ fn handshake<'s>(
 /// borrower vanished without a FIN or RST ends within about two minutes instead of
 /// waiting for a request forever.
 fn set_keepalive(sock: &TcpStream) -> io::Result<()> {
-    let fd = sock.as_raw_fd();
-    for (level, name, value) in [
-        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 60),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 6),
-    ] {
-        let value: libc::c_int = value;
-        // SAFETY: `fd` is an open socket for the duration of the call, and the option
-        // value points to a live c_int whose size is passed along.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                (&value as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
+    devlend_fabric::tcp::set_int_options(
+        sock,
+        &[
+            (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+            (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 60),
+            (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
+            (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 6),
+        ],
+    )
 }

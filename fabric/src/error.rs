@@ -53,3 +53,16 @@ impl From<io::Error> for WireError {
         WireError::Io(e)
     }
 }
+
+/// An error and its chain of sources on one line, `outer: inner: innermost`, for logs
+/// and messages.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}

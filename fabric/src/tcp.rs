@@ -147,21 +147,34 @@ pub const USER_TIMEOUT_MS: u32 = 15_000;
 /// instead of TCP's default of minutes; a shorter outage is ridden out by TCP's own
 /// retransmissions.
 fn set_liveness(sock: &TcpStream) -> io::Result<()> {
+    let (idle, intvl, cnt) = KEEPALIVE;
+    set_int_options(
+        sock,
+        &[
+            (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+            (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle as libc::c_int),
+            (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, intvl as libc::c_int),
+            (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, cnt as libc::c_int),
+            (
+                libc::IPPROTO_TCP,
+                libc::TCP_USER_TIMEOUT,
+                USER_TIMEOUT_MS as libc::c_int,
+            ),
+        ],
+    )
+}
+
+/// Sets integer socket options, `(level, name, value)` each (`setsockopt(2)`), in order.
+///
+/// # Errors
+/// The first option the kernel refuses.
+pub fn set_int_options(
+    sock: &TcpStream,
+    options: &[(libc::c_int, libc::c_int, libc::c_int)],
+) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     let fd = sock.as_raw_fd();
-    let (idle, intvl, cnt) = KEEPALIVE;
-    for (level, name, value) in [
-        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle as libc::c_int),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, intvl as libc::c_int),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, cnt as libc::c_int),
-        (
-            libc::IPPROTO_TCP,
-            libc::TCP_USER_TIMEOUT,
-            USER_TIMEOUT_MS as libc::c_int,
-        ),
-    ] {
-        let value: libc::c_int = value;
+    for &(level, name, value) in options {
         // SAFETY: `fd` is an open socket for the duration of the call, and the option
         // value points to a live c_int whose size is passed along.
         let rc = unsafe {

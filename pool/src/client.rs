@@ -21,8 +21,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Why a pool request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The base URL is not an `http://` or `https://` URL.
-    #[error("bad pool URL {url:?}")]
+    /// The base URL is not an `http://HOST:PORT` URL (this build has no TLS).
+    #[error("bad pool URL {url:?}: expected http://HOST:PORT (https is not supported)")]
     BadUrl {
         /// The URL given.
         url: String,
@@ -86,7 +86,8 @@ impl PoolClient {
     /// [`DEFAULT_TIMEOUT`].
     ///
     /// # Errors
-    /// [`ClientError::BadUrl`] when `base_url` is not an http(s) URL;
+    /// [`ClientError::BadUrl`] when `base_url` is not an `http://` URL (no TLS in this
+    /// build, so `https://` is refused too);
     /// [`ClientError::Transport`] when the HTTP client cannot be built.
     pub fn new(base_url: &str) -> Result<Self, ClientError> {
         Self::with_timeout(base_url, DEFAULT_TIMEOUT)
@@ -101,7 +102,7 @@ impl PoolClient {
             url: base_url.to_string(),
         };
         let mut base = Url::parse(base_url).map_err(|_| bad())?;
-        if !matches!(base.scheme(), "http" | "https") || base.cannot_be_a_base() {
+        if base.scheme() != "http" || base.cannot_be_a_base() || base.host().is_none() {
             return Err(bad());
         }
         if !base.path().ends_with('/') {

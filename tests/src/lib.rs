@@ -8,3 +8,12 @@ pub mod agents;
 pub mod netns;
 pub use devlend_qemu::guest;
 pub mod storage_daemon;
+
+/// SHA-256 of `data`, lower-case hex.
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}

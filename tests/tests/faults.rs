@@ -306,3 +306,22 @@ fn a_cut_longer_than_the_deadline_fails_with_ioerr_then_recovers() {
     let c = counters(&borrower);
     assert!(c["errors_fabric"].as_u64().unwrap() > 0, "{c}");
 }
+
+#[test]
+fn detach_returns_within_seconds_while_the_lender_hangs() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk0.img");
+    sparse_file(&img, DISK).unwrap();
+    let lender = Lender::start(dir.path(), &[format!("disk0={}", img.display())]).unwrap();
+    let borrower = Borrower::start(dir.path()).unwrap();
+    let sock = dir.path().join("disk0.sock");
+    borrower.attach(&lender.addr, "disk0", &sock, 1).unwrap();
+    lender.proc.signal(libc::SIGSTOP);
+    let t = Instant::now();
+    let out = borrower.cli(&["detach", &sock.display().to_string()]);
+    let took = t.elapsed();
+    lender.proc.signal(libc::SIGCONT);
+    assert!(out.unwrap().status.success());
+    assert!(took < Duration::from_secs(10), "detach took {took:?}");
+    assert!(!sock.exists());
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use devlend_tests::agents::{sparse_file, Borrower, Lender};
 use devlend_tests::guest::Guest;
-use sha2::{Digest, Sha256};
+use devlend_tests::sha256_hex;
 
 const MIB: usize = 1 << 20;
 const DISK_BYTES: u64 = 64 << 20;
@@ -28,13 +28,6 @@ echo "DEVLEND-RESULT written_sha256=$(sha256sum /tmp/p | cut -d' ' -f1)"
 echo 3 > /proc/sys/vm/drop_caches
 echo "DEVLEND-RESULT readback_sha256=$(dd if=/dev/vda bs=1M skip=4 count=2 2>/dev/null | sha256sum | cut -d' ' -f1)"
 "#;
-
-fn sha256_hex(data: &[u8]) -> String {
-    Sha256::digest(data)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
 
 #[test]
 fn a_guest_reads_and_writes_a_lent_disk() -> Result<()> {

@@ -9,8 +9,8 @@ use anyhow::{bail, Result};
 use devlend_compute_agent::vmm::qmp::Qmp;
 use devlend_tests::agents::{free_port, sparse_file, Borrower, Lender};
 use devlend_tests::guest::Guest;
+use devlend_tests::sha256_hex;
 use rand::{Rng, SeedableRng};
-use sha2::{Digest, Sha256};
 
 const MIB: usize = 1 << 20;
 const DISK_BYTES: u64 = 64 << 20;
@@ -50,13 +50,6 @@ printf 'DEVLEND-PH1\n' | dd of=/dev/vda bs=1M seek=63 conv=fsync 2>/dev/null
 echo "DEVLEND-RESULT phase1=done"
 sleep 600
 "#;
-
-fn sha256_hex(data: &[u8]) -> String {
-    Sha256::digest(data)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
 
 #[test]
 fn a_guest_rides_out_lender_kills_and_finds_its_data_after_a_reset() -> Result<()> {

@@ -10,8 +10,8 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use devlend_tests::agents::{sparse_file, Borrower, Lender};
 use devlend_tests::guest::Guest;
+use devlend_tests::sha256_hex;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 const MIB: usize = 1 << 20;
 const DISK_BYTES: u64 = 32 << 20;
@@ -46,13 +46,6 @@ i=0
 while [ -e /sys/block/vda ]; do sleep 0.1; i=$((i+1)); [ $i -lt 3000 ] || exit 4; done
 echo "DEVLEND-PHASE gone2"
 "#;
-
-fn sha256_hex(data: &[u8]) -> String {
-    Sha256::digest(data)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
 
 fn attach_live(
     b: &Borrower,

@@ -26,6 +26,7 @@ struct Rig {
     pool: Pool,
     client: PoolClient,
     lender: Lender,
+    config: PathBuf,
 }
 
 /// A pool and a lender registered with it, lending disk0 (64 MiB, NUMA_0) and disk1
@@ -74,6 +75,7 @@ path = "{d}/disk1.img"
         pool,
         client,
         lender,
+        config,
     };
     r.wait_for("both devices registered and available", |c| {
         let d = c.devices(&DeviceQuery::default()).unwrap_or_default();
@@ -120,6 +122,19 @@ impl Rig {
                 ..LeaseRequest::default()
             })
             .unwrap()
+    }
+
+    /// Kills the lender with SIGKILL and starts it again with the same configuration.
+    fn restart_lender(&mut self) {
+        self.lender.proc.kill_hard();
+        let addr = self.lender.addr.clone();
+        self.lender = Lender::start_with(
+            self.dir.path(),
+            &addr,
+            &[],
+            &["--config".into(), self.config.display().to_string()],
+        )
+        .unwrap();
     }
 
     fn sock(&self, name: &str) -> PathBuf {
@@ -405,4 +420,29 @@ fn a_lender_that_stops_heartbeating_drops_out_of_placement_and_returns() {
     });
     let g = r.client.create_lease(&want).unwrap();
     assert_eq!(g.lease.provider, PROVIDER);
+}
+
+#[test]
+fn a_lender_restart_in_pool_mode_is_a_delay_even_past_the_token_expiry() {
+    let mut r = rig();
+    let b = Borrower::start(r.dir.path()).unwrap();
+    let sock = r.sock("a");
+    // A 2 s lease: by the restart the token's own expiry has long passed, and only the
+    // renewals the pool recorded keep it alive.
+    let out = attach_by_class(&b, &r, &sock, &["--lease-ttl", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut c = BlkClient::connect(&sock, 1, 4 * MIB as usize).unwrap();
+    assert_eq!(write_read(&mut c, 1), vec![0, 0]);
+    std::thread::sleep(Duration::from_secs(4));
+    for round in 0..3u8 {
+        r.restart_lender();
+        assert_eq!(write_read(&mut c, 10 + round), vec![0, 0], "round {round}");
+    }
+    let status = b.cli_json(&["status"]).unwrap();
+    assert_eq!(status[0]["counters"]["errors"], 0, "{status}");
+    assert_eq!(status[0]["lease_ended"], false);
 }

@@ -316,6 +316,8 @@ pub struct QueueEngine {
     lost_at: Option<Instant>,
     /// How long requests wait for a lost session before they fail.
     deadline: Duration,
+    /// When requests were last failed at the deadline (for the log's rate limit).
+    give_up_logged: Option<Instant>,
     /// Wakes the worker for the next reconnect attempt.
     timer: Option<RetryTimer>,
 }
@@ -382,6 +384,7 @@ impl QueueEngine {
             failure_logged: None,
             lost_at: None,
             deadline: DEFAULT_RECONNECT_DEADLINE,
+            give_up_logged: None,
             timer: match RetryTimer::new() {
                 Ok(t) => Some(t),
                 Err(e) => {
@@ -666,17 +669,6 @@ impl QueueEngine {
         let now = Instant::now();
         let lost = *self.lost_at.get_or_insert(now);
         let give_up = lost + self.deadline;
-        if now >= give_up {
-            tracing::error!(
-                attachment = %self.name,
-                queue = self.index,
-                lender = %self.target.addr,
-                inflight = self.inflight,
-                deadline_s = self.deadline.as_secs_f64(),
-                "fabric session not back within the deadline; failing the waiting requests with IOERR",
-            );
-            return self.give_up(queue, mem);
-        }
         match self.reconnect() {
             Reconnect::Connected => {
                 self.lost_at = None;
@@ -687,6 +679,23 @@ impl QueueEngine {
                 self.flush_tx(queue, mem)
             }
             Reconnect::Refused => self.give_up(queue, mem),
+            Reconnect::Later if now >= give_up => {
+                if self
+                    .give_up_logged
+                    .is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_EVERY)
+                {
+                    self.give_up_logged = Some(now);
+                    tracing::error!(
+                        attachment = %self.name,
+                        queue = self.index,
+                        lender = %self.target.addr,
+                        inflight = self.inflight,
+                        deadline_s = self.deadline.as_secs_f64(),
+                        "fabric session not back within the deadline; failing the waiting requests with IOERR (logged at most every 10 s)",
+                    );
+                }
+                self.give_up(queue, mem)
+            }
             Reconnect::Later => {
                 let next = self.retry_at.unwrap_or(now + RETRY_MIN).min(give_up);
                 if let Some(t) = self.timer.as_mut() {

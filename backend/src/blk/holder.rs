@@ -87,10 +87,20 @@ impl Holder {
     pub fn release(&mut self) {
         self.stop.store(true, Ordering::Release);
         if let Some(s) = lock(&self.current).as_ref() {
-            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
             let _ = s.shutdown(Shutdown::Write);
         }
         if let Some(t) = self.thread.take() {
+            // A hung lender never closes its side: stop waiting for it after 2 s (a
+            // read already blocked ignores a receive timeout set now, so end it).
+            let deadline = std::time::Instant::now() + Duration::from_secs(2);
+            while !t.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if !t.is_finished() {
+                if let Some(s) = lock(&self.current).as_ref() {
+                    let _ = s.shutdown(Shutdown::Read);
+                }
+            }
             let _ = t.join();
         }
     }
