@@ -254,7 +254,11 @@ pub fn leases_table(leases: &[Lease], now_ms: u64) -> String {
                 l.provider.clone(),
                 l.device.clone(),
                 l.state.as_str().into(),
-                in_secs(l.expires_at_ms, now_ms),
+                if l.state.is_live() {
+                    in_secs(l.expires_at_ms, now_ms)
+                } else {
+                    "-".into()
+                },
                 l.generation.to_string(),
             ]
         })

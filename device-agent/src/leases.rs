@@ -212,9 +212,17 @@ impl LeaseGuard {
     }
 }
 
-/// Lower-case hex of a lease id.
+/// A lease id as the pool and the CLI write it: a dashed lower-case UUID.
 pub fn hex(id: &[u8; 16]) -> String {
-    id.iter().map(|b| format!("{b:02x}")).collect()
+    let h: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    )
 }
 
 #[cfg(test)]

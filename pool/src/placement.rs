@@ -76,8 +76,9 @@ pub enum NoPlacement {
     },
     /// Devices of the class, none large enough.
     #[error(
-        "no {class} device has at least {min_capacity_bytes} bytes: \
-         {count} of that class, the largest has {largest_bytes} bytes"
+        "no {class} device has at least {}: {count} of that class, the largest has {}",
+        size(*min_capacity_bytes),
+        size(*largest_bytes)
     )]
     TooSmall {
         /// Class asked for.
@@ -91,8 +92,9 @@ pub enum NoPlacement {
     },
     /// Devices of the class and size, none with every wanted trait.
     #[error(
-        "none of the {count} {class} devices of at least {min_capacity_bytes} bytes has \
-         all of {wanted:?}; missing on every one of them: {missing:?}"
+        "none of the {count} {class} device(s){} has all of {wanted:?}; missing on every \
+         one of them: {missing:?}",
+        at_least(*min_capacity_bytes)
     )]
     NoDeviceWithTraits {
         /// Class asked for.
@@ -109,7 +111,7 @@ pub enum NoPlacement {
     },
     /// Every matching device on a live provider is leased.
     #[error(
-        "all {leased} matching devices on available providers are leased \
+        "all {leased} matching device(s) on available providers are leased \
          ({unavailable} more on unavailable providers)"
     )]
     AllLeased {
@@ -120,13 +122,37 @@ pub enum NoPlacement {
     },
     /// Matching devices exist only on unavailable providers.
     #[error(
-        "the {unavailable} matching devices are all on providers that stopped \
+        "the {unavailable} matching device(s) are all on providers that stopped \
          heartbeating (or no longer list them)"
     )]
     ProvidersUnavailable {
         /// Matching devices on unavailable providers.
         unavailable: usize,
     },
+}
+
+/// A size for people, with the exact bytes: `2.0 GiB (2147483648 bytes)`.
+fn size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut v = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {} ({bytes} bytes)", UNITS[unit])
+}
+
+/// ` of at least SIZE`, or nothing when no size was asked for.
+fn at_least(bytes: u64) -> String {
+    if bytes == 0 {
+        String::new()
+    } else {
+        format!(" of at least {}", size(bytes))
+    }
 }
 
 impl NoPlacement {
@@ -293,6 +319,15 @@ mod tests {
         assert_eq!(names(&place(&w, &cands).unwrap()), ["a/d1", "a/d2", "a/d0"]);
         w.numa_node = None;
         assert_eq!(names(&place(&w, &cands).unwrap()), ["a/d0", "a/d1", "a/d2"]);
+    }
+
+    #[test]
+    fn sizes_read_for_people_with_the_exact_bytes() {
+        assert_eq!(size(1000), "1000 bytes");
+        assert_eq!(size(2 << 30), "2.0 GiB (2147483648 bytes)");
+        assert_eq!(size(1536 << 20), "1.5 GiB (1610612736 bytes)");
+        assert_eq!(at_least(0), "");
+        assert_eq!(at_least(1 << 20), " of at least 1.0 MiB (1048576 bytes)");
     }
 
     #[test]
