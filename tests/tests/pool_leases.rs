@@ -364,7 +364,13 @@ fn an_ended_lease_ends_its_sessions() {
     // 2. Release by the pool while a borrower uses the device: its I/O stops.
     let bw = Borrower::start(r.dir.path()).unwrap();
     let sock = r.sock("a");
-    let out = attach_by_class(&bw, &r, &sock, &["--min-capacity", "32M"]);
+    // A 3 s lease, renewed every second: the agent learns soon that it ended.
+    let out = attach_by_class(
+        &bw,
+        &r,
+        &sock,
+        &["--min-capacity", "32M", "--lease-ttl", "3"],
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -391,6 +397,17 @@ fn an_ended_lease_ends_its_sessions() {
     }
     let log = r.lender.proc.log();
     assert!(log.contains("lease ended"), "{log}");
+    // The compute agent shows it: its next renewal was told the lease has ended.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while bw.cli_json(&["status"]).unwrap()[0]["lease_ended"] != true {
+        assert!(
+            Instant::now() < deadline,
+            "status never showed the ended lease"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let table = String::from_utf8(bw.cli(&["status"]).unwrap().stdout).unwrap();
+    assert!(table.contains("lease-ended"), "{table}");
 }
 
 #[test]

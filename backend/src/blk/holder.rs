@@ -144,7 +144,7 @@ fn watch(
                             status: HelloStatus::Busy,
                             ..
                         } => {
-                            tracing::error!(attachment = %name, error = %DisplayChain(&e), "the device was taken by another borrower while the lender was away");
+                            tracing::warn!(attachment = %name, error = %DisplayChain(&e), "the lender answers busy (another borrower holds the device, or it awaits word from the pool); retrying");
                         }
                         ConnectError::Refused {
                             status: HelloStatus::Denied,
