@@ -513,9 +513,17 @@ fn run(cli: Cli) -> Result<()> {
             let command = std::env::args().collect::<Vec<_>>().join(" ");
             let out = devlend_cli::bench::run(&opts, command)?;
             if json {
-                return print_json(&out);
+                print_json(&out)?;
+            } else {
+                print!("{}", out.table());
             }
-            print!("{}", out.table());
+            // A measurement with failed requests is not one: say so in the exit status.
+            if out.errors() > 0 {
+                bail!(
+                    "{} requests completed with an error: the figures above are not valid",
+                    out.errors()
+                );
+            }
         }
         Cmd::Pool { cmd } => devlend_cli::pool_cmd::run(cmd)?,
         Cmd::Demo {

@@ -73,6 +73,19 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Requests that completed with an error status, over every run.
+    pub fn errors(&self) -> u64 {
+        match self {
+            Outcome::Single(r) => r.figures.errors,
+            Outcome::Peers(p) => p
+                .cells
+                .iter()
+                .flat_map(|c| &c.runs)
+                .map(|r| r.figures.errors)
+                .sum(),
+        }
+    }
+
     /// The human-readable table.
     pub fn table(&self) -> String {
         match self {
