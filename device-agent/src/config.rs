@@ -562,6 +562,35 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_config_parses_with_and_without_its_commented_pool() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../contrib/systemd/device-agent.toml.example");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let f = Config::parse_file(&path, &text).unwrap();
+        assert!(f.pool.is_none() && f.devices.len() == 2);
+        // Uncomment the [pool] table (not auth_keys: the two modes exclude each other).
+        let pool: String = text
+            .lines()
+            .map(|l| match l.strip_prefix("# ") {
+                Some(rest)
+                    if rest.starts_with("[pool]")
+                        || ["url", "provider", "advertise", "heartbeat"]
+                            .iter()
+                            .any(|k| rest.starts_with(k)) =>
+                {
+                    rest.to_owned()
+                }
+                _ => l.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let f = Config::parse_file(&path, &pool).unwrap();
+        let p = f.pool.expect("the [pool] table");
+        assert_eq!(p.url, "http://pool.example:7400");
+        assert_eq!(p.advertise.as_deref(), Some("devsrv-01:7700"));
+    }
+
+    #[test]
     fn file_refuses_unknown_keys_naming_file_and_key() {
         let f = write_config(
             "listen = \"[::]:1\"\n[[device]]\nname = \"d\"\npath = \"/x\"\nreadonly = true\n",
