@@ -188,3 +188,50 @@ fn busy_poll_mode_moves_data_intact() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("poll"));
 }
+
+#[test]
+fn bench_fails_when_requests_fail() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk0.img");
+    sparse_file(&img, 16 * MIB).unwrap();
+    let mut lender = Lender::start(dir.path(), &[format!("disk0={}", img.display())]).unwrap();
+    let borrower = Borrower::start(dir.path()).unwrap();
+    let sock = dir.path().join("disk0.sock");
+    let s = sock.display().to_string();
+    borrower
+        .cli_json(&[
+            "attach",
+            "--lender",
+            &lender.addr,
+            "--device",
+            "disk0",
+            "--socket",
+            &s,
+            "--reconnect-deadline",
+            "0",
+        ])
+        .unwrap();
+    // No lender, and no waiting for one: every request fails.
+    lender.proc.kill_hard();
+    let out = Command::new(bin("devlend").unwrap())
+        .args([
+            "bench",
+            "--socket",
+            &s,
+            "--rw",
+            "randread",
+            "--iodepth",
+            "1",
+        ])
+        .args(["--runtime", "0.5", "--ramp", "0", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "bench exited 0 with every request failed"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("completed with an error"), "{err}");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(f(&r, &["figures", "errors"]) > 0.0, "{r}");
+}
