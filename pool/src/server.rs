@@ -47,7 +47,7 @@ impl Default for ServerConfig {
 impl ServerConfig {
     /// The database URL to connect to: `database`, with `?mode=rwc` added to a SQLite
     /// file URL without options (so the file is created), or the data directory's
-    /// `pool.db`, creating the directory.
+    /// `pool.db`, creating the directory (0700) and the file (0600).
     ///
     /// # Errors
     /// [`Error::Io`] when the data directory cannot be created.
@@ -77,6 +77,24 @@ impl ServerConfig {
                         )
                     })?;
                 let path = self.data_dir.join(DATABASE_FILE);
+                // Created here, 0600, so that SQLite (which gives its WAL and shared
+                // memory files the database file's mode) keeps the signing key private.
+                use std::os::unix::fs::OpenOptionsExt;
+                match std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(&path)
+                {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                    Err(e) => {
+                        return Err(Error::io(
+                            format!("cannot create the database {}", path.display()),
+                            e,
+                        ))
+                    }
+                }
                 Ok(format!("sqlite://{}?mode=rwc", path.display()))
             }
         }

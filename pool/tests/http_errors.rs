@@ -234,6 +234,12 @@ fn data_dir_and_memory_databases() {
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&data_dir).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o700);
+    // The database holds the signing key: only its owner reads it, WAL files included.
+    for f in std::fs::read_dir(&data_dir).unwrap() {
+        let f = f.unwrap();
+        let mode = f.metadata().unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "{:?} is mode {:o}", f.path(), mode & 0o777);
+    }
     // A restart keeps the inventory and the key.
     let again = devlend_pool::PoolServer::start(config).unwrap();
     assert_eq!(again.public_key(), key);
