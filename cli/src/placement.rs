@@ -33,15 +33,6 @@ pub struct Claimed {
     pub lease: LeaseRef,
 }
 
-/// This machine's host name, the lease's compute host.
-pub fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_owned())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "localhost".into())
-}
-
 /// Places and leases a device at the pool at `pool_url`.
 ///
 /// # Errors
@@ -52,7 +43,7 @@ pub fn claim(pool_url: &str, w: &Wanted) -> Result<Claimed> {
     let grant = client
         .create_lease(&LeaseRequest {
             consumer: w.vm.clone(),
-            compute_host: host_name(),
+            compute_host: devlend_daemon::host_name(),
             ttl_ms: Some(w.ttl_ms),
             class: Some(w.class.clone()),
             min_capacity_bytes: Some(w.min_capacity_bytes),
@@ -78,11 +69,7 @@ impl Claimed {
     /// Gives the lease back (the attach failed).
     pub fn release(self) {
         let id = self.grant.lease.id;
-        let r = self
-            .client
-            .lease(id)
-            .and_then(|l| self.client.release_lease(id, l.generation));
-        if let Err(e) = r {
+        if let Err(e) = self.client.release_current(id) {
             eprintln!("devlend: could not release lease {id} ({e}); it lapses at its expiry");
         }
     }

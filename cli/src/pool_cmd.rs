@@ -152,12 +152,7 @@ fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
     Ok(())
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use devlend_fabric::lease_token::now_ms;
 
 /// The first 8 characters of a UUID, as people read them.
 fn short(id: &uuid::Uuid) -> String {

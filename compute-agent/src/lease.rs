@@ -216,15 +216,8 @@ impl LeaseKeeper {
     /// lease lapse at its expiry (logged).
     pub fn release(mut self) {
         self.stop_renewing();
-        let result = self
-            .client
-            .lease(self.id)
-            .and_then(|l| match l.state.is_live() {
-                true => self.client.release_lease(self.id, l.generation).map(|_| ()),
-                false => Ok(()),
-            });
-        match result {
-            Ok(()) => tracing::info!(lease = %self.id, "lease released"),
+        match self.client.release_current(self.id) {
+            Ok(_) => tracing::info!(lease = %self.id, "lease released"),
             Err(e) => {
                 tracing::warn!(lease = %self.id, error = %e, "cannot release the lease; it lapses at its expiry")
             }

@@ -60,12 +60,7 @@ struct Entry {
 /// attachment; the key, not the expiry, is what protects it.
 const DIRECT_TOKEN_LIFETIME_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use devlend_fabric::lease_token::now_ms;
 
 /// Largest busy-poll budget an attachment may ask for, in microseconds.
 pub const MAX_POLL_US: u32 = 1000;

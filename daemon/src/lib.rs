@@ -47,3 +47,13 @@ pub fn startup<C: DaemonConfig, E: Into<anyhow::Error>>(
     })?;
     Ok((config, log))
 }
+
+/// This machine's host name (`/proc/sys/kernel/hostname`), or `localhost`: the default
+/// provider name of a lender and the compute host of a lease.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}

@@ -344,7 +344,7 @@ impl Config {
                 )));
             }
             if p.provider.is_none() {
-                p.provider = Some(host_name());
+                p.provider = Some(devlend_daemon::host_name());
             }
             if let Some(a) = &p.advertise {
                 if a.starts_with("0.0.0.0:") || a.starts_with("[::]:") || !a.contains(':') {
@@ -407,15 +407,6 @@ impl Config {
         check_unique(&file.devices).map_err(in_file)?;
         Ok(file)
     }
-}
-
-/// This machine's host name (`uname -n`), or `localhost`.
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_owned())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "localhost".into())
 }
 
 /// Refuses two devices of the same name.

@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use devlend_fabric::lease_token::{LeaseToken, PublicKey};
 use devlend_fabric::{Hello, HelloStatus};
@@ -67,13 +67,7 @@ pub struct LeaseGuard {
     leases: Mutex<HashMap<[u8; 16], Tracked>>,
 }
 
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub use devlend_fabric::lease_token::now_ms;
 
 impl LeaseGuard {
     /// A guard that accepts tokens signed by `key` for the provider named `provider`.

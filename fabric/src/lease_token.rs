@@ -15,6 +15,15 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 
+/// The clock tokens are read against: milliseconds since the Unix epoch (0 if the
+/// clock is before it).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 /// Token layout version.
 pub const TOKEN_VERSION: u8 = 1;
 /// Domain separation prefix of every signed message.

@@ -249,6 +249,21 @@ impl PoolClient {
         )
     }
 
+    /// Releases the lease at the generation it has now (read first): what a holder
+    /// that gives its lease back means. A lease that has already ended is left as is.
+    /// Returns the lease as it ends up.
+    ///
+    /// # Errors
+    /// As [`PoolClient::lease`] and [`PoolClient::release_lease`] (a 409
+    /// `stale_generation` when someone changed the lease in between).
+    pub fn release_current(&self, id: Uuid) -> Result<Lease, ClientError> {
+        let lease = self.lease(id)?;
+        if !lease.state.is_live() {
+            return Ok(lease);
+        }
+        self.release_lease(id, lease.generation)
+    }
+
     /// `POST /v1/leases/{id}/heartbeat`: renews the lease (expiry = now + ttl_ms).
     ///
     /// # Errors
