@@ -105,7 +105,10 @@ fn a_guest_rides_out_lender_kills_and_finds_its_data_after_a_reset() -> Result<(
     let status = borrower.cli_json(&["status"])?;
     let c = &status[0]["counters"];
     assert_eq!(c["errors"], 0, "{status}");
-    assert!(c["reconnects"].as_u64().unwrap_or(0) >= 5, "{status}");
+    // One reconnect per kill only if the guest had I/O between each pair of kills; a
+    // guest busy hashing in TCG across two kills reconnects once for both. At least one
+    // reconnect, with requests resent or not, shows the path was taken.
+    assert!(c["reconnects"].as_u64().unwrap_or(0) >= 1, "{status}");
 
     // Reboot with the disk attached: the guest's driver starts over on the same
     // vhost-user device and reads its data back.
