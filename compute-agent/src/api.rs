@@ -138,6 +138,10 @@ pub struct IoCounters {
     /// Requests resent on a new session after theirs was lost.
     #[serde(default)]
     pub resent: u64,
+    /// Requests resubmitted from the vhost-user inflight buffer after a compute agent
+    /// restart (they were in flight when the previous process ended).
+    #[serde(default)]
+    pub resubmitted: u64,
     /// Requests in flight now.
     pub inflight: u64,
     /// Requests completed by the lender, per virtqueue.
@@ -177,6 +181,7 @@ impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
             local: s.local,
             reconnects: s.reconnects,
             resent: s.resent,
+            resubmitted: s.resubmitted,
             inflight: s.inflight,
             per_queue: s.per_queue,
             latency: Latency {

@@ -39,6 +39,11 @@ pub struct Cli {
     /// only such borrowers.
     #[arg(long, value_name = "FILE")]
     pub auth_key_file: Option<PathBuf>,
+    /// Where attachments are saved, to be served again when the agent restarts
+    /// (`none`: not saved; a shutdown then detaches everything) [default: beside the API
+    /// socket, e.g. /run/devlend/compute-agent.state.json].
+    #[arg(long, value_name = "FILE|none")]
+    pub state_file: Option<PathBuf>,
 }
 
 /// The config file; every key is optional and a flag of the same name overrides it.
@@ -55,6 +60,8 @@ pub struct FileConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Key file for direct-mode authentication.
     pub auth_key_file: Option<PathBuf>,
+    /// State file path, or `none`.
+    pub state_file: Option<PathBuf>,
 }
 
 /// The merged configuration.
@@ -71,6 +78,9 @@ pub struct Config {
     /// Key file for direct-mode authentication, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub auth_key_file: Option<PathBuf>,
+    /// Where attachments are saved for a restart; `None`: not saved (`none`).
+    #[serde(serialize_with = "state_file_text")]
+    pub state_file: Option<PathBuf>,
     /// The config file read, if any (not a key of the file).
     #[serde(skip)]
     pub file: Option<PathBuf>,
@@ -89,12 +99,12 @@ impl Config {
 
     /// The flags over the file.
     pub fn merge(file: &FileConfig, cli: &Cli, path: Option<PathBuf>) -> Config {
+        let api = cli
+            .api
+            .clone()
+            .or_else(|| file.api.clone())
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_API_SOCKET));
         Config {
-            api: cli
-                .api
-                .clone()
-                .or_else(|| file.api.clone())
-                .unwrap_or_else(|| PathBuf::from(DEFAULT_API_SOCKET)),
             log_level: cli
                 .log_level
                 .clone()
@@ -106,6 +116,12 @@ impl Config {
                 .auth_key_file
                 .clone()
                 .or_else(|| file.auth_key_file.clone()),
+            state_file: match cli.state_file.clone().or_else(|| file.state_file.clone()) {
+                Some(p) if p.as_os_str() == "none" => None,
+                Some(p) => Some(p),
+                None => Some(crate::state::default_path(&api)),
+            },
+            api,
             file: path,
         }
     }
@@ -113,6 +129,13 @@ impl Config {
     /// The configuration as TOML, as `--print-config` shows it.
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the configuration: {e}\n"))
+    }
+}
+
+fn state_file_text<S: serde::Serializer>(p: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
+    match p {
+        Some(p) => s.serialize_str(&p.to_string_lossy()),
+        None => s.serialize_str("none"),
     }
 }
 
@@ -147,6 +170,14 @@ mod tests {
         let d = Config::merge(&FileConfig::default(), &Cli::parse_from(["x"]), None);
         assert_eq!(d.api, PathBuf::from(DEFAULT_API_SOCKET));
         assert!(c.to_toml().contains("log_format = \"json\""));
+        assert_eq!(c.state_file, Some(PathBuf::from("/run/b.state.json")));
+        let none = Config::merge(
+            &FileConfig::default(),
+            &Cli::parse_from(["x", "--state-file", "none"]),
+            None,
+        );
+        assert_eq!(none.state_file, None);
+        assert!(none.to_toml().contains("state_file = \"none\""));
     }
 
     #[test]

@@ -10,7 +10,9 @@ pub mod lease;
 pub mod metrics;
 pub mod rates;
 pub mod registry;
+pub mod restore;
 pub mod server;
+pub mod state;
 pub mod vmm;
 
 /// Default path of the control API socket.

@@ -39,7 +39,19 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         tracing::info!(public_key = %signer.public_key().to_text(), "direct attachments authenticate with this key");
         registry.set_signer(signer);
     }
+    let saved = match &config.state_file {
+        Some(path) => {
+            let saved = devlend_compute_agent::state::StateFile::load(path)
+                .map_err(|e| anyhow::anyhow!("{}", devlend_fabric::error::chain(&e)))?;
+            registry.set_state_file(path.clone());
+            saved.attachments
+        }
+        None => Vec::new(),
+    };
     let registry = Arc::new(registry);
+    if !saved.is_empty() {
+        devlend_compute_agent::restore::spawn(registry.clone(), saved)?;
+    }
     if let Some(addr) = config.metrics_listen {
         devlend_daemon::metrics::serve(addr, AttachmentMetrics(registry.clone()))?;
     }

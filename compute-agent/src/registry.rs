@@ -1,6 +1,7 @@
 //! The attachments of a compute agent.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -9,6 +10,7 @@ use devlend_backend::blk::{Attachment, AttachmentConfig, AttachmentError};
 
 use crate::api::{AttachRequest, AttachmentInfo, VmmPlug, VmmTarget};
 use crate::lease::{CheckedLease, LeaseError, LeaseKeeper};
+use crate::state::{self, SavedAttachment, StateFile};
 use crate::vmm::cloud_hypervisor::{self as ch, ChError};
 use crate::vmm::qemu::{self, HotplugError};
 
@@ -54,7 +56,26 @@ struct Entry {
     attachment: Attachment,
     plug: Option<VmmPlug>,
     lease: Option<LeaseKeeper>,
+    /// The borrower identity and token every hello carries (kept in the state file).
+    borrower: [u8; 16],
+    token: Vec<u8>,
 }
+
+/// What a restored attachment keeps from before the restart.
+struct Restore {
+    borrower: [u8; 16],
+    token: Vec<u8>,
+    plug: Option<VmmPlug>,
+}
+
+/// What a started attachment is made of.
+type Started = (
+    Attachment,
+    Option<VmmPlug>,
+    Option<LeaseKeeper>,
+    [u8; 16],
+    Vec<u8>,
+);
 
 /// Lifetime of the token of a direct attachment (10 years): it lives as long as the
 /// attachment; the key, not the expiry, is what protects it.
@@ -74,6 +95,11 @@ pub struct Registry {
     rates: crate::rates::RateTracker,
     /// Signs the tokens of direct (lease-less) attachments, when configured.
     signer: Option<devlend_fabric::lease_token::TokenSigner>,
+    /// Where the attachments are saved after each change, to be restored at start.
+    state: Option<PathBuf>,
+    /// Saved attachments not served again yet (their lender unreachable so far): kept
+    /// in the state file meanwhile.
+    restoring: Mutex<Vec<SavedAttachment>>,
 }
 
 fn valid_id(id: &str) -> bool {
@@ -119,6 +145,47 @@ impl Registry {
         self.signer = Some(signer);
     }
 
+    /// Saves the attachments to `path` after every attach and detach, for
+    /// [`Self::restore`] after a restart ([`crate::state`]).
+    pub fn set_state_file(&mut self, path: PathBuf) {
+        self.state = Some(path);
+    }
+
+    /// The state file, if attachments are saved.
+    pub fn state_file(&self) -> Option<&std::path::Path> {
+        self.state.as_deref()
+    }
+
+    /// Writes the state file from `entries` (a failure is logged: the attachments go on,
+    /// but would not survive a restart).
+    fn save_state(&self, entries: &BTreeMap<String, Entry>) {
+        let Some(path) = &self.state else { return };
+        let file = StateFile {
+            version: state::VERSION,
+            attachments: entries
+                .values()
+                .map(|e| SavedAttachment {
+                    id: e.id.clone(),
+                    request: e.request.clone(),
+                    borrower: state::to_hex(&e.borrower),
+                    token: state::to_hex(&e.token),
+                    plug: e.plug.clone(),
+                })
+                .chain(
+                    self.restoring
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .iter()
+                        .filter(|r| !entries.contains_key(&r.id))
+                        .cloned(),
+                )
+                .collect(),
+        };
+        if let Err(e) = file.save(path) {
+            tracing::error!(error = %chain(&e), "cannot save the attachments; they would not survive a restart");
+        }
+    }
+
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<(String, std::path::PathBuf)>> {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -127,7 +194,8 @@ impl Registry {
         &self,
         id: &str,
         req: &AttachRequest,
-    ) -> Result<(Attachment, Option<VmmPlug>, Option<LeaseKeeper>), RegistryError> {
+        restore: Option<Restore>,
+    ) -> Result<Started, RegistryError> {
         let checked = match &req.lease {
             None => None,
             Some(r) => {
@@ -145,9 +213,10 @@ impl Registry {
                 Some(c)
             }
         };
-        let (borrower, token) = match (&checked, &self.signer) {
-            (Some(c), _) => (c.borrower(), c.token.clone()),
-            (None, Some(signer)) => {
+        let (borrower, token) = match (&checked, &self.signer, &restore) {
+            (Some(c), _, _) => (c.borrower(), c.token.clone()),
+            (None, _, Some(r)) => (r.borrower, r.token.clone()),
+            (None, Some(signer), None) => {
                 let borrower = new_borrower_id();
                 let claims = devlend_fabric::lease_token::LeaseClaims {
                     lease_id: borrower,
@@ -161,7 +230,7 @@ impl Registry {
                     .map_err(|e| RegistryError::BadRequest(format!("cannot sign a token: {e}")))?;
                 (borrower, token.as_bytes().to_vec())
             }
-            (None, None) => (new_borrower_id(), Vec::new()),
+            (None, None, None) => (new_borrower_id(), Vec::new()),
         };
         let mut attachment = Attachment::start(AttachmentConfig {
             id: id.to_owned(),
@@ -170,7 +239,7 @@ impl Registry {
                 addr: req.lender.clone(),
                 device: req.device.clone(),
                 borrower,
-                token,
+                token: token.clone(),
             },
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),
@@ -184,9 +253,11 @@ impl Registry {
                 return Err(RegistryError::Lease(e));
             }
         };
-        let plug = match &req.vmm {
-            None => None,
-            Some(target) => match plug(target, id, req, attachment.limits().read_only) {
+        let plug = match (&req.vmm, restore) {
+            // Restored: the VM has the device already.
+            (_, Some(r)) => r.plug,
+            (None, None) => None,
+            (Some(target), None) => match plug(target, id, req, attachment.limits().read_only) {
                 Ok(p) => Some(p),
                 Err(e) => {
                     attachment.stop();
@@ -194,7 +265,7 @@ impl Registry {
                 }
             },
         };
-        Ok((attachment, plug, keeper))
+        Ok((attachment, plug, keeper, borrower, token))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
@@ -292,27 +363,109 @@ impl Registry {
                 }
             }
         };
+        self.start_reserved(id, req, None)
+    }
+
+    /// With `id` and the request's socket free: reserves them, starts the attachment
+    /// (plugging it into the VM unless restored), records it and saves the state.
+    fn start_reserved(
+        &self,
+        id: String,
+        req: AttachRequest,
+        restore: Option<Restore>,
+    ) -> Result<AttachmentInfo, RegistryError> {
+        let restored = restore.is_some();
         self.lock_pending().push((id.clone(), req.socket.clone()));
         // Start the socket and plug into the VM without holding the registry; the id
         // and socket stay reserved meanwhile.
-        let result = self.start_and_plug(&id, &req);
+        let result = self.start_and_plug(&id, &req, restore);
         // Lock order everywhere: entries, then pending.
         let mut entries = self.lock();
         self.lock_pending().retain(|(i, _)| *i != id);
-        let (attachment, plug, lease) = result?;
+        let (attachment, plug, lease, borrower, token) = result?;
         let entry = Entry {
             request: req,
             id: id.clone(),
             attachment,
             plug,
             lease,
+            borrower,
+            token,
         };
         let out = info(&entry);
         self.rates.start(&id, std::time::Instant::now());
         entries.insert(id, entry);
+        self.save_state(&entries);
         drop(entries);
-        tracing::info!(id = %out.id, device = %out.device, lender = %out.lender, socket = %out.socket.display(), "attached");
+        tracing::info!(id = %out.id, device = %out.device, lender = %out.lender, socket = %out.socket.display(), restored, "attached");
         Ok(out)
+    }
+
+    /// Records saved attachments that are about to be restored, so that the state file
+    /// keeps them until they are served again or given up.
+    pub fn set_restoring(&self, saved: Vec<SavedAttachment>) {
+        *self.restoring.lock().unwrap_or_else(|p| p.into_inner()) = saved;
+    }
+
+    /// Drops a saved attachment from those waiting to be restored (served again, or
+    /// given up), and saves the state.
+    pub fn restored(&self, id: &str) {
+        let entries = self.lock();
+        self.restoring
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|r| r.id != id);
+        self.save_state(&entries);
+    }
+
+    /// Serves a saved attachment again after a restart: the same id, socket, borrower
+    /// identity and token; the VMM plug is taken as it was (the VM kept the device), and
+    /// a lease is renewed again.
+    ///
+    /// # Errors
+    /// [`RegistryError`]: a bad saved entry, the id or socket taken, or the attachment
+    /// cannot start (e.g. the lender is unreachable: call again later).
+    pub fn restore(&self, saved: &SavedAttachment) -> Result<AttachmentInfo, RegistryError> {
+        let borrower: [u8; 16] = state::from_hex(&saved.borrower)
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| {
+                RegistryError::BadRequest(format!("saved attachment {}: bad borrower id", saved.id))
+            })?;
+        let token = state::from_hex(&saved.token).ok_or_else(|| {
+            RegistryError::BadRequest(format!("saved attachment {}: bad token", saved.id))
+        })?;
+        if !valid_id(&saved.id) {
+            return Err(RegistryError::BadRequest(format!(
+                "invalid attachment id {:?}",
+                saved.id
+            )));
+        }
+        {
+            let entries = self.lock();
+            let pending = self.lock_pending();
+            if entries.contains_key(&saved.id)
+                || entries
+                    .values()
+                    .any(|e| e.request.socket == saved.request.socket)
+                || pending
+                    .iter()
+                    .any(|(i, s)| *i == saved.id || *s == saved.request.socket)
+            {
+                return Err(RegistryError::Conflict(format!(
+                    "attachment {} or its socket is in use",
+                    saved.id
+                )));
+            }
+        }
+        self.start_reserved(
+            saved.id.clone(),
+            saved.request.clone(),
+            Some(Restore {
+                borrower,
+                token,
+                plug: saved.plug.clone(),
+            }),
+        )
     }
 
     /// All attachments, by id, with their recent rates.
@@ -371,10 +524,14 @@ impl Registry {
         if let Some(p) = &plug {
             unplug(p, release_timeout).map_err(RegistryError::Vmm)?;
         }
-        let mut entry = self
-            .lock()
-            .remove(id)
-            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+        let mut entry = {
+            let mut entries = self.lock();
+            let e = entries
+                .remove(id)
+                .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+            self.save_state(&entries);
+            e
+        };
         // Stop first, so that the counters include the requests drained.
         entry.attachment.stop();
         let mut out = info(&entry);
@@ -384,6 +541,18 @@ impl Registry {
         }
         tracing::info!(id, socket = %out.socket.display(), "detached");
         Ok(out)
+    }
+
+    /// Stops serving every attachment (requests in flight complete first) but keeps
+    /// them in the state file, with their VM plugs and leases: the agent's shutdown when
+    /// it will be restarted. The VMs keep their devices; a QEMU with `reconnect-ms`
+    /// joins the restarted agent. Leases are no longer renewed meanwhile.
+    pub fn suspend_all(&self) {
+        let all: Vec<Entry> = std::mem::take(&mut *self.lock()).into_values().collect();
+        for mut e in all {
+            e.attachment.stop();
+            tracing::info!(id = %e.id, socket = %e.request.socket.display(), "stopped; kept for the next start");
+        }
     }
 
     /// Detaches everything (shutdown).

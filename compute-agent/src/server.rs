@@ -120,8 +120,9 @@ pub struct Reload {
     pub log: devlend_daemon::logging::LogHandle,
 }
 
-/// Serves the API on `socket` until SIGINT or SIGTERM, then detaches everything
-/// (requests in flight complete first). SIGHUP re-reads the config file and applies the
+/// Serves the API on `socket` until SIGINT or SIGTERM; then requests in flight complete
+/// and, with a state file, the attachments stop but are kept for the next start (VM plugs
+/// and leases untouched), or, without one, everything is detached. SIGHUP re-reads the config file and applies the
 /// log level (the other keys need a restart). Tells systemd when it is ready, reloading
 /// and stopping.
 ///
@@ -188,10 +189,17 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
         .context("API server failed")?;
-    tracing::info!("shutting down: detaching everything");
-    tokio::task::spawn_blocking(move || registry.detach_all())
-        .await
-        .ok();
+    if let Some(state) = registry.state_file() {
+        tracing::info!(state = %state.display(), "shutting down: completing requests in flight; attachments are kept for the next start");
+        tokio::task::spawn_blocking(move || registry.suspend_all())
+            .await
+            .ok();
+    } else {
+        tracing::info!("shutting down: detaching everything");
+        tokio::task::spawn_blocking(move || registry.detach_all())
+            .await
+            .ok();
+    }
     let _ = std::fs::remove_file(socket);
     Ok(())
 }

@@ -372,13 +372,27 @@ impl GuestBuilder {
     /// socket `socket` (it must be listening before [`GuestBuilder::boot`]).
     /// Disks appear in the guest as `/dev/vda`, `/dev/vdb`, ... in the
     /// order added. QEMU ids are `vub0`, `vub1`, ...
-    pub fn vhost_user_blk(mut self, socket: impl AsRef<Path>) -> Self {
+    pub fn vhost_user_blk(self, socket: impl AsRef<Path>) -> Self {
+        self.vhost_user_blk_with(socket, None)
+    }
+
+    /// As [`GuestBuilder::vhost_user_blk`], with QEMU joining the socket again
+    /// `reconnect_ms` milliseconds after the backend goes away (`reconnect-ms` on
+    /// the chardev), as it should when the backend may restart.
+    pub fn vhost_user_blk_with(
+        mut self,
+        socket: impl AsRef<Path>,
+        reconnect_ms: Option<u32>,
+    ) -> Self {
         let id = format!("vub{}", self.next_vhost_user_blk);
         self.next_vhost_user_blk += 1;
         let socket = socket.as_ref().display().to_string();
+        let reconnect = reconnect_ms
+            .map(|ms| format!(",reconnect-ms={ms}"))
+            .unwrap_or_default();
         self.extra_args.extend([
             "-chardev".to_string(),
-            format!("socket,id={id},path={socket}"),
+            format!("socket,id={id},path={socket}{reconnect}"),
             "-device".to_string(),
             format!("vhost-user-blk-pci,chardev={id},id={id}"),
         ]);

@@ -282,10 +282,20 @@ impl Borrower {
     /// # Errors
     /// It cannot start or exits.
     pub fn start_with(dir: &Path, extra: &[String]) -> Result<Self> {
+        Self::start_named(dir, "compute-agent", extra)
+    }
+
+    /// As [`Self::start_with`], logging to `DIR/NAME.log` (a restarted agent keeps its
+    /// predecessor's log that way). The API socket is `DIR/api.sock` whatever the name,
+    /// so its state file is `DIR/api.state.json`.
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start_named(dir: &Path, name: &str, extra: &[String]) -> Result<Self> {
         let api = dir.join("api.sock");
         let mut args = vec!["--api".to_owned(), api.display().to_string()];
         args.extend(extra.iter().cloned());
-        let mut proc = Proc::spawn("compute-agent", &bin("devlend-compute-agent")?, &args, dir)?;
+        let mut proc = Proc::spawn(name, &bin("devlend-compute-agent")?, &args, dir)?;
         let probe = api.clone();
         proc.wait_ready("borrower", || {
             std::os::unix::net::UnixStream::connect(&probe).is_ok()

@@ -360,7 +360,8 @@ fn units_start_reload_drain_and_count() {
         "JSON log format not applied:\n{blog}"
     );
 
-    // SIGTERM drains and exits cleanly: the borrower detaches everything.
+    // SIGTERM drains and exits cleanly: the borrower stops every attachment (they stay
+    // in its state file for the next start) and removes its sockets.
     borrower.signal(libc::SIGTERM);
     borrower.expect("STOPPING=1");
     assert!(borrower.wait_exit().success());

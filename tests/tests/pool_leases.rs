@@ -463,3 +463,97 @@ fn a_lender_restart_in_pool_mode_is_a_delay_even_past_the_token_expiry() {
     assert_eq!(status[0]["counters"]["errors"], 0, "{status}");
     assert_eq!(status[0]["lease_ended"], false);
 }
+
+#[test]
+fn a_compute_agent_restart_keeps_the_attachment_and_its_lease() {
+    let r = rig();
+    let mut b = Borrower::start(r.dir.path()).unwrap();
+    let sock = r.sock("a");
+    let out = attach_by_class(
+        &b,
+        &r,
+        &sock,
+        &["--lease-ttl", "2", "--min-capacity", "32M"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let a: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lease_id: uuid::Uuid = a["lease"].as_str().unwrap().parse().unwrap();
+    let mut c = BlkClient::connect(&sock, 1, 4 * MIB as usize).unwrap();
+    assert_eq!(write_read(&mut c, 3), vec![0, 0]);
+    drop(c);
+
+    // SIGKILL, then a restart after more than the lease's TTL: the attachment is served
+    // again from the state file, under the same lease, which is renewed again.
+    b.proc.kill_hard();
+    std::thread::sleep(Duration::from_millis(2500));
+    let b = Borrower::start_named(r.dir.path(), "compute-agent-2", &[]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = b.cli_json(&["status"]).unwrap();
+        if s[0]["id"] == a["id"] {
+            assert_eq!(s[0]["lease"].as_str(), Some(lease_id.to_string().as_str()));
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not restored: {s}\n{}",
+            b.proc.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(4));
+    let l = r.client.lease(lease_id).unwrap();
+    assert_eq!(l.state, LeaseState::Bound, "{l:?}");
+    let mut c = BlkClient::connect(&sock, 1, 4 * MIB as usize).unwrap();
+    // What was written before the kill is there, and I/O goes on.
+    let got = c
+        .run(
+            0,
+            &[BlkOp::Read {
+                offset: 4096,
+                buf: 0,
+                len: 65536,
+            }],
+        )
+        .unwrap();
+    assert_eq!(got, vec![0]);
+    assert!(c.buffer()[..65536]
+        .iter()
+        .enumerate()
+        .all(|(i, &x)| x == 3u8.wrapping_add((i % 251) as u8)));
+    assert_eq!(write_read(&mut c, 4), vec![0, 0]);
+    drop(c);
+
+    // SIGTERM keeps the lease too (a stop is not a detach) ...
+    let mut b = b;
+    assert!(b.proc.terminate(Duration::from_secs(30)).unwrap().success());
+    assert!(!sock.exists(), "the socket outlived the agent");
+    assert_eq!(r.client.lease(lease_id).unwrap().state, LeaseState::Bound);
+    // ... and the detach after the next start releases it.
+    let b = Borrower::start_named(r.dir.path(), "compute-agent-3", &[]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while b
+        .cli_json(&["status"])
+        .unwrap()
+        .as_array()
+        .is_none_or(|v| v.is_empty())
+    {
+        assert!(Instant::now() < deadline, "not restored:\n{}", b.proc.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    b.cli_json(&["detach", &sock.display().to_string()])
+        .unwrap();
+    assert_eq!(
+        r.client.lease(lease_id).unwrap().state,
+        LeaseState::Released
+    );
+    assert_eq!(
+        b.cli_json(&["status"]).unwrap(),
+        serde_json::json!([]),
+        "detached attachments are not restored"
+    );
+}

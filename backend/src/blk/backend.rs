@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::message::{
+    VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+};
 use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
@@ -22,6 +24,7 @@ use vmm_sys_util::event::{
 };
 
 use crate::blk::engine::{LenderTarget, QueueEngine, QueueStats};
+use crate::blk::inflight::InflightRegion;
 use crate::blk::request::DeviceLimits;
 use crate::blk::spec::{config_slice, config_space, features, CONFIG_LEN, MAX_QUEUE_SIZE};
 use crate::guest::GuestMemory;
@@ -185,6 +188,21 @@ impl BlkBackend {
         Ok(())
     }
 
+    /// Gives each queue its part of the inflight buffer (queues past its end get none).
+    fn use_inflight(&self, region: &Arc<InflightRegion>) {
+        if usize::from(region.num_queues()) < self.queues.len() {
+            tracing::warn!(
+                tracked = region.num_queues(),
+                queues = self.queues.len(),
+                "the inflight buffer covers fewer queues than the device has",
+            );
+        }
+        for (q, cell) in self.queues.iter().enumerate() {
+            let log = u16::try_from(q).ok().and_then(|q| region.queue(q));
+            lock(cell).engine.set_inflight_log(log);
+        }
+    }
+
     /// Closes the exit eventfds that the library's workers leave open; call once the
     /// daemon (and so every worker thread) is gone.
     pub fn close_exit_fds(&self) {
@@ -218,6 +236,34 @@ impl VhostUserBackend for BlkBackend {
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+    }
+
+    fn get_inflight_fd(
+        &self,
+        inflight: &VhostUserInflight,
+    ) -> io::Result<(VhostUserInflight, std::fs::File)> {
+        let (region, reply, file) =
+            InflightRegion::create(inflight.num_queues, inflight.queue_size)?;
+        tracing::debug!(
+            queues = inflight.num_queues,
+            queue_size = inflight.queue_size,
+            bytes = reply.mmap_size,
+            "GET_INFLIGHT_FD: new inflight buffer",
+        );
+        self.use_inflight(&region);
+        Ok((reply, file))
+    }
+
+    fn set_inflight_fd(&self, inflight: &VhostUserInflight, file: std::fs::File) -> io::Result<()> {
+        let region = InflightRegion::open(inflight, &file)?;
+        tracing::debug!(
+            queues = inflight.num_queues,
+            queue_size = inflight.queue_size,
+            "SET_INFLIGHT_FD: tracking requests in flight in the frontend's buffer",
+        );
+        self.use_inflight(&region);
+        Ok(())
     }
 
     fn set_event_idx(&self, _enabled: bool) {

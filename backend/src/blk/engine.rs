@@ -35,7 +35,9 @@ use devlend_fabric::{HelloStatus, Op, Status};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
+use crate::blk::inflight::InflightQueue;
 use crate::blk::request::{parse, DeviceLimits, Disposition, Request, Scratch};
+use crate::blk::resubmit::ResubmitRing;
 use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
 use crate::blk::tcp::{recv_vectored_nonblocking, write_all_vectored};
 use crate::blk::timer::RetryTimer;
@@ -105,6 +107,7 @@ pub struct QueueStats {
     local: AtomicU64,
     reconnects: AtomicU64,
     resent: AtomicU64,
+    resubmitted: AtomicU64,
     inflight: AtomicI64,
     per_queue: Vec<AtomicU64>,
     latency: LatencyHistogram,
@@ -142,6 +145,9 @@ pub struct StatsSnapshot {
     pub reconnects: u64,
     /// Requests sent again on a new session after theirs was lost.
     pub resent: u64,
+    /// Requests resubmitted from the inflight buffer, left in flight by an earlier
+    /// backend (a compute agent restart).
+    pub resubmitted: u64,
     /// Requests in flight to the lender now.
     pub inflight: u64,
     /// Requests completed by the lender, per virtqueue.
@@ -177,6 +183,7 @@ impl QueueStats {
             local: g(&self.local),
             reconnects: g(&self.reconnects),
             resent: g(&self.resent),
+            resubmitted: g(&self.resubmitted),
             inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
             per_queue: self.per_queue.iter().map(g).collect(),
             latency: self.latency.snapshot(),
@@ -320,6 +327,9 @@ pub struct QueueEngine {
     give_up_logged: Option<Instant>,
     /// Wakes the worker for the next reconnect attempt.
     timer: Option<RetryTimer>,
+    /// This queue's part of the inflight buffer (INFLIGHT_SHMFD), when the frontend
+    /// gave one: chains are marked there from pop to used-ring return.
+    log: Option<InflightQueue>,
 }
 
 /// How long requests wait for a lost fabric session to come back before they complete
@@ -392,6 +402,7 @@ impl QueueEngine {
                     None
                 }
             },
+            log: None,
         }
     }
 
@@ -450,6 +461,21 @@ impl QueueEngine {
         self.inflight
     }
 
+    /// Tracks this queue's chains in `log` from now on (SET_INFLIGHT_FD). Before the
+    /// next chain is popped, the chains it lists as left in flight by an earlier backend
+    /// are resubmitted ([`InflightQueue::recover`]).
+    pub fn set_inflight_log(&mut self, log: Option<InflightQueue>) {
+        if self.inflight > 0 && log.is_some() {
+            tracing::warn!(
+                attachment = %self.name,
+                queue = self.index,
+                inflight = self.inflight,
+                "inflight buffer replaced while requests are in flight; they are not tracked in the new one",
+            );
+        }
+        self.log = log;
+    }
+
     /// Stops taking new chains from the avail ring (detach in progress); chains already
     /// in flight still complete.
     pub fn set_stopping(&mut self) {
@@ -476,6 +502,9 @@ impl QueueEngine {
             self.slots
                 .resize_with(usize::from(queue.size()), Slot::default);
         }
+        if self.log.as_ref().is_some_and(|l| !l.checked()) {
+            used |= self.resubmit(queue, mem)?;
+        }
         loop {
             queue.disable_notification(mem.as_ref())?;
             while let Some(chain) = queue.pop_descriptor_chain(mem.as_ref()) {
@@ -492,12 +521,81 @@ impl QueueEngine {
         Ok(used)
     }
 
+    /// Resubmits the chains an earlier backend left in flight, as the inflight buffer
+    /// lists them, in the order they were popped; the avail ring then goes on after
+    /// them (its index restarts at the used index plus their number). Returns whether
+    /// used-ring entries were added.
+    fn resubmit(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        let guest_used = queue
+            .used_idx(mem.as_ref(), std::sync::atomic::Ordering::Acquire)?
+            .0;
+        let Some(log) = self.log.as_mut() else {
+            return Ok(false);
+        };
+        let heads = log.recover(guest_used, queue.size());
+        if heads.is_empty() {
+            return Ok(false);
+        }
+        queue.set_next_avail(guest_used.wrapping_add(heads.len() as u16));
+        queue.set_next_used(guest_used);
+        let Some(mut ring) = ResubmitRing::new(mem, queue, &heads) else {
+            tracing::error!(
+                attachment = %self.name,
+                queue = self.index,
+                requests = heads.len(),
+                "cannot rebuild the chains left in flight; the guest's requests on them stay pending",
+            );
+            return Ok(false);
+        };
+        tracing::info!(
+            attachment = %self.name,
+            queue = self.index,
+            requests = heads.len(),
+            "resubmitting the requests an earlier backend left in flight",
+        );
+        self.stats
+            .resubmitted
+            .fetch_add(heads.len() as u64, Ordering::Relaxed);
+        let mut used = false;
+        while let Some(chain) = ring.queue.pop_descriptor_chain(&ring.mem) {
+            used |= self.take_chain(queue, mem, chain)?;
+        }
+        used |= self.flush_tx(queue, mem)?;
+        Ok(used)
+    }
+
+    /// Returns `head` to the used ring with `len` bytes written, keeping the inflight
+    /// buffer in step (virtio 1.2 §2.7.8).
+    fn put_used(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemory,
+        head: u16,
+        len: u32,
+    ) -> Result<(), virtio_queue::Error> {
+        if let Some(l) = self.log.as_mut() {
+            l.before_used(head);
+        }
+        queue.add_used(mem, head, len)?;
+        if let Some(l) = self.log.as_mut() {
+            l.after_used(head, queue.next_used());
+        }
+        Ok(())
+    }
+
     fn take_chain(
         &mut self,
         queue: &mut Queue,
         mem: &GuestMemoryRef,
         chain: virtio_queue::DescriptorChain<&GuestMemory>,
     ) -> Result<bool, virtio_queue::Error> {
+        if let Some(l) = self.log.as_mut() {
+            l.mark(chain.head_index());
+        }
         let parsed = parse(
             chain,
             mem,
@@ -508,14 +606,14 @@ impl QueueEngine {
         let head = parsed.head;
         match parsed.disposition {
             Disposition::NoStatus => {
-                queue.add_used(mem.as_ref(), head, 0)?;
+                self.put_used(queue, mem, head, 0)?;
                 self.stats.local.fetch_add(1, Ordering::Relaxed);
                 Ok(true)
             }
             Disposition::Complete { status, written } => {
                 // The status address was checked to be in guest memory by `parse`.
                 let _ = mem.write_obj(status, parsed.status_addr);
-                queue.add_used(mem.as_ref(), head, written + 1)?;
+                self.put_used(queue, mem, head, written + 1)?;
                 self.stats.local.fetch_add(1, Ordering::Relaxed);
                 if status != S_OK {
                     self.stats.errors_invalid.fetch_add(1, Ordering::Relaxed);
@@ -1087,7 +1185,7 @@ impl QueueEngine {
             self.reads_inflight -= 1;
         }
         self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
-        queue.add_used(mem.as_ref(), head, data + 1)?;
+        self.put_used(queue, mem, head, data + 1)?;
         Ok(true)
     }
 

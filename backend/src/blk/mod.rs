@@ -5,6 +5,8 @@
 //! - [`engine`]: one virtqueue's requests in flight over one fabric connection, resent
 //!   on a new one when it is lost;
 //! - [`timer`]: the reconnect timer a queue's worker waits on;
+//! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
+//!   resubmits what was in flight; [`resubmit`] turns its heads back into chains;
 //! - [`backend`]: the `vhost-user-backend` glue (features, config, workers);
 //! - [`attachment`]: a listening vhost-user socket served for one lent device.
 
@@ -12,8 +14,10 @@ pub mod attachment;
 pub mod backend;
 pub mod engine;
 pub mod holder;
+pub mod inflight;
 pub use devlend_fabric::latency;
 pub mod request;
+pub mod resubmit;
 pub mod spec;
 mod tcp;
 pub mod timer;
