@@ -410,6 +410,37 @@ mod tests {
     }
 
     #[test]
+    fn any_buffer_contents_give_distinct_heads_inside_the_queue() {
+        // The buffer is the frontend's: whatever it holds, recovery lists each head at
+        // most once and only heads the live queue has.
+        use std::io::{Seek, Write};
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..200 {
+            let (_, msg, mut file) = region(1, 64);
+            let mut junk = vec![0u8; msg.mmap_size as usize];
+            for b in junk.iter_mut() {
+                *b = (next() % 4) as u8; // mostly 0..3, so `inflight` is often 1
+            }
+            if round % 2 == 0 {
+                junk[8..12].copy_from_slice(&[1, 0, 64, 0]); // a valid version and size
+            }
+            file.seek(std::io::SeekFrom::Start(0)).expect("seek");
+            file.write_all(&junk).expect("write");
+            let r = InflightRegion::open(&msg, &file).expect("open");
+            let live = [8u16, 64, 256][round % 3];
+            let heads = r.queue(0).expect("queue 0").recover(next() as u16, live);
+            let mut seen = std::collections::HashSet::new();
+            assert!(heads.iter().all(|&h| h < live.min(64) && seen.insert(h)), "{heads:?}");
+        }
+    }
+
+    #[test]
     fn heads_outside_the_live_queue_are_dropped() {
         let (r, msg, file) = region(1, 16);
         let mut q = r.queue(0).expect("queue 0");
