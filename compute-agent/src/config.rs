@@ -39,6 +39,17 @@ pub struct Cli {
     /// only such borrowers.
     #[arg(long, value_name = "FILE")]
     pub auth_key_file: Option<PathBuf>,
+    /// CA certificates (PEM) trusted for lenders' TLS certificates; attachments made
+    /// with `--tls` verify their lender against them.
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate chain (PEM) presented to lenders that require one (mutual
+    /// TLS); needs `--tls-key` and `--tls-ca`.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// The config file; every key is optional and a flag of the same name overrides it.
@@ -55,6 +66,12 @@ pub struct FileConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Key file for direct-mode authentication.
     pub auth_key_file: Option<PathBuf>,
+    /// CA certificates trusted for lenders (PEM).
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate chain for mutual TLS (PEM).
+    pub tls_cert: Option<PathBuf>,
+    /// Private key of `tls_cert` (PEM).
+    pub tls_key: Option<PathBuf>,
 }
 
 /// The merged configuration.
@@ -71,6 +88,15 @@ pub struct Config {
     /// Key file for direct-mode authentication, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub auth_key_file: Option<PathBuf>,
+    /// CA certificates trusted for lenders (PEM), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate chain for mutual TLS (PEM), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key of `tls_cert` (PEM), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
     /// The config file read, if any (not a key of the file).
     #[serde(skip)]
     pub file: Option<PathBuf>,
@@ -106,6 +132,9 @@ impl Config {
                 .auth_key_file
                 .clone()
                 .or_else(|| file.auth_key_file.clone()),
+            tls_ca: cli.tls_ca.clone().or_else(|| file.tls_ca.clone()),
+            tls_cert: cli.tls_cert.clone().or_else(|| file.tls_cert.clone()),
+            tls_key: cli.tls_key.clone().or_else(|| file.tls_key.clone()),
             file: path,
         }
     }
@@ -113,6 +142,31 @@ impl Config {
     /// The configuration as TOML, as `--print-config` shows it.
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the configuration: {e}\n"))
+    }
+}
+
+impl Config {
+    /// The TLS configuration for attachments that ask for TLS: `None` without
+    /// `tls_ca`.
+    ///
+    /// # Errors
+    /// A certificate without its key (or the reverse), a client certificate without
+    /// `tls_ca`, or a file that cannot be loaded (named in the message).
+    pub fn client_tls(&self) -> anyhow::Result<Option<devlend_fabric::tls::ClientTls>> {
+        let identity = match (&self.tls_cert, &self.tls_key) {
+            (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+            (None, None) => None,
+            _ => anyhow::bail!("tls_cert and tls_key go together: give both or neither"),
+        };
+        let Some(ca) = &self.tls_ca else {
+            if identity.is_some() {
+                anyhow::bail!("tls_cert needs tls_ca (the CAs trusted for lenders)");
+            }
+            return Ok(None);
+        };
+        let tls = devlend_fabric::tls::ClientTls::load(ca, identity)
+            .map_err(|e| anyhow::anyhow!("TLS: {}", devlend_fabric::error::chain(&e)))?;
+        Ok(Some(tls))
     }
 }
 

@@ -39,6 +39,10 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         tracing::info!(public_key = %signer.public_key().to_text(), "direct attachments authenticate with this key");
         registry.set_signer(signer);
     }
+    if let Some(tls) = config.client_tls()? {
+        tracing::info!("attachments made with tls: true verify their lender's certificate");
+        registry.set_tls(tls);
+    }
     let registry = Arc::new(registry);
     if let Some(addr) = config.metrics_listen {
         devlend_daemon::metrics::serve(addr, AttachmentMetrics(registry.clone()))?;
