@@ -206,6 +206,10 @@ fn accept_tls(
             let _ = HelloReply::refuse(HelloStatus::Denied, reason).write_to(&mut sock);
             None
         }
+        Err(TlsError::ClosedEarly) => {
+            tracing::debug!(%peer, "peer closed the connection before its TLS hello");
+            None
+        }
         Err(e) => {
             tracing::warn!(%peer, error = %chain(&e), "TLS handshake failed; connection refused");
             None

@@ -141,6 +141,10 @@ pub enum TlsError {
     /// IP address.
     #[error("{0:?} is not a valid TLS server name (a DNS name or an IP address)")]
     ServerName(String),
+    /// The peer closed the connection before sending a byte (lender side only; e.g. a
+    /// port probe).
+    #[error("the peer closed the connection before its TLS hello")]
+    ClosedEarly,
     /// The peer sent a plaintext devlend hello where a TLS ClientHello was expected
     /// (lender side only): the borrower is not configured for TLS.
     #[error("the peer sent a plaintext devlend hello, but this lender requires TLS")]
@@ -507,7 +511,10 @@ pub fn server_handshake(
             }
         }
     };
-    if n > 0 && first[..n] == crate::handshake::MAGIC[..n] {
+    if n == 0 {
+        return Err(TlsError::ClosedEarly);
+    }
+    if first[..n] == crate::handshake::MAGIC[..n] {
         return Err(TlsError::Plaintext);
     }
     let mut conn = rustls::ServerConnection::new(Arc::clone(&tls.config)).map_err(|source| {
