@@ -204,6 +204,33 @@ mod tests {
     }
 
     #[test]
+    fn tls_keys_merge_and_are_checked_before_loading() {
+        let file: FileConfig = devlend_daemon::config::parse(
+            std::path::Path::new("c.toml"),
+            "tls_ca = \"/etc/ca.crt\"\ntls_cert = \"/etc/c.crt\"\n",
+        )
+        .unwrap();
+        let c = Config::merge(
+            &file,
+            &Cli::parse_from(["x", "--tls-ca", "/etc/other.crt"]),
+            None,
+        );
+        assert_eq!(c.tls_ca, Some(PathBuf::from("/etc/other.crt")));
+        assert_eq!(c.tls_cert, Some(PathBuf::from("/etc/c.crt")));
+        let e = c.client_tls().unwrap_err().to_string();
+        assert!(e.contains("tls_cert and tls_key go together"), "{e}");
+        let none = Config::merge(&FileConfig::default(), &Cli::parse_from(["x"]), None);
+        assert!(none.client_tls().unwrap().is_none());
+        let missing = Config::merge(
+            &FileConfig::default(),
+            &Cli::parse_from(["x", "--tls-ca", "/nonexistent/ca.crt"]),
+            None,
+        );
+        let e = missing.client_tls().unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/ca.crt"), "{e}");
+    }
+
+    #[test]
     fn unknown_keys_are_refused() {
         let e = devlend_daemon::config::parse::<FileConfig>(
             std::path::Path::new("/etc/devlend/compute-agent.toml"),

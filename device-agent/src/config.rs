@@ -643,6 +643,55 @@ mod tests {
     }
 
     #[test]
+    fn tls_keys_come_from_file_or_flags_and_go_together() {
+        let f = write_config(
+            "listen = \"[::]:1\"\ntls_cert = \"/etc/l.crt\"\ntls_key = \"/etc/l.key\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+        );
+        let path = f.path().to_str().unwrap();
+        let c = Config::from_cli(&Cli::parse_from(["x", "--config", path])).unwrap();
+        assert_eq!(c.tls_cert, Some(PathBuf::from("/etc/l.crt")));
+        assert_eq!(c.tls_key, Some(PathBuf::from("/etc/l.key")));
+        assert!(
+            c.to_toml().contains("tls_cert = \"/etc/l.crt\""),
+            "{}",
+            c.to_toml()
+        );
+        let c = Config::from_cli(&Cli::parse_from([
+            "x",
+            "--config",
+            path,
+            "--tls-client-ca",
+            "/etc/ca.crt",
+        ]))
+        .unwrap();
+        assert_eq!(c.tls_client_ca, Some(PathBuf::from("/etc/ca.crt")));
+        // A key without its certificate, a client CA without a certificate: refused.
+        let f = write_config(
+            "listen = \"[::]:1\"\ntls_key = \"/etc/l.key\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+        );
+        let e = Config::from_cli(&Cli::parse_from([
+            "x",
+            "--config",
+            f.path().to_str().unwrap(),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("tls_cert and tls_key go together"), "{e}");
+        let e = Config::from_cli(&Cli::parse_from([
+            "x",
+            "--listen",
+            "[::]:1",
+            "--device",
+            "d=/x",
+            "--tls-client-ca",
+            "/etc/ca.crt",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("tls_client_ca needs tls_cert"), "{e}");
+    }
+
+    #[test]
     fn file_refuses_duplicates_and_long_serials() {
         let f = write_config(
             "listen = \"[::]:1\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n[[device]]\nname = \"d\"\npath = \"/y\"\n",
