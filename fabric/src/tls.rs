@@ -567,6 +567,8 @@ pub fn spawn_pump(
         label: label.to_owned(),
         up: Buf::new(),
         down: Buf::new(),
+        tcp_in: Buf::new(),
+        tcp_eof: false,
         tls_eof: false,
         down_done: false,
         up_done: false,
@@ -631,6 +633,10 @@ struct Pump {
     up: Buf,
     /// Plaintext from rustls, on its way to the engine.
     down: Buf,
+    /// TLS records received from the TCP socket, on their way into rustls.
+    tcp_in: Buf,
+    /// The TCP socket's receive side ended.
+    tcp_eof: bool,
     /// The peer's stream ended (close_notify, or TCP end).
     tls_eof: bool,
     /// Nothing more goes to the engine (its write side of the pair is shut).
@@ -741,22 +747,35 @@ impl Pump {
                 }
                 Err(e) => return Err(Fatal::Socket(e)),
             }
-            match self.conn.read_tls(&mut self.tcp) {
-                Ok(n) => {
-                    if let Err(e) = self.conn.process_new_packets() {
-                        return Err(Fatal::Tls(e));
+            // rustls reads at most 4 KiB per `read_tls`: receive in large chunks here
+            // and feed it from memory (one system call for many records).
+            if self.tcp_in.is_empty() && !self.tcp_eof {
+                match (&self.tcp).read(&mut self.tcp_in.data) {
+                    Ok(0) => self.tcp_eof = true,
+                    Ok(n) => {
+                        self.tcp_in.off = 0;
+                        self.tcp_in.len = n;
                     }
-                    if n == 0 {
-                        // rustls knows the end now: its reader reports it as a clean
-                        // end (after close_notify) or an unexpected one, both above.
-                        self.tcp_hup = true;
-                    }
-                    progress = true;
+                    Err(e) if would_block(&e) => return Ok(progress),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(Fatal::Socket(e)),
                 }
-                Err(e) if would_block(&e) => return Ok(progress),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Fatal::Socket(e)),
             }
+            let mut chunk = self.tcp_in.pending();
+            let fed = match self.conn.read_tls(&mut chunk) {
+                Ok(n) => n,
+                Err(e) => return Err(Fatal::Socket(e)),
+            };
+            self.tcp_in.consume(fed);
+            if let Err(e) = self.conn.process_new_packets() {
+                return Err(Fatal::Tls(e));
+            }
+            if fed == 0 {
+                // The end of the TCP stream, now known to rustls: its reader reports
+                // a clean end (after close_notify) or an unexpected one, both above.
+                self.tcp_hup = true;
+            }
+            progress = true;
         }
         Ok(progress)
     }
@@ -822,7 +841,12 @@ impl Pump {
     /// ever move again.
     fn wait(&mut self) -> bool {
         let mut tcp_events = 0;
-        if !self.down_done && self.down.is_empty() && !self.tls_eof {
+        if !self.down_done
+            && self.down.is_empty()
+            && self.tcp_in.is_empty()
+            && !self.tls_eof
+            && !self.tcp_eof
+        {
             tcp_events |= libc::POLLIN;
         }
         if self.conn.wants_write() {
