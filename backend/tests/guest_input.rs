@@ -69,6 +69,7 @@ impl Rig {
             device: "disk".into(),
             borrower: [1; 16],
             token: Vec::new(),
+            tls: None,
         };
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();

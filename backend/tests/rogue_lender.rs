@@ -120,6 +120,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
             device: "d".into(),
             borrower: [1; 16],
             token: Vec::new(),
+            tls: None,
         },
         limits,
         stats.clone(),

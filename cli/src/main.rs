@@ -83,6 +83,14 @@ enum Cmd {
             value_name = "SECONDS"
         )]
         reconnect_deadline_s: u32,
+        /// Open the fabric sessions inside TLS 1.3, verifying the lender's certificate
+        /// against the compute agent's --tls-ca. Recommended when traffic leaves a rack.
+        #[arg(long)]
+        tls: bool,
+        /// With --tls: the name the lender's certificate must carry [default: the host
+        /// part of the lender address].
+        #[arg(long, value_name = "NAME", requires = "tls")]
+        tls_server_name: Option<String>,
         /// Attachment id, also the device id in the VMM (default: the device name).
         #[arg(long)]
         id: Option<String>,
@@ -260,6 +268,8 @@ fn run(cli: Cli) -> Result<()> {
             queue_size,
             poll_us,
             reconnect_deadline_s,
+            tls,
+            tls_server_name,
             id,
             qmp,
             ch_api,
@@ -329,6 +339,8 @@ fn run(cli: Cli) -> Result<()> {
                     (None, None) => None,
                 },
                 lease,
+                tls,
+                tls_server_name,
             });
             let a = match attached {
                 Ok(a) => a,

@@ -51,6 +51,15 @@ pub struct AttachRequest {
     /// one, the lender must be in direct mode.
     #[serde(default)]
     pub lease: Option<LeaseRef>,
+    /// Open the fabric sessions inside TLS 1.3, verifying the lender's certificate
+    /// against the compute agent's `tls_ca` (which must be configured); default false.
+    /// Recommended when traffic leaves a rack.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tls: bool,
+    /// With `tls`: the name the lender's certificate must carry (DNS name or IP
+    /// address); default: the host part of `lender`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_server_name: Option<String>,
 }
 
 /// A lease granted by a device pool (`POST /v1/leases`), handed to the compute agent.

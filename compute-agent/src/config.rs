@@ -44,6 +44,17 @@ pub struct Cli {
     /// socket, e.g. /run/devlend/compute-agent.state.json].
     #[arg(long, value_name = "FILE|none")]
     pub state_file: Option<PathBuf>,
+    /// CA certificates (PEM) trusted for lenders' TLS certificates; attachments made
+    /// with `--tls` verify their lender against them.
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate chain (PEM) presented to lenders that require one (mutual
+    /// TLS); needs `--tls-key` and `--tls-ca`.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// The config file; every key is optional and a flag of the same name overrides it.
@@ -62,6 +73,12 @@ pub struct FileConfig {
     pub auth_key_file: Option<PathBuf>,
     /// State file path, or `none`.
     pub state_file: Option<PathBuf>,
+    /// CA certificates trusted for lenders (PEM).
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate chain for mutual TLS (PEM).
+    pub tls_cert: Option<PathBuf>,
+    /// Private key of `tls_cert` (PEM).
+    pub tls_key: Option<PathBuf>,
 }
 
 /// The merged configuration.
@@ -81,6 +98,15 @@ pub struct Config {
     /// Where attachments are saved for a restart; `None`: not saved (`none`).
     #[serde(serialize_with = "state_file_text")]
     pub state_file: Option<PathBuf>,
+    /// CA certificates trusted for lenders (PEM), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate chain for mutual TLS (PEM), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key of `tls_cert` (PEM), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
     /// The config file read, if any (not a key of the file).
     #[serde(skip)]
     pub file: Option<PathBuf>,
@@ -122,6 +148,9 @@ impl Config {
                 None => Some(crate::state::default_path(&api)),
             },
             api,
+            tls_ca: cli.tls_ca.clone().or_else(|| file.tls_ca.clone()),
+            tls_cert: cli.tls_cert.clone().or_else(|| file.tls_cert.clone()),
+            tls_key: cli.tls_key.clone().or_else(|| file.tls_key.clone()),
             file: path,
         }
     }
@@ -136,6 +165,31 @@ fn state_file_text<S: serde::Serializer>(p: &Option<PathBuf>, s: S) -> Result<S:
     match p {
         Some(p) => s.serialize_str(&p.to_string_lossy()),
         None => s.serialize_str("none"),
+    }
+}
+
+impl Config {
+    /// The TLS configuration for attachments that ask for TLS: `None` without
+    /// `tls_ca`.
+    ///
+    /// # Errors
+    /// A certificate without its key (or the reverse), a client certificate without
+    /// `tls_ca`, or a file that cannot be loaded (named in the message).
+    pub fn client_tls(&self) -> anyhow::Result<Option<devlend_fabric::tls::ClientTls>> {
+        let identity = match (&self.tls_cert, &self.tls_key) {
+            (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+            (None, None) => None,
+            _ => anyhow::bail!("tls_cert and tls_key go together: give both or neither"),
+        };
+        let Some(ca) = &self.tls_ca else {
+            if identity.is_some() {
+                anyhow::bail!("tls_cert needs tls_ca (the CAs trusted for lenders)");
+            }
+            return Ok(None);
+        };
+        let tls = devlend_fabric::tls::ClientTls::load(ca, identity)
+            .map_err(|e| anyhow::anyhow!("TLS: {}", devlend_fabric::error::chain(&e)))?;
+        Ok(Some(tls))
     }
 }
 
@@ -178,6 +232,33 @@ mod tests {
         );
         assert_eq!(none.state_file, None);
         assert!(none.to_toml().contains("state_file = \"none\""));
+    }
+
+    #[test]
+    fn tls_keys_merge_and_are_checked_before_loading() {
+        let file: FileConfig = devlend_daemon::config::parse(
+            std::path::Path::new("c.toml"),
+            "tls_ca = \"/etc/ca.crt\"\ntls_cert = \"/etc/c.crt\"\n",
+        )
+        .unwrap();
+        let c = Config::merge(
+            &file,
+            &Cli::parse_from(["x", "--tls-ca", "/etc/other.crt"]),
+            None,
+        );
+        assert_eq!(c.tls_ca, Some(PathBuf::from("/etc/other.crt")));
+        assert_eq!(c.tls_cert, Some(PathBuf::from("/etc/c.crt")));
+        let e = c.client_tls().unwrap_err().to_string();
+        assert!(e.contains("tls_cert and tls_key go together"), "{e}");
+        let none = Config::merge(&FileConfig::default(), &Cli::parse_from(["x"]), None);
+        assert!(none.client_tls().unwrap().is_none());
+        let missing = Config::merge(
+            &FileConfig::default(),
+            &Cli::parse_from(["x", "--tls-ca", "/nonexistent/ca.crt"]),
+            None,
+        );
+        let e = missing.client_tls().unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/ca.crt"), "{e}");
     }
 
     #[test]

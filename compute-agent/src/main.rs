@@ -48,6 +48,10 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         }
         None => Vec::new(),
     };
+    if let Some(tls) = config.client_tls()? {
+        tracing::info!("attachments made with tls: true verify their lender's certificate");
+        registry.set_tls(tls);
+    }
     let registry = Arc::new(registry);
     if !saved.is_empty() {
         devlend_compute_agent::restore::spawn(registry.clone(), saved)?;

@@ -100,6 +100,8 @@ pub struct Registry {
     /// Saved attachments not served again yet (their lender unreachable so far): kept
     /// in the state file meanwhile.
     restoring: Mutex<Vec<SavedAttachment>>,
+    /// Trust anchors and client identity for attachments that ask for TLS.
+    tls: Option<devlend_fabric::tls::ClientTls>,
 }
 
 fn valid_id(id: &str) -> bool {
@@ -186,6 +188,39 @@ impl Registry {
         }
     }
 
+    /// Lets attachments ask for TLS (`tls: true`): their sessions verify the lender
+    /// against `tls`'s trust anchors and present its client certificate, if any.
+    pub fn set_tls(&mut self, tls: devlend_fabric::tls::ClientTls) {
+        self.tls = Some(tls);
+    }
+
+    /// The TLS target of a request asking for TLS; `None` for one that does not.
+    fn tls_target(
+        &self,
+        req: &AttachRequest,
+    ) -> Result<Option<devlend_fabric::tls::TlsTarget>, RegistryError> {
+        if !req.tls {
+            if req.tls_server_name.is_some() {
+                return Err(RegistryError::BadRequest(
+                    "tls_server_name needs tls: true".into(),
+                ));
+            }
+            return Ok(None);
+        }
+        let Some(client) = &self.tls else {
+            return Err(RegistryError::BadRequest(
+                "TLS asked for, but this compute agent has no TLS trust anchors (start it with --tls-ca)".into(),
+            ));
+        };
+        devlend_fabric::tls::TlsTarget::new(
+            client.clone(),
+            &req.lender,
+            req.tls_server_name.as_deref(),
+        )
+        .map(Some)
+        .map_err(|e| RegistryError::BadRequest(e.to_string()))
+    }
+
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<(String, std::path::PathBuf)>> {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -213,6 +248,7 @@ impl Registry {
                 Some(c)
             }
         };
+        let tls = self.tls_target(req)?;
         let (borrower, token) = match (&checked, &self.signer, &restore) {
             (Some(c), _, _) => (c.borrower(), c.token.clone()),
             (None, _, Some(r)) => (r.borrower, r.token.clone()),
@@ -240,6 +276,7 @@ impl Registry {
                 device: req.device.clone(),
                 borrower,
                 token: token.clone(),
+                tls,
             },
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),

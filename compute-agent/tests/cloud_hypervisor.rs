@@ -1061,6 +1061,8 @@ fn attach_and_detach_through_the_registry_use_the_api() {
             api: ch.socket.clone(),
         }),
         lease: None,
+        tls: false,
+        tls_server_name: None,
     };
     let info = registry.attach(req("vm1-d")).expect("attach");
     let plug = info.vmm.expect("plugged");

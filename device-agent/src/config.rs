@@ -207,6 +207,18 @@ pub struct Cli {
     /// this public key (from `devlend keygen`); repeatable. Adds to `auth_keys`.
     #[arg(long = "auth-key", value_name = "PUBLIC_KEY")]
     pub auth_keys: Vec<String>,
+    /// Serve TLS 1.3 only, with this certificate chain (PEM, leaf first); needs
+    /// `--tls-key`. Plaintext borrowers are refused. Recommended when traffic leaves a
+    /// rack (docs/tls.md).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require a client certificate signed by this CA (PEM) from every borrower
+    /// (mutual TLS); needs `--tls-cert`.
+    #[arg(long, value_name = "FILE")]
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 /// The `[pool]` table: register with a device pool and enforce its leases.
@@ -247,6 +259,9 @@ struct FileConfig {
     pool: Option<PoolConfig>,
     #[serde(default)]
     auth_keys: Vec<String>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_client_ca: Option<PathBuf>,
     #[serde(default, rename = "device")]
     devices: Vec<DeviceSpec>,
 }
@@ -270,6 +285,16 @@ pub struct Config {
     /// base64url Ed25519, from `devlend keygen`); empty: unauthenticated direct mode.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub auth_keys: Vec<String>,
+    /// TLS: this lender's certificate chain (PEM); with `tls_key`, every connection
+    /// must be TLS 1.3.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS: the private key of `tls_cert` (PEM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
+    /// TLS: require client certificates signed by this CA (PEM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_client_ca: Option<PathBuf>,
     /// Devices to lend, with distinct names (file devices first, in file order).
     #[serde(rename = "device")]
     pub devices: Vec<DeviceSpec>,
@@ -377,9 +402,25 @@ impl Config {
                 "auth keys are for direct mode: with a pool, borrowers present lease tokens".into(),
             ));
         }
+        let tls_cert = cli.tls_cert.clone().or(file.tls_cert);
+        let tls_key = cli.tls_key.clone().or(file.tls_key);
+        let tls_client_ca = cli.tls_client_ca.clone().or(file.tls_client_ca);
+        if tls_cert.is_some() != tls_key.is_some() {
+            return Err(Error::BadTls(
+                "tls_cert and tls_key go together: give both or neither".into(),
+            ));
+        }
+        if tls_client_ca.is_some() && tls_cert.is_none() {
+            return Err(Error::BadTls(
+                "tls_client_ca needs tls_cert and tls_key (client certificates are checked inside TLS)".into(),
+            ));
+        }
         Ok(Config {
             pool,
             auth_keys,
+            tls_cert,
+            tls_key,
+            tls_client_ca,
             listen,
             log_level: cli
                 .log_level
@@ -599,6 +640,55 @@ mod tests {
             anyhow::Error::from(Config::from_cli(&cli).unwrap_err())
         );
         assert!(chain.contains("port"), "{chain}");
+    }
+
+    #[test]
+    fn tls_keys_come_from_file_or_flags_and_go_together() {
+        let f = write_config(
+            "listen = \"[::]:1\"\ntls_cert = \"/etc/l.crt\"\ntls_key = \"/etc/l.key\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+        );
+        let path = f.path().to_str().unwrap();
+        let c = Config::from_cli(&Cli::parse_from(["x", "--config", path])).unwrap();
+        assert_eq!(c.tls_cert, Some(PathBuf::from("/etc/l.crt")));
+        assert_eq!(c.tls_key, Some(PathBuf::from("/etc/l.key")));
+        assert!(
+            c.to_toml().contains("tls_cert = \"/etc/l.crt\""),
+            "{}",
+            c.to_toml()
+        );
+        let c = Config::from_cli(&Cli::parse_from([
+            "x",
+            "--config",
+            path,
+            "--tls-client-ca",
+            "/etc/ca.crt",
+        ]))
+        .unwrap();
+        assert_eq!(c.tls_client_ca, Some(PathBuf::from("/etc/ca.crt")));
+        // A key without its certificate, a client CA without a certificate: refused.
+        let f = write_config(
+            "listen = \"[::]:1\"\ntls_key = \"/etc/l.key\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+        );
+        let e = Config::from_cli(&Cli::parse_from([
+            "x",
+            "--config",
+            f.path().to_str().unwrap(),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("tls_cert and tls_key go together"), "{e}");
+        let e = Config::from_cli(&Cli::parse_from([
+            "x",
+            "--listen",
+            "[::]:1",
+            "--device",
+            "d=/x",
+            "--tls-client-ca",
+            "/etc/ca.crt",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("tls_client_ca needs tls_cert"), "{e}");
     }
 
     #[test]

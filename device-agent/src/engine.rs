@@ -25,7 +25,9 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::net::{Shutdown, SocketAddr};
+
+use devlend_fabric::conn::Stream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
@@ -98,7 +100,7 @@ enum Rx {
 struct Session<'a> {
     dev: &'a Device,
     peer: SocketAddr,
-    sock: &'a TcpStream,
+    sock: &'a Stream,
     sock_fd: RawFd,
     dev_fd: RawFd,
     inline: bool,
@@ -137,7 +139,7 @@ struct Session<'a> {
 /// returns once nothing is in flight.
 pub(crate) fn run(
     dev: &Device,
-    sock: &TcpStream,
+    sock: &Stream,
     peer: SocketAddr,
     ring: &mut Ring,
     frame_timeout: Duration,

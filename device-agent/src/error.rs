@@ -144,6 +144,12 @@ pub enum Error {
     /// The pool settings are inconsistent.
     #[error("pool settings: {0}")]
     BadPool(String),
+    /// The TLS settings are inconsistent (e.g. a certificate without its key).
+    #[error("TLS settings: {0}")]
+    BadTls(String),
+    /// The TLS certificate, key or client CA could not be loaded.
+    #[error("TLS")]
+    Tls(#[source] devlend_fabric::tls::TlsConfigError),
     /// The pool could not be used at start.
     #[error("device pool at {url}: {reason}")]
     Pool {

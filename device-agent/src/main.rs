@@ -36,6 +36,16 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     // Signals first, so that none arrives unhandled once sessions run.
     let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP])?;
     let lender = Lender::bind(&config.listen, config.devices)?;
+    if let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) {
+        let tls = devlend_fabric::tls::ServerTls::load(cert, key, config.tls_client_ca.as_deref())
+            .map_err(devlend_device_agent::Error::Tls)?;
+        tracing::info!(
+            cert = %cert.display(),
+            client_certificates = if tls.requires_client_cert() { "required" } else { "not asked for" },
+            "TLS 1.3 only: plaintext connections are refused"
+        );
+        lender.require_tls(tls);
+    }
     if let Some(addr) = config.metrics_listen {
         devlend_daemon::metrics::serve(addr, DeviceMetrics(lender.stats_view()))?;
     }

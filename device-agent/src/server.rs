@@ -55,6 +55,8 @@ pub(crate) struct Shared {
     registry: Mutex<Registry>,
     /// Set when the lender serves leased devices only (attached to a pool).
     pub(crate) leases: OnceLock<Arc<LeaseGuard>>,
+    /// Set when every connection must be TLS.
+    pub(crate) tls: OnceLock<devlend_fabric::tls::ServerTls>,
 }
 
 /// The open connections, so that shutdown (or the end of a lease) can close them.
@@ -293,6 +295,7 @@ impl Lender {
                 active: AtomicUsize::new(0),
                 registry: Mutex::new(Registry::default()),
                 leases: OnceLock::new(),
+                tls: OnceLock::new(),
             }),
         })
     }
@@ -339,6 +342,16 @@ impl Lender {
     pub fn require_leases(&self, guard: Arc<LeaseGuard>) {
         if self.shared.leases.set(guard).is_err() {
             tracing::warn!("lease checks were already set; keeping the first");
+        }
+    }
+
+    /// Serves TLS only (TLS 1.3, `config`'s certificate; client certificates required
+    /// if it has a client CA): each connection runs the TLS handshake before the
+    /// devlend hello, and plaintext connections are refused. Call before serving; a
+    /// second call is ignored.
+    pub fn require_tls(&self, config: devlend_fabric::tls::ServerTls) {
+        if self.shared.tls.set(config).is_err() {
+            tracing::warn!("TLS was already set; keeping the first configuration");
         }
     }
 

@@ -4,6 +4,9 @@ use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 
+use devlend_fabric::conn::Stream;
+use devlend_fabric::error::chain;
+use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError, PROTOCOL_VERSION};
 
 use crate::device::{Claim, Device};
@@ -24,6 +27,13 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
         tracing::warn!(%peer, error = %e, "cannot set socket options; closing");
         return;
     }
+    let sock = match shared.tls.get() {
+        None => Stream::Tcp(sock),
+        Some(config) => match accept_tls(shared, config, sock, peer) {
+            Some(s) => s,
+            None => return,
+        },
+    };
     let Some((dev, mut ring, _active, _claim)) = handshake(shared, &sock, peer, id) else {
         return;
     };
@@ -54,7 +64,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
 /// and its slot among the lender's active sessions.
 fn handshake<'s>(
     shared: &'s Shared,
-    sock: &TcpStream,
+    sock: &Stream,
     peer: SocketAddr,
     id: u64,
 ) -> Option<(Arc<Device>, Ring, ActiveSession<'s>, Claim)> {
@@ -158,6 +168,53 @@ fn handshake<'s>(
     }
     tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "session opened");
     Some((dev, ring, active, claim))
+}
+
+/// Runs the TLS handshake on an accepted connection (under the handshake timeout) and
+/// starts its pump. A refused or failed handshake is logged at warn with the peer and
+/// the reason; a plaintext devlend hello is answered, in plaintext, with status denied
+/// and a message saying that TLS is required. Either way no device is touched.
+fn accept_tls(
+    shared: &Shared,
+    config: &tls::ServerTls,
+    mut sock: TcpStream,
+    peer: SocketAddr,
+) -> Option<Stream> {
+    let timeout = Some(shared.options.handshake_timeout);
+    if let Err(e) = sock
+        .set_read_timeout(timeout)
+        .and_then(|()| sock.set_write_timeout(timeout))
+    {
+        tracing::warn!(%peer, error = %e, "cannot set the handshake timeout; closing");
+        return None;
+    }
+    match tls::server_handshake(config, &mut sock) {
+        Ok(conn) => match tls::spawn_pump(conn, sock, &peer.to_string()) {
+            Ok(s) => Some(Stream::Tls(s)),
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "cannot start the TLS pump; closing");
+                None
+            }
+        },
+        Err(TlsError::Plaintext) => {
+            let device = Hello::read_from(&mut sock)
+                .map(|h| h.device)
+                .unwrap_or_default();
+            let reason =
+                "this lender requires TLS: attach with --tls (and give the compute agent --tls-ca)";
+            tracing::warn!(%peer, device = %device, reason = %TlsError::Plaintext, "plaintext connection refused");
+            let _ = HelloReply::refuse(HelloStatus::Denied, reason).write_to(&mut sock);
+            None
+        }
+        Err(TlsError::ClosedEarly) => {
+            tracing::debug!(%peer, "peer closed the connection before its TLS hello");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(%peer, error = %chain(&e), "TLS handshake failed; connection refused");
+            None
+        }
+    }
 }
 
 /// Turns on TCP keepalive (idle 60 s, then 6 probes 10 s apart), so that a session whose

@@ -6,14 +6,17 @@
 //! completed in any order. The byte layout is specified in `docs/protocol.md`; the
 //! constants and codecs here are the single source of truth for it.
 //!
-//! Transports: [`tcp`] (the default). RDMA comes behind a cargo feature.
+//! Transports: [`tcp`] (the default), optionally inside TLS 1.3 ([`tls`], bridged to the
+//! engines through [`conn::Stream`]). RDMA comes behind a cargo feature.
 
+pub mod conn;
 pub mod error;
 pub mod handshake;
 pub mod io_util;
 pub mod latency;
 pub mod lease_token;
 pub mod tcp;
+pub mod tls;
 pub mod wire;
 
 pub use error::WireError;

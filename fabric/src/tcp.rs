@@ -1,4 +1,5 @@
-//! The TCP transport: connection setup for both ends.
+//! The TCP transport: connection setup for both ends, plain or inside TLS
+//! ([`open`], [`crate::tls`]).
 //!
 //! Data rides in the stream after each header. Nagle's algorithm is off on every
 //! connection (requests are small and latency-bound); each end writes a whole batch of
@@ -8,6 +9,8 @@ use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
+use crate::conn::Stream;
+use crate::tls::{TlsError, TlsTarget};
 use crate::{handshake::Hello, HelloReply, HelloStatus, WireError};
 
 /// Why a borrower could not open a session.
@@ -39,6 +42,16 @@ pub enum ConnectError {
         /// What went wrong.
         #[source]
         source: WireError,
+    },
+    /// TLS could not be established with the lender, or the lender refused this
+    /// borrower's certificate.
+    #[error("TLS with lender at {addr} failed")]
+    Tls {
+        /// The address as given.
+        addr: String,
+        /// Why.
+        #[source]
+        source: TlsError,
     },
     /// The lender refused the session.
     #[error("lender at {addr} refused device {device:?}: {status:?}: {message}")]
@@ -80,7 +93,62 @@ pub fn connect_as(
     hello: &Hello,
     timeout: Duration,
 ) -> Result<(TcpStream, HelloReply), ConnectError> {
-    let device = hello.device.as_str();
+    let mut stream = connect_tcp(addr, timeout)?;
+    let reply = exchange_hello(addr, hello, &mut stream, |e| e)?;
+    clear_timeouts(addr, &stream)?;
+    Ok((stream, reply))
+}
+
+/// Opens a session to a lender for `hello`, over plain TCP or, with `tls`, inside TLS
+/// 1.3: the TCP connect, then the TLS handshake (verifying the lender's certificate
+/// against `tls`), then the devlend hello inside TLS, then a pump
+/// ([`crate::tls::spawn_pump`]) that bridges the session to the returned
+/// [`Stream::Tls`].
+///
+/// `timeout` bounds the connect, the TLS handshake and the hello each. The returned
+/// stream is in blocking mode with no read or write timeout; the TCP socket has
+/// `TCP_NODELAY`, keepalive and `TCP_USER_TIMEOUT` set (see [`KEEPALIVE`]).
+///
+/// # Errors
+/// [`ConnectError`] for each failure, naming the address and the device;
+/// [`ConnectError::Tls`] for a TLS failure, with the reason
+/// ([`crate::tls::TlsError::is_permanent`] tells a refusal from a lost connection).
+pub fn open(
+    addr: &str,
+    hello: &Hello,
+    timeout: Duration,
+    tls: Option<&TlsTarget>,
+) -> Result<(Stream, HelloReply), ConnectError> {
+    let Some(target) = tls else {
+        let (s, reply) = connect_as(addr, hello, timeout)?;
+        return Ok((Stream::Tcp(s), reply));
+    };
+    let mut tcp = connect_tcp(addr, timeout)?;
+    let tls_err = |source| ConnectError::Tls {
+        addr: addr.to_owned(),
+        source,
+    };
+    let mut conn = crate::tls::client_handshake(target, &mut tcp).map_err(tls_err)?;
+    let reply = {
+        let mut s = rustls::Stream::new(&mut conn, &mut tcp);
+        exchange_hello(addr, hello, &mut s, |e| match &e {
+            ConnectError::Handshake {
+                source: WireError::Io(io),
+                ..
+            } => crate::tls::session_error(io).map_or(e, tls_err),
+            _ => e,
+        })?
+    };
+    let stream = crate::tls::spawn_pump(conn, tcp, addr).map_err(|e| ConnectError::Handshake {
+        addr: addr.to_owned(),
+        source: WireError::Io(e),
+    })?;
+    Ok((Stream::Tls(stream), reply))
+}
+
+/// Resolves `addr` and connects to the first address that answers; sets
+/// `TCP_NODELAY`, the liveness options, and `timeout` as read and write timeout.
+fn connect_tcp(addr: &str, timeout: Duration) -> Result<TcpStream, ConnectError> {
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|source| ConnectError::Resolve {
@@ -99,39 +167,56 @@ pub fn connect_as(
             Err(e) => last = e,
         }
     }
-    let mut stream = stream.ok_or_else(|| ConnectError::Connect {
+    let stream = stream.ok_or_else(|| ConnectError::Connect {
         addr: addr.to_owned(),
         source: last,
     })?;
-    let hs = |source| ConnectError::Handshake {
+    let hs = |e| ConnectError::Handshake {
         addr: addr.to_owned(),
-        source,
+        source: WireError::Io(e),
     };
-    stream.set_nodelay(true).map_err(|e| hs(WireError::Io(e)))?;
-    set_liveness(&stream).map_err(|e| hs(WireError::Io(e)))?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|e| hs(WireError::Io(e)))?;
-    stream
-        .set_write_timeout(Some(timeout))
-        .map_err(|e| hs(WireError::Io(e)))?;
-    hello.write_to(&mut stream).map_err(hs)?;
-    let reply = HelloReply::read_from(&mut stream).map_err(hs)?;
+    stream.set_nodelay(true).map_err(hs)?;
+    set_liveness(&stream).map_err(hs)?;
+    stream.set_read_timeout(Some(timeout)).map_err(hs)?;
+    stream.set_write_timeout(Some(timeout)).map_err(hs)?;
+    Ok(stream)
+}
+
+/// Sends `hello` on `io` and reads the reply; a refusal is [`ConnectError::Refused`].
+/// `map` may turn a wire failure into a more telling error (a TLS alert).
+fn exchange_hello(
+    addr: &str,
+    hello: &Hello,
+    io: &mut (impl io::Read + io::Write),
+    map: impl Fn(ConnectError) -> ConnectError,
+) -> Result<HelloReply, ConnectError> {
+    let hs = |source| {
+        map(ConnectError::Handshake {
+            addr: addr.to_owned(),
+            source,
+        })
+    };
+    hello.write_to(io).map_err(hs)?;
+    io.flush().map_err(|e| hs(WireError::Io(e)))?;
+    let reply = HelloReply::read_from(io).map_err(hs)?;
     if reply.status != HelloStatus::Ok {
         return Err(ConnectError::Refused {
             addr: addr.to_owned(),
-            device: device.to_owned(),
+            device: hello.device.clone(),
             status: reply.status,
             message: reply.message,
         });
     }
-    stream
-        .set_read_timeout(None)
-        .map_err(|e| hs(WireError::Io(e)))?;
-    stream
-        .set_write_timeout(None)
-        .map_err(|e| hs(WireError::Io(e)))?;
-    Ok((stream, reply))
+    Ok(reply)
+}
+
+fn clear_timeouts(addr: &str, stream: &TcpStream) -> Result<(), ConnectError> {
+    let hs = |e| ConnectError::Handshake {
+        addr: addr.to_owned(),
+        source: WireError::Io(e),
+    };
+    stream.set_read_timeout(None).map_err(hs)?;
+    stream.set_write_timeout(None).map_err(hs)
 }
 
 /// Seconds of silence before the borrower probes a session (TCP keepalive), then

@@ -5,6 +5,7 @@
 //! they share.
 
 pub mod agents;
+pub mod certs;
 pub mod netns;
 pub use devlend_qemu::guest;
 pub mod storage_daemon;

@@ -22,7 +22,6 @@
 //! them at once.
 
 use std::io;
-use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -56,6 +55,9 @@ pub struct LenderTarget {
     pub borrower: [u8; 16],
     /// The pool's lease token (binary form), sent in every hello; empty in direct mode.
     pub token: Vec<u8>,
+    /// Open every session inside TLS, verifying the lender against this; `None`: plain
+    /// TCP.
+    pub tls: Option<devlend_fabric::tls::TlsTarget>,
 }
 
 impl LenderTarget {
@@ -290,7 +292,7 @@ pub struct QueueEngine {
     target: LenderTarget,
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
-    conn: Option<TcpStream>,
+    conn: Option<devlend_fabric::conn::Stream>,
     conn_gen: u64,
     slots: Vec<Slot>,
     inflight: usize,
@@ -425,15 +427,17 @@ impl QueueEngine {
         self
     }
 
-    /// Opens the fabric session to the lender for this queue (TCP connect + handshake).
+    /// Opens the fabric session to the lender for this queue (TCP connect, TLS if the
+    /// target asks for it, handshake).
     ///
     /// # Errors
     /// The connect error, or a device whose capacity changed since attach.
     pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
-        let (stream, reply) = devlend_fabric::tcp::connect_as(
+        let (stream, reply) = devlend_fabric::tcp::open(
             &self.target.addr,
             &self.target.hello(self.index),
             CONNECT_TIMEOUT,
+            self.target.tls.as_ref(),
         )?;
         if reply.device.capacity_sectors != self.limits.capacity_sectors {
             tracing::warn!(
@@ -714,6 +718,8 @@ impl QueueEngine {
             Err(e) => {
                 self.retry_at = Some(now + self.backoff);
                 self.backoff = (self.backoff * 2).min(RETRY_MAX);
+                // A TLS refusal (untrusted or misnamed certificate, client certificate
+                // refused) is permanent too: it lasts until a configuration changes.
                 let permanent = matches!(
                     e,
                     devlend_fabric::tcp::ConnectError::Refused {
@@ -723,7 +729,7 @@ impl QueueEngine {
                             | HelloStatus::UnsupportedVersion,
                         ..
                     }
-                );
+                ) || matches!(&e, devlend_fabric::tcp::ConnectError::Tls { source, .. } if source.is_permanent());
                 if permanent
                     || self
                         .failure_logged

@@ -7,13 +7,14 @@
 //! the device stays this attachment's.
 
 use std::io::Read;
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use devlend_fabric::tcp::{connect_as, ConnectError};
+use devlend_fabric::conn::Stream;
+use devlend_fabric::tcp::{open as connect, ConnectError};
 use devlend_fabric::HelloStatus;
 
 use crate::blk::engine::{DisplayChain, LenderTarget, CONNECT_TIMEOUT};
@@ -31,7 +32,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// A running holder.
 pub struct Holder {
     stop: Arc<AtomicBool>,
-    current: Arc<Mutex<Option<TcpStream>>>,
+    current: Arc<Mutex<Option<Stream>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -39,12 +40,15 @@ pub struct Holder {
 ///
 /// # Errors
 /// The lender's refusal or the connection error.
-pub fn open(
-    target: &LenderTarget,
-) -> Result<(TcpStream, devlend_fabric::HelloReply), ConnectError> {
+pub fn open(target: &LenderTarget) -> Result<(Stream, devlend_fabric::HelloReply), ConnectError> {
     let deadline = std::time::Instant::now() + BUSY_RETRY;
     loop {
-        match connect_as(&target.addr, &target.hello(CONTROL_QUEUE), CONNECT_TIMEOUT) {
+        match connect(
+            &target.addr,
+            &target.hello(CONTROL_QUEUE),
+            CONNECT_TIMEOUT,
+            target.tls.as_ref(),
+        ) {
             Err(ConnectError::Refused {
                 status: HelloStatus::Busy,
                 ..
@@ -56,7 +60,7 @@ pub fn open(
     }
 }
 
-fn lock(m: &Mutex<Option<TcpStream>>) -> std::sync::MutexGuard<'_, Option<TcpStream>> {
+fn lock(m: &Mutex<Option<Stream>>) -> std::sync::MutexGuard<'_, Option<Stream>> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -66,7 +70,7 @@ impl Holder {
     ///
     /// # Errors
     /// The thread or a socket handle could not be created.
-    pub fn start(name: &str, target: LenderTarget, stream: TcpStream) -> std::io::Result<Holder> {
+    pub fn start(name: &str, target: LenderTarget, stream: Stream) -> std::io::Result<Holder> {
         let stop = Arc::new(AtomicBool::new(false));
         let current = Arc::new(Mutex::new(Some(stream.try_clone()?)));
         let thread = {
@@ -115,9 +119,9 @@ impl Drop for Holder {
 fn watch(
     name: &str,
     target: &LenderTarget,
-    mut stream: TcpStream,
+    mut stream: Stream,
     stop: &AtomicBool,
-    current: &Mutex<Option<TcpStream>>,
+    current: &Mutex<Option<Stream>>,
 ) {
     loop {
         // Nothing is ever sent on this session: a read returns only at its end.
@@ -136,7 +140,12 @@ fn watch(
             if stop.load(Ordering::Acquire) {
                 return;
             }
-            match connect_as(&target.addr, &target.hello(CONTROL_QUEUE), CONNECT_TIMEOUT) {
+            match connect(
+                &target.addr,
+                &target.hello(CONTROL_QUEUE),
+                CONNECT_TIMEOUT,
+                target.tls.as_ref(),
+            ) {
                 Ok((s, _)) => break s,
                 Err(e) => {
                     match &e {
@@ -151,6 +160,11 @@ fn watch(
                             ..
                         } if backoff == Duration::from_millis(100) => {
                             tracing::error!(attachment = %name, error = %DisplayChain(&e), "the lender refuses this attachment (its lease ended?)");
+                        }
+                        ConnectError::Tls { source, .. }
+                            if source.is_permanent() && backoff == Duration::from_millis(100) =>
+                        {
+                            tracing::error!(attachment = %name, error = %DisplayChain(&e), "TLS with the lender is refused; retrying");
                         }
                         _ => {}
                     }

@@ -201,6 +201,8 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         reconnect_deadline_s: 30,
         vmm: None,
         lease: None,
+        tls: false,
+        tls_server_name: None,
     })?;
     let attach = format!(
         "devlend attach --lender 127.0.0.1:PORT --device disk0 --socket {} --queues {}{}",

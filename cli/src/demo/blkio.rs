@@ -46,6 +46,8 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         reconnect_deadline_s: 30,
         vmm: None,
         lease: Some(claimed.lease.clone()),
+        tls: false,
+        tls_server_name: None,
     })?;
 
     step(

@@ -165,6 +165,8 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
             qmp: guest.qmp_socket().to_owned(),
         }),
         lease: Some(claimed.lease.clone()),
+        tls: false,
+        tls_server_name: None,
     })?;
     guest.wait_for_line(
         |l| l.contains("DEVLEND-WAITED path=/dev/vda"),
