@@ -349,3 +349,38 @@ fn a_lender_killed_and_restarted_under_tls_is_ridden_out() {
         .unwrap();
     assert!(lender.proc.log().contains("session opened"));
 }
+
+#[test]
+fn a_tls_attachment_is_served_again_over_tls_after_a_compute_agent_restart() {
+    let rig = Rig::new();
+    let lender = rig.lender(true);
+    let args = rig.certs.borrower_args("ca.crt", Some("borrower"));
+    let mut b = rig.borrower("b", &args);
+    let sock = rig.sock("disk0");
+    attach_ok(&b, &lender.addr, &sock, 2);
+    b.proc.kill_hard();
+    // The saved attachment asked for TLS: the restarted agent opens its sessions inside
+    // TLS again, with its client certificate (the lender requires one).
+    let d = rig.dir.path().join("b");
+    let b = Borrower::start_named(&d, "compute-agent-2", &args).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while b
+        .cli_json(&["status"])
+        .unwrap()
+        .as_array()
+        .is_none_or(|a| a.is_empty())
+    {
+        assert!(Instant::now() < deadline, "not restored:\n{}", b.proc.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut c = BlkClient::connect(&sock, 2, MIB as usize).unwrap();
+    verified_io(&mut c, 2);
+    drop(c);
+    let st = b.cli_json(&["status"]).unwrap();
+    assert_eq!(st[0]["counters"]["errors"], 0, "{st}");
+    assert!(
+        !lender.proc.log().contains("TLS handshake failed"),
+        "{}",
+        lender.proc.log()
+    );
+}
