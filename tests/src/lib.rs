@@ -18,3 +18,15 @@ pub fn sha256_hex(data: &[u8]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect()
 }
+
+/// The last value a guest script printed for `key` (`DEVLEND-RESULT key=value` lines)
+/// in console text read while the guest still runs; [`guest::GuestOutcome::result`]
+/// gives the same once the script has ended.
+pub fn console_result(console: &str, key: &str) -> Option<String> {
+    let prefix = format!("DEVLEND-RESULT {key}=");
+    console
+        .lines()
+        .filter_map(|l| l.split_once(&prefix))
+        .map(|(_, v)| v.trim().to_owned())
+        .next_back()
+}

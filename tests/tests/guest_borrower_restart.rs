@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use devlend_tests::agents::{free_port, sparse_file, Borrower, Lender};
 use devlend_tests::guest::Guest;
-use devlend_tests::sha256_hex;
+use devlend_tests::{console_result, sha256_hex};
 use rand::{Rng, SeedableRng};
 
 const DISK_BYTES: u64 = 64 << 20;
@@ -158,13 +158,7 @@ fn a_guest_rides_out_borrower_kills_and_a_stop() -> Result<()> {
     }
     guest.wait_for_text("phase1=done", Duration::from_secs(400))?;
     let console = guest.console();
-    let field = |key: &str| -> Option<String> {
-        console
-            .lines()
-            .filter_map(|l| l.split_once(&format!("DEVLEND-RESULT {key}=")))
-            .map(|(_, v)| v.trim().to_owned())
-            .next_back()
-    };
+    let field = |key: &str| console_result(&console, key);
     assert_eq!(field("bad").as_deref(), Some("0"), "{console}");
     let region = field("region_sha256").expect("no region_sha256");
     let file = std::fs::read(&img)?;
