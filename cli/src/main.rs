@@ -91,6 +91,10 @@ enum Cmd {
         /// part of the lender address].
         #[arg(long, value_name = "NAME", requires = "tls")]
         tls_server_name: Option<String>,
+        /// Fabric transport of the queues' sessions: tcp (default) or rdma (rdma_cm, one
+        /// RC queue pair per queue; the lender must run with --transport rdma).
+        #[arg(long, value_enum, default_value = "tcp", value_name = "tcp|rdma")]
+        transport: CliTransport,
         /// Attachment id, also the device id in the VMM (default: the device name).
         #[arg(long)]
         id: Option<String>,
@@ -219,6 +223,13 @@ enum Cmd {
 }
 
 /// A VMM whose command-line arguments `attach` prints.
+/// `devlend attach --transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CliTransport {
+    Tcp,
+    Rdma,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Vmm {
     /// QEMU (`-chardev` + `-device vhost-user-blk-pci`) and libvirt.
@@ -270,6 +281,7 @@ fn run(cli: Cli) -> Result<()> {
             reconnect_deadline_s,
             tls,
             tls_server_name,
+            transport,
             id,
             qmp,
             ch_api,
@@ -320,6 +332,7 @@ fn run(cli: Cli) -> Result<()> {
                 _ => bail!("give --lender and --device, or --class and --vm"),
             };
             let lease = claimed.as_ref().map(|c| c.lease.clone());
+            let rdma = transport == CliTransport::Rdma;
             let attached = api.attach(&AttachRequest {
                 id,
                 lender,
@@ -341,6 +354,7 @@ fn run(cli: Cli) -> Result<()> {
                 lease,
                 tls,
                 tls_server_name,
+                transport: if rdma { devlend_compute_agent::api::FabricTransport::Rdma } else { Default::default() },
             });
             let a = match attached {
                 Ok(a) => a,

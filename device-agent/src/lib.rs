@@ -25,6 +25,8 @@ mod frame;
 pub mod leases;
 pub mod metrics;
 mod pool;
+#[cfg(feature = "rdma")]
+mod rdma_session;
 pub mod pool_link;
 mod request;
 mod server;
