@@ -172,6 +172,24 @@ enum Cmd {
         #[command(subcommand)]
         cmd: devlend_cli::pool_cmd::PoolCmd,
     },
+    /// Verified I/O through a vhost-user-blk socket, for tests: random writes on every
+    /// queue read back and compared, flush, discard, write-zeroes; writes what the
+    /// device's first SPAN bytes must hold to --out.
+    #[command(hide = true)]
+    Verify {
+        #[arg(long)]
+        socket: PathBuf,
+        #[arg(long, default_value_t = 2)]
+        queues: usize,
+        #[arg(long, default_value = "4M", value_parser = parse_size)]
+        span: u64,
+        #[arg(long, default_value_t = 4)]
+        rounds: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Measure block performance through a vhost-user-blk socket (libblkio frontend):
     /// IOPS, MB/s, completion latency, and the CPU time and peak RSS of the servers.
     /// With --peers, run devlend, qemu-storage-daemon locally and a qemu-storage-daemon
@@ -500,6 +518,10 @@ fn run(cli: Cli) -> Result<()> {
                     None => break,
                 }
             }
+        }
+        Cmd::Verify { socket, queues, span, rounds, seed, out } => {
+            let n = devlend_cli::verify::run(&socket, queues, span, rounds, seed, &out)?;
+            println!("verified {n} requests on {queues} queues");
         }
         Cmd::Bench {
             socket,
