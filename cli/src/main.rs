@@ -372,7 +372,11 @@ fn run(cli: Cli) -> Result<()> {
                 lease,
                 tls,
                 tls_server_name,
-                transport: if rdma { devlend_compute_agent::api::FabricTransport::Rdma } else { Default::default() },
+                transport: if rdma {
+                    devlend_compute_agent::api::FabricTransport::Rdma
+                } else {
+                    Default::default()
+                },
             });
             let a = match attached {
                 Ok(a) => a,
@@ -519,7 +523,14 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Cmd::Verify { socket, queues, span, rounds, seed, out } => {
+        Cmd::Verify {
+            socket,
+            queues,
+            span,
+            rounds,
+            seed,
+            out,
+        } => {
             let n = devlend_cli::verify::run(&socket, queues, span, rounds, seed, &out)?;
             println!("verified {n} requests on {queues} queues");
         }

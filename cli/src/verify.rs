@@ -18,7 +18,14 @@ const CHUNK: usize = 64 * 1024;
 ///
 /// # Errors
 /// A mismatch, a failed request, or a libblkio error.
-pub fn run(socket: &Path, queues: usize, span: u64, rounds: usize, seed: u64, out: &Path) -> Result<usize> {
+pub fn run(
+    socket: &Path,
+    queues: usize,
+    span: u64,
+    rounds: usize,
+    seed: u64,
+    out: &Path,
+) -> Result<usize> {
     let per_queue = 8;
     let mut c = BlkClient::connect(socket, queues, queues * per_queue * CHUNK * 2)?;
     let span = span.min(c.capacity()) as usize / CHUNK * CHUNK;
@@ -41,7 +48,7 @@ pub fn run(socket: &Path, queues: usize, span: u64, rounds: usize, seed: u64, ou
         let mut used = vec![false; slots];
         let mut batches: Vec<Vec<BlkOp>> = vec![Vec::new(); queues];
         let mut extents = Vec::new();
-        for q in 0..queues {
+        for (q, batch) in batches.iter_mut().enumerate() {
             for k in 0..per_queue {
                 let mut slot = (next() as usize) % slots;
                 while used[slot] {
@@ -53,39 +60,90 @@ pub fn run(socket: &Path, queues: usize, span: u64, rounds: usize, seed: u64, ou
                 let buf = (q * per_queue + k) * CHUNK;
                 let b = c.buffer();
                 for (i, byte) in b[buf..buf + len].iter_mut().enumerate() {
-                    *byte = (round as u8) ^ (q as u8).wrapping_mul(31) ^ (k as u8).wrapping_mul(7) ^ (i as u8) ^ ((i >> 8) as u8);
+                    *byte = (round as u8)
+                        ^ (q as u8).wrapping_mul(31)
+                        ^ (k as u8).wrapping_mul(7)
+                        ^ (i as u8)
+                        ^ ((i >> 8) as u8);
                 }
                 shadow[off..off + len].copy_from_slice(&c.buffer()[buf..buf + len]);
-                batches[q].push(BlkOp::Write { offset: off as u64, buf, len });
+                batch.push(BlkOp::Write {
+                    offset: off as u64,
+                    buf,
+                    len,
+                });
                 extents.push((q, off, len, half + buf));
             }
         }
-        let refs: Vec<(usize, &[BlkOp])> = batches.iter().enumerate().map(|(q, b)| (q, b.as_slice())).collect();
+        let refs: Vec<(usize, &[BlkOp])> = batches
+            .iter()
+            .enumerate()
+            .map(|(q, b)| (q, b.as_slice()))
+            .collect();
         check(&c.run_multi(&refs)?, "write")?;
         requests += extents.len();
         // Read each extent back on another queue than wrote it, into the other half.
         let mut reads: Vec<Vec<BlkOp>> = vec![Vec::new(); queues];
         for &(q, off, len, buf) in &extents {
-            reads[(q + 1) % queues].push(BlkOp::Read { offset: off as u64, buf, len });
+            reads[(q + 1) % queues].push(BlkOp::Read {
+                offset: off as u64,
+                buf,
+                len,
+            });
         }
-        let refs: Vec<(usize, &[BlkOp])> = reads.iter().enumerate().map(|(q, b)| (q, b.as_slice())).collect();
+        let refs: Vec<(usize, &[BlkOp])> = reads
+            .iter()
+            .enumerate()
+            .map(|(q, b)| (q, b.as_slice()))
+            .collect();
         check(&c.run_multi(&refs)?, "read")?;
         requests += extents.len();
         for &(_, off, len, buf) in &extents {
             if c.buffer()[buf..buf + len] != shadow[off..off + len] {
-                bail!("round {round}: data read at {off} ({len} bytes) differs from what was written");
+                bail!(
+                    "round {round}: data read at {off} ({len} bytes) differs from what was written"
+                );
             }
         }
     }
     check(&[c.run(0, &[BlkOp::Flush])?], "flush")?;
     let (d_off, z_off) = (CHUNK as u64, 3 * CHUNK as u64);
-    check(&[c.run(0, &[BlkOp::Discard { offset: d_off, len: CHUNK as u64 }])?], "discard")?;
-    check(&[c.run(queues - 1, &[BlkOp::WriteZeroes { offset: z_off, len: CHUNK as u64, unmap: false }])?], "write-zeroes")?;
+    check(
+        &[c.run(
+            0,
+            &[BlkOp::Discard {
+                offset: d_off,
+                len: CHUNK as u64,
+            }],
+        )?],
+        "discard",
+    )?;
+    check(
+        &[c.run(
+            queues - 1,
+            &[BlkOp::WriteZeroes {
+                offset: z_off,
+                len: CHUNK as u64,
+                unmap: false,
+            }],
+        )?],
+        "write-zeroes",
+    )?;
     shadow[d_off as usize..d_off as usize + CHUNK].fill(0);
     shadow[z_off as usize..z_off as usize + CHUNK].fill(0);
     for off in [d_off, z_off] {
         c.buffer()[..CHUNK].fill(0xaa);
-        check(&[c.run(0, &[BlkOp::Read { offset: off, buf: 0, len: CHUNK }])?], "read")?;
+        check(
+            &[c.run(
+                0,
+                &[BlkOp::Read {
+                    offset: off,
+                    buf: 0,
+                    len: CHUNK,
+                }],
+            )?],
+            "read",
+        )?;
         if c.buffer()[..CHUNK].iter().any(|&b| b != 0) {
             bail!("range at {off} does not read as zeroes after discard/write-zeroes");
         }

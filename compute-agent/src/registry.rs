@@ -278,8 +278,12 @@ impl Registry {
                 token: token.clone(),
                 tls,
                 transport: match req.transport {
-                    crate::api::FabricTransport::Tcp => devlend_backend::blk::engine::Transport::Tcp,
-                    crate::api::FabricTransport::Rdma => devlend_backend::blk::engine::Transport::Rdma,
+                    crate::api::FabricTransport::Tcp => {
+                        devlend_backend::blk::engine::Transport::Tcp
+                    }
+                    crate::api::FabricTransport::Rdma => {
+                        devlend_backend::blk::engine::Transport::Rdma
+                    }
                 },
             },
             num_queues: req.queues,

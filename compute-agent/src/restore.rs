@@ -17,11 +17,10 @@ const RETRY_MAX: Duration = Duration::from_secs(10);
 
 /// Whether a failed restore can succeed later (the lender or the pool being away).
 fn retryable(e: &RegistryError) -> bool {
-    match e {
-        RegistryError::Start(_) => true,
-        RegistryError::Lease(crate::lease::LeaseError::Pool(_)) => true,
-        _ => false,
-    }
+    matches!(
+        e,
+        RegistryError::Start(_) | RegistryError::Lease(crate::lease::LeaseError::Pool(_))
+    )
 }
 
 /// Restores `saved` on a new thread (the API serves meanwhile).

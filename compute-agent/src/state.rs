@@ -97,7 +97,7 @@ pub fn to_hex(bytes: &[u8]) -> String {
 
 /// The bytes of a hex string, or `None` if it is not one.
 pub fn from_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())

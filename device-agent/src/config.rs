@@ -271,7 +271,9 @@ struct FileConfig {
 }
 
 /// The fabric transport a lender serves.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Transport {
     /// TCP (optionally TLS) only.

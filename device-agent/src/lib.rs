@@ -25,9 +25,9 @@ mod frame;
 pub mod leases;
 pub mod metrics;
 mod pool;
+pub mod pool_link;
 #[cfg(feature = "rdma")]
 mod rdma_session;
-pub mod pool_link;
 mod request;
 mod server;
 mod session;

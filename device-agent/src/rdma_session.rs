@@ -36,7 +36,11 @@ const TAG_MASK: u64 = 0xff << 40;
 pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Listener) {
     let mut next_id: u64 = 1 << 48;
     while !shared.is_closed() {
-        let mut p = libc::pollfd { fd: listener.fd(), events: libc::POLLIN, revents: 0 };
+        let mut p = libc::pollfd {
+            fd: listener.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd for the call.
         unsafe { libc::poll(&mut p, 1, 200) };
         while let Some(inc) = listener.accept() {
@@ -71,7 +75,9 @@ enum End {
 fn serve(shared: &Shared, inc: Incoming, id: u64) {
     let peer = inc.peer();
     let _span = tracing::info_span!("rdma_session", id, %peer).entered();
-    let (mut conn, i, n) = match inc.establish(lender_shape(IO_SLOTS), shared.options.handshake_timeout) {
+    let (mut conn, i, n) = match inc
+        .establish(lender_shape(IO_SLOTS), shared.options.handshake_timeout)
+    {
         Ok(x) => x,
         Err(e) => {
             tracing::warn!(%peer, error = %devlend_fabric::error::chain(&e), "RDMA connection setup failed");
@@ -94,7 +100,10 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         Err((status, message)) => {
             tracing::info!(%peer, device = %hello.device, ?status, reason = %message, "session refused");
             let mut msg = Vec::new();
-            if HelloReply::refuse(status, &message).write_to(&mut msg).is_ok() {
+            if HelloReply::refuse(status, &message)
+                .write_to(&mut msg)
+                .is_ok()
+            {
                 let _ = conn.send_msg(0, &msg, TAG_SEND | 0xffff);
                 // Let the refusal leave before the QP goes.
                 let mut out = Vec::new();
@@ -124,10 +133,17 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
                 return;
             }
         };
-        slots.push(Slot { mr, req, segs: Vec::new(), busy: false });
+        slots.push(Slot {
+            mr,
+            req,
+            segs: Vec::new(),
+            busy: false,
+        });
     }
     let mut reply = Vec::new();
-    if HelloReply::ok(dev.info.clone()).write_to(&mut reply).is_err()
+    if HelloReply::ok(dev.info.clone())
+        .write_to(&mut reply)
+        .is_err()
         || conn.send_msg(IO_SLOTS, &reply, TAG_SEND | 0xffff).is_err()
     {
         tracing::warn!(%peer, "cannot send the hello reply; closing");
@@ -143,14 +159,20 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
             dev.stats.protocol_error();
             tracing::warn!(%peer, device = %dev.name, %reason, "protocol error; RDMA session closed");
         }
-        End::Transport(e) => tracing::warn!(%peer, device = %dev.name, error = %devlend_fabric::error::chain(&e), "RDMA session closed"),
+        End::Transport(e) => {
+            tracing::warn!(%peer, device = %dev.name, error = %devlend_fabric::error::chain(&e), "RDMA session closed")
+        }
     }
     // The QP goes first (no RDMA into the buffers after), then the buffers' MRs.
     drop(conn);
     drop(slots);
 }
 
-fn run(dev: &Arc<Device>, conn: &mut devlend_fabric::rdma::verbs::Connection, slots: &mut [Slot]) -> End {
+fn run(
+    dev: &Arc<Device>,
+    conn: &mut devlend_fabric::rdma::verbs::Connection,
+    slots: &mut [Slot],
+) -> End {
     let fd = dev.file.as_raw_fd();
     let mut backlog: VecDeque<(RequestHeader, Vec<Segment>)> = VecDeque::new();
     let mut done: Vec<Completion> = Vec::new();
@@ -172,7 +194,12 @@ fn run(dev: &Arc<Device>, conn: &mut devlend_fabric::rdma::verbs::Connection, sl
                 let i = (c.wr_id & !RECV_BIT) as usize;
                 let h = match decode_request(conn.recv_msg(i, c.byte_len as usize), &mut segs) {
                     Ok(h) => h,
-                    Err(e) => return End::Protocol(format!("bad request message: {}", devlend_fabric::error::chain(&e))),
+                    Err(e) => {
+                        return End::Protocol(format!(
+                            "bad request message: {}",
+                            devlend_fabric::error::chain(&e)
+                        ))
+                    }
                 };
                 if let Err(e) = check_framing(&h) {
                     return End::Protocol(e.to_string());
@@ -198,7 +225,9 @@ fn run(dev: &Arc<Device>, conn: &mut devlend_fabric::rdma::verbs::Connection, sl
         }
         // Start what the free I/O buffers allow, in arrival order.
         while let Some(s) = slots.iter().position(|s| !s.busy) {
-            let Some((h, segs)) = backlog.pop_front() else { break };
+            let Some((h, segs)) = backlog.pop_front() else {
+                break;
+            };
             if let Err(e) = start(dev, fd, conn, slots, s, &h, segs) {
                 return End::Transport(e);
             }
@@ -208,7 +237,11 @@ fn run(dev: &Arc<Device>, conn: &mut devlend_fabric::rdma::verbs::Connection, sl
             Err(RdmaError::Disconnected) => return End::Closed,
             Err(e) => return End::Transport(e),
         }
-        let mut p = libc::pollfd { fd: conn.fd(), events: libc::POLLIN, revents: 0 };
+        let mut p = libc::pollfd {
+            fd: conn.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd for the call.
         unsafe { libc::poll(&mut p, 1, 1000) };
     }
@@ -246,7 +279,16 @@ fn start(
         let mut at = 0u64;
         let n = slot.segs.len();
         for (k, seg) in slot.segs.iter().enumerate() {
-            conn.post_rdma(true, TAG_READ | s as u64, base + at, slot.mr.lkey(), seg.len, seg.addr, seg.rkey, k + 1 == n)?;
+            conn.post_rdma(
+                true,
+                TAG_READ | s as u64,
+                base + at,
+                slot.mr.lkey(),
+                seg.len,
+                seg.addr,
+                seg.rkey,
+                k + 1 == n,
+            )?;
             at += u64::from(seg.len);
         }
         return Ok(());
@@ -277,7 +319,16 @@ fn finish(
             let base = slot.mr.addr();
             let mut at = 0u64;
             for seg in &slot.segs {
-                conn.post_rdma(false, TAG_SEND | s as u64, base + at, slot.mr.lkey(), seg.len, seg.addr, seg.rkey, false)?;
+                conn.post_rdma(
+                    false,
+                    TAG_SEND | s as u64,
+                    base + at,
+                    slot.mr.lkey(),
+                    seg.len,
+                    seg.addr,
+                    seg.rkey,
+                    false,
+                )?;
                 at += u64::from(seg.len);
             }
         }

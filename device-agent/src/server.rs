@@ -365,7 +365,8 @@ impl Lender {
     pub fn serve_rdma(&self, addr: &str) -> Result<(), Error> {
         #[cfg(feature = "rdma")]
         {
-            let listener = devlend_fabric::rdma::verbs::Listener::bind(addr).map_err(Error::Rdma)?;
+            let listener =
+                devlend_fabric::rdma::verbs::Listener::bind(addr).map_err(Error::Rdma)?;
             let shared = Arc::clone(&self.shared);
             std::thread::Builder::new()
                 .name("dl-rdma-accept".into())

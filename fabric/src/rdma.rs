@@ -120,7 +120,11 @@ pub const fn compiled() -> bool {
 /// Encodes a request message into `out` (at least [`MAX_REQUEST_MSG`] bytes): the
 /// 24-byte header (as [`RequestHeader::encode`] gives it), the segment count, the
 /// segments (at most [`MAX_SEGMENTS`]; the caller checks). Returns its length.
-pub fn encode_request(header: &[u8; REQUEST_HEADER_LEN], segs: &[Segment], out: &mut [u8]) -> usize {
+pub fn encode_request(
+    header: &[u8; REQUEST_HEADER_LEN],
+    segs: &[Segment],
+    out: &mut [u8],
+) -> usize {
     let n = segs.len().min(MAX_SEGMENTS);
     if out.len() < REQUEST_HEADER_LEN + SEGMENT_LIST_HEADER_LEN + n * SEGMENT_LEN {
         return 0;
@@ -171,7 +175,9 @@ pub fn decode_request(msg: &[u8], segs: &mut Vec<Segment>) -> Result<RequestHead
         });
     }
     if msg.len() != fixed + n * SEGMENT_LEN {
-        return Err(WireError::Invalid("message length does not match its segment count"));
+        return Err(WireError::Invalid(
+            "message length does not match its segment count",
+        ));
     }
     let mut total = 0u64;
     for raw in msg[fixed..].chunks_exact(SEGMENT_LEN) {
@@ -199,7 +205,9 @@ pub fn decode_request(msg: &[u8], segs: &mut Vec<Segment>) -> Result<RequestHead
         return Err(WireError::Invalid("a read or write without segments"));
     }
     if total != want {
-        return Err(WireError::Invalid("segments do not add up to the request length"));
+        return Err(WireError::Invalid(
+            "segments do not add up to the request length",
+        ));
     }
     Ok(h)
 }
@@ -226,27 +234,39 @@ mod tests {
     fn request_round_trips_and_bad_lists_are_refused() {
         let mut buf = vec![0u8; MAX_REQUEST_MSG];
         let segs = [
-            Segment { addr: 0x1000, rkey: 5, len: 512 },
-            Segment { addr: 0x9000, rkey: 6, len: 1024 },
+            Segment {
+                addr: 0x1000,
+                rkey: 5,
+                len: 512,
+            },
+            Segment {
+                addr: 0x9000,
+                rkey: 6,
+                len: 1024,
+            },
         ];
-        let n = encode_request(&enc(Op::Write, 1536), &segs, &mut buf);
+        let n = encode_request(&enc(hdr(Op::Write, 1536)), &segs, &mut buf);
         let mut out = Vec::new();
         let h = decode_request(&buf[..n], &mut out).expect("valid");
         assert_eq!(h.len, 1536);
         assert_eq!(out, segs);
         // Lengths that do not add up, a cut message, a flush with segments.
-        let n2 = encode_request(&enc(Op::Write, 2048), &segs, &mut buf);
+        let n2 = encode_request(&enc(hdr(Op::Write, 2048)), &segs, &mut buf);
         assert!(decode_request(&buf[..n2], &mut out).is_err());
         assert!(decode_request(&buf[..n - 1], &mut out).is_err());
-        let n3 = encode_request(&enc(Op::Flush, 0), &segs[..1], &mut buf);
+        let n3 = encode_request(&enc(hdr(Op::Flush, 0)), &segs[..1], &mut buf);
         assert!(decode_request(&buf[..n3], &mut out).is_err());
-        let n4 = encode_request(&enc(Op::Flush, 0), &[], &mut buf);
+        let n4 = encode_request(&enc(hdr(Op::Flush, 0)), &[], &mut buf);
         assert!(decode_request(&buf[..n4], &mut out).is_ok());
         // An empty segment, a count beyond the limit.
-        let z = [Segment { addr: 1, rkey: 1, len: 0 }];
-        let n5 = encode_request(&enc(Op::Read, 0), &z, &mut buf);
+        let z = [Segment {
+            addr: 1,
+            rkey: 1,
+            len: 0,
+        }];
+        let n5 = encode_request(&enc(hdr(Op::Read, 0)), &z, &mut buf);
         assert!(decode_request(&buf[..n5], &mut out).is_err());
-        let n6 = encode_request(&enc(Op::Flush, 0), &[], &mut buf);
+        let n6 = encode_request(&enc(hdr(Op::Flush, 0)), &[], &mut buf);
         buf[REQUEST_HEADER_LEN..REQUEST_HEADER_LEN + 2].copy_from_slice(&300u16.to_le_bytes());
         assert!(decode_request(&buf[..n6], &mut out).is_err());
     }

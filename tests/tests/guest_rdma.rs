@@ -89,9 +89,16 @@ fn rdma_on_soft_roce_in_a_guest() {
     }
     out.check_success().expect("the guest's test");
     let expected = out.result("expected").expect("expected sha256");
-    assert_eq!(out.result("lender"), Some(expected), "the lender's file holds what was written");
+    assert_eq!(
+        out.result("lender"),
+        Some(expected),
+        "the lender's file holds what was written"
+    );
     // The probe and the two queues' sessions at least: the I/O went over RDMA.
-    let sessions: u32 = out.result("rdma_sessions").and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    let sessions: u32 = out
+        .result("rdma_sessions")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
     assert!(sessions >= 3, "RDMA sessions opened: {sessions}");
     eprintln!("guest wall time {:.1} s", started.elapsed().as_secs_f64());
 }
@@ -109,6 +116,9 @@ fn rdma_without_a_device_fails_fast_on_the_host() {
         .expect("run the lender");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("no RDMA device") || err.contains("rdma_cm is not available"), "{err}");
+    assert!(
+        err.contains("no RDMA device") || err.contains("rdma_cm is not available"),
+        "{err}"
+    );
     assert!(t.elapsed() < Duration::from_secs(10));
 }

@@ -521,13 +521,17 @@ impl QueueEngine {
     }
 
     #[cfg(feature = "rdma")]
-    fn connect_rdma(&mut self) -> Result<(Link, devlend_fabric::HelloReply), devlend_fabric::tcp::ConnectError> {
+    fn connect_rdma(
+        &mut self,
+    ) -> Result<(Link, devlend_fabric::HelloReply), devlend_fabric::tcp::ConnectError> {
         let (link, reply) = crate::blk::rdma::RdmaLink::connect(&self.target, self.index)?;
         Ok((Link::Rdma(Box::new(link)), reply))
     }
 
     #[cfg(not(feature = "rdma"))]
-    fn connect_rdma(&mut self) -> Result<(Link, devlend_fabric::HelloReply), devlend_fabric::tcp::ConnectError> {
+    fn connect_rdma(
+        &mut self,
+    ) -> Result<(Link, devlend_fabric::HelloReply), devlend_fabric::tcp::ConnectError> {
         Err(devlend_fabric::tcp::ConnectError::Rdma {
             addr: self.target.addr.clone(),
             source: devlend_fabric::rdma::RdmaError::NotCompiled,

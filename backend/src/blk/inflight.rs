@@ -436,7 +436,10 @@ mod tests {
             let live = [8u16, 64, 256][round % 3];
             let heads = r.queue(0).expect("queue 0").recover(next() as u16, live);
             let mut seen = std::collections::HashSet::new();
-            assert!(heads.iter().all(|&h| h < live.min(64) && seen.insert(h)), "{heads:?}");
+            assert!(
+                heads.iter().all(|&h| h < live.min(64) && seen.insert(h)),
+                "{heads:?}"
+            );
         }
     }
 

@@ -18,10 +18,10 @@ pub mod engine;
 pub mod holder;
 pub mod inflight;
 pub use devlend_fabric::latency;
-pub mod request;
-pub mod resubmit;
 #[cfg(feature = "rdma")]
 mod rdma;
+pub mod request;
+pub mod resubmit;
 pub mod spec;
 mod tcp;
 pub mod timer;

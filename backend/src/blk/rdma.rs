@@ -66,12 +66,18 @@ pub(crate) struct RdmaLink {
 
 impl RdmaLink {
     /// Opens the session for virtqueue `index` and runs the handshake.
-    pub(crate) fn connect(target: &LenderTarget, index: u16) -> Result<(RdmaLink, HelloReply), ConnectError> {
+    pub(crate) fn connect(
+        target: &LenderTarget,
+        index: u16,
+    ) -> Result<(RdmaLink, HelloReply), ConnectError> {
         let hello = target.hello(index);
-        let (conn, reply) = verbs::connect(&target.addr, &hello, CONNECT_TIMEOUT).map_err(|source| ConnectError::Rdma {
-            addr: target.addr.clone(),
-            source,
-        })?;
+        let (conn, reply) =
+            verbs::connect(&target.addr, &hello, CONNECT_TIMEOUT).map_err(|source| {
+                ConnectError::Rdma {
+                    addr: target.addr.clone(),
+                    source,
+                }
+            })?;
         if reply.status != HelloStatus::Ok {
             return Err(ConnectError::Refused {
                 addr: target.addr.clone(),
@@ -141,7 +147,11 @@ impl RdmaLink {
                     }
                 }
                 if !ok {
-                    tracing::warn!(head, segments = slot.iovs.len(), "request cannot be described to the lender over RDMA; failing it");
+                    tracing::warn!(
+                        head,
+                        segments = slot.iovs.len(),
+                        "request cannot be described to the lender over RDMA; failing it"
+                    );
                     refused.push(head);
                     continue;
                 }
@@ -160,7 +170,10 @@ impl RdmaLink {
     /// # Errors
     /// A failed work request, a response of the wrong size, or a disconnect; the
     /// responses taken before it are in `out`.
-    pub(crate) fn receive(&mut self, out: &mut Vec<[u8; RESPONSE_HEADER_LEN]>) -> Result<(), RdmaError> {
+    pub(crate) fn receive(
+        &mut self,
+        out: &mut Vec<[u8; RESPONSE_HEADER_LEN]>,
+    ) -> Result<(), RdmaError> {
         self.done.clear();
         let polled = self.conn.poll(&mut self.done);
         for k in 0..self.done.len() {
@@ -168,7 +181,11 @@ impl RdmaLink {
             if let Some(e) = c.error {
                 return Err(RdmaError::WorkRequest(format!(
                     "{} failed: {e}",
-                    if c.recv { "a receive" } else { "a request SEND" }
+                    if c.recv {
+                        "a receive"
+                    } else {
+                        "a request SEND"
+                    }
                 )));
             }
             if !c.recv {

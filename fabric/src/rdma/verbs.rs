@@ -120,7 +120,11 @@ impl EventChannel {
     }
 
     /// Waits up to `timeout` for the next event.
-    fn next(&self, timeout: Duration, what: &'static str) -> Result<(rdma_cm_event_type::Type, i32, *mut rdma_cm_id), RdmaError> {
+    fn next(
+        &self,
+        timeout: Duration,
+        what: &'static str,
+    ) -> Result<(rdma_cm_event_type::Type, i32, *mut rdma_cm_id), RdmaError> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(e) = self.try_next() {
@@ -160,7 +164,15 @@ impl CmId {
     fn new(ch: &EventChannel) -> Result<Self, RdmaError> {
         let mut id = std::ptr::null_mut();
         // SAFETY: `ch` is live; `id` receives the new id.
-        if unsafe { rdma_create_id(ch.0, &mut id, std::ptr::null_mut(), rdma_port_space::RDMA_PS_TCP) } != 0 {
+        if unsafe {
+            rdma_create_id(
+                ch.0,
+                &mut id,
+                std::ptr::null_mut(),
+                rdma_port_space::RDMA_PS_TCP,
+            )
+        } != 0
+        {
             return Err(resources("an rdma_cm id"));
         }
         Ok(CmId(id))
@@ -219,7 +231,12 @@ impl Mr {
     /// # Safety
     /// The range must stay mapped for as long as the MR lives (the caller keeps its
     /// owner alive beside it).
-    pub unsafe fn register(pd: &Arc<Pd>, addr: *mut u8, len: usize, remote: bool) -> Result<Mr, RdmaError> {
+    pub unsafe fn register(
+        pd: &Arc<Pd>,
+        addr: *mut u8,
+        len: usize,
+        remote: bool,
+    ) -> Result<Mr, RdmaError> {
         let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
         if remote {
             access |= ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
@@ -230,7 +247,10 @@ impl Mr {
         if mr.is_null() {
             return Err(resources("a memory region"));
         }
-        Ok(Mr { mr, _pd: pd.clone() })
+        Ok(Mr {
+            mr,
+            _pd: pd.clone(),
+        })
     }
 
     /// Start address.
@@ -382,7 +402,12 @@ unsafe impl Send for Connection {}
 
 /// Resources built on an id whose device is known (after route resolution or on a
 /// connect request), before the connection is established.
-fn build(id: CmId, events: EventChannel, shape: Shape, peer: String) -> Result<Connection, RdmaError> {
+fn build(
+    id: CmId,
+    events: EventChannel,
+    shape: Shape,
+    peer: String,
+) -> Result<Connection, RdmaError> {
     let ctx = id.verbs();
     if ctx.is_null() {
         return Err(RdmaError::NoDevice);
@@ -411,7 +436,10 @@ fn build(id: CmId, events: EventChannel, shape: Shape, peer: String) -> Result<C
     if cq.is_null() {
         return Err(resources("a completion queue"));
     }
-    let cq = Cq { cq, _ch: comp.clone() };
+    let cq = Cq {
+        cq,
+        _ch: comp.clone(),
+    };
     // SAFETY: all-zero is a valid ibv_qp_init_attr to fill in.
     let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
     attr.send_cq = cq.cq;
@@ -466,8 +494,14 @@ fn build(id: CmId, events: EventChannel, shape: Shape, peer: String) -> Result<C
 }
 
 fn to_sockaddr(addr: &str) -> Result<(SocketAddr, libc::sockaddr_storage), RdmaError> {
-    let bad = || RdmaError::BadAddress { addr: addr.to_string() };
-    let sa = addr.to_socket_addrs().map_err(|_| bad())?.next().ok_or_else(bad)?;
+    let bad = || RdmaError::BadAddress {
+        addr: addr.to_string(),
+    };
+    let sa = addr
+        .to_socket_addrs()
+        .map_err(|_| bad())?
+        .next()
+        .ok_or_else(bad)?;
     // SAFETY: all-zero is a valid sockaddr_storage.
     let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     match sa {
@@ -494,7 +528,10 @@ fn conn_param(ctx: *mut ibv_context) -> rdma_conn_param {
     let mut da: ibv_device_attr = unsafe { std::mem::zeroed() };
     // SAFETY: ctx is a live device context; da is writable.
     let (rd, init) = if unsafe { ibv_query_device(ctx, &mut da) } == 0 {
-        (da.max_qp_rd_atom.clamp(1, 16), da.max_qp_init_rd_atom.clamp(1, 16))
+        (
+            da.max_qp_rd_atom.clamp(1, 16),
+            da.max_qp_init_rd_atom.clamp(1, 16),
+        )
     } else {
         (1, 1)
     };
@@ -512,7 +549,11 @@ fn conn_param(ctx: *mut ibv_context) -> rdma_conn_param {
 /// # Errors
 /// [`RdmaError`] for the transport (no device, no route, no resources, refused,
 /// timeout); a hello reply is returned whatever its status.
-pub fn connect(addr: &str, hello: &Hello, timeout: Duration) -> Result<(Connection, HelloReply), RdmaError> {
+pub fn connect(
+    addr: &str,
+    hello: &Hello,
+    timeout: Duration,
+) -> Result<(Connection, HelloReply), RdmaError> {
     check_devices()?;
     let (_, mut ss) = to_sockaddr(addr)?;
     let events = EventChannel::new()?;
@@ -524,15 +565,35 @@ pub fn connect(addr: &str, hello: &Hello, timeout: Duration) -> Result<(Connecti
         source: os_err(),
     };
     // SAFETY: id is live; ss is a valid socket address for the call.
-    if unsafe { rdma_resolve_addr(id.0, std::ptr::null_mut(), (&mut ss as *mut libc::sockaddr_storage).cast(), ms) } != 0 {
+    if unsafe {
+        rdma_resolve_addr(
+            id.0,
+            std::ptr::null_mut(),
+            (&mut ss as *mut libc::sockaddr_storage).cast(),
+            ms,
+        )
+    } != 0
+    {
         return Err(route("resolving the address"));
     }
-    expect(&events, rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, timeout, addr, "resolving the RDMA address")?;
+    expect(
+        &events,
+        rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED,
+        timeout,
+        addr,
+        "resolving the RDMA address",
+    )?;
     // SAFETY: id is live and its address resolved.
     if unsafe { rdma_resolve_route(id.0, ms) } != 0 {
         return Err(route("resolving the route"));
     }
-    expect(&events, rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, timeout, addr, "resolving the RDMA route")?;
+    expect(
+        &events,
+        rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED,
+        timeout,
+        addr,
+        "resolving the RDMA route",
+    )?;
     let ctx = id.verbs();
     let mut c = build(id, events, BORROWER, addr.to_string())?;
     let mut p = conn_param(ctx);
@@ -543,9 +604,17 @@ pub fn connect(addr: &str, hello: &Hello, timeout: Duration) -> Result<(Connecti
             reason: format!("rdma_connect: {}", os_err()),
         });
     }
-    expect(&c.events, rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, timeout, addr, "connecting")?;
+    expect(
+        &c.events,
+        rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+        timeout,
+        addr,
+        "connecting",
+    )?;
     let mut msg = Vec::new();
-    hello.write_to(&mut msg).map_err(|e| RdmaError::WorkRequest(format!("encoding the hello: {e}")))?;
+    hello
+        .write_to(&mut msg)
+        .map_err(|e| RdmaError::WorkRequest(format!("encoding the hello: {e}")))?;
     c.send_msg(0, &msg, 0)?;
     let deadline = Instant::now() + timeout;
     loop {
@@ -555,15 +624,26 @@ pub fn connect(addr: &str, hello: &Hello, timeout: Duration) -> Result<(Connecti
         }
         if wc.recv {
             let i = (wc.wr_id & !RECV_BIT) as usize;
-            let reply = HelloReply::read_from(&mut c.recv_msg(i, wc.byte_len as usize))
-                .map_err(|e| RdmaError::Connect { addr: addr.to_string(), reason: format!("bad hello reply: {e}") })?;
+            let reply =
+                HelloReply::read_from(&mut c.recv_msg(i, wc.byte_len as usize)).map_err(|e| {
+                    RdmaError::Connect {
+                        addr: addr.to_string(),
+                        reason: format!("bad hello reply: {e}"),
+                    }
+                })?;
             c.post_recv(i)?;
             return Ok((c, reply));
         }
     }
 }
 
-fn expect(ch: &EventChannel, want: rdma_cm_event_type::Type, timeout: Duration, addr: &str, what: &'static str) -> Result<(), RdmaError> {
+fn expect(
+    ch: &EventChannel,
+    want: rdma_cm_event_type::Type,
+    timeout: Duration,
+    addr: &str,
+    what: &'static str,
+) -> Result<(), RdmaError> {
     let (ev, status, _) = ch.next(timeout, what)?;
     if ev == want {
         return Ok(());
@@ -571,7 +651,8 @@ fn expect(ch: &EventChannel, want: rdma_cm_event_type::Type, timeout: Duration, 
     let reason = format!("{} (status {status}) while {what}", event_name(ev));
     if matches!(
         ev,
-        rdma_cm_event_type::RDMA_CM_EVENT_ADDR_ERROR | rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_ERROR
+        rdma_cm_event_type::RDMA_CM_EVENT_ADDR_ERROR
+            | rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_ERROR
     ) {
         return Err(RdmaError::Route {
             addr: addr.to_string(),
@@ -579,7 +660,10 @@ fn expect(ch: &EventChannel, want: rdma_cm_event_type::Type, timeout: Duration, 
             source: io::Error::from_raw_os_error(status.unsigned_abs() as i32),
         });
     }
-    Err(RdmaError::Connect { addr: addr.to_string(), reason })
+    Err(RdmaError::Connect {
+        addr: addr.to_string(),
+        reason,
+    })
 }
 
 impl Connection {
@@ -602,7 +686,10 @@ impl Connection {
     fn arm(&mut self) -> Result<(), RdmaError> {
         // SAFETY: live CQ.
         if unsafe { ibv_req_notify_cq(self.cq.cq, 0) } != 0 {
-            return Err(RdmaError::WorkRequest(format!("arming the CQ: {}", os_err())));
+            return Err(RdmaError::WorkRequest(format!(
+                "arming the CQ: {}",
+                os_err()
+            )));
         }
         Ok(())
     }
@@ -621,7 +708,10 @@ impl Connection {
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live; the buffer is registered and owned by self.
         if unsafe { ibv_post_recv(self.id.qp(), &mut wr, &mut bad) } != 0 {
-            return Err(RdmaError::WorkRequest(format!("posting a receive: {}", os_err())));
+            return Err(RdmaError::WorkRequest(format!(
+                "posting a receive: {}",
+                os_err()
+            )));
         }
         Ok(())
     }
@@ -666,27 +756,63 @@ impl Connection {
     /// # Errors
     /// The verbs error.
     #[allow(clippy::too_many_arguments)]
-    pub fn post_rdma(&mut self, read: bool, wr_id: u64, local: u64, lkey: u32, len: u32, remote: u64, rkey: u32, signaled: bool) -> Result<(), RdmaError> {
-        let mut sge = ibv_sge { addr: local, length: len, lkey };
-        let op = if read { ibv_wr_opcode::IBV_WR_RDMA_READ } else { ibv_wr_opcode::IBV_WR_RDMA_WRITE };
+    pub fn post_rdma(
+        &mut self,
+        read: bool,
+        wr_id: u64,
+        local: u64,
+        lkey: u32,
+        len: u32,
+        remote: u64,
+        rkey: u32,
+        signaled: bool,
+    ) -> Result<(), RdmaError> {
+        let mut sge = ibv_sge {
+            addr: local,
+            length: len,
+            lkey,
+        };
+        let op = if read {
+            ibv_wr_opcode::IBV_WR_RDMA_READ
+        } else {
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE
+        };
         self.post(op, wr_id, &mut sge, remote, rkey, signaled)
     }
 
-    fn post(&mut self, op: ibv_wr_opcode::Type, wr_id: u64, sge: &mut ibv_sge, remote: u64, rkey: u32, signaled: bool) -> Result<(), RdmaError> {
+    fn post(
+        &mut self,
+        op: ibv_wr_opcode::Type,
+        wr_id: u64,
+        sge: &mut ibv_sge,
+        remote: u64,
+        rkey: u32,
+        signaled: bool,
+    ) -> Result<(), RdmaError> {
         // SAFETY: all-zero is a valid ibv_send_wr.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;
         wr.sg_list = sge;
         wr.num_sge = 1;
         wr.opcode = op;
-        wr.send_flags = if signaled { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
-        wr.wr.rdma = rdma_t { remote_addr: remote, rkey };
+        wr.send_flags = if signaled {
+            ibv_send_flags::IBV_SEND_SIGNALED.0
+        } else {
+            0
+        };
+        wr.wr.rdma = rdma_t {
+            remote_addr: remote,
+            rkey,
+        };
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live; the sge points into memory registered in this
         // connection's PD and kept alive by its owner until the completion.
         let rc = unsafe { ibv_post_send(self.id.qp(), &mut wr, &mut bad) };
         if rc != 0 {
-            return Err(RdmaError::WorkRequest(format!("posting a send: {}", io::Error::from_raw_os_error(rc))));
+            return Err(RdmaError::WorkRequest(format!(
+                "posting a send: {}",
+                io::Error::from_raw_os_error(rc)
+            )));
         }
         Ok(())
     }
@@ -775,7 +901,11 @@ impl Connection {
     ///
     /// # Errors
     /// Timeout, disconnect or a failed completion.
-    pub fn wait_recv(&mut self, deadline: Instant, what: &'static str) -> Result<(usize, usize), RdmaError> {
+    pub fn wait_recv(
+        &mut self,
+        deadline: Instant,
+        what: &'static str,
+    ) -> Result<(usize, usize), RdmaError> {
         loop {
             let c = self.wait(deadline, what)?;
             if let Some(e) = c.error {
@@ -831,7 +961,10 @@ impl Listener {
         let (_, mut ss) = to_sockaddr(addr)?;
         let events = EventChannel::new()?;
         let id = CmId::new(&events)?;
-        let listen = |source| RdmaError::Listen { addr: addr.to_string(), source };
+        let listen = |source| RdmaError::Listen {
+            addr: addr.to_string(),
+            source,
+        };
         // SAFETY: id is live; ss is a valid socket address.
         if unsafe { rdma_bind_addr(id.0, (&mut ss as *mut libc::sockaddr_storage).cast()) } != 0 {
             return Err(listen(os_err()));
@@ -851,7 +984,10 @@ impl Listener {
     /// The next connection request, if any (non-blocking). Other events are ignored.
     pub fn accept(&self) -> Option<Incoming> {
         while let Some((ev, _, id)) = self.events.try_next() {
-            if ev == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST && !id.is_null() && id != self.id.0 {
+            if ev == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST
+                && !id.is_null()
+                && id != self.id.0
+            {
                 return Some(Incoming(CmId(id)));
             }
         }
@@ -869,11 +1005,19 @@ impl Incoming {
             match i32::from((*sa).sa_family) {
                 libc::AF_INET => {
                     let sin = &*(sa as *const libc::sockaddr_in);
-                    format!("{}:{}", std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)), u16::from_be(sin.sin_port))
+                    format!(
+                        "{}:{}",
+                        std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+                        u16::from_be(sin.sin_port)
+                    )
                 }
                 libc::AF_INET6 => {
                     let sin6 = &*(sa as *const libc::sockaddr_in6);
-                    format!("[{}]:{}", std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr), u16::from_be(sin6.sin6_port))
+                    format!(
+                        "[{}]:{}",
+                        std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr),
+                        u16::from_be(sin6.sin6_port)
+                    )
                 }
                 _ => "rdma peer".to_string(),
             }
@@ -885,7 +1029,11 @@ impl Incoming {
     ///
     /// # Errors
     /// Resources, a peer that goes away, or a timeout.
-    pub fn establish(self, shape: Shape, timeout: Duration) -> Result<(Connection, usize, usize), RdmaError> {
+    pub fn establish(
+        self,
+        shape: Shape,
+        timeout: Duration,
+    ) -> Result<(Connection, usize, usize), RdmaError> {
         let peer = self.peer();
         let events = EventChannel::new()?;
         // SAFETY: both are live; the id's earlier event was acked by the listener.
@@ -897,9 +1045,18 @@ impl Incoming {
         let mut p = conn_param(ctx);
         // SAFETY: the id has a QP; p is valid.
         if unsafe { rdma_accept(c.id.0, &mut p) } != 0 {
-            return Err(RdmaError::Connect { addr: peer, reason: format!("rdma_accept: {}", os_err()) });
+            return Err(RdmaError::Connect {
+                addr: peer,
+                reason: format!("rdma_accept: {}", os_err()),
+            });
         }
-        expect(&c.events, rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, timeout, &peer, "accepting")?;
+        expect(
+            &c.events,
+            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+            timeout,
+            &peer,
+            "accepting",
+        )?;
         let (i, n) = c.wait_recv(Instant::now() + timeout, "waiting for the hello")?;
         Ok((c, i, n))
     }
