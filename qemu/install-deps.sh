@@ -19,7 +19,9 @@
 set -euo pipefail
 
 readonly MIN_MAJOR="${DEVLEND_QEMU_MIN_MAJOR:-10}"
-readonly BASE_PACKAGES=(busybox-static cpio kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql)
+# RDMA: the -dev packages and clang for rdma-sys (bindgen) at build time; the rxe
+# provider and iproute2's `rdma` for the Soft-RoCE test guest.
+readonly BASE_PACKAGES=(busybox-static cpio kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql libibverbs-dev librdmacm-dev clang libclang-dev ibverbs-providers rdma-core)
 readonly QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 readonly LOCK_FILE=/run/lock/devlend-install-deps.lock
 

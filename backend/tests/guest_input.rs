@@ -70,6 +70,7 @@ impl Rig {
             borrower: [1; 16],
             token: Vec::new(),
             tls: None,
+            transport: Default::default(),
         };
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();

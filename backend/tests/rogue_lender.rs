@@ -121,6 +121,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
             borrower: [1; 16],
             token: Vec::new(),
             tls: None,
+            transport: Default::default(),
         },
         limits,
         stats.clone(),

@@ -7,6 +7,7 @@
 //! - [`demo`]: the local end-to-end demo (the README's main job);
 //! - [`bench`]: `devlend bench`, block performance beside qemu-storage-daemon;
 //! - [`placement`]: `devlend attach --class ...`, a device leased from the pool;
+//! - [`verify`]: `devlend verify`, a verified workload for tests (e.g. inside a guest);
 //! - [`pool_cmd`]: `devlend pool serve|devices|leases|providers`.
 
 pub mod api_client;
@@ -17,3 +18,4 @@ pub mod output;
 pub mod pattern;
 pub mod placement;
 pub mod pool_cmd;
+pub mod verify;

@@ -91,6 +91,10 @@ enum Cmd {
         /// part of the lender address].
         #[arg(long, value_name = "NAME", requires = "tls")]
         tls_server_name: Option<String>,
+        /// Fabric transport of the queues' sessions: tcp (default) or rdma (rdma_cm, one
+        /// RC queue pair per queue; the lender must run with --transport rdma).
+        #[arg(long, value_enum, default_value = "tcp", value_name = "tcp|rdma")]
+        transport: CliTransport,
         /// Attachment id, also the device id in the VMM (default: the device name).
         #[arg(long)]
         id: Option<String>,
@@ -168,6 +172,24 @@ enum Cmd {
         #[command(subcommand)]
         cmd: devlend_cli::pool_cmd::PoolCmd,
     },
+    /// Verified I/O through a vhost-user-blk socket, for tests: random writes on every
+    /// queue read back and compared, flush, discard, write-zeroes; writes what the
+    /// device's first SPAN bytes must hold to --out.
+    #[command(hide = true)]
+    Verify {
+        #[arg(long)]
+        socket: PathBuf,
+        #[arg(long, default_value_t = 2)]
+        queues: usize,
+        #[arg(long, default_value = "4M", value_parser = parse_size)]
+        span: u64,
+        #[arg(long, default_value_t = 4)]
+        rounds: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Measure block performance through a vhost-user-blk socket (libblkio frontend):
     /// IOPS, MB/s, completion latency, and the CPU time and peak RSS of the servers.
     /// With --peers, run devlend, qemu-storage-daemon locally and a qemu-storage-daemon
@@ -219,6 +241,13 @@ enum Cmd {
 }
 
 /// A VMM whose command-line arguments `attach` prints.
+/// `devlend attach --transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CliTransport {
+    Tcp,
+    Rdma,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Vmm {
     /// QEMU (`-chardev` + `-device vhost-user-blk-pci`) and libvirt.
@@ -270,6 +299,7 @@ fn run(cli: Cli) -> Result<()> {
             reconnect_deadline_s,
             tls,
             tls_server_name,
+            transport,
             id,
             qmp,
             ch_api,
@@ -320,6 +350,7 @@ fn run(cli: Cli) -> Result<()> {
                 _ => bail!("give --lender and --device, or --class and --vm"),
             };
             let lease = claimed.as_ref().map(|c| c.lease.clone());
+            let rdma = transport == CliTransport::Rdma;
             let attached = api.attach(&AttachRequest {
                 id,
                 lender,
@@ -341,6 +372,11 @@ fn run(cli: Cli) -> Result<()> {
                 lease,
                 tls,
                 tls_server_name,
+                transport: if rdma {
+                    devlend_compute_agent::api::FabricTransport::Rdma
+                } else {
+                    Default::default()
+                },
             });
             let a = match attached {
                 Ok(a) => a,
@@ -486,6 +522,17 @@ fn run(cli: Cli) -> Result<()> {
                     None => break,
                 }
             }
+        }
+        Cmd::Verify {
+            socket,
+            queues,
+            span,
+            rounds,
+            seed,
+            out,
+        } => {
+            let n = devlend_cli::verify::run(&socket, queues, span, rounds, seed, &out)?;
+            println!("verified {n} requests on {queues} queues");
         }
         Cmd::Bench {
             socket,

@@ -60,6 +60,28 @@ pub struct AttachRequest {
     /// address); default: the host part of `lender`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_server_name: Option<String>,
+    /// The virtqueues' fabric transport: `tcp` (default) or `rdma` (the lender must
+    /// serve RDMA on the `lender` address; the holding session stays TCP).
+    #[serde(default, skip_serializing_if = "FabricTransport::is_tcp")]
+    pub transport: FabricTransport,
+}
+
+/// The transport of an attachment's queue sessions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FabricTransport {
+    /// TCP, optionally inside TLS.
+    #[default]
+    Tcp,
+    /// RDMA: rdma_cm, one RC queue pair per virtqueue, data moved one-sided.
+    Rdma,
+}
+
+impl FabricTransport {
+    /// Whether this is the default, TCP.
+    pub fn is_tcp(&self) -> bool {
+        *self == FabricTransport::Tcp
+    }
 }
 
 /// A lease granted by a device pool (`POST /v1/leases`), handed to the compute agent.

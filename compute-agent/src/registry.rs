@@ -277,6 +277,14 @@ impl Registry {
                 borrower,
                 token: token.clone(),
                 tls,
+                transport: match req.transport {
+                    crate::api::FabricTransport::Tcp => {
+                        devlend_backend::blk::engine::Transport::Tcp
+                    }
+                    crate::api::FabricTransport::Rdma => {
+                        devlend_backend::blk::engine::Transport::Rdma
+                    }
+                },
             },
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),

@@ -172,6 +172,10 @@ pub struct Cli {
     /// Address and port to listen on, e.g. 0.0.0.0:7700 (overrides `listen` in the file).
     #[arg(long, value_name = "ADDR:PORT")]
     pub listen: Option<String>,
+    /// Fabric transport: `tcp` (default), or `rdma` to also serve RDMA sessions with
+    /// rdma_cm on the listen address (which must be an RDMA device's IP).
+    #[arg(long, value_enum, value_name = "tcp|rdma")]
+    pub transport: Option<Transport>,
     /// A device to lend; repeatable. Replaces a config-file device of the same name.
     #[arg(long = "device", value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B]")]
     pub devices: Vec<DeviceSpec>,
@@ -266,11 +270,26 @@ struct FileConfig {
     devices: Vec<DeviceSpec>,
 }
 
+/// The fabric transport a lender serves.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// TCP (optionally TLS) only.
+    #[default]
+    Tcp,
+    /// RDMA (rdma_cm, RC queue pairs) beside TCP.
+    Rdma,
+}
+
 /// A complete, validated configuration: what to lend and where.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Config {
     /// Address and port to listen on.
     pub listen: String,
+    /// Fabric transport.
+    pub transport: Transport,
     /// Log filter.
     pub log_level: String,
     /// Log line format.
@@ -422,6 +441,7 @@ impl Config {
             tls_key,
             tls_client_ca,
             listen,
+            transport: cli.transport.unwrap_or_default(),
             log_level: cli
                 .log_level
                 .clone()

@@ -9,6 +9,9 @@ use std::path::PathBuf;
 /// Why a lender could not be configured or started.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The RDMA transport cannot be used (not compiled in, no device, no rdma_cm, ...).
+    #[error("--transport rdma")]
+    Rdma(#[source] devlend_fabric::rdma::RdmaError),
     /// A `NAME=PATH[,ro][,serial=S]` device spec could not be parsed.
     #[error("invalid device spec {spec:?}: {reason}")]
     BadSpec {

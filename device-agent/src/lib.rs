@@ -26,6 +26,8 @@ pub mod leases;
 pub mod metrics;
 mod pool;
 pub mod pool_link;
+#[cfg(feature = "rdma")]
+mod rdma_session;
 mod request;
 mod server;
 mod session;

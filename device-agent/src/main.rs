@@ -46,6 +46,9 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
         );
         lender.require_tls(tls);
     }
+    if config.transport == devlend_device_agent::config::Transport::Rdma {
+        lender.serve_rdma(&config.listen)?;
+    }
     if let Some(addr) = config.metrics_listen {
         devlend_daemon::metrics::serve(addr, DeviceMetrics(lender.stats_view()))?;
     }

@@ -231,7 +231,7 @@ impl Shared {
         }
     }
 
-    fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.registry().closed
     }
 
@@ -352,6 +352,33 @@ impl Lender {
     pub fn require_tls(&self, config: devlend_fabric::tls::ServerTls) {
         if self.shared.tls.set(config).is_err() {
             tracing::warn!("TLS was already set; keeping the first configuration");
+        }
+    }
+
+    /// Also serves RDMA sessions: listens with rdma_cm on `addr` (an `IP:PORT` of an
+    /// RDMA device's interface) and serves each connection on its own thread, until
+    /// the lender shuts down. The TCP listener stays (holding sessions, TCP borrowers).
+    ///
+    /// # Errors
+    /// [`Error::Rdma`] at once when this build has no RDMA, the machine no RDMA device
+    /// or rdma_cm, or the address is on none.
+    pub fn serve_rdma(&self, addr: &str) -> Result<(), Error> {
+        #[cfg(feature = "rdma")]
+        {
+            let listener =
+                devlend_fabric::rdma::verbs::Listener::bind(addr).map_err(Error::Rdma)?;
+            let shared = Arc::clone(&self.shared);
+            std::thread::Builder::new()
+                .name("dl-rdma-accept".into())
+                .spawn(move || crate::rdma_session::accept_loop(shared, listener))
+                .map_err(Error::Thread)?;
+            tracing::info!(%addr, "serving RDMA sessions (rdma_cm)");
+            Ok(())
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = addr;
+            Err(Error::Rdma(devlend_fabric::rdma::RdmaError::NotCompiled))
         }
     }
 

@@ -97,54 +97,9 @@ fn handshake<'s>(
         }
         None
     };
-    if hello.version != PROTOCOL_VERSION {
-        return refuse(
-            HelloStatus::UnsupportedVersion,
-            format!(
-                "protocol version {} is not supported; this lender speaks version {PROTOCOL_VERSION}",
-                hello.version
-            ),
-        );
-    }
-    let Some(dev) = shared.device(&hello.device) else {
-        return refuse(
-            HelloStatus::NoSuchDevice,
-            format!("no device {:?} is lent here", hello.device),
-        );
-    };
-    if let Some(guard) = shared.leases.get() {
-        match guard.admit(&hello, crate::leases::now_ms()) {
-            Ok(lease) => shared.set_session_lease(id, lease),
-            Err((status, reason)) => {
-                tracing::warn!(%peer, device = %hello.device, %reason, "lease check failed");
-                return refuse(status, reason);
-            }
-        }
-    }
-    let claim = match dev.claim(hello.borrower) {
-        Ok(c) => c,
-        Err(holder) => {
-            return refuse(
-                HelloStatus::Busy,
-                format!(
-                    "device {:?} is attached by another borrower ({})",
-                    hello.device,
-                    holder
-                        .iter()
-                        .map(|b| format!("{b:02x}"))
-                        .collect::<String>()
-                ),
-            )
-        }
-    };
-    let Some(active) = shared.try_activate() else {
-        return refuse(
-            HelloStatus::Busy,
-            format!(
-                "the lender serves its maximum of {} sessions",
-                shared.options.max_sessions
-            ),
-        );
+    let (dev, active, claim) = match admit(shared, &hello, &peer, id) {
+        Ok(x) => x,
+        Err((status, message)) => return refuse(status, message),
     };
     let ring = match Ring::new(RING_ENTRIES) {
         Ok(r) => r,
@@ -230,4 +185,65 @@ fn set_keepalive(sock: &TcpStream) -> io::Result<()> {
             (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 6),
         ],
     )
+}
+
+/// The admission checks of a hello, shared by every transport: version, device, lease
+/// or key, one borrower per device, the session limit. Returns the device, the
+/// borrower's claim on it and the session's slot, or the refusal to answer.
+pub(crate) fn admit<'s>(
+    shared: &'s Shared,
+    hello: &Hello,
+    peer: &dyn std::fmt::Display,
+    id: u64,
+) -> Result<(Arc<Device>, ActiveSession<'s>, Claim), (HelloStatus, String)> {
+    if hello.version != PROTOCOL_VERSION {
+        return Err((
+            HelloStatus::UnsupportedVersion,
+            format!(
+                "protocol version {} is not supported; this lender speaks version {PROTOCOL_VERSION}",
+                hello.version
+            ),
+        ));
+    }
+    let Some(dev) = shared.device(&hello.device) else {
+        return Err((
+            HelloStatus::NoSuchDevice,
+            format!("no device {:?} is lent here", hello.device),
+        ));
+    };
+    if let Some(guard) = shared.leases.get() {
+        match guard.admit(hello, crate::leases::now_ms()) {
+            Ok(lease) => shared.set_session_lease(id, lease),
+            Err((status, reason)) => {
+                tracing::warn!(%peer, device = %hello.device, %reason, "lease check failed");
+                return Err((status, reason));
+            }
+        }
+    }
+    let claim = match dev.claim(hello.borrower) {
+        Ok(c) => c,
+        Err(holder) => {
+            return Err((
+                HelloStatus::Busy,
+                format!(
+                    "device {:?} is attached by another borrower ({})",
+                    hello.device,
+                    holder
+                        .iter()
+                        .map(|b| format!("{b:02x}"))
+                        .collect::<String>()
+                ),
+            ))
+        }
+    };
+    let Some(active) = shared.try_activate() else {
+        return Err((
+            HelloStatus::Busy,
+            format!(
+                "the lender serves its maximum of {} sessions",
+                shared.options.max_sessions
+            ),
+        ));
+    };
+    Ok((dev, active, claim))
 }

@@ -53,6 +53,16 @@ pub enum ConnectError {
         #[source]
         source: TlsError,
     },
+    /// The RDMA transport could not open the session (no device, no route, no
+    /// resources, not compiled in).
+    #[error("RDMA session to lender at {addr} failed")]
+    Rdma {
+        /// The address as given.
+        addr: String,
+        /// Why.
+        #[source]
+        source: crate::rdma::RdmaError,
+    },
     /// The lender refused the session.
     #[error("lender at {addr} refused device {device:?}: {status:?}: {message}")]
     Refused {

@@ -108,6 +108,9 @@ impl Attachment {
         // (a device is lent to one borrower at a time); it carries no I/O.
         let (hold, reply) =
             crate::blk::holder::open(&config.lender).map_err(AttachmentError::Lender)?;
+        // An RDMA attachment fails now, with the reason, when RDMA cannot work (no
+        // device, no route, the lender not serving it), not later at the first request.
+        crate::blk::engine::probe_transport(&config.lender).map_err(AttachmentError::Lender)?;
         let hold = Holder::start(&config.id, config.lender.clone(), hold)
             .map_err(AttachmentError::Thread)?;
         let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));

@@ -58,6 +58,19 @@ pub struct LenderTarget {
     /// Open every session inside TLS, verifying the lender against this; `None`: plain
     /// TCP.
     pub tls: Option<devlend_fabric::tls::TlsTarget>,
+    /// The transport of the virtqueues' sessions (the holding session is TCP).
+    pub transport: Transport,
+}
+
+/// The transport of a queue's fabric session.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// TCP (optionally TLS): data inline in the stream.
+    #[default]
+    Tcp,
+    /// RDMA: requests carry (addr, rkey, len) of guest memory; the lender moves the
+    /// data one-sided.
+    Rdma,
 }
 
 impl LenderTarget {
@@ -87,6 +100,24 @@ pub fn new_borrower_id() -> [u8; 16] {
         id[15] |= 1;
     }
     id
+}
+
+/// Checks that the target's transport can open a queue session: for RDMA, opens one
+/// for queue 0 and closes it; for TCP, nothing (the holding session proved it).
+///
+/// # Errors
+/// Why a session cannot be opened (RDMA not compiled in, no device, no route, ...).
+pub fn probe_transport(target: &LenderTarget) -> Result<(), devlend_fabric::tcp::ConnectError> {
+    match target.transport {
+        Transport::Tcp => Ok(()),
+        #[cfg(feature = "rdma")]
+        Transport::Rdma => crate::blk::rdma::RdmaLink::connect(target, 0).map(drop),
+        #[cfg(not(feature = "rdma"))]
+        Transport::Rdma => Err(devlend_fabric::tcp::ConnectError::Rdma {
+            addr: target.addr.clone(),
+            source: devlend_fabric::rdma::RdmaError::NotCompiled,
+        }),
+    }
 }
 
 /// Timeout of one connect + handshake attempt to the lender.
@@ -226,16 +257,19 @@ impl QueueStats {
 
 /// A request in flight, in the slot of its head descriptor index.
 #[derive(Debug, Default)]
-struct Slot {
+pub(crate) struct Slot {
     busy: bool,
     id: u64,
-    op: Option<Op>,
+    pub(crate) op: Option<Op>,
     len: u32,
     sector: u64,
     flags: u8,
     status_addr: GuestAddress,
-    iovs: Vec<HostIov>,
-    mem: Option<GuestMemoryRef>,
+    /// The request's guest buffers, one per host mapping they span.
+    pub(crate) iovs: Vec<HostIov>,
+    /// The memory map they were parsed with (kept alive, with its RDMA registrations,
+    /// until the request completes).
+    pub(crate) mem: Option<GuestMemoryRef>,
     sent: Option<Instant>,
 }
 
@@ -279,6 +313,8 @@ enum FabricFault {
     BadLength { got: u32, want: u32 },
     #[error("bytes after a response that has no data, where no response was due")]
     Misframed,
+    #[error("RDMA transport")]
+    Rdma(#[source] devlend_fabric::rdma::RdmaError),
     /// Not a fabric fault: the guest's used ring is not in guest memory.
     #[error("used ring inaccessible")]
     Ring(#[source] virtio_queue::Error),
@@ -292,7 +328,7 @@ pub struct QueueEngine {
     target: LenderTarget,
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
-    conn: Option<devlend_fabric::conn::Stream>,
+    conn: Option<Link>,
     conn_gen: u64,
     slots: Vec<Slot>,
     inflight: usize,
@@ -308,6 +344,9 @@ pub struct QueueEngine {
     rx_iovs: Vec<libc::iovec>,
     /// Reads in flight (their responses carry data).
     reads_inflight: usize,
+    /// Response headers taken from RDMA receives, reused between calls.
+    #[cfg(feature = "rdma")]
+    rdma_rx: Vec<[u8; RESPONSE_HEADER_LEN]>,
     /// XOR of the heads in flight: the head of the only request in flight when
     /// `inflight` is 1.
     heads_xor: u16,
@@ -332,6 +371,25 @@ pub struct QueueEngine {
     /// This queue's part of the inflight buffer (INFLIGHT_SHMFD), when the frontend
     /// gave one: chains are marked there from pop to used-ring return.
     log: Option<InflightQueue>,
+}
+
+/// A queue's open fabric session.
+enum Link {
+    /// A byte stream (TCP, or the plaintext end of a TLS pump).
+    Stream(devlend_fabric::conn::Stream),
+    /// An RDMA queue pair with the guest memory registered on it.
+    #[cfg(feature = "rdma")]
+    Rdma(Box<crate::blk::rdma::RdmaLink>),
+}
+
+impl Link {
+    fn fd(&self) -> RawFd {
+        match self {
+            Link::Stream(s) => s.as_raw_fd(),
+            #[cfg(feature = "rdma")]
+            Link::Rdma(r) => r.fd(),
+        }
+    }
 }
 
 /// How long requests wait for a lost fabric session to come back before they complete
@@ -388,6 +446,8 @@ impl QueueEngine {
             rx_hdr: Box::new([0; RESPONSE_HEADER_LEN * RX_HEADERS]),
             rx_iovs: Vec::new(),
             reads_inflight: 0,
+            #[cfg(feature = "rdma")]
+            rdma_rx: Vec::new(),
             heads_xor: 0,
             stopping: false,
             failing: false,
@@ -433,12 +493,18 @@ impl QueueEngine {
     /// # Errors
     /// The connect error, or a device whose capacity changed since attach.
     pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
-        let (stream, reply) = devlend_fabric::tcp::open(
-            &self.target.addr,
-            &self.target.hello(self.index),
-            CONNECT_TIMEOUT,
-            self.target.tls.as_ref(),
-        )?;
+        let (link, reply) = match self.target.transport {
+            Transport::Tcp => {
+                let (stream, reply) = devlend_fabric::tcp::open(
+                    &self.target.addr,
+                    &self.target.hello(self.index),
+                    CONNECT_TIMEOUT,
+                    self.target.tls.as_ref(),
+                )?;
+                (Link::Stream(stream), reply)
+            }
+            Transport::Rdma => self.connect_rdma()?,
+        };
         if reply.device.capacity_sectors != self.limits.capacity_sectors {
             tracing::warn!(
                 attachment = %self.name,
@@ -448,16 +514,34 @@ impl QueueEngine {
                 "lent device changed capacity; requests are still checked against the old one",
             );
         }
-        self.conn = Some(stream);
+        self.conn = Some(link);
         self.conn_gen += 1;
         self.rx = Rx::Header { got: 0 };
         Ok(())
     }
 
+    #[cfg(feature = "rdma")]
+    fn connect_rdma(
+        &mut self,
+    ) -> Result<(Link, devlend_fabric::HelloReply), devlend_fabric::tcp::ConnectError> {
+        let (link, reply) = crate::blk::rdma::RdmaLink::connect(&self.target, self.index)?;
+        Ok((Link::Rdma(Box::new(link)), reply))
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn connect_rdma(
+        &mut self,
+    ) -> Result<(Link, devlend_fabric::HelloReply), devlend_fabric::tcp::ConnectError> {
+        Err(devlend_fabric::tcp::ConnectError::Rdma {
+            addr: self.target.addr.clone(),
+            source: devlend_fabric::rdma::RdmaError::NotCompiled,
+        })
+    }
+
     /// The fabric socket to watch for readability, and a generation number that changes
     /// whenever the connection is replaced (the socket number alone may be reused).
     pub fn fabric_fd(&self) -> (Option<RawFd>, u64) {
-        (self.conn.as_ref().map(|c| c.as_raw_fd()), self.conn_gen)
+        (self.conn.as_ref().map(Link::fd), self.conn_gen)
     }
 
     /// Requests sent to the lender and not yet completed.
@@ -892,6 +976,22 @@ impl QueueEngine {
         for &(head, _) in &self.tx_heads {
             self.slots[usize::from(head)].sent = Some(now);
         }
+        #[cfg(feature = "rdma")]
+        if let Some(Link::Rdma(link)) = self.conn.as_mut() {
+            let result = link.send(&self.tx_headers, &self.tx_heads, &self.slots);
+            self.tx_headers.clear();
+            self.tx_heads.clear();
+            return match result {
+                Ok(refused) => {
+                    let mut used = false;
+                    for head in refused {
+                        used |= self.complete(queue, mem, head, S_IOERR)?;
+                    }
+                    Ok(used)
+                }
+                Err(e) => self.fail_connection(queue, mem, FabricFault::Rdma(e)),
+            };
+        }
         for (i, &(head, has_data)) in self.tx_heads.iter().enumerate() {
             let h = &mut self.tx_headers[i];
             self.tx_iovs.push(libc::iovec {
@@ -910,7 +1010,7 @@ impl QueueEngine {
         self.tx_headers.clear();
         self.tx_heads.clear();
         let result = match &self.conn {
-            Some(c) => write_all_vectored(c.as_raw_fd(), &mut self.tx_iovs),
+            Some(c) => write_all_vectored(c.fd(), &mut self.tx_iovs),
             None => Err(io::Error::from(io::ErrorKind::NotConnected)),
         };
         match result {
@@ -930,8 +1030,34 @@ impl QueueEngine {
         mem: &GuestMemoryRef,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
+        #[cfg(feature = "rdma")]
+        if let Some(Link::Rdma(link)) = self.conn.as_mut() {
+            let mut responses = std::mem::take(&mut self.rdma_rx);
+            let polled = link.receive(&mut responses);
+            let mut outcome = Ok(());
+            for raw in &responses {
+                match self.on_header(queue, mem, raw, true) {
+                    Ok(u) => used |= u,
+                    Err(fault) => {
+                        outcome = Err(fault);
+                        break;
+                    }
+                }
+            }
+            responses.clear();
+            self.rdma_rx = responses;
+            match outcome {
+                Ok(()) => {}
+                Err(FabricFault::Ring(e)) => return Err(e),
+                Err(fault) => return Ok(self.fail_connection(queue, mem, fault)? | used),
+            }
+            if let Err(e) = polled {
+                return Ok(self.fail_connection(queue, mem, FabricFault::Rdma(e))? | used);
+            }
+            return Ok(used);
+        }
         loop {
-            let Some(fd) = self.conn.as_ref().map(|c| c.as_raw_fd()) else {
+            let Some(fd) = self.conn.as_ref().map(Link::fd) else {
                 return Ok(used);
             };
             let asked = self.build_rx_iovs();
@@ -1048,7 +1174,7 @@ impl QueueEngine {
                         h.copy_from_slice(&self.rx_hdr[at..at + RESPONSE_HEADER_LEN]);
                         at += RESPONSE_HEADER_LEN;
                         self.rx = Rx::Header { got: 0 };
-                        used |= self.on_header(queue, mem, &h)?;
+                        used |= self.on_header(queue, mem, &h, false)?;
                         if let Rx::Payload { .. } = self.rx {
                             if at != have {
                                 // Never asked for: only one header is read while a read
@@ -1102,7 +1228,7 @@ impl QueueEngine {
         let mut h = [0u8; RESPONSE_HEADER_LEN];
         h.copy_from_slice(&self.rx_hdr[..RESPONSE_HEADER_LEN]);
         let data = have - RESPONSE_HEADER_LEN;
-        let used = self.on_header(queue, mem, &h)?;
+        let used = self.on_header(queue, mem, &h, false)?;
         match self.rx {
             Rx::Payload { head: h2, .. } if h2 == head => {
                 let want = self.slots[usize::from(head)].len as usize;
@@ -1128,6 +1254,7 @@ impl QueueEngine {
         queue: &mut Queue,
         mem: &GuestMemoryRef,
         raw: &[u8; RESPONSE_HEADER_LEN],
+        placed: bool,
     ) -> Result<bool, FabricFault> {
         let h = ResponseHeader::decode(raw).map_err(FabricFault::Wire)?;
         let head = (h.id & 0xffff) as u16;
@@ -1144,7 +1271,7 @@ impl QueueEngine {
         if h.len != want {
             return Err(FabricFault::BadLength { got: h.len, want });
         }
-        if want > 0 {
+        if want > 0 && !placed {
             self.rx = Rx::Payload { head, got: 0 };
             return Ok(false);
         }
@@ -1265,7 +1392,7 @@ impl QueueEngine {
             if left.is_zero() {
                 break;
             }
-            let Some(fd) = self.conn.as_ref().map(|c| c.as_raw_fd()) else {
+            let Some(fd) = self.conn.as_ref().map(Link::fd) else {
                 used |= self.recover(queue, mem)?;
                 if self.conn.is_none() && self.inflight > 0 {
                     std::thread::sleep(left.min(Duration::from_millis(50)));

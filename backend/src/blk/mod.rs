@@ -4,6 +4,8 @@
 //! - [`request`]: descriptor chain → validated request, or an immediate status;
 //! - [`engine`]: one virtqueue's requests in flight over one fabric connection, resent
 //!   on a new one when it is lost;
+//! - `rdma` (cargo feature `rdma`): a queue's RDMA session and the guest memory
+//!   registered on it;
 //! - [`timer`]: the reconnect timer a queue's worker waits on;
 //! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
 //!   resubmits what was in flight; [`resubmit`] turns its heads back into chains;
@@ -16,6 +18,8 @@ pub mod engine;
 pub mod holder;
 pub mod inflight;
 pub use devlend_fabric::latency;
+#[cfg(feature = "rdma")]
+mod rdma;
 pub mod request;
 pub mod resubmit;
 pub mod spec;

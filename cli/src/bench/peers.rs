@@ -203,6 +203,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         lease: None,
         tls: false,
         tls_server_name: None,
+        transport: Default::default(),
     })?;
     let attach = format!(
         "devlend attach --lender 127.0.0.1:PORT --device disk0 --socket {} --queues {}{}",

@@ -48,6 +48,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         lease: Some(claimed.lease.clone()),
         tls: false,
         tls_server_name: None,
+        transport: Default::default(),
     })?;
 
     step(

@@ -167,6 +167,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         lease: Some(claimed.lease.clone()),
         tls: false,
         tls_server_name: None,
+        transport: Default::default(),
     })?;
     guest.wait_for_line(
         |l| l.contains("DEVLEND-WAITED path=/dev/vda"),

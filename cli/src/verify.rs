@@ -1,0 +1,164 @@
+//! `devlend verify`: a verified workload through a vhost-user-blk socket (libblkio),
+//! for tests where only the binary can go (e.g. inside a guest): random writes on every
+//! queue at once, each read back and compared; FLUSH; DISCARD and WRITE_ZEROES read
+//! back as zeroes. It writes what the first `span` bytes of the device must now hold
+//! to `out`, so the caller can compare it with the lender's file.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+
+use crate::blk_client::{BlkClient, BlkOp};
+
+const CHUNK: usize = 64 * 1024;
+
+/// Runs `rounds` rounds of `queues × 8` random writes (4–64 KiB) inside the first
+/// `span` bytes, verifying each round by reading everything written; then flush,
+/// discard and write-zeroes. Returns the number of requests.
+///
+/// # Errors
+/// A mismatch, a failed request, or a libblkio error.
+pub fn run(
+    socket: &Path,
+    queues: usize,
+    span: u64,
+    rounds: usize,
+    seed: u64,
+    out: &Path,
+) -> Result<usize> {
+    let per_queue = 8;
+    let mut c = BlkClient::connect(socket, queues, queues * per_queue * CHUNK * 2)?;
+    let span = span.min(c.capacity()) as usize / CHUNK * CHUNK;
+    if span < CHUNK * 4 {
+        bail!("device too small for the workload");
+    }
+    let mut shadow = vec![0u8; span];
+    let mut rng = seed | 1;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut requests = 0;
+    let half = queues * per_queue * CHUNK;
+    for round in 0..rounds {
+        // Disjoint extents per round, so requests in flight together never overlap.
+        let slots = span / CHUNK;
+        let mut used = vec![false; slots];
+        let mut batches: Vec<Vec<BlkOp>> = vec![Vec::new(); queues];
+        let mut extents = Vec::new();
+        for (q, batch) in batches.iter_mut().enumerate() {
+            for k in 0..per_queue {
+                let mut slot = (next() as usize) % slots;
+                while used[slot] {
+                    slot = (slot + 1) % slots;
+                }
+                used[slot] = true;
+                let len = 4096 * (1 + (next() as usize) % (CHUNK / 4096));
+                let off = slot * CHUNK;
+                let buf = (q * per_queue + k) * CHUNK;
+                let b = c.buffer();
+                for (i, byte) in b[buf..buf + len].iter_mut().enumerate() {
+                    *byte = (round as u8)
+                        ^ (q as u8).wrapping_mul(31)
+                        ^ (k as u8).wrapping_mul(7)
+                        ^ (i as u8)
+                        ^ ((i >> 8) as u8);
+                }
+                shadow[off..off + len].copy_from_slice(&c.buffer()[buf..buf + len]);
+                batch.push(BlkOp::Write {
+                    offset: off as u64,
+                    buf,
+                    len,
+                });
+                extents.push((q, off, len, half + buf));
+            }
+        }
+        let refs: Vec<(usize, &[BlkOp])> = batches
+            .iter()
+            .enumerate()
+            .map(|(q, b)| (q, b.as_slice()))
+            .collect();
+        check(&c.run_multi(&refs)?, "write")?;
+        requests += extents.len();
+        // Read each extent back on another queue than wrote it, into the other half.
+        let mut reads: Vec<Vec<BlkOp>> = vec![Vec::new(); queues];
+        for &(q, off, len, buf) in &extents {
+            reads[(q + 1) % queues].push(BlkOp::Read {
+                offset: off as u64,
+                buf,
+                len,
+            });
+        }
+        let refs: Vec<(usize, &[BlkOp])> = reads
+            .iter()
+            .enumerate()
+            .map(|(q, b)| (q, b.as_slice()))
+            .collect();
+        check(&c.run_multi(&refs)?, "read")?;
+        requests += extents.len();
+        for &(_, off, len, buf) in &extents {
+            if c.buffer()[buf..buf + len] != shadow[off..off + len] {
+                bail!(
+                    "round {round}: data read at {off} ({len} bytes) differs from what was written"
+                );
+            }
+        }
+    }
+    check(&[c.run(0, &[BlkOp::Flush])?], "flush")?;
+    let (d_off, z_off) = (CHUNK as u64, 3 * CHUNK as u64);
+    check(
+        &[c.run(
+            0,
+            &[BlkOp::Discard {
+                offset: d_off,
+                len: CHUNK as u64,
+            }],
+        )?],
+        "discard",
+    )?;
+    check(
+        &[c.run(
+            queues - 1,
+            &[BlkOp::WriteZeroes {
+                offset: z_off,
+                len: CHUNK as u64,
+                unmap: false,
+            }],
+        )?],
+        "write-zeroes",
+    )?;
+    shadow[d_off as usize..d_off as usize + CHUNK].fill(0);
+    shadow[z_off as usize..z_off as usize + CHUNK].fill(0);
+    for off in [d_off, z_off] {
+        c.buffer()[..CHUNK].fill(0xaa);
+        check(
+            &[c.run(
+                0,
+                &[BlkOp::Read {
+                    offset: off,
+                    buf: 0,
+                    len: CHUNK,
+                }],
+            )?],
+            "read",
+        )?;
+        if c.buffer()[..CHUNK].iter().any(|&b| b != 0) {
+            bail!("range at {off} does not read as zeroes after discard/write-zeroes");
+        }
+    }
+    check(&[c.run(0, &[BlkOp::Flush])?], "flush")?;
+    requests += 6;
+    std::fs::write(out, &shadow)?;
+    Ok(requests)
+}
+
+fn check(results: &[Vec<i32>], what: &str) -> Result<()> {
+    for r in results.iter().flatten() {
+        if *r != 0 {
+            bail!("a {what} failed: {r}");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,124 @@
+//! The RDMA transport on real verbs: Soft-RoCE (rdma_rxe) inside one QEMU TCG guest,
+//! a lender and a compute agent both in it over `--transport rdma`, driven through the
+//! borrower's vhost-user socket by libblkio (`devlend verify`, then `devlend bench` on
+//! RDMA and on TCP in the same run); the lender's file must hold what was written.
+//! On the host (no RDMA device), `--transport rdma` must fail at once and say why.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use devlend_qemu::guest::Guest;
+
+fn bin(name: &str) -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release");
+    root.join(name)
+}
+
+/// The libraries `ldd` lists for `path`.
+fn libs(path: &PathBuf) -> Vec<String> {
+    let out = Command::new("ldd").arg(path).output().expect("ldd");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split("=>").nth(1))
+        .filter_map(|r| r.split_whitespace().next())
+        .filter(|p| p.starts_with('/'))
+        .map(str::to_string)
+        .collect()
+}
+
+const SCRIPT: &str = r#"
+set -e
+devlend-modprobe crc32_generic ib_core ib_uverbs udp_tunnel ip6_udp_tunnel rdma_rxe iw_cm ib_cm configfs rdma_cm rdma_ucm dummy
+ip link add d0 type dummy
+ip addr add 10.9.0.1/24 dev d0
+ip link set d0 up
+rdma link add rxe0 type rxe netdev d0
+mkdir -p /run/devlend /srv
+truncate -s 64M /srv/disk.img
+devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --device disk0=/srv/disk.img --log-level info > /tmp/lender.log 2>&1 &
+devlend-compute-agent --api /run/devlend/ca.sock --log-level warn &
+devlend-wait-for /run/devlend/ca.sock 30
+sleep 1
+devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 --socket /run/devlend/rdma.sock --queues 2 --transport rdma > /dev/null
+devlend verify --socket /run/devlend/rdma.sock --queues 2 --span 4M --rounds 4 --out /tmp/expected
+echo "DEVLEND-RESULT rdma_sessions=$(grep -c 'RDMA session opened' /tmp/lender.log)"
+echo "DEVLEND-RESULT expected=$(sha256sum /tmp/expected | cut -d' ' -f1)"
+echo "DEVLEND-RESULT lender=$(head -c 4194304 /srv/disk.img | sha256sum | cut -d' ' -f1)"
+devlend bench --socket /run/devlend/rdma.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-rdma 2>&1 || true
+tail -n 3 /tmp/bench-rdma | sed 's/^/DEVLEND-BENCH rdma: /'
+devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
+devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 --socket /run/devlend/tcp.sock --queues 2 > /dev/null
+devlend bench --socket /run/devlend/tcp.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-tcp 2>&1 || true
+tail -n 3 /tmp/bench-tcp | sed 's/^/DEVLEND-BENCH tcp: /'
+devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
+"#;
+
+#[test]
+fn rdma_on_soft_roce_in_a_guest() {
+    let mut b = Guest::builder()
+        .name("rdma")
+        .memory_mib(1024)
+        .vcpus(2)
+        .script(SCRIPT);
+    let mut files = vec![
+        "/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so".to_string(),
+        "/etc/libibverbs.d/rxe.driver".to_string(),
+        "/lib64/ld-linux-x86-64.so.2".to_string(),
+    ];
+    for name in ["devlend", "devlend-device-agent", "devlend-compute-agent"] {
+        let p = bin(name);
+        files.extend(libs(&p));
+        b = b.host_file(format!("/bin/{name}"), p);
+    }
+    // iproute2's `rdma` for the Soft-RoCE link.
+    let rdma = PathBuf::from("/usr/bin/rdma");
+    files.extend(libs(&rdma));
+    b = b.host_file("/bin/rdma", rdma);
+    files.sort();
+    files.dedup();
+    for f in files {
+        b = b.host_file(f.clone(), f);
+    }
+    let started = Instant::now();
+    let mut guest = b.boot().expect("boot");
+    let out = guest.wait_done(Duration::from_secs(600)).expect("guest");
+    let console = guest.console();
+    for l in console.lines().filter(|l| l.contains("DEVLEND-BENCH")) {
+        eprintln!("{l}");
+    }
+    out.check_success().expect("the guest's test");
+    let expected = out.result("expected").expect("expected sha256");
+    assert_eq!(
+        out.result("lender"),
+        Some(expected),
+        "the lender's file holds what was written"
+    );
+    // The probe and the two queues' sessions at least: the I/O went over RDMA.
+    let sessions: u32 = out
+        .result("rdma_sessions")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(sessions >= 3, "RDMA sessions opened: {sessions}");
+    eprintln!("guest wall time {:.1} s", started.elapsed().as_secs_f64());
+}
+
+#[test]
+fn rdma_without_a_device_fails_fast_on_the_host() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let img = dir.path().join("d.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).expect("image");
+    let t = Instant::now();
+    let out = Command::new(bin("devlend-device-agent"))
+        .args(["--listen", "127.0.0.1:0", "--transport", "rdma", "--device"])
+        .arg(format!("d={}", img.display()))
+        .output()
+        .expect("run the lender");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("no RDMA device") || err.contains("rdma_cm is not available"),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(10));
+}
