@@ -83,6 +83,7 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
             None => "-".to_owned(),
         };
         let state = match (&a.vmm, a.connected) {
+            _ if a.restoring.is_some() => "restoring",
             _ if a.lease_ended => "lease-ended",
             (_, true) => "connected",
             (Some(_), false) => "unplugged",
@@ -93,8 +94,16 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
             a.id,
             a.device,
             a.lender,
-            "tcp",
-            human_bytes(a.capacity_sectors * 512),
+            if a.transport.is_empty() {
+                "tcp"
+            } else {
+                a.transport.as_str()
+            },
+            if a.restoring.is_some() {
+                "-".to_owned()
+            } else {
+                human_bytes(a.capacity_sectors * 512)
+            },
             a.queues,
             r.iops,
             r.read_mb_s,
@@ -108,6 +117,14 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
                 .unwrap_or_else(|| "-".into()),
             a.socket.display()
         ));
+    }
+    for a in list {
+        if let Some(why) = &a.restoring {
+            out.push_str(&format!(
+                "{}: saved before a restart, not served yet (retrying): {why}\n",
+                a.id
+            ));
+        }
     }
     out
 }

@@ -84,6 +84,17 @@ impl FabricTransport {
     }
 }
 
+impl AttachRequest {
+    /// How its sessions travel, for people: `tcp`, `tcp+tls` or `rdma`.
+    pub fn transport_label(&self) -> &'static str {
+        match (&self.transport, self.tls) {
+            (FabricTransport::Rdma, _) => "rdma",
+            (FabricTransport::Tcp, true) => "tcp+tls",
+            (FabricTransport::Tcp, false) => "tcp",
+        }
+    }
+}
+
 /// A lease granted by a device pool (`POST /v1/leases`), handed to the compute agent.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -262,8 +273,17 @@ pub struct AttachmentInfo {
     /// I/O rates over the last seconds (absent until two samples, one second apart).
     #[serde(default)]
     pub rates: Option<Rates>,
-    /// I/O counters.
+    /// I/O counters (since this compute agent started serving it: a restart starts
+    /// them again from zero).
     pub counters: IoCounters,
+    /// How its sessions travel: `tcp`, `tcp+tls` or `rdma`.
+    #[serde(default)]
+    pub transport: String,
+    /// Saved before a restart and not served again yet: why (e.g. its lender is
+    /// unreachable); retried meanwhile. Its id and socket stay reserved; detach gives it
+    /// up. Absent for an attachment being served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restoring: Option<String>,
 }
 
 /// Recent I/O rates of an attachment.

@@ -39,10 +39,16 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         tracing::info!(public_key = %signer.public_key().to_text(), "direct attachments authenticate with this key");
         registry.set_signer(signer);
     }
+    let state_err = |e: devlend_compute_agent::state::StateError| {
+        anyhow::anyhow!("{}", devlend_fabric::error::chain(&e))
+    };
+    // Held until exit: one agent per state file.
+    let mut _state_lock = None;
     let saved = match &config.state_file {
         Some(path) => {
-            let saved = devlend_compute_agent::state::StateFile::load(path)
-                .map_err(|e| anyhow::anyhow!("{}", devlend_fabric::error::chain(&e)))?;
+            _state_lock =
+                Some(devlend_compute_agent::state::lock(path, &config.api).map_err(state_err)?);
+            let saved = devlend_compute_agent::state::StateFile::load(path).map_err(state_err)?;
             registry.set_state_file(path.clone());
             saved.attachments
         }
@@ -52,10 +58,10 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         tracing::info!("attachments made with tls: true verify their lender's certificate");
         registry.set_tls(tls);
     }
+    registry.set_restoring(saved.clone());
+    // An unwritable state file is found now, not at the first attach.
+    registry.check_state_file().map_err(state_err)?;
     let registry = Arc::new(registry);
-    if !saved.is_empty() {
-        devlend_compute_agent::restore::spawn(registry.clone(), saved)?;
-    }
     if let Some(addr) = config.metrics_listen {
         devlend_daemon::metrics::serve(addr, AttachmentMetrics(registry.clone()))?;
     }
@@ -63,9 +69,22 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         .worker_threads(2)
         .enable_all()
         .build()?;
+    // The saved attachments are served again once the API socket is this process's
+    // (a second agent started by mistake stops before it touches them).
+    let restore = {
+        let registry = registry.clone();
+        move || {
+            if !saved.is_empty() {
+                if let Err(e) = devlend_compute_agent::restore::spawn(registry, saved) {
+                    tracing::error!(error = %e, "cannot start restoring the saved attachments");
+                }
+            }
+        }
+    };
     rt.block_on(server::serve(
         &config.api,
         registry,
         Some(Reload { cli, log }),
+        Some(Box::new(restore)),
     ))
 }

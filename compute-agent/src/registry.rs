@@ -35,6 +35,15 @@ pub enum RegistryError {
     /// The pool lease cannot be used.
     #[error("{}", chain(.0))]
     Lease(#[source] LeaseError),
+    /// The state file cannot be written: the attachment would not survive a restart.
+    #[error("not attached: {}", chain(.0))]
+    State(#[source] crate::state::StateError),
+    /// A saved attachment's entry in the state file is damaged.
+    #[error("{0}")]
+    BadSaved(String),
+    /// A saved attachment was given up (detached) while it waited to be restored.
+    #[error("attachment {0} was given up while waiting to be served again")]
+    Cancelled(String),
 }
 
 /// A failure of the VMM glue.
@@ -98,8 +107,10 @@ pub struct Registry {
     /// Where the attachments are saved after each change, to be restored at start.
     state: Option<PathBuf>,
     /// Saved attachments not served again yet (their lender unreachable so far): kept
-    /// in the state file meanwhile.
-    restoring: Mutex<Vec<SavedAttachment>>,
+    /// in the state file, listed, and their ids and sockets reserved meanwhile.
+    restoring: Mutex<Vec<Restoring>>,
+    /// Whether the last write of the state file succeeded.
+    saved_ok: std::sync::atomic::AtomicBool,
     /// Trust anchors and client identity for attachments that ask for TLS.
     tls: Option<devlend_fabric::tls::ClientTls>,
 }
@@ -136,7 +147,41 @@ fn info(e: &Entry) -> AttachmentInfo {
         lease_ended: e.lease.as_ref().is_some_and(LeaseKeeper::ended),
         rates: None,
         counters: e.attachment.stats().into(),
+        transport: e.request.transport_label().to_owned(),
+        restoring: None,
     }
+}
+
+/// What `status` shows of a saved attachment not served again yet.
+fn restoring_info(r: &Restoring) -> AttachmentInfo {
+    let q = &r.saved.request;
+    AttachmentInfo {
+        id: r.saved.id.clone(),
+        lender: q.lender.clone(),
+        device: q.device.clone(),
+        socket: q.socket.clone(),
+        queues: q.queues,
+        queue_size: q.queue_size,
+        capacity_sectors: 0,
+        block_size: 0,
+        read_only: false,
+        serial: String::new(),
+        connected: false,
+        vmm: r.saved.plug.clone(),
+        lease: q.lease.as_ref().map(|l| l.id),
+        lease_ended: false,
+        rates: None,
+        counters: crate::api::IoCounters::default(),
+        transport: q.transport_label().to_owned(),
+        restoring: Some(r.reason.clone()),
+    }
+}
+
+/// A saved attachment waiting to be served again, and why it is not yet.
+#[derive(Debug, Clone)]
+struct Restoring {
+    saved: SavedAttachment,
+    reason: String,
 }
 
 impl Registry {
@@ -158,10 +203,29 @@ impl Registry {
         self.state.as_deref()
     }
 
-    /// Writes the state file from `entries` (a failure is logged: the attachments go on,
-    /// but would not survive a restart).
-    fn save_state(&self, entries: &BTreeMap<String, Entry>) {
-        let Some(path) = &self.state else { return };
+    fn lock_restoring(&self) -> std::sync::MutexGuard<'_, Vec<Restoring>> {
+        self.restoring.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the attachments are in the state file as they are now (the last save
+    /// succeeded, or there is no state file).
+    pub fn state_saved(&self) -> bool {
+        self.saved_ok.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Writes the state file from `entries` and the attachments still being restored.
+    /// A failure is logged and returned: the attachments go on, but would not survive a
+    /// restart.
+    ///
+    /// # Errors
+    /// [`crate::state::StateError`] when the file cannot be written.
+    fn save_state(
+        &self,
+        entries: &BTreeMap<String, Entry>,
+    ) -> Result<(), crate::state::StateError> {
+        let Some(path) = &self.state else {
+            return Ok(());
+        };
         let file = StateFile {
             version: state::VERSION,
             attachments: entries
@@ -174,18 +238,29 @@ impl Registry {
                     plug: e.plug.clone(),
                 })
                 .chain(
-                    self.restoring
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
+                    self.lock_restoring()
                         .iter()
-                        .filter(|r| !entries.contains_key(&r.id))
-                        .cloned(),
+                        .filter(|r| !entries.contains_key(&r.saved.id))
+                        .map(|r| r.saved.clone()),
                 )
                 .collect(),
         };
-        if let Err(e) = file.save(path) {
-            tracing::error!(error = %chain(&e), "cannot save the attachments; they would not survive a restart");
+        let result = file.save(path);
+        self.saved_ok
+            .store(result.is_ok(), std::sync::atomic::Ordering::Release);
+        if let Err(e) = &result {
+            tracing::error!(error = %chain(e), "cannot save the attachments; they would not survive a restart");
         }
+        result
+    }
+
+    /// Writes the state file once at start (with the attachments about to be
+    /// restored), so that an unwritable one is found before anything is attached.
+    ///
+    /// # Errors
+    /// [`crate::state::StateError`].
+    pub fn check_state_file(&self) -> Result<(), crate::state::StateError> {
+        self.save_state(&self.lock())
     }
 
     /// Lets attachments ask for TLS (`tls: true`): their sessions verify the lender
@@ -365,13 +440,26 @@ impl Registry {
                     e.id
                 )));
             }
+            if let Some(r) = self.lock_restoring().iter().find(|r| {
+                r.saved.request.socket == req.socket || Some(&r.saved.id) == req.id.as_ref()
+            }) {
+                return Err(RegistryError::Conflict(format!(
+                    "attachment {} (socket {}) is being served again after a restart ({}); detach it to give it up",
+                    r.saved.id,
+                    r.saved.request.socket.display(),
+                    r.reason
+                )));
+            }
             match &req.id {
                 Some(id) if !valid_id(id) => {
                     return Err(RegistryError::BadRequest(format!(
                         "invalid attachment id {id:?}"
                     )))
                 }
-                Some(id) if entries.contains_key(id) => {
+                Some(id)
+                    if entries.contains_key(id)
+                        || self.lock_restoring().iter().any(|r| r.saved.id == *id) =>
+                {
                     return Err(RegistryError::Conflict(format!(
                         "attachment id {id:?} is taken"
                     )))
@@ -403,7 +491,10 @@ impl Registry {
                                 format!("{base}-{n}")
                             }
                         })
-                        .find(|c| !entries.contains_key(c))
+                        .find(|c| {
+                            !entries.contains_key(c)
+                                && !self.lock_restoring().iter().any(|r| r.saved.id == *c)
+                        })
                         .unwrap_or(base)
                 }
             }
@@ -439,8 +530,23 @@ impl Registry {
         };
         let out = info(&entry);
         self.rates.start(&id, std::time::Instant::now());
-        entries.insert(id, entry);
-        self.save_state(&entries);
+        entries.insert(id.clone(), entry);
+        if let Err(e) = self.save_state(&entries) {
+            if !restored {
+                // Not attached unless it would survive a restart: undo.
+                if let Some(mut entry) = entries.remove(&id) {
+                    drop(entries);
+                    entry.attachment.stop();
+                    if let Some(k) = entry.lease.take() {
+                        k.release();
+                    }
+                    if let Some(p) = &entry.plug {
+                        let _ = unplug(p, qemu::RELEASE_TIMEOUT);
+                    }
+                }
+                return Err(RegistryError::State(e));
+            }
+        }
         drop(entries);
         tracing::info!(id = %out.id, device = %out.device, lender = %out.lender, socket = %out.socket.display(), restored, "attached");
         Ok(out)
@@ -449,18 +555,58 @@ impl Registry {
     /// Records saved attachments that are about to be restored, so that the state file
     /// keeps them until they are served again or given up.
     pub fn set_restoring(&self, saved: Vec<SavedAttachment>) {
-        *self.restoring.lock().unwrap_or_else(|p| p.into_inner()) = saved;
+        *self.lock_restoring() = saved
+            .into_iter()
+            .map(|saved| Restoring {
+                saved,
+                reason: "starting".into(),
+            })
+            .collect();
+    }
+
+    /// Records why saved attachment `id` is not served yet (shown by `status`).
+    pub fn restore_failed(&self, id: &str, reason: &str) {
+        if let Some(r) = self.lock_restoring().iter_mut().find(|r| r.saved.id == id) {
+            reason.clone_into(&mut r.reason);
+        }
+    }
+
+    /// Whether saved attachment `id` still waits to be restored (not given up).
+    pub fn is_restoring(&self, id: &str) -> bool {
+        self.lock_restoring().iter().any(|r| r.saved.id == id)
     }
 
     /// Drops a saved attachment from those waiting to be restored (served again, or
     /// given up), and saves the state.
     pub fn restored(&self, id: &str) {
         let entries = self.lock();
-        self.restoring
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|r| r.id != id);
-        self.save_state(&entries);
+        self.lock_restoring().retain(|r| r.saved.id != id);
+        let _ = self.save_state(&entries);
+    }
+
+    /// Gives up a saved attachment that waits to be restored (`detach`): it leaves the
+    /// state file; its lease, if any, is released. `None` if no such attachment waits.
+    fn cancel_restore(&self, id: &str) -> Option<AttachmentInfo> {
+        let entries = self.lock();
+        let mut waiting = self.lock_restoring();
+        let at = waiting.iter().position(|r| r.saved.id == id)?;
+        let r = waiting.remove(at);
+        drop(waiting);
+        let _ = self.save_state(&entries);
+        drop(entries);
+        if let Some(l) = &r.saved.request.lease {
+            match devlend_pool::client::PoolClient::new(&l.pool).map(|c| c.release_current(l.id)) {
+                Ok(Ok(_)) => tracing::info!(id = %r.saved.id, lease = %l.id, "lease released"),
+                Ok(Err(e)) => {
+                    tracing::warn!(id = %r.saved.id, lease = %l.id, error = %e, "cannot release the lease; it lapses at its expiry")
+                }
+                Err(e) => {
+                    tracing::warn!(id = %r.saved.id, lease = %l.id, error = %e, "cannot release the lease; it lapses at its expiry")
+                }
+            }
+        }
+        tracing::info!(id = %r.saved.id, "given up before it was served again");
+        Some(restoring_info(&r))
     }
 
     /// Serves a saved attachment again after a restart: the same id, socket, borrower
@@ -515,7 +661,16 @@ impl Registry {
 
     /// All attachments, by id, with their recent rates.
     pub fn list(&self) -> Vec<AttachmentInfo> {
-        let mut all: Vec<AttachmentInfo> = self.lock().values().map(info).collect();
+        let entries = self.lock();
+        let mut all: Vec<AttachmentInfo> = entries.values().map(info).collect();
+        all.extend(
+            self.lock_restoring()
+                .iter()
+                .filter(|r| !entries.contains_key(&r.saved.id))
+                .map(restoring_info),
+        );
+        drop(entries);
+        all.sort_by(|a, b| a.id.cmp(&b.id));
         for a in &mut all {
             a.rates = self.rates.rates(&a.id);
         }
@@ -540,10 +695,14 @@ impl Registry {
     /// # Errors
     /// [`RegistryError::NotFound`].
     pub fn get(&self, id: &str) -> Result<AttachmentInfo, RegistryError> {
-        let mut a = self
-            .lock()
-            .get(id)
-            .map(info)
+        let found = self.lock().get(id).map(info);
+        let mut a = found
+            .or_else(|| {
+                self.lock_restoring()
+                    .iter()
+                    .find(|r| r.saved.id == id)
+                    .map(restoring_info)
+            })
             .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
         a.rates = self.rates.rates(id);
         Ok(a)
@@ -561,11 +720,26 @@ impl Registry {
     ) -> Result<AttachmentInfo, RegistryError> {
         // Unplug from the VM first, without holding the registry: the guest may take
         // seconds. If it keeps the device, the attachment stays, still served.
-        let plug = self
-            .lock()
-            .get(id)
-            .map(|e| e.plug.clone())
-            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+        let served = self.lock().get(id).map(|e| e.plug.clone());
+        let plug = match served {
+            Some(p) => p,
+            None => {
+                // Not served: maybe a saved one waiting to be restored. Unplug it from
+                // its VM as for a served one, then give it up.
+                let waiting = self
+                    .lock_restoring()
+                    .iter()
+                    .find(|r| r.saved.id == id)
+                    .map(|r| r.saved.plug.clone())
+                    .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+                if let Some(p) = &waiting {
+                    unplug(p, release_timeout).map_err(RegistryError::Vmm)?;
+                }
+                return self
+                    .cancel_restore(id)
+                    .ok_or_else(|| RegistryError::NotFound(id.to_owned()));
+            }
+        };
         if let Some(p) = &plug {
             unplug(p, release_timeout).map_err(RegistryError::Vmm)?;
         }
@@ -574,7 +748,7 @@ impl Registry {
             let e = entries
                 .remove(id)
                 .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
-            self.save_state(&entries);
+            let _ = self.save_state(&entries);
             e
         };
         // Stop first, so that the counters include the requests drained.
@@ -595,7 +769,7 @@ impl Registry {
     pub fn suspend_all(&self) {
         let all: Vec<Entry> = std::mem::take(&mut *self.lock()).into_values().collect();
         for mut e in all {
-            e.attachment.stop();
+            e.attachment.stop_for_restart();
             tracing::info!(id = %e.id, socket = %e.request.socket.display(), "stopped; kept for the next start");
         }
     }

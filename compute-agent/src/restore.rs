@@ -1,10 +1,13 @@
 //! Serving the saved attachments again when the compute agent starts.
 //!
 //! Each attachment in the state file ([`crate::state`]) is started again on its socket
-//! with its borrower identity and token. One whose lender cannot be reached yet is
-//! retried, every 1 s doubling to 10 s, and stays in the state file meanwhile; one that
-//! can never start (its lease ended, its socket taken, a damaged entry) is dropped with
-//! an error in the log.
+//! with its borrower identity and token. One that cannot start yet (its lender or pool
+//! unreachable, its socket held by another process, this agent started without the TLS
+//! trust anchors it needs, ...) is retried, every 1 s doubling to 10 s: meanwhile it
+//! stays in the state file, `status` lists it with the reason, its id and socket stay
+//! reserved, and `detach` gives it up. Only one that can never start again is dropped,
+//! with an error in the log: its lease has ended or its token is malformed, or its entry
+//! is damaged.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,11 +18,15 @@ use crate::state::SavedAttachment;
 const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(10);
 
-/// Whether a failed restore can succeed later (the lender or the pool being away).
-fn retryable(e: &RegistryError) -> bool {
+/// Whether a failed restore can never succeed: retrying it is pointless.
+fn hopeless(e: &RegistryError) -> bool {
     matches!(
         e,
-        RegistryError::Start(_) | RegistryError::Lease(crate::lease::LeaseError::Pool(_))
+        RegistryError::Cancelled(_)
+            | RegistryError::BadSaved(_)
+            | RegistryError::Lease(
+                crate::lease::LeaseError::Ended { .. } | crate::lease::LeaseError::Bad(_)
+            )
     )
 }
 
@@ -27,8 +34,9 @@ fn retryable(e: &RegistryError) -> bool {
 ///
 /// # Errors
 /// The thread cannot be started.
+/// `saved` must have been given to [`Registry::set_restoring`] first (which reserves
+/// their ids and sockets and keeps them in the state file).
 pub fn spawn(registry: Arc<Registry>, saved: Vec<SavedAttachment>) -> std::io::Result<()> {
-    registry.set_restoring(saved.clone());
     std::thread::Builder::new()
         .name("restore".into())
         .spawn(move || run(&registry, saved))
@@ -47,14 +55,17 @@ fn run(registry: &Registry, mut waiting: Vec<SavedAttachment>) {
                 registry.restored(&s.id);
                 false
             }
-            Err(e) if retryable(&e) => {
-                tracing::warn!(id = %s.id, error = %e, retry_s = backoff.as_secs(), "cannot serve the saved attachment yet; retrying");
-                true
-            }
-            Err(e) => {
+            Err(RegistryError::Cancelled(_)) => false,
+            Err(e) if hopeless(&e) => {
                 tracing::error!(id = %s.id, error = %e, "cannot serve the saved attachment again; dropped");
                 registry.restored(&s.id);
                 false
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                tracing::warn!(id = %s.id, error = %reason, retry_s = backoff.as_secs(), "cannot serve the saved attachment yet; retrying");
+                registry.restore_failed(&s.id, &reason);
+                true
             }
         });
         if waiting.is_empty() {

@@ -40,6 +40,8 @@ impl IntoResponse for RegistryError {
             RegistryError::Lease(crate::lease::LeaseError::Bad(_)) => StatusCode::BAD_REQUEST,
             RegistryError::Lease(crate::lease::LeaseError::Ended { .. }) => StatusCode::CONFLICT,
             RegistryError::Lease(crate::lease::LeaseError::Pool(_)) => StatusCode::BAD_GATEWAY,
+            RegistryError::State(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            RegistryError::Cancelled(_) | RegistryError::BadSaved(_) => StatusCode::CONFLICT,
         };
         error(status, self.to_string())
     }
@@ -126,8 +128,9 @@ pub struct Reload {
 /// log level (the other keys need a restart). Tells systemd when it is ready, reloading
 /// and stopping.
 ///
-/// An existing file at `socket` is replaced; the parent directory is created. The
-/// socket is made `0660`.
+/// A stale socket at `socket` is replaced (a live one or any other file is refused);
+/// the parent directory is created. The socket is made `0660`. `on_listening` runs once
+/// the socket is bound.
 ///
 /// # Errors
 /// Binding the socket; the server failing.
@@ -135,6 +138,7 @@ pub async fn serve(
     socket: &Path,
     registry: Arc<Registry>,
     reload: Option<Reload>,
+    on_listening: Option<Box<dyn FnOnce() + Send>>,
 ) -> anyhow::Result<()> {
     use anyhow::Context;
     use std::os::unix::fs::PermissionsExt;
@@ -148,6 +152,9 @@ pub async fn serve(
         .with_context(|| format!("cannot listen on {}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o660))
         .with_context(|| format!("cannot set permissions of {}", socket.display()))?;
+    if let Some(f) = on_listening {
+        f();
+    }
     let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut hup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
     {
@@ -190,7 +197,11 @@ pub async fn serve(
         .await
         .context("API server failed")?;
     if let Some(state) = registry.state_file() {
-        tracing::info!(state = %state.display(), "shutting down: completing requests in flight; attachments are kept for the next start");
+        if registry.state_saved() {
+            tracing::info!(state = %state.display(), "shutting down: completing requests in flight; attachments are kept for the next start");
+        } else {
+            tracing::error!(state = %state.display(), "shutting down: the state file could not be written, so the attachments will NOT be served again at the next start");
+        }
         tokio::task::spawn_blocking(move || registry.suspend_all())
             .await
             .ok();

@@ -11,6 +11,7 @@
 //! By default the file lives beside the API socket (`/run/devlend/compute-agent.state.json`
 //! for the default socket): `/run` is emptied at boot, when the VMs are gone too.
 
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -63,13 +64,27 @@ pub enum StateError {
         source: std::io::Error,
     },
     /// The contents are not a state file of this version.
-    #[error("state file {path} is not valid")]
+    #[error("state file {path} is not valid (move it aside to start without its attachments)")]
     Parse {
         /// The file.
         path: PathBuf,
         /// The error.
         #[source]
         source: serde_json::Error,
+    },
+    /// Another compute agent uses this state file.
+    #[error("state file {path} is in use by another compute agent (it holds {path}.lock); give each agent its own --state-file")]
+    InUse {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The path is not usable as a state file.
+    #[error("state file {path}: {reason}")]
+    NotUsable {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
     },
     /// A version this agent does not know.
     #[error("state file {path} has version {version}; this agent writes version {VERSION}")]
@@ -79,6 +94,64 @@ pub enum StateError {
         /// The version found.
         version: u32,
     },
+}
+
+/// Takes the state file for this process: an exclusive `flock` on `PATH.lock`, held
+/// while the returned file is open. Refuses a path that is the API socket `api` or an
+/// existing file that is not a regular file.
+///
+/// # Errors
+/// [`StateError::InUse`] when another agent holds it; [`StateError::NotUsable`];
+/// [`StateError::Io`].
+pub fn lock(path: &Path, api: &Path) -> Result<File, StateError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let not_usable = |reason: &str| StateError::NotUsable {
+        path: path.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if path == api {
+        return Err(not_usable("is the API socket's path"));
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !m.file_type().is_file() => {
+            return Err(not_usable("exists and is not a regular file"))
+        }
+        _ => {}
+    }
+    let io = |source| StateError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(PathBuf::from(name))
+        .map_err(io)?;
+    // SAFETY: flock on an open file descriptor owned by `f`.
+    let rc = unsafe {
+        libc::flock(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(if e.kind() == std::io::ErrorKind::WouldBlock {
+            StateError::InUse {
+                path: path.to_owned(),
+            }
+        } else {
+            io(e)
+        });
+    }
+    Ok(f)
 }
 
 /// The default state file for an API socket: `DIR/STEM.state.json` beside it.
@@ -214,6 +287,25 @@ mod tests {
         assert!(matches!(
             StateFile::load(&path),
             Err(StateError::Version { version: 9, .. })
+        ));
+    }
+
+    #[test]
+    fn one_agent_per_state_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("s.state.json");
+        let api = dir.path().join("api.sock");
+        let held = lock(&path, &api).expect("first");
+        assert!(matches!(lock(&path, &api), Err(StateError::InUse { .. })));
+        drop(held);
+        assert!(lock(&path, &api).is_ok());
+        assert!(matches!(
+            lock(&api, &api),
+            Err(StateError::NotUsable { .. })
+        ));
+        assert!(matches!(
+            lock(dir.path(), &api),
+            Err(StateError::NotUsable { .. })
         ));
     }
 

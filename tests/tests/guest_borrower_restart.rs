@@ -1,7 +1,8 @@
 //! The borrower restarts under a real QEMU guest (TCG), one guest for the file: the
 //! guest's own virtio-blk driver writes and verifies data on a disk whose QEMU chardev
 //! has `reconnect-ms`, while the compute agent is killed with SIGKILL three times, each
-//! time with requests in flight, and once stopped with SIGTERM, and started again. The
+//! time with requests in flight, and once stopped with SIGTERM while its lender is gone
+//! (the requests waiting for it are left to the next agent), and started again. The
 //! restarted agent serves the attachment again from its state file, QEMU joins it, and
 //! the requests that were in flight are resubmitted from the vhost-user inflight buffer:
 //! no write fails, every chunk reads back, and the lender's file holds the guest's data.
@@ -77,7 +78,7 @@ fn a_guest_rides_out_borrower_kills_and_a_stop() -> Result<()> {
     sparse_file(&img, DISK_BYTES)?;
     let spec = format!("disk0={}", img.display());
     let addr = format!("127.0.0.1:{}", free_port()?);
-    let lender = Lender::start_on(dir.path(), &addr, std::slice::from_ref(&spec))?;
+    let mut lender = Lender::start_on(dir.path(), &addr, std::slice::from_ref(&spec))?;
     let mut borrower = Borrower::start(dir.path())?;
     let sock = dir.path().join("disk0.sock");
     let attached = borrower.attach(&addr, "disk0", &sock, 1)?;
@@ -112,14 +113,25 @@ fn a_guest_rides_out_borrower_kills_and_a_stop() -> Result<()> {
             lender.proc.signal(libc::SIGCONT);
             assert!(caught, "the guest had no request in flight for 10 s");
         } else {
-            // SIGTERM: requests in flight complete, the attachment stays saved.
-            wait_for_inflight(&borrower, Duration::from_secs(5));
+            // SIGTERM while the lender is gone: the requests waiting for it are not
+            // failed (nor waited for until the reconnect deadline) but left in the
+            // inflight buffer for the next agent; the attachment stays saved.
+            lender.proc.kill_hard();
+            let caught = wait_for_inflight(&borrower, Duration::from_secs(10));
+            let t = Instant::now();
             let status = borrower.proc.terminate(Duration::from_secs(40))?;
             assert!(
                 status.success(),
                 "SIGTERM exit: {status}\n{}",
                 borrower.proc.log()
             );
+            assert!(caught, "the guest had no request in flight for 10 s");
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "SIGTERM waited {:?} for a lender that is gone",
+                t.elapsed()
+            );
+            lender = Lender::start_on(dir.path(), &addr, std::slice::from_ref(&spec))?;
         }
         std::thread::sleep(Duration::from_millis(rng.random_range(0..800)));
         borrower = Borrower::start_named(
@@ -142,8 +154,8 @@ fn a_guest_rides_out_borrower_kills_and_a_stop() -> Result<()> {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        if k < 3 {
-            // What the dead agent had in flight comes back from the inflight buffer.
+        {
+            // What the previous agent had in flight comes back from the inflight buffer.
             let end = Instant::now() + Duration::from_secs(20);
             while counter(&borrower, "resubmitted")? == 0 {
                 if Instant::now() > end {

@@ -186,11 +186,21 @@ impl Attachment {
     /// Idempotent; the attachment's counters stay readable afterwards.
     pub fn stop(&mut self) {
         if self.thread.is_some() {
-            self.shutdown(DRAIN_TIMEOUT);
+            self.shutdown(DRAIN_TIMEOUT, false);
         }
     }
 
-    fn shutdown(&mut self, timeout: Duration) {
+    /// As [`Self::stop`], for a compute agent that stops to be restarted: requests whose
+    /// fabric session is lost, or still in flight after [`DRAIN_TIMEOUT`], are not failed
+    /// but left marked in the frontend's inflight buffer for the next agent to resubmit
+    /// (when the frontend tracks inflight I/O; otherwise they fail as in `stop`).
+    pub fn stop_for_restart(&mut self) {
+        if self.thread.is_some() {
+            self.shutdown(DRAIN_TIMEOUT, true);
+        }
+    }
+
+    fn shutdown(&mut self, timeout: Duration, handoff: bool) {
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.wake.write(1);
         let current = self
@@ -200,7 +210,7 @@ impl Attachment {
             .map(|c| c.clone())
             .unwrap_or(None);
         if let Some((backend, handle)) = current {
-            backend.drain_all(timeout);
+            backend.drain_all(timeout, handoff);
             if let Some(h) = handle {
                 h.shutdown();
             }
@@ -291,7 +301,7 @@ fn serve(
             shared.connected.store(true, Ordering::Release);
             tracing::info!(attachment = %config.id, socket = %config.socket.display(), "frontend connected");
             if shared.stop.load(Ordering::Acquire) {
-                backend.drain_all(DRAIN_TIMEOUT);
+                backend.drain_all(DRAIN_TIMEOUT, false);
                 daemon.request_shutdown();
             }
             match daemon.wait() {

@@ -157,12 +157,17 @@ impl BlkBackend {
     }
 
     /// Stops taking requests from the guest and waits for those in flight to complete
-    /// (detach). Used entries are returned and the guest is notified.
-    pub fn drain_all(&self, timeout: Duration) {
+    /// (detach). Used entries are returned and the guest is notified. With `handoff`
+    /// (the agent stops to be restarted), requests that cannot complete in time are left
+    /// for the next backend instead of failed ([`QueueEngine::set_handoff`]).
+    pub fn drain_all(&self, timeout: Duration, handoff: bool) {
         self.stopping.store(true, Ordering::Release);
         for (q, cell) in self.queues.iter().enumerate() {
             let mut cell = lock(cell);
             cell.engine.set_stopping();
+            if handoff {
+                cell.engine.set_handoff();
+            }
             if let Err(e) = self.drain_queue(&mut cell, timeout) {
                 tracing::warn!(queue = q, error = %e, "drain failed");
             }

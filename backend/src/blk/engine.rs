@@ -371,6 +371,9 @@ pub struct QueueEngine {
     /// This queue's part of the inflight buffer (INFLIGHT_SHMFD), when the frontend
     /// gave one: chains are marked there from pop to used-ring return.
     log: Option<InflightQueue>,
+    /// The agent stops to be restarted: a drain leaves what cannot complete in time to
+    /// the next backend (see [`Self::set_handoff`]).
+    handoff: bool,
 }
 
 /// A queue's open fabric session.
@@ -465,6 +468,7 @@ impl QueueEngine {
                 }
             },
             log: None,
+            handoff: false,
         }
     }
 
@@ -562,6 +566,15 @@ impl QueueEngine {
             );
         }
         self.log = log;
+    }
+
+    /// The compute agent stops to be restarted: from now on a drain does not fail the
+    /// requests that cannot complete (their session is lost, or the drain's time is up)
+    /// but leaves them marked in the inflight buffer, for the next backend to resubmit
+    /// (SIGKILL leaves them the same way). Without an inflight buffer (the frontend does
+    /// not track inflight I/O) they still fail, since nobody would resubmit them.
+    pub fn set_handoff(&mut self) {
+        self.handoff = true;
     }
 
     /// Stops taking new chains from the avail ring (detach in progress); chains already
@@ -1387,12 +1400,16 @@ impl QueueEngine {
     ) -> Result<bool, virtio_queue::Error> {
         let deadline = Instant::now() + timeout;
         let mut used = false;
+        let leave = self.handoff && self.log.is_some();
         while self.inflight > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
             let Some(fd) = self.conn.as_ref().map(Link::fd) else {
+                if leave {
+                    break;
+                }
                 used |= self.recover(queue, mem)?;
                 if self.conn.is_none() && self.inflight > 0 {
                     std::thread::sleep(left.min(Duration::from_millis(50)));
@@ -1409,7 +1426,14 @@ impl QueueEngine {
             unsafe { libc::poll(&mut pfd, 1, ms) };
             used |= self.process_responses(queue, mem)?;
         }
-        if self.inflight > 0 {
+        if self.inflight > 0 && leave {
+            tracing::info!(
+                attachment = %self.name,
+                queue = self.index,
+                inflight = self.inflight,
+                "leaving the requests that cannot complete now to the next compute agent (they stay in the inflight buffer)",
+            );
+        } else if self.inflight > 0 {
             tracing::warn!(
                 attachment = %self.name,
                 queue = self.index,
