@@ -76,7 +76,7 @@ fn a_saved_attachment_whose_lender_is_away_is_listed_reserved_and_can_be_given_u
     wait_status(&b, "served again", |s| {
         s[0]["id"] == "disk0" && s[0]["restoring"].is_null()
     });
-    let mut c = devlend_cli::blk_client::BlkClient::connect(&sock, 1, MIB as usize).unwrap();
+    let c = devlend_cli::blk_client::BlkClient::connect(&sock, 1, MIB as usize).unwrap();
     assert_eq!(c.capacity(), 8 * MIB);
     drop(c);
 
