@@ -564,6 +564,29 @@ impl QueueEngine {
         self.log = log;
     }
 
+    /// vhost-user handed over a new memory map (SET_MEM_TABLE, ADD_MEM_REG,
+    /// REM_MEM_REG): over RDMA, registers its new regions on the session at once and
+    /// drops the registrations of regions that neither it nor a request in flight uses
+    /// (`docs/protocol.md`, memory-region lifetime). Nothing to do over TCP. A failed
+    /// registration is logged; the next request then retries it, and drops the session
+    /// if it fails again.
+    pub fn memory_changed(&mut self, mem: &GuestMemoryRef) {
+        #[cfg(feature = "rdma")]
+        if let Some(Link::Rdma(link)) = self.conn.as_mut() {
+            let in_flight = self.slots.iter().filter(|s| s.busy);
+            if let Err(e) = link.memory_changed(mem, in_flight.filter_map(|s| s.mem.as_ref())) {
+                tracing::warn!(
+                    attachment = %self.name,
+                    queue = self.index,
+                    error = %DisplayChain(&e),
+                    "cannot register the new guest memory for RDMA",
+                );
+            }
+        }
+        #[cfg(not(feature = "rdma"))]
+        let _ = mem;
+    }
+
     /// Stops taking new chains from the avail ring (detach in progress); chains already
     /// in flight still complete.
     pub fn set_stopping(&mut self) {
@@ -1046,6 +1069,13 @@ impl QueueEngine {
             }
             responses.clear();
             self.rdma_rx = responses;
+            // Registrations of regions only completed requests used go now.
+            if let Some(Link::Rdma(link)) = self.conn.as_mut() {
+                if link.has_stale() {
+                    let in_flight = self.slots.iter().filter(|s| s.busy);
+                    link.prune(mem, in_flight.filter_map(|s| s.mem.as_ref()));
+                }
+            }
             match outcome {
                 Ok(()) => {}
                 Err(FabricFault::Ring(e)) => return Err(e),
