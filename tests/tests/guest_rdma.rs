@@ -6,7 +6,8 @@
 //! write and a read whose buffer crosses them (two segments, two rkeys). Then, on a
 //! second device, the lender is killed with SIGKILL and restarted in the middle of a
 //! verified run over RDMA: no request may fail, every write must read back, and the
-//! lender's file must hold every acknowledged write.
+//! lender's file must hold every acknowledged write. Last, the lender's shutdown must
+//! stop the RDMA sessions of the attachment still open.
 //! On the host (no RDMA device), `--transport rdma` must fail at once and say why.
 
 use std::path::PathBuf;
@@ -70,7 +71,6 @@ if wait $VPID; then echo "DEVLEND-RESULT fault_verify=ok"; else sed 's/^/verify:
 echo "DEVLEND-RESULT sessions_lost=$(grep -c 'fabric session lost' /tmp/ca.log)"
 echo "DEVLEND-RESULT fault_expected=$(sha256sum /tmp/expected-fault | cut -d' ' -f1)"
 echo "DEVLEND-RESULT fault_lender=$(head -c 4194304 /srv/disk1.img | sha256sum | cut -d' ' -f1)"
-devlend detach --api /run/devlend/ca.sock disk1 > /dev/null
 devlend bench --socket /run/devlend/rdma.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-rdma 2>&1 || true
 tail -n 3 /tmp/bench-rdma | sed 's/^/DEVLEND-BENCH rdma: /'
 devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
@@ -78,6 +78,15 @@ devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 
 devlend bench --socket /run/devlend/tcp.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-tcp 2>&1 || true
 tail -n 3 /tmp/bench-tcp | sed 's/^/DEVLEND-BENCH tcp: /'
 devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
+# A lender shutdown closes the RDMA sessions of disk1 (attached, I/O running) too.
+devlend bench --socket /run/devlend/fault.sock --rw randread --bs 4K --iodepth 4 --runtime 60 --ramp 0 > /dev/null 2>&1 &
+BPID=$!
+sleep 3
+kill -TERM $LPID
+wait $LPID || true
+kill -9 $BPID
+tail -n 15 /tmp/lender.log | sed "s/^/lender: /"
+echo "DEVLEND-RESULT rdma_stopped=$(grep -c 'RDMA session stopped' /tmp/lender.log)"
 "#;
 
 #[test]
@@ -111,7 +120,10 @@ fn rdma_on_soft_roce_in_a_guest() {
     let out = guest.wait_done(Duration::from_secs(600)).expect("guest");
     let console = guest.console();
     for l in console.lines().filter(|l| {
-        l.contains("DEVLEND-BENCH") || l.contains("DEVLEND-RESULT") || l.contains("verify: ")
+        l.contains("DEVLEND-BENCH")
+            || l.contains("DEVLEND-RESULT")
+            || l.contains("verify: ")
+            || l.contains("lender: ")
     }) {
         eprintln!("{l}");
     }
@@ -150,6 +162,12 @@ fn rdma_on_soft_roce_in_a_guest() {
         Some(expected),
         "the lender's file holds every acknowledged write across its restart"
     );
+    // Shutdown stopped both queue sessions of the attachment in use.
+    let stopped: u32 = out
+        .result("rdma_stopped")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(stopped >= 2, "RDMA sessions stopped at shutdown: {stopped}");
     eprintln!("guest wall time {:.1} s", started.elapsed().as_secs_f64());
 }
 
