@@ -271,6 +271,8 @@ pub(crate) struct Slot {
     /// until the request completes).
     pub(crate) mem: Option<GuestMemoryRef>,
     sent: Option<Instant>,
+    /// Times this request was resent on a new session.
+    resends: u32,
 }
 
 /// Receive progress on the fabric connection.
@@ -404,6 +406,9 @@ enum Reconnect {
     /// The lender refuses this borrower for good (denied, no such device, ...).
     Refused,
 }
+
+/// Most times a request is resent on a new session; at the next loss it fails.
+pub const MAX_RESENDS: u32 = 8;
 
 /// First reconnect backoff.
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -773,6 +778,7 @@ impl QueueEngine {
                 std::mem::swap(&mut slot.iovs, &mut self.iov_tmp);
                 slot.mem = Some(Arc::clone(mem));
                 slot.sent = None;
+                slot.resends = 0;
                 self.inflight += 1;
                 self.heads_xor ^= head;
                 if op == Op::Read {
@@ -886,8 +892,9 @@ impl QueueEngine {
                 if let Some(t) = self.timer.as_mut() {
                     t.disarm();
                 }
+                let used = self.fail_poison(queue, mem)?;
                 self.queue_resend();
-                self.flush_tx(queue, mem)
+                Ok(self.flush_tx(queue, mem)? | used)
             }
             Reconnect::Refused => self.give_up(queue, mem),
             Reconnect::Later if now >= give_up => {
@@ -927,6 +934,39 @@ impl QueueEngine {
             t.disarm();
         }
         self.fail_all(queue, mem)
+    }
+
+    /// Completes with IOERR the requests already resent [`MAX_RESENDS`] times: a
+    /// request that ends every session it is sent on (e.g. one the lender cannot serve
+    /// over RDMA) must not be retried for ever, since each reconnect succeeds and the
+    /// deadline never runs out. Returns whether used-ring entries were added.
+    fn fail_poison(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        let mut used = false;
+        for head in 0..self.slots.len() {
+            let slot = &mut self.slots[head];
+            if !slot.busy {
+                continue;
+            }
+            slot.resends += 1;
+            if slot.resends > MAX_RESENDS {
+                tracing::error!(
+                    attachment = %self.name,
+                    queue = self.index,
+                    head,
+                    resends = MAX_RESENDS,
+                    "request resent on new sessions {MAX_RESENDS} times, each lost; failing it with IOERR",
+                );
+                self.failing = true;
+                let r = self.complete(queue, mem, head as u16, S_IOERR);
+                self.failing = false;
+                used |= r?;
+            }
+        }
+        Ok(used)
     }
 
     /// Queues every request in flight for sending on the new session, oldest first.
