@@ -100,7 +100,7 @@ impl Buffer {
 /// Maps `len` bytes as two memfd-backed shared mappings back to back, the first of
 /// `split` bytes (both page multiples, `0 < split < len`).
 fn map_split(len: usize, split: usize) -> Result<Buffer> {
-    if split == 0 || split >= len || split % 4096 != 0 || len % 4096 != 0 {
+    if split == 0 || split >= len || !split.is_multiple_of(4096) || !len.is_multiple_of(4096) {
         bail!("cannot split a {len}-byte buffer at {split}");
     }
     // SAFETY: a fresh anonymous reservation; nothing else is mapped there.
