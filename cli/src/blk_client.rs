@@ -1,7 +1,9 @@
 //! A vhost-user-blk frontend without a VM, on the `blkio` crate.
 //!
 //! It connects to a vhost-user-blk socket, maps one buffer as a memory region shared with
-//! the backend, and runs requests on its queues, one at a time or a batch at a time; or,
+//! the backend (or, with [`BlkClient::connect_split`], as two regions adjacent in the
+//! backend's guest-physical space, so that one request can span both), and runs
+//! requests on its queues, one at a time or a batch at a time; or,
 //! through [`BlkClient::queue_ios`], hands each queue with its own share of the buffer to
 //! a thread that keeps requests in flight itself (the bench's closed loop).
 
@@ -58,11 +60,109 @@ pub enum BlkOp {
 /// A connected frontend.
 pub struct BlkClient {
     queues: Vec<Blkioq>,
-    region: MemoryRegion,
+    buf: Buffer,
     capacity: u64,
     read_only: bool,
     // Dropped last: it owns the connection and the memory region.
     blkio: Blkio,
+}
+
+/// The shared buffer: one region libblkio allocated, or two regions of our own mapped
+/// back to back (libblkio's vhost-user driver hands the backend each region with its
+/// process address as the guest-physical address, so adjacent mappings are adjacent
+/// guest memory regions).
+enum Buffer {
+    Alloc(MemoryRegion),
+    Split {
+        /// Start of the whole reservation (`len` bytes), the first region's address.
+        base: usize,
+        len: usize,
+        parts: [MemoryRegion; 2],
+    },
+}
+
+impl Buffer {
+    fn base(&self) -> usize {
+        match self {
+            Buffer::Alloc(r) => r.addr,
+            Buffer::Split { base, .. } => *base,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Buffer::Alloc(r) => r.len,
+            Buffer::Split { len, .. } => *len,
+        }
+    }
+}
+
+/// Maps `len` bytes as two memfd-backed shared mappings back to back, the first of
+/// `split` bytes (both page multiples, `0 < split < len`).
+fn map_split(len: usize, split: usize) -> Result<Buffer> {
+    if split == 0 || split >= len || !split.is_multiple_of(4096) || !len.is_multiple_of(4096) {
+        bail!("cannot split a {len}-byte buffer at {split}");
+    }
+    // SAFETY: a fresh anonymous reservation; nothing else is mapped there.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error()).context("reserving the buffer");
+    }
+    let base = base as usize;
+    let mut parts = Vec::with_capacity(2);
+    for (addr, part_len) in [(base, split), (base + split, len - split)] {
+        // SAFETY: a plain memfd_create with a NUL-terminated name.
+        let fd = unsafe { libc::memfd_create(c"devlend-verify-buf".as_ptr(), 0) };
+        // SAFETY: `fd` is ours (checked below before use); ftruncate sizes it.
+        if fd < 0 || unsafe { libc::ftruncate(fd, part_len as libc::off_t) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: the reservation is ours and unused.
+            unsafe { libc::munmap(base as *mut libc::c_void, len) };
+            return Err(e).context("creating a buffer memfd");
+        }
+        // SAFETY: MAP_FIXED over our own reservation (addr..addr+part_len is inside it).
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                part_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: the reservation and the fd are ours.
+            unsafe {
+                libc::munmap(base as *mut libc::c_void, len);
+                libc::close(fd);
+            }
+            return Err(e).context("mapping a buffer memfd");
+        }
+        parts.push(MemoryRegion {
+            addr,
+            iova: 0,
+            len: part_len,
+            fd,
+            fd_offset: 0,
+            flags: 0,
+        });
+    }
+    Ok(Buffer::Split {
+        base,
+        len,
+        parts: [parts[0], parts[1]],
+    })
 }
 
 impl BlkClient {
@@ -86,6 +186,32 @@ impl BlkClient {
         buf_len: usize,
         read_only: bool,
     ) -> Result<Self> {
+        Self::open(socket, num_queues, buf_len, read_only, None)
+    }
+
+    /// As [`Self::connect`], with the buffer mapped as two memory regions back to back,
+    /// the first `split` bytes long (a multiple of 4 KiB): the backend gets them with two
+    /// ADD_MEM_REG, adjacent in guest-physical space, so a request whose buffer crosses
+    /// offset `split` spans two guest memory regions.
+    ///
+    /// # Errors
+    /// A bad split, mmap/memfd failures, or any libblkio error.
+    pub fn connect_split(
+        socket: &Path,
+        num_queues: usize,
+        buf_len: usize,
+        split: usize,
+    ) -> Result<Self> {
+        Self::open(socket, num_queues, buf_len, false, Some(split))
+    }
+
+    fn open(
+        socket: &Path,
+        num_queues: usize,
+        buf_len: usize,
+        read_only: bool,
+        split: Option<usize>,
+    ) -> Result<Self> {
         let ctx = || format!("vhost-user-blk socket {}", socket.display());
         let mut b = Blkio::new("virtio-blk-vhost-user")
             .map_err(err)
@@ -106,11 +232,28 @@ impl BlkClient {
         let read_only = b.get_bool("read-only").map_err(err)?;
         let align = b.get_u64("mem-region-alignment").map_err(err)?.max(4096) as usize;
         let len = buf_len.max(1).div_ceil(align) * align;
-        let region = b.alloc_mem_region(len).map_err(err)?;
-        b.map_mem_region(&region).map_err(err)?;
+        let buf = match split {
+            None => {
+                let region = b.alloc_mem_region(len).map_err(err)?;
+                b.map_mem_region(&region).map_err(err)?;
+                Buffer::Alloc(region)
+            }
+            Some(at) => {
+                let buf = map_split(len, at)?;
+                if let Buffer::Split { parts, .. } = &buf {
+                    for r in parts {
+                        if let Err(e) = b.map_mem_region(r) {
+                            release(&mut b, &buf);
+                            return Err(err(e)).context("mapping a buffer region");
+                        }
+                    }
+                }
+                buf
+            }
+        };
         Ok(BlkClient {
             queues: started.queues,
-            region,
+            buf,
             capacity,
             read_only,
             blkio: b,
@@ -145,7 +288,7 @@ impl BlkClient {
         // SAFETY: the region is `len` bytes mapped by libblkio for as long as `self`
         // lives, and only this client (through `&mut self`) touches it while no request
         // is in flight: requests are always waited for before the methods return.
-        unsafe { std::slice::from_raw_parts_mut(self.region.addr as *mut u8, self.region.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.buf.base() as *mut u8, self.buf.len()) }
     }
 
     /// Runs `ops` on queue `q` with all of them in flight at once; returns each one's
@@ -163,8 +306,8 @@ impl BlkClient {
     /// # Errors
     /// As [`Self::run`].
     pub fn run_multi(&mut self, batches: &[(usize, &[BlkOp])]) -> Result<Vec<Vec<i32>>> {
-        let base = self.region.addr as *mut u8;
-        let buf_len = self.region.len;
+        let base = self.buf.base() as *mut u8;
+        let buf_len = self.buf.len();
         for &(q, ops) in batches {
             let queue = self
                 .queues
@@ -215,15 +358,15 @@ impl BlkClient {
     /// the client, so it outlives every request they start.
     pub fn queue_ios(&mut self) -> Vec<QueueIo<'_>> {
         let n = self.queues.len().max(1);
-        let share = (self.region.len / n) & !4095;
-        let base = self.region.addr as *mut u8;
+        let share = (self.buf.len() / n) & !4095;
+        let base = self.buf.base() as *mut u8;
         self.queues
             .iter_mut()
             .enumerate()
             .map(|(i, queue)| QueueIo {
                 queue,
-                // SAFETY: i < n, so i * share + share <= region.len: the share is inside
-                // the mapped region.
+                // SAFETY: i < n, so i * share + share <= the buffer's length: the share
+                // is inside the mapped buffer.
                 base: unsafe { base.add(i * share) },
                 len: share,
                 comps: Vec::new(),
@@ -314,8 +457,30 @@ impl QueueIo<'_> {
 impl Drop for BlkClient {
     fn drop(&mut self) {
         self.queues.clear();
-        self.blkio.unmap_mem_region(&self.region);
-        self.blkio.free_mem_region(&self.region);
+        release(&mut self.blkio, &self.buf);
+    }
+}
+
+/// Unmaps the buffer from libblkio and frees it.
+fn release(b: &mut Blkio, buf: &Buffer) {
+    match buf {
+        Buffer::Alloc(r) => {
+            b.unmap_mem_region(r);
+            b.free_mem_region(r);
+        }
+        Buffer::Split { base, len, parts } => {
+            for r in parts {
+                b.unmap_mem_region(r);
+            }
+            // SAFETY: the reservation and the memfds are ours (`map_split`), and
+            // libblkio no longer uses them.
+            unsafe {
+                libc::munmap(*base as *mut libc::c_void, *len);
+                for r in parts {
+                    libc::close(r.fd);
+                }
+            }
+        }
     }
 }
 

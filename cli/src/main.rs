@@ -187,6 +187,10 @@ enum Cmd {
         rounds: usize,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Map the buffer as two memory regions back to back and run a write and a read
+        /// whose buffer crosses them.
+        #[arg(long)]
+        split_regions: bool,
         #[arg(long)]
         out: PathBuf,
     },
@@ -529,9 +533,11 @@ fn run(cli: Cli) -> Result<()> {
             span,
             rounds,
             seed,
+            split_regions,
             out,
         } => {
-            let n = devlend_cli::verify::run(&socket, queues, span, rounds, seed, &out)?;
+            let n =
+                devlend_cli::verify::run(&socket, queues, span, rounds, seed, split_regions, &out)?;
             println!("verified {n} requests on {queues} queues");
         }
         Cmd::Bench {

@@ -1,7 +1,9 @@
 //! `devlend verify`: a verified workload through a vhost-user-blk socket (libblkio),
 //! for tests where only the binary can go (e.g. inside a guest): random writes on every
 //! queue at once, each read back and compared; FLUSH; DISCARD and WRITE_ZEROES read
-//! back as zeroes. It writes what the first `span` bytes of the device must now hold
+//! back as zeroes. With `split`, the client's buffer is two guest memory regions back
+//! to back and one write and one read have their buffer across the boundary (so each
+//! spans two regions). It writes what the first `span` bytes of the device must now hold
 //! to `out`, so the caller can compare it with the lender's file.
 
 use std::path::Path;
@@ -14,7 +16,9 @@ const CHUNK: usize = 64 * 1024;
 
 /// Runs `rounds` rounds of `queues × 8` random writes (4–64 KiB) inside the first
 /// `span` bytes, verifying each round by reading everything written; then flush,
-/// discard and write-zeroes. Returns the number of requests.
+/// discard and write-zeroes. With `split`, the buffer is two memory regions split at
+/// 64 KiB, and a 64 KiB write and read whose buffer crosses that boundary run too.
+/// Returns the number of requests.
 ///
 /// # Errors
 /// A mismatch, a failed request, or a libblkio error.
@@ -24,10 +28,16 @@ pub fn run(
     span: u64,
     rounds: usize,
     seed: u64,
+    split: bool,
     out: &Path,
 ) -> Result<usize> {
     let per_queue = 8;
-    let mut c = BlkClient::connect(socket, queues, queues * per_queue * CHUNK * 2)?;
+    let buf_len = queues * per_queue * CHUNK * 2;
+    let mut c = if split {
+        BlkClient::connect_split(socket, queues, buf_len, CHUNK)?
+    } else {
+        BlkClient::connect(socket, queues, buf_len)?
+    };
     let span = span.min(c.capacity()) as usize / CHUNK * CHUNK;
     if span < CHUNK * 4 {
         bail!("device too small for the workload");
@@ -150,8 +160,40 @@ pub fn run(
     }
     check(&[c.run(0, &[BlkOp::Flush])?], "flush")?;
     requests += 6;
+    if split && span >= 6 * CHUNK {
+        requests += across_regions(&mut c, &mut shadow, 5 * CHUNK, queues - 1)?;
+    }
     std::fs::write(out, &shadow)?;
     Ok(requests)
+}
+
+/// One 64 KiB write whose buffer crosses the boundary of the two buffer regions (at
+/// [`CHUNK`]), to device offset `off` on queue `q`; the buffer is cleared and the same
+/// range read back into the same crossing buffer, and compared. Returns the requests.
+fn across_regions(c: &mut BlkClient, shadow: &mut [u8], off: usize, q: usize) -> Result<usize> {
+    let buf = CHUNK / 2;
+    for (i, b) in c.buffer()[buf..buf + CHUNK].iter_mut().enumerate() {
+        *b = 0x5a ^ (i as u8) ^ ((i >> 9) as u8);
+    }
+    let want = c.buffer()[buf..buf + CHUNK].to_vec();
+    let write = BlkOp::Write {
+        offset: off as u64,
+        buf,
+        len: CHUNK,
+    };
+    check(&[c.run(q, &[write])?], "write across two memory regions")?;
+    shadow[off..off + CHUNK].copy_from_slice(&want);
+    c.buffer()[buf..buf + CHUNK].fill(0);
+    let read = BlkOp::Read {
+        offset: off as u64,
+        buf,
+        len: CHUNK,
+    };
+    check(&[c.run(q, &[read])?], "read across two memory regions")?;
+    if c.buffer()[buf..buf + CHUNK] != want[..] {
+        bail!("a read across two memory regions differs from the write across them");
+    }
+    Ok(2)
 }
 
 fn check(results: &[Vec<i32>], what: &str) -> Result<()> {

@@ -9,9 +9,15 @@
 //! system calls on the session thread. Requests beyond the I/O buffers wait in order.
 //! Anything malformed — a bad segment list, a failed RDMA READ/WRITE (bad rkey or
 //! range) — closes that session with a logged reason.
+//!
+//! Each session is in the lender's registry beside the TCP ones: when its lease ends
+//! (pool mode) or the lender shuts down, it is told to stop; it then takes no new
+//! request, answers every request it had received, and closes (within [`STOP_CHECK`]
+//! plus the time those take).
 
 use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,6 +33,9 @@ use crate::server::Shared;
 /// Requests a session serves at once (each with its own registered I/O buffer of
 /// `max_transfer` bytes); more wait in arrival order.
 const IO_SLOTS: usize = 16;
+
+/// How often a session checks whether it was told to stop (the poll timeout).
+pub(crate) const STOP_CHECK: Duration = Duration::from_millis(200);
 
 const TAG_SEND: u64 = 1 << 40;
 const TAG_READ: u64 = 2 << 40;
@@ -68,13 +77,29 @@ struct Slot {
 
 enum End {
     Closed,
+    /// Told to stop (lease ended, lender shutting down); everything received answered.
+    Stopped,
     Protocol(String),
     Transport(RdmaError),
+}
+
+/// Removes a session from the registry when it ends.
+struct Registered<'a>(&'a Shared, u64);
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        self.0.unregister(self.1);
+    }
 }
 
 fn serve(shared: &Shared, inc: Incoming, id: u64) {
     let peer = inc.peer();
     let _span = tracing::info_span!("rdma_session", id, %peer).entered();
+    let Some(stop) = shared.register_rdma(id) else {
+        tracing::info!(%peer, "lender shutting down; RDMA connection not accepted");
+        return;
+    };
+    let _registered = Registered(shared, id);
     let (mut conn, i, n) = match inc
         .establish(lender_shape(IO_SLOTS), shared.options.handshake_timeout)
     {
@@ -151,10 +176,13 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     }
     tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "RDMA session opened");
     dev.stats.session_opened();
-    let end = run(&dev, &mut conn, &mut slots);
+    let end = run(&dev, &mut conn, &mut slots, &stop);
     dev.stats.session_closed();
     match end {
         End::Closed => tracing::info!(%peer, device = %dev.name, "RDMA session closed"),
+        End::Stopped => {
+            tracing::info!(%peer, device = %dev.name, "RDMA session stopped (lease ended or lender shutting down): requests answered, session closed")
+        }
         End::Protocol(reason) => {
             dev.stats.protocol_error();
             tracing::warn!(%peer, device = %dev.name, %reason, "protocol error; RDMA session closed");
@@ -172,8 +200,10 @@ fn run(
     dev: &Arc<Device>,
     conn: &mut devlend_fabric::rdma::verbs::Connection,
     slots: &mut [Slot],
+    stop: &AtomicBool,
 ) -> End {
     let fd = dev.file.as_raw_fd();
+    let mut stopping = false;
     let mut backlog: VecDeque<(RequestHeader, Vec<Segment>)> = VecDeque::new();
     let mut done: Vec<Completion> = Vec::new();
     let mut segs = Vec::new();
@@ -191,6 +221,10 @@ fn run(
                 return End::Protocol(format!("{what} failed: {e}"));
             }
             if c.recv {
+                if stopping {
+                    // Not taken: the borrower resends it on its next session.
+                    continue;
+                }
                 let i = (c.wr_id & !RECV_BIT) as usize;
                 let h = match decode_request(conn.recv_msg(i, c.byte_len as usize), &mut segs) {
                     Ok(h) => h,
@@ -237,13 +271,19 @@ fn run(
             Err(RdmaError::Disconnected) => return End::Closed,
             Err(e) => return End::Transport(e),
         }
+        if !stopping && stop.load(Ordering::Acquire) {
+            stopping = true;
+        }
+        if stopping && backlog.is_empty() && slots.iter().all(|s| !s.busy) {
+            return End::Stopped;
+        }
         let mut p = libc::pollfd {
             fd: conn.fd(),
             events: libc::POLLIN,
             revents: 0,
         };
         // SAFETY: one valid pollfd for the call.
-        unsafe { libc::poll(&mut p, 1, 1000) };
+        unsafe { libc::poll(&mut p, 1, STOP_CHECK.as_millis() as i32) };
     }
 }
 

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -47,6 +47,9 @@ impl Default for Options {
     }
 }
 
+/// How long shutdown waits for the RDMA sessions to answer what they started.
+const RDMA_STOP_WAIT: Duration = Duration::from_secs(10);
+
 /// State shared by the accept loop, the sessions and the handle.
 pub(crate) struct Shared {
     devices: RwLock<HashMap<String, Arc<Device>>>,
@@ -59,7 +62,8 @@ pub(crate) struct Shared {
     pub(crate) tls: OnceLock<devlend_fabric::tls::ServerTls>,
 }
 
-/// The open connections, so that shutdown (or the end of a lease) can close them.
+/// The open connections, TCP and RDMA, so that shutdown (or the end of a lease) can
+/// close them.
 #[derive(Default)]
 struct Registry {
     closed: bool,
@@ -68,10 +72,31 @@ struct Registry {
 
 /// An open connection and the lease its session was admitted under.
 struct Tracked {
-    stream: TcpStream,
+    conn: Conn,
     lease: Option<[u8; 16]>,
     /// The session was told to stop (its lease ended).
     stopping: bool,
+}
+
+/// How a tracked session is told to stop.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+enum Conn {
+    /// A TCP connection: shutting its read side down ends the session's reader.
+    Tcp(TcpStream),
+    /// An RDMA session: its thread checks this flag at least every 200 ms, answers
+    /// what it has started, then closes.
+    Rdma(Arc<AtomicBool>),
+}
+
+impl Conn {
+    fn stop(&self) {
+        match self {
+            Conn::Tcp(s) => {
+                let _ = s.shutdown(Shutdown::Read);
+            }
+            Conn::Rdma(flag) => flag.store(true, Ordering::Release),
+        }
+    }
 }
 
 /// A session counted among the lender's active sessions until dropped.
@@ -177,7 +202,7 @@ impl Shared {
                 reg.streams.insert(
                     id,
                     Tracked {
-                        stream,
+                        conn: Conn::Tcp(stream),
                         lease: None,
                         stopping: false,
                     },
@@ -191,8 +216,45 @@ impl Shared {
         }
     }
 
-    fn unregister(&self, id: u64) {
+    /// Records an RDMA session; returns the flag that tells it to stop, or `None` once
+    /// the lender is shutting down (the session must then close).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn register_rdma(&self, id: u64) -> Option<Arc<AtomicBool>> {
+        let mut reg = self.registry();
+        if reg.closed {
+            return None;
+        }
+        let flag = Arc::new(AtomicBool::new(false));
+        reg.streams.insert(
+            id,
+            Tracked {
+                conn: Conn::Rdma(Arc::clone(&flag)),
+                lease: None,
+                stopping: false,
+            },
+        );
+        Some(flag)
+    }
+
+    pub(crate) fn unregister(&self, id: u64) {
         self.registry().streams.remove(&id);
+    }
+
+    /// Waits up to `timeout` until no RDMA session is open; returns how many still are.
+    fn wait_rdma_sessions(&self, timeout: Duration) -> usize {
+        let until = std::time::Instant::now() + timeout;
+        loop {
+            let open = self
+                .registry()
+                .streams
+                .values()
+                .filter(|t| matches!(t.conn, Conn::Rdma(_)))
+                .count();
+            if open == 0 || std::time::Instant::now() >= until {
+                return open;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Records the lease that session `id` was admitted under.
@@ -213,7 +275,7 @@ impl Shared {
                 continue;
             }
             tracing::info!(session = id, lease = %leases::hex(&lease), "lease ended: the session answers its requests in flight, then closes");
-            let _ = t.stream.shutdown(Shutdown::Read);
+            t.conn.stop();
             t.stopping = true;
             n += 1;
         }
@@ -227,7 +289,7 @@ impl Shared {
         let mut reg = self.registry();
         reg.closed = true;
         for t in reg.streams.values() {
-            let _ = t.stream.shutdown(Shutdown::Read);
+            t.conn.stop();
         }
     }
 
@@ -471,6 +533,10 @@ impl Lender {
         for h in sessions {
             let _ = h.join();
         }
+        let open = self.shared.wait_rdma_sessions(RDMA_STOP_WAIT);
+        if open > 0 {
+            tracing::warn!(open, "RDMA sessions still open at shutdown");
+        }
         if let Some(h) = sweeper {
             let _ = h.join();
         }
@@ -629,5 +695,39 @@ impl LenderHandle {
 impl Drop for LenderHandle {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rdma_sessions_are_stopped_when_their_lease_ends_and_at_shutdown() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let img = dir.path().join("d0.img");
+        std::fs::write(&img, vec![0u8; 1 << 20]).expect("image");
+        let spec: DeviceSpec = format!("d0={}", img.display()).parse().expect("spec");
+        let lender = Lender::bind("127.0.0.1:0", vec![spec]).expect("bind");
+        let shared = Arc::clone(&lender.shared);
+        let leased = shared.register_rdma(1).expect("registered");
+        let direct = shared.register_rdma(2).expect("registered");
+        shared.set_session_lease(1, [7; 16]);
+        // The guard knows no live lease: lease 7 has ended; session 2 has none.
+        let guard = LeaseGuard::direct(Vec::new());
+        assert_eq!(shared.stop_ended_leases(&guard, leases::now_ms()), 1);
+        assert!(leased.load(Ordering::Acquire));
+        assert!(!direct.load(Ordering::Acquire));
+        // Told once only.
+        assert_eq!(shared.stop_ended_leases(&guard, leases::now_ms()), 0);
+        // Shutdown stops the others and admits no new session.
+        shared.close();
+        assert!(direct.load(Ordering::Acquire));
+        assert!(shared.register_rdma(3).is_none());
+        // Shutdown waits for the open ones to go.
+        assert_eq!(shared.wait_rdma_sessions(Duration::from_millis(50)), 2);
+        shared.unregister(1);
+        shared.unregister(2);
+        assert_eq!(shared.wait_rdma_sessions(Duration::from_millis(50)), 0);
     }
 }

@@ -2,6 +2,12 @@
 //! a lender and a compute agent both in it over `--transport rdma`, driven through the
 //! borrower's vhost-user socket by libblkio (`devlend verify`, then `devlend bench` on
 //! RDMA and on TCP in the same run); the lender's file must hold what was written.
+//! The verified run maps its buffer as two guest memory regions back to back and has a
+//! write and a read whose buffer crosses them (two segments, two rkeys). Then, on a
+//! second device, the lender is killed with SIGKILL and restarted in the middle of a
+//! verified run over RDMA: no request may fail, every write must read back, and the
+//! lender's file must hold every acknowledged write. Last, the lender's shutdown must
+//! stop the RDMA sessions of the attachment still open.
 //! On the host (no RDMA device), `--transport rdma` must fail at once and say why.
 
 use std::path::PathBuf;
@@ -36,15 +42,35 @@ ip link set d0 up
 rdma link add rxe0 type rxe netdev d0
 mkdir -p /run/devlend /srv
 truncate -s 64M /srv/disk.img
-devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --device disk0=/srv/disk.img --log-level info > /tmp/lender.log 2>&1 &
-devlend-compute-agent --api /run/devlend/ca.sock --log-level warn &
+truncate -s 64M /srv/disk1.img
+lender() {
+  devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --device disk0=/srv/disk.img --device disk1=/srv/disk1.img --log-level info >> /tmp/lender.log 2>&1 &
+  LPID=$!
+}
+lender
+devlend-compute-agent --api /run/devlend/ca.sock --log-level warn > /tmp/ca.log 2>&1 &
 devlend-wait-for /run/devlend/ca.sock 30
 sleep 1
 devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 --socket /run/devlend/rdma.sock --queues 2 --transport rdma > /dev/null
-devlend verify --socket /run/devlend/rdma.sock --queues 2 --span 4M --rounds 4 --out /tmp/expected
+t0=$(date +%s)
+devlend verify --socket /run/devlend/rdma.sock --queues 2 --span 4M --rounds 4 --split-regions --out /tmp/expected
+echo "DEVLEND-RESULT verify_s=$(( $(date +%s) - t0 ))"
 echo "DEVLEND-RESULT rdma_sessions=$(grep -c 'RDMA session opened' /tmp/lender.log)"
 echo "DEVLEND-RESULT expected=$(sha256sum /tmp/expected | cut -d' ' -f1)"
 echo "DEVLEND-RESULT lender=$(head -c 4194304 /srv/disk.img | sha256sum | cut -d' ' -f1)"
+# The lender killed and restarted during verified writes over RDMA.
+devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk1 --socket /run/devlend/fault.sock --queues 2 --transport rdma > /dev/null
+devlend verify --socket /run/devlend/fault.sock --queues 2 --span 4M --rounds 60 --seed 7 --out /tmp/expected-fault > /tmp/verify-fault.log 2>&1 &
+VPID=$!
+sleep 3
+kill -0 $VPID && echo "DEVLEND-RESULT killed_during_io=yes"
+kill -9 $LPID
+sleep 1
+lender
+if wait $VPID; then echo "DEVLEND-RESULT fault_verify=ok"; else sed 's/^/verify: /' /tmp/verify-fault.log; echo "DEVLEND-RESULT fault_verify=failed"; fi
+echo "DEVLEND-RESULT sessions_lost=$(grep -c 'fabric session lost' /tmp/ca.log)"
+echo "DEVLEND-RESULT fault_expected=$(sha256sum /tmp/expected-fault | cut -d' ' -f1)"
+echo "DEVLEND-RESULT fault_lender=$(head -c 4194304 /srv/disk1.img | sha256sum | cut -d' ' -f1)"
 devlend bench --socket /run/devlend/rdma.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-rdma 2>&1 || true
 tail -n 3 /tmp/bench-rdma | sed 's/^/DEVLEND-BENCH rdma: /'
 devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
@@ -52,6 +78,15 @@ devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 
 devlend bench --socket /run/devlend/tcp.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-tcp 2>&1 || true
 tail -n 3 /tmp/bench-tcp | sed 's/^/DEVLEND-BENCH tcp: /'
 devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
+# A lender shutdown closes the RDMA sessions of disk1 (attached, I/O running) too.
+devlend bench --socket /run/devlend/fault.sock --rw randread --bs 4K --iodepth 4 --runtime 60 --ramp 0 > /dev/null 2>&1 &
+BPID=$!
+sleep 3
+kill -TERM $LPID
+wait $LPID || true
+kill -9 $BPID
+tail -n 15 /tmp/lender.log | sed "s/^/lender: /"
+echo "DEVLEND-RESULT rdma_stopped=$(grep -c 'RDMA session stopped' /tmp/lender.log)"
 "#;
 
 #[test]
@@ -84,7 +119,12 @@ fn rdma_on_soft_roce_in_a_guest() {
     let mut guest = b.boot().expect("boot");
     let out = guest.wait_done(Duration::from_secs(600)).expect("guest");
     let console = guest.console();
-    for l in console.lines().filter(|l| l.contains("DEVLEND-BENCH")) {
+    for l in console.lines().filter(|l| {
+        l.contains("DEVLEND-BENCH")
+            || l.contains("DEVLEND-RESULT")
+            || l.contains("verify: ")
+            || l.contains("lender: ")
+    }) {
         eprintln!("{l}");
     }
     out.check_success().expect("the guest's test");
@@ -100,6 +140,34 @@ fn rdma_on_soft_roce_in_a_guest() {
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0);
     assert!(sessions >= 3, "RDMA sessions opened: {sessions}");
+    // The lender's SIGKILL and restart cost no request and no acknowledged write.
+    assert_eq!(
+        out.result("killed_during_io"),
+        Some("yes"),
+        "the kill came during I/O"
+    );
+    assert_eq!(
+        out.result("fault_verify"),
+        Some("ok"),
+        "verified I/O across the restart"
+    );
+    let lost: u32 = out
+        .result("sessions_lost")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(lost >= 1, "the borrower saw its RDMA sessions go: {lost}");
+    let expected = out.result("fault_expected").expect("fault expected sha256");
+    assert_eq!(
+        out.result("fault_lender"),
+        Some(expected),
+        "the lender's file holds every acknowledged write across its restart"
+    );
+    // Shutdown stopped both queue sessions of the attachment in use.
+    let stopped: u32 = out
+        .result("rdma_stopped")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(stopped >= 2, "RDMA sessions stopped at shutdown: {stopped}");
     eprintln!("guest wall time {:.1} s", started.elapsed().as_secs_f64());
 }
 

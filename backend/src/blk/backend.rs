@@ -279,9 +279,14 @@ impl VhostUserBackend for BlkBackend {
         config_slice(&self.config, offset, size)
     }
 
-    fn update_memory(&self, _mem: GuestMemoryAtomic<GuestMemory>) -> io::Result<()> {
+    fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemory>) -> io::Result<()> {
         // `self.mem` is the same atomic the library just updated; requests in flight
-        // hold the map they were parsed against.
+        // hold the map they were parsed against. Over RDMA each queue registers the new
+        // regions now and drops what nobody uses any more.
+        let map = mem.memory().into_inner();
+        for cell in &self.queues {
+            lock(cell).engine.memory_changed(&map);
+        }
         Ok(())
     }
 

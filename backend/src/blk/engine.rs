@@ -271,6 +271,8 @@ pub(crate) struct Slot {
     /// until the request completes).
     pub(crate) mem: Option<GuestMemoryRef>,
     sent: Option<Instant>,
+    /// Times this request was resent on a new session.
+    resends: u32,
 }
 
 /// Receive progress on the fabric connection.
@@ -407,6 +409,9 @@ enum Reconnect {
     /// The lender refuses this borrower for good (denied, no such device, ...).
     Refused,
 }
+
+/// Most times a request is resent on a new session; at the next loss it fails.
+pub const MAX_RESENDS: u32 = 8;
 
 /// First reconnect backoff.
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -575,6 +580,29 @@ impl QueueEngine {
     /// not track inflight I/O) they still fail, since nobody would resubmit them.
     pub fn set_handoff(&mut self) {
         self.handoff = true;
+    }
+
+    /// vhost-user handed over a new memory map (SET_MEM_TABLE, ADD_MEM_REG,
+    /// REM_MEM_REG): over RDMA, registers its new regions on the session at once and
+    /// drops the registrations of regions that neither it nor a request in flight uses
+    /// (`docs/protocol.md`, memory-region lifetime). Nothing to do over TCP. A failed
+    /// registration is logged; the next request then retries it, and drops the session
+    /// if it fails again.
+    pub fn memory_changed(&mut self, mem: &GuestMemoryRef) {
+        #[cfg(feature = "rdma")]
+        if let Some(Link::Rdma(link)) = self.conn.as_mut() {
+            let in_flight = self.slots.iter().filter(|s| s.busy);
+            if let Err(e) = link.memory_changed(mem, in_flight.filter_map(|s| s.mem.as_ref())) {
+                tracing::warn!(
+                    attachment = %self.name,
+                    queue = self.index,
+                    error = %DisplayChain(&e),
+                    "cannot register the new guest memory for RDMA",
+                );
+            }
+        }
+        #[cfg(not(feature = "rdma"))]
+        let _ = mem;
     }
 
     /// Stops taking new chains from the avail ring (detach in progress); chains already
@@ -763,6 +791,7 @@ impl QueueEngine {
                 std::mem::swap(&mut slot.iovs, &mut self.iov_tmp);
                 slot.mem = Some(Arc::clone(mem));
                 slot.sent = None;
+                slot.resends = 0;
                 self.inflight += 1;
                 self.heads_xor ^= head;
                 if op == Op::Read {
@@ -876,8 +905,9 @@ impl QueueEngine {
                 if let Some(t) = self.timer.as_mut() {
                     t.disarm();
                 }
+                let used = self.fail_poison(queue, mem)?;
                 self.queue_resend();
-                self.flush_tx(queue, mem)
+                Ok(self.flush_tx(queue, mem)? | used)
             }
             Reconnect::Refused => self.give_up(queue, mem),
             Reconnect::Later if now >= give_up => {
@@ -917,6 +947,39 @@ impl QueueEngine {
             t.disarm();
         }
         self.fail_all(queue, mem)
+    }
+
+    /// Completes with IOERR the requests already resent [`MAX_RESENDS`] times: a
+    /// request that ends every session it is sent on (e.g. one the lender cannot serve
+    /// over RDMA) must not be retried for ever, since each reconnect succeeds and the
+    /// deadline never runs out. Returns whether used-ring entries were added.
+    fn fail_poison(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        let mut used = false;
+        for head in 0..self.slots.len() {
+            let slot = &mut self.slots[head];
+            if !slot.busy {
+                continue;
+            }
+            slot.resends += 1;
+            if slot.resends > MAX_RESENDS {
+                tracing::error!(
+                    attachment = %self.name,
+                    queue = self.index,
+                    head,
+                    resends = MAX_RESENDS,
+                    "request resent on new sessions {MAX_RESENDS} times, each lost; failing it with IOERR",
+                );
+                self.failing = true;
+                let r = self.complete(queue, mem, head as u16, S_IOERR);
+                self.failing = false;
+                used |= r?;
+            }
+        }
+        Ok(used)
     }
 
     /// Queues every request in flight for sending on the new session, oldest first.
@@ -1059,6 +1122,13 @@ impl QueueEngine {
             }
             responses.clear();
             self.rdma_rx = responses;
+            // Registrations of regions only completed requests used go now.
+            if let Some(Link::Rdma(link)) = self.conn.as_mut() {
+                if link.has_stale() {
+                    let in_flight = self.slots.iter().filter(|s| s.busy);
+                    link.prune(mem, in_flight.filter_map(|s| s.mem.as_ref()));
+                }
+            }
             match outcome {
                 Ok(()) => {}
                 Err(FabricFault::Ring(e)) => return Err(e),

@@ -5,7 +5,7 @@
 //! - [`engine`]: one virtqueue's requests in flight over one fabric connection, resent
 //!   on a new one when it is lost;
 //! - `rdma` (cargo feature `rdma`): a queue's RDMA session and the guest memory
-//!   registered on it;
+//!   registered on it; `mr_cache`: which regions are registered, and until when;
 //! - [`timer`]: the reconnect timer a queue's worker waits on;
 //! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
 //!   resubmits what was in flight; [`resubmit`] turns its heads back into chains;
@@ -18,6 +18,8 @@ pub mod engine;
 pub mod holder;
 pub mod inflight;
 pub use devlend_fabric::latency;
+#[cfg(any(feature = "rdma", test))]
+mod mr_cache;
 #[cfg(feature = "rdma")]
 mod rdma;
 pub mod request;

@@ -1,65 +1,38 @@
 //! A queue's RDMA session: the queue pair, and guest memory registered on it.
 //!
-//! **Memory-region lifetime.** Guest memory is registered per memory-map snapshot
-//! (the `Arc` that vhost-user's SET_MEM_TABLE / ADD_MEM_REG produce): every region of
-//! the map becomes one MR with remote read and write, the first time a request parsed
-//! against that map is sent. A request in flight holds its map's `Arc`
-//! (`Slot::mem`); a registration is kept while anybody but this cache holds its map,
-//! i.e. while the map is current or a request parsed against it is in flight, and is
-//! dropped after. A lost session drops the queue pair and every registration with it
-//! (the requests are resent on the next session, registered again on its protection
-//! domain); so does detach, which drops the engine.
+//! **Memory-region lifetime** (the rule is in [`crate::blk::mr_cache`]): each guest
+//! memory region is one MR (local write, remote read, remote write) in this session's
+//! protection domain, registered when vhost-user hands over a map containing it
+//! ([`RdmaLink::memory_changed`], from `update_memory`) or, on a new session, when the
+//! first request parsed against that map is sent; kept while the current map or a
+//! request in flight holds the region; dropped after ([`RdmaLink::prune`]). A lost
+//! session drops the queue pair and every registration with it (the requests are resent
+//! on the next session, registered again on its protection domain); so does detach,
+//! which drops the engine.
 
 use std::sync::Arc;
 
+use crate::blk::engine::{LenderTarget, Slot, CONNECT_TIMEOUT};
+use crate::blk::mr_cache::RegionCache;
+use crate::guest::GuestMemoryRef;
 use devlend_fabric::rdma::verbs::{self, Completion, Connection, Mr, RECV_BIT};
 use devlend_fabric::rdma::{encode_request, RdmaError, Segment, MAX_REQUEST_MSG, MAX_SEGMENTS};
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::wire::{REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
 use devlend_fabric::{HelloReply, HelloStatus, Op};
-use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 
-use crate::blk::engine::{LenderTarget, Slot, CONNECT_TIMEOUT};
-use crate::guest::GuestMemoryRef;
-
-/// The MRs of one memory-map snapshot.
-struct Registration {
-    /// (host start, length, MR) per region.
-    mrs: Vec<(u64, u64, Mr)>,
-    mem: GuestMemoryRef,
-}
-
-impl Registration {
-    fn new(pd: &Arc<verbs::Pd>, mem: &GuestMemoryRef) -> Result<Self, RdmaError> {
-        let mut mrs = Vec::new();
-        for region in mem.iter() {
-            let len = region.len() as usize;
-            let Ok(ptr) = region.get_host_address(MemoryRegionAddress(0)) else {
-                continue;
-            };
-            // SAFETY: the region stays mapped while `mem` (kept in this registration,
-            // dropped after the MRs: field order) is alive.
-            let mr = unsafe { Mr::register(pd, ptr, len, true)? };
-            mrs.push((ptr as u64, len as u64, mr));
-        }
-        Ok(Registration {
-            mrs,
-            mem: Arc::clone(mem),
-        })
-    }
-
-    fn rkey(&self, addr: u64, len: u64) -> Option<u32> {
-        self.mrs
-            .iter()
-            .find(|(start, l, _)| addr >= *start && addr + len <= start + l)
-            .map(|(_, _, mr)| mr.rkey())
-    }
+/// Registers `len` bytes at `ptr` of guest memory on `pd`.
+fn register(pd: &Arc<verbs::Pd>, ptr: *mut u8, len: usize) -> Result<Mr, RdmaError> {
+    // SAFETY: `ptr..ptr+len` is one mapped guest memory region; the cache entry that
+    // keeps this MR also keeps a map holding the region, dropped after the MR (field
+    // order of its entry), so the range stays mapped while registered.
+    unsafe { Mr::register(pd, ptr, len, true) }
 }
 
 /// One queue's RDMA connection. The connection (its QP) is dropped before the MRs.
 pub(crate) struct RdmaLink {
     conn: Connection,
-    regs: Vec<Registration>,
+    regs: RegionCache<Mr>,
     segs: Vec<Segment>,
     done: Vec<Completion>,
 }
@@ -89,7 +62,7 @@ impl RdmaLink {
         Ok((
             RdmaLink {
                 conn,
-                regs: Vec::new(),
+                regs: RegionCache::new(),
                 segs: Vec::with_capacity(MAX_SEGMENTS),
                 done: Vec::new(),
             },
@@ -102,16 +75,58 @@ impl RdmaLink {
         self.conn.fd()
     }
 
-    fn registration(&mut self, mem: &GuestMemoryRef) -> Result<usize, RdmaError> {
-        if let Some(i) = self.regs.iter().position(|r| Arc::ptr_eq(&r.mem, mem)) {
-            return Ok(i);
+    /// Registers the regions of `mem` not registered yet.
+    fn ensure(&mut self, mem: &GuestMemoryRef) -> Result<(), RdmaError> {
+        let before = self.regs.len();
+        let pd = self.conn.pd();
+        self.regs.ensure(mem, |ptr, len| register(pd, ptr, len))?;
+        if self.regs.len() != before {
+            tracing::debug!(
+                added = self.regs.len() - before,
+                registered = self.regs.len(),
+                "guest memory regions registered for RDMA"
+            );
         }
-        // A new map: drop the registrations nobody uses any more, register this one.
-        self.regs.retain(|r| Arc::strong_count(&r.mem) > 1);
-        let r = Registration::new(self.conn.pd(), mem)?;
-        tracing::debug!(regions = r.mrs.len(), "guest memory registered for RDMA");
-        self.regs.push(r);
-        Ok(self.regs.len() - 1)
+        Ok(())
+    }
+
+    /// vhost-user handed over a new memory map (`current`): registers its new regions
+    /// and drops the registrations of regions that neither it nor a request in flight
+    /// (whose maps are `in_flight`) uses.
+    ///
+    /// # Errors
+    /// A registration failed (out of RDMA resources); the session is then dropped.
+    pub(crate) fn memory_changed<'a>(
+        &mut self,
+        current: &'a GuestMemoryRef,
+        in_flight: impl Iterator<Item = &'a GuestMemoryRef>,
+    ) -> Result<(), RdmaError> {
+        self.ensure(current)?;
+        self.prune(current, in_flight);
+        Ok(())
+    }
+
+    /// Whether some registered region is not in the current map (a request in flight
+    /// still uses it, or did).
+    pub(crate) fn has_stale(&self) -> bool {
+        self.regs.has_stale()
+    }
+
+    /// Drops the registrations of regions that neither `current` nor the maps of the
+    /// requests in flight hold.
+    pub(crate) fn prune<'a>(
+        &mut self,
+        current: &'a GuestMemoryRef,
+        in_flight: impl Iterator<Item = &'a GuestMemoryRef>,
+    ) {
+        let dropped = self.regs.prune(std::iter::once(current).chain(in_flight));
+        if dropped > 0 {
+            tracing::debug!(
+                dropped,
+                registered = self.regs.len(),
+                "RDMA registrations of guest memory regions no longer in use dropped"
+            );
+        }
     }
 
     /// Sends a batch: each request as one SEND from the send buffer of its head, with
@@ -133,11 +148,10 @@ impl RdmaLink {
                     refused.push(head);
                     continue;
                 };
-                let r = self.registration(mem)?;
-                let reg = &self.regs[r];
+                self.ensure(mem)?;
                 let mut ok = slot.iovs.len() <= MAX_SEGMENTS;
                 for iov in slot.iovs.iter().take(MAX_SEGMENTS) {
-                    match reg.rkey(iov.ptr as u64, iov.len as u64) {
+                    match self.regs.lookup(iov.ptr as u64, iov.len as u64, Mr::rkey) {
                         Some(rkey) => self.segs.push(Segment {
                             addr: iov.ptr as u64,
                             rkey,
