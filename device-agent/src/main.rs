@@ -35,13 +35,22 @@ fn main() -> ExitCode {
 fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> anyhow::Result<()> {
     // Signals first, so that none arrives unhandled once sessions run.
     let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP])?;
+    // TLS files are read before the port is bound: a bad one stops the agent before it
+    // says it listens.
+    let tls = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Some((
+            cert.clone(),
+            devlend_fabric::tls::ServerTls::load(cert, key, config.tls_client_ca.as_deref())
+                .map_err(devlend_device_agent::Error::Tls)?,
+        )),
+        _ => None,
+    };
+    let client_certs = tls.as_ref().is_some_and(|(_, t)| t.requires_client_cert());
     let lender = Lender::bind(&config.listen, config.devices)?;
-    if let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) {
-        let tls = devlend_fabric::tls::ServerTls::load(cert, key, config.tls_client_ca.as_deref())
-            .map_err(devlend_device_agent::Error::Tls)?;
+    if let Some((cert, tls)) = tls {
         tracing::info!(
             cert = %cert.display(),
-            client_certificates = if tls.requires_client_cert() { "required" } else { "not asked for" },
+            client_certificates = if client_certs { "required" } else { "not asked for" },
             "TLS 1.3 only: plaintext connections are refused"
         );
         lender.require_tls(tls);
@@ -71,6 +80,10 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
             lender.require_leases(std::sync::Arc::new(
                 devlend_device_agent::LeaseGuard::direct(keys),
             ));
+            None
+        }
+        None if client_certs => {
+            tracing::info!("direct mode: serving borrowers whose TLS client certificate verifies with the configured CA");
             None
         }
         None => {
