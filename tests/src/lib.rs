@@ -30,3 +30,19 @@ pub fn console_result(console: &str, key: &str) -> Option<String> {
         .map(|(_, v)| v.trim().to_owned())
         .next_back()
 }
+
+/// The seed of a randomized test: `DEVLEND_TEST_SEED` if set, else the clock; printed,
+/// so that a failing run can be repeated.
+pub fn test_seed() -> u64 {
+    let s = std::env::var("DEVLEND_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    eprintln!("seed {s} (DEVLEND_TEST_SEED={s} repeats this run)");
+    s
+}

@@ -116,19 +116,7 @@ impl Workload {
     }
 }
 
-fn seed() -> u64 {
-    let s = std::env::var("DEVLEND_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        });
-    eprintln!("seed {s} (DEVLEND_TEST_SEED={s} repeats this run)");
-    s
-}
+use devlend_tests::test_seed as seed;
 
 fn counters(b: &Borrower) -> serde_json::Value {
     let list = b.cli_json(&["status"]).unwrap();

@@ -71,11 +71,7 @@ fn a_guest_rides_out_lender_kills_and_finds_its_data_after_a_reset() -> Result<(
         .allow_reset(true)
         .boot()?;
     guest.wait_for_text("workload=started", Duration::from_secs(240))?;
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_nanos() as u64;
-    eprintln!("kill schedule seed {seed}");
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(devlend_tests::test_seed());
     for k in 0..5 {
         std::thread::sleep(Duration::from_millis(rng.random_range(500..2500)));
         if guest.console().contains("phase1=done") {

@@ -260,11 +260,7 @@ fn a_lender_killed_and_restarted_under_tls_is_ridden_out() {
     let sock = rig.sock("disk0");
     attach_ok(&b, &lender.addr, &sock, 2);
     let mut c = BlkClient::connect(&sock, 2, 4 * MIB as usize).unwrap();
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    eprintln!("seed {seed}");
+    let seed = devlend_tests::test_seed();
     let mut rng = StdRng::seed_from_u64(seed);
     let mut model = vec![0u8; DISK as usize];
 
