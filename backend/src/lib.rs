@@ -6,5 +6,5 @@
 //! Payloads move between the socket and guest memory directly ([`guest`]).
 
 pub mod blk;
-pub mod net;
 pub mod guest;
+pub mod net;

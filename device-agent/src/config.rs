@@ -571,7 +571,10 @@ mod tests {
         assert_eq!(s.net.as_deref(), Some("veth1"));
         assert!(s.path.as_os_str().is_empty() && s.is_net());
         let s = spec("nic0=net:eth0,mac=02:00:00:aa:bb:0C").unwrap();
-        assert_eq!(parse_mac(s.mac.as_deref().unwrap()), Some([2, 0, 0, 0xaa, 0xbb, 0x0c]));
+        assert_eq!(
+            parse_mac(s.mac.as_deref().unwrap()),
+            Some([2, 0, 0, 0xaa, 0xbb, 0x0c])
+        );
         assert!(spec("nic0=net:eth0,mac=03:00:00:00:00:01").is_err()); // multicast
         assert!(spec("nic0=net:eth0,mac=02:00:00").is_err());
         assert!(spec("nic0=net:eth0,ro").is_err());

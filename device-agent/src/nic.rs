@@ -182,12 +182,27 @@ impl Nic {
         let mut mreq: libc::packet_mreq = unsafe { std::mem::zeroed() };
         mreq.mr_ifindex = self.ifindex;
         mreq.mr_type = libc::PACKET_MR_PROMISC as u16;
-        setsockopt(fd.as_raw_fd(), libc::SOL_PACKET, libc::PACKET_ADD_MEMBERSHIP, &mreq)?;
-        if let Err(e) = setsockopt(fd.as_raw_fd(), libc::SOL_PACKET, PACKET_IGNORE_OUTGOING, &1i32) {
+        setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_ADD_MEMBERSHIP,
+            &mreq,
+        )?;
+        if let Err(e) = setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            PACKET_IGNORE_OUTGOING,
+            &1i32,
+        ) {
             tracing::debug!(error = %e, "PACKET_IGNORE_OUTGOING unsupported; outgoing frames are skipped one by one");
         }
         let fanout = u32::from(self.fanout_id) | (libc::PACKET_FANOUT_HASH << 16);
-        setsockopt(fd.as_raw_fd(), libc::SOL_PACKET, libc::PACKET_FANOUT, &fanout)?;
+        setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_FANOUT,
+            &fanout,
+        )?;
         for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
             let _ = setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, opt, &(4i32 << 20));
         }
@@ -252,7 +267,12 @@ pub(crate) fn serve(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16) -> E
         let mut fds = [
             libc::pollfd {
                 fd: sock.as_raw_fd(),
-                events: libc::POLLIN | if session.out.is_empty() { 0 } else { libc::POLLOUT },
+                events: libc::POLLIN
+                    | if session.out.is_empty() {
+                        0
+                    } else {
+                        libc::POLLOUT
+                    },
                 revents: 0,
             },
             libc::pollfd {
@@ -351,7 +371,9 @@ impl Session<'_> {
                 })
                 .collect();
             // SAFETY: mmsghdr is plain old data; all-zero is a valid value.
-            let mut msgs: Vec<libc::mmsghdr> = (0..iovs.len()).map(|_| unsafe { std::mem::zeroed() }).collect();
+            let mut msgs: Vec<libc::mmsghdr> = (0..iovs.len())
+                .map(|_| unsafe { std::mem::zeroed() })
+                .collect();
             for (m, iov) in msgs.iter_mut().zip(iovs.iter_mut()) {
                 m.msg_hdr.msg_iov = iov;
                 m.msg_hdr.msg_iovlen = 1;
@@ -361,7 +383,12 @@ impl Session<'_> {
                 // SAFETY: each message points to one iovec into `inbuf`, all alive and
                 // unchanged for the call; the packet socket is bound to the interface.
                 let n = unsafe {
-                    libc::sendmmsg(self.pkt, msgs[done..].as_mut_ptr(), (msgs.len() - done) as libc::c_uint, 0)
+                    libc::sendmmsg(
+                        self.pkt,
+                        msgs[done..].as_mut_ptr(),
+                        (msgs.len() - done) as libc::c_uint,
+                        0,
+                    )
                 };
                 if n <= 0 {
                     // The interface refused this frame (too long, queue full, down): drop
@@ -372,7 +399,8 @@ impl Session<'_> {
                 }
                 for m in &msgs[done..done + n as usize] {
                     s.tx_packets.fetch_add(1, Ordering::Relaxed);
-                    s.tx_bytes.fetch_add(u64::from(m.msg_len), Ordering::Relaxed);
+                    s.tx_bytes
+                        .fetch_add(u64::from(m.msg_len), Ordering::Relaxed);
                 }
                 done += n as usize;
             }
@@ -467,8 +495,13 @@ impl RxBatch {
             })
             .collect();
         // SAFETY: mmsghdr is plain old data; all-zero is a valid value.
-        let mut msgs: Vec<libc::mmsghdr> = (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect();
-        for ((m, iov), a) in msgs.iter_mut().zip(iovs.iter_mut()).zip(self.addrs.iter_mut()) {
+        let mut msgs: Vec<libc::mmsghdr> =
+            (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect();
+        for ((m, iov), a) in msgs
+            .iter_mut()
+            .zip(iovs.iter_mut())
+            .zip(self.addrs.iter_mut())
+        {
             m.msg_hdr.msg_iov = iov;
             m.msg_hdr.msg_iovlen = 1;
             m.msg_hdr.msg_name = (a as *mut libc::sockaddr_ll).cast();
@@ -477,14 +510,21 @@ impl RxBatch {
         // SAFETY: every message points to a live, writable buffer and address of the
         // lengths given, all alive for the call; the socket is non-blocking.
         let n = unsafe {
-            libc::recvmmsg(fd, msgs.as_mut_ptr(), BATCH as libc::c_uint, libc::MSG_TRUNC, std::ptr::null_mut())
+            libc::recvmmsg(
+                fd,
+                msgs.as_mut_ptr(),
+                BATCH as libc::c_uint,
+                libc::MSG_TRUNC,
+                std::ptr::null_mut(),
+            )
         };
         if n <= 0 {
             return 0;
         }
         for (i, m) in msgs.iter().take(n as usize).enumerate() {
             let outgoing = self.addrs[i].sll_pkttype == libc::PACKET_OUTGOING;
-            let truncated = m.msg_hdr.msg_flags & libc::MSG_TRUNC != 0 || m.msg_len as usize > self.bufs[i].len();
+            let truncated = m.msg_hdr.msg_flags & libc::MSG_TRUNC != 0
+                || m.msg_len as usize > self.bufs[i].len();
             self.lens[i] = (m.msg_len as usize, outgoing, truncated);
         }
         n as usize

@@ -255,7 +255,13 @@ impl Attachment {
                 h.shutdown();
             }
         }
-        if let Some(h) = self.shared.net_handle.lock().ok().and_then(|mut h| h.take()) {
+        if let Some(h) = self
+            .shared
+            .net_handle
+            .lock()
+            .ok()
+            .and_then(|mut h| h.take())
+        {
             h.shutdown();
         }
         if let Some(t) = self.thread.take() {

@@ -12,12 +12,16 @@ use std::time::Duration;
 use devlend_fabric::net::LinkState;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::Listener;
-use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringEpollHandler, VringRwLock, VringT};
+use vhost_user_backend::{
+    VhostUserBackend, VhostUserDaemon, VringEpollHandler, VringRwLock, VringT,
+};
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
 
 use crate::blk::engine::LenderTarget;
 use crate::guest::GuestMemory;
@@ -106,7 +110,9 @@ impl NetBackend {
             return;
         };
         if !cell.timer_registered {
-            if let Err(e) = handler.register_listener(cell.engine.timer_fd(), EventSet::IN, self.timer_event()) {
+            if let Err(e) =
+                handler.register_listener(cell.engine.timer_fd(), EventSet::IN, self.timer_event())
+            {
                 tracing::error!(pair = q, error = %e, "cannot watch the pair's timer");
             }
             cell.timer_registered = true;
@@ -116,7 +122,13 @@ impl NetBackend {
             return;
         }
         let id = self.fabric_event();
-        let set = |out: bool| if out { EventSet::IN | EventSet::OUT } else { EventSet::IN };
+        let set = |out: bool| {
+            if out {
+                EventSet::IN | EventSet::OUT
+            } else {
+                EventSet::IN
+            }
+        };
         if let Some(old) = cell.registered.0 {
             // Closed already, or its number reused by the new socket: failure is harmless.
             let _ = handler.unregister_listener(old, set(cell.registered.2), id);
@@ -200,7 +212,9 @@ impl VhostUserBackend for NetBackend {
         vrings: &[VringRwLock],
         thread_id: usize,
     ) -> io::Result<()> {
-        let (Some(cell), Some(rx), Some(tx)) = (self.pairs.get(thread_id), vrings.first(), vrings.get(1)) else {
+        let (Some(cell), Some(rx), Some(tx)) =
+            (self.pairs.get(thread_id), vrings.first(), vrings.get(1))
+        else {
             return Ok(());
         };
         let mut cell = lock(cell);
@@ -220,7 +234,10 @@ impl VhostUserBackend for NetBackend {
                 }
             }
             if rx_ready {
-                rx_used |= cell.engine.on_fabric(rxs.get_queue_mut(), &mem).map_err(err)?;
+                rx_used |= cell
+                    .engine
+                    .on_fabric(rxs.get_queue_mut(), &mem)
+                    .map_err(err)?;
             } else {
                 // No receiveq yet: frames wait (and expire) all the same.
                 let mut q = virtio_queue::Queue::new(1).map_err(err)?;
@@ -228,20 +245,36 @@ impl VhostUserBackend for NetBackend {
             }
         } else if ev == self.timer_event() {
             if rx_ready {
-                rx_used |= cell.engine.on_timer(rxs.get_queue_mut(), &mem).map_err(err)?;
+                rx_used |= cell
+                    .engine
+                    .on_timer(rxs.get_queue_mut(), &mem)
+                    .map_err(err)?;
             } else {
                 let mut q = virtio_queue::Queue::new(1).map_err(err)?;
                 cell.engine.on_timer(&mut q, &mem).map_err(err)?;
             }
         } else if device_event == 0 && rx_ready {
-            rx_used |= cell.engine.deliver_held(rxs.get_queue_mut(), &mem).map_err(err)?;
+            rx_used |= cell
+                .engine
+                .deliver_held(rxs.get_queue_mut(), &mem)
+                .map_err(err)?;
         } else if device_event == 1 && tx_ready {
             tx_used |= cell.engine.on_tx(txs.get_queue_mut(), &mem).map_err(err)?;
         }
-        if rx_used && rxs.get_queue_mut().needs_notification(mem.as_ref()).map_err(err)? {
+        if rx_used
+            && rxs
+                .get_queue_mut()
+                .needs_notification(mem.as_ref())
+                .map_err(err)?
+        {
             rxs.signal_used_queue()?;
         }
-        if tx_used && txs.get_queue_mut().needs_notification(mem.as_ref()).map_err(err)? {
+        if tx_used
+            && txs
+                .get_queue_mut()
+                .needs_notification(mem.as_ref())
+                .map_err(err)?
+        {
             txs.signal_used_queue()?;
         }
         drop((rxs, txs));
@@ -277,7 +310,8 @@ pub fn serve(
                 continue;
             }
         };
-        let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory()) {
+        let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory())
+        {
             Ok(d) => d,
             Err(e) => {
                 tracing::error!(attachment = %id, error = %e, "cannot create vhost-user daemon");

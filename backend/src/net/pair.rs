@@ -280,7 +280,11 @@ impl PairEngine {
 
     fn schedule_retry(&mut self) {
         let wait = self.backoff;
-        self.backoff = if wait.is_zero() { FIRST_BACKOFF } else { (wait * 2).min(MAX_BACKOFF) };
+        self.backoff = if wait.is_zero() {
+            FIRST_BACKOFF
+        } else {
+            (wait * 2).min(MAX_BACKOFF)
+        };
         self.retry_at = Some(Instant::now() + wait);
         self.arm_timer();
     }
@@ -314,7 +318,11 @@ impl PairEngine {
     ///
     /// # Errors
     /// A guest memory error on the rings.
-    pub fn on_timer(&mut self, rxq: &mut Queue, mem: &GuestMemory) -> Result<bool, virtio_queue::Error> {
+    pub fn on_timer(
+        &mut self,
+        rxq: &mut Queue,
+        mem: &GuestMemory,
+    ) -> Result<bool, virtio_queue::Error> {
         self.timer.clear();
         if self.conn.is_none() && self.retry_at.is_some_and(|t| Instant::now() >= t) {
             self.retry_at = None;
@@ -331,7 +339,11 @@ impl PairEngine {
 
     fn expire_held(&mut self) {
         let now = Instant::now();
-        while self.held.front().is_some_and(|(t, _)| now.duration_since(*t) >= HOLD) {
+        while self
+            .held
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) >= HOLD)
+        {
             self.held.pop_front();
             self.pstats().rx_drops.fetch_add(1, Ordering::Relaxed);
         }
@@ -342,7 +354,11 @@ impl PairEngine {
     ///
     /// # Errors
     /// A guest memory error on the rings.
-    pub fn deliver_held(&mut self, rxq: &mut Queue, mem: &GuestMemory) -> Result<bool, virtio_queue::Error> {
+    pub fn deliver_held(
+        &mut self,
+        rxq: &mut Queue,
+        mem: &GuestMemory,
+    ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
         while let Some((_, frame)) = self.held.front() {
             match deliver(rxq, mem, frame, self.mergeable)? {
@@ -375,7 +391,11 @@ impl PairEngine {
     ///
     /// # Errors
     /// A guest memory error on the rings.
-    pub fn on_fabric(&mut self, rxq: &mut Queue, mem: &GuestMemory) -> Result<bool, virtio_queue::Error> {
+    pub fn on_fabric(
+        &mut self,
+        rxq: &mut Queue,
+        mem: &GuestMemory,
+    ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
         loop {
             let Some(conn) = self.conn.as_ref() else {
@@ -439,7 +459,11 @@ impl PairEngine {
     ///
     /// # Errors
     /// A guest memory error on the rings.
-    pub fn on_tx(&mut self, txq: &mut Queue, mem: &GuestMemory) -> Result<bool, virtio_queue::Error> {
+    pub fn on_tx(
+        &mut self,
+        txq: &mut Queue,
+        mem: &GuestMemory,
+    ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
         loop {
             txq.disable_notification(mem)?;
@@ -489,9 +513,12 @@ impl PairEngine {
             return;
         }
         let start = self.out.len();
-        self.out.extend_from_slice(&net::header(net::KIND_FRAME, len as u32));
+        self.out
+            .extend_from_slice(&net::header(net::KIND_FRAME, len as u32));
         self.out.resize(start + net::NET_HEADER_LEN + len, 0);
-        if r.read_exact(&mut self.out[start + net::NET_HEADER_LEN..]).is_err() {
+        if r.read_exact(&mut self.out[start + net::NET_HEADER_LEN..])
+            .is_err()
+        {
             self.out.truncate(start);
             s.errors.fetch_add(1, Ordering::Relaxed);
             s.tx_drops.fetch_add(1, Ordering::Relaxed);

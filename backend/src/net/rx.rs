@@ -116,7 +116,11 @@ mod tests {
             .collect();
         for (i, d) in descs.iter().enumerate() {
             vq.desc_table().store(i as u16, *d).unwrap();
-            vq.avail().ring().ref_at(i).unwrap().store(u16::to_le(i as u16));
+            vq.avail()
+                .ring()
+                .ref_at(i)
+                .unwrap()
+                .store(u16::to_le(i as u16));
         }
         vq.avail().idx().store(u16::to_le(n));
         let q: Queue = vq.create_queue().unwrap();
@@ -132,7 +136,10 @@ mod tests {
         let m = mem();
         let (vq, mut q) = queue_with(&m, 8, 1536);
         let frame: Vec<u8> = (0..8014u32).map(|i| i as u8).collect();
-        assert_eq!(deliver(&mut q, &m, &frame, true).unwrap(), Delivery::Done(6));
+        assert_eq!(
+            deliver(&mut q, &m, &frame, true).unwrap(),
+            Delivery::Done(6)
+        );
         let hdr: [u8; 12] = m.read_obj(GuestAddress(0x10_0000)).unwrap();
         assert_eq!(u16::from_le_bytes([hdr[10], hdr[11]]), 6);
         // The frame continues across the buffers in order.
@@ -151,12 +158,21 @@ mod tests {
     fn short_of_buffers_nothing_is_taken_and_unmergeable_frames_do_not_fit() {
         let m = mem();
         let (vq, mut q) = queue_with(&m, 2, 1536);
-        assert_eq!(deliver(&mut q, &m, &[1u8; 4000], true).unwrap(), Delivery::NoBuffers);
+        assert_eq!(
+            deliver(&mut q, &m, &[1u8; 4000], true).unwrap(),
+            Delivery::NoBuffers
+        );
         assert_eq!(q.next_avail(), 0);
         assert_eq!(vq.used().idx().load(), 0);
-        assert_eq!(deliver(&mut q, &m, &[1u8; 4000], false).unwrap(), Delivery::Unfit);
+        assert_eq!(
+            deliver(&mut q, &m, &[1u8; 4000], false).unwrap(),
+            Delivery::Unfit
+        );
         assert_eq!(q.next_avail(), 0);
-        assert_eq!(deliver(&mut q, &m, &[1u8; 60], false).unwrap(), Delivery::Done(1));
+        assert_eq!(
+            deliver(&mut q, &m, &[1u8; 60], false).unwrap(),
+            Delivery::Done(1)
+        );
         let hdr: [u8; 12] = m.read_obj(GuestAddress(0x10_0000)).unwrap();
         assert_eq!(u16::from_le_bytes([hdr[10], hdr[11]]), 1);
     }

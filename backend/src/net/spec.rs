@@ -42,7 +42,11 @@ pub fn features() -> u64 {
 pub fn config_space(link: &LinkState, pairs: u16) -> [u8; CONFIG_LEN] {
     let mut c = [0u8; CONFIG_LEN];
     c[..6].copy_from_slice(&link.mac);
-    let status = if link.up { vn::VIRTIO_NET_S_LINK_UP as u16 } else { 0 };
+    let status = if link.up {
+        vn::VIRTIO_NET_S_LINK_UP as u16
+    } else {
+        0
+    };
     c[6..8].copy_from_slice(&status.to_le_bytes());
     c[8..10].copy_from_slice(&pairs.to_le_bytes());
     let mtu = u16::try_from(link.mtu).unwrap_or(u16::MAX);
@@ -65,7 +69,11 @@ mod tests {
 
     #[test]
     fn config_holds_mac_status_pairs_and_mtu() {
-        let link = LinkState { up: true, mtu: 9000, mac: [2, 0, 0, 0, 0, 9] };
+        let link = LinkState {
+            up: true,
+            mtu: 9000,
+            mac: [2, 0, 0, 0, 0, 9],
+        };
         let c = config_space(&link, 2);
         assert_eq!(&c[..6], &[2, 0, 0, 0, 0, 9]);
         assert_eq!(u16::from_le_bytes([c[6], c[7]]), 1);
