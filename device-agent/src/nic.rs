@@ -291,12 +291,12 @@ pub(crate) fn serve(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16) -> E
             continue;
         }
         if fds[0].revents != 0 {
-            if let Some(end) = session.from_borrower(sock) {
+            if let Some(end) = session.pump_from_borrower(sock) {
                 return end;
             }
         }
         if fds[1].revents & libc::POLLIN != 0 {
-            session.from_interface();
+            session.pump_from_interface();
         }
         if last_link.elapsed() >= LINK_POLL {
             last_link = Instant::now();
@@ -328,7 +328,7 @@ struct Session<'a> {
 impl Session<'_> {
     /// Reads what the borrower sent and puts its frames on the interface. Returns how
     /// the session ends, if it does.
-    fn from_borrower(&mut self, sock: &Stream) -> Option<End> {
+    fn pump_from_borrower(&mut self, sock: &Stream) -> Option<End> {
         loop {
             let n = match (&mut &*sock).read(&mut self.inbuf[self.have..]) {
                 Ok(0) => return Some(End::PeerClosed),
@@ -408,7 +408,7 @@ impl Session<'_> {
     }
 
     /// Receives what the interface has and queues it for the borrower.
-    fn from_interface(&mut self) {
+    fn pump_from_interface(&mut self) {
         let s = &self.nic.stats;
         loop {
             let got = self.rx.receive(self.pkt);

@@ -174,7 +174,7 @@ fn a_guest_uses_a_lent_nic() -> Result<()> {
         dir.path(),
         Some(&fabric.name),
         &addr,
-        &[device.clone()],
+        std::slice::from_ref(&device),
         &[],
     )?;
     let borrower = Borrower::start(dir.path())?;
