@@ -33,6 +33,12 @@ const BATCH: usize = 32;
 const LINK_POLL: Duration = Duration::from_millis(500);
 /// `PACKET_IGNORE_OUTGOING` (Linux 4.20): not in every libc.
 const PACKET_IGNORE_OUTGOING: libc::c_int = 23;
+/// `PACKET_VNET_HDR`: each frame on the packet socket comes after a `virtio_net_hdr`.
+const PACKET_VNET_HDR: libc::c_int = 15;
+/// Size of that header (without `num_buffers`).
+const VNET_HDR_LEN: usize = 10;
+/// `VIRTIO_NET_HDR_F_NEEDS_CSUM`: the frame's checksum is left to whoever sends it on.
+const VNET_F_NEEDS_CSUM: u8 = 1;
 
 /// Counters of a lent interface, shared by its sessions.
 #[derive(Debug, Default)]
@@ -162,6 +168,11 @@ impl Nic {
         }
         // SAFETY: `fd` was just created and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Frames the lender's own host sends (a veth or TAP end in the same host: a
+        // peer in a namespace, a local bridge) may come with their checksum not done
+        // (checksum offload); the header says so and where, and it is done here. Sent
+        // frames take an all-zero header: complete as they are.
+        setsockopt(fd.as_raw_fd(), libc::SOL_PACKET, PACKET_VNET_HDR, &1i32)?;
         // SAFETY: sockaddr_ll is plain old data; all-zero is a valid value.
         let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
         sll.sll_family = libc::AF_PACKET as u16;
@@ -300,6 +311,7 @@ pub(crate) fn serve(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16) -> E
         }
         if last_link.elapsed() >= LINK_POLL {
             last_link = Instant::now();
+            tracing::debug!(interface = %nic.ifname, stats = ?nic.stats, "counters");
             let now = nic.link();
             if now != link {
                 tracing::info!(interface = %nic.ifname, up = now.up, mtu = now.mtu, "link changed");
@@ -363,11 +375,20 @@ impl Session<'_> {
     fn send_frames(&mut self, frames: &[(usize, usize)]) {
         let s = &self.nic.stats;
         for chunk in frames.chunks(BATCH) {
-            let mut iovs: Vec<libc::iovec> = chunk
+            let zero = [0u8; VNET_HDR_LEN];
+            let mut iovs: Vec<[libc::iovec; 2]> = chunk
                 .iter()
-                .map(|&(off, len)| libc::iovec {
-                    iov_base: self.inbuf[off..off + len].as_ptr() as *mut libc::c_void,
-                    iov_len: len,
+                .map(|&(off, len)| {
+                    [
+                        libc::iovec {
+                            iov_base: zero.as_ptr() as *mut libc::c_void,
+                            iov_len: VNET_HDR_LEN,
+                        },
+                        libc::iovec {
+                            iov_base: self.inbuf[off..off + len].as_ptr() as *mut libc::c_void,
+                            iov_len: len,
+                        },
+                    ]
                 })
                 .collect();
             // SAFETY: mmsghdr is plain old data; all-zero is a valid value.
@@ -375,8 +396,8 @@ impl Session<'_> {
                 .map(|_| unsafe { std::mem::zeroed() })
                 .collect();
             for (m, iov) in msgs.iter_mut().zip(iovs.iter_mut()) {
-                m.msg_hdr.msg_iov = iov;
-                m.msg_hdr.msg_iovlen = 1;
+                m.msg_hdr.msg_iov = iov.as_mut_ptr();
+                m.msg_hdr.msg_iovlen = 2;
             }
             let mut done = 0;
             while done < msgs.len() {
@@ -399,8 +420,8 @@ impl Session<'_> {
                 }
                 for m in &msgs[done..done + n as usize] {
                     s.tx_packets.fetch_add(1, Ordering::Relaxed);
-                    s.tx_bytes
-                        .fetch_add(u64::from(m.msg_len), Ordering::Relaxed);
+                    let len = (m.msg_len as usize).saturating_sub(VNET_HDR_LEN);
+                    s.tx_bytes.fetch_add(len as u64, Ordering::Relaxed);
                 }
                 done += n as usize;
             }
@@ -475,7 +496,7 @@ enum Rx<'a> {
 impl RxBatch {
     fn new(mtu: u32) -> Self {
         // An Ethernet header, a VLAN tag, and some slack; at least a standard frame.
-        let size = (mtu as usize + 22).clamp(1536, net::MAX_FRAME_LEN);
+        let size = (mtu as usize + 22).clamp(1536, net::MAX_FRAME_LEN) + VNET_HDR_LEN;
         RxBatch {
             bufs: (0..BATCH).map(|_| vec![0u8; size]).collect(),
             // SAFETY: sockaddr_ll is plain old data; all-zero is a valid value.
@@ -530,12 +551,59 @@ impl RxBatch {
         n as usize
     }
 
-    /// The `i`th frame received.
-    fn frame(&self, i: usize) -> Rx<'_> {
+    /// The `i`th frame received, its checksum completed where the header asks.
+    fn frame(&mut self, i: usize) -> Rx<'_> {
         match self.lens[i] {
             (_, true, _) => Rx::Outgoing,
-            (len, false, false) if len >= net::MIN_FRAME_LEN => Rx::Frame(&self.bufs[i][..len]),
-            _ => Rx::Drop,
+            (len, false, false) if len >= VNET_HDR_LEN + net::MIN_FRAME_LEN => {
+                let (hdr, frame) = self.bufs[i][..len].split_at_mut(VNET_HDR_LEN);
+                // A GSO frame (gso_type set) is larger than the MTU: not for a guest
+                // that was offered no segmentation offload.
+                if hdr[1] != 0 {
+                    tracing::debug!(len, gso_type = hdr[1], "GSO frame dropped");
+                    return Rx::Drop;
+                }
+                if hdr[0] & VNET_F_NEEDS_CSUM != 0 {
+                    let start = usize::from(u16::from_ne_bytes([hdr[6], hdr[7]]));
+                    let offset = usize::from(u16::from_ne_bytes([hdr[8], hdr[9]]));
+                    if !complete_checksum(frame, start, offset) {
+                        return Rx::Drop;
+                    }
+                }
+                Rx::Frame(frame)
+            }
+            (len, _, truncated) => {
+                tracing::debug!(len, truncated, "frame dropped");
+                Rx::Drop
+            }
         }
     }
+}
+
+/// Completes a checksum left to the sender (`CHECKSUM_PARTIAL`): the Internet checksum
+/// of `frame[start..]`, whose field at `start + offset` holds the pseudo-header sum,
+/// stored in that field (0 written as 0xffff, as Linux does). False when the offsets
+/// fall outside the frame.
+fn complete_checksum(frame: &mut [u8], start: usize, offset: usize) -> bool {
+    let at = start + offset;
+    if start >= frame.len() || at + 2 > frame.len() {
+        return false;
+    }
+    let mut sum: u32 = 0;
+    let mut words = frame[start..].chunks_exact(2);
+    for w in &mut words {
+        sum += u32::from(u16::from_be_bytes([w[0], w[1]]));
+    }
+    if let [last] = words.remainder() {
+        sum += u32::from(*last) << 8;
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    let c = match !(sum as u16) {
+        0 => 0xffff,
+        c => c,
+    };
+    frame[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    true
 }

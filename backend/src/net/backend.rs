@@ -226,40 +226,31 @@ impl VhostUserBackend for NetBackend {
         let tx_ready = txs.get_queue().ready();
         let ev = u64::from(device_event);
         let err = io::Error::other;
-        if ev == self.fabric_event() {
-            if evset.contains(EventSet::OUT) {
-                cell.engine.flush();
-                if tx_ready {
-                    tx_used |= cell.engine.on_tx(txs.get_queue_mut(), &mem).map_err(err)?;
+        // An error here is the guest's (its rings or memory): counted and logged, and
+        // the worker goes on; returning it would end the worker and with it the NIC.
+        let result = (|| -> Result<(), virtio_queue::Error> {
+            if ev == self.fabric_event() {
+                if evset.contains(EventSet::OUT) {
+                    cell.engine.flush();
+                    if tx_ready {
+                        tx_used |= cell.engine.on_tx(txs.get_queue_mut(), &mem)?;
+                    }
                 }
+                let q = rx_ready.then(|| rxs.get_queue_mut());
+                rx_used |= cell.engine.on_fabric(q, &mem)?;
+            } else if ev == self.timer_event() {
+                let q = rx_ready.then(|| rxs.get_queue_mut());
+                rx_used |= cell.engine.on_timer(q, &mem)?;
+            } else if device_event == 0 && rx_ready {
+                rx_used |= cell.engine.deliver_held(rxs.get_queue_mut(), &mem)?;
+            } else if device_event == 1 && tx_ready {
+                tx_used |= cell.engine.on_tx(txs.get_queue_mut(), &mem)?;
             }
-            if rx_ready {
-                rx_used |= cell
-                    .engine
-                    .on_fabric(rxs.get_queue_mut(), &mem)
-                    .map_err(err)?;
-            } else {
-                // No receiveq yet: frames wait (and expire) all the same.
-                let mut q = virtio_queue::Queue::new(1).map_err(err)?;
-                cell.engine.on_fabric(&mut q, &mem).map_err(err)?;
-            }
-        } else if ev == self.timer_event() {
-            if rx_ready {
-                rx_used |= cell
-                    .engine
-                    .on_timer(rxs.get_queue_mut(), &mem)
-                    .map_err(err)?;
-            } else {
-                let mut q = virtio_queue::Queue::new(1).map_err(err)?;
-                cell.engine.on_timer(&mut q, &mem).map_err(err)?;
-            }
-        } else if device_event == 0 && rx_ready {
-            rx_used |= cell
-                .engine
-                .deliver_held(rxs.get_queue_mut(), &mem)
-                .map_err(err)?;
-        } else if device_event == 1 && tx_ready {
-            tx_used |= cell.engine.on_tx(txs.get_queue_mut(), &mem).map_err(err)?;
+            Ok(())
+        })();
+        if let Err(e) = result {
+            cell.engine.count_error();
+            tracing::warn!(pair = thread_id, error = %e, "guest ring error");
         }
         if rx_used
             && rxs

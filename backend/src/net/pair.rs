@@ -201,6 +201,11 @@ impl PairEngine {
         &self.stats.pairs[usize::from(self.index)]
     }
 
+    /// Counts an error of the guest's rings.
+    pub fn count_error(&self) {
+        self.pstats().errors.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Whether the guest acked mergeable receive buffers.
     pub fn set_mergeable(&mut self, on: bool) {
         self.mergeable = on;
@@ -318,9 +323,10 @@ impl PairEngine {
     ///
     /// # Errors
     /// A guest memory error on the rings.
+    /// `rxq` is `None` while the receiveq is not ready: frames wait (and expire) then.
     pub fn on_timer(
         &mut self,
-        rxq: &mut Queue,
+        rxq: Option<&mut Queue>,
         mem: &GuestMemory,
     ) -> Result<bool, virtio_queue::Error> {
         self.timer.clear();
@@ -331,7 +337,10 @@ impl PairEngine {
                 self.schedule_retry();
             }
         }
-        let used = self.deliver_held(rxq, mem)?;
+        let used = match rxq {
+            Some(q) => self.deliver_held(q, mem)?,
+            None => false,
+        };
         self.expire_held();
         self.arm_timer();
         Ok(used)
@@ -391,9 +400,12 @@ impl PairEngine {
     ///
     /// # Errors
     /// A guest memory error on the rings.
+    ///
+    /// `rxq` is `None` while the receiveq is not ready: frames wait (and expire) then;
+    /// a ring that is not ready must not be touched (its addresses are not set).
     pub fn on_fabric(
         &mut self,
-        rxq: &mut Queue,
+        mut rxq: Option<&mut Queue>,
         mem: &GuestMemory,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
@@ -448,7 +460,9 @@ impl PairEngine {
                 }
                 self.held.push_back((Instant::now(), f));
             }
-            used |= self.deliver_held(rxq, mem)?;
+            if let Some(q) = rxq.as_deref_mut() {
+                used |= self.deliver_held(q, mem)?;
+            }
         }
         self.arm_timer();
         Ok(used)
