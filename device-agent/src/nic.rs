@@ -252,8 +252,26 @@ pub(crate) fn hold(sock: &Stream) -> End {
 }
 
 /// Serves one queue-pair session of a lent interface until the borrower closes it or
-/// breaks the protocol.
+/// breaks the protocol; the interface's counters are logged as it ends.
 pub(crate) fn serve(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16) -> End {
+    let end = pump(nic, sock, peer, queue);
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let s = &nic.stats;
+    tracing::info!(
+        %peer,
+        interface = %nic.ifname,
+        queue,
+        rx_packets = get(&s.rx_packets),
+        rx_bytes = get(&s.rx_bytes),
+        tx_packets = get(&s.tx_packets),
+        tx_bytes = get(&s.tx_bytes),
+        drops = get(&s.drops),
+        "frames stopped; the interface's counters"
+    );
+    end
+}
+
+fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16) -> End {
     let pkt = match nic.open_socket() {
         Ok(p) => p,
         Err(e) => return End::Socket(e),
