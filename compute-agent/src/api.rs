@@ -272,6 +272,9 @@ pub struct NetCounters {
     pub tx_drops: u64,
     /// Malformed chains and fabric protocol errors.
     pub errors: u64,
+    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
+    #[serde(default)]
+    pub rx_merged: u64,
 }
 
 /// A lent NIC as the compute agent sees it.
@@ -301,6 +304,7 @@ impl From<devlend_backend::net::pair::PairSnapshot> for NetCounters {
             rx_drops: p.rx_drops,
             tx_drops: p.tx_drops,
             errors: p.errors,
+            rx_merged: p.rx_merged,
         }
     }
 }

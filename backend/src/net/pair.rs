@@ -49,6 +49,7 @@ pub struct PairStats {
     rx_drops: AtomicU64,
     tx_drops: AtomicU64,
     errors: AtomicU64,
+    rx_merged: AtomicU64,
 }
 
 /// Counters of an attachment's queue pairs, and the lender's link as last reported.
@@ -78,6 +79,8 @@ pub struct PairSnapshot {
     pub tx_drops: u64,
     /// Malformed transmit chains and fabric protocol errors.
     pub errors: u64,
+    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
+    pub rx_merged: u64,
 }
 
 /// A copy of an attachment's NIC counters.
@@ -121,6 +124,7 @@ impl NetStats {
                 rx_drops: get(&p.rx_drops),
                 tx_drops: get(&p.tx_drops),
                 errors: get(&p.errors),
+                rx_merged: get(&p.rx_merged),
             })
             .collect();
         let mut total = PairSnapshot::default();
@@ -132,6 +136,7 @@ impl NetStats {
             total.rx_drops += p.rx_drops;
             total.tx_drops += p.tx_drops;
             total.errors += p.errors;
+            total.rx_merged += p.rx_merged;
         }
         NetStatsSnapshot {
             total,
@@ -371,8 +376,11 @@ impl PairEngine {
         let mut used = false;
         while let Some((_, frame)) = self.held.front() {
             match deliver(rxq, mem, frame, self.mergeable)? {
-                Delivery::Done(_) => {
+                Delivery::Done(chains) => {
                     let len = frame.len() as u64;
+                    if chains > 1 {
+                        self.pstats().rx_merged.fetch_add(1, Ordering::Relaxed);
+                    }
                     self.pstats().rx_packets.fetch_add(1, Ordering::Relaxed);
                     self.pstats().rx_bytes.fetch_add(len, Ordering::Relaxed);
                     used = true;
