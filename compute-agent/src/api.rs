@@ -270,7 +270,7 @@ pub struct NetCounters {
     pub rx_drops: u64,
     /// Transmitted frames dropped (lender away).
     pub tx_drops: u64,
-    /// Malformed chains and fabric protocol errors.
+    /// Malformed chains, guest ring errors and fabric protocol errors.
     pub errors: u64,
     /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
     #[serde(default)]

@@ -77,7 +77,7 @@ pub struct PairSnapshot {
     pub rx_drops: u64,
     /// Transmitted frames dropped: the lender away, or a malformed chain.
     pub tx_drops: u64,
-    /// Malformed transmit chains and fabric protocol errors.
+    /// Malformed transmit chains, guest ring errors and fabric protocol errors.
     pub errors: u64,
     /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
     pub rx_merged: u64,
