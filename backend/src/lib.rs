@@ -7,3 +7,4 @@
 
 pub mod blk;
 pub mod guest;
+pub mod net;

@@ -57,6 +57,8 @@ impl Rig {
         let spec = DeviceSpec {
             name: "disk".into(),
             path: file.clone(),
+            net: None,
+            mac: None,
             read_only,
             serial: Some("SERIAL-0123456789ABC".into()),
             traits: Vec::new(),

@@ -18,8 +18,56 @@ pub fn human_bytes(b: u64) -> String {
     }
 }
 
+/// The QEMU arguments of a lent NIC: `-netdev vhost-user` and `virtio-net-pci`, with
+/// the lender's MAC and MTU (`host_mtu`), and multiqueue when it has several pairs.
+pub fn qemu_net_args(a: &AttachmentInfo) -> String {
+    let id = format!("devlend-{}", a.id);
+    let (mac, mtu) = a
+        .net
+        .as_ref()
+        .map_or((String::new(), 1500), |n| (n.mac.clone(), n.mtu));
+    let (queues, mq) = if a.queues > 1 {
+        (
+            format!(",queues={}", a.queues),
+            format!(",mq=on,vectors={}", 2 * u32::from(a.queues) + 2),
+        )
+    } else {
+        (String::new(), String::new())
+    };
+    format!(
+        "-object memory-backend-memfd,id=mem,size=<guest RAM>,share=on -numa node,memdev=mem \\\n  \
+         -chardev socket,id={id},path={},reconnect-ms=1000 \\\n  \
+         -netdev vhost-user,id={id},chardev={id}{queues} \\\n  \
+         -device virtio-net-pci,netdev={id},mac={mac},host_mtu={mtu}{mq},rx_queue_size={qs},tx_queue_size={qs}",
+        a.socket.display(),
+        qs = a.queue_size,
+    )
+}
+
+/// A libvirt `<interface type='vhostuser'>` element for a lent NIC.
+pub fn libvirt_net_xml(a: &AttachmentInfo) -> String {
+    let (mac, mtu) = a
+        .net
+        .as_ref()
+        .map_or((String::new(), 1500), |n| (n.mac.clone(), n.mtu));
+    format!(
+        "<interface type='vhostuser'>\n  \
+         <mac address='{mac}'/>\n  \
+         <source type='unix' path='{}' mode='client'>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  \
+         <model type='virtio'/>\n  <mtu size='{mtu}'/>\n  \
+         <driver queues='{}' rx_queue_size='{qs}' tx_queue_size='{qs}'/>\n</interface>\n\
+         <!-- the domain needs shared memory: <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking> -->",
+        a.socket.display(),
+        a.queues,
+        qs = a.queue_size,
+    )
+}
+
 /// The QEMU arguments that join the attachment's socket.
 pub fn qemu_args(a: &AttachmentInfo) -> String {
+    if a.kind == "nic" {
+        return qemu_net_args(a);
+    }
     let id = format!("devlend-{}", a.id);
     let mq = if a.queues > 1 {
         format!(",num-queues={}", a.queues)
@@ -35,8 +83,12 @@ pub fn qemu_args(a: &AttachmentInfo) -> String {
     )
 }
 
-/// A libvirt `<disk type='vhostuser'>` element for the attachment.
+/// A libvirt `<disk type='vhostuser'>` element for the attachment (an `<interface>`
+/// for a NIC).
 pub fn libvirt_xml(a: &AttachmentInfo) -> String {
+    if a.kind == "nic" {
+        return libvirt_net_xml(a);
+    }
     let ro = if a.read_only { "\n  <readonly/>" } else { "" };
     format!(
         "<disk type='vhostuser' device='disk'>\n  \

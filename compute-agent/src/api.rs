@@ -284,6 +284,71 @@ pub struct AttachmentInfo {
     /// up. Absent for an attachment being served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restoring: Option<String>,
+    /// What the lender lends: `block` (vhost-user-blk) or `nic` (vhost-user-net; then
+    /// `queues` counts queue pairs and `net` holds its counters).
+    #[serde(default = "default_kind")]
+    pub kind: String,
+    /// A lent NIC's counters, link and MAC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<NetInfo>,
+}
+
+fn default_kind() -> String {
+    "block".into()
+}
+
+/// Counters of one queue pair of a lent NIC, or of all of them summed.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NetCounters {
+    /// Frames delivered to the guest.
+    pub rx_packets: u64,
+    /// Their bytes.
+    pub rx_bytes: u64,
+    /// Frames the guest sent, forwarded to the lender.
+    pub tx_packets: u64,
+    /// Their bytes.
+    pub tx_bytes: u64,
+    /// Received frames dropped (no guest buffer in time).
+    pub rx_drops: u64,
+    /// Transmitted frames dropped (lender away).
+    pub tx_drops: u64,
+    /// Malformed chains, guest ring errors and fabric protocol errors.
+    pub errors: u64,
+    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
+    #[serde(default)]
+    pub rx_merged: u64,
+}
+
+/// A lent NIC as the compute agent sees it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NetInfo {
+    /// The MAC address the guest should use (`aa:bb:cc:dd:ee:ff`).
+    pub mac: String,
+    /// The lender's MTU as last reported.
+    pub mtu: u32,
+    /// The lender's link is up and every queue pair connected.
+    pub link_up: bool,
+    /// Fabric sessions re-established after a loss.
+    pub reconnects: u64,
+    /// Summed over the queue pairs.
+    pub total: NetCounters,
+    /// Per queue pair.
+    pub pairs: Vec<NetCounters>,
+}
+
+impl From<devlend_backend::net::pair::PairSnapshot> for NetCounters {
+    fn from(p: devlend_backend::net::pair::PairSnapshot) -> Self {
+        NetCounters {
+            rx_packets: p.rx_packets,
+            rx_bytes: p.rx_bytes,
+            tx_packets: p.tx_packets,
+            tx_bytes: p.tx_bytes,
+            rx_drops: p.rx_drops,
+            tx_drops: p.tx_drops,
+            errors: p.errors,
+            rx_merged: p.rx_merged,
+        }
+    }
 }
 
 /// Recent I/O rates of an attachment.

@@ -8,7 +8,7 @@ use std::time::Duration;
 use devlend_backend::blk::engine::{new_borrower_id, LenderTarget};
 use devlend_backend::blk::{Attachment, AttachmentConfig, AttachmentError};
 
-use crate::api::{AttachRequest, AttachmentInfo, VmmPlug, VmmTarget};
+use crate::api::{AttachRequest, AttachmentInfo, NetInfo, VmmPlug, VmmTarget};
 use crate::lease::{CheckedLease, LeaseError, LeaseKeeper};
 use crate::state::{self, SavedAttachment, StateFile};
 use crate::vmm::cloud_hypervisor::{self as ch, ChError};
@@ -149,6 +149,24 @@ fn info(e: &Entry) -> AttachmentInfo {
         counters: e.attachment.stats().into(),
         transport: e.request.transport_label().to_owned(),
         restoring: None,
+        kind: if e.attachment.net_stats().is_some() {
+            "nic"
+        } else {
+            "block"
+        }
+        .into(),
+        net: e.attachment.net_stats().map(|n| NetInfo {
+            mac: l.serial[..6]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":"),
+            mtu: n.mtu,
+            link_up: n.link_up,
+            reconnects: n.reconnects,
+            total: n.total.into(),
+            pairs: n.pairs.into_iter().map(Into::into).collect(),
+        }),
     }
 }
 
@@ -174,6 +192,9 @@ fn restoring_info(r: &Restoring) -> AttachmentInfo {
         counters: crate::api::IoCounters::default(),
         transport: q.transport_label().to_owned(),
         restoring: Some(r.reason.clone()),
+        // Not known until the lender answers again.
+        kind: "block".into(),
+        net: None,
     }
 }
 

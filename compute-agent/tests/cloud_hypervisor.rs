@@ -1038,6 +1038,8 @@ fn attach_and_detach_through_the_registry_use_the_api() {
     let spec = DeviceSpec {
         name: "d".into(),
         path: img,
+        net: None,
+        mac: None,
         read_only: false,
         serial: None,
         traits: Vec::new(),

@@ -25,8 +25,17 @@ use crate::{Error, MAX_SERIAL_LEN};
 pub struct DeviceSpec {
     /// The name borrowers ask for in their hello (1 to 255 bytes of UTF-8).
     pub name: String,
-    /// A regular file or a block device.
+    /// A regular file or a block device (empty for a network interface).
+    #[serde(default, skip_serializing_if = "path_is_empty")]
     pub path: PathBuf,
+    /// A network interface to lend instead of a path (`NAME=net:IFNAME`; file key `net`):
+    /// its frames are moved through AF_PACKET.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<String>,
+    /// For a network interface: the MAC address the borrower's guest should use
+    /// (`aa:bb:cc:dd:ee:ff`); default the interface's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
     /// Open the path read-only and answer writes, discards and write-zeroes with an I/O
     /// error.
     #[serde(default)]
@@ -40,7 +49,30 @@ pub struct DeviceSpec {
     pub traits: Vec<String>,
 }
 
+fn path_is_empty(p: &Path) -> bool {
+    p.as_os_str().is_empty()
+}
+
+/// Parses a MAC address `aa:bb:cc:dd:ee:ff` (hex, either case).
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut mac {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *b = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
 impl DeviceSpec {
+    /// Whether this spec lends a network interface.
+    pub fn is_net(&self) -> bool {
+        self.net.is_some()
+    }
+
     /// Checks the name and the serial.
     ///
     /// # Errors
@@ -80,6 +112,28 @@ impl DeviceSpec {
             }
             if serial.contains('\0') {
                 return bad("holds a NUL byte");
+            }
+        }
+        match (&self.net, self.path.as_os_str().is_empty()) {
+            (Some(_), false) => return bad_name("has both a path and a network interface"),
+            (None, true) => return bad_name("has neither a path nor a network interface"),
+            (Some(ifname), true) => {
+                if ifname.is_empty() || ifname.len() > 15 || ifname.contains(['/', '\0', ' ']) {
+                    return bad_name("the interface name is not a valid Linux interface name");
+                }
+                if self.read_only || self.serial.is_some() {
+                    return bad_name("ro and serial apply to block devices, not interfaces");
+                }
+            }
+            (None, false) => {}
+        }
+        if let Some(mac) = &self.mac {
+            if self.net.is_none() {
+                return bad_name("mac applies to network interfaces only");
+            }
+            match parse_mac(mac) {
+                Some(m) if m[0] & 1 == 0 && m != [0; 6] => {}
+                _ => return bad_name("mac is not a unicast aa:bb:cc:dd:ee:ff address"),
             }
         }
         for t in &self.traits {
@@ -125,12 +179,18 @@ impl FromStr for DeviceSpec {
             .ok_or_else(|| bad("expected NAME=PATH[,ro][,serial=S]".into()))?;
         let mut parts = rest.split(',');
         let path = parts.next().unwrap_or_default();
-        if path.is_empty() {
+        if path.is_empty() || path == "net:" {
             return Err(bad("empty path".into()));
         }
+        let (path, net) = match path.strip_prefix("net:") {
+            Some(ifname) => (PathBuf::new(), Some(ifname.to_owned())),
+            None => (PathBuf::from(path), None),
+        };
         let mut spec = DeviceSpec {
             name: name.to_owned(),
-            path: PathBuf::from(path),
+            path,
+            net,
+            mac: None,
             read_only: false,
             serial: None,
             traits: Vec::new(),
@@ -138,6 +198,7 @@ impl FromStr for DeviceSpec {
         for opt in parts {
             match opt {
                 "ro" => spec.read_only = true,
+                _ if opt.starts_with("mac=") => spec.mac = Some(opt["mac=".len()..].to_owned()),
                 _ if opt.starts_with("serial=") => {
                     if spec.serial.is_some() {
                         return Err(bad("serial given twice".into()));
@@ -522,6 +583,24 @@ mod tests {
         // Exactly 20 bytes is fine.
         let d = spec("d=/x,serial=01234567890123456789").unwrap();
         assert_eq!(&d.serial_bytes(), b"01234567890123456789");
+    }
+
+    #[test]
+    fn parses_network_interfaces() {
+        let s = spec("nic0=net:veth1").unwrap();
+        assert_eq!(s.net.as_deref(), Some("veth1"));
+        assert!(s.path.as_os_str().is_empty() && s.is_net());
+        let s = spec("nic0=net:eth0,mac=02:00:00:aa:bb:0C").unwrap();
+        assert_eq!(
+            parse_mac(s.mac.as_deref().unwrap()),
+            Some([2, 0, 0, 0xaa, 0xbb, 0x0c])
+        );
+        assert!(spec("nic0=net:eth0,mac=03:00:00:00:00:01").is_err()); // multicast
+        assert!(spec("nic0=net:eth0,mac=02:00:00").is_err());
+        assert!(spec("nic0=net:eth0,ro").is_err());
+        assert!(spec("nic0=net:").is_err());
+        assert!(spec("d=/x.img,mac=02:00:00:00:00:01").is_err());
+        assert!(spec("nic0=net:a-very-long-ifname").is_err());
     }
 
     #[test]

@@ -37,6 +37,8 @@ pub(crate) struct Device {
     pub(crate) memory_backed: bool,
     /// The device's counters.
     pub(crate) stats: DeviceStats,
+    /// For a network interface: the interface (frames, not block requests).
+    pub(crate) nic: Option<crate::nic::Nic>,
     /// The borrower that holds the device, and how many of its sessions are open.
     holder: Mutex<Option<([u8; 16], usize)>>,
     /// The spec it was opened from.
@@ -111,6 +113,9 @@ impl Device {
     /// those of [`DeviceSpec::validate`].
     pub(crate) fn open(spec: &DeviceSpec) -> Result<Device, Error> {
         spec.validate()?;
+        if let Some(ifname) = &spec.net {
+            return Self::open_net(spec, ifname);
+        }
         let file = OpenOptions::new()
             .read(true)
             .write(!spec.read_only)
@@ -189,6 +194,34 @@ impl Device {
             info,
             memory_backed,
             stats: DeviceStats::default(),
+            nic: None,
+            holder: Mutex::new(None),
+            spec: spec.clone(),
+        })
+    }
+
+    /// A network interface to lend.
+    fn open_net(spec: &DeviceSpec, ifname: &str) -> Result<Device, Error> {
+        let mac = spec.mac.as_deref().and_then(crate::config::parse_mac);
+        let nic = crate::nic::Nic::open(&spec.name, ifname, mac)?;
+        let info = DeviceInfo::net(&nic.link());
+        // A NIC has no backing file; the block engine never runs for it. /dev/null
+        // stands in so that the block fields keep one type.
+        let file = File::open("/dev/null").map_err(|source| Error::Open {
+            device: spec.name.clone(),
+            path: "/dev/null".into(),
+            source,
+        })?;
+        Ok(Device {
+            name: spec.name.clone(),
+            path: format!("net:{ifname}").into(),
+            file,
+            read_only: false,
+            capacity_bytes: 0,
+            info,
+            memory_backed: false,
+            stats: DeviceStats::default(),
+            nic: Some(nic),
             holder: Mutex::new(None),
             spec: spec.clone(),
         })
@@ -254,6 +287,8 @@ mod tests {
         DeviceSpec {
             name: "t".into(),
             path: path.to_owned(),
+            net: None,
+            mac: None,
             read_only: ro,
             serial: None,
             traits: Vec::new(),

@@ -24,6 +24,7 @@ pub mod error;
 mod frame;
 pub mod leases;
 pub mod metrics;
+mod nic;
 mod pool;
 pub mod pool_link;
 #[cfg(feature = "rdma")]

@@ -198,7 +198,7 @@ fn registration(s: &PoolSession, inventory: &InventoryView) -> RegisterProvider 
             .into_iter()
             .map(|d| PoolDevice {
                 name: d.name,
-                resource_class: "BLOCK".into(),
+                resource_class: d.resource_class,
                 capacity_bytes: d.capacity_bytes,
                 traits: d.traits,
             })

@@ -560,8 +560,10 @@ pub struct ReloadReport {
 pub struct LentDevice {
     /// Device name.
     pub name: String,
-    /// Lendable bytes (a multiple of 512).
+    /// Lendable bytes (a multiple of 512); 0 for a network interface.
     pub capacity_bytes: u64,
+    /// The pool's resource class: `BLOCK`, or `NIC` for a network interface.
+    pub resource_class: String,
     /// Writes are refused.
     pub read_only: bool,
     /// Traits to register: `FABRIC_TCP`, `DISCARD`, `WRITE_ZEROES`, `READ_ONLY` as they
@@ -596,6 +598,7 @@ impl InventoryView {
                 LentDevice {
                     name: d.name.clone(),
                     capacity_bytes: d.capacity_bytes,
+                    resource_class: if d.nic.is_some() { "NIC" } else { "BLOCK" }.into(),
                     read_only: d.read_only,
                     traits,
                 }

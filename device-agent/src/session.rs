@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::error::chain;
+use devlend_fabric::net::FEATURE_NET;
 use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError, PROTOCOL_VERSION};
 
@@ -18,6 +19,9 @@ use crate::uring::Ring;
 /// flight has at most one operation queued (plus two socket polls), and the ring is
 /// submitted as entries are queued, so this never limits the requests in flight.
 const RING_ENTRIES: u32 = 1024;
+
+/// Queue index of a borrower's holding session.
+const CONTROL_QUEUE: u16 = u16::MAX;
 
 /// Serves one accepted connection to its end.
 pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64) {
@@ -34,19 +38,23 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             None => return,
         },
     };
-    let Some((dev, mut ring, _active, _claim)) = handshake(shared, &sock, peer, id) else {
+    let Some((dev, mut ring, _active, _claim, queue)) = handshake(shared, &sock, peer, id) else {
         return;
     };
     dev.stats.session_opened();
     tracing::debug!(%peer, id, "session serving");
-    let end = engine::run(
-        &dev,
-        &sock,
-        peer,
-        &mut ring,
-        shared.options.frame_timeout,
-        shared.options.io,
-    );
+    let end = match (&dev.nic, queue) {
+        (Some(_), CONTROL_QUEUE) => crate::nic::hold(&sock),
+        (Some(nic), q) => crate::nic::serve(nic, &sock, peer, q),
+        (None, _) => engine::run(
+            &dev,
+            &sock,
+            peer,
+            &mut ring,
+            shared.options.frame_timeout,
+            shared.options.io,
+        ),
+    };
     dev.stats.session_closed();
     match &end {
         End::PeerClosed => tracing::info!(%peer, device = %dev.name, "session closed"),
@@ -67,7 +75,7 @@ fn handshake<'s>(
     sock: &Stream,
     peer: SocketAddr,
     id: u64,
-) -> Option<(Arc<Device>, Ring, ActiveSession<'s>, Claim)> {
+) -> Option<(Arc<Device>, Ring, ActiveSession<'s>, Claim, u16)> {
     let timeout = Some(shared.options.handshake_timeout);
     if let Err(e) = sock
         .set_read_timeout(timeout)
@@ -110,7 +118,15 @@ fn handshake<'s>(
             )
         }
     };
-    if let Err(e) = HelloReply::ok(dev.info.clone()).write_to(&mut &*sock) {
+    let reply = match &dev.nic {
+        Some(nic) => {
+            let mut r = HelloReply::ok(devlend_fabric::DeviceInfo::net(&nic.link()));
+            r.features = FEATURE_NET;
+            r
+        }
+        None => HelloReply::ok(dev.info.clone()),
+    };
+    if let Err(e) = reply.write_to(&mut &*sock) {
         tracing::warn!(%peer, device = %dev.name, error = %e, "cannot send the hello reply");
         return None;
     }
@@ -122,7 +138,7 @@ fn handshake<'s>(
         return None;
     }
     tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "session opened");
-    Some((dev, ring, active, claim))
+    Some((dev, ring, active, claim, hello.queue_index))
 }
 
 /// Runs the TLS handshake on an accepted connection (under the handshake timeout) and
@@ -211,6 +227,15 @@ pub(crate) fn admit<'s>(
             format!("no device {:?} is lent here", hello.device),
         ));
     };
+    if dev.nic.is_some() && hello.features & FEATURE_NET == 0 {
+        return Err((
+            HelloStatus::BadRequest,
+            format!(
+                "device {:?} is a network interface, and this borrower does not speak frames",
+                hello.device
+            ),
+        ));
+    }
     if let Some(guard) = shared.leases.get() {
         match guard.admit(hello, crate::leases::now_ms()) {
             Ok(lease) => shared.set_session_lease(id, lease),

@@ -22,6 +22,8 @@ fn lends_a_block_device() {
     let spec = DeviceSpec {
         name: "bd".into(),
         path: path.into(),
+        net: None,
+        mac: None,
         read_only: false,
         serial: None,
         traits: Vec::new(),

@@ -27,6 +27,13 @@ pub const DEV_DISCARD: u32 = 1 << 1;
 /// [`DeviceInfo::flags`] bit: the lender executes write-zeroes.
 pub const DEV_WRITE_ZEROES: u32 = 1 << 2;
 
+/// [`DeviceInfo::flags`] bit: the device is a network interface (granted with
+/// [`crate::net::FEATURE_NET`]); `max_transfer` is then its MTU and the first 6 bytes of
+/// `serial` its MAC address.
+pub const DEV_NET: u32 = 1 << 3;
+/// [`DeviceInfo::flags`] bit, with [`DEV_NET`]: the interface's link was up at the handshake.
+pub const DEV_LINK_UP: u32 = 1 << 4;
+
 /// The borrower's opening message.
 ///
 /// Layout: `magic: [u8;4] = "DVLD", version: u16, queue_index: u16, features: u64,
@@ -215,6 +222,38 @@ pub struct DeviceInfo {
 }
 
 impl DeviceInfo {
+    /// What a lender advertises for a network interface: capacity 0, block size 512 (not
+    /// used), `max_transfer` the MTU, the MAC in the first 6 bytes of `serial`.
+    pub fn net(link: &crate::net::LinkState) -> Self {
+        let mut serial = [0u8; SERIAL_LEN];
+        serial[..6].copy_from_slice(&link.mac);
+        DeviceInfo {
+            capacity_sectors: 0,
+            block_size: 512,
+            max_transfer: link.mtu,
+            max_discard_sectors: 0,
+            max_write_zeroes_sectors: 0,
+            flags: DEV_NET | if link.up { DEV_LINK_UP } else { 0 },
+            serial,
+        }
+    }
+
+    /// Whether the device is a network interface.
+    pub fn is_net(&self) -> bool {
+        self.flags & DEV_NET != 0
+    }
+
+    /// For a network interface: its link state, MTU and MAC as of the handshake.
+    pub fn link(&self) -> crate::net::LinkState {
+        let mut mac = [0u8; 6];
+        mac.copy_from_slice(&self.serial[..6]);
+        crate::net::LinkState {
+            up: self.flags & DEV_LINK_UP != 0,
+            mtu: self.max_transfer,
+            mac,
+        }
+    }
+
     /// Whether the device refuses writes.
     pub fn read_only(&self) -> bool {
         self.flags & DEV_READ_ONLY != 0
@@ -412,6 +451,23 @@ mod tests {
         assert!(Hello::new(&"x".repeat(300), 0)
             .write_to(&mut Vec::new())
             .is_err());
+    }
+
+    #[test]
+    fn net_reply_round_trips() {
+        let link = crate::net::LinkState {
+            up: true,
+            mtu: 9000,
+            mac: [2, 1, 2, 3, 4, 5],
+        };
+        let mut r = HelloReply::ok(DeviceInfo::net(&link));
+        r.features = crate::net::FEATURE_NET;
+        let mut buf = Vec::new();
+        r.write_to(&mut buf).unwrap();
+        let back = HelloReply::read_from(&mut buf.as_slice()).unwrap();
+        assert_eq!(back, r);
+        assert!(back.device.is_net());
+        assert_eq!(back.device.link(), link);
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod handshake;
 pub mod io_util;
 pub mod latency;
 pub mod lease_token;
+pub mod net;
 pub mod rdma;
 pub mod tcp;
 pub mod tls;

@@ -52,7 +52,10 @@ impl Proc {
         let out = File::create(&log)?;
         let child = Command::new(program)
             .args(args)
-            .env("RUST_LOG", "info")
+            .env(
+                "RUST_LOG",
+                std::env::var("DEVLEND_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)

@@ -22,6 +22,8 @@ use crate::blk::engine::{LenderTarget, QueueStats, StatsSnapshot};
 use crate::blk::holder::Holder;
 use crate::blk::request::DeviceLimits;
 use crate::blk::spec::MAX_QUEUES;
+use crate::net::spec::MAX_QUEUE_PAIRS;
+use crate::net::{NetStats, NetStatsSnapshot};
 
 pub use crate::blk::holder::{BUSY_RETRY, CONTROL_QUEUE};
 
@@ -78,6 +80,7 @@ pub enum AttachmentError {
 #[derive(Default)]
 struct Shared {
     stop: AtomicBool,
+    net_handle: Mutex<Option<ShutdownHandle>>,
     current: Mutex<Option<(Arc<BlkBackend>, Option<ShutdownHandle>)>>,
     connected: AtomicBool,
 }
@@ -88,6 +91,7 @@ pub struct Attachment {
     config: AttachmentConfig,
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
+    net: Option<Arc<NetStats>>,
     shared: Arc<Shared>,
     wake: EventFd,
     thread: Option<JoinHandle<()>>,
@@ -131,6 +135,49 @@ impl Attachment {
         let wake = EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?;
         let stats = Arc::new(QueueStats::new(config.num_queues));
         let shared = Arc::new(Shared::default());
+        if reply.device.is_net() {
+            // A lent NIC: `num_queues` counts queue pairs.
+            if config.num_queues > MAX_QUEUE_PAIRS {
+                return Err(AttachmentError::Queues(config.num_queues));
+            }
+            let link = reply.device.link();
+            let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));
+            let thread = {
+                let (config, net, shared) = (config.clone(), net.clone(), shared.clone());
+                let wake = wake.try_clone().map_err(AttachmentError::Thread)?;
+                std::thread::Builder::new()
+                    .name(format!("attach-{}", config.lender.device))
+                    .spawn(move || {
+                        crate::net::backend::serve(
+                            listener,
+                            &config.id,
+                            &config.lender,
+                            config.num_queues,
+                            &link,
+                            &net,
+                            &shared.stop,
+                            |l| wait_for_client(l, &wake, &shared),
+                            |h| {
+                                if let Ok(mut c) = shared.net_handle.lock() {
+                                    *c = h;
+                                }
+                            },
+                            &shared.connected,
+                        )
+                    })
+                    .map_err(AttachmentError::Thread)?
+            };
+            return Ok(Attachment {
+                hold,
+                config,
+                limits,
+                stats,
+                net: Some(net),
+                shared,
+                wake,
+                thread: Some(thread),
+            });
+        }
         let thread = {
             let (config, limits, stats, shared) = (
                 config.clone(),
@@ -149,10 +196,16 @@ impl Attachment {
             config,
             limits,
             stats,
+            net: None,
             shared,
             wake,
             thread: Some(thread),
         })
+    }
+
+    /// For a lent NIC: its packet counters and link state.
+    pub fn net_stats(&self) -> Option<NetStatsSnapshot> {
+        self.net.as_ref().map(|n| n.snapshot())
     }
 
     /// The configuration it was started with.
@@ -214,6 +267,15 @@ impl Attachment {
             if let Some(h) = handle {
                 h.shutdown();
             }
+        }
+        if let Some(h) = self
+            .shared
+            .net_handle
+            .lock()
+            .ok()
+            .and_then(|mut h| h.take())
+        {
+            h.shutdown();
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();

@@ -77,6 +77,8 @@ impl LenderTarget {
     /// The hello for virtqueue `queue_index`.
     pub fn hello(&self, queue_index: u16) -> devlend_fabric::Hello {
         let mut h = devlend_fabric::Hello::new(&self.device, queue_index);
+        // This borrower can take a NIC too: the lender grants it only for one.
+        h.features = devlend_fabric::net::FEATURE_NET;
         h.borrower = self.borrower;
         h.token.clone_from(&self.token);
         h

@@ -46,6 +46,8 @@ impl Fixture {
                 DeviceSpec {
                     name: name.into(),
                     path,
+                    net: None,
+                    mac: None,
                     read_only: ro,
                     serial: None,
                     traits: Vec::new(),

@@ -616,8 +616,12 @@ where
 
     fn set_vring_enable(&mut self, index: u32, enable: bool) -> VhostUserResult<()> {
         // This request should be handled only when VHOST_USER_F_PROTOCOL_FEATURES
-        // has been negotiated.
-        self.check_feature(VhostUserVirtioFeatures::PROTOCOL_FEATURES)?;
+        // has been negotiated. devlend patch: QEMU's vhost-user-net restores the enable
+        // state before SET_FEATURES on a new connection; SET_PROTOCOL_FEATURES having
+        // been received shows bit 30 was negotiated.
+        if self.acked_protocol_features == 0 {
+            self.check_feature(VhostUserVirtioFeatures::PROTOCOL_FEATURES)?;
+        }
 
         let vring = self
             .vrings

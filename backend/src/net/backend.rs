@@ -1,0 +1,333 @@
+//! The `vhost-user-backend` glue of a lent NIC: one worker per queue pair (its
+//! receiveq and transmitq, `queues_per_thread`), each with its fabric socket and timer
+//! in the worker's epoll set; and the loop that serves an attachment's socket, a fresh
+//! backend per frontend connection.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use devlend_fabric::net::LinkState;
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{
+    VhostUserBackend, VhostUserDaemon, VringEpollHandler, VringRwLock, VringT,
+};
+use virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF;
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::blk::engine::LenderTarget;
+use crate::guest::GuestMemory;
+use crate::net::pair::{NetStats, PairEngine};
+use crate::net::spec::{config_slice, config_space, features, CONFIG_LEN, MAX_QUEUE_SIZE};
+
+type Handler = VringEpollHandler<Arc<NetBackend>>;
+
+struct PairCell {
+    engine: PairEngine,
+    registered: (Option<RawFd>, u64, bool),
+    timer_registered: bool,
+}
+
+/// The vhost-user-net backend of one frontend connection.
+pub struct NetBackend {
+    pairs: Vec<Mutex<PairCell>>,
+    config: [u8; CONFIG_LEN],
+    mem: GuestMemoryAtomic<GuestMemory>,
+    handlers: Mutex<Vec<Weak<Handler>>>,
+    exit_fds: Mutex<Vec<(EventNotifier, RawFd)>>,
+    acked: std::sync::atomic::AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl NetBackend {
+    /// A backend for `pairs` queue pairs of attachment `name`.
+    ///
+    /// # Errors
+    /// A timerfd could not be created.
+    pub fn new(
+        name: Arc<str>,
+        target: &LenderTarget,
+        pairs: u16,
+        link: &LinkState,
+        stats: Arc<NetStats>,
+    ) -> io::Result<Self> {
+        let cells = (0..pairs)
+            .map(|i| {
+                Ok(Mutex::new(PairCell {
+                    engine: PairEngine::new(i, name.clone(), target.clone(), stats.clone())?,
+                    registered: (None, 0, false),
+                    timer_registered: false,
+                }))
+            })
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok(NetBackend {
+            pairs: cells,
+            config: config_space(link, pairs),
+            mem: GuestMemoryAtomic::new(GuestMemory::new()),
+            handlers: Mutex::new(Vec::new()),
+            exit_fds: Mutex::new(Vec::new()),
+            acked: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// The guest memory map the daemon must be created with.
+    pub fn memory(&self) -> GuestMemoryAtomic<GuestMemory> {
+        self.mem.clone()
+    }
+
+    fn fabric_event(&self) -> u64 {
+        self.pairs.len() as u64 * 2 + 1
+    }
+
+    fn timer_event(&self) -> u64 {
+        self.pairs.len() as u64 * 2 + 2
+    }
+
+    /// Takes the daemon's per-worker handlers, opens each pair's fabric session and
+    /// registers its socket and timer.
+    pub fn attach_handlers(&self, handlers: &[Arc<Handler>]) {
+        *lock(&self.handlers) = handlers.iter().map(Arc::downgrade).collect();
+        for q in 0..self.pairs.len() {
+            let mut cell = lock(&self.pairs[q]);
+            cell.engine.start();
+            self.sync_registration(q, &mut cell);
+        }
+    }
+
+    fn sync_registration(&self, q: usize, cell: &mut PairCell) {
+        let Some(handler) = lock(&self.handlers).get(q).and_then(Weak::upgrade) else {
+            return;
+        };
+        if !cell.timer_registered {
+            if let Err(e) =
+                handler.register_listener(cell.engine.timer_fd(), EventSet::IN, self.timer_event())
+            {
+                tracing::error!(pair = q, error = %e, "cannot watch the pair's timer");
+            }
+            cell.timer_registered = true;
+        }
+        let now = cell.engine.fabric_fd();
+        if now == cell.registered {
+            return;
+        }
+        let id = self.fabric_event();
+        let set = |out: bool| {
+            if out {
+                EventSet::IN | EventSet::OUT
+            } else {
+                EventSet::IN
+            }
+        };
+        if let Some(old) = cell.registered.0 {
+            // Closed already, or its number reused by the new socket: failure is harmless.
+            let _ = handler.unregister_listener(old, set(cell.registered.2), id);
+        }
+        if let Some(fd) = now.0 {
+            if let Err(e) = handler.register_listener(fd, set(now.2), id) {
+                tracing::error!(pair = q, error = %e, "cannot watch the fabric socket");
+            }
+        }
+        cell.registered = now;
+    }
+
+    /// Closes the exit eventfds the library's workers leave open; call once the daemon
+    /// is gone.
+    pub fn close_exit_fds(&self) {
+        for (_notifier, fd) in lock(&self.exit_fds).drain(..) {
+            // SAFETY: `fd` is the consumer end handed to the library in `exit_event`,
+            // registered in a worker's epoll set (closed with the worker) and never
+            // closed by the library; nothing else refers to it.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+impl VhostUserBackend for NetBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        self.pairs.len() * 2
+    }
+
+    fn max_queue_size(&self) -> usize {
+        MAX_QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        features()
+    }
+
+    fn acked_features(&self, features: u64) {
+        self.acked.store(features, Ordering::Relaxed);
+        let mrg = features & (1 << VIRTIO_NET_F_MRG_RXBUF) != 0;
+        for cell in &self.pairs {
+            lock(cell).engine.set_mergeable(mrg);
+        }
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::CONFIG
+    }
+
+    fn set_event_idx(&self, _enabled: bool) {}
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        config_slice(&self.config, offset, size)
+    }
+
+    fn update_memory(&self, _mem: GuestMemoryAtomic<GuestMemory>) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        (0..self.pairs.len()).map(|q| 0b11u64 << (2 * q)).collect()
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
+        let keep = notifier.try_clone().ok()?;
+        lock(&self.exit_fds).push((keep, consumer.as_raw_fd()));
+        Some((consumer, notifier))
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock],
+        thread_id: usize,
+    ) -> io::Result<()> {
+        let (Some(cell), Some(rx), Some(tx)) =
+            (self.pairs.get(thread_id), vrings.first(), vrings.get(1))
+        else {
+            return Ok(());
+        };
+        let mut cell = lock(cell);
+        let mem = self.mem.memory().into_inner();
+        let mut rxs = rx.get_mut();
+        let mut txs = tx.get_mut();
+        let (mut rx_used, mut tx_used) = (false, false);
+        let rx_ready = rxs.get_queue().ready();
+        let tx_ready = txs.get_queue().ready();
+        let ev = u64::from(device_event);
+        let err = io::Error::other;
+        // An error here is the guest's (its rings or memory): counted and logged, and
+        // the worker goes on; returning it would end the worker and with it the NIC.
+        let result = (|| -> Result<(), virtio_queue::Error> {
+            if ev == self.fabric_event() {
+                if evset.contains(EventSet::OUT) {
+                    cell.engine.flush();
+                    if tx_ready {
+                        tx_used |= cell.engine.on_tx(txs.get_queue_mut(), &mem)?;
+                    }
+                }
+                let q = rx_ready.then(|| rxs.get_queue_mut());
+                rx_used |= cell.engine.on_fabric(q, &mem)?;
+            } else if ev == self.timer_event() {
+                let q = rx_ready.then(|| rxs.get_queue_mut());
+                rx_used |= cell.engine.on_timer(q, &mem)?;
+            } else if device_event == 0 && rx_ready {
+                rx_used |= cell.engine.deliver_held(rxs.get_queue_mut(), &mem)?;
+            } else if device_event == 1 && tx_ready {
+                tx_used |= cell.engine.on_tx(txs.get_queue_mut(), &mem)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            cell.engine.count_error();
+            tracing::warn!(pair = thread_id, error = %e, "guest ring error");
+        }
+        if rx_used
+            && rxs
+                .get_queue_mut()
+                .needs_notification(mem.as_ref())
+                .map_err(err)?
+        {
+            rxs.signal_used_queue()?;
+        }
+        if tx_used
+            && txs
+                .get_queue_mut()
+                .needs_notification(mem.as_ref())
+                .map_err(err)?
+        {
+            txs.signal_used_queue()?;
+        }
+        drop((rxs, txs));
+        self.sync_registration(thread_id, &mut cell);
+        Ok(())
+    }
+}
+
+/// Serves `listener` for a lent NIC until `stop` is set: each frontend connection gets
+/// a fresh [`NetBackend`] (a daemon cannot serve twice). `wait` blocks until a client is
+/// pending (true) or stop is asked (false); `on_connected` is told of each connection
+/// and disconnection.
+#[allow(clippy::too_many_arguments)]
+pub fn serve(
+    mut listener: Listener,
+    id: &str,
+    target: &LenderTarget,
+    pairs: u16,
+    link: &LinkState,
+    stats: &Arc<NetStats>,
+    stop: &AtomicBool,
+    wait: impl Fn(&Listener) -> bool,
+    current: impl Fn(Option<vhost_user_backend::ShutdownHandle>),
+    connected: &AtomicBool,
+) {
+    let name = format!("devlend-net-{}", target.device);
+    while wait(&listener) {
+        let backend = match NetBackend::new(Arc::from(id), target, pairs, link, stats.clone()) {
+            Ok(b) => Arc::new(b),
+            Err(e) => {
+                tracing::error!(attachment = %id, error = %e, "cannot create the backend");
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+        };
+        let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory())
+        {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(attachment = %id, error = %e, "cannot create vhost-user daemon");
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+        };
+        backend.attach_handlers(&daemon.get_epoll_handlers());
+        if let Err(e) = daemon.start(&mut listener) {
+            tracing::warn!(attachment = %id, error = %e, "vhost-user connection failed to start");
+        } else {
+            current(daemon.shutdown_handle());
+            connected.store(true, Ordering::Release);
+            tracing::info!(attachment = %id, "frontend connected");
+            if stop.load(Ordering::Acquire) {
+                daemon.request_shutdown();
+            }
+            match daemon.wait() {
+                Ok(()) => tracing::info!(attachment = %id, "frontend disconnected"),
+                Err(e) => tracing::info!(attachment = %id, error = %e, "frontend connection ended"),
+            }
+            connected.store(false, Ordering::Release);
+            current(None);
+        }
+        drop(daemon);
+        backend.close_exit_fds();
+    }
+}

@@ -1,0 +1,18 @@
+//! The vhost-user-net backend: a lent NIC presented to a guest as virtio-net.
+//!
+//! - [`spec`]: feature bits and config space (virtio 1.2 §5.1);
+//! - [`rx`]: a frame written into the guest's receive buffers, spanning several with
+//!   mergeable buffers (`num_buffers`, §5.1.6.4);
+//! - [`pair`]: one queue pair (receiveq + transmitq) over one fabric connection: frames
+//!   each way, held briefly when the guest has posted no buffer, dropped and counted
+//!   when the lender is away, reconnection with backoff;
+//! - [`backend`]: the `vhost-user-backend` glue, one worker per queue pair, and the
+//!   serving loop of an attachment.
+
+pub mod backend;
+pub mod pair;
+pub mod rx;
+pub mod spec;
+
+pub use backend::NetBackend;
+pub use pair::{NetStats, NetStatsSnapshot};

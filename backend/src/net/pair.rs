@@ -1,0 +1,594 @@
+//! One queue pair over one fabric connection.
+//!
+//! Transmit: chains popped from the transmitq lose their `virtio_net_hdr` and go to the
+//! lender as frame messages, queued in one buffer and written without blocking. While
+//! that buffer is over [`OUT_LIMIT`] the transmitq is left alone (the guest's queue
+//! fills: backpressure) until the socket drains. While the lender is away, transmitted
+//! frames are consumed and dropped (counted), so the guest never stalls.
+//!
+//! Receive: frames from the lender are written into the receiveq at once; when the
+//! guest has posted no buffer they wait, at most [`HOLD`] and [`HOLD_FRAMES`], then are
+//! dropped and counted. The socket is always read, so the lender never waits on us.
+//!
+//! A lost connection is retried at once, then every 100 ms doubling to 2 s, from the
+//! worker's timer; the lender's link messages set the link state seen by the agent.
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use devlend_fabric::conn::Stream;
+use devlend_fabric::net::{self, NetMessage, FEATURE_NET};
+use virtio_queue::{Queue, QueueT};
+
+use crate::blk::engine::{DisplayChain, LenderTarget, CONNECT_TIMEOUT};
+use crate::blk::timer::RetryTimer;
+use crate::guest::GuestMemory;
+use crate::net::rx::{deliver, Delivery};
+use crate::net::spec::NET_HDR_LEN;
+
+/// Most bytes of frames queued for the lender before the transmitq is left alone.
+pub const OUT_LIMIT: usize = 2 << 20;
+/// Longest a received frame waits for a guest buffer.
+pub const HOLD: Duration = Duration::from_millis(100);
+/// Most received frames waiting for guest buffers.
+pub const HOLD_FRAMES: usize = 512;
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Counters of one queue pair.
+#[derive(Debug, Default)]
+pub struct PairStats {
+    rx_packets: AtomicU64,
+    rx_bytes: AtomicU64,
+    tx_packets: AtomicU64,
+    tx_bytes: AtomicU64,
+    rx_drops: AtomicU64,
+    tx_drops: AtomicU64,
+    errors: AtomicU64,
+    rx_merged: AtomicU64,
+}
+
+/// Counters of an attachment's queue pairs, and the lender's link as last reported.
+#[derive(Debug)]
+pub struct NetStats {
+    pairs: Vec<PairStats>,
+    reconnects: AtomicU64,
+    link_up: AtomicBool,
+    connected: AtomicU32,
+    mtu: AtomicU32,
+}
+
+/// A copy of the counters of one queue pair, or of all summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PairSnapshot {
+    /// Frames delivered to the guest.
+    pub rx_packets: u64,
+    /// Their bytes (Ethernet frames, without the virtio header).
+    pub rx_bytes: u64,
+    /// Frames the guest transmitted and sent to the lender.
+    pub tx_packets: u64,
+    /// Their bytes.
+    pub tx_bytes: u64,
+    /// Received frames dropped: no guest buffer in time, or too large for the buffers.
+    pub rx_drops: u64,
+    /// Transmitted frames dropped: the lender away, or a malformed chain.
+    pub tx_drops: u64,
+    /// Malformed transmit chains, guest ring errors and fabric protocol errors.
+    pub errors: u64,
+    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
+    pub rx_merged: u64,
+}
+
+/// A copy of an attachment's NIC counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NetStatsSnapshot {
+    /// Summed over the queue pairs.
+    pub total: PairSnapshot,
+    /// Per queue pair.
+    pub pairs: Vec<PairSnapshot>,
+    /// Fabric connections re-established after a loss.
+    pub reconnects: u64,
+    /// The lender's link is up and every queue pair is connected to it.
+    pub link_up: bool,
+    /// The lender's MTU as last reported.
+    pub mtu: u32,
+}
+
+impl NetStats {
+    /// Counters for `pairs` queue pairs; `mtu` as the handshake gave it.
+    pub fn new(pairs: u16, link_up: bool, mtu: u32) -> Self {
+        NetStats {
+            pairs: (0..pairs).map(|_| PairStats::default()).collect(),
+            reconnects: AtomicU64::new(0),
+            link_up: AtomicBool::new(link_up),
+            connected: AtomicU32::new(0),
+            mtu: AtomicU32::new(mtu),
+        }
+    }
+
+    /// A copy of the counters.
+    pub fn snapshot(&self) -> NetStatsSnapshot {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let pairs: Vec<PairSnapshot> = self
+            .pairs
+            .iter()
+            .map(|p| PairSnapshot {
+                rx_packets: get(&p.rx_packets),
+                rx_bytes: get(&p.rx_bytes),
+                tx_packets: get(&p.tx_packets),
+                tx_bytes: get(&p.tx_bytes),
+                rx_drops: get(&p.rx_drops),
+                tx_drops: get(&p.tx_drops),
+                errors: get(&p.errors),
+                rx_merged: get(&p.rx_merged),
+            })
+            .collect();
+        let mut total = PairSnapshot::default();
+        for p in &pairs {
+            total.rx_packets += p.rx_packets;
+            total.rx_bytes += p.rx_bytes;
+            total.tx_packets += p.tx_packets;
+            total.tx_bytes += p.tx_bytes;
+            total.rx_drops += p.rx_drops;
+            total.tx_drops += p.tx_drops;
+            total.errors += p.errors;
+            total.rx_merged += p.rx_merged;
+        }
+        NetStatsSnapshot {
+            total,
+            reconnects: get(&self.reconnects),
+            link_up: self.link_up(),
+            mtu: self.mtu.load(Ordering::Relaxed),
+            pairs,
+        }
+    }
+
+    /// Whether the lender's link is up and all queue pairs are connected: what the
+    /// guest's link should show.
+    pub fn link_up(&self) -> bool {
+        self.link_up.load(Ordering::Relaxed)
+            && self.connected.load(Ordering::Relaxed) as usize == self.pairs.len()
+    }
+}
+
+/// One queue pair's fabric connection and frames on their way.
+pub struct PairEngine {
+    index: u16,
+    name: Arc<str>,
+    target: LenderTarget,
+    stats: Arc<NetStats>,
+    conn: Option<Stream>,
+    generation: u64,
+    inbuf: Vec<u8>,
+    have: usize,
+    out: Vec<u8>,
+    held: VecDeque<(Instant, Vec<u8>)>,
+    timer: RetryTimer,
+    backoff: Duration,
+    retry_at: Option<Instant>,
+    mergeable: bool,
+}
+
+impl PairEngine {
+    /// An engine for queue pair `index`, not yet connected.
+    ///
+    /// # Errors
+    /// The timerfd could not be created.
+    pub fn new(
+        index: u16,
+        name: Arc<str>,
+        target: LenderTarget,
+        stats: Arc<NetStats>,
+    ) -> io::Result<Self> {
+        Ok(PairEngine {
+            index,
+            name,
+            target,
+            stats,
+            conn: None,
+            generation: 0,
+            inbuf: vec![0u8; 1 << 18],
+            have: 0,
+            out: Vec::new(),
+            held: VecDeque::new(),
+            timer: RetryTimer::new()?,
+            backoff: Duration::ZERO,
+            retry_at: None,
+            mergeable: true,
+        })
+    }
+
+    fn pstats(&self) -> &PairStats {
+        &self.stats.pairs[usize::from(self.index)]
+    }
+
+    /// Counts an error of the guest's rings.
+    pub fn count_error(&self) {
+        self.pstats().errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether the guest acked mergeable receive buffers.
+    pub fn set_mergeable(&mut self, on: bool) {
+        self.mergeable = on;
+    }
+
+    /// The fabric socket (and a generation that changes with each connection), and
+    /// whether it should be watched for writability.
+    pub fn fabric_fd(&self) -> (Option<RawFd>, u64, bool) {
+        (
+            self.conn.as_ref().map(AsRawFd::as_raw_fd),
+            self.generation,
+            !self.out.is_empty(),
+        )
+    }
+
+    /// The timer the worker waits on (reconnects, held frames).
+    pub fn timer_fd(&self) -> RawFd {
+        self.timer.as_raw_fd()
+    }
+
+    /// Opens the fabric session.
+    ///
+    /// # Errors
+    /// The connection or handshake failed, or the lender's device is not a NIC.
+    pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
+        let mut hello = self.target.hello(self.index);
+        hello.features |= FEATURE_NET;
+        let (stream, reply) = devlend_fabric::tcp::open(
+            &self.target.addr,
+            &hello,
+            CONNECT_TIMEOUT,
+            self.target.tls.as_ref(),
+        )?;
+        if !reply.device.is_net() || reply.features & FEATURE_NET == 0 {
+            return Err(devlend_fabric::tcp::ConnectError::Refused {
+                addr: self.target.addr.clone(),
+                device: self.target.device.clone(),
+                status: devlend_fabric::HelloStatus::BadRequest,
+                message: "the lender's device is not a network interface".into(),
+            });
+        }
+        if let Err(e) = stream.set_nonblocking(true) {
+            return Err(devlend_fabric::tcp::ConnectError::Connect {
+                addr: self.target.addr.clone(),
+                source: e,
+            });
+        }
+        let link = reply.device.link();
+        self.stats.link_up.store(link.up, Ordering::Relaxed);
+        self.stats.mtu.store(link.mtu, Ordering::Relaxed);
+        if self.generation > 0 {
+            self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+        }
+        self.stats.connected.fetch_add(1, Ordering::Relaxed);
+        self.conn = Some(stream);
+        self.generation += 1;
+        self.have = 0;
+        self.backoff = Duration::ZERO;
+        self.retry_at = None;
+        tracing::info!(attachment = %self.name, pair = self.index, "fabric session open");
+        Ok(())
+    }
+
+    fn lose(&mut self, why: &str) {
+        if self.conn.take().is_none() {
+            return;
+        }
+        self.stats.connected.fetch_sub(1, Ordering::Relaxed);
+        tracing::warn!(attachment = %self.name, pair = self.index, reason = why, "fabric session lost; frames are dropped until it is back");
+        // Frames queued for the lender are lost with it.
+        let dropped = count_frames(&self.out);
+        self.pstats().tx_drops.fetch_add(dropped, Ordering::Relaxed);
+        self.out.clear();
+        self.have = 0;
+        self.schedule_retry();
+    }
+
+    fn schedule_retry(&mut self) {
+        let wait = self.backoff;
+        self.backoff = if wait.is_zero() {
+            FIRST_BACKOFF
+        } else {
+            (wait * 2).min(MAX_BACKOFF)
+        };
+        self.retry_at = Some(Instant::now() + wait);
+        self.arm_timer();
+    }
+
+    fn arm_timer(&mut self) {
+        let now = Instant::now();
+        let mut next = self.retry_at;
+        if let Some((t, _)) = self.held.front() {
+            let expiry = *t + HOLD;
+            next = Some(next.map_or(expiry, |n| n.min(expiry)));
+        }
+        match next {
+            Some(at) => self.timer.arm(at.saturating_duration_since(now)),
+            None => self.timer.disarm(),
+        }
+    }
+
+    /// Tries to connect now if not connected and no retry is scheduled (the first
+    /// attempt, when the queues start).
+    pub fn start(&mut self) {
+        if self.conn.is_none() && self.retry_at.is_none() {
+            if let Err(e) = self.connect() {
+                tracing::warn!(attachment = %self.name, pair = self.index, error = %DisplayChain(&e), "cannot open fabric session yet");
+                self.schedule_retry();
+            }
+        }
+    }
+
+    /// The timer fired: reconnect if due, drop frames held too long, deliver the rest.
+    /// Returns whether the receiveq got used entries.
+    ///
+    /// # Errors
+    /// A guest memory error on the rings.
+    /// `rxq` is `None` while the receiveq is not ready: frames wait (and expire) then.
+    pub fn on_timer(
+        &mut self,
+        rxq: Option<&mut Queue>,
+        mem: &GuestMemory,
+    ) -> Result<bool, virtio_queue::Error> {
+        self.timer.clear();
+        if self.conn.is_none() && self.retry_at.is_some_and(|t| Instant::now() >= t) {
+            self.retry_at = None;
+            if let Err(e) = self.connect() {
+                tracing::debug!(attachment = %self.name, pair = self.index, error = %DisplayChain(&e), "lender still away");
+                self.schedule_retry();
+            }
+        }
+        let used = match rxq {
+            Some(q) => self.deliver_held(q, mem)?,
+            None => false,
+        };
+        self.expire_held();
+        self.arm_timer();
+        Ok(used)
+    }
+
+    fn expire_held(&mut self) {
+        let now = Instant::now();
+        while self
+            .held
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) >= HOLD)
+        {
+            self.held.pop_front();
+            self.pstats().rx_drops.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The guest posted receive buffers: deliver what waits. Returns whether used
+    /// entries were added.
+    ///
+    /// # Errors
+    /// A guest memory error on the rings.
+    pub fn deliver_held(
+        &mut self,
+        rxq: &mut Queue,
+        mem: &GuestMemory,
+    ) -> Result<bool, virtio_queue::Error> {
+        let mut used = false;
+        while let Some((_, frame)) = self.held.front() {
+            match deliver(rxq, mem, frame, self.mergeable)? {
+                Delivery::Done(chains) => {
+                    let len = frame.len() as u64;
+                    if chains > 1 {
+                        self.pstats().rx_merged.fetch_add(1, Ordering::Relaxed);
+                    }
+                    self.pstats().rx_packets.fetch_add(1, Ordering::Relaxed);
+                    self.pstats().rx_bytes.fetch_add(len, Ordering::Relaxed);
+                    used = true;
+                    self.held.pop_front();
+                }
+                Delivery::Unfit => {
+                    self.pstats().rx_drops.fetch_add(1, Ordering::Relaxed);
+                    self.held.pop_front();
+                }
+                Delivery::NoBuffers => {
+                    // Ask the guest to kick when it posts buffers (EVENT_IDX); if it did
+                    // meanwhile, go on.
+                    if rxq.enable_notification(mem)? {
+                        continue;
+                    }
+                    break;
+                }
+            }
+        }
+        Ok(used)
+    }
+
+    /// Reads what the lender sent; frames go into the receiveq or wait. Returns whether
+    /// used entries were added.
+    ///
+    /// # Errors
+    /// A guest memory error on the rings.
+    ///
+    /// `rxq` is `None` while the receiveq is not ready: frames wait (and expire) then;
+    /// a ring that is not ready must not be touched (its addresses are not set).
+    pub fn on_fabric(
+        &mut self,
+        mut rxq: Option<&mut Queue>,
+        mem: &GuestMemory,
+    ) -> Result<bool, virtio_queue::Error> {
+        let mut used = false;
+        loop {
+            let Some(conn) = self.conn.as_ref() else {
+                return Ok(used);
+            };
+            let n = match (&mut &*conn).read(&mut self.inbuf[self.have..]) {
+                Ok(0) => {
+                    self.lose("the lender closed the session");
+                    return Ok(used);
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    self.lose(&e.to_string());
+                    return Ok(used);
+                }
+            };
+            self.have += n;
+            let mut at = 0;
+            let mut frames = Vec::new();
+            loop {
+                match net::decode(&self.inbuf[at..self.have]) {
+                    Ok(Some((NetMessage::Frame(f), len))) => {
+                        frames.push(f.to_vec());
+                        at += len;
+                    }
+                    Ok(Some((NetMessage::Link(l), len))) => {
+                        if l.up != self.stats.link_up.load(Ordering::Relaxed) {
+                            tracing::info!(attachment = %self.name, up = l.up, mtu = l.mtu, "lender's link changed");
+                        }
+                        self.stats.link_up.store(l.up, Ordering::Relaxed);
+                        self.stats.mtu.store(l.mtu, Ordering::Relaxed);
+                        at += len;
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        self.pstats().errors.fetch_add(1, Ordering::Relaxed);
+                        self.lose(&format!("protocol error: {e}"));
+                        return Ok(used);
+                    }
+                }
+            }
+            self.inbuf.copy_within(at..self.have, 0);
+            self.have -= at;
+            for f in frames {
+                if self.held.len() >= HOLD_FRAMES {
+                    self.held.pop_front();
+                    self.pstats().rx_drops.fetch_add(1, Ordering::Relaxed);
+                }
+                self.held.push_back((Instant::now(), f));
+            }
+            if let Some(q) = rxq.as_deref_mut() {
+                used |= self.deliver_held(q, mem)?;
+            }
+        }
+        self.arm_timer();
+        Ok(used)
+    }
+
+    /// The guest transmitted: frames go to the lender (or are dropped while it is away).
+    /// Returns whether used entries were added to the transmitq.
+    ///
+    /// # Errors
+    /// A guest memory error on the rings.
+    pub fn on_tx(
+        &mut self,
+        txq: &mut Queue,
+        mem: &GuestMemory,
+    ) -> Result<bool, virtio_queue::Error> {
+        let mut used = false;
+        loop {
+            txq.disable_notification(mem)?;
+            while self.out.len() < OUT_LIMIT {
+                let Some(chain) = txq.pop_descriptor_chain(mem) else {
+                    break;
+                };
+                let head = chain.head_index();
+                self.take_tx(chain, mem);
+                txq.add_used(mem, head, 0)?;
+                used = true;
+            }
+            self.flush();
+            if self.out.len() >= OUT_LIMIT {
+                // Resumed when the socket drains (the worker watches it for writability).
+                break;
+            }
+            if !txq.enable_notification(mem)? {
+                break;
+            }
+        }
+        Ok(used)
+    }
+
+    fn take_tx(&mut self, chain: virtio_queue::DescriptorChain<&GuestMemory>, mem: &GuestMemory) {
+        let s = &self.stats.pairs[usize::from(self.index)];
+        let Ok(mut r) = chain.reader(mem) else {
+            s.errors.fetch_add(1, Ordering::Relaxed);
+            s.tx_drops.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let total = r.available_bytes();
+        let len = total.saturating_sub(NET_HDR_LEN);
+        if total < NET_HDR_LEN + net::MIN_FRAME_LEN || len > net::MAX_FRAME_LEN {
+            s.errors.fetch_add(1, Ordering::Relaxed);
+            s.tx_drops.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if self.conn.is_none() {
+            s.tx_drops.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let mut hdr = [0u8; NET_HDR_LEN];
+        if r.read_exact(&mut hdr).is_err() {
+            s.errors.fetch_add(1, Ordering::Relaxed);
+            s.tx_drops.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let start = self.out.len();
+        self.out
+            .extend_from_slice(&net::header(net::KIND_FRAME, len as u32));
+        self.out.resize(start + net::NET_HEADER_LEN + len, 0);
+        if r.read_exact(&mut self.out[start + net::NET_HEADER_LEN..])
+            .is_err()
+        {
+            self.out.truncate(start);
+            s.errors.fetch_add(1, Ordering::Relaxed);
+            s.tx_drops.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        s.tx_packets.fetch_add(1, Ordering::Relaxed);
+        s.tx_bytes.fetch_add(len as u64, Ordering::Relaxed);
+    }
+
+    /// Writes as much queued output as the socket takes now.
+    pub fn flush(&mut self) {
+        let mut at = 0;
+        let mut failed = None;
+        if let Some(conn) = self.conn.as_ref() {
+            while at < self.out.len() {
+                match (&mut &*conn).write(&self.out[at..]) {
+                    Ok(0) => {
+                        failed = Some("the lender accepts no data".to_owned());
+                        break;
+                    }
+                    Ok(n) => at += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        failed = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+        }
+        match failed {
+            Some(why) => self.lose(&why),
+            None => {
+                self.out.drain(..at);
+            }
+        }
+    }
+}
+
+/// How many whole frame messages `buf` starts with (for counting drops).
+fn count_frames(buf: &[u8]) -> u64 {
+    let mut n = 0;
+    let mut at = 0;
+    while let Ok(Some((m, len))) = net::decode(&buf[at..]) {
+        if matches!(m, NetMessage::Frame(_)) {
+            n += 1;
+        }
+        at += len;
+    }
+    n
+}

@@ -1,0 +1,89 @@
+//! virtio-net feature bits and config space (virtio 1.2 §5.1.3, §5.1.4).
+
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_net as vn;
+use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
+
+use devlend_fabric::net::LinkState;
+
+/// vhost-user: the backend speaks protocol features (bit 30).
+const VHOST_USER_F_PROTOCOL_FEATURES: u32 = 30;
+
+/// Most queue pairs an attachment offers.
+pub const MAX_QUEUE_PAIRS: u16 = 8;
+/// Largest virtqueue size accepted.
+pub const MAX_QUEUE_SIZE: usize = 1024;
+/// Size of `virtio_net_hdr_v1` (VERSION_1: `num_buffers` always present).
+pub const NET_HDR_LEN: usize = 12;
+/// Size of the config space produced by [`config_space`]: `mac`, `status`,
+/// `max_virtqueue_pairs`, `mtu`.
+pub const CONFIG_LEN: usize = 12;
+
+/// The features offered. No checksum or segmentation offload: frames go to an
+/// AF_PACKET socket, which takes whole frames with their checksums done (offloads are
+/// future work).
+pub fn features() -> u64 {
+    [
+        VIRTIO_F_VERSION_1,
+        VIRTIO_RING_F_EVENT_IDX,
+        VIRTIO_RING_F_INDIRECT_DESC,
+        vn::VIRTIO_NET_F_MAC,
+        vn::VIRTIO_NET_F_STATUS,
+        vn::VIRTIO_NET_F_MRG_RXBUF,
+        vn::VIRTIO_NET_F_MTU,
+        vn::VIRTIO_NET_F_MQ,
+        VHOST_USER_F_PROTOCOL_FEATURES,
+    ]
+    .iter()
+    .fold(0u64, |acc, b| acc | 1 << b)
+}
+
+/// The config space for `pairs` queue pairs and the lender's link.
+pub fn config_space(link: &LinkState, pairs: u16) -> [u8; CONFIG_LEN] {
+    let mut c = [0u8; CONFIG_LEN];
+    c[..6].copy_from_slice(&link.mac);
+    let status = if link.up {
+        vn::VIRTIO_NET_S_LINK_UP as u16
+    } else {
+        0
+    };
+    c[6..8].copy_from_slice(&status.to_le_bytes());
+    c[8..10].copy_from_slice(&pairs.to_le_bytes());
+    let mtu = u16::try_from(link.mtu).unwrap_or(u16::MAX);
+    c[10..12].copy_from_slice(&mtu.to_le_bytes());
+    c
+}
+
+/// `size` bytes of `config` from `offset` (zero past its end), as GET_CONFIG answers.
+pub fn config_slice(config: &[u8], offset: u32, size: u32) -> Vec<u8> {
+    let mut out = vec![0u8; size as usize];
+    let start = (offset as usize).min(config.len());
+    let n = config.len().saturating_sub(start).min(out.len());
+    out[..n].copy_from_slice(&config[start..start + n]);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_holds_mac_status_pairs_and_mtu() {
+        let link = LinkState {
+            up: true,
+            mtu: 9000,
+            mac: [2, 0, 0, 0, 0, 9],
+        };
+        let c = config_space(&link, 2);
+        assert_eq!(&c[..6], &[2, 0, 0, 0, 0, 9]);
+        assert_eq!(u16::from_le_bytes([c[6], c[7]]), 1);
+        assert_eq!(u16::from_le_bytes([c[8], c[9]]), 2);
+        assert_eq!(u16::from_le_bytes([c[10], c[11]]), 9000);
+        assert_eq!(config_slice(&c, 6, 4), vec![1, 0, 2, 0]);
+        assert_eq!(config_slice(&c, 10, 8), vec![0x28, 0x23, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(config_slice(&c, 100, 2), vec![0, 0]);
+        let f = features();
+        assert!(f & (1 << vn::VIRTIO_NET_F_MRG_RXBUF) != 0 && f & (1 << 32) != 0);
+        assert!(f & (1 << vn::VIRTIO_NET_F_CSUM) == 0);
+    }
+}
