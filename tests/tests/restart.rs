@@ -134,3 +134,38 @@ fn one_agent_per_state_file_and_an_unusable_one_stops_the_agent() {
         .expect("started with a damaged state file");
     assert!(format!("{e:#}").contains("move it aside"), "{e:#}");
 }
+
+#[test]
+fn an_attach_whose_state_cannot_be_saved_fails_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk0.img");
+    sparse_file(&img, 8 * MIB).unwrap();
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let _lender =
+        Lender::start_on(dir.path(), &addr, &[format!("disk0={}", img.display())]).unwrap();
+    let b = Borrower::start(dir.path()).unwrap();
+    // The state file's place becomes a directory after start: the next save fails.
+    let state = dir.path().join("api.state.json");
+    std::fs::remove_file(&state).unwrap();
+    std::fs::create_dir(&state).unwrap();
+    let sock = dir.path().join("disk0.sock");
+    let out = b
+        .cli(&[
+            "attach",
+            "--lender",
+            &addr,
+            "--device",
+            "disk0",
+            "--socket",
+            &sock.display().to_string(),
+        ])
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "attached though it would not survive a restart"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not attached"), "{err}");
+    assert!(!sock.exists(), "the socket was left behind");
+    assert_eq!(b.cli_json(&["status"]).unwrap(), serde_json::json!([]));
+}
