@@ -377,12 +377,7 @@ impl PairEngine {
         while let Some((_, frame)) = self.held.front() {
             match deliver(rxq, mem, frame, self.mergeable)? {
                 Delivery::Done(chains) => {
-                    let len = frame.len() as u64;
-                    if chains > 1 {
-                        self.pstats().rx_merged.fetch_add(1, Ordering::Relaxed);
-                    }
-                    self.pstats().rx_packets.fetch_add(1, Ordering::Relaxed);
-                    self.pstats().rx_bytes.fetch_add(len, Ordering::Relaxed);
+                    count_delivered(self.pstats(), chains, frame.len());
                     used = true;
                     self.held.pop_front();
                 }
@@ -436,12 +431,33 @@ impl PairEngine {
             };
             self.have += n;
             let mut at = 0;
-            let mut frames = Vec::new();
             loop {
                 match net::decode(&self.inbuf[at..self.have]) {
                     Ok(Some((NetMessage::Frame(f), len))) => {
-                        frames.push(f.to_vec());
                         at += len;
+                        // Straight into the guest's buffers while nothing waits before it;
+                        // a frame is copied aside only when it has to wait.
+                        let direct = match rxq.as_deref_mut() {
+                            Some(q) if self.held.is_empty() => deliver(q, mem, f, self.mergeable)?,
+                            _ => Delivery::NoBuffers,
+                        };
+                        let stats = &self.stats.pairs[usize::from(self.index)];
+                        match direct {
+                            Delivery::Done(chains) => {
+                                count_delivered(stats, chains, f.len());
+                                used = true;
+                            }
+                            Delivery::Unfit => {
+                                stats.rx_drops.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Delivery::NoBuffers => {
+                                if self.held.len() >= HOLD_FRAMES {
+                                    self.held.pop_front();
+                                    stats.rx_drops.fetch_add(1, Ordering::Relaxed);
+                                }
+                                self.held.push_back((Instant::now(), f.to_vec()));
+                            }
+                        }
                     }
                     Ok(Some((NetMessage::Link(l), len))) => {
                         if l.up != self.stats.link_up.load(Ordering::Relaxed) {
@@ -461,14 +477,7 @@ impl PairEngine {
             }
             self.inbuf.copy_within(at..self.have, 0);
             self.have -= at;
-            for f in frames {
-                if self.held.len() >= HOLD_FRAMES {
-                    self.held.pop_front();
-                    self.pstats().rx_drops.fetch_add(1, Ordering::Relaxed);
-                }
-                self.held.push_back((Instant::now(), f));
-            }
-            if let Some(q) = rxq.as_deref_mut() {
+            if let Some(q) = rxq.as_deref_mut().filter(|_| !self.held.is_empty()) {
                 used |= self.deliver_held(q, mem)?;
             }
         }
@@ -591,4 +600,13 @@ fn count_frames(buf: &[u8]) -> u64 {
         at += len;
     }
     n
+}
+
+/// Counts a frame of `len` bytes delivered to the guest in `chains` receive chains.
+fn count_delivered(stats: &PairStats, chains: u16, len: usize) {
+    if chains > 1 {
+        stats.rx_merged.fetch_add(1, Ordering::Relaxed);
+    }
+    stats.rx_packets.fetch_add(1, Ordering::Relaxed);
+    stats.rx_bytes.fetch_add(len as u64, Ordering::Relaxed);
 }
