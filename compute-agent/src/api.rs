@@ -372,3 +372,11 @@ pub struct ApiError {
     /// What went wrong, for people.
     pub error: String,
 }
+
+/// A MAC address as `aa:bb:cc:dd:ee:ff` (lower-case hex).
+pub fn format_mac(mac: &[u8]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}

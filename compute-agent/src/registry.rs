@@ -12,7 +12,8 @@ use crate::api::{AttachRequest, AttachmentInfo, NetInfo, VmmPlug, VmmTarget};
 use crate::lease::{CheckedLease, LeaseError, LeaseKeeper};
 use crate::state::{self, SavedAttachment, StateFile};
 use crate::vmm::cloud_hypervisor::{self as ch, ChError};
-use crate::vmm::qemu::{self, HotplugError};
+use crate::vmm::link_watch::LinkWatch;
+use crate::vmm::qemu::{self, HotplugError, PlugKind};
 
 /// Why an attach or detach was refused.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +56,9 @@ pub enum VmmError {
     /// Cloud Hypervisor API.
     #[error("Cloud Hypervisor API failed")]
     CloudHypervisor(#[source] ChError),
+    /// Live attach of a lent NIC into Cloud Hypervisor is not done yet.
+    #[error("live attach of a NIC into Cloud Hypervisor is not supported; start the VM with --net vhost_user=true,socket=...")]
+    NicIntoCloudHypervisor,
 }
 
 use devlend_fabric::error::chain;
@@ -68,6 +72,8 @@ struct Entry {
     /// The borrower identity and token every hello carries (kept in the state file).
     borrower: [u8; 16],
     token: Vec<u8>,
+    /// A lent NIC plugged into QEMU: its link followed into the guest.
+    _link_watch: Option<LinkWatch>,
 }
 
 /// What a restored attachment keeps from before the restart.
@@ -156,11 +162,7 @@ fn info(e: &Entry) -> AttachmentInfo {
         }
         .into(),
         net: e.attachment.net_stats().map(|n| NetInfo {
-            mac: l.serial[..6]
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<Vec<_>>()
-                .join(":"),
+            mac: crate::api::format_mac(&l.serial[..6]),
             mtu: n.mtu,
             link_up: n.link_up,
             reconnects: n.reconnects,
@@ -398,7 +400,7 @@ impl Registry {
             // Restored: the VM has the device already.
             (_, Some(r)) => r.plug,
             (None, None) => None,
-            (Some(target), None) => match plug(target, id, req, attachment.limits().read_only) {
+            (Some(target), None) => match plug(target, id, req, &attachment) {
                 Ok(p) => Some(p),
                 Err(e) => {
                     attachment.stop();
@@ -540,7 +542,25 @@ impl Registry {
         let mut entries = self.lock();
         self.lock_pending().retain(|(i, _)| *i != id);
         let (attachment, plug, lease, borrower, token) = result?;
+        let link_watch = match (&plug, attachment.net_counters()) {
+            (
+                Some(VmmPlug {
+                    target: VmmTarget::Qemu { qmp },
+                    device_id,
+                    ..
+                }),
+                Some(net),
+            ) => match LinkWatch::start(device_id.clone(), qmp.clone(), net) {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::warn!(id, error = %e, "cannot follow the NIC's link into the guest");
+                    None
+                }
+            },
+            _ => None,
+        };
         let entry = Entry {
+            _link_watch: link_watch,
             request: req,
             id: id.clone(),
             attachment,
@@ -808,18 +828,33 @@ fn plug(
     target: &VmmTarget,
     id: &str,
     req: &AttachRequest,
-    read_only: bool,
+    attachment: &Attachment,
 ) -> Result<VmmPlug, VmmError> {
+    let read_only = attachment.limits().read_only;
+    let link = attachment.net_link();
     match target {
         VmmTarget::Qemu { qmp } => {
-            let p = qemu::plug(qmp, id, &req.socket, req.queues, req.queue_size)
-                .map_err(VmmError::Qemu)?;
+            let kind = match link {
+                Some(l) => PlugKind::Net {
+                    pairs: req.queues,
+                    mac: crate::api::format_mac(&l.mac),
+                    mtu: l.mtu,
+                },
+                None => PlugKind::Blk {
+                    num_queues: req.queues,
+                    queue_size: req.queue_size,
+                },
+            };
+            let p = qemu::plug(qmp, id, &req.socket, &kind).map_err(VmmError::Qemu)?;
             tracing::info!(id, qmp = %qmp.display(), port = %p.port, "plugged into QEMU");
             Ok(VmmPlug {
                 target: target.clone(),
                 device_id: p.device_id,
                 location: p.port,
             })
+        }
+        VmmTarget::CloudHypervisor { .. } if link.is_some() => {
+            Err(VmmError::NicIntoCloudHypervisor)
         }
         VmmTarget::CloudHypervisor { api } => {
             let body = ch::disk_config(&req.socket, id, req.queues, req.queue_size, read_only);

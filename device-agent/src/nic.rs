@@ -253,8 +253,8 @@ pub(crate) fn hold(sock: &Stream) -> End {
 
 /// Serves one queue-pair session of a lent interface until the borrower closes it or
 /// breaks the protocol; the interface's counters are logged as it ends.
-pub(crate) fn serve(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16) -> End {
-    let end = pump(nic, sock, peer, queue);
+pub(crate) fn serve(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offload: bool) -> End {
+    let end = pump(nic, sock, peer, queue, offload);
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let s = &nic.stats;
     tracing::info!(
@@ -271,7 +271,7 @@ pub(crate) fn serve(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16) -> E
     end
 }
 
-fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16) -> End {
+fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offload: bool) -> End {
     let pkt = match nic.open_socket() {
         Ok(p) => p,
         Err(e) => return End::Socket(e),
@@ -289,6 +289,7 @@ fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16) -> End {
         have: 0,
         out,
         rx: RxBatch::new(link.mtu),
+        offload,
     };
     tracing::info!(%peer, interface = %nic.ifname, queue, mtu = link.mtu, up = link.up, "frames flowing");
     let mut last_link = Instant::now();
@@ -350,6 +351,8 @@ struct Session<'a> {
     nic: &'a Nic,
     pkt: RawFd,
     inbuf: Vec<u8>,
+    /// The borrower was granted offload frames (`FEATURE_NET_OFFLOAD`).
+    offload: bool,
     have: usize,
     out: Vec<u8>,
     rx: RxBatch,
@@ -368,12 +371,23 @@ impl Session<'_> {
                 Err(e) => return Some(End::Socket(e)),
             };
             self.have += n;
-            let mut frames: Vec<(usize, usize)> = Vec::new();
+            // (offload header or none, frame offset in `inbuf`, frame length)
+            let mut frames: Vec<(Option<[u8; VNET_HDR_LEN]>, usize, usize)> = Vec::new();
             let mut at = 0;
             loop {
                 match net::decode(&self.inbuf[at..self.have]) {
                     Ok(Some((NetMessage::Frame(f), len))) => {
-                        frames.push((at + net::NET_HEADER_LEN, f.len()));
+                        frames.push((None, at + net::NET_HEADER_LEN, f.len()));
+                        at += len;
+                    }
+                    Ok(Some((NetMessage::OffloadFrame(o, f), len))) => {
+                        if !self.offload {
+                            return Some(End::Protocol(
+                                "offload frame without FEATURE_NET_OFFLOAD".into(),
+                            ));
+                        }
+                        let off = at + net::NET_HEADER_LEN + net::OFFLOAD_LEN;
+                        frames.push((Some(o.to_bytes()), off, f.len()));
                         at += len;
                     }
                     Ok(Some((NetMessage::Link(_), _))) => {
@@ -389,17 +403,20 @@ impl Session<'_> {
         }
     }
 
-    /// Sends frames (offset and length in `inbuf`) on the interface, `BATCH` per call.
-    fn send_frames(&mut self, frames: &[(usize, usize)]) {
+    /// Sends frames (vnet header to use, offset and length in `inbuf`) on the
+    /// interface, `BATCH` per call. A frame without a header goes with a zero one.
+    fn send_frames(&mut self, frames: &[(Option<[u8; VNET_HDR_LEN]>, usize, usize)]) {
         let s = &self.nic.stats;
         for chunk in frames.chunks(BATCH) {
             let zero = [0u8; VNET_HDR_LEN];
             let mut iovs: Vec<[libc::iovec; 2]> = chunk
                 .iter()
-                .map(|&(off, len)| {
+                .map(|(hdr, off, len)| {
+                    let (off, len) = (*off, *len);
+                    let hdr = hdr.as_ref().unwrap_or(&zero);
                     [
                         libc::iovec {
-                            iov_base: zero.as_ptr() as *mut libc::c_void,
+                            iov_base: hdr.as_ptr() as *mut libc::c_void,
                             iov_len: VNET_HDR_LEN,
                         },
                         libc::iovec {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::error::chain;
-use devlend_fabric::net::FEATURE_NET;
+use devlend_fabric::net::{FEATURE_NET, FEATURE_NET_OFFLOAD};
 use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError, PROTOCOL_VERSION};
 
@@ -38,14 +38,15 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             None => return,
         },
     };
-    let Some((dev, mut ring, _active, _claim, queue)) = handshake(shared, &sock, peer, id) else {
+    let Some((dev, mut ring, _active, _claim, queue, offload)) = handshake(shared, &sock, peer, id)
+    else {
         return;
     };
     dev.stats.session_opened();
     tracing::debug!(%peer, id, "session serving");
     let end = match (&dev.nic, queue) {
         (Some(_), CONTROL_QUEUE) => crate::nic::hold(&sock),
-        (Some(nic), q) => crate::nic::serve(nic, &sock, peer, q),
+        (Some(nic), q) => crate::nic::serve(nic, &sock, peer, q, offload),
         (None, _) => engine::run(
             &dev,
             &sock,
@@ -75,7 +76,7 @@ fn handshake<'s>(
     sock: &Stream,
     peer: SocketAddr,
     id: u64,
-) -> Option<(Arc<Device>, Ring, ActiveSession<'s>, Claim, u16)> {
+) -> Option<(Arc<Device>, Ring, ActiveSession<'s>, Claim, u16, bool)> {
     let timeout = Some(shared.options.handshake_timeout);
     if let Err(e) = sock
         .set_read_timeout(timeout)
@@ -121,7 +122,10 @@ fn handshake<'s>(
     let reply = match &dev.nic {
         Some(nic) => {
             let mut r = HelloReply::ok(devlend_fabric::DeviceInfo::net(&nic.link()));
-            r.features = FEATURE_NET;
+            // Offloads asked for are granted: the packet socket's vnet header has the
+            // kernel complete checksums and segment in software where the interface
+            // cannot.
+            r.features = FEATURE_NET | (hello.features & FEATURE_NET_OFFLOAD);
             r
         }
         None => HelloReply::ok(dev.info.clone()),
@@ -138,7 +142,8 @@ fn handshake<'s>(
         return None;
     }
     tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "session opened");
-    Some((dev, ring, active, claim, hello.queue_index))
+    let offload = dev.nic.is_some() && hello.features & FEATURE_NET_OFFLOAD != 0;
+    Some((dev, ring, active, claim, hello.queue_index, offload))
 }
 
 /// Runs the TLS handshake on an accepted connection (under the handshake timeout) and

@@ -11,16 +11,43 @@ use crate::WireError;
 /// lender grants it only for a network interface, and refuses a NIC to a hello without it.
 pub const FEATURE_NET: u64 = 1 << 0;
 
+/// [`crate::Hello::features`] bit: the borrower may send [`KIND_FRAME_OFFLOAD`] messages
+/// (frames with checksum or segmentation left to the lender). A lender grants it when
+/// its interface path completes them (AF_PACKET with `PACKET_VNET_HDR` does, in software
+/// where the hardware cannot); the borrower offers the guest the matching virtio-net
+/// offloads (CSUM, HOST_TSO4, HOST_TSO6, HOST_ECN) only when granted.
+pub const FEATURE_NET_OFFLOAD: u64 = 1 << 1;
+
 /// Header length of every frame message.
 pub const NET_HEADER_LEN: usize = 8;
 /// Message kind: one Ethernet frame (destination MAC first, no FCS).
 pub const KIND_FRAME: u8 = 0x20;
 /// Message kind: the lent interface's link state, MTU and MAC ([`LinkState`]).
 pub const KIND_LINK: u8 = 0x21;
+/// Message kind: an [`Offload`] header (10 bytes) and then one Ethernet frame whose
+/// checksum and/or segmentation the lender completes (borrower → lender only, after
+/// [`FEATURE_NET_OFFLOAD`] was granted).
+pub const KIND_FRAME_OFFLOAD: u8 = 0x22;
+/// Length of the [`Offload`] header in a [`KIND_FRAME_OFFLOAD`] payload.
+pub const OFFLOAD_LEN: usize = 10;
+/// [`Offload::flags`]: the checksum from `csum_start` is to be completed
+/// (`VIRTIO_NET_HDR_F_NEEDS_CSUM`).
+pub const OFFLOAD_NEEDS_CSUM: u8 = 1;
+/// [`Offload::gso_type`]: no segmentation.
+pub const GSO_NONE: u8 = 0;
+/// [`Offload::gso_type`]: TCP over IPv4 segmentation (`VIRTIO_NET_HDR_GSO_TCPV4`).
+pub const GSO_TCPV4: u8 = 1;
+/// [`Offload::gso_type`]: TCP over IPv6 segmentation (`VIRTIO_NET_HDR_GSO_TCPV6`).
+pub const GSO_TCPV6: u8 = 4;
+/// [`Offload::gso_type`] bit: the TCP segments carry ECN/CWR (`VIRTIO_NET_HDR_GSO_ECN`).
+pub const GSO_ECN: u8 = 0x80;
 /// Shortest frame accepted: an Ethernet header.
 pub const MIN_FRAME_LEN: usize = 14;
 /// Longest frame accepted (MTU 65521 plus an Ethernet and a VLAN header).
 pub const MAX_FRAME_LEN: usize = 65_539;
+/// Longest frame of a [`KIND_FRAME_OFFLOAD`] message: a 64 KiB IP packet to segment
+/// (65535 bytes) plus an Ethernet and a VLAN header.
+pub const MAX_OFFLOAD_FRAME_LEN: usize = 65_553;
 /// Length of a [`KIND_LINK`] payload.
 pub const LINK_LEN: usize = 16;
 /// [`LinkState`] flag: the link is up (carrier).
@@ -62,6 +89,100 @@ impl LinkState {
     }
 }
 
+/// What is left to the lender for one frame: the first 10 bytes of virtio 1.2's
+/// `struct virtio_net_hdr` (§5.1.6), little-endian, which is also the header of an
+/// AF_PACKET socket with `PACKET_VNET_HDR` on a little-endian host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Offload {
+    /// [`OFFLOAD_NEEDS_CSUM`] or 0.
+    pub flags: u8,
+    /// [`GSO_NONE`], [`GSO_TCPV4`] or [`GSO_TCPV6`], optionally with [`GSO_ECN`].
+    pub gso_type: u8,
+    /// Bytes of headers (Ethernet to TCP) a segment repeats; a hint.
+    pub hdr_len: u16,
+    /// Payload bytes per segment (the MSS) when segmenting.
+    pub gso_size: u16,
+    /// Byte offset in the frame where checksumming starts.
+    pub csum_start: u16,
+    /// Offset after `csum_start` where the 16-bit checksum is stored.
+    pub csum_offset: u16,
+}
+
+impl Offload {
+    /// Parses the 10 bytes `b` (virtio_net_hdr layout).
+    pub fn from_bytes(b: &[u8; OFFLOAD_LEN]) -> Self {
+        let u = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        Offload {
+            flags: b[0],
+            gso_type: b[1],
+            hdr_len: u(2),
+            gso_size: u(4),
+            csum_start: u(6),
+            csum_offset: u(8),
+        }
+    }
+
+    /// The 10 bytes of the header.
+    pub fn to_bytes(&self) -> [u8; OFFLOAD_LEN] {
+        let mut b = [0u8; OFFLOAD_LEN];
+        b[0] = self.flags;
+        b[1] = self.gso_type;
+        b[2..4].copy_from_slice(&self.hdr_len.to_le_bytes());
+        b[4..6].copy_from_slice(&self.gso_size.to_le_bytes());
+        b[6..8].copy_from_slice(&self.csum_start.to_le_bytes());
+        b[8..10].copy_from_slice(&self.csum_offset.to_le_bytes());
+        b
+    }
+
+    /// Whether nothing is left to the lender (a plain frame).
+    pub fn is_none(&self) -> bool {
+        self.flags == 0 && self.gso_type == GSO_NONE
+    }
+
+    /// Checks the header against a frame of `frame_len` bytes: only NEEDS_CSUM as a
+    /// flag; segmentation only of TCP (v4/v6, ECN allowed) with a checksum to complete
+    /// and a nonzero segment size; the checksum field inside the frame.
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] naming the first rule broken.
+    pub fn validate(&self, frame_len: usize) -> Result<(), WireError> {
+        if self.flags & !OFFLOAD_NEEDS_CSUM != 0 {
+            return Err(WireError::Invalid("offload flags other than NEEDS_CSUM"));
+        }
+        match self.gso_type & !GSO_ECN {
+            GSO_NONE if self.gso_type & GSO_ECN != 0 => {
+                return Err(WireError::Invalid("ECN without segmentation"))
+            }
+            GSO_NONE => {}
+            GSO_TCPV4 | GSO_TCPV6 => {
+                if self.flags & OFFLOAD_NEEDS_CSUM == 0 {
+                    return Err(WireError::Invalid("segmentation without NEEDS_CSUM"));
+                }
+                if self.gso_size == 0 {
+                    return Err(WireError::Invalid("segmentation with gso_size 0"));
+                }
+            }
+            _ => return Err(WireError::Invalid("segmentation type other than TCP")),
+        }
+        if self.flags & OFFLOAD_NEEDS_CSUM != 0
+            && usize::from(self.csum_start) + usize::from(self.csum_offset) + 2 > frame_len
+        {
+            return Err(WireError::Invalid("checksum field past the frame"));
+        }
+        Ok(())
+    }
+}
+
+/// Appends a [`KIND_FRAME_OFFLOAD`] message carrying `offload` and `frame` to `out`.
+pub fn encode_offload_frame(offload: &Offload, frame: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&header(
+        KIND_FRAME_OFFLOAD,
+        (OFFLOAD_LEN + frame.len()) as u32,
+    ));
+    out.extend_from_slice(&offload.to_bytes());
+    out.extend_from_slice(frame);
+}
+
 /// The header of a message of `kind` with `len` payload bytes.
 pub fn header(kind: u8, len: u32) -> [u8; NET_HEADER_LEN] {
     let l = len.to_le_bytes();
@@ -81,6 +202,9 @@ pub enum NetMessage<'a> {
     Frame(&'a [u8]),
     /// The link state.
     Link(LinkState),
+    /// An Ethernet frame with checksum/segmentation left to the lender; the header is
+    /// validated against the frame ([`Offload::validate`]).
+    OffloadFrame(Offload, &'a [u8]),
 }
 
 /// Decodes the first message of `buf`: `Ok(None)` when `buf` holds only part of it
@@ -111,6 +235,18 @@ pub fn decode(buf: &[u8]) -> Result<Option<(NetMessage<'_>, usize)>, WireError> 
                 return Err(WireError::Invalid("frame shorter than an Ethernet header"));
             }
         }
+        KIND_FRAME_OFFLOAD => {
+            if len > OFFLOAD_LEN + MAX_OFFLOAD_FRAME_LEN {
+                return Err(WireError::TooLong {
+                    what: "frame",
+                    len: len as u64,
+                    limit: (OFFLOAD_LEN + MAX_OFFLOAD_FRAME_LEN) as u64,
+                });
+            }
+            if len < OFFLOAD_LEN + MIN_FRAME_LEN {
+                return Err(WireError::Invalid("frame shorter than an Ethernet header"));
+            }
+        }
         KIND_LINK => {
             if len != LINK_LEN {
                 return Err(WireError::Invalid("link message length"));
@@ -123,10 +259,17 @@ pub fn decode(buf: &[u8]) -> Result<Option<(NetMessage<'_>, usize)>, WireError> 
         return Ok(None);
     }
     let payload = &buf[NET_HEADER_LEN..total];
-    let msg = if buf[0] == KIND_FRAME {
-        NetMessage::Frame(payload)
-    } else {
-        NetMessage::Link(LinkState::decode(payload)?)
+    let msg = match buf[0] {
+        KIND_FRAME => NetMessage::Frame(payload),
+        KIND_FRAME_OFFLOAD => {
+            let (h, frame) = payload.split_at(OFFLOAD_LEN);
+            let mut b = [0u8; OFFLOAD_LEN];
+            b.copy_from_slice(h);
+            let o = Offload::from_bytes(&b);
+            o.validate(frame.len())?;
+            NetMessage::OffloadFrame(o, frame)
+        }
+        _ => NetMessage::Link(LinkState::decode(payload)?),
     };
     Ok(Some((msg, total)))
 }
@@ -157,6 +300,53 @@ mod tests {
         for cut in 0..n2 {
             assert_eq!(decode(&b[n..n + cut]).unwrap(), None);
         }
+    }
+
+    #[test]
+    fn offload_frames_round_trip_and_bad_headers_are_refused() {
+        let tso = Offload {
+            flags: OFFLOAD_NEEDS_CSUM,
+            gso_type: GSO_TCPV4 | GSO_ECN,
+            hdr_len: 66,
+            gso_size: 1448,
+            csum_start: 34,
+            csum_offset: 16,
+        };
+        let frame = vec![0x5a; 30_000];
+        let mut b = Vec::new();
+        encode_offload_frame(&tso, &frame, &mut b);
+        let (m, n) = decode(&b).unwrap().unwrap();
+        assert_eq!(m, NetMessage::OffloadFrame(tso, &frame[..]));
+        assert_eq!(n, b.len());
+        assert_eq!(Offload::from_bytes(&tso.to_bytes()), tso);
+        let bad = [
+            Offload { flags: 2, ..tso },
+            Offload { gso_type: 3, ..tso },
+            Offload { gso_size: 0, ..tso },
+            Offload { flags: 0, ..tso },
+            Offload {
+                gso_type: GSO_ECN,
+                ..tso
+            },
+            Offload {
+                csum_start: 29_990,
+                ..tso
+            },
+        ];
+        for o in bad {
+            let mut b = Vec::new();
+            encode_offload_frame(&o, &frame, &mut b);
+            assert!(decode(&b).is_err(), "{o:?} accepted");
+        }
+        // A checksum-only frame, the field at the frame's very end.
+        let csum = Offload {
+            flags: OFFLOAD_NEEDS_CSUM,
+            csum_start: 34,
+            csum_offset: 6,
+            ..Offload::default()
+        };
+        assert!(csum.validate(42).is_ok() && csum.validate(41).is_err());
+        assert!(decode(&header(KIND_FRAME_OFFLOAD, (OFFLOAD_LEN + 13) as u32)).is_err());
     }
 
     #[test]

@@ -7,12 +7,12 @@
 //! killed: frames are dropped and counted, nothing hangs; it is restarted and traffic
 //! resumes without a re-attach. One guest for the whole file.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use devlend_tests::agents::{free_port, Borrower, Lender};
 use devlend_tests::guest::Guest;
+use devlend_tests::lan::{run, PeerLan};
 use devlend_tests::netns::Netns;
 use devlend_tests::{console_result, sha256_hex};
 
@@ -71,27 +71,6 @@ def send():
 t = threading.Thread(target=recv); t.start(); send(); t.join()
 "#;
 
-fn run(args: &[&str]) -> Result<String> {
-    let out = Command::new(args[0]).args(&args[1..]).output()?;
-    if !out.status.success() {
-        bail!("{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-struct Peer {
-    ns: String,
-    server: Child,
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.server.kill();
-        let _ = self.server.wait();
-        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
-    }
-}
-
 fn pattern() -> Vec<u8> {
     (0..FILE_MIB << 20)
         .map(|i| ((i * 7 + 3) % 256) as u8)
@@ -119,57 +98,15 @@ fn a_guest_uses_a_lent_nic() -> Result<()> {
     // The lender's host: reached by the compute agent over `fabric`.
     let fabric = Netns::new(0)?;
     let tag = format!("dn{}", std::process::id() % 100_000);
-    let (lent_if, peer_if, peer_ns) = (format!("{tag}l"), format!("{tag}p"), format!("{tag}peer"));
-    let _ = Command::new("ip").args(["netns", "del", &peer_ns]).status();
-    run(&["ip", "netns", "add", &peer_ns])?;
-    run(&[
-        "ip", "link", "add", &lent_if, "mtu", "9000", "type", "veth", "peer", "name", &peer_if,
-        "mtu", "9000",
-    ])?;
-    run(&["ip", "link", "set", &lent_if, "netns", &fabric.name])?;
-    run(&["ip", "link", "set", &peer_if, "netns", &peer_ns])?;
-    run(&[
-        "ip",
-        "netns",
-        "exec",
-        &fabric.name,
-        "ip",
-        "link",
-        "set",
-        &lent_if,
-        "up",
-    ])?;
-    let in_peer = |args: &[&str]| {
-        let mut v = vec!["ip", "netns", "exec", &peer_ns];
-        v.extend_from_slice(args);
-        run(&v)
-    };
-    in_peer(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{PEER_IP}/24"),
-        "dev",
-        &peer_if,
-    ])?;
-    // The peer is on the lender's host: its TCP would hand the veth segments of many
-    // MSS (TSO), which reach the lent end whole and are dropped there (the guest is
-    // offered no segmentation offload). One segment per packet, as from a remote host.
-    in_peer(&["ip", "link", "set", "dev", &peer_if, "gso_max_segs", "1"])?;
-    in_peer(&["ip", "link", "set", &peer_if, "up"])?;
-    in_peer(&["ip", "link", "set", "lo", "up"])?;
+    // MTU 9000 on the wire; the peer sends one segment per packet, as a remote host
+    // would (PeerLan).
+    let mut lan = PeerLan::new(&tag, &fabric.name, &format!("{PEER_IP}/24"), 9000)?;
+    let lent_if = lan.lent_if.clone();
+    let peer_if = lan.peer_if.clone();
     let received = dir.path().join("received.txt");
     let script = PEER.replace("FILE_BYTES", &(FILE_MIB << 20).to_string());
-    let server = Command::new("ip")
-        .args(["netns", "exec", &peer_ns, "python3", "-c", &script])
-        .arg(&received)
-        .stdout(Stdio::null())
-        .spawn()
-        .context("cannot start the peer's servers (python3)")?;
-    let _peer = Peer {
-        ns: peer_ns.clone(),
-        server,
-    };
+    lan.spawn_python(&script, &[&received.display().to_string()])?;
+    let in_peer = |args: &[&str]| lan.exec(args);
 
     let addr = format!("{}:{}", fabric.ns_ip, free_port()?);
     let device = format!("nic0=net:{lent_if},mac=52:54:00:12:34:56");

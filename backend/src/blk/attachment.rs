@@ -92,6 +92,8 @@ pub struct Attachment {
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
     net: Option<Arc<NetStats>>,
+    /// A lent NIC's link (MAC, MTU) as the lender reported it at start.
+    link: Option<devlend_fabric::net::LinkState>,
     shared: Arc<Shared>,
     wake: EventFd,
     thread: Option<JoinHandle<()>>,
@@ -141,6 +143,7 @@ impl Attachment {
                 return Err(AttachmentError::Queues(config.num_queues));
             }
             let link = reply.device.link();
+            let offload = reply.features & devlend_fabric::net::FEATURE_NET_OFFLOAD != 0;
             let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));
             let thread = {
                 let (config, net, shared) = (config.clone(), net.clone(), shared.clone());
@@ -154,6 +157,7 @@ impl Attachment {
                             &config.lender,
                             config.num_queues,
                             &link,
+                            offload,
                             &net,
                             &shared.stop,
                             |l| wait_for_client(l, &wake, &shared),
@@ -173,6 +177,7 @@ impl Attachment {
                 limits,
                 stats,
                 net: Some(net),
+                link: Some(link),
                 shared,
                 wake,
                 thread: Some(thread),
@@ -197,6 +202,7 @@ impl Attachment {
             limits,
             stats,
             net: None,
+            link: None,
             shared,
             wake,
             thread: Some(thread),
@@ -206,6 +212,16 @@ impl Attachment {
     /// For a lent NIC: its packet counters and link state.
     pub fn net_stats(&self) -> Option<NetStatsSnapshot> {
         self.net.as_ref().map(|n| n.snapshot())
+    }
+
+    /// For a lent NIC: its counters, shared (e.g. with a thread that follows the link).
+    pub fn net_counters(&self) -> Option<Arc<NetStats>> {
+        self.net.clone()
+    }
+
+    /// For a lent NIC: the link (MAC, MTU) the lender reported when it was attached.
+    pub fn net_link(&self) -> Option<devlend_fabric::net::LinkState> {
+        self.link
     }
 
     /// The configuration it was started with.

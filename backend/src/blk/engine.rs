@@ -77,8 +77,9 @@ impl LenderTarget {
     /// The hello for virtqueue `queue_index`.
     pub fn hello(&self, queue_index: u16) -> devlend_fabric::Hello {
         let mut h = devlend_fabric::Hello::new(&self.device, queue_index);
-        // This borrower can take a NIC too: the lender grants it only for one.
-        h.features = devlend_fabric::net::FEATURE_NET;
+        // This borrower can take a NIC too, with transmit offloads: the lender grants
+        // them only for one.
+        h.features = devlend_fabric::net::FEATURE_NET | devlend_fabric::net::FEATURE_NET_OFFLOAD;
         h.borrower = self.borrower;
         h.token.clone_from(&self.token);
         h

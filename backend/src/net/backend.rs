@@ -44,6 +44,7 @@ pub struct NetBackend {
     handlers: Mutex<Vec<Weak<Handler>>>,
     exit_fds: Mutex<Vec<(EventNotifier, RawFd)>>,
     acked: std::sync::atomic::AtomicU64,
+    offload: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -60,6 +61,7 @@ impl NetBackend {
         target: &LenderTarget,
         pairs: u16,
         link: &LinkState,
+        offload: bool,
         stats: Arc<NetStats>,
     ) -> io::Result<Self> {
         let cells = (0..pairs)
@@ -78,6 +80,7 @@ impl NetBackend {
             handlers: Mutex::new(Vec::new()),
             exit_fds: Mutex::new(Vec::new()),
             acked: std::sync::atomic::AtomicU64::new(0),
+            offload,
         })
     }
 
@@ -166,7 +169,7 @@ impl VhostUserBackend for NetBackend {
     }
 
     fn features(&self) -> u64 {
-        features()
+        features(self.offload)
     }
 
     fn acked_features(&self, features: u64) {
@@ -285,6 +288,7 @@ pub fn serve(
     target: &LenderTarget,
     pairs: u16,
     link: &LinkState,
+    offload: bool,
     stats: &Arc<NetStats>,
     stop: &AtomicBool,
     wait: impl Fn(&Listener) -> bool,
@@ -293,14 +297,15 @@ pub fn serve(
 ) {
     let name = format!("devlend-net-{}", target.device);
     while wait(&listener) {
-        let backend = match NetBackend::new(Arc::from(id), target, pairs, link, stats.clone()) {
-            Ok(b) => Arc::new(b),
-            Err(e) => {
-                tracing::error!(attachment = %id, error = %e, "cannot create the backend");
-                std::thread::sleep(Duration::from_millis(200));
-                continue;
-            }
-        };
+        let backend =
+            match NetBackend::new(Arc::from(id), target, pairs, link, offload, stats.clone()) {
+                Ok(b) => Arc::new(b),
+                Err(e) => {
+                    tracing::error!(attachment = %id, error = %e, "cannot create the backend");
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                }
+            };
         let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory())
         {
             Ok(d) => d,

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use devlend_fabric::conn::Stream;
-use devlend_fabric::net::{self, NetMessage, FEATURE_NET};
+use devlend_fabric::net::{self, NetMessage, Offload, FEATURE_NET, FEATURE_NET_OFFLOAD};
 use virtio_queue::{Queue, QueueT};
 
 use crate::blk::engine::{DisplayChain, LenderTarget, CONNECT_TIMEOUT};
@@ -171,6 +171,8 @@ pub struct PairEngine {
     backoff: Duration,
     retry_at: Option<Instant>,
     mergeable: bool,
+    /// The current session's lender takes offload frames.
+    offload: bool,
 }
 
 impl PairEngine {
@@ -199,6 +201,7 @@ impl PairEngine {
             backoff: Duration::ZERO,
             retry_at: None,
             mergeable: true,
+            offload: false,
         })
     }
 
@@ -259,6 +262,7 @@ impl PairEngine {
             });
         }
         let link = reply.device.link();
+        self.offload = reply.features & FEATURE_NET_OFFLOAD != 0;
         self.stats.link_up.store(link.up, Ordering::Relaxed);
         self.stats.mtu.store(link.mtu, Ordering::Relaxed);
         if self.generation > 0 {
@@ -459,6 +463,11 @@ impl PairEngine {
                             }
                         }
                     }
+                    Ok(Some((NetMessage::OffloadFrame(..), _))) => {
+                        self.pstats().errors.fetch_add(1, Ordering::Relaxed);
+                        self.lose("protocol error: an offload frame from the lender");
+                        return Ok(used);
+                    }
                     Ok(Some((NetMessage::Link(l), len))) => {
                         if l.up != self.stats.link_up.load(Ordering::Relaxed) {
                             tracing::info!(attachment = %self.name, up = l.up, mtu = l.mtu, "lender's link changed");
@@ -528,7 +537,7 @@ impl PairEngine {
         };
         let total = r.available_bytes();
         let len = total.saturating_sub(NET_HDR_LEN);
-        if total < NET_HDR_LEN + net::MIN_FRAME_LEN || len > net::MAX_FRAME_LEN {
+        if total < NET_HDR_LEN + net::MIN_FRAME_LEN || len > net::MAX_OFFLOAD_FRAME_LEN {
             s.errors.fetch_add(1, Ordering::Relaxed);
             s.tx_drops.fetch_add(1, Ordering::Relaxed);
             return;
@@ -543,13 +552,39 @@ impl PairEngine {
             s.tx_drops.fetch_add(1, Ordering::Relaxed);
             return;
         }
+        // The first 10 bytes of virtio_net_hdr_v1 (num_buffers is for receiving):
+        // what the guest leaves to the device (virtio 1.2 §5.1.6.2).
+        let mut first = [0u8; net::OFFLOAD_LEN];
+        first.copy_from_slice(&hdr[..net::OFFLOAD_LEN]);
+        let offload = Offload::from_bytes(&first);
+        let plain = offload.is_none();
+        let refused = if plain {
+            len > net::MAX_FRAME_LEN
+        } else {
+            // Offloads are offered only when the lender grants them; a restarted lender
+            // that does not cannot complete this frame.
+            !self.offload || offload.validate(len).is_err()
+        };
+        if refused {
+            s.errors.fetch_add(1, Ordering::Relaxed);
+            s.tx_drops.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let start = self.out.len();
-        self.out
-            .extend_from_slice(&net::header(net::KIND_FRAME, len as u32));
-        self.out.resize(start + net::NET_HEADER_LEN + len, 0);
-        if r.read_exact(&mut self.out[start + net::NET_HEADER_LEN..])
-            .is_err()
-        {
+        let data = if plain {
+            self.out
+                .extend_from_slice(&net::header(net::KIND_FRAME, len as u32));
+            start + net::NET_HEADER_LEN
+        } else {
+            self.out.extend_from_slice(&net::header(
+                net::KIND_FRAME_OFFLOAD,
+                (net::OFFLOAD_LEN + len) as u32,
+            ));
+            self.out.extend_from_slice(&first);
+            start + net::NET_HEADER_LEN + net::OFFLOAD_LEN
+        };
+        self.out.resize(data + len, 0);
+        if r.read_exact(&mut self.out[data..]).is_err() {
             self.out.truncate(start);
             s.errors.fetch_add(1, Ordering::Relaxed);
             s.tx_drops.fetch_add(1, Ordering::Relaxed);
@@ -594,7 +629,7 @@ fn count_frames(buf: &[u8]) -> u64 {
     let mut n = 0;
     let mut at = 0;
     while let Ok(Some((m, len))) = net::decode(&buf[at..]) {
-        if matches!(m, NetMessage::Frame(_)) {
+        if matches!(m, NetMessage::Frame(_) | NetMessage::OffloadFrame(..)) {
             n += 1;
         }
         at += len;

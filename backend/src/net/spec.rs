@@ -19,11 +19,20 @@ pub const NET_HDR_LEN: usize = 12;
 /// `max_virtqueue_pairs`, `mtu`.
 pub const CONFIG_LEN: usize = 12;
 
-/// The features offered. No checksum or segmentation offload: frames go to an
-/// AF_PACKET socket, which takes whole frames with their checksums done (offloads are
-/// future work).
-pub fn features() -> u64 {
-    [
+/// The transmit offloads offered when the lender grants offload frames
+/// (`FEATURE_NET_OFFLOAD`): the guest may leave TCP checksums and segmentation (v4, v6,
+/// with ECN) to the lender, whose packet socket has the kernel complete them. No
+/// receive offloads (GUEST_*): frames reach the guest whole, their checksums done.
+pub const TX_OFFLOADS: [u32; 4] = [
+    vn::VIRTIO_NET_F_CSUM,
+    vn::VIRTIO_NET_F_HOST_TSO4,
+    vn::VIRTIO_NET_F_HOST_TSO6,
+    vn::VIRTIO_NET_F_HOST_ECN,
+];
+
+/// The features offered (virtio 1.2 §5.1.3), with [`TX_OFFLOADS`] when `offload`.
+pub fn features(offload: bool) -> u64 {
+    let base = [
         VIRTIO_F_VERSION_1,
         VIRTIO_RING_F_EVENT_IDX,
         VIRTIO_RING_F_INDIRECT_DESC,
@@ -35,7 +44,12 @@ pub fn features() -> u64 {
         VHOST_USER_F_PROTOCOL_FEATURES,
     ]
     .iter()
-    .fold(0u64, |acc, b| acc | 1 << b)
+    .fold(0u64, |acc, b| acc | 1 << b);
+    if offload {
+        TX_OFFLOADS.iter().fold(base, |acc, b| acc | 1 << b)
+    } else {
+        base
+    }
 }
 
 /// The config space for `pairs` queue pairs and the lender's link.
@@ -82,8 +96,13 @@ mod tests {
         assert_eq!(config_slice(&c, 6, 4), vec![1, 0, 2, 0]);
         assert_eq!(config_slice(&c, 10, 8), vec![0x28, 0x23, 0, 0, 0, 0, 0, 0]);
         assert_eq!(config_slice(&c, 100, 2), vec![0, 0]);
-        let f = features();
+        let f = features(false);
         assert!(f & (1 << vn::VIRTIO_NET_F_MRG_RXBUF) != 0 && f & (1 << 32) != 0);
         assert!(f & (1 << vn::VIRTIO_NET_F_CSUM) == 0);
+        let f = features(true);
+        assert!(
+            f & (1 << vn::VIRTIO_NET_F_CSUM) != 0 && f & (1 << vn::VIRTIO_NET_F_HOST_TSO6) != 0
+        );
+        assert!(f & (1 << vn::VIRTIO_NET_F_GUEST_CSUM) == 0);
     }
 }

@@ -1,10 +1,12 @@
 //! Live attach and detach into a running QEMU through QMP.
 //!
 //! Attach: `chardev-add` (a unix socket client of the attachment's vhost-user socket),
-//! then `device_add vhost-user-blk-pci` on a free hotplug-capable PCIe root port.
-//! Detach: `device_del`, wait for the guest to release the device (`DEVICE_DELETED`),
-//! then `chardev-remove`. Each failure undoes what the operation had done, so no
-//! half-made state is left in QEMU.
+//! then `device_add vhost-user-blk-pci` on a free hotplug-capable PCIe root port; for a
+//! lent NIC, `netdev_add` (type `vhost-user` on that chardev) and `device_add
+//! virtio-net-pci`. Detach: `device_del`, wait for the guest to release the device
+//! (`DEVICE_DELETED`), then `netdev_del` (a NIC) and `chardev-remove`. Each failure
+//! undoes what the operation had done, so no half-made state is left in QEMU. A NIC's
+//! guest-visible link follows the lender with `set_link` ([`set_link`]).
 
 use std::path::Path;
 use std::time::Duration;
@@ -38,6 +40,34 @@ pub enum HotplugError {
 /// The chardev id devlend uses for device `id`.
 pub fn chardev_id(id: &str) -> String {
     format!("devlend-{id}")
+}
+
+/// The netdev id devlend uses for NIC device `id`.
+pub fn netdev_id(id: &str) -> String {
+    format!("devlend-net-{id}")
+}
+
+/// What to plug.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlugKind {
+    /// A `vhost-user-blk-pci` disk with `num_queues` virtqueues of `queue_size`
+    /// descriptors.
+    Blk {
+        /// Virtqueues.
+        num_queues: u16,
+        /// Descriptors per virtqueue.
+        queue_size: u16,
+    },
+    /// A `virtio-net-pci` NIC on a `vhost-user` netdev with `pairs` queue pairs
+    /// (`mq=on` and 2 × pairs + 2 MSI-X vectors when more than one).
+    Net {
+        /// Queue pairs.
+        pairs: u16,
+        /// The guest's MAC address, `aa:bb:cc:dd:ee:ff`.
+        mac: String,
+        /// The MTU the guest is given (`host_mtu`), in bytes; 1500 leaves QEMU's default.
+        mtu: u32,
+    },
 }
 
 /// Ids of the devices of the VM (`qom-list /machine/peripheral`).
@@ -111,17 +141,11 @@ pub struct Plugged {
     pub port: String,
 }
 
-/// Plugs a vhost-user-blk-pci device joined to `socket` into the VM behind `qmp`.
+/// Plugs a device of `kind` joined to `socket` into the VM behind `qmp`.
 ///
 /// # Errors
 /// [`HotplugError`]; on error nothing is left plugged.
-pub fn plug(
-    qmp: &Path,
-    id: &str,
-    socket: &Path,
-    num_queues: u16,
-    queue_size: u16,
-) -> Result<Plugged, HotplugError> {
+pub fn plug(qmp: &Path, id: &str, socket: &Path, kind: &PlugKind) -> Result<Plugged, HotplugError> {
     let mut q = Qmp::connect(qmp)?;
     let chardev = chardev_id(id);
     if device_ids(&mut q)?.iter().any(|d| d == id) {
@@ -141,17 +165,53 @@ pub fn plug(
             }},
         }),
     )?;
-    let added = q.execute(
-        "device_add",
-        json!({
-            "driver": "vhost-user-blk-pci",
-            "id": id,
-            "chardev": chardev,
-            "bus": port,
-            "num-queues": num_queues,
-            "queue-size": queue_size,
-        }),
-    );
+    let added = match kind {
+        PlugKind::Blk {
+            num_queues,
+            queue_size,
+        } => q.execute(
+            "device_add",
+            json!({
+                "driver": "vhost-user-blk-pci",
+                "id": id,
+                "chardev": chardev,
+                "bus": port,
+                "num-queues": num_queues,
+                "queue-size": queue_size,
+            }),
+        ),
+        PlugKind::Net { pairs, mac, mtu } => {
+            // A taken netdev id fails netdev_add, and the chardev is removed below.
+            let netdev = netdev_id(id);
+            match q.execute(
+                "netdev_add",
+                json!({ "type": "vhost-user", "id": netdev, "chardev": chardev, "queues": pairs }),
+            ) {
+                Err(e) => Err(e),
+                Ok(_) => {
+                    let mut dev = json!({
+                        "driver": "virtio-net-pci",
+                        "id": id,
+                        "netdev": netdev,
+                        "bus": port,
+                        "mac": mac,
+                    });
+                    if *pairs > 1 {
+                        dev["mq"] = json!(true);
+                        dev["vectors"] = json!(2 * u32::from(*pairs) + 2);
+                    }
+                    if *mtu != 1500 {
+                        dev["host_mtu"] = json!(mtu);
+                    }
+                    let r = q.execute("device_add", dev);
+                    if r.is_err() {
+                        let _ = q.execute("netdev_del", json!({ "id": netdev }));
+                    }
+                    r
+                }
+            }
+        }
+    };
     if let Err(e) = added {
         let _ = q.execute("chardev-remove", json!({ "id": chardev }));
         return Err(e.into());
@@ -195,9 +255,26 @@ pub fn unplug(qmp: &Path, id: &str, timeout: Duration) -> Result<(), HotplugErro
             Err(e) => return Err(e.into()),
         }
     }
+    // A NIC's netdev (absent for a disk: QEMU answers that it is not found).
+    match q.execute("netdev_del", json!({ "id": netdev_id(id) })) {
+        Ok(_) | Err(QmpError::Command { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
     let chardev = chardev_id(id);
     if chardev_ids(&mut q)?.contains(&chardev) {
         q.execute("chardev-remove", json!({ "id": chardev }))?;
     }
+    Ok(())
+}
+
+/// Sets the guest-visible link of NIC device `id` up or down (QMP `set_link`): the
+/// guest's driver sees the carrier change (virtio-net's `VIRTIO_NET_S_LINK_UP` and a
+/// config interrupt).
+///
+/// # Errors
+/// QMP errors (the VM gone, no such device).
+pub fn set_link(qmp: &Path, id: &str, up: bool) -> Result<(), HotplugError> {
+    let mut q = Qmp::connect(qmp)?;
+    q.execute("set_link", json!({ "name": id, "up": up }))?;
     Ok(())
 }
