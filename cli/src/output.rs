@@ -102,12 +102,93 @@ pub fn libvirt_xml(a: &AttachmentInfo) -> String {
     )
 }
 
-/// The `devlend status` table: one line per attachment, with the rates of the last
-/// seconds (IOPS, MB/s read and written, p99 latency upper bound).
+/// The `devlend status` tables: one line per disk, with the rates of the last seconds
+/// (IOPS, MB/s read and written, p99 latency upper bound), then one line per lent NIC
+/// with its frame counters ([`nic_table`]).
 pub fn status_table(list: &[AttachmentInfo]) -> String {
     if list.is_empty() {
         return "no attachments\n".to_owned();
     }
+    let (nics, disks): (Vec<&AttachmentInfo>, Vec<&AttachmentInfo>) = list
+        .iter()
+        .partition(|a| a.kind == "nic" && a.net.is_some());
+    let mut out = if disks.is_empty() {
+        String::new()
+    } else {
+        disk_table(&disks)
+    };
+    if !nics.is_empty() {
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        out.push_str(&nic_table(&nics));
+    }
+    for a in list {
+        if let Some(why) = &a.restoring {
+            out.push_str(&format!(
+                "{}: saved before a restart, not served yet (retrying): {why}\n",
+                a.id
+            ));
+        }
+    }
+    out
+}
+
+/// One line per lent NIC: link, queue pairs, frames and bytes each way (RX: to the
+/// guest, TX: from it), drops each way, errors.
+pub fn nic_table(list: &[&AttachmentInfo]) -> String {
+    let mut out = format!(
+        "{:<14} {:<10} {:<21} {:<4} {:>2} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>6}  {:<11} {}\n",
+        "NIC",
+        "DEVICE",
+        "LENDER",
+        "LINK",
+        "Q",
+        "RX PKTS",
+        "RX BYTES",
+        "TX PKTS",
+        "TX BYTES",
+        "RX DROP",
+        "TX DROP",
+        "ERRORS",
+        "STATE",
+        "SOCKET"
+    );
+    for a in list {
+        let Some(n) = &a.net else { continue };
+        let t = &n.total;
+        out.push_str(&format!(
+            "{:<14} {:<10} {:<21} {:<4} {:>2} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>6}  {:<11} {}\n",
+            a.id,
+            a.device,
+            a.lender,
+            if n.link_up { "up" } else { "down" },
+            a.queues,
+            t.rx_packets,
+            human_bytes(t.rx_bytes),
+            t.tx_packets,
+            human_bytes(t.tx_bytes),
+            t.rx_drops,
+            t.tx_drops,
+            t.errors,
+            state(a),
+            a.socket.display()
+        ));
+    }
+    out
+}
+
+fn state(a: &AttachmentInfo) -> &'static str {
+    match (&a.vmm, a.connected) {
+        _ if a.restoring.is_some() => "restoring",
+        _ if a.lease_ended => "lease-ended",
+        (_, true) => "connected",
+        (Some(_), false) => "unplugged",
+        (None, false) => "waiting",
+    }
+}
+
+fn disk_table(list: &[&AttachmentInfo]) -> String {
     let mut out = format!(
         "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8} {:>8} {:>8} {:>8} {:>6} {:>4}  {:<11} {:<8} {}\n",
         "ID",
@@ -134,13 +215,7 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
             Some(us) => format!("{us}us"),
             None => "-".to_owned(),
         };
-        let state = match (&a.vmm, a.connected) {
-            _ if a.restoring.is_some() => "restoring",
-            _ if a.lease_ended => "lease-ended",
-            (_, true) => "connected",
-            (Some(_), false) => "unplugged",
-            (None, false) => "waiting",
-        };
+        let state = state(a);
         out.push_str(&format!(
             "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8.0} {:>8.1} {:>8.1} {:>8} {:>6} {:>4}  {:<11} {:<8} {}\n",
             a.id,
@@ -169,14 +244,6 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
                 .unwrap_or_else(|| "-".into()),
             a.socket.display()
         ));
-    }
-    for a in list {
-        if let Some(why) = &a.restoring {
-            out.push_str(&format!(
-                "{}: saved before a restart, not served yet (retrying): {why}\n",
-                a.id
-            ));
-        }
     }
     out
 }

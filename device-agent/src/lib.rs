@@ -40,7 +40,7 @@ pub use engine::IoMode;
 pub use error::Error;
 pub use leases::LeaseGuard;
 pub use server::{
-    InventoryView, Lender, LenderHandle, LentDevice, Options, ReloadReport, StatsView,
+    InventoryView, Lender, LenderHandle, LentDevice, NicCounters, Options, ReloadReport, StatsView,
 };
 pub use stats::DeviceStatsSnapshot;
 

@@ -6,6 +6,9 @@
 //! `devlend_device_sessions` (open now), `devlend_device_sessions_opened_total`,
 //! `devlend_device_operations_total` (operations issued to the backing file),
 //! `devlend_device_requests_in_flight`, `devlend_device_request_duration_seconds`.
+//! Per lent network interface: `devlend_nic_packets_total{dir}` and
+//! `devlend_nic_bytes_total{dir}` (`rx`: from the interface to the borrower, `tx`: the
+//! other way), `devlend_nic_drops_total`.
 
 use devlend_daemon::metrics::{
     counter, gauge, histogram, Collector, DescriptorEncoder, HistogramSeries, Labels,
@@ -38,6 +41,9 @@ struct Families {
     ops: Vec<(Labels, u64)>,
     inflight: Vec<(Labels, i64)>,
     latency: Vec<HistogramSeries>,
+    nic_packets: Vec<(Labels, u64)>,
+    nic_bytes: Vec<(Labels, u64)>,
+    nic_drops: Vec<(Labels, u64)>,
 }
 
 impl Collector for DeviceMetrics {
@@ -71,6 +77,15 @@ impl Collector for DeviceMetrics {
                 bounds: BOUNDS_US.iter().map(|&us| us as f64 / 1e6).collect(),
                 buckets: lat.buckets,
             });
+        }
+        for (name, n) in self.0.nics() {
+            f.nic_packets
+                .push((l(&name, &[("dir", "rx")]), n.rx_packets));
+            f.nic_packets
+                .push((l(&name, &[("dir", "tx")]), n.tx_packets));
+            f.nic_bytes.push((l(&name, &[("dir", "rx")]), n.rx_bytes));
+            f.nic_bytes.push((l(&name, &[("dir", "tx")]), n.tx_bytes));
+            f.nic_drops.push((l(&name, &[]), n.drops));
         }
         let e = &mut enc;
         counter(
@@ -115,6 +130,24 @@ impl Collector for DeviceMetrics {
             "devlend_device_request_duration_seconds",
             "Time from receiving a request to queueing its response.",
             &f.latency,
+        )?;
+        counter(
+            e,
+            "devlend_nic_packets",
+            "Frames moved by a lent interface (rx: to the borrower, tx: from it).",
+            &f.nic_packets,
+        )?;
+        counter(
+            e,
+            "devlend_nic_bytes",
+            "Bytes of the frames moved by a lent interface.",
+            &f.nic_bytes,
+        )?;
+        counter(
+            e,
+            "devlend_nic_drops",
+            "Frames a lent interface dropped, either way.",
+            &f.nic_drops,
         )?;
         Ok(())
     }

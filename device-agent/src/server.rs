@@ -632,6 +632,45 @@ impl StatsView {
     }
 }
 
+/// A lent network interface's frame counters (since the lender started).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NicCounters {
+    /// Frames received on the interface and sent to the borrower.
+    pub rx_packets: u64,
+    /// Their bytes.
+    pub rx_bytes: u64,
+    /// Frames from the borrower sent on the interface.
+    pub tx_packets: u64,
+    /// Their bytes.
+    pub tx_bytes: u64,
+    /// Frames dropped either way (borrower too slow, too large, interface refused).
+    pub drops: u64,
+}
+
+impl StatsView {
+    /// Each lent interface's device name and frame counters, by name.
+    pub fn nics(&self) -> Vec<(String, NicCounters)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.0
+            .all_devices()
+            .iter()
+            .filter_map(|d| {
+                let s = &d.nic.as_ref()?.stats;
+                Some((
+                    d.name.clone(),
+                    NicCounters {
+                        rx_packets: s.rx_packets.load(Relaxed),
+                        rx_bytes: s.rx_bytes.load(Relaxed),
+                        tx_packets: s.tx_packets.load(Relaxed),
+                        tx_bytes: s.tx_bytes.load(Relaxed),
+                        drops: s.drops.load(Relaxed),
+                    },
+                ))
+            })
+            .collect()
+    }
+}
+
 impl std::fmt::Debug for StatsView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("StatsView")

@@ -47,3 +47,29 @@ pub fn test_seed() -> u64 {
     eprintln!("seed {s} (DEVLEND_TEST_SEED={s} repeats this run)");
     s
 }
+
+/// `GET /metrics` from the Prometheus endpoint at `addr` (`HOST:PORT`): the body and
+/// headers of a 200 answer.
+///
+/// # Errors
+/// The endpoint cannot be reached or does not answer 200.
+pub fn scrape_metrics(addr: &str) -> anyhow::Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    if !(out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200")) {
+        anyhow::bail!("metrics at {addr}: {out}");
+    }
+    Ok(out)
+}
+
+/// The value of the series whose line starts with `series` (name and labels in
+/// order) in a Prometheus text exposition.
+pub fn metric_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}

@@ -2,8 +2,6 @@
 //! is started with a `NOTIFY_SOCKET`, and we check readiness, SIGHUP reloads, SIGTERM
 //! drains, and that the metrics endpoints count the I/O done.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -132,24 +130,12 @@ fn devlend(api: &Path, args: &[&str]) -> serde_json::Value {
 }
 
 fn scrape(addr: &str) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    assert!(
-        out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200"),
-        "{out}"
-    );
-    out
+    devlend_tests::scrape_metrics(addr).unwrap()
 }
 
 /// The value of the series whose line starts with `series` (name and labels in order).
 fn value(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(series))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+    devlend_tests::metric_value(text, series)
         .unwrap_or_else(|| panic!("no series {series} in:\n{text}"))
 }
 

@@ -14,7 +14,7 @@ use devlend_tests::agents::{free_port, Borrower, Lender};
 use devlend_tests::guest::Guest;
 use devlend_tests::lan::PeerLan;
 use devlend_tests::netns::Netns;
-use devlend_tests::sha256_hex;
+use devlend_tests::{metric_value, scrape_metrics, sha256_hex};
 
 const FLOWS: usize = 8;
 const FLOW_KIB: usize = 512;
@@ -133,12 +133,13 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
 
     let addr = format!("{}:{}", fabric.ns_ip, free_port()?);
     let device = format!("nic0=net:{},mac={MAC}", lan.lent_if);
+    let metrics = format!("{}:{}", fabric.ns_ip, free_port()?);
     let mut lender = Lender::start_in(
         dir.path(),
         Some(&fabric.name),
         &addr,
         std::slice::from_ref(&device),
-        &[],
+        &["--metrics-listen".to_owned(), metrics.clone()],
     )?;
     let borrower = Borrower::start(dir.path())?;
     let script = SCRIPT
@@ -173,6 +174,8 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
         return Err(e);
     }
     let during = borrower.cli_json(&["status"])?;
+    let table = String::from_utf8_lossy(&borrower.cli(&["status"])?.stdout).into_owned();
+    let lent = scrape_metrics(&metrics)?;
     lender.proc.kill_hard();
     wait_phase(&guest, "link-down", Duration::from_secs(90))?;
     let _lender = Lender::start_in(dir.path(), Some(&fabric.name), &addr, &[device], &[])?;
@@ -224,6 +227,21 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
                 "queue pair {i} carried too few {k}: {during}"
             );
         }
+    }
+    // The human table has the NIC's line; the lender's metrics count the frames.
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("net0 "))
+        .with_context(|| format!("no net0 line in:\n{table}"))?;
+    assert!(table.contains("RX PKTS") && row.contains(" up "), "{table}");
+    let flows_bytes = ((FLOWS * FLOW_KIB) << 10) as f64;
+    for dir in ["rx", "tx"] {
+        let bytes = metric_value(
+            &lent,
+            &format!("devlend_nic_bytes_total{{device=\"nic0\",dir=\"{dir}\"}}"),
+        )
+        .with_context(|| format!("no NIC bytes {dir} in:\n{lent}"))?;
+        assert!(bytes > flows_bytes, "lender's {dir} bytes {bytes}:\n{lent}");
     }
     assert_eq!(
         out.result("carrier_while_gone"),
