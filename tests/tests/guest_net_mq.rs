@@ -4,8 +4,10 @@
 //! checked. The lender is then killed: the guest's link goes down (QMP `set_link`),
 //! and comes back up with the lender, and traffic resumes without a re-attach. Last,
 //! the NIC is detached live (the guest sees it go) and attached again under the same
-//! id, which works only if the detach left no netdev or chardev behind. One guest for
-//! the whole file.
+//! id, which works only if the detach left no netdev or chardev behind. Before that the
+//! compute agent is restarted (SIGTERM): the NIC is restored from its state file and
+//! QEMU joins it again (the chardev was added with `reconnect-ms`). One guest for the
+//! whole file.
 
 use std::time::Duration;
 
@@ -67,6 +69,21 @@ while ! ping -c 1 -W 1 10.77.0.2 > /dev/null 2>&1; do
 done
 ping -c 3 -W 5 10.77.0.2 > /dev/null && echo "DEVLEND-RESULT resumed=ok"
 echo "DEVLEND-RESULT phase=resumed"
+# The host restarts the compute agent: QEMU loses the socket (link down), joins the
+# restored attachment again (link up).
+i=0
+while [ "$(cat /sys/class/net/eth0/carrier 2>/dev/null)" = 1 ]; do
+  sleep 0.1; i=$((i+1)); [ $i -lt 600 ] || break
+done
+echo "DEVLEND-RESULT carrier_at_restart=$(cat /sys/class/net/eth0/carrier 2>/dev/null)"
+i=0
+while ! ping -c 1 -W 1 10.77.0.2 > /dev/null 2>&1; do
+  i=$((i+1)); [ $i -lt 60 ] || break
+done
+ping -c 3 -W 5 10.77.0.2 > /dev/null && echo "DEVLEND-RESULT after_restart=ok"
+nc 10.77.0.2 5002 < /dev/null > /tmp/down-restart
+echo "DEVLEND-RESULT down_restart=$(sha256sum /tmp/down-restart | cut -d' ' -f1)"
+echo "DEVLEND-RESULT phase=restarted"
 i=0
 while [ -e /sys/class/net/eth0 ]; do sleep 0.2; i=$((i+1)); [ $i -lt 300 ] || exit 4; done
 echo "DEVLEND-RESULT phase=unplugged"
@@ -141,7 +158,7 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
         std::slice::from_ref(&device),
         &["--metrics-listen".to_owned(), metrics.clone()],
     )?;
-    let borrower = Borrower::start(dir.path())?;
+    let mut borrower = Borrower::start(dir.path())?;
     let script = SCRIPT
         .replace("FLOWS", &FLOWS.to_string())
         .replace("FLOW_KIB", &FLOW_KIB.to_string());
@@ -181,6 +198,20 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
     let _lender = Lender::start_in(dir.path(), Some(&fabric.name), &addr, &[device], &[])?;
     wait_phase(&guest, "resumed", Duration::from_secs(120))?;
     let after = borrower.cli_json(&["status"])?;
+    // SIGTERM keeps the attachment (and the VM's device) in the state file; the next
+    // agent serves it again on the same socket.
+    let code = borrower.proc.terminate(Duration::from_secs(40))?;
+    assert!(code.success(), "compute agent exit: {code:?}");
+    borrower = Borrower::start_named(dir.path(), "compute-agent-2", &[])?;
+    wait_phase(&guest, "restarted", Duration::from_secs(120))?;
+    let restored = borrower.cli_json(&["status"])?;
+    assert_eq!(restored[0]["id"], "net0", "{restored}");
+    assert_eq!(restored[0]["kind"], "nic", "{restored}");
+    assert_eq!(
+        restored[0]["net"]["pairs"].as_array().map(Vec::len),
+        Some(2),
+        "{restored}"
+    );
     let detached = borrower.cli_json(&["detach", "net0"])?;
     eprintln!("detach: {detached}");
     wait_phase(&guest, "unplugged", Duration::from_secs(90))?;
@@ -251,6 +282,13 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
     );
     assert_eq!(out.result("carrier_back"), Some("1"), "{}", out.console);
     assert_eq!(out.result("resumed"), Some("ok"), "{}", out.console);
+    assert_eq!(
+        out.result("after_restart"),
+        Some("ok"),
+        "no traffic after the compute agent restarted:\n{}",
+        out.console
+    );
+    assert_eq!(out.result("down_restart"), Some(down.as_str()));
     assert_eq!(after[0]["net"]["link_up"], true, "{after}");
     assert!(
         after[0]["net"]["reconnects"].as_u64().unwrap_or(0) >= 2,

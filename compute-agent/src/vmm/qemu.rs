@@ -42,6 +42,10 @@ pub fn chardev_id(id: &str) -> String {
     format!("devlend-{id}")
 }
 
+/// How often QEMU retries a lost vhost-user socket, in milliseconds (chardev
+/// `reconnect-ms`, QEMU 9.2 and later).
+pub const RECONNECT_MS: u64 = 1000;
+
 /// The netdev id devlend uses for NIC device `id`.
 pub fn netdev_id(id: &str) -> String {
     format!("devlend-net-{id}")
@@ -162,6 +166,9 @@ pub fn plug(qmp: &Path, id: &str, socket: &Path, kind: &PlugKind) -> Result<Plug
             "backend": { "type": "socket", "data": {
                 "addr": { "type": "unix", "data": { "path": socket.display().to_string() } },
                 "server": false,
+                // QEMU joins the socket again if the compute agent restarts (the
+                // attachment is restored from the state file on the same path).
+                "reconnect-ms": RECONNECT_MS,
             }},
         }),
     )?;
