@@ -317,6 +317,12 @@ pub struct NetCounters {
     /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
     #[serde(default)]
     pub rx_merged: u64,
+    /// Frames delivered larger than the MTU, for the guest's TCP (GUEST_TSO4/6).
+    #[serde(default)]
+    pub rx_gso: u64,
+    /// Frames the guest left to segment (HOST_TSO4/6), sent whole to the lender.
+    #[serde(default)]
+    pub tx_gso: u64,
 }
 
 /// A lent NIC as the compute agent sees it.
@@ -347,6 +353,8 @@ impl From<devlend_backend::net::pair::PairSnapshot> for NetCounters {
             tx_drops: p.tx_drops,
             errors: p.errors,
             rx_merged: p.rx_merged,
+            rx_gso: p.rx_gso,
+            tx_gso: p.tx_gso,
         }
     }
 }

@@ -288,8 +288,9 @@ fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offload: bool) -
         inbuf: vec![0u8; 1 << 18],
         have: 0,
         out,
-        rx: RxBatch::new(link.mtu),
+        rx: RxBatch::new(link.mtu, offload),
         offload,
+        accept: 0,
     };
     tracing::info!(%peer, interface = %nic.ifname, queue, mtu = link.mtu, up = link.up, "frames flowing");
     let mut last_link = Instant::now();
@@ -335,7 +336,7 @@ fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offload: bool) -
             if now != link {
                 tracing::info!(interface = %nic.ifname, up = now.up, mtu = now.mtu, "link changed");
                 if now.mtu != link.mtu {
-                    session.rx = RxBatch::new(now.mtu);
+                    session.rx = RxBatch::new(now.mtu, session.offload);
                 }
                 link = now;
                 link.encode(&mut session.out);
@@ -353,6 +354,9 @@ struct Session<'a> {
     inbuf: Vec<u8>,
     /// The borrower was granted offload frames (`FEATURE_NET_OFFLOAD`).
     offload: bool,
+    /// The offloaded frames the borrower's guest takes (`net::RX_*`, its last
+    /// OFFLOADS message; none before one).
+    accept: u32,
     have: usize,
     out: Vec<u8>,
     rx: RxBatch,
@@ -386,8 +390,22 @@ impl Session<'_> {
                                 "offload frame without FEATURE_NET_OFFLOAD".into(),
                             ));
                         }
+                        // Checked as a frame from the guest this time (no DATA_VALID).
+                        if let Err(e) = o.validate(f.len(), false) {
+                            return Some(End::Protocol(e.to_string()));
+                        }
                         let off = at + net::NET_HEADER_LEN + net::OFFLOAD_LEN;
                         frames.push((Some(o.to_bytes()), off, f.len()));
+                        at += len;
+                    }
+                    Ok(Some((NetMessage::Offloads(bits), len))) => {
+                        if !self.offload {
+                            return Some(End::Protocol(
+                                "offloads message without FEATURE_NET_OFFLOAD".into(),
+                            ));
+                        }
+                        tracing::debug!(bits, "the guest's receive offloads");
+                        self.accept = bits;
                         at += len;
                     }
                     Ok(Some((NetMessage::Link(_), _))) => {
@@ -472,19 +490,24 @@ impl Session<'_> {
                 return;
             }
             for i in 0..got {
-                let frame = match self.rx.frame(i) {
-                    Rx::Frame(f) => f,
+                let (offload, frame) = match self.rx.frame(i, self.accept) {
+                    Rx::Frame(f) => (None, f),
+                    Rx::Offload(o, f) => (Some(o), f),
                     Rx::Outgoing => continue,
                     Rx::Drop => {
                         s.drops.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
                 };
-                if self.out.len() + frame.len() + net::NET_HEADER_LEN > OUT_LIMIT {
+                if self.out.len() + frame.len() + net::NET_HEADER_LEN + net::OFFLOAD_LEN > OUT_LIMIT
+                {
                     s.drops.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                net::encode_frame(frame, &mut self.out);
+                match offload {
+                    Some(o) => net::encode_offload_frame(&o, frame, &mut self.out),
+                    None => net::encode_frame(frame, &mut self.out),
+                }
                 s.rx_packets.fetch_add(1, Ordering::Relaxed);
                 s.rx_bytes.fetch_add(frame.len() as u64, Ordering::Relaxed);
             }
@@ -522,6 +545,9 @@ struct RxBatch {
 enum Rx<'a> {
     /// A frame for the borrower.
     Frame(&'a [u8]),
+    /// A frame for the borrower, with what its guest is left to do or need not do
+    /// (a checksum to complete or already validated, a GSO frame).
+    Offload(net::Offload, &'a [u8]),
     /// Sent by the lender's own host: not the borrower's.
     Outgoing,
     /// Truncated (larger than the buffer, e.g. from GRO) or shorter than a header.
@@ -529,9 +555,15 @@ enum Rx<'a> {
 }
 
 impl RxBatch {
-    fn new(mtu: u32) -> Self {
+    /// Buffers for frames of `mtu` bytes; when `offload`, for GSO frames too (a GRO'd
+    /// or TSO frame of up to 64 KiB: 32 such buffers are 2 MiB).
+    fn new(mtu: u32, offload: bool) -> Self {
         // An Ethernet header, a VLAN tag, and some slack; at least a standard frame.
-        let size = (mtu as usize + 22).clamp(1536, net::MAX_FRAME_LEN) + VNET_HDR_LEN;
+        let size = if offload {
+            net::MAX_OFFLOAD_FRAME_LEN
+        } else {
+            (mtu as usize + 22).clamp(1536, net::MAX_FRAME_LEN)
+        } + VNET_HDR_LEN;
         RxBatch {
             bufs: (0..BATCH).map(|_| vec![0u8; size]).collect(),
             // SAFETY: sockaddr_ll is plain old data; all-zero is a valid value.
@@ -586,14 +618,28 @@ impl RxBatch {
         n as usize
     }
 
-    /// The `i`th frame received, its checksum completed where the header asks.
-    fn frame(&mut self, i: usize) -> Rx<'_> {
+    /// The `i`th frame received: with its packet-socket header when the guest takes
+    /// what it says (`accept`: `net::RX_*`), else its checksum completed where the
+    /// header asks; a GSO frame the guest does not take is dropped.
+    fn frame(&mut self, i: usize, accept: u32) -> Rx<'_> {
         match self.lens[i] {
             (_, true, _) => Rx::Outgoing,
             (len, false, false) if len >= VNET_HDR_LEN + net::MIN_FRAME_LEN => {
                 let (hdr, frame) = self.bufs[i][..len].split_at_mut(VNET_HDR_LEN);
+                let mut h = [0u8; VNET_HDR_LEN];
+                h.copy_from_slice(hdr);
+                let o = net::Offload::from_bytes(&h);
+                if o.flags != 0 && accept & net::RX_CSUM != 0 && guest_takes_gso(&o, accept) {
+                    return match o.validate(frame.len(), true) {
+                        Ok(()) => Rx::Offload(o, frame),
+                        Err(e) => {
+                            tracing::debug!(len, error = %e, "frame with a bad packet header dropped");
+                            Rx::Drop
+                        }
+                    };
+                }
                 // A GSO frame (gso_type set) is larger than the MTU: not for a guest
-                // that was offered no segmentation offload.
+                // that takes no segmentation offload.
                 if hdr[1] != 0 {
                     tracing::debug!(len, gso_type = hdr[1], "GSO frame dropped");
                     return Rx::Drop;
@@ -612,6 +658,18 @@ impl RxBatch {
                 Rx::Drop
             }
         }
+    }
+}
+
+/// Whether a guest that takes `accept` (`net::RX_*`) takes `o`'s segmentation (none:
+/// yes).
+fn guest_takes_gso(o: &net::Offload, accept: u32) -> bool {
+    let ecn_ok = o.gso_type & net::GSO_ECN == 0 || accept & net::RX_ECN != 0;
+    match o.gso_type & !net::GSO_ECN {
+        net::GSO_NONE => true,
+        net::GSO_TCPV4 => ecn_ok && accept & net::RX_TSO4 != 0,
+        net::GSO_TCPV6 => ecn_ok && accept & net::RX_TSO6 != 0,
+        _ => false,
     }
 }
 

@@ -33,6 +33,25 @@ pub const OFFLOAD_LEN: usize = 10;
 /// [`Offload::flags`]: the checksum from `csum_start` is to be completed
 /// (`VIRTIO_NET_HDR_F_NEEDS_CSUM`).
 pub const OFFLOAD_NEEDS_CSUM: u8 = 1;
+/// [`Offload::flags`], lender → borrower only: the lender's kernel validated the
+/// frame's checksums (`VIRTIO_NET_HDR_F_DATA_VALID`).
+pub const OFFLOAD_DATA_VALID: u8 = 2;
+/// Message kind, borrower → lender: which offloaded frames the guest takes
+/// ([`RX_CSUM`], [`RX_TSO4`], [`RX_TSO6`], [`RX_ECN`] in a `u32`), after
+/// [`FEATURE_NET_OFFLOAD`] was granted. Sent first on a session and again when the
+/// guest's features change; until then the guest takes none.
+pub const KIND_OFFLOADS: u8 = 0x23;
+/// Length of a [`KIND_OFFLOADS`] payload.
+pub const OFFLOADS_LEN: usize = 4;
+/// [`KIND_OFFLOADS`] bit: frames with NEEDS_CSUM or DATA_VALID (the guest acked
+/// `VIRTIO_NET_F_GUEST_CSUM`).
+pub const RX_CSUM: u32 = 1 << 0;
+/// [`KIND_OFFLOADS`] bit: TCP/IPv4 frames larger than the MTU (`GUEST_TSO4`).
+pub const RX_TSO4: u32 = 1 << 1;
+/// [`KIND_OFFLOADS`] bit: TCP/IPv6 frames larger than the MTU (`GUEST_TSO6`).
+pub const RX_TSO6: u32 = 1 << 2;
+/// [`KIND_OFFLOADS`] bit: such frames with ECN (`GUEST_ECN`).
+pub const RX_ECN: u32 = 1 << 3;
 /// [`Offload::gso_type`]: no segmentation.
 pub const GSO_NONE: u8 = 0;
 /// [`Offload::gso_type`]: TCP over IPv4 segmentation (`VIRTIO_NET_HDR_GSO_TCPV4`).
@@ -140,14 +159,20 @@ impl Offload {
     }
 
     /// Checks the header against a frame of `frame_len` bytes: only NEEDS_CSUM as a
-    /// flag; segmentation only of TCP (v4/v6, ECN allowed) with a checksum to complete
-    /// and a nonzero segment size; the checksum field inside the frame.
+    /// flag (and DATA_VALID, when `rx`: a frame towards the guest); segmentation only
+    /// of TCP (v4/v6, ECN allowed) with a nonzero segment size and a checksum to
+    /// complete (or, when `rx`, one validated); the checksum field inside the frame.
     ///
     /// # Errors
     /// [`WireError::Invalid`] naming the first rule broken.
-    pub fn validate(&self, frame_len: usize) -> Result<(), WireError> {
-        if self.flags & !OFFLOAD_NEEDS_CSUM != 0 {
-            return Err(WireError::Invalid("offload flags other than NEEDS_CSUM"));
+    pub fn validate(&self, frame_len: usize, rx: bool) -> Result<(), WireError> {
+        let allowed = if rx {
+            OFFLOAD_NEEDS_CSUM | OFFLOAD_DATA_VALID
+        } else {
+            OFFLOAD_NEEDS_CSUM
+        };
+        if self.flags & !allowed != 0 {
+            return Err(WireError::Invalid("offload flags not allowed this way"));
         }
         match self.gso_type & !GSO_ECN {
             GSO_NONE if self.gso_type & GSO_ECN != 0 => {
@@ -155,8 +180,8 @@ impl Offload {
             }
             GSO_NONE => {}
             GSO_TCPV4 | GSO_TCPV6 => {
-                if self.flags & OFFLOAD_NEEDS_CSUM == 0 {
-                    return Err(WireError::Invalid("segmentation without NEEDS_CSUM"));
+                if self.flags == 0 {
+                    return Err(WireError::Invalid("segmentation without a checksum"));
                 }
                 if self.gso_size == 0 {
                     return Err(WireError::Invalid("segmentation with gso_size 0"));
@@ -202,9 +227,18 @@ pub enum NetMessage<'a> {
     Frame(&'a [u8]),
     /// The link state.
     Link(LinkState),
-    /// An Ethernet frame with checksum/segmentation left to the lender; the header is
-    /// validated against the frame ([`Offload::validate`]).
+    /// An Ethernet frame with checksum/segmentation left to the other end; the header
+    /// is checked against the frame as a frame towards the guest
+    /// ([`Offload::validate`] with `rx`: the lender checks again, without).
     OffloadFrame(Offload, &'a [u8]),
+    /// The offloaded frames the guest takes ([`KIND_OFFLOADS`] bits).
+    Offloads(u32),
+}
+
+/// Appends a [`KIND_OFFLOADS`] message (`RX_*` bits) to `out`.
+pub fn encode_offloads(bits: u32, out: &mut Vec<u8>) {
+    out.extend_from_slice(&header(KIND_OFFLOADS, OFFLOADS_LEN as u32));
+    out.extend_from_slice(&bits.to_le_bytes());
 }
 
 /// Decodes the first message of `buf`: `Ok(None)` when `buf` holds only part of it
@@ -252,6 +286,11 @@ pub fn decode(buf: &[u8]) -> Result<Option<(NetMessage<'_>, usize)>, WireError> 
                 return Err(WireError::Invalid("link message length"));
             }
         }
+        KIND_OFFLOADS => {
+            if len != OFFLOADS_LEN {
+                return Err(WireError::Invalid("offloads message length"));
+            }
+        }
         _ => return Err(WireError::Invalid("frame message kind")),
     }
     let total = NET_HEADER_LEN + len;
@@ -266,8 +305,15 @@ pub fn decode(buf: &[u8]) -> Result<Option<(NetMessage<'_>, usize)>, WireError> 
             let mut b = [0u8; OFFLOAD_LEN];
             b.copy_from_slice(h);
             let o = Offload::from_bytes(&b);
-            o.validate(frame.len())?;
+            o.validate(frame.len(), true)?;
             NetMessage::OffloadFrame(o, frame)
+        }
+        KIND_OFFLOADS => {
+            let bits = u32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
+            if bits & !(RX_CSUM | RX_TSO4 | RX_TSO6 | RX_ECN) != 0 {
+                return Err(WireError::Invalid("unknown offload bits"));
+            }
+            NetMessage::Offloads(bits)
         }
         _ => NetMessage::Link(LinkState::decode(payload)?),
     };
@@ -320,7 +366,7 @@ mod tests {
         assert_eq!(n, b.len());
         assert_eq!(Offload::from_bytes(&tso.to_bytes()), tso);
         let bad = [
-            Offload { flags: 2, ..tso },
+            Offload { flags: 4, ..tso },
             Offload { gso_type: 3, ..tso },
             Offload { gso_size: 0, ..tso },
             Offload { flags: 0, ..tso },
@@ -345,7 +391,25 @@ mod tests {
             csum_offset: 6,
             ..Offload::default()
         };
-        assert!(csum.validate(42).is_ok() && csum.validate(41).is_err());
+        assert!(csum.validate(42, false).is_ok() && csum.validate(41, false).is_err());
+        // DATA_VALID only towards the guest (a GRO'd frame carries it, with no
+        // checksum to complete).
+        let gro = Offload {
+            flags: OFFLOAD_DATA_VALID,
+            ..tso
+        };
+        assert!(gro.validate(30_000, true).is_ok() && gro.validate(30_000, false).is_err());
+        let mut b = Vec::new();
+        encode_offloads(RX_CSUM | RX_TSO6, &mut b);
+        assert_eq!(
+            decode(&b).unwrap(),
+            Some((
+                NetMessage::Offloads(RX_CSUM | RX_TSO6),
+                NET_HEADER_LEN + OFFLOADS_LEN
+            ))
+        );
+        b[NET_HEADER_LEN] = 0x10;
+        assert!(decode(&b).is_err());
         assert!(decode(&header(KIND_FRAME_OFFLOAD, (OFFLOAD_LEN + 13) as u32)).is_err());
     }
 

@@ -93,6 +93,24 @@ impl PeerLan {
         Ok(lan)
     }
 
+    /// Lets the peer hand the wire multi-segment TCP sends (`gso_max_segs 65535`, the
+    /// default): they reach the lent end whole, as GRO on a real port makes them.
+    ///
+    /// # Errors
+    /// As [`run`].
+    pub fn allow_gso(&self) -> Result<()> {
+        self.exec(&[
+            "ip",
+            "link",
+            "set",
+            "dev",
+            &self.peer_if,
+            "gso_max_segs",
+            "65535",
+        ])?;
+        Ok(())
+    }
+
     /// Runs `args` inside the peer's namespace.
     ///
     /// # Errors

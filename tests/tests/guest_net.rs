@@ -98,9 +98,11 @@ fn a_guest_uses_a_lent_nic() -> Result<()> {
     // The lender's host: reached by the compute agent over `fabric`.
     let fabric = Netns::new(0)?;
     let tag = format!("dn{}", std::process::id() % 100_000);
-    // MTU 9000 on the wire; the peer sends one segment per packet, as a remote host
-    // would (PeerLan).
+    // MTU 9000 on the wire. The peer's TCP hands the wire segments of many MSS (TSO on
+    // the veth), as GRO on a real port would: the lender passes them on whole and the
+    // guest takes them (GUEST_TSO4).
     let mut lan = PeerLan::new(&tag, &fabric.name, &format!("{PEER_IP}/24"), 9000)?;
+    lan.allow_gso()?;
     let lent_if = lan.lent_if.clone();
     let peer_if = lan.peer_if.clone();
     let received = dir.path().join("received.txt");
@@ -233,6 +235,10 @@ fn a_guest_uses_a_lent_nic() -> Result<()> {
         n["total"]["rx_merged"].as_u64().unwrap_or(0) >= 3,
         "{status}"
     );
+    // The peer's TSO segments reached the guest whole, and the guest's own TCP left
+    // segmenting to the lender.
+    assert!(n["total"]["rx_gso"].as_u64().unwrap_or(0) > 0, "{status}");
+    assert!(n["total"]["tx_gso"].as_u64().unwrap_or(0) > 0, "{status}");
     assert_eq!(n["link_up"], true, "{status}");
     Ok(())
 }

@@ -26,7 +26,9 @@ use vmm_sys_util::event::{
 use crate::blk::engine::LenderTarget;
 use crate::guest::GuestMemory;
 use crate::net::pair::{NetStats, PairEngine};
-use crate::net::spec::{config_slice, config_space, features, CONFIG_LEN, MAX_QUEUE_SIZE};
+use crate::net::spec::{
+    config_slice, config_space, features, guest_offloads, CONFIG_LEN, MAX_QUEUE_SIZE,
+};
 
 type Handler = VringEpollHandler<Arc<NetBackend>>;
 
@@ -175,8 +177,11 @@ impl VhostUserBackend for NetBackend {
     fn acked_features(&self, features: u64) {
         self.acked.store(features, Ordering::Relaxed);
         let mrg = features & (1 << VIRTIO_NET_F_MRG_RXBUF) != 0;
+        let rx_offloads = guest_offloads(features);
         for cell in &self.pairs {
-            lock(cell).engine.set_mergeable(mrg);
+            let mut c = lock(cell);
+            c.engine.set_mergeable(mrg);
+            c.engine.set_guest_offloads(rx_offloads);
         }
     }
 

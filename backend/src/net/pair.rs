@@ -50,6 +50,8 @@ pub struct PairStats {
     tx_drops: AtomicU64,
     errors: AtomicU64,
     rx_merged: AtomicU64,
+    rx_gso: AtomicU64,
+    tx_gso: AtomicU64,
 }
 
 /// Counters of an attachment's queue pairs, and the lender's link as last reported.
@@ -81,6 +83,10 @@ pub struct PairSnapshot {
     pub errors: u64,
     /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
     pub rx_merged: u64,
+    /// Frames delivered larger than the MTU, for the guest's TCP (GUEST_TSO4/6).
+    pub rx_gso: u64,
+    /// Frames the guest left to segment (HOST_TSO4/6), sent whole to the lender.
+    pub tx_gso: u64,
 }
 
 /// A copy of an attachment's NIC counters.
@@ -125,6 +131,8 @@ impl NetStats {
                 tx_drops: get(&p.tx_drops),
                 errors: get(&p.errors),
                 rx_merged: get(&p.rx_merged),
+                rx_gso: get(&p.rx_gso),
+                tx_gso: get(&p.tx_gso),
             })
             .collect();
         let mut total = PairSnapshot::default();
@@ -137,6 +145,8 @@ impl NetStats {
             total.tx_drops += p.tx_drops;
             total.errors += p.errors;
             total.rx_merged += p.rx_merged;
+            total.rx_gso += p.rx_gso;
+            total.tx_gso += p.tx_gso;
         }
         NetStatsSnapshot {
             total,
@@ -166,13 +176,15 @@ pub struct PairEngine {
     inbuf: Vec<u8>,
     have: usize,
     out: Vec<u8>,
-    held: VecDeque<(Instant, Vec<u8>)>,
+    held: Held,
     timer: RetryTimer,
     backoff: Duration,
     retry_at: Option<Instant>,
     mergeable: bool,
     /// The current session's lender takes offload frames.
     offload: bool,
+    /// The offloaded frames the guest takes (`net::RX_*`, from its acked features).
+    accept: u32,
 }
 
 impl PairEngine {
@@ -202,6 +214,7 @@ impl PairEngine {
             retry_at: None,
             mergeable: true,
             offload: false,
+            accept: 0,
         })
     }
 
@@ -217,6 +230,19 @@ impl PairEngine {
     /// Whether the guest acked mergeable receive buffers.
     pub fn set_mergeable(&mut self, on: bool) {
         self.mergeable = on;
+    }
+
+    /// The offloaded frames the guest takes (`net::RX_*`, from its acked GUEST_*
+    /// features): told to the lender now if connected, and at each connection.
+    pub fn set_guest_offloads(&mut self, accept: u32) {
+        if accept == self.accept {
+            return;
+        }
+        self.accept = accept;
+        if self.conn.is_some() && self.offload {
+            net::encode_offloads(accept, &mut self.out);
+            self.flush();
+        }
     }
 
     /// The fabric socket (and a generation that changes with each connection), and
@@ -272,6 +298,10 @@ impl PairEngine {
         self.conn = Some(stream);
         self.generation += 1;
         self.have = 0;
+        if self.offload {
+            // First on the session: what the guest takes (none until it acks any).
+            net::encode_offloads(self.accept, &mut self.out);
+        }
         self.backoff = Duration::ZERO;
         self.retry_at = None;
         tracing::info!(attachment = %self.name, pair = self.index, "fabric session open");
@@ -306,7 +336,7 @@ impl PairEngine {
     fn arm_timer(&mut self) {
         let now = Instant::now();
         let mut next = self.retry_at;
-        if let Some((t, _)) = self.held.front() {
+        if let Some((t, _, _)) = self.held.front() {
             let expiry = *t + HOLD;
             next = Some(next.map_or(expiry, |n| n.min(expiry)));
         }
@@ -360,7 +390,7 @@ impl PairEngine {
         while self
             .held
             .front()
-            .is_some_and(|(t, _)| now.duration_since(*t) >= HOLD)
+            .is_some_and(|(t, _, _)| now.duration_since(*t) >= HOLD)
         {
             self.held.pop_front();
             self.pstats().rx_drops.fetch_add(1, Ordering::Relaxed);
@@ -378,8 +408,8 @@ impl PairEngine {
         mem: &GuestMemory,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
-        while let Some((_, frame)) = self.held.front() {
-            match deliver(rxq, mem, frame, self.mergeable)? {
+        while let Some((_, offload, frame)) = self.held.front() {
+            match deliver(rxq, mem, frame, offload.as_ref(), self.mergeable)? {
                 Delivery::Done(chains) => {
                     count_delivered(self.pstats(), chains, frame.len());
                     used = true;
@@ -439,33 +469,27 @@ impl PairEngine {
                 match net::decode(&self.inbuf[at..self.have]) {
                     Ok(Some((NetMessage::Frame(f), len))) => {
                         at += len;
-                        // Straight into the guest's buffers while nothing waits before it;
-                        // a frame is copied aside only when it has to wait.
-                        let direct = match rxq.as_deref_mut() {
-                            Some(q) if self.held.is_empty() => deliver(q, mem, f, self.mergeable)?,
-                            _ => Delivery::NoBuffers,
-                        };
                         let stats = &self.stats.pairs[usize::from(self.index)];
-                        match direct {
-                            Delivery::Done(chains) => {
-                                count_delivered(stats, chains, f.len());
-                                used = true;
-                            }
-                            Delivery::Unfit => {
-                                stats.rx_drops.fetch_add(1, Ordering::Relaxed);
-                            }
-                            Delivery::NoBuffers => {
-                                if self.held.len() >= HOLD_FRAMES {
-                                    self.held.pop_front();
-                                    stats.rx_drops.fetch_add(1, Ordering::Relaxed);
-                                }
-                                self.held.push_back((Instant::now(), f.to_vec()));
-                            }
-                        }
+                        let q = rxq.as_deref_mut();
+                        used |= receive(&mut self.held, stats, self.mergeable, q, mem, None, f)?;
                     }
-                    Ok(Some((NetMessage::OffloadFrame(..), _))) => {
+                    Ok(Some((NetMessage::OffloadFrame(o, f), len))) => {
+                        at += len;
+                        if self.accept & net::RX_CSUM == 0 || !guest_takes(&o, self.accept) {
+                            // Not what the guest takes (its features changed while this
+                            // frame was on its way): dropped, counted.
+                            let stats = &self.stats.pairs[usize::from(self.index)];
+                            stats.errors.fetch_add(1, Ordering::Relaxed);
+                            stats.rx_drops.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                        let stats = &self.stats.pairs[usize::from(self.index)];
+                        let q = rxq.as_deref_mut();
+                        used |= receive(&mut self.held, stats, self.mergeable, q, mem, Some(o), f)?;
+                    }
+                    Ok(Some((NetMessage::Offloads(_), _))) => {
                         self.pstats().errors.fetch_add(1, Ordering::Relaxed);
-                        self.lose("protocol error: an offload frame from the lender");
+                        self.lose("protocol error: an offloads message from the lender");
                         return Ok(used);
                     }
                     Ok(Some((NetMessage::Link(l), len))) => {
@@ -563,7 +587,7 @@ impl PairEngine {
         } else {
             // Offloads are offered only when the lender grants them; a restarted lender
             // that does not cannot complete this frame.
-            !self.offload || offload.validate(len).is_err()
+            !self.offload || offload.validate(len, false).is_err()
         };
         if refused {
             s.errors.fetch_add(1, Ordering::Relaxed);
@@ -581,6 +605,9 @@ impl PairEngine {
                 (net::OFFLOAD_LEN + len) as u32,
             ));
             self.out.extend_from_slice(&first);
+            if offload.gso_type != net::GSO_NONE {
+                s.tx_gso.fetch_add(1, Ordering::Relaxed);
+            }
             start + net::NET_HEADER_LEN + net::OFFLOAD_LEN
         };
         self.out.resize(data + len, 0);
@@ -621,6 +648,58 @@ impl PairEngine {
                 self.out.drain(..at);
             }
         }
+    }
+}
+
+/// Frames held for guest receive buffers: when, what the guest is left to do, the frame.
+type Held = VecDeque<(Instant, Option<Offload>, Vec<u8>)>;
+
+/// One frame from the lender: straight into the guest's buffers while nothing waits
+/// before it; copied aside (into `held`) only when it has to wait. Returns whether
+/// used entries were added.
+fn receive(
+    held: &mut Held,
+    stats: &PairStats,
+    mergeable: bool,
+    rxq: Option<&mut Queue>,
+    mem: &GuestMemory,
+    offload: Option<Offload>,
+    f: &[u8],
+) -> Result<bool, virtio_queue::Error> {
+    let direct = match rxq {
+        Some(q) if held.is_empty() => deliver(q, mem, f, offload.as_ref(), mergeable)?,
+        _ => Delivery::NoBuffers,
+    };
+    match direct {
+        Delivery::Done(chains) => {
+            count_delivered(stats, chains, f.len());
+            if offload.is_some_and(|o| o.gso_type != net::GSO_NONE) {
+                stats.rx_gso.fetch_add(1, Ordering::Relaxed);
+            }
+            return Ok(true);
+        }
+        Delivery::Unfit => {
+            stats.rx_drops.fetch_add(1, Ordering::Relaxed);
+        }
+        Delivery::NoBuffers => {
+            if held.len() >= HOLD_FRAMES {
+                held.pop_front();
+                stats.rx_drops.fetch_add(1, Ordering::Relaxed);
+            }
+            held.push_back((Instant::now(), offload, f.to_vec()));
+        }
+    }
+    Ok(false)
+}
+
+/// Whether a guest taking `accept` (`net::RX_*`) takes `o`'s segmentation (none: yes).
+fn guest_takes(o: &Offload, accept: u32) -> bool {
+    let ecn_ok = o.gso_type & net::GSO_ECN == 0 || accept & net::RX_ECN != 0;
+    match o.gso_type & !net::GSO_ECN {
+        net::GSO_NONE => true,
+        net::GSO_TCPV4 => ecn_ok && accept & net::RX_TSO4 != 0,
+        net::GSO_TCPV6 => ecn_ok && accept & net::RX_TSO6 != 0,
+        _ => false,
     }
 }
 

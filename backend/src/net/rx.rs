@@ -6,6 +6,8 @@ use std::io::Write;
 
 use virtio_queue::{Queue, QueueT};
 
+use devlend_fabric::net::{Offload, OFFLOAD_LEN};
+
 use crate::guest::GuestMemory;
 use crate::net::spec::NET_HDR_LEN;
 
@@ -21,8 +23,10 @@ pub enum Delivery {
     Unfit,
 }
 
-/// Writes `frame` into the chains at the head of `queue`'s avail ring. Either the whole
-/// frame is written or nothing is taken: the ring is rewound when buffers run short.
+/// Writes `frame` into the chains at the head of `queue`'s avail ring, after a header
+/// that carries `offload` (flags, GSO type and size, checksum offsets: what the guest
+/// is left to do or need not do; none: all zero). Either the whole frame is written or
+/// nothing is taken: the ring is rewound when buffers run short.
 ///
 /// # Errors
 /// A guest memory error on the used ring.
@@ -30,6 +34,7 @@ pub fn deliver(
     queue: &mut Queue,
     mem: &GuestMemory,
     frame: &[u8],
+    offload: Option<&Offload>,
     mergeable: bool,
 ) -> Result<Delivery, virtio_queue::Error> {
     let need = NET_HDR_LEN + frame.len();
@@ -58,7 +63,11 @@ pub fn deliver(
     }
     let count = chains.len() as u16;
     let mut hdr = [0u8; NET_HDR_LEN];
-    // flags 0, gso_type NONE, no checksum to do; num_buffers at offset 10.
+    // The first 10 bytes as `struct virtio_net_hdr` (zero: nothing to do); num_buffers
+    // at offset 10.
+    if let Some(o) = offload {
+        hdr[..OFFLOAD_LEN].copy_from_slice(&o.to_bytes());
+    }
     hdr[10..12].copy_from_slice(&count.to_le_bytes());
     let mut src: &[u8] = &hdr;
     let mut rest: &[u8] = frame;
@@ -137,7 +146,7 @@ mod tests {
         let (vq, mut q) = queue_with(&m, 8, 1536);
         let frame: Vec<u8> = (0..8014u32).map(|i| i as u8).collect();
         assert_eq!(
-            deliver(&mut q, &m, &frame, true).unwrap(),
+            deliver(&mut q, &m, &frame, None, true).unwrap(),
             Delivery::Done(6)
         );
         let hdr: [u8; 12] = m.read_obj(GuestAddress(0x10_0000)).unwrap();
@@ -159,21 +168,43 @@ mod tests {
         let m = mem();
         let (vq, mut q) = queue_with(&m, 2, 1536);
         assert_eq!(
-            deliver(&mut q, &m, &[1u8; 4000], true).unwrap(),
+            deliver(&mut q, &m, &[1u8; 4000], None, true).unwrap(),
             Delivery::NoBuffers
         );
         assert_eq!(q.next_avail(), 0);
         assert_eq!(vq.used().idx().load(), 0);
         assert_eq!(
-            deliver(&mut q, &m, &[1u8; 4000], false).unwrap(),
+            deliver(&mut q, &m, &[1u8; 4000], None, false).unwrap(),
             Delivery::Unfit
         );
         assert_eq!(q.next_avail(), 0);
         assert_eq!(
-            deliver(&mut q, &m, &[1u8; 60], false).unwrap(),
+            deliver(&mut q, &m, &[1u8; 60], None, false).unwrap(),
             Delivery::Done(1)
         );
         let hdr: [u8; 12] = m.read_obj(GuestAddress(0x10_0000)).unwrap();
         assert_eq!(u16::from_le_bytes([hdr[10], hdr[11]]), 1);
+    }
+
+    #[test]
+    fn an_offloaded_frame_carries_its_header_to_the_guest() {
+        let m = mem();
+        let (_vq, mut q) = queue_with(&m, 16, 4096);
+        let gso = Offload {
+            flags: devlend_fabric::net::OFFLOAD_DATA_VALID,
+            gso_type: devlend_fabric::net::GSO_TCPV4,
+            hdr_len: 66,
+            gso_size: 1448,
+            csum_start: 0,
+            csum_offset: 0,
+        };
+        let frame = vec![7u8; 30_000];
+        assert_eq!(
+            deliver(&mut q, &m, &frame, Some(&gso), true).unwrap(),
+            Delivery::Done(8)
+        );
+        let hdr: [u8; 12] = m.read_obj(GuestAddress(0x10_0000)).unwrap();
+        assert_eq!(hdr[..10], gso.to_bytes());
+        assert_eq!(u16::from_le_bytes([hdr[10], hdr[11]]), 8);
     }
 }

@@ -19,18 +19,44 @@ pub const NET_HDR_LEN: usize = 12;
 /// `max_virtqueue_pairs`, `mtu`.
 pub const CONFIG_LEN: usize = 12;
 
-/// The transmit offloads offered when the lender grants offload frames
-/// (`FEATURE_NET_OFFLOAD`): the guest may leave TCP checksums and segmentation (v4, v6,
-/// with ECN) to the lender, whose packet socket has the kernel complete them. No
-/// receive offloads (GUEST_*): frames reach the guest whole, their checksums done.
-pub const TX_OFFLOADS: [u32; 4] = [
+/// The offloads offered when the lender grants offload frames (`FEATURE_NET_OFFLOAD`).
+/// Transmit: the guest may leave TCP checksums and segmentation (v4, v6, with ECN) to
+/// the lender, whose packet socket has the kernel complete them. Receive: the guest
+/// takes frames whose checksum is left partial or was validated, and TCP frames larger
+/// than the MTU (a GRO'd port, a TSO peer), as the lender's kernel hands them over.
+pub const OFFLOADS: [u32; 8] = [
     vn::VIRTIO_NET_F_CSUM,
     vn::VIRTIO_NET_F_HOST_TSO4,
     vn::VIRTIO_NET_F_HOST_TSO6,
     vn::VIRTIO_NET_F_HOST_ECN,
+    vn::VIRTIO_NET_F_GUEST_CSUM,
+    vn::VIRTIO_NET_F_GUEST_TSO4,
+    vn::VIRTIO_NET_F_GUEST_TSO6,
+    vn::VIRTIO_NET_F_GUEST_ECN,
 ];
 
-/// The features offered (virtio 1.2 §5.1.3), with [`TX_OFFLOADS`] when `offload`.
+/// The receive offloads a guest that acked `features` takes, as the fabric's
+/// `net::RX_*` bits (TSO only with GUEST_CSUM, as virtio 1.2 §5.1.3.1 requires).
+pub fn guest_offloads(features: u64) -> u32 {
+    use devlend_fabric::net::{RX_CSUM, RX_ECN, RX_TSO4, RX_TSO6};
+    let has = |b: u32| features & (1u64 << b) != 0;
+    if !has(vn::VIRTIO_NET_F_GUEST_CSUM) {
+        return 0;
+    }
+    let mut bits = RX_CSUM;
+    if has(vn::VIRTIO_NET_F_GUEST_TSO4) {
+        bits |= RX_TSO4;
+    }
+    if has(vn::VIRTIO_NET_F_GUEST_TSO6) {
+        bits |= RX_TSO6;
+    }
+    if has(vn::VIRTIO_NET_F_GUEST_ECN) && bits & (RX_TSO4 | RX_TSO6) != 0 {
+        bits |= RX_ECN;
+    }
+    bits
+}
+
+/// The features offered (virtio 1.2 §5.1.3), with [`OFFLOADS`] when `offload`.
 pub fn features(offload: bool) -> u64 {
     let base = [
         VIRTIO_F_VERSION_1,
@@ -46,7 +72,7 @@ pub fn features(offload: bool) -> u64 {
     .iter()
     .fold(0u64, |acc, b| acc | 1 << b);
     if offload {
-        TX_OFFLOADS.iter().fold(base, |acc, b| acc | 1 << b)
+        OFFLOADS.iter().fold(base, |acc, b| acc | 1 << b)
     } else {
         base
     }
@@ -103,6 +129,10 @@ mod tests {
         assert!(
             f & (1 << vn::VIRTIO_NET_F_CSUM) != 0 && f & (1 << vn::VIRTIO_NET_F_HOST_TSO6) != 0
         );
-        assert!(f & (1 << vn::VIRTIO_NET_F_GUEST_CSUM) == 0);
+        assert!(f & (1 << vn::VIRTIO_NET_F_GUEST_TSO4) != 0);
+        use devlend_fabric::net::{RX_CSUM, RX_TSO4};
+        assert_eq!(guest_offloads(f & !(1 << vn::VIRTIO_NET_F_GUEST_CSUM)), 0);
+        let tso4 = (1 << vn::VIRTIO_NET_F_GUEST_CSUM) | (1 << vn::VIRTIO_NET_F_GUEST_TSO4);
+        assert_eq!(guest_offloads(tso4), RX_CSUM | RX_TSO4);
     }
 }
