@@ -155,12 +155,7 @@ fn info(e: &Entry) -> AttachmentInfo {
         counters: e.attachment.stats().into(),
         transport: e.request.transport_label().to_owned(),
         restoring: None,
-        kind: if e.attachment.net_stats().is_some() {
-            "nic"
-        } else {
-            "block"
-        }
-        .into(),
+        kind: kind(e).into(),
         net: e.attachment.net_stats().map(|n| NetInfo {
             mac: crate::api::format_mac(&l.serial[..6]),
             mtu: n.mtu,
@@ -194,9 +189,18 @@ fn restoring_info(r: &Restoring) -> AttachmentInfo {
         counters: crate::api::IoCounters::default(),
         transport: q.transport_label().to_owned(),
         restoring: Some(r.reason.clone()),
-        // Not known until the lender answers again.
-        kind: "block".into(),
+        // As last served; a file from before kinds were saved: a disk.
+        kind: r.saved.kind.clone().unwrap_or_else(|| "block".into()),
         net: None,
+    }
+}
+
+/// `nic` for a lent NIC, else `block`.
+fn kind(e: &Entry) -> &'static str {
+    if e.attachment.net_stats().is_some() {
+        "nic"
+    } else {
+        "block"
     }
 }
 
@@ -259,6 +263,7 @@ impl Registry {
                     borrower: state::to_hex(&e.borrower),
                     token: state::to_hex(&e.token),
                     plug: e.plug.clone(),
+                    kind: Some(kind(e).to_owned()),
                 })
                 .chain(
                     self.lock_restoring()

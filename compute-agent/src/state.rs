@@ -39,6 +39,10 @@ pub struct SavedAttachment {
     /// Where it was plugged into a VM, if it was.
     #[serde(default)]
     pub plug: Option<VmmPlug>,
+    /// `block` or `nic`, as last served (shown while it is restoring); absent in files
+    /// written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
 }
 
 /// The whole file.
@@ -253,6 +257,7 @@ mod tests {
             borrower: to_hex(&[7; 16]),
             token: to_hex(b"tok"),
             plug: None,
+            kind: None,
         }
     }
 

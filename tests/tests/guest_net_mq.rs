@@ -200,6 +200,9 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
     let after = borrower.cli_json(&["status"])?;
     // SIGTERM keeps the attachment (and the VM's device) in the state file; the next
     // agent serves it again on the same socket.
+    let saved: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("api.state.json"))?)?;
+    assert_eq!(saved["attachments"][0]["kind"], "nic", "{saved}");
     let code = borrower.proc.terminate(Duration::from_secs(40))?;
     assert!(code.success(), "compute agent exit: {code:?}");
     borrower = Borrower::start_named(dir.path(), "compute-agent-2", &[])?;
