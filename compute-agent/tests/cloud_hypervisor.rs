@@ -1039,6 +1039,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         name: "d".into(),
         path: img,
         net: None,
+        pci: None,
         mac: None,
         read_only: false,
         serial: None,

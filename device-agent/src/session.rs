@@ -7,6 +7,7 @@ use std::sync::Arc;
 use devlend_fabric::conn::Stream;
 use devlend_fabric::error::chain;
 use devlend_fabric::net::FEATURE_NET;
+use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError, PROTOCOL_VERSION};
 
@@ -38,9 +39,17 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             None => return,
         },
     };
-    let Some((dev, mut ring, _active, _claim, queue)) = handshake(shared, &sock, peer, id) else {
+    let Some((dev, mut ring, _active, _claim, queue, lent)) = handshake(shared, &sock, peer, id)
+    else {
         return;
     };
+    if let (Some(pci), Some(_lent)) = (&dev.pci, lent) {
+        dev.stats.session_opened();
+        let end = crate::pci::session::serve(pci, &sock, peer);
+        dev.stats.session_closed();
+        log_end(&dev, peer, &end);
+        return;
+    }
     dev.stats.session_opened();
     tracing::debug!(%peer, id, "session serving");
     let end = match (&dev.nic, queue) {
@@ -56,7 +65,11 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
         ),
     };
     dev.stats.session_closed();
-    match &end {
+    log_end(&dev, peer, &end);
+}
+
+fn log_end(dev: &Device, peer: SocketAddr, end: &End) {
+    match end {
         End::PeerClosed => tracing::info!(%peer, device = %dev.name, "session closed"),
         End::Protocol(reason) => {
             dev.stats.protocol_error();
@@ -75,7 +88,14 @@ fn handshake<'s>(
     sock: &Stream,
     peer: SocketAddr,
     id: u64,
-) -> Option<(Arc<Device>, Ring, ActiveSession<'s>, Claim, u16)> {
+) -> Option<(
+    Arc<Device>,
+    Ring,
+    ActiveSession<'s>,
+    Claim,
+    u16,
+    Option<crate::pci::Lent>,
+)> {
     let timeout = Some(shared.options.handshake_timeout);
     if let Err(e) = sock
         .set_read_timeout(timeout)
@@ -118,7 +138,28 @@ fn handshake<'s>(
             )
         }
     };
+    // One borrower at a time: the session that gets here first holds the function.
+    let lent = match &dev.pci {
+        Some(pci) => match pci.try_lend() {
+            Some(l) => Some(l),
+            None => {
+                return refuse(
+                    HelloStatus::Busy,
+                    format!(
+                        "PCIe function {:?} is lent to another borrower",
+                        hello.device
+                    ),
+                )
+            }
+        },
+        None => None,
+    };
     let reply = match &dev.nic {
+        None if dev.pci.is_some() => {
+            let mut r = HelloReply::ok(dev.info.clone());
+            r.features = FEATURE_PCI;
+            r
+        }
         Some(nic) => {
             let mut r = HelloReply::ok(devlend_fabric::DeviceInfo::net(&nic.link()));
             r.features = FEATURE_NET;
@@ -138,7 +179,7 @@ fn handshake<'s>(
         return None;
     }
     tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "session opened");
-    Some((dev, ring, active, claim, hello.queue_index))
+    Some((dev, ring, active, claim, hello.queue_index, lent))
 }
 
 /// Runs the TLS handshake on an accepted connection (under the handshake timeout) and
@@ -232,6 +273,15 @@ pub(crate) fn admit<'s>(
             HelloStatus::BadRequest,
             format!(
                 "device {:?} is a network interface, and this borrower does not speak frames",
+                hello.device
+            ),
+        ));
+    }
+    if dev.pci.is_some() && (hello.features & FEATURE_PCI == 0 || hello.queue_index != 0) {
+        return Err((
+            HelloStatus::BadRequest,
+            format!(
+                "device {:?} is a PCIe function: a borrower must ask for feature PCI on queue 0",
                 hello.device
             ),
         ));
