@@ -81,6 +81,18 @@ fn log_end(dev: &Device, peer: SocketAddr, end: &End) {
     }
 }
 
+/// What a successful handshake gives a session: the device, its ring, its slot among
+/// the active sessions, the borrower's claim, the queue index, and for a PCIe function
+/// the function itself, taken for this session.
+type Admitted<'s> = (
+    Arc<Device>,
+    Ring,
+    ActiveSession<'s>,
+    Claim,
+    u16,
+    Option<crate::pci::Lent>,
+);
+
 /// Reads the hello and answers it. On success, returns the device, the session's ring,
 /// and its slot among the lender's active sessions.
 fn handshake<'s>(
@@ -88,14 +100,7 @@ fn handshake<'s>(
     sock: &Stream,
     peer: SocketAddr,
     id: u64,
-) -> Option<(
-    Arc<Device>,
-    Ring,
-    ActiveSession<'s>,
-    Claim,
-    u16,
-    Option<crate::pci::Lent>,
-)> {
+) -> Option<Admitted<'s>> {
     let timeout = Some(shared.options.handshake_timeout);
     if let Err(e) = sock
         .set_read_timeout(timeout)

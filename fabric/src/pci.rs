@@ -469,8 +469,8 @@ impl DmaRange {
             size: u64_at(p, 8),
         };
         if r.size == 0
-            || r.iova % MIRROR_PAGE != 0
-            || r.size % MIRROR_PAGE != 0
+            || !r.iova.is_multiple_of(MIRROR_PAGE)
+            || !r.size.is_multiple_of(MIRROR_PAGE)
             || r.iova.checked_add(r.size).is_none()
         {
             return Err(WireError::Invalid("DMA range"));

@@ -147,7 +147,10 @@ fn connect(port: u16, id: u8) -> PciBorrower {
         match PciBorrower::connect(&target(port, id)) {
             Ok(b) => return b,
             Err(e) if Instant::now() < until => {
-                eprintln!("borrower {id}: {}; retrying", devlend_fabric::error::chain(&e));
+                eprintln!(
+                    "borrower {id}: {}; retrying",
+                    devlend_fabric::error::chain(&e)
+                );
                 std::thread::sleep(Duration::from_millis(500));
             }
             Err(e) => panic!("borrower {id}: {}", devlend_fabric::error::chain(&e)),
@@ -179,7 +182,8 @@ impl Memory {
         // SAFETY: a fresh fd we own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: the fd is open.
-        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) }, 0);
+        let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) };
+        assert_eq!(rc, 0, "ftruncate");
         // SAFETY: a new shared mapping of our memfd.
         let ptr = unsafe {
             libc::mmap(
@@ -202,7 +206,9 @@ impl Memory {
         assert!(off as usize + data.len() <= GUEST_MEM as usize);
         // SAFETY: in bounds of our mapping; the borrower writes it only between an
         // interrupt and its eventfd, which this test waits for before reading.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off as usize), data.len()) }
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off as usize), data.len())
+        }
     }
 
     fn read(&self, off: u64, len: usize) -> Vec<u8> {
@@ -260,7 +266,9 @@ impl Vmm {
     /// Enables memory decoding and bus mastering (the command register).
     fn enable_bus_master(&mut self) {
         let mut b = [0u8; 2];
-        self.client.region_read(CONFIG, 0x04, &mut b).expect("read command");
+        self.client
+            .region_read(CONFIG, 0x04, &mut b)
+            .expect("read command");
         let cmd = u16::from_le_bytes(b) | 0x06;
         self.client
             .region_write(CONFIG, 0x04, &cmd.to_le_bytes())
@@ -284,7 +292,11 @@ impl Vmm {
         self.w32(BAR0, FACT, n);
         self.wait_irq("the factorial");
         let v = self.r32(BAR0, FACT);
-        assert_eq!(self.r32(BAR0, IRQ_STATUS) & 1, 1, "the factorial's interrupt bit");
+        assert_eq!(
+            self.r32(BAR0, IRQ_STATUS) & 1,
+            1,
+            "the factorial's interrupt bit"
+        );
         self.w32(BAR0, IRQ_ACK, 1);
         v
     }
@@ -296,11 +308,15 @@ impl Vmm {
         self.w32(BAR0, DMA_COUNT, len);
         self.w32(BAR0, DMA_CMD, 0x1 | 0x4 | if to_ram { 0x2 } else { 0 });
         self.wait_irq("the DMA");
-        assert_eq!(self.r32(BAR0, IRQ_STATUS) & 0x100, 0x100, "the DMA's interrupt bit");
+        assert_eq!(
+            self.r32(BAR0, IRQ_STATUS) & 0x100,
+            0x100,
+            "the DMA's interrupt bit"
+        );
         self.w32(BAR0, IRQ_ACK, 0x100);
     }
 
-    /// RAM → card → RAM through the mirror; returns the bytes read back.
+    /// RAM → card → RAM through the mirror; checks the bytes read back.
     fn dma_round_trip(&mut self, mem: &Memory, seed: u8) {
         let pattern: Vec<u8> = (0..4096u32)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -308,10 +324,12 @@ impl Vmm {
         mem.write(0, &pattern);
         self.dma(IOVA, EDU_BUF, 4096, false);
         self.dma(EDU_BUF, IOVA + 0x8_0000, 4096, true);
+        let back = mem.read(0x8_0000, 4096);
+        let wrong = back.iter().zip(&pattern).filter(|(a, b)| a != b).count();
+        let first = back.iter().zip(&pattern).position(|(a, b)| a != b);
         assert_eq!(
-            mem.read(0x8_0000, 4096),
-            pattern,
-            "the page copied into the card and back"
+            wrong, 0,
+            "the page copied into the card and back: {wrong} bytes differ, the first at {first:?}"
         );
     }
 }
@@ -340,7 +358,12 @@ impl Raw {
 
     /// Sends command `cmd` with `body`; returns the reply header (id, cmd, size,
     /// flags, error) and body.
-    fn call(&mut self, cmd: u16, body: &[u8], fd: Option<RawFd>) -> ((u16, u16, u32, u32, u32), Vec<u8>) {
+    fn call(
+        &mut self,
+        cmd: u16,
+        body: &[u8],
+        fd: Option<RawFd>,
+    ) -> ((u16, u16, u32, u32, u32), Vec<u8>) {
         use vmm_sys_util::sock_ctrl_msg::ScmSocket;
         self.id += 1;
         let mut m = Vec::new();
@@ -444,9 +467,17 @@ fn scenario(port: u16, dir: &Path) {
     assert_eq!(vmm.r32(BAR0, ID), 0x0100_00ed, "the edu ID register");
     // BAR sizing is virtual: all ones reads back the size mask, not the host's BAR.
     vmm.w32(CONFIG, 0x10, 0xffff_ffff);
-    assert_eq!(vmm.r32(CONFIG, 0x10) & 0xffff_fff0, 0xfff0_0000, "BAR0 sizing");
+    assert_eq!(
+        vmm.r32(CONFIG, 0x10) & 0xffff_fff0,
+        0xfff0_0000,
+        "BAR0 sizing"
+    );
     vmm.w32(CONFIG, 0x10, 0xc000_0000);
-    assert_eq!(vmm.r32(BAR0, ID), 0x0100_00ed, "BAR0 still answers at the host's address");
+    assert_eq!(
+        vmm.r32(BAR0, ID),
+        0x0100_00ed,
+        "BAR0 still answers at the host's address"
+    );
     vmm.enable_bus_master();
     assert_eq!(vmm.factorial(10), 3_628_800, "10!");
     assert_eq!(vmm.factorial(5), 120, "5!");
@@ -455,10 +486,22 @@ fn scenario(port: u16, dir: &Path) {
         .dma_map(0, IOVA, GUEST_MEM, mem.fd.as_raw_fd())
         .expect("DMA_MAP");
     vmm.dma_round_trip(&mem, 7);
-    let pushed = a.stats().pages_pushed.load(std::sync::atomic::Ordering::Relaxed);
-    let pulled = a.stats().pages_pulled.load(std::sync::atomic::Ordering::Relaxed);
-    assert!((1..=4).contains(&pushed), "pages pushed: {pushed} (only what changed)");
-    assert!((1..=4).contains(&pulled), "pages pulled: {pulled} (only what changed)");
+    let pushed = a
+        .stats()
+        .pages_pushed
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let pulled = a
+        .stats()
+        .pages_pulled
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        (1..=4).contains(&pushed),
+        "pages pushed: {pushed} (only what changed)"
+    );
+    assert!(
+        (1..=4).contains(&pulled),
+        "pages pulled: {pulled} (only what changed)"
+    );
     vmm.dma_round_trip(&mem, 99);
 
     // A second borrower is refused while the first holds the function.
@@ -466,7 +509,10 @@ fn scenario(port: u16, dir: &Path) {
         Err(PciError::Connect(devlend_fabric::tcp::ConnectError::Refused { status, .. })) => {
             assert_eq!(status, HelloStatus::Busy)
         }
-        Err(e) => panic!("second borrower: unexpected {}", devlend_fabric::error::chain(&e)),
+        Err(e) => panic!(
+            "second borrower: unexpected {}",
+            devlend_fabric::error::chain(&e)
+        ),
         Ok(_) => panic!("a second borrower got the function while the first holds it"),
     }
 
@@ -475,17 +521,35 @@ fn scenario(port: u16, dir: &Path) {
     drop(vmm);
     let mut raw = Raw::join(&sock);
     assert_eq!(vendor_device(&mut raw), 0x11e8_1234);
-    assert!(raw.region_read(42, 0, 4).is_err(), "region index out of range");
+    assert!(
+        raw.region_read(42, 0, 4).is_err(),
+        "region index out of range"
+    );
     assert!(raw.region_read(8, 0, 4).is_err(), "an absent region (VGA)");
-    assert!(raw.region_read(BAR0, 1 << 20, 4).is_err(), "an offset past BAR0");
-    assert!(raw.region_read(BAR0, (1 << 20) - 2, 4).is_err(), "a read across BAR0's end");
-    assert!(raw.region_read(CONFIG, 4096, 4).is_err(), "an offset past the config space");
-    assert!(raw.dma_map(mem.fd.as_raw_fd(), IOVA, 0x1_0000), "a first DMA map");
+    assert!(
+        raw.region_read(BAR0, 1 << 20, 4).is_err(),
+        "an offset past BAR0"
+    );
+    assert!(
+        raw.region_read(BAR0, (1 << 20) - 2, 4).is_err(),
+        "a read across BAR0's end"
+    );
+    assert!(
+        raw.region_read(CONFIG, 4096, 4).is_err(),
+        "an offset past the config space"
+    );
+    assert!(
+        raw.dma_map(mem.fd.as_raw_fd(), IOVA, 0x1_0000),
+        "a first DMA map"
+    );
     assert!(
         !raw.dma_map(mem.fd.as_raw_fd(), IOVA + 0x8000, 0x1_0000),
         "a DMA map overlapping it"
     );
-    assert!(!raw.dma_map(mem.fd.as_raw_fd(), IOVA + 1, 0x1000), "an unaligned DMA map");
+    assert!(
+        !raw.dma_map(mem.fd.as_raw_fd(), IOVA + 1, 0x1000),
+        "an unaligned DMA map"
+    );
     assert_eq!(vendor_device(&mut raw), 0x11e8_1234, "the server goes on");
     drop(raw);
 
@@ -538,7 +602,10 @@ fn scenario(port: u16, dir: &Path) {
         };
         link.call(Message::new(KIND_READ, a.encode()))
     };
-    assert!(matches!(read(12, 0), Err(LinkError::Refused { .. })), "region out of range");
+    assert!(
+        matches!(read(12, 0), Err(LinkError::Refused { .. })),
+        "region out of range"
+    );
     assert!(
         matches!(read(BAR0, 1 << 20), Err(LinkError::Refused { .. })),
         "offset past BAR0"
@@ -546,7 +613,8 @@ fn scenario(port: u16, dir: &Path) {
     let id = read(BAR0, ID).expect("the session goes on");
     assert_eq!(id[0].payload, 0x0100_00edu32.to_le_bytes());
     // A message of an unknown kind: the lender closes this session.
-    link.send(&Message::new(0x7f, Vec::new())).expect("send garbage");
+    link.send(&Message::new(0x7f, Vec::new()))
+        .expect("send garbage");
     assert!(
         matches!(read(BAR0, ID), Err(LinkError::Closed | LinkError::Send(_))),
         "a malformed message closes the session"
@@ -559,7 +627,11 @@ fn scenario(port: u16, dir: &Path) {
     let _b = serve(b, &sock2);
     let mut vmm = Vmm::join(&sock2);
     assert_eq!(vmm.r32(CONFIG, 0), 0x11e8_1234);
-    assert_eq!(vmm.r32(CONFIG, 0x10) & 0xffff_fff0, 0, "BAR0 back to its reset value");
+    assert_eq!(
+        vmm.r32(CONFIG, 0x10) & 0xffff_fff0,
+        0,
+        "BAR0 back to its reset value"
+    );
     vmm.enable_bus_master();
     assert_eq!(vmm.factorial(12), 479_001_600, "12!");
     let mem2 = Memory::new();

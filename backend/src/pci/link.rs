@@ -194,7 +194,10 @@ fn read_loop(stream: Stream, replies: Sender<Message>, irqs: Sender<Irq>) {
                 }
             }
         } else if m.kind & REPLY == 0 {
-            tracing::warn!(kind = m.kind, "request from the lender; closing the session");
+            tracing::warn!(
+                kind = m.kind,
+                "request from the lender; closing the session"
+            );
             let _ = stream.shutdown(Shutdown::Both);
             return;
         } else if replies.send(m).is_err() {

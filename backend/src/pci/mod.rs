@@ -41,8 +41,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use devlend_fabric::pci::{
     decode_pages, encode_page, page_cost, Access, DmaRange, Irq, IrqAction, IrqSet, Message,
-    PciInfo, FLAG_MORE, KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH, KIND_READ,
-    KIND_RESET, KIND_SET_IRQS, KIND_WRITE, MAX_ACCESS, MIRROR_PAGE,
+    PciInfo, FLAG_MORE, KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH, KIND_READ, KIND_RESET,
+    KIND_SET_IRQS, KIND_WRITE, MAX_ACCESS, MIRROR_PAGE,
 };
 use vfio_bindings::bindings::vfio::{
     vfio_region_info, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_TYPE_MASK,
@@ -388,9 +388,10 @@ fn pull(shared: &Shared, maps: &mut [GuestMap]) -> Result<(), LinkError> {
         let pages = decode_pages(&r.payload).map_err(|e| LinkError::Protocol(e.to_string()))?;
         for p in pages {
             let len = p.data.len();
-            let Some(m) = maps.iter_mut().find(|m| {
-                p.iova >= m.iova && p.iova - m.iova + len as u64 <= m.size as u64
-            }) else {
+            let Some(m) = maps
+                .iter_mut()
+                .find(|m| p.iova >= m.iova && p.iova - m.iova + len as u64 <= m.size as u64)
+            else {
                 return Err(LinkError::Protocol(format!(
                     "pulled page at IOVA {:#x} outside every mapping",
                     p.iova
@@ -418,7 +419,10 @@ fn irq_loop(shared: &Shared, irqs: Receiver<Irq>) {
                 tracing::warn!(error = %e, "pull after an interrupt failed");
             }
         }
-        let fds = shared.eventfds.lock().unwrap_or_else(PoisonError::into_inner);
+        let fds = shared
+            .eventfds
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         match fds.get(&(irq.index, irq.vector)) {
             Some(mut f) => {
                 if let Err(e) = f.write_all(&1u64.to_ne_bytes()) {
@@ -507,9 +511,12 @@ impl ServerBackend for PciBorrower {
             size,
         };
         // The lender checks too; checking here first keeps a bad map from mmap.
-        DmaRange::decode(&r.encode())
-            .map_err(|_| einval(format!("DMA range {address:#x}+{size:#x} is not page-aligned")))?;
-        if offset % MIRROR_PAGE != 0 {
+        DmaRange::decode(&r.encode()).map_err(|_| {
+            einval(format!(
+                "DMA range {address:#x}+{size:#x} is not page-aligned"
+            ))
+        })?;
+        if !offset.is_multiple_of(MIRROR_PAGE) {
             return Err(einval("DMA_MAP offset is not page-aligned"));
         }
         let len = usize::try_from(size).map_err(|_| einval("DMA range too large"))?;

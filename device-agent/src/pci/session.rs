@@ -41,6 +41,8 @@ const IRQ_POLL: Duration = Duration::from_millis(200);
 
 /// A refusal: the status and the reason sent back.
 type Refusal = (PciStatus, String);
+/// The answer to a request: the reply's payload, or a refusal.
+type Answer = Result<Vec<u8>, Refusal>;
 
 fn invalid(reason: impl Into<String>) -> Refusal {
     (PciStatus::Invalid, reason.into())
@@ -60,7 +62,7 @@ struct IrqTable {
 pub(crate) fn serve(f: &PciFunction, sock: &Stream, peer: SocketAddr) -> End {
     let wake = match EventFd::new(libc::EFD_NONBLOCK) {
         Ok(w) => w,
-        Err(e) => return End::Socket(e.into()),
+        Err(e) => return End::Socket(e),
     };
     let table = IrqTable {
         fds: Mutex::new(Vec::new()),
@@ -213,7 +215,7 @@ impl Lending<'_> {
 
     /// A request answered by one reply: its payload or a refusal. A malformed payload
     /// is an `Err` of the outer result (the session ends).
-    fn request(&mut self, m: &Message) -> Result<Result<Vec<u8>, Refusal>, WireError> {
+    fn request(&mut self, m: &Message) -> Result<Answer, WireError> {
         Ok(match m.kind {
             KIND_INFO => {
                 if !m.payload.is_empty() {
@@ -444,8 +446,7 @@ impl Lending<'_> {
     }
 
     /// Applies one push message; answers (`Some`) at the last message of the push.
-    #[allow(clippy::type_complexity)]
-    fn push(&mut self, m: &Message) -> Result<Option<Result<Vec<u8>, Refusal>>, WireError> {
+    fn push(&mut self, m: &Message) -> Result<Option<Answer>, WireError> {
         for p in decode_pages(&m.payload)? {
             let len = p.data.len() as u64;
             match self.maps.iter_mut().find(|x| x.contains(p.iova, len)) {
