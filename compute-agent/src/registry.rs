@@ -149,7 +149,9 @@ fn info(e: &Entry) -> AttachmentInfo {
         counters: e.attachment.stats().into(),
         transport: e.request.transport_label().to_owned(),
         restoring: None,
-        kind: if e.attachment.net_stats().is_some() {
+        kind: if e.attachment.pci_stats().is_some() {
+            "pci"
+        } else if e.attachment.net_stats().is_some() {
             "nic"
         } else {
             "block"
@@ -385,6 +387,7 @@ impl Registry {
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),
             reconnect_deadline: Duration::from_secs(u64::from(req.reconnect_deadline_s)),
+            pci: req.kind == crate::api::AttachKind::Pci,
         })
         .map_err(RegistryError::Start)?;
         let keeper = match checked.map(|c| c.bind_and_keep(id)).transpose() {
@@ -436,6 +439,15 @@ impl Registry {
                 "poll_us {} is above the maximum of {MAX_POLL_US} µs",
                 req.poll_us
             )));
+        }
+        if req.kind == crate::api::AttachKind::Pci
+            && (req.vmm.is_some() || req.transport != crate::api::FabricTransport::Tcp)
+        {
+            return Err(RegistryError::BadRequest(
+                "a PCIe function is not hot-plugged nor lent over RDMA yet: start the VMM with \
+                 the printed --user-device / vfio-user-pci argument, over TCP"
+                    .into(),
+            ));
         }
         if req.socket.as_os_str().is_empty() || !req.socket.is_absolute() {
             return Err(RegistryError::BadRequest(format!(

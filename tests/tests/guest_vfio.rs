@@ -134,6 +134,7 @@ fn target(port: u16, id: u8) -> LinkTarget {
         lender: format!("127.0.0.1:{port}"),
         device: "edu".into(),
         borrower: [id; 16],
+        token: Vec::new(),
         tls: None,
         timeout: Duration::from_secs(10),
     }
@@ -624,7 +625,7 @@ fn scenario(port: u16, dir: &Path) {
     // The function is lent again, and works: to a new borrower, after the reset.
     let sock2 = dir.join("edu2.sock");
     let b = connect(port, 4);
-    let _b = serve(b, &sock2);
+    let b = serve(b, &sock2);
     let mut vmm = Vmm::join(&sock2);
     assert_eq!(vmm.r32(CONFIG, 0), 0x11e8_1234);
     assert_eq!(
@@ -639,4 +640,59 @@ fn scenario(port: u16, dir: &Path) {
         .dma_map(0, IOVA, GUEST_MEM, mem2.fd.as_raw_fd())
         .expect("DMA_MAP");
     vmm.dma_round_trip(&mem2, 42);
+    drop(vmm);
+    b.disconnect();
+
+    // The compute agent: `devlend attach --kind pci` serves the function on vfio-user
+    // and prints how Cloud Hypervisor and QEMU 11 join it; the VMM's view is the same.
+    let agent = devlend_tests::agents::Borrower::start(dir).expect("compute agent");
+    let sock3 = dir.join("edu3.sock");
+    let s3 = sock3.display().to_string();
+    let lender = format!("127.0.0.1:{port}");
+    let args = [
+        "attach", "--lender", &lender, "--device", "edu", "--socket", &s3, "--kind", "pci",
+    ];
+    let until = Instant::now() + Duration::from_secs(30);
+    let out = loop {
+        let out = agent.cli(&args).expect("devlend attach");
+        if out.status.success() || Instant::now() > until {
+            break out;
+        }
+        eprintln!("attach: {}", String::from_utf8_lossy(&out.stderr).trim());
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "devlend attach --kind pci: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        printed.contains(&format!("--user-device socket={s3}")),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("\"driver\":\"vfio-user-pci\""),
+        "{printed}"
+    );
+    let status = agent.cli_json(&["status"]).expect("status");
+    assert_eq!(status[0]["kind"], "pci", "{status}");
+    let mut vmm = Vmm::join(&sock3);
+    assert_eq!(vmm.r32(CONFIG, 0), 0x11e8_1234);
+    vmm.enable_bus_master();
+    assert_eq!(vmm.factorial(7), 5040, "7!");
+    let mem3 = Memory::new();
+    vmm.client
+        .dma_map(0, IOVA, GUEST_MEM, mem3.fd.as_raw_fd())
+        .expect("DMA_MAP");
+    vmm.dma_round_trip(&mem3, 3);
+    drop(vmm);
+    let out = agent.cli(&["detach", "edu"]).expect("devlend detach");
+    assert!(
+        out.status.success(),
+        "detach: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Detached: the function is free for another borrower.
+    drop(connect(port, 5));
 }

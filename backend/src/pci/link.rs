@@ -51,6 +51,8 @@ pub struct LinkTarget {
     /// The borrower's identity (random, non-zero): the lender lends the function to one
     /// identity at a time.
     pub borrower: [u8; 16],
+    /// The pool's lease token (binary form); empty in direct mode.
+    pub token: Vec<u8>,
     /// TLS, or `None` for plain TCP.
     pub tls: Option<TlsTarget>,
     /// Bound on the connect and the handshake.
@@ -76,6 +78,7 @@ impl Link {
         let mut hello = Hello::new(&t.device, 0);
         hello.features = FEATURE_PCI;
         hello.borrower = t.borrower;
+        hello.token = t.token.clone();
         let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
         let bad = |what: &'static str| ConnectError::Handshake {
             addr: t.lender.clone(),
