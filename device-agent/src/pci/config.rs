@@ -114,7 +114,7 @@ impl VirtConfig {
         if init(0x06) & 0x10 != 0 {
             let mut p = (init(0x34) & !3) as usize;
             let mut hops = 0;
-            while p >= 0x40 && p + 1 < n && hops < 48 {
+            while p >= 0x40 && p + 4 <= n && hops < 48 {
                 let id = init(p);
                 let ctrl = u16::from_le_bytes([init(p + 2), init(p + 3)]);
                 match id {
@@ -137,11 +137,9 @@ impl VirtConfig {
                         let len = 12.min(n - p);
                         c.emulate(p, len, 0, 0);
                         c.copy_initial(p, len, &layout.initial);
-                        if p + 3 < n {
-                            // Enable and function mask.
-                            c.write_mask[p + 3] = 0xc0;
-                            c.emul[p + 3] &= !0xc0;
-                        }
+                        // Enable and function mask.
+                        c.write_mask[p + 3] = 0xc0;
+                        c.emul[p + 3] &= !0xc0;
                     }
                     _ => {}
                 }
@@ -291,5 +289,21 @@ mod tests {
         c.write(0x10, &[0xff; 8]);
         assert_eq!(read(&c, &l.initial, 0x10, 4), 0x0000_000c);
         assert_eq!(read(&c, &l.initial, 0x14, 4), 0xffff_fffe);
+    }
+
+    #[test]
+    fn a_hostile_capability_list_does_not_panic() {
+        let mut l = edu();
+        // A capability at the very end, whose next pointer loops to itself.
+        l.initial[0x34] = 0xfc;
+        l.initial[0xfc] = CAP_MSIX;
+        l.initial[0xfd] = 0xfc;
+        let c = VirtConfig::new(&l);
+        assert_eq!(read(&c, &l.initial, 0xfc, 4) & 0xff, u32::from(CAP_MSIX));
+        // A truncated config space.
+        l.initial.truncate(0x20);
+        let mut c = VirtConfig::new(&l);
+        c.write(0x10, &[0xff; 4]);
+        assert_eq!(c.len(), 64);
     }
 }

@@ -145,18 +145,11 @@ impl PciFunction {
         }
         bar_sizes[6] = f.info.regions[VFIO_PCI_ROM_REGION_INDEX as usize].size;
         f.layout = config::Layout { bar_sizes, initial };
-        tracing::info!(
-            bdf,
-            vendor = format!(
-                "{:04x}",
-                u16::from_le_bytes([f.layout.initial[0], f.layout.initial[1]])
-            ),
-            device = format!(
-                "{:04x}",
-                u16::from_le_bytes([f.layout.initial[2], f.layout.initial[3]])
-            ),
-            "PCIe function ready"
-        );
+        let id = |o: usize| {
+            let b = |i: usize| f.layout.initial.get(i).copied().unwrap_or(0xff);
+            format!("{:04x}", u16::from_le_bytes([b(o), b(o + 1)]))
+        };
+        tracing::info!(bdf, vendor = id(0), device = id(2), "PCIe function ready");
         Ok(f)
     }
 

@@ -401,7 +401,7 @@ impl Lending<'_> {
                 r.iova, r.size, m.iova, m.size
             )));
         }
-        if self.mapped + r.size > MAX_MIRROR_BYTES {
+        if self.mapped.saturating_add(r.size) > MAX_MIRROR_BYTES {
             return Err(invalid(format!(
                 "mapping {:#x} more bytes passes the mirror limit of {MAX_MIRROR_BYTES:#x}",
                 r.size
