@@ -403,6 +403,19 @@ impl Raw {
         Ok(body[16..].to_vec())
     }
 
+    fn region_write(&mut self, region: u32, off: u64, data: &[u8]) -> Result<(), u32> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&off.to_le_bytes());
+        b.extend_from_slice(&region.to_le_bytes());
+        b.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        b.extend_from_slice(data);
+        let (h, _) = self.call(10, &b, None);
+        if h.3 & 0x20 != 0 {
+            return Err(h.4);
+        }
+        Ok(())
+    }
+
     fn dma_map(&mut self, fd: RawFd, iova: u64, size: u64) -> bool {
         let mut b = Vec::new();
         b.extend_from_slice(&32u32.to_le_bytes()); // argsz
@@ -550,6 +563,22 @@ fn scenario(port: u16, dir: &Path) {
     assert!(
         !raw.dma_map(mem.fd.as_raw_fd(), IOVA + 1, 0x1000),
         "an unaligned DMA map"
+    );
+    // Refused before their payload is looked at: the payload must not be taken for the
+    // next header (the patched vfio_user server reads every message whole).
+    assert!(
+        raw.region_write(42, 0, &[0x11; 24]).is_err(),
+        "a write to region 42"
+    );
+    let (h, _) = raw.call(0x77, &[0xff; 40], None);
+    assert_ne!(h.3 & 0x20, 0, "an unknown command is refused");
+    assert!(
+        raw.region_read(BAR0, 0, 8 << 20).is_err(),
+        "a read of 8 MiB"
+    );
+    assert!(
+        raw.region_write(BAR0, 1 << 20, &[0; 4]).is_err(),
+        "a write past BAR0"
     );
     assert_eq!(vendor_device(&mut raw), 0x11e8_1234, "the server goes on");
     drop(raw);
