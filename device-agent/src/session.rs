@@ -151,7 +151,7 @@ fn handshake<'s>(
                 return refuse(
                     HelloStatus::Busy,
                     format!(
-                        "PCIe function {:?} is lent to another borrower",
+                        "PCIe function {:?} is lent to another session (one at a time)",
                         hello.device
                     ),
                 )

@@ -530,6 +530,23 @@ fn scenario(port: u16, dir: &Path) {
         Ok(_) => panic!("a second borrower got the function while the first holds it"),
     }
 
+    // So is a second session of the same borrower: one session holds a function.
+    match PciBorrower::connect(&target(port, 1)) {
+        Err(PciError::Connect(devlend_fabric::tcp::ConnectError::Refused {
+            status,
+            message,
+            ..
+        })) => {
+            assert_eq!(status, HelloStatus::Busy);
+            assert!(message.contains("one at a time"), "{message}");
+        }
+        Err(e) => panic!(
+            "second session: unexpected {}",
+            devlend_fabric::error::chain(&e)
+        ),
+        Ok(_) => panic!("a second session got the function"),
+    }
+
     // Bad vfio-user requests are refused and the server goes on (the VMM leaves first:
     // the socket serves one VMM at a time).
     drop(vmm);

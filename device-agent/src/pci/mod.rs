@@ -153,6 +153,17 @@ impl PciFunction {
         Ok(f)
     }
 
+    /// The pool's resource class of the function: `PCI_<VENDOR>_<DEVICE>` (upper-case
+    /// hex, from the config space read at open), e.g. `PCI_1234_11E8`.
+    pub(crate) fn resource_class(&self) -> String {
+        let b = |i: usize| self.layout.initial.get(i).copied().unwrap_or(0xff);
+        format!(
+            "PCI_{:04X}_{:04X}",
+            u16::from_le_bytes([b(0), b(1)]),
+            u16::from_le_bytes([b(2), b(3)])
+        )
+    }
+
     /// Takes the function for one borrower; `None` while another holds it.
     pub(crate) fn try_lend(self: &Arc<Self>) -> Option<Lent> {
         self.lent
