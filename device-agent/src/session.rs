@@ -45,7 +45,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
     };
     if let (Some(pci), Some(_lent)) = (&dev.pci, lent) {
         dev.stats.session_opened();
-        let end = crate::pci::session::serve(pci, &sock, peer);
+        let end = crate::pci::session::serve(pci, &sock, peer, shared.options.frame_timeout);
         dev.stats.session_closed();
         log_end(&dev, peer, &end);
         return;

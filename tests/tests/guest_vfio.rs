@@ -741,4 +741,42 @@ fn scenario(port: u16, dir: &Path) {
     );
     // Detached: the function is free for another borrower.
     drop(connect(port, 5));
+
+    // A borrower that stalls in the middle of a message does not keep the function:
+    // the lender closes its session after the frame timeout (30 s) and lends again.
+    let stalled = {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut hello = devlend_fabric::Hello::new("edu", 0);
+            hello.features = devlend_fabric::pci::FEATURE_PCI;
+            hello.borrower = [6; 16];
+            match devlend_fabric::tcp::connect_as(&lender, &hello, Duration::from_secs(10)) {
+                Ok((s, _)) => break s,
+                Err(e) if Instant::now() < until => {
+                    eprintln!("stalling borrower: {e}");
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                Err(e) => panic!("stalling borrower: {e}"),
+            }
+        }
+    };
+    let started = Instant::now();
+    // A read's header and 4 of its 16 payload bytes.
+    let mut partial = vec![KIND_READ, 0, 0, 0, 16, 0, 0, 0];
+    partial.extend_from_slice(&[0; 4]);
+    (&stalled)
+        .write_all(&partial)
+        .expect("send a partial message");
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(90)))
+        .unwrap();
+    let mut b = [0u8; 16];
+    let n = (&stalled).read(&mut b);
+    let waited = started.elapsed();
+    assert!(matches!(n, Ok(0) | Err(_)), "the lender closes: {n:?}");
+    assert!(
+        waited >= Duration::from_secs(20) && waited < Duration::from_secs(80),
+        "closed after {waited:?}, the frame timeout is 30 s"
+    );
+    drop(connect(port, 7));
 }

@@ -10,6 +10,7 @@
 //! mastering turned off, VFIO_DEVICE_RESET (when the function supports a reset), every
 //! mirror unmapped from the IOMMU and freed.
 
+use std::io::Read;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -59,7 +60,16 @@ struct IrqTable {
 
 /// Serves one borrower's session on `f` until it closes or breaks the protocol, then
 /// quiesces the function.
-pub(crate) fn serve(f: &PciFunction, sock: &Stream, peer: SocketAddr) -> End {
+///
+/// Between messages the lender waits as long as the borrower likes; once a message has
+/// begun, the rest of it must arrive within `frame_timeout`, else the session ends (a
+/// borrower stalled mid-message must not hold the function).
+pub(crate) fn serve(
+    f: &PciFunction,
+    sock: &Stream,
+    peer: SocketAddr,
+    frame_timeout: Duration,
+) -> End {
     let wake = match EventFd::new(libc::EFD_NONBLOCK) {
         Ok(w) => w,
         Err(e) => return End::Socket(e),
@@ -80,7 +90,7 @@ pub(crate) fn serve(f: &PciFunction, sock: &Stream, peer: SocketAddr) -> End {
     };
     let end = std::thread::scope(|s| {
         let irq_thread = s.spawn(|| irq_loop(&table, sock, &writer));
-        let end = lending.run(sock, &writer);
+        let end = lending.run(sock, &writer, frame_timeout);
         table.stop.store(true, Ordering::Release);
         let _ = table.wake.write(1);
         let _ = irq_thread.join();
@@ -94,6 +104,24 @@ pub(crate) fn serve(f: &PciFunction, sock: &Stream, peer: SocketAddr) -> End {
 fn send(sock: &Stream, writer: &Mutex<()>, m: &Message) -> Result<(), WireError> {
     let _g = writer.lock().unwrap_or_else(PoisonError::into_inner);
     m.write_to(&mut &*sock)
+}
+
+/// Reads one message: the first byte without a timeout, the rest within
+/// `frame_timeout`.
+fn read_message(sock: &Stream, frame_timeout: Duration) -> Result<Message, WireError> {
+    let mut first = [0u8; 1];
+    loop {
+        match (&mut &*sock).read(&mut first) {
+            Ok(0) => return Err(WireError::Closed),
+            Ok(_) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(WireError::Io(e)),
+        }
+    }
+    sock.set_read_timeout(Some(frame_timeout))?;
+    let m = Message::read_from(&mut first.as_slice().chain(sock));
+    sock.set_read_timeout(None)?;
+    m
 }
 
 /// Waits on the enabled vectors' eventfds and sends a [`KIND_IRQ`] for each signal.
@@ -163,9 +191,9 @@ struct Lending<'a> {
 }
 
 impl Lending<'_> {
-    fn run(&mut self, sock: &Stream, writer: &Mutex<()>) -> End {
+    fn run(&mut self, sock: &Stream, writer: &Mutex<()>, frame_timeout: Duration) -> End {
         loop {
-            let m = match Message::read_from(&mut &*sock) {
+            let m = match read_message(sock, frame_timeout) {
                 Ok(m) => m,
                 Err(WireError::Closed) => return End::PeerClosed,
                 Err(WireError::Io(e)) => return End::Socket(e),
