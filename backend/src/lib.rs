@@ -4,7 +4,11 @@
 //! virtqueues, validates them (virtio 1.2 §5.2.6), sends the requests to the lender over
 //! one fabric connection per virtqueue, and returns completions to the used ring.
 //! Payloads move between the socket and guest memory directly ([`guest`]).
+//!
+//! [`net`] is a vhost-user-net backend; [`pci`] a vfio-user server for a lent PCIe
+//! function.
 
 pub mod blk;
 pub mod guest;
 pub mod net;
+pub mod pci;

@@ -58,6 +58,7 @@ impl Rig {
             name: "disk".into(),
             path: file.clone(),
             net: None,
+            pci: None,
             mac: None,
             read_only,
             serial: Some("SERIAL-0123456789ABC".into()),

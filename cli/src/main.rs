@@ -98,6 +98,10 @@ enum Cmd {
         /// Attachment id, also the device id in the VMM (default: the device name).
         #[arg(long)]
         id: Option<String>,
+        /// What the lender lends: `device` (a block device or a NIC, served on
+        /// vhost-user) or `pci` (a PCIe function, served on vfio-user).
+        #[arg(long, value_enum, default_value = "device", value_name = "device|pci")]
+        kind: CliKind,
         /// Hotplug into the running QEMU behind this QMP socket.
         #[arg(long, conflicts_with = "ch_api")]
         qmp: Option<PathBuf>,
@@ -252,6 +256,15 @@ enum CliTransport {
     Rdma,
 }
 
+/// `devlend attach --kind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CliKind {
+    /// A block device or a NIC (vhost-user).
+    Device,
+    /// A PCIe function (vfio-user).
+    Pci,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Vmm {
     /// QEMU (`-chardev` + `-device vhost-user-blk-pci`) and libvirt.
@@ -305,6 +318,7 @@ fn run(cli: Cli) -> Result<()> {
             tls_server_name,
             transport,
             id,
+            kind,
             qmp,
             ch_api,
             vmm,
@@ -381,6 +395,10 @@ fn run(cli: Cli) -> Result<()> {
                 } else {
                     Default::default()
                 },
+                kind: match kind {
+                    CliKind::Device => devlend_compute_agent::api::AttachKind::Device,
+                    CliKind::Pci => devlend_compute_agent::api::AttachKind::Pci,
+                },
             });
             let a = match attached {
                 Ok(a) => a,
@@ -393,6 +411,12 @@ fn run(cli: Cli) -> Result<()> {
             };
             if json {
                 return print_json(&a);
+            }
+            if a.kind == "pci" {
+                println!("attached PCIe function {} as {}", a.device, a.id);
+                println!("vfio-user socket: {}\n", a.socket.display());
+                println!("{}", devlend_cli::output::vfio_user_args(&a));
+                return Ok(());
             }
             println!(
                 "attached {} as {}: {} ({} sectors of 512 bytes), serial {:?}{}",

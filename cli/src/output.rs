@@ -63,6 +63,18 @@ pub fn libvirt_net_xml(a: &AttachmentInfo) -> String {
     )
 }
 
+/// How Cloud Hypervisor and QEMU 11 join a PCIe function's vfio-user socket (the guest
+/// memory must be shareable: the borrower maps it for the DMA mirror).
+pub fn vfio_user_args(a: &AttachmentInfo) -> String {
+    let sock = a.socket.display();
+    format!(
+        "Cloud Hypervisor:\n  --memory size=<guest RAM>,shared=on --user-device socket={sock},id=devlend-{id}\n\n\
+         QEMU 11:\n  -object memory-backend-memfd,id=mem,size=<guest RAM>,share=on -numa node,memdev=mem \\\n    \
+         -device '{{\"driver\":\"vfio-user-pci\",\"id\":\"devlend-{id}\",\"socket\":{{\"path\":\"{sock}\",\"type\":\"unix\"}}}}'",
+        id = a.id
+    )
+}
+
 /// The QEMU arguments that join the attachment's socket.
 pub fn qemu_args(a: &AttachmentInfo) -> String {
     if a.kind == "nic" {

@@ -64,6 +64,30 @@ pub struct AttachRequest {
     /// serve RDMA on the `lender` address; the holding session stays TCP).
     #[serde(default, skip_serializing_if = "FabricTransport::is_tcp")]
     pub transport: FabricTransport,
+    /// What to serve: `device` (default: a block device on vhost-user-blk, or a NIC on
+    /// vhost-user-net, as the lender says) or `pci` (a PCIe function on vfio-user;
+    /// `queues`, `queue_size`, `poll_us`, `reconnect_deadline_s`, `vmm` and `transport`
+    /// do not apply).
+    #[serde(default, skip_serializing_if = "AttachKind::is_device")]
+    pub kind: AttachKind,
+}
+
+/// What an attachment serves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttachKind {
+    /// A block device or a NIC, as the lender lends it (vhost-user).
+    #[default]
+    Device,
+    /// A PCIe function (vfio-user).
+    Pci,
+}
+
+impl AttachKind {
+    /// Whether this is the default, `device`.
+    pub fn is_device(&self) -> bool {
+        *self == AttachKind::Device
+    }
 }
 
 /// The transport of an attachment's queue sessions.
@@ -284,8 +308,8 @@ pub struct AttachmentInfo {
     /// up. Absent for an attachment being served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restoring: Option<String>,
-    /// What the lender lends: `block` (vhost-user-blk) or `nic` (vhost-user-net; then
-    /// `queues` counts queue pairs and `net` holds its counters).
+    /// What the lender lends: `block` (vhost-user-blk), `nic` (vhost-user-net; then
+    /// `queues` counts queue pairs and `net` holds its counters) or `pci` (vfio-user).
     #[serde(default = "default_kind")]
     pub kind: String,
     /// A lent NIC's counters, link and MAC.

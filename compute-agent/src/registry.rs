@@ -195,9 +195,11 @@ fn restoring_info(r: &Restoring) -> AttachmentInfo {
     }
 }
 
-/// `nic` for a lent NIC, else `block`.
+/// `pci` for a PCIe function, `nic` for a lent NIC, else `block`.
 fn kind(e: &Entry) -> &'static str {
-    if e.attachment.net_stats().is_some() {
+    if e.attachment.pci_stats().is_some() {
+        "pci"
+    } else if e.attachment.net_stats().is_some() {
         "nic"
     } else {
         "block"
@@ -392,6 +394,7 @@ impl Registry {
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),
             reconnect_deadline: Duration::from_secs(u64::from(req.reconnect_deadline_s)),
+            pci: req.kind == crate::api::AttachKind::Pci,
         })
         .map_err(RegistryError::Start)?;
         let keeper = match checked.map(|c| c.bind_and_keep(id)).transpose() {
@@ -443,6 +446,15 @@ impl Registry {
                 "poll_us {} is above the maximum of {MAX_POLL_US} µs",
                 req.poll_us
             )));
+        }
+        if req.kind == crate::api::AttachKind::Pci
+            && (req.vmm.is_some() || req.transport != crate::api::FabricTransport::Tcp)
+        {
+            return Err(RegistryError::BadRequest(
+                "a PCIe function is not hot-plugged nor lent over RDMA yet: start the VMM with \
+                 the printed --user-device / vfio-user-pci argument, over TCP"
+                    .into(),
+            ));
         }
         if req.socket.as_os_str().is_empty() || !req.socket.is_absolute() {
             return Err(RegistryError::BadRequest(format!(

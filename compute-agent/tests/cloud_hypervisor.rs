@@ -1039,6 +1039,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         name: "d".into(),
         path: img,
         net: None,
+        pci: None,
         mac: None,
         read_only: false,
         serial: None,
@@ -1066,6 +1067,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         tls: false,
         tls_server_name: None,
         transport: Default::default(),
+        kind: Default::default(),
     };
     let info = registry.attach(req("vm1-d")).expect("attach");
     let plug = info.vmm.expect("plugged");

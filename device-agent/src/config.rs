@@ -32,6 +32,10 @@ pub struct DeviceSpec {
     /// its frames are moved through AF_PACKET.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub net: Option<String>,
+    /// A PCIe function to lend instead of a path (`NAME=pci:BDF`, e.g.
+    /// `pci:0000:00:03.0`; file key `pci`): it must be bound to `vfio-pci`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci: Option<String>,
     /// For a network interface: the MAC address the borrower's guest should use
     /// (`aa:bb:cc:dd:ee:ff`); default the interface's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -53,6 +57,20 @@ fn path_is_empty(p: &Path) -> bool {
     p.as_os_str().is_empty()
 }
 
+/// Whether `s` is a PCI address `DDDD:BB:DD.F` (domain, bus, device, function in hex).
+pub fn valid_bdf(s: &str) -> bool {
+    let b = s.as_bytes();
+    let hex = |r: std::ops::Range<usize>| b[r].iter().all(u8::is_ascii_hexdigit);
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && hex(0..4)
+        && hex(5..7)
+        && hex(8..10)
+        && (b'0'..=b'7').contains(&b[11])
+}
+
 /// Parses a MAC address `aa:bb:cc:dd:ee:ff` (hex, either case).
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let mut mac = [0u8; 6];
@@ -71,6 +89,11 @@ impl DeviceSpec {
     /// Whether this spec lends a network interface.
     pub fn is_net(&self) -> bool {
         self.net.is_some()
+    }
+
+    /// Whether this spec lends a PCIe function.
+    pub fn is_pci(&self) -> bool {
+        self.pci.is_some()
     }
 
     /// Checks the name and the serial.
@@ -113,6 +136,18 @@ impl DeviceSpec {
             if serial.contains('\0') {
                 return bad("holds a NUL byte");
             }
+        }
+        if let Some(bdf) = &self.pci {
+            if self.net.is_some() || !self.path.as_os_str().is_empty() {
+                return bad_name("has a PCIe function and also a path or an interface");
+            }
+            if !valid_bdf(bdf) {
+                return bad_name("the PCIe address is not DDDD:BB:DD.F (hex)");
+            }
+            if self.read_only || self.serial.is_some() || self.mac.is_some() {
+                return bad_name("ro, serial and mac do not apply to a PCIe function");
+            }
+            return Ok(());
         }
         match (&self.net, self.path.as_os_str().is_empty()) {
             (Some(_), false) => return bad_name("has both a path and a network interface"),
@@ -179,17 +214,21 @@ impl FromStr for DeviceSpec {
             .ok_or_else(|| bad("expected NAME=PATH[,ro][,serial=S]".into()))?;
         let mut parts = rest.split(',');
         let path = parts.next().unwrap_or_default();
-        if path.is_empty() || path == "net:" {
+        if path.is_empty() || path == "net:" || path == "pci:" {
             return Err(bad("empty path".into()));
         }
-        let (path, net) = match path.strip_prefix("net:") {
-            Some(ifname) => (PathBuf::new(), Some(ifname.to_owned())),
-            None => (PathBuf::from(path), None),
+        let (path, net, pci) = if let Some(ifname) = path.strip_prefix("net:") {
+            (PathBuf::new(), Some(ifname.to_owned()), None)
+        } else if let Some(bdf) = path.strip_prefix("pci:") {
+            (PathBuf::new(), None, Some(bdf.to_owned()))
+        } else {
+            (PathBuf::from(path), None, None)
         };
         let mut spec = DeviceSpec {
             name: name.to_owned(),
             path,
             net,
+            pci,
             mac: None,
             read_only: false,
             serial: None,
@@ -583,6 +622,17 @@ mod tests {
         // Exactly 20 bytes is fine.
         let d = spec("d=/x,serial=01234567890123456789").unwrap();
         assert_eq!(&d.serial_bytes(), b"01234567890123456789");
+    }
+
+    #[test]
+    fn parses_pci_functions() {
+        let s = spec("fpga0=pci:0000:00:03.0").unwrap();
+        assert_eq!(s.pci.as_deref(), Some("0000:00:03.0"));
+        assert!(s.is_pci() && s.path.as_os_str().is_empty());
+        assert!(spec("fpga0=pci:00:03.0").is_err());
+        assert!(spec("fpga0=pci:0000:00:03.8").is_err());
+        assert!(spec("fpga0=pci:0000:00:03.0,ro").is_err());
+        assert!(spec("fpga0=pci:").is_err());
     }
 
     #[test]

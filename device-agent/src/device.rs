@@ -39,6 +39,8 @@ pub(crate) struct Device {
     pub(crate) stats: DeviceStats,
     /// For a network interface: the interface (frames, not block requests).
     pub(crate) nic: Option<crate::nic::Nic>,
+    /// For a PCIe function: the function (regions, interrupts, DMA; not block requests).
+    pub(crate) pci: Option<Arc<crate::pci::PciFunction>>,
     /// The borrower that holds the device, and how many of its sessions are open.
     holder: Mutex<Option<([u8; 16], usize)>>,
     /// The spec it was opened from.
@@ -115,6 +117,9 @@ impl Device {
         spec.validate()?;
         if let Some(ifname) = &spec.net {
             return Self::open_net(spec, ifname);
+        }
+        if let Some(bdf) = &spec.pci {
+            return Self::open_pci(spec, bdf);
         }
         let file = OpenOptions::new()
             .read(true)
@@ -195,6 +200,7 @@ impl Device {
             memory_backed,
             stats: DeviceStats::default(),
             nic: None,
+            pci: None,
             holder: Mutex::new(None),
             spec: spec.clone(),
         })
@@ -222,6 +228,38 @@ impl Device {
             memory_backed: false,
             stats: DeviceStats::default(),
             nic: Some(nic),
+            pci: None,
+            holder: Mutex::new(None),
+            spec: spec.clone(),
+        })
+    }
+}
+
+impl Device {
+    /// A PCIe function to lend.
+    fn open_pci(spec: &DeviceSpec, bdf: &str) -> Result<Device, Error> {
+        let f = crate::pci::PciFunction::open(bdf).map_err(|source| Error::Pci {
+            device: spec.name.clone(),
+            bdf: bdf.to_owned(),
+            source,
+        })?;
+        // As for a NIC, /dev/null stands in for the backing file.
+        let file = File::open("/dev/null").map_err(|source| Error::Open {
+            device: spec.name.clone(),
+            path: "/dev/null".into(),
+            source,
+        })?;
+        Ok(Device {
+            name: spec.name.clone(),
+            path: format!("pci:{bdf}").into(),
+            file,
+            read_only: false,
+            capacity_bytes: 0,
+            info: DeviceInfo::pci(bdf),
+            memory_backed: false,
+            stats: DeviceStats::default(),
+            nic: None,
+            pci: Some(Arc::new(f)),
             holder: Mutex::new(None),
             spec: spec.clone(),
         })
@@ -288,6 +326,7 @@ mod tests {
             name: "t".into(),
             path: path.to_owned(),
             net: None,
+            pci: None,
             mac: None,
             read_only: ro,
             serial: None,

@@ -161,6 +161,17 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
+    /// A PCIe function could not be opened through VFIO.
+    #[error("cannot lend PCIe function {bdf} as device {device:?}")]
+    Pci {
+        /// The device.
+        device: String,
+        /// The function's address.
+        bdf: String,
+        /// Why.
+        #[source]
+        source: crate::pci::PciError,
+    },
     /// A thread could not be started.
     #[error("cannot start a thread")]
     Thread(#[source] io::Error),

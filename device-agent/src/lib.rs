@@ -25,6 +25,7 @@ mod frame;
 pub mod leases;
 pub mod metrics;
 mod nic;
+pub mod pci;
 mod pool;
 pub mod pool_link;
 #[cfg(feature = "rdma")]

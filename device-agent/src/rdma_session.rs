@@ -120,7 +120,22 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         tracing::warn!(%peer, error = %e, "closing");
         return;
     }
-    let (dev, _active, _claim) = match crate::session::admit(shared, &hello, &peer, id) {
+    // A PCIe function's session (its DMA mirror, its interrupts) runs over TCP only.
+    let admitted = if shared
+        .device(&hello.device)
+        .is_some_and(|d| d.pci.is_some())
+    {
+        Err((
+            devlend_fabric::HelloStatus::BadRequest,
+            format!(
+                "device {:?} is a PCIe function: it is lent over TCP only",
+                hello.device
+            ),
+        ))
+    } else {
+        crate::session::admit(shared, &hello, &peer, id)
+    };
+    let (dev, _active, _claim) = match admitted {
         Ok(x) => x,
         Err((status, message)) => {
             tracing::info!(%peer, device = %hello.device, ?status, reason = %message, "session refused");

@@ -562,7 +562,8 @@ pub struct LentDevice {
     pub name: String,
     /// Lendable bytes (a multiple of 512); 0 for a network interface.
     pub capacity_bytes: u64,
-    /// The pool's resource class: `BLOCK`, or `NIC` for a network interface.
+    /// The pool's resource class: `BLOCK`, `NIC` for a network interface, or
+    /// `PCI_<VENDOR>_<DEVICE>` for a PCIe function.
     pub resource_class: String,
     /// Writes are refused.
     pub read_only: bool,
@@ -598,7 +599,11 @@ impl InventoryView {
                 LentDevice {
                     name: d.name.clone(),
                     capacity_bytes: d.capacity_bytes,
-                    resource_class: if d.nic.is_some() { "NIC" } else { "BLOCK" }.into(),
+                    resource_class: match (&d.nic, &d.pci) {
+                        (Some(_), _) => "NIC".into(),
+                        (None, Some(f)) => f.resource_class(),
+                        (None, None) => "BLOCK".into(),
+                    },
                     read_only: d.read_only,
                     traits,
                 }

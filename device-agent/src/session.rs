@@ -7,6 +7,7 @@ use std::sync::Arc;
 use devlend_fabric::conn::Stream;
 use devlend_fabric::error::chain;
 use devlend_fabric::net::{FEATURE_NET, FEATURE_NET_OFFLOAD};
+use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError, PROTOCOL_VERSION};
 
@@ -38,10 +39,18 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             None => return,
         },
     };
-    let Some((dev, mut ring, _active, _claim, queue, offload)) = handshake(shared, &sock, peer, id)
+    let Some((dev, mut ring, _active, _claim, queue, lent, offload)) =
+        handshake(shared, &sock, peer, id)
     else {
         return;
     };
+    if let (Some(pci), Some(_lent)) = (&dev.pci, lent) {
+        dev.stats.session_opened();
+        let end = crate::pci::session::serve(pci, &sock, peer, shared.options.frame_timeout);
+        dev.stats.session_closed();
+        log_end(&dev, peer, &end);
+        return;
+    }
     dev.stats.session_opened();
     tracing::debug!(%peer, id, "session serving");
     let end = match (&dev.nic, queue) {
@@ -57,7 +66,11 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
         ),
     };
     dev.stats.session_closed();
-    match &end {
+    log_end(&dev, peer, &end);
+}
+
+fn log_end(dev: &Device, peer: SocketAddr, end: &End) {
+    match end {
         End::PeerClosed => tracing::info!(%peer, device = %dev.name, "session closed"),
         End::Protocol(reason) => {
             dev.stats.protocol_error();
@@ -69,6 +82,20 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
     }
 }
 
+/// What a successful handshake gives a session: the device, its ring, its slot among
+/// the active sessions, the borrower's claim, the queue index, for a PCIe function the
+/// function itself, taken for this session, and for a NIC whether the borrower was
+/// granted offload frames.
+type Admitted<'s> = (
+    Arc<Device>,
+    Ring,
+    ActiveSession<'s>,
+    Claim,
+    u16,
+    Option<crate::pci::Lent>,
+    bool,
+);
+
 /// Reads the hello and answers it. On success, returns the device, the session's ring,
 /// and its slot among the lender's active sessions.
 fn handshake<'s>(
@@ -76,7 +103,7 @@ fn handshake<'s>(
     sock: &Stream,
     peer: SocketAddr,
     id: u64,
-) -> Option<(Arc<Device>, Ring, ActiveSession<'s>, Claim, u16, bool)> {
+) -> Option<Admitted<'s>> {
     let timeout = Some(shared.options.handshake_timeout);
     if let Err(e) = sock
         .set_read_timeout(timeout)
@@ -119,7 +146,28 @@ fn handshake<'s>(
             )
         }
     };
+    // One borrower at a time: the session that gets here first holds the function.
+    let lent = match &dev.pci {
+        Some(pci) => match pci.try_lend() {
+            Some(l) => Some(l),
+            None => {
+                return refuse(
+                    HelloStatus::Busy,
+                    format!(
+                        "PCIe function {:?} is lent to another session (one at a time)",
+                        hello.device
+                    ),
+                )
+            }
+        },
+        None => None,
+    };
     let reply = match &dev.nic {
+        None if dev.pci.is_some() => {
+            let mut r = HelloReply::ok(dev.info.clone());
+            r.features = FEATURE_PCI;
+            r
+        }
         Some(nic) => {
             let mut r = HelloReply::ok(devlend_fabric::DeviceInfo::net(&nic.link()));
             // Offloads asked for are granted: the packet socket's vnet header has the
@@ -143,7 +191,7 @@ fn handshake<'s>(
     }
     tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "session opened");
     let offload = dev.nic.is_some() && hello.features & FEATURE_NET_OFFLOAD != 0;
-    Some((dev, ring, active, claim, hello.queue_index, offload))
+    Some((dev, ring, active, claim, hello.queue_index, lent, offload))
 }
 
 /// Runs the TLS handshake on an accepted connection (under the handshake timeout) and
@@ -237,6 +285,15 @@ pub(crate) fn admit<'s>(
             HelloStatus::BadRequest,
             format!(
                 "device {:?} is a network interface, and this borrower does not speak frames",
+                hello.device
+            ),
+        ));
+    }
+    if dev.pci.is_some() && (hello.features & FEATURE_PCI == 0 || hello.queue_index != 0) {
+        return Err((
+            HelloStatus::BadRequest,
+            format!(
+                "device {:?} is a PCIe function: a borrower must ask for feature PCI on queue 0",
                 hello.device
             ),
         ));

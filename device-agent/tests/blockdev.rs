@@ -23,6 +23,7 @@ fn lends_a_block_device() {
         name: "bd".into(),
         path: path.into(),
         net: None,
+        pci: None,
         mac: None,
         read_only: false,
         serial: None,

@@ -34,6 +34,11 @@ pub const DEV_NET: u32 = 1 << 3;
 /// [`DeviceInfo::flags`] bit, with [`DEV_NET`]: the interface's link was up at the handshake.
 pub const DEV_LINK_UP: u32 = 1 << 4;
 
+/// [`DeviceInfo::flags`] bit: the device is a PCIe function (granted with
+/// [`crate::pci::FEATURE_PCI`]); its regions and interrupts come in a
+/// [`crate::pci::KIND_INFO`] reply after the handshake.
+pub const DEV_PCI: u32 = 1 << 5;
+
 /// The borrower's opening message.
 ///
 /// Layout: `magic: [u8;4] = "DVLD", version: u16, queue_index: u16, features: u64,
@@ -236,6 +241,29 @@ impl DeviceInfo {
             flags: DEV_NET | if link.up { DEV_LINK_UP } else { 0 },
             serial,
         }
+    }
+
+    /// What a lender advertises for a PCIe function: capacity 0, block size 512 (not
+    /// used), [`DEV_PCI`], the function's address (`pci:BDF`, cut to 20 bytes) as serial.
+    pub fn pci(bdf: &str) -> Self {
+        let mut serial = [0u8; SERIAL_LEN];
+        let b = bdf.as_bytes();
+        let n = b.len().min(SERIAL_LEN);
+        serial[..n].copy_from_slice(&b[..n]);
+        DeviceInfo {
+            capacity_sectors: 0,
+            block_size: 512,
+            max_transfer: crate::pci::MAX_ACCESS,
+            max_discard_sectors: 0,
+            max_write_zeroes_sectors: 0,
+            flags: DEV_PCI,
+            serial,
+        }
+    }
+
+    /// Whether the device is a PCIe function.
+    pub fn is_pci(&self) -> bool {
+        self.flags & DEV_PCI != 0
     }
 
     /// Whether the device is a network interface.

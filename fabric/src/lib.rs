@@ -16,6 +16,7 @@ pub mod io_util;
 pub mod latency;
 pub mod lease_token;
 pub mod net;
+pub mod pci;
 pub mod rdma;
 pub mod tcp;
 pub mod tls;

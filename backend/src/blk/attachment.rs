@@ -44,6 +44,9 @@ pub struct AttachmentConfig {
     /// on the new one) before they complete with IOERR; see
     /// [`crate::blk::engine::DEFAULT_RECONNECT_DEADLINE`].
     pub reconnect_deadline: Duration,
+    /// The device is a PCIe function: serve it over vfio-user ([`crate::pci`]) instead
+    /// of vhost-user; `num_queues`, `poll` and `reconnect_deadline` do not apply.
+    pub pci: bool,
 }
 
 /// Why an attachment could not start.
@@ -75,6 +78,9 @@ pub enum AttachmentError {
     /// A thread or eventfd could not be created.
     #[error("cannot start the serving thread")]
     Thread(#[source] std::io::Error),
+    /// A PCIe function could not be borrowed or served.
+    #[error("cannot borrow the PCIe function")]
+    Pci(#[source] crate::pci::PciError),
 }
 
 #[derive(Default)]
@@ -87,7 +93,11 @@ struct Shared {
 
 /// A running attachment.
 pub struct Attachment {
-    hold: Holder,
+    /// The session that holds a block device or NIC (a PCIe function's own session
+    /// holds it).
+    hold: Option<Holder>,
+    /// For a PCIe function: its borrower.
+    pci: Option<crate::pci::PciHandle>,
     config: AttachmentConfig,
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
@@ -110,6 +120,9 @@ impl Attachment {
             return Err(AttachmentError::Queues(config.num_queues));
         }
         prepare_socket_path(&config.socket)?;
+        if config.pci {
+            return Self::start_pci(config);
+        }
         // This session holds the device on the lender for the attachment's lifetime
         // (a device is lent to one borrower at a time); it carries no I/O.
         let (hold, reply) =
@@ -117,8 +130,10 @@ impl Attachment {
         // An RDMA attachment fails now, with the reason, when RDMA cannot work (no
         // device, no route, the lender not serving it), not later at the first request.
         crate::blk::engine::probe_transport(&config.lender).map_err(AttachmentError::Lender)?;
-        let hold = Holder::start(&config.id, config.lender.clone(), hold)
-            .map_err(AttachmentError::Thread)?;
+        let hold = Some(
+            Holder::start(&config.id, config.lender.clone(), hold)
+                .map_err(AttachmentError::Thread)?,
+        );
         let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
         let listener =
             Listener::new(&config.socket, true).map_err(|source| AttachmentError::Listen {
@@ -173,6 +188,7 @@ impl Attachment {
             };
             return Ok(Attachment {
                 hold,
+                pci: None,
                 config,
                 limits,
                 stats,
@@ -198,6 +214,7 @@ impl Attachment {
         };
         Ok(Attachment {
             hold,
+            pci: None,
             config,
             limits,
             stats,
@@ -207,6 +224,73 @@ impl Attachment {
             wake,
             thread: Some(thread),
         })
+    }
+
+    /// A PCIe function on a vfio-user socket: one fabric session to the lender holds the
+    /// function and carries everything; the serving thread takes one VMM connection
+    /// after the other.
+    fn start_pci(config: AttachmentConfig) -> Result<Self, AttachmentError> {
+        let target = crate::pci::LinkTarget {
+            lender: config.lender.addr.clone(),
+            device: config.lender.device.clone(),
+            borrower: config.lender.borrower,
+            token: config.lender.token.clone(),
+            tls: config.lender.tls.clone(),
+            timeout: Duration::from_secs(10),
+        };
+        let borrower = crate::pci::PciBorrower::connect(&target).map_err(AttachmentError::Pci)?;
+        let server = borrower
+            .listen(&config.socket)
+            .map_err(AttachmentError::Pci)?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&config.socket, std::fs::Permissions::from_mode(0o660))
+                .map_err(|source| AttachmentError::Listen {
+                    path: config.socket.clone(),
+                    source: vhost::vhost_user::Error::SocketError(source),
+                })?;
+        }
+        let handle = borrower.handle();
+        let shared = Arc::new(Shared::default());
+        let thread = {
+            let (shared, id) = (shared.clone(), config.id.clone());
+            let mut borrower = borrower;
+            std::thread::Builder::new()
+                .name(format!("attach-{}", config.lender.device))
+                .spawn(move || {
+                    while !shared.stop.load(Ordering::Acquire) {
+                        if let Err(e) = server.run(&mut borrower) {
+                            tracing::info!(attachment = %id, error = %e, "vfio-user connection ended");
+                        }
+                        if shared.stop.load(Ordering::Acquire) {
+                            break;
+                        }
+                        if let Err(e) = borrower.vmm_gone() {
+                            tracing::warn!(attachment = %id, error = %e, "the PCI session is gone");
+                            break;
+                        }
+                    }
+                })
+                .map_err(AttachmentError::Thread)?
+        };
+        let info = devlend_fabric::DeviceInfo::pci(&config.lender.device);
+        Ok(Attachment {
+            hold: None,
+            pci: Some(handle),
+            limits: Arc::new(DeviceLimits::from_device_info(&info)),
+            stats: Arc::new(QueueStats::new(1)),
+            net: None,
+            link: None,
+            shared,
+            wake: EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?,
+            thread: Some(thread),
+            config,
+        })
+    }
+
+    /// For a borrowed PCIe function: its counters.
+    pub fn pci_stats(&self) -> Option<&crate::pci::PciStats> {
+        self.pci.as_ref().map(|h| h.stats())
     }
 
     /// For a lent NIC: its packet counters and link state.
@@ -271,6 +355,17 @@ impl Attachment {
 
     fn shutdown(&mut self, timeout: Duration, handoff: bool) {
         self.shared.stop.store(true, Ordering::Release);
+        if let Some(pci) = &self.pci {
+            // The lender quiesces the function and lends it again. The vfio_user
+            // server cannot be interrupted: a connection wakes its accept, and a VMM
+            // still connected keeps its connection (every request failing) until it
+            // closes it, so the thread is left to end then.
+            pci.disconnect();
+            let _ = std::os::unix::net::UnixStream::connect(&self.config.socket);
+            let _ = std::fs::remove_file(&self.config.socket);
+            self.thread = None;
+            return;
+        }
         let _ = self.wake.write(1);
         let current = self
             .shared
@@ -298,7 +393,9 @@ impl Attachment {
         }
         let _ = std::fs::remove_file(&self.config.socket);
         // Release the device on the lender.
-        self.hold.release();
+        if let Some(h) = &mut self.hold {
+            h.release();
+        }
     }
 }
 

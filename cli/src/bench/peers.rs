@@ -204,6 +204,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         tls: false,
         tls_server_name: None,
         transport: Default::default(),
+        kind: Default::default(),
     })?;
     let attach = format!(
         "devlend attach --lender 127.0.0.1:PORT --device disk0 --socket {} --queues {}{}",

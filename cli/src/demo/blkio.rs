@@ -49,6 +49,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         tls: false,
         tls_server_name: None,
         transport: Default::default(),
+        kind: Default::default(),
     })?;
 
     step(

@@ -168,6 +168,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         tls: false,
         tls_server_name: None,
         transport: Default::default(),
+        kind: Default::default(),
     })?;
     guest.wait_for_line(
         |l| l.contains("DEVLEND-WAITED path=/dev/vda"),

@@ -47,6 +47,7 @@ impl Fixture {
                     name: name.into(),
                     path,
                     net: None,
+                    pci: None,
                     mac: None,
                     read_only: ro,
                     serial: None,

@@ -1,0 +1,650 @@
+//! The borrower of a PCIe function: a vfio-user server (the `vfio_user` crate's
+//! [`Server`] and [`ServerBackend`]) on a unix socket, in front of a fabric session to
+//! the lender ([`link`]).
+//!
+//! A VMM joins the socket (Cloud Hypervisor `--user-device socket=PATH`, QEMU 11
+//! `-device vfio-user-pci,socket=PATH`) and sees the function as the lender reports it:
+//! its regions (BARs, the virtualized config space) and interrupt indexes. Region reads
+//! and writes go to the lender (no region is offered for mmap: every access is a
+//! message); DMA_MAP maps the VMM's memory fd here and has the lender map a mirror at the
+//! same IOVA; interrupts from the lender are written to the VMM's eventfds.
+//!
+//! # Coherence mode `mirror`
+//!
+//! The function on the lender works on the mirror, so the borrower keeps guest memory and
+//! mirror in step around the two events that order DMA for a driver:
+//! - **before a BAR write** (the doorbell that may start DMA): every page of the
+//!   DMA-mapped guest memory that differs from the borrower's shadow copy is pushed
+//!   ([`devlend_fabric::pci::KIND_PUSH`]), and the shadow updated;
+//! - **after an interrupt, before it reaches the VMM's eventfd**: the lender sends the
+//!   mirror pages that differ from what it last synced ([`devlend_fabric::pci::KIND_PULL`]);
+//!   they are written into guest memory and the shadow.
+//!
+//! Cost: the borrower holds a shadow as large as the mapped memory and compares all of
+//! it (`memcmp`, page by page) on every BAR write; the lender does the same on every
+//! interrupt. Only changed pages cross the fabric. That suits functions whose drivers
+//! map little memory and ring doorbells rarely (FPGAs, accelerators, test devices); it
+//! does not suit an SSD or a NIC whose driver maps all guest RAM and writes a doorbell
+//! per request (see `docs/pci.md`).
+
+pub mod link;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Write as _};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use devlend_fabric::pci::{
+    decode_pages, encode_page, page_cost, Access, DmaRange, Irq, IrqAction, IrqSet, Message,
+    PciInfo, FLAG_MORE, KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH, KIND_READ, KIND_RESET,
+    KIND_SET_IRQS, KIND_WRITE, MAX_ACCESS, MIRROR_PAGE,
+};
+use vfio_bindings::bindings::vfio::{
+    vfio_region_info, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_TYPE_MASK,
+    VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE,
+    VFIO_IRQ_SET_DATA_TYPE_MASK, VFIO_PCI_ROM_REGION_INDEX,
+};
+use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion};
+use vm_memory::VolatileSlice;
+
+pub use link::{Link, LinkError, LinkTarget};
+
+/// Why the borrower could not start serving.
+#[derive(Debug, thiserror::Error)]
+pub enum PciError {
+    /// The fabric session could not be opened (or was refused).
+    #[error("opening the PCI session")]
+    Connect(#[source] devlend_fabric::tcp::ConnectError),
+    /// The vfio-user socket could not be created.
+    #[error("vfio-user socket {path}")]
+    Socket {
+        /// The socket's path.
+        path: String,
+        /// Why.
+        #[source]
+        source: vfio_user::Error,
+    },
+    /// The interrupt thread could not be started.
+    #[error("starting the interrupt thread")]
+    Thread(#[source] io::Error),
+}
+
+/// Counters of one borrowed function.
+#[derive(Debug, Default)]
+pub struct PciStats {
+    /// Region reads forwarded.
+    pub reads: AtomicU64,
+    /// Region writes forwarded.
+    pub writes: AtomicU64,
+    /// Pages pushed to the mirror.
+    pub pages_pushed: AtomicU64,
+    /// Pages pulled from the mirror.
+    pub pages_pulled: AtomicU64,
+    /// Interrupts delivered to the VMM.
+    pub irqs: AtomicU64,
+}
+
+/// One DMA mapping of the VMM's memory.
+struct GuestMap {
+    iova: u64,
+    size: usize,
+    ptr: NonNull<u8>,
+    /// What the mirror holds, as far as the borrower knows.
+    shadow: Vec<u8>,
+}
+
+// SAFETY: the mapping belongs to this GuestMap alone and is touched only through
+// volatile copies (the guest may write it at any time).
+unsafe impl Send for GuestMap {}
+
+impl GuestMap {
+    fn slice(&self) -> VolatileSlice<'_> {
+        // SAFETY: `ptr..ptr + size` is our live mapping while `self` lives.
+        unsafe { VolatileSlice::new(self.ptr.as_ptr(), self.size) }
+    }
+
+    fn overlaps(&self, iova: u64, size: u64) -> bool {
+        iova < self.iova + self.size as u64 && self.iova < iova.saturating_add(size)
+    }
+}
+
+impl Drop for GuestMap {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, of this size.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.size);
+        }
+    }
+}
+
+/// What the vfio-user thread and the interrupt thread share.
+struct Shared {
+    link: Link,
+    info: PciInfo,
+    /// Guest memory mapped for DMA. Lock order: `maps`, then a call on `link`.
+    maps: Mutex<Vec<GuestMap>>,
+    /// The VMM's eventfds by (interrupt index, vector).
+    eventfds: Mutex<HashMap<(u32, u32), File>>,
+    stats: PciStats,
+}
+
+/// A handle on a [`PciBorrower`] served by another thread: its counters, and a way to
+/// drop its fabric session.
+#[derive(Clone)]
+pub struct PciHandle(Arc<Shared>);
+
+impl PciHandle {
+    /// The counters.
+    pub fn stats(&self) -> &PciStats {
+        &self.0.stats
+    }
+
+    /// As [`PciBorrower::disconnect`].
+    pub fn disconnect(&self) {
+        self.0.link.shutdown();
+    }
+}
+
+/// A borrowed PCIe function, served to one VMM at a time over vfio-user.
+pub struct PciBorrower {
+    shared: Arc<Shared>,
+}
+
+impl Drop for PciBorrower {
+    fn drop(&mut self) {
+        // Ends the reader, hence the interrupt thread and its share of `Shared`.
+        self.shared.link.shutdown();
+    }
+}
+
+fn einval(msg: impl Into<String>) -> io::Error {
+    let msg = msg.into();
+    tracing::info!(reason = %msg, "vfio-user request refused");
+    io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+fn link_err(e: LinkError) -> io::Error {
+    match e {
+        LinkError::Refused { .. } => einval(e.to_string()),
+        e => io::Error::new(io::ErrorKind::BrokenPipe, e.to_string()),
+    }
+}
+
+impl PciBorrower {
+    /// Opens the fabric session and starts the interrupt thread.
+    ///
+    /// # Errors
+    /// [`PciError::Connect`] (the lender's refusal included), [`PciError::Thread`].
+    pub fn connect(target: &LinkTarget) -> Result<PciBorrower, PciError> {
+        let (link, info, irqs) = Link::connect(target).map_err(PciError::Connect)?;
+        let shared = Arc::new(Shared {
+            link,
+            info,
+            maps: Mutex::new(Vec::new()),
+            eventfds: Mutex::new(HashMap::new()),
+            stats: PciStats::default(),
+        });
+        let s = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("devlend-pci-irq".into())
+            .spawn(move || irq_loop(&s, irqs))
+            .map_err(PciError::Thread)?;
+        Ok(PciBorrower { shared })
+    }
+
+    /// The function as the lender reports it.
+    pub fn info(&self) -> &PciInfo {
+        &self.shared.info
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &PciStats {
+        &self.shared.stats
+    }
+
+    /// Shuts the fabric session down (as a lost network would): the lender quiesces the
+    /// function and may lend it again.
+    pub fn disconnect(&self) {
+        self.shared.link.shutdown();
+    }
+
+    /// A handle that outlives moving the borrower into its serving thread.
+    pub fn handle(&self) -> PciHandle {
+        PciHandle(Arc::clone(&self.shared))
+    }
+
+    /// A vfio-user server for this function listening on `path` (which must not exist).
+    ///
+    /// # Errors
+    /// [`PciError::Socket`].
+    pub fn listen(&self, path: &Path) -> Result<Server, PciError> {
+        let regions = self
+            .shared
+            .info
+            .regions
+            .iter()
+            .enumerate()
+            .map(|(i, r)| ServerRegion {
+                region_info: vfio_region_info {
+                    argsz: std::mem::size_of::<vfio_region_info>() as u32,
+                    flags: r.flags,
+                    index: i as u32,
+                    cap_offset: 0,
+                    size: r.size,
+                    offset: 0,
+                },
+                sparse_areas: Vec::new(),
+                mmap_fd: None,
+            })
+            .collect();
+        let irqs = self
+            .shared
+            .info
+            .irqs
+            .iter()
+            .enumerate()
+            .map(|(i, q)| IrqInfo {
+                index: i as u32,
+                flags: q.flags,
+                count: q.count,
+            })
+            .collect();
+        Server::new(path, true, irqs, regions).map_err(|source| PciError::Socket {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+
+    /// Serves VMM connections on `server` one after the other, forever: when a VMM
+    /// leaves, its DMA mappings and interrupts are dropped and the function reset, so
+    /// that the next VMM finds it as new. Returns when the fabric session is gone.
+    pub fn serve(&mut self, server: &Server) {
+        loop {
+            match server.run(self) {
+                Ok(()) => tracing::info!("VMM left the vfio-user socket"),
+                Err(e) => tracing::warn!(error = %e, "vfio-user connection ended"),
+            }
+            if let Err(e) = self.vmm_gone() {
+                tracing::warn!(error = %e, "the lender is gone; no more VMM connections");
+                return;
+            }
+        }
+    }
+
+    /// Drops what a VMM set up: interrupts, DMA mappings, and resets the function.
+    ///
+    /// # Errors
+    /// When the fabric session is gone.
+    pub fn vmm_gone(&mut self) -> io::Result<()> {
+        let indexes: Vec<u32> = {
+            let mut e = self
+                .shared
+                .eventfds
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let mut v: Vec<u32> = e.keys().map(|(i, _)| *i).collect();
+            e.clear();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        for index in indexes {
+            self.irq_action(index, IrqAction::Disable, 0)?;
+        }
+        self.unmap_all()?;
+        self.reset()
+    }
+
+    fn irq_action(&self, index: u32, action: IrqAction, count: u32) -> io::Result<()> {
+        let p = IrqSet {
+            index,
+            action,
+            count,
+        }
+        .encode();
+        self.shared
+            .link
+            .call(Message::new(KIND_SET_IRQS, p))
+            .map(|_| ())
+            .map_err(link_err)
+    }
+
+    fn unmap_all(&self) -> io::Result<()> {
+        let mut maps = self
+            .shared
+            .maps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for m in maps.drain(..) {
+            let r = DmaRange {
+                iova: m.iova,
+                size: m.size as u64,
+            };
+            self.shared
+                .link
+                .call(Message::new(KIND_DMA_UNMAP, r.encode()))
+                .map_err(link_err)?;
+        }
+        Ok(())
+    }
+
+    /// Pushes the DMA-mapped guest pages that changed since last synced.
+    fn push(&self, maps: &mut [GuestMap]) -> io::Result<()> {
+        let page = MIRROR_PAGE as usize;
+        let mut buf = vec![0u8; page];
+        let mut chunk = Vec::new();
+        let mut pushed = 0u64;
+        for m in maps.iter_mut() {
+            // SAFETY: as in `GuestMap::slice`; built from the raw parts so that the
+            // shadow may be borrowed beside it.
+            let slice = unsafe { VolatileSlice::new(m.ptr.as_ptr(), m.size) };
+            for off in (0..m.size).step_by(page) {
+                let Ok(s) = slice.subslice(off, page) else {
+                    break;
+                };
+                s.copy_to(&mut buf[..]);
+                let shadow = &mut m.shadow[off..off + page];
+                if shadow == buf.as_slice() {
+                    continue;
+                }
+                shadow.copy_from_slice(&buf);
+                if chunk.len() + page_cost(page) > MAX_ACCESS as usize {
+                    let mut msg = Message::new(KIND_PUSH, std::mem::take(&mut chunk));
+                    msg.flags = FLAG_MORE;
+                    self.shared.link.send(&msg).map_err(link_err)?;
+                }
+                encode_page(m.iova + off as u64, &buf, &mut chunk);
+                pushed += 1;
+            }
+        }
+        if pushed == 0 {
+            return Ok(());
+        }
+        self.shared
+            .stats
+            .pages_pushed
+            .fetch_add(pushed, Ordering::Relaxed);
+        self.shared
+            .link
+            .call(Message::new(KIND_PUSH, chunk))
+            .map(|_| ())
+            .map_err(link_err)
+    }
+}
+
+/// Pulls the pages the function changed into guest memory.
+fn pull(shared: &Shared, maps: &mut [GuestMap]) -> Result<(), LinkError> {
+    if maps.is_empty() {
+        return Ok(());
+    }
+    let replies = shared.link.call(Message::new(KIND_PULL, Vec::new()))?;
+    let mut n = 0;
+    for r in &replies {
+        let pages = decode_pages(&r.payload).map_err(|e| LinkError::Protocol(e.to_string()))?;
+        for p in pages {
+            let len = p.data.len();
+            let Some(m) = maps
+                .iter_mut()
+                .find(|m| p.iova >= m.iova && p.iova - m.iova + len as u64 <= m.size as u64)
+            else {
+                return Err(LinkError::Protocol(format!(
+                    "pulled page at IOVA {:#x} outside every mapping",
+                    p.iova
+                )));
+            };
+            let off = (p.iova - m.iova) as usize;
+            if let Ok(s) = m.slice().subslice(off, len) {
+                s.copy_from(p.data);
+            }
+            m.shadow[off..off + len].copy_from_slice(p.data);
+            n += 1;
+        }
+    }
+    shared.stats.pages_pulled.fetch_add(n, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Delivers the lender's interrupts: pull what the function wrote, then signal the
+/// VMM's eventfd. Ends with the fabric session.
+fn irq_loop(shared: &Shared, irqs: Receiver<Irq>) {
+    for irq in irqs {
+        {
+            let mut maps = shared.maps.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Err(e) = pull(shared, &mut maps) {
+                tracing::warn!(error = %e, "pull after an interrupt failed");
+            }
+        }
+        let fds = shared
+            .eventfds
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match fds.get(&(irq.index, irq.vector)) {
+            Some(mut f) => {
+                if let Err(e) = f.write_all(&1u64.to_ne_bytes()) {
+                    tracing::warn!(error = %e, "cannot signal the VMM's eventfd");
+                }
+                shared.stats.irqs.fetch_add(1, Ordering::Relaxed);
+            }
+            None => tracing::debug!(?irq, "interrupt without an eventfd; dropped"),
+        }
+    }
+    tracing::debug!("interrupt thread ends with the fabric session");
+}
+
+impl ServerBackend for PciBorrower {
+    fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> io::Result<()> {
+        for (i, chunk) in data.chunks_mut(MAX_ACCESS as usize).enumerate() {
+            let off = offset
+                .checked_add((i * MAX_ACCESS as usize) as u64)
+                .ok_or_else(|| einval("offset overflows"))?;
+            let a = Access {
+                region,
+                len: chunk.len() as u32,
+                offset: off,
+            };
+            let r = self
+                .shared
+                .link
+                .call(Message::new(KIND_READ, a.encode()))
+                .map_err(link_err)?;
+            if r[0].payload.len() != chunk.len() {
+                return Err(io::Error::other("short read from the lender"));
+            }
+            chunk.copy_from_slice(&r[0].payload);
+        }
+        self.shared.stats.reads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> io::Result<()> {
+        if region < VFIO_PCI_ROM_REGION_INDEX {
+            // A BAR write may start DMA: the mirror must hold guest memory first.
+            let mut maps = self
+                .shared
+                .maps
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if !maps.is_empty() {
+                self.push(&mut maps)?;
+            }
+        }
+        for (i, chunk) in data.chunks(MAX_ACCESS as usize).enumerate() {
+            let off = offset
+                .checked_add((i * MAX_ACCESS as usize) as u64)
+                .ok_or_else(|| einval("offset overflows"))?;
+            let mut p = Access {
+                region,
+                len: chunk.len() as u32,
+                offset: off,
+            }
+            .encode();
+            p.extend_from_slice(chunk);
+            self.shared
+                .link
+                .call(Message::new(KIND_WRITE, p))
+                .map_err(link_err)?;
+        }
+        self.shared.stats.writes.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn dma_map(
+        &mut self,
+        _flags: DmaMapFlags,
+        offset: u64,
+        address: u64,
+        size: u64,
+        fd: Option<File>,
+    ) -> io::Result<()> {
+        let Some(fd) = fd else {
+            return Err(einval(
+                "DMA_MAP without a file descriptor (DMA_READ/DMA_WRITE are not supported)",
+            ));
+        };
+        let r = DmaRange {
+            iova: address,
+            size,
+        };
+        // The lender checks too; checking here first keeps a bad map from mmap.
+        DmaRange::decode(&r.encode()).map_err(|_| {
+            einval(format!(
+                "DMA range {address:#x}+{size:#x} is not page-aligned"
+            ))
+        })?;
+        if !offset.is_multiple_of(MIRROR_PAGE) {
+            return Err(einval("DMA_MAP offset is not page-aligned"));
+        }
+        let len = usize::try_from(size).map_err(|_| einval("DMA range too large"))?;
+        let file_off = libc::off_t::try_from(offset).map_err(|_| einval("DMA_MAP offset"))?;
+        let mut maps = self
+            .shared
+            .maps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(m) = maps.iter().find(|m| m.overlaps(address, size)) {
+            return Err(einval(format!(
+                "DMA range {address:#x}+{size:#x} overlaps the mapped {:#x}+{:#x}",
+                m.iova, m.size
+            )));
+        }
+        // SAFETY: a new shared mapping of the VMM's fd; no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                file_off,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap at 0"))?;
+        let map = GuestMap {
+            iova: address,
+            size: len,
+            ptr,
+            shadow: vec![0; len],
+        };
+        self.shared
+            .link
+            .call(Message::new(KIND_DMA_MAP, r.encode()))
+            .map_err(link_err)?;
+        maps.push(map);
+        Ok(())
+    }
+
+    fn dma_unmap(&mut self, flags: DmaUnmapFlags, address: u64, size: u64) -> io::Result<()> {
+        if flags.contains(DmaUnmapFlags::UNMAP_ALL) {
+            return self.unmap_all();
+        }
+        let mut maps = self
+            .shared
+            .maps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let Some(i) = maps
+            .iter()
+            .position(|m| m.iova == address && m.size as u64 == size)
+        else {
+            return Err(einval(format!(
+                "DMA range {address:#x}+{size:#x} is not mapped as such"
+            )));
+        };
+        let r = DmaRange {
+            iova: address,
+            size,
+        };
+        self.shared
+            .link
+            .call(Message::new(KIND_DMA_UNMAP, r.encode()))
+            .map_err(link_err)?;
+        maps.swap_remove(i);
+        Ok(())
+    }
+
+    fn reset(&mut self) -> io::Result<()> {
+        self.shared
+            .link
+            .call(Message::new(KIND_RESET, Vec::new()))
+            .map(|_| ())
+            .map_err(link_err)
+    }
+
+    fn set_irqs(
+        &mut self,
+        index: u32,
+        flags: u32,
+        start: u32,
+        count: u32,
+        fds: Vec<File>,
+    ) -> io::Result<()> {
+        let data = flags & VFIO_IRQ_SET_DATA_TYPE_MASK;
+        let action = flags & VFIO_IRQ_SET_ACTION_TYPE_MASK;
+        match (action, data) {
+            (VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD) if count > 0 => {
+                if start != 0 || fds.len() != count as usize {
+                    return Err(einval(format!(
+                        "SET_IRQS: {} eventfds for vectors {start}..+{count}: give one per vector from 0",
+                        fds.len()
+                    )));
+                }
+                self.irq_action(index, IrqAction::Enable, count)?;
+                let mut e = self
+                    .shared
+                    .eventfds
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                e.retain(|(i, _), _| *i != index);
+                for (v, f) in fds.into_iter().enumerate() {
+                    e.insert((index, v as u32), f);
+                }
+                Ok(())
+            }
+            (VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_DATA_EVENTFD)
+                if count == 0 =>
+            {
+                self.irq_action(index, IrqAction::Disable, 0)?;
+                self.shared
+                    .eventfds
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .retain(|(i, _), _| *i != index);
+                Ok(())
+            }
+            (VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_NONE) => {
+                self.irq_action(index, IrqAction::Unmask, 0)
+            }
+            _ => Err(einval(format!(
+                "SET_IRQS flags {flags:#x} on index {index} are not supported"
+            ))),
+        }
+    }
+}

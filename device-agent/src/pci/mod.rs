@@ -1,0 +1,214 @@
+//! Lending a PCIe function bound to `vfio-pci`: the function is opened once with
+//! `vfio-ioctls` (a VFIO container with the type1 IOMMU, its group, the device), and
+//! lent to one borrower at a time over a PCI session ([`session`]).
+//!
+//! What the borrower reaches: the regions (BARs by `pread`/`pwrite` on the VFIO device,
+//! the config space through [`config::VirtConfig`]), reset, interrupts (VFIO eventfds
+//! turned into [`devlend_fabric::pci::KIND_IRQ`] messages), and DMA: each DMA map of the
+//! borrower gets a [`mirror::Mirror`] mapped at the same IOVA in the function's IOMMU
+//! domain (VFIO_IOMMU_MAP_DMA).
+
+pub(crate) mod config;
+pub(crate) mod mirror;
+pub(crate) mod session;
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use devlend_fabric::pci::{IrqInfo, PciInfo, RegionInfo, INFO_RESET};
+use vfio_bindings::bindings::vfio::{
+    VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
+    VFIO_PCI_ROM_REGION_INDEX, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
+};
+use vfio_ioctls::{VfioContainer, VfioDevice, VfioError};
+
+/// Why a PCIe function could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum PciError {
+    /// The function does not exist in sysfs.
+    #[error("no PCI function at {0}")]
+    NoFunction(PathBuf),
+    /// The function is not bound to vfio-pci.
+    #[error("the function is bound to {driver:?}, not vfio-pci (echo vfio-pci > driver_override, then drivers_probe)")]
+    NotVfio {
+        /// The driver it is bound to ("none" if unbound).
+        driver: String,
+    },
+    /// VFIO refused: no IOMMU, a group not viable, the container, the device.
+    #[error("VFIO")]
+    Vfio(#[source] VfioError),
+    /// Reading the config space failed.
+    #[error("reading the config space")]
+    Config(#[source] io::Error),
+}
+
+/// A function taken by one borrower's session; given back on drop.
+pub(crate) struct Lent(Arc<PciFunction>);
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        self.0.lent.store(false, Ordering::Release);
+    }
+}
+
+/// A function opened through VFIO, lendable.
+pub(crate) struct PciFunction {
+    /// `DDDD:BB:DD.F`.
+    pub(crate) bdf: String,
+    container: Arc<VfioContainer>,
+    device: VfioDevice,
+    /// What the borrower is told.
+    pub(crate) info: PciInfo,
+    /// Per region index: VFIO's offset of the region in the device fd.
+    offsets: Vec<u64>,
+    layout: config::Layout,
+    /// Set while a borrower's session holds the function.
+    lent: AtomicBool,
+}
+
+impl std::fmt::Debug for PciFunction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PciFunction")
+            .field("bdf", &self.bdf)
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PciFunction {
+    /// Opens the function at `bdf` (bound to vfio-pci) in a container of its own, and
+    /// reads its regions, interrupts and config space.
+    ///
+    /// # Errors
+    /// [`PciError`].
+    pub(crate) fn open(bdf: &str) -> Result<PciFunction, PciError> {
+        let sysfs = PathBuf::from("/sys/bus/pci/devices").join(bdf);
+        if !sysfs.exists() {
+            return Err(PciError::NoFunction(sysfs));
+        }
+        let driver = std::fs::read_link(sysfs.join("driver"))
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "none".into());
+        if driver != "vfio-pci" {
+            return Err(PciError::NotVfio { driver });
+        }
+        let container = Arc::new(VfioContainer::new(None).map_err(PciError::Vfio)?);
+        let device = VfioDevice::new(&sysfs, container.clone(), false).map_err(PciError::Vfio)?;
+        let mut regions = Vec::new();
+        let mut offsets = Vec::new();
+        for i in 0..VFIO_PCI_NUM_REGIONS {
+            regions.push(RegionInfo {
+                size: device.get_region_size(i),
+                flags: device.get_region_flags(i)
+                    & (VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE),
+            });
+            offsets.push(device.get_region_offset(i));
+        }
+        let irqs = (0..VFIO_PCI_NUM_IRQS)
+            .map(|i| {
+                device
+                    .get_irq_info(i)
+                    .map(|q| IrqInfo {
+                        count: q.count,
+                        flags: q.flags,
+                    })
+                    .unwrap_or_default()
+            })
+            .collect();
+        let mut f = PciFunction {
+            bdf: bdf.to_owned(),
+            container,
+            device,
+            info: PciInfo {
+                regions,
+                irqs,
+                flags: INFO_RESET,
+            },
+            offsets,
+            layout: config::Layout {
+                bar_sizes: [0; 7],
+                initial: Vec::new(),
+            },
+            lent: AtomicBool::new(false),
+        };
+        let cfg_size = f.info.regions[VFIO_PCI_CONFIG_REGION_INDEX as usize].size;
+        let mut initial = vec![0u8; cfg_size.min(4096) as usize];
+        f.pread(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut initial)
+            .map_err(PciError::Config)?;
+        let mut bar_sizes = [0u64; 7];
+        for (i, s) in bar_sizes.iter_mut().enumerate() {
+            *s = f.info.regions[i].size;
+        }
+        bar_sizes[6] = f.info.regions[VFIO_PCI_ROM_REGION_INDEX as usize].size;
+        f.layout = config::Layout { bar_sizes, initial };
+        let id = |o: usize| {
+            let b = |i: usize| f.layout.initial.get(i).copied().unwrap_or(0xff);
+            format!("{:04x}", u16::from_le_bytes([b(o), b(o + 1)]))
+        };
+        tracing::info!(bdf, vendor = id(0), device = id(2), "PCIe function ready");
+        Ok(f)
+    }
+
+    /// The pool's resource class of the function: `PCI_<VENDOR>_<DEVICE>` (upper-case
+    /// hex, from the config space read at open), e.g. `PCI_1234_11E8`.
+    pub(crate) fn resource_class(&self) -> String {
+        let b = |i: usize| self.layout.initial.get(i).copied().unwrap_or(0xff);
+        format!(
+            "PCI_{:04X}_{:04X}",
+            u16::from_le_bytes([b(0), b(1)]),
+            u16::from_le_bytes([b(2), b(3)])
+        )
+    }
+
+    /// Takes the function for one borrower; `None` while another holds it.
+    pub(crate) fn try_lend(self: &Arc<Self>) -> Option<Lent> {
+        self.lent
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| Lent(Arc::clone(self)))
+    }
+
+    /// Reads `buf.len()` bytes of region `index` at `off` through the VFIO device fd.
+    fn pread(&self, index: u32, off: u64, buf: &mut [u8]) -> io::Result<()> {
+        let pos = self.offsets[index as usize]
+            .checked_add(off)
+            .and_then(|p| i64::try_from(p).ok())
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: `buf` is a live, writable buffer of `buf.len()` bytes; the fd is the
+        // open VFIO device.
+        let n = unsafe {
+            libc::pread(
+                self.device.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                pos,
+            )
+        };
+        match n {
+            n if n < 0 => Err(io::Error::last_os_error()),
+            n if n as usize != buf.len() => Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Writes `buf` to region `index` at `off` through the VFIO device fd.
+    fn pwrite(&self, index: u32, off: u64, buf: &[u8]) -> io::Result<()> {
+        let pos = self.offsets[index as usize]
+            .checked_add(off)
+            .and_then(|p| i64::try_from(p).ok())
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: `buf` is a live buffer of `buf.len()` bytes; the fd is the open VFIO
+        // device.
+        let n =
+            unsafe { libc::pwrite(self.device.as_raw_fd(), buf.as_ptr().cast(), buf.len(), pos) };
+        match n {
+            n if n < 0 => Err(io::Error::last_os_error()),
+            n if n as usize != buf.len() => Err(io::Error::from(io::ErrorKind::WriteZero)),
+            _ => Ok(()),
+        }
+    }
+}

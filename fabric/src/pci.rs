@@ -1,0 +1,678 @@
+//! Messages of a lent PCIe function (feature [`FEATURE_PCI`]), after the handshake of a
+//! PCI session: region access (BARs and config space), reset, interrupts, DMA map and
+//! unmap, and the DMA mirror's pushes and pulls.
+//!
+//! Every message is an 8-byte header `kind: u8, status: u8, flags: u8, reserved: u8 = 0,
+//! len: u32` followed by `len` bytes of payload (at most [`MAX_PAYLOAD`]). The borrower
+//! sends requests one at a time; the lender answers each with the request's kind ORed
+//! with [`REPLY`], `status` 0 on success or a [`PciStatus`] with a UTF-8 reason as
+//! payload. A push may span several messages: each but the last carries [`FLAG_MORE`]
+//! and is not answered. A pull is answered by zero or more messages with [`FLAG_MORE`]
+//! and a last one without. The lender also sends [`KIND_IRQ`] at any time, between
+//! replies. Integers are little-endian; layouts are in `docs/protocol.md`.
+//!
+//! Region indexes are VFIO's for a PCI device (`VFIO_PCI_BAR0_REGION_INDEX` 0 ..
+//! `VFIO_PCI_ROM_REGION_INDEX` 6, `VFIO_PCI_CONFIG_REGION_INDEX` 7, VGA 8); interrupt
+//! indexes too (INTx 0, MSI 1, MSI-X 2, ERR 3, REQ 4).
+
+use std::io::{Read, Write};
+
+use crate::io_util::read_exact_or_eof;
+use crate::WireError;
+
+/// [`crate::Hello::features`] bit: the borrower can be lent a PCIe function. A lender
+/// grants it only for a function, and refuses a function to a hello without it.
+pub const FEATURE_PCI: u64 = 1 << 2;
+
+/// Header length of every message.
+pub const PCI_HEADER_LEN: usize = 8;
+/// Largest payload of one message, in bytes (1 MiB of data plus its framing).
+pub const MAX_PAYLOAD: usize = (1 << 20) + 64;
+/// Largest region read or write, in bytes.
+pub const MAX_ACCESS: u32 = 1 << 20;
+/// Page size of the DMA mirror: pushes and pulls move whole pages of this size.
+pub const MIRROR_PAGE: u64 = 4096;
+/// Largest number of regions a function may report.
+pub const MAX_REGIONS: u32 = 16;
+/// Largest number of interrupt indexes a function may report.
+pub const MAX_IRQS: u32 = 16;
+
+/// Header flag: more messages of the same push or pull follow.
+pub const FLAG_MORE: u8 = 1 << 0;
+/// Added to a request's kind to make its reply's.
+pub const REPLY: u8 = 0x80;
+
+/// Request: the function's regions and interrupts ([`PciInfo`]); no payload.
+pub const KIND_INFO: u8 = 0x40;
+/// Request: read `len` bytes of region `region` at `offset` ([`Access`]); the reply
+/// carries the bytes.
+pub const KIND_READ: u8 = 0x41;
+/// Request: write the bytes that follow the [`Access`] to region `region` at `offset`.
+pub const KIND_WRITE: u8 = 0x42;
+/// Request: reset the function (VFIO_DEVICE_RESET); no payload.
+pub const KIND_RESET: u8 = 0x43;
+/// Request: enable, disable or unmask an interrupt index ([`IrqSet`]).
+pub const KIND_SET_IRQS: u8 = 0x44;
+/// Request: map `size` bytes at IOVA `iova` into the function's DMA space ([`DmaRange`]).
+pub const KIND_DMA_MAP: u8 = 0x45;
+/// Request: unmap a range mapped before, exactly as mapped ([`DmaRange`]).
+pub const KIND_DMA_UNMAP: u8 = 0x46;
+/// Request: guest memory pages for the mirror ([`Page`]s); see [`FLAG_MORE`].
+pub const KIND_PUSH: u8 = 0x47;
+/// Request: the mirror pages the function changed since they were last pushed or
+/// pulled; answered by [`Page`]s (see [`FLAG_MORE`]); no payload.
+pub const KIND_PULL: u8 = 0x48;
+/// Lender to borrower, unsolicited: the function raised an interrupt ([`Irq`]).
+pub const KIND_IRQ: u8 = 0x50;
+
+/// Why the lender refused a request (the reply's `status`); the payload says more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum PciStatus {
+    /// The request was answered.
+    Ok = 0,
+    /// The request asked for something out of range or not allowed (a region index, an
+    /// offset past a BAR, a DMA range that overlaps a mapped one).
+    Invalid = 1,
+    /// The function or the lender's kernel failed the operation.
+    Io = 2,
+    /// The function does not support the operation.
+    Unsupported = 3,
+}
+
+impl PciStatus {
+    /// Decodes a status byte.
+    ///
+    /// # Errors
+    /// [`WireError::UnknownStatus`].
+    pub fn from_u8(v: u8) -> Result<Self, WireError> {
+        Ok(match v {
+            0 => PciStatus::Ok,
+            1 => PciStatus::Invalid,
+            2 => PciStatus::Io,
+            3 => PciStatus::Unsupported,
+            other => return Err(WireError::UnknownStatus(other)),
+        })
+    }
+}
+
+/// One message as read off the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The kind (`KIND_*`, ORed with [`REPLY`] for a reply).
+    pub kind: u8,
+    /// 0 in requests; the outcome in replies.
+    pub status: PciStatus,
+    /// [`FLAG_MORE`] or 0.
+    pub flags: u8,
+    /// The payload.
+    pub payload: Vec<u8>,
+}
+
+impl Message {
+    /// A message of `kind` with `payload`, status OK, no flags.
+    pub fn new(kind: u8, payload: Vec<u8>) -> Self {
+        Message {
+            kind,
+            status: PciStatus::Ok,
+            flags: 0,
+            payload,
+        }
+    }
+
+    /// A refusal of a request of `kind`, with `reason` as payload (cut to 1024 bytes).
+    pub fn refusal(kind: u8, status: PciStatus, reason: &str) -> Self {
+        let mut end = reason.len().min(1024);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        Message {
+            kind: kind | REPLY,
+            status,
+            flags: 0,
+            payload: reason.as_bytes()[..end].to_vec(),
+        }
+    }
+
+    /// Encodes header and payload into one buffer (one `write_all`, so that two threads
+    /// sharing a connection under a lock never interleave a message).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(PCI_HEADER_LEN + self.payload.len());
+        b.push(self.kind);
+        b.push(self.status as u8);
+        b.push(self.flags);
+        b.push(0);
+        b.extend_from_slice(&(self.payload.len() as u32).to_le_bytes());
+        b.extend_from_slice(&self.payload);
+        b
+    }
+
+    /// Writes the message.
+    ///
+    /// # Errors
+    /// [`WireError::TooLong`] for a payload over [`MAX_PAYLOAD`]; [`WireError::Io`].
+    pub fn write_to(&self, w: &mut impl Write) -> Result<(), WireError> {
+        if self.payload.len() > MAX_PAYLOAD {
+            return Err(WireError::TooLong {
+                what: "PCI message payload",
+                len: self.payload.len() as u64,
+                limit: MAX_PAYLOAD as u64,
+            });
+        }
+        w.write_all(&self.encode())?;
+        Ok(())
+    }
+
+    /// Reads one message, checking the header before reading the payload.
+    ///
+    /// # Errors
+    /// [`WireError::Closed`] between messages, [`WireError::Truncated`] inside one,
+    /// [`WireError::Invalid`] (unknown kind, flags, reserved byte),
+    /// [`WireError::UnknownStatus`], [`WireError::TooLong`], [`WireError::Io`].
+    pub fn read_from(r: &mut impl Read) -> Result<Self, WireError> {
+        let mut h = [0u8; PCI_HEADER_LEN];
+        read_exact_or_eof(r, &mut h)?;
+        let kind = h[0];
+        if !matches!(kind & !REPLY, KIND_INFO..=KIND_PULL) && kind != KIND_IRQ {
+            return Err(WireError::Invalid("PCI message kind"));
+        }
+        let status = PciStatus::from_u8(h[1])?;
+        if h[2] & !FLAG_MORE != 0 || h[3] != 0 {
+            return Err(WireError::Invalid("PCI message flags or reserved byte"));
+        }
+        if kind & REPLY == 0 && status != PciStatus::Ok {
+            return Err(WireError::Invalid("status in a PCI request"));
+        }
+        let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+        if len > MAX_PAYLOAD {
+            return Err(WireError::TooLong {
+                what: "PCI message payload",
+                len: len as u64,
+                limit: MAX_PAYLOAD as u64,
+            });
+        }
+        let mut payload = vec![0u8; len];
+        read_exact_or_eof(r, &mut payload).map_err(|e| match e {
+            WireError::Closed => WireError::Truncated {
+                got: PCI_HEADER_LEN,
+                want: PCI_HEADER_LEN + len,
+            },
+            e => e,
+        })?;
+        Ok(Message {
+            kind,
+            status,
+            flags: h[2],
+            payload,
+        })
+    }
+}
+
+fn u32_at(p: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]])
+}
+
+fn u64_at(p: &[u8], o: usize) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&p[o..o + 8]);
+    u64::from_le_bytes(b)
+}
+
+fn exact(p: &[u8], len: usize, what: &'static str) -> Result<(), WireError> {
+    if p.len() == len {
+        Ok(())
+    } else {
+        Err(WireError::Invalid(what))
+    }
+}
+
+/// A region as the lender reports it (VFIO_DEVICE_GET_REGION_INFO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RegionInfo {
+    /// Size in bytes (0: the region does not exist).
+    pub size: u64,
+    /// VFIO_REGION_INFO_FLAG_READ (1) and _WRITE (2); other bits are 0.
+    pub flags: u32,
+}
+
+/// An interrupt index as the lender reports it (VFIO_DEVICE_GET_IRQ_INFO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IrqInfo {
+    /// Number of vectors (0: not supported).
+    pub count: u32,
+    /// VFIO_IRQ_INFO_* flags (EVENTFD 1, MASKABLE 2, AUTOMASKED 4, NORESIZE 8).
+    pub flags: u32,
+}
+
+/// The reply to [`KIND_INFO`].
+///
+/// Layout: `num_regions: u32, num_irqs: u32, flags: u32, reserved: u32 = 0`, then per
+/// region `size: u64, flags: u32, reserved: u32 = 0`, then per interrupt index
+/// `count: u32, flags: u32`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PciInfo {
+    /// Regions by VFIO index (at most [`MAX_REGIONS`]).
+    pub regions: Vec<RegionInfo>,
+    /// Interrupt indexes by VFIO index (at most [`MAX_IRQS`]).
+    pub irqs: Vec<IrqInfo>,
+    /// [`INFO_RESET`] when the function can be reset.
+    pub flags: u32,
+}
+
+/// [`PciInfo::flags`] bit: the function supports reset.
+pub const INFO_RESET: u32 = 1 << 0;
+
+impl PciInfo {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
+        b.extend_from_slice(&(self.irqs.len() as u32).to_le_bytes());
+        b.extend_from_slice(&self.flags.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        for r in &self.regions {
+            b.extend_from_slice(&r.size.to_le_bytes());
+            b.extend_from_slice(&r.flags.to_le_bytes());
+            b.extend_from_slice(&0u32.to_le_bytes());
+        }
+        for i in &self.irqs {
+            b.extend_from_slice(&i.count.to_le_bytes());
+            b.extend_from_slice(&i.flags.to_le_bytes());
+        }
+        b
+    }
+
+    /// Decodes the payload.
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] for counts over the limits, a length that does not match
+    /// them, unknown flags or reserved fields that are not zero.
+    pub fn decode(p: &[u8]) -> Result<Self, WireError> {
+        if p.len() < 16 {
+            return Err(WireError::Invalid("PCI info length"));
+        }
+        let (nr, ni, flags) = (u32_at(p, 0), u32_at(p, 4), u32_at(p, 8));
+        if nr > MAX_REGIONS || ni > MAX_IRQS {
+            return Err(WireError::Invalid("PCI info counts"));
+        }
+        if flags & !INFO_RESET != 0 || u32_at(p, 12) != 0 {
+            return Err(WireError::Invalid("PCI info flags"));
+        }
+        exact(
+            p,
+            16 + nr as usize * 16 + ni as usize * 8,
+            "PCI info length",
+        )?;
+        let mut regions = Vec::new();
+        for i in 0..nr as usize {
+            let o = 16 + i * 16;
+            let r = RegionInfo {
+                size: u64_at(p, o),
+                flags: u32_at(p, o + 8),
+            };
+            if r.flags & !3 != 0 || u32_at(p, o + 12) != 0 {
+                return Err(WireError::Invalid("PCI region flags"));
+            }
+            regions.push(r);
+        }
+        let base = 16 + nr as usize * 16;
+        let irqs = (0..ni as usize)
+            .map(|i| IrqInfo {
+                count: u32_at(p, base + i * 8),
+                flags: u32_at(p, base + i * 8 + 4),
+            })
+            .collect();
+        Ok(PciInfo {
+            regions,
+            irqs,
+            flags,
+        })
+    }
+}
+
+/// A region access ([`KIND_READ`], [`KIND_WRITE`]).
+///
+/// Layout (16 bytes): `region: u32, len: u32, offset: u64`; a write's data follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Access {
+    /// VFIO region index.
+    pub region: u32,
+    /// Bytes to read or write (1..=[`MAX_ACCESS`]).
+    pub len: u32,
+    /// Offset in the region, in bytes.
+    pub offset: u64,
+}
+
+impl Access {
+    /// Encodes the 16-byte head (append a write's data after it).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(16 + self.len as usize);
+        b.extend_from_slice(&self.region.to_le_bytes());
+        b.extend_from_slice(&self.len.to_le_bytes());
+        b.extend_from_slice(&self.offset.to_le_bytes());
+        b
+    }
+
+    /// Decodes a read's payload (exactly the head) or a write's (the head and `len`
+    /// bytes, returned as the second value).
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] for a payload of the wrong length or a `len` of 0 or over
+    /// [`MAX_ACCESS`].
+    pub fn decode(p: &[u8], write: bool) -> Result<(Self, &[u8]), WireError> {
+        if p.len() < 16 {
+            return Err(WireError::Invalid("region access length"));
+        }
+        let a = Access {
+            region: u32_at(p, 0),
+            len: u32_at(p, 4),
+            offset: u64_at(p, 8),
+        };
+        if a.len == 0 || a.len > MAX_ACCESS {
+            return Err(WireError::Invalid("region access size"));
+        }
+        let data_len = if write { a.len as usize } else { 0 };
+        exact(p, 16 + data_len, "region access length")?;
+        Ok((a, &p[16..]))
+    }
+}
+
+/// What [`KIND_SET_IRQS`] does to an interrupt index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum IrqAction {
+    /// Stop signalling every vector of the index.
+    Disable = 0,
+    /// Signal `count` vectors from 0 with [`KIND_IRQ`] messages.
+    Enable = 1,
+    /// Unmask the (level-triggered, automasked) INTx interrupt.
+    Unmask = 2,
+}
+
+/// The payload of [`KIND_SET_IRQS`].
+///
+/// Layout (12 bytes): `index: u32, action: u32, count: u32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IrqSet {
+    /// VFIO interrupt index.
+    pub index: u32,
+    /// What to do.
+    pub action: IrqAction,
+    /// For [`IrqAction::Enable`]: vectors to signal (≥ 1); else 0.
+    pub count: u32,
+}
+
+impl IrqSet {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(12);
+        b.extend_from_slice(&self.index.to_le_bytes());
+        b.extend_from_slice(&(self.action as u32).to_le_bytes());
+        b.extend_from_slice(&self.count.to_le_bytes());
+        b
+    }
+
+    /// Decodes the payload.
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] for a wrong length, an unknown action, or a count that
+    /// does not fit the action.
+    pub fn decode(p: &[u8]) -> Result<Self, WireError> {
+        exact(p, 12, "interrupt set length")?;
+        let action = match u32_at(p, 4) {
+            0 => IrqAction::Disable,
+            1 => IrqAction::Enable,
+            2 => IrqAction::Unmask,
+            _ => return Err(WireError::Invalid("interrupt action")),
+        };
+        let count = u32_at(p, 8);
+        if (action == IrqAction::Enable) != (count > 0) {
+            return Err(WireError::Invalid("interrupt vector count"));
+        }
+        Ok(IrqSet {
+            index: u32_at(p, 0),
+            action,
+            count,
+        })
+    }
+}
+
+/// An IOVA range ([`KIND_DMA_MAP`], [`KIND_DMA_UNMAP`]).
+///
+/// Layout (16 bytes): `iova: u64, size: u64`, both multiples of [`MIRROR_PAGE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DmaRange {
+    /// First IO virtual address (bytes).
+    pub iova: u64,
+    /// Length in bytes (> 0).
+    pub size: u64,
+}
+
+impl DmaRange {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(16);
+        b.extend_from_slice(&self.iova.to_le_bytes());
+        b.extend_from_slice(&self.size.to_le_bytes());
+        b
+    }
+
+    /// Decodes the payload.
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] for a wrong length, a size of 0, a range that is not
+    /// page-aligned or that wraps around.
+    pub fn decode(p: &[u8]) -> Result<Self, WireError> {
+        exact(p, 16, "DMA range length")?;
+        let r = DmaRange {
+            iova: u64_at(p, 0),
+            size: u64_at(p, 8),
+        };
+        if r.size == 0
+            || !r.iova.is_multiple_of(MIRROR_PAGE)
+            || !r.size.is_multiple_of(MIRROR_PAGE)
+            || r.iova.checked_add(r.size).is_none()
+        {
+            return Err(WireError::Invalid("DMA range"));
+        }
+        Ok(r)
+    }
+}
+
+/// One page of mirrored memory in a push or a pull.
+///
+/// Layout: `iova: u64, len: u32, reserved: u32 = 0`, then `len` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Page<'a> {
+    /// IOVA of the first byte.
+    pub iova: u64,
+    /// The bytes.
+    pub data: &'a [u8],
+}
+
+/// Appends one [`Page`] to a push or pull payload.
+pub fn encode_page(iova: u64, data: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&iova.to_le_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(data);
+}
+
+/// Bytes one page of `len` bytes takes in a payload.
+pub const fn page_cost(len: usize) -> usize {
+    16 + len
+}
+
+/// Splits a push or pull payload into its pages.
+///
+/// # Errors
+/// [`WireError::Invalid`] for a truncated page, a reserved field that is not zero, an
+/// empty page, or one that wraps the IOVA space.
+pub fn decode_pages(mut p: &[u8]) -> Result<Vec<Page<'_>>, WireError> {
+    let mut pages = Vec::new();
+    while !p.is_empty() {
+        if p.len() < 16 {
+            return Err(WireError::Invalid("mirror page header"));
+        }
+        let iova = u64_at(p, 0);
+        let len = u32_at(p, 8) as usize;
+        if u32_at(p, 12) != 0 || len == 0 || p.len() < 16 + len {
+            return Err(WireError::Invalid("mirror page"));
+        }
+        if iova.checked_add(len as u64).is_none() {
+            return Err(WireError::Invalid("mirror page IOVA"));
+        }
+        pages.push(Page {
+            iova,
+            data: &p[16..16 + len],
+        });
+        p = &p[16 + len..];
+    }
+    Ok(pages)
+}
+
+/// The payload of [`KIND_IRQ`].
+///
+/// Layout (8 bytes): `index: u32, vector: u32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Irq {
+    /// VFIO interrupt index.
+    pub index: u32,
+    /// Vector within the index.
+    pub vector: u32,
+}
+
+impl Irq {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(8);
+        b.extend_from_slice(&self.index.to_le_bytes());
+        b.extend_from_slice(&self.vector.to_le_bytes());
+        b
+    }
+
+    /// Decodes the payload.
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] for a wrong length.
+    pub fn decode(p: &[u8]) -> Result<Self, WireError> {
+        exact(p, 8, "interrupt message length")?;
+        Ok(Irq {
+            index: u32_at(p, 0),
+            vector: u32_at(p, 4),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_refused() {
+        let m = Message::new(KIND_WRITE, {
+            let mut p = Access {
+                region: 0,
+                len: 4,
+                offset: 8,
+            }
+            .encode();
+            p.extend_from_slice(&5u32.to_le_bytes());
+            p
+        });
+        let b = m.encode();
+        let back = Message::read_from(&mut b.as_slice()).unwrap();
+        assert_eq!(back, m);
+        let (a, data) = Access::decode(&back.payload, true).unwrap();
+        assert_eq!(
+            (a.region, a.len, a.offset, data),
+            (0, 4, 8, &[5, 0, 0, 0][..])
+        );
+        assert!(Access::decode(&back.payload, false).is_err());
+
+        let mut bad = b.clone();
+        bad[0] = 0x33;
+        assert!(Message::read_from(&mut bad.as_slice()).is_err());
+        let mut bad = b.clone();
+        bad[1] = 1; // a status in a request
+        assert!(Message::read_from(&mut bad.as_slice()).is_err());
+        let mut bad = b.clone();
+        bad[4..8].copy_from_slice(&(MAX_PAYLOAD as u32 + 1).to_le_bytes());
+        assert!(matches!(
+            Message::read_from(&mut bad.as_slice()),
+            Err(WireError::TooLong { .. })
+        ));
+        assert!(matches!(
+            Message::read_from(&mut &b[..10]),
+            Err(WireError::Truncated { .. })
+        ));
+        let r = Message::refusal(KIND_READ, PciStatus::Invalid, "no such region");
+        let back = Message::read_from(&mut r.encode().as_slice()).unwrap();
+        assert_eq!(back.kind, KIND_READ | REPLY);
+        assert_eq!(back.status, PciStatus::Invalid);
+    }
+
+    #[test]
+    fn info_pages_and_ranges_round_trip() {
+        let info = PciInfo {
+            regions: vec![
+                RegionInfo {
+                    size: 1 << 20,
+                    flags: 3,
+                },
+                RegionInfo::default(),
+            ],
+            irqs: vec![IrqInfo { count: 1, flags: 7 }],
+            flags: INFO_RESET,
+        };
+        assert_eq!(PciInfo::decode(&info.encode()).unwrap(), info);
+        let mut p = info.encode();
+        p.pop();
+        assert!(PciInfo::decode(&p).is_err());
+
+        let mut b = Vec::new();
+        encode_page(0x1000, &[1; 4096], &mut b);
+        encode_page(0x3000, &[2; 10], &mut b);
+        let pages = decode_pages(&b).unwrap();
+        assert_eq!(pages.len(), 2);
+        assert_eq!(pages[1].iova, 0x3000);
+        assert_eq!(pages[1].data, &[2; 10]);
+        assert!(decode_pages(&b[..b.len() - 1]).is_err());
+
+        let r = DmaRange {
+            iova: 0x10_0000,
+            size: 0x2000,
+        };
+        assert_eq!(DmaRange::decode(&r.encode()).unwrap(), r);
+        for bad in [
+            DmaRange {
+                iova: 1,
+                size: 4096,
+            },
+            DmaRange { iova: 0, size: 0 },
+            DmaRange {
+                iova: u64::MAX - 4095,
+                size: 8192,
+            },
+        ] {
+            assert!(DmaRange::decode(&bad.encode()).is_err());
+        }
+        let s = IrqSet {
+            index: 1,
+            action: IrqAction::Enable,
+            count: 1,
+        };
+        assert_eq!(IrqSet::decode(&s.encode()).unwrap(), s);
+        let s = IrqSet {
+            index: 1,
+            action: IrqAction::Enable,
+            count: 0,
+        };
+        assert!(IrqSet::decode(&s.encode()).is_err());
+        let i = Irq {
+            index: 2,
+            vector: 5,
+        };
+        assert_eq!(Irq::decode(&i.encode()).unwrap(), i);
+    }
+}
