@@ -63,8 +63,7 @@ async fn local_session(gw: Arc<Gateway>, mut sock: TcpStream, remote: std::net::
         Ok(Err(why)) => {
             gw.local.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%remote, reason = %why, "malformed relay preamble; closing the session");
-            let reply = RelayReply::refuse(RelayStatus::BadRequest, &why);
-            let _ = sock.write_all(&reply.encode()).await;
+            refuse_local(sock, RelayReply::refuse(RelayStatus::BadRequest, &why)).await;
             return;
         }
         Err(_) => {
@@ -78,7 +77,7 @@ async fn local_session(gw: Arc<Gateway>, mut sock: TcpStream, remote: std::net::
         Err(reply) => {
             gw.local.refused.fetch_add(1, Ordering::Relaxed);
             tracing::info!(%remote, cluster = %req.cluster, lender = %req.lender, status = ?reply.status, reason = %reply.message, "session refused");
-            let _ = sock.write_all(&reply.encode()).await;
+            refuse_local(sock, reply).await;
             return;
         }
     };
@@ -104,6 +103,27 @@ async fn local_session(gw: Arc<Gateway>, mut sock: TcpStream, remote: std::net::
         tracing::debug!(%remote, cluster = %req.cluster, lender = %req.lender, reason = %why, "session ended abnormally");
     }
     gw.local.sessions_active.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Answers a refusal and closes: the write side first, then what the peer may still
+/// send is read and dropped for up to a second, so that the close does not reset the
+/// connection before the peer has read the reply.
+async fn refuse_local(mut sock: TcpStream, reply: RelayReply) {
+    if sock.write_all(&reply.encode()).await.is_err() {
+        return;
+    }
+    let _ = sock.shutdown().await;
+    let drain = async {
+        let mut buf = [0u8; 4096];
+        let mut left = 64usize << 10;
+        while left > 0 {
+            match sock.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
 /// Relays one stream a peer gateway opened, whose OPEN payload is `open`.
