@@ -67,9 +67,10 @@ pub fn render(s: &Status) -> String {
         o.push_str("  (no routes)\n");
     }
     for p in &s.peers {
-        let rtt = p
-            .rtt_us
-            .map_or_else(|| "-".to_owned(), |r| format!("{:.2} ms", r as f64 / 1000.0));
+        let rtt = p.rtt_us.map_or_else(
+            || "-".to_owned(),
+            |r| format!("{:.2} ms", r as f64 / 1000.0),
+        );
         o.push_str(&format!(
             "  {:<12} {:<22} {:<5} rtt {:<9} sessions {}/{}  sent {}  received {}  links {}\n",
             p.clusters.join(","),

@@ -327,7 +327,9 @@ fn run(cli: Cli) -> Result<()> {
                 (Some(l), Some(d), _) => (l, d, None),
                 (None, Some(d), None) if d.contains('/') => (String::new(), d, None),
                 (None, Some(_), None) => {
-                    bail!("--device without --lender must be a device address CLUSTER/LENDER/DEVICE")
+                    bail!(
+                        "--device without --lender must be a device address CLUSTER/LENDER/DEVICE"
+                    )
                 }
                 (_, _, Some(class)) => {
                     if !(1..=86_400).contains(&lease_ttl) {

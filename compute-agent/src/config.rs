@@ -224,7 +224,9 @@ impl Config {
             (None, None) => Ok(None),
             (Some(c), Some(g)) => {
                 if !devlend_fabric::relay::valid_name(c) {
-                    anyhow::bail!("cluster {c:?} is not a valid name (1..=64 letters, digits, -, _, .)");
+                    anyhow::bail!(
+                        "cluster {c:?} is not a valid name (1..=64 letters, digits, -, _, .)"
+                    );
                 }
                 Ok(Some((c.clone(), g.clone())))
             }

@@ -147,8 +147,7 @@ pub fn resolve(
 ) -> Result<Resolved, String> {
     let (cluster, name, device) = if lender.contains('/') {
         let (c, l) = lender.split_once('/').unwrap_or((lender, ""));
-        let (_, _, d) =
-            devlend_fabric::relay::parse_device_address(&format!("{c}/{l}/{device}"))?;
+        let (_, _, d) = devlend_fabric::relay::parse_device_address(&format!("{c}/{l}/{device}"))?;
         (c.to_owned(), l.to_owned(), d)
     } else if lender.is_empty() {
         devlend_fabric::relay::parse_device_address(device)?
@@ -381,8 +380,8 @@ impl Registry {
             .as_deref()
             .or(resolved.relay.as_ref().map(|r| r.lender.as_str()));
         devlend_fabric::tls::TlsTarget::new(client.clone(), &resolved.addr, name)
-        .map(Some)
-        .map_err(|e| RegistryError::BadRequest(e.to_string()))
+            .map(Some)
+            .map_err(|e| RegistryError::BadRequest(e.to_string()))
     }
 
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<(String, std::path::PathBuf)>> {

@@ -38,8 +38,7 @@ pub const DEFAULT_TTL: u8 = 8;
 pub fn valid_name(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= MAX_RELAY_NAME
-        && s
-            .bytes()
+        && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
@@ -124,7 +123,10 @@ impl RelayRequest {
             return Err(WireError::Invalid("reserved bytes of relay request"));
         }
         let (cluster_len, lender_len) = (b[6] as usize, b[7] as usize);
-        for (what, len) in [("relay cluster name", cluster_len), ("relay lender name", lender_len)] {
+        for (what, len) in [
+            ("relay cluster name", cluster_len),
+            ("relay lender name", lender_len),
+        ] {
             if len == 0 {
                 return Err(WireError::Invalid("empty name in relay request"));
             }
@@ -327,13 +329,19 @@ pub struct Route {
 pub fn parse_device_address(s: &str) -> Result<(String, String, String), String> {
     let mut parts = s.splitn(3, '/');
     let (Some(c), Some(l), Some(d)) = (parts.next(), parts.next(), parts.next()) else {
-        return Err(format!("{s:?} is not a device address CLUSTER/LENDER/DEVICE"));
+        return Err(format!(
+            "{s:?} is not a device address CLUSTER/LENDER/DEVICE"
+        ));
     };
     if !valid_name(c) {
-        return Err(format!("{c:?} is not a valid cluster name (letters, digits, -, _, .)"));
+        return Err(format!(
+            "{c:?} is not a valid cluster name (letters, digits, -, _, .)"
+        ));
     }
     if !valid_name(l) {
-        return Err(format!("{l:?} is not a valid lender name (letters, digits, -, _, .)"));
+        return Err(format!(
+            "{l:?} is not a valid lender name (letters, digits, -, _, .)"
+        ));
     }
     if d.is_empty() || d.contains('/') {
         return Err(format!("{d:?} is not a valid device name"));
@@ -353,7 +361,10 @@ mod tests {
         assert_eq!(RelayRequest::read_from(&mut b.as_slice()).unwrap(), r);
         let mut bad = b.clone();
         bad[0] = b'X';
-        assert!(matches!(RelayRequest::read_from(&mut bad.as_slice()), Err(WireError::BadMagic(_))));
+        assert!(matches!(
+            RelayRequest::read_from(&mut bad.as_slice()),
+            Err(WireError::BadMagic(_))
+        ));
         let mut bad = b.clone();
         bad[4] = 9;
         assert!(matches!(

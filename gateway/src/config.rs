@@ -174,23 +174,36 @@ impl Config {
         };
         let name_ok = devlend_fabric::relay::valid_name;
         if !name_ok(&c.cluster) {
-            return Err(invalid(format!("cluster {:?} is not a valid name", c.cluster)));
+            return Err(invalid(format!(
+                "cluster {:?} is not a valid name",
+                c.cluster
+            )));
         }
         if c.window < MIN_WINDOW {
-            return Err(invalid(format!("window {} is below {MIN_WINDOW} bytes", c.window)));
+            return Err(invalid(format!(
+                "window {} is below {MIN_WINDOW} bytes",
+                c.window
+            )));
         }
         if c.ping_interval_ms == 0 {
             return Err(invalid("ping_interval_ms must be at least 1".into()));
         }
         for (name, r) in &c.routes {
             if !name_ok(name) {
-                return Err(invalid(format!("route cluster {name:?} is not a valid name")));
+                return Err(invalid(format!(
+                    "route cluster {name:?} is not a valid name"
+                )));
             }
             if name == &c.cluster {
-                return Err(invalid(format!("a route to this gateway's own cluster {name:?}")));
+                return Err(invalid(format!(
+                    "a route to this gateway's own cluster {name:?}"
+                )));
             }
             if !r.addr().contains(':') {
-                return Err(invalid(format!("route {name}: {:?} is not HOST:PORT", r.addr())));
+                return Err(invalid(format!(
+                    "route {name}: {:?} is not HOST:PORT",
+                    r.addr()
+                )));
             }
         }
         for (name, addr) in &c.lenders {
@@ -233,7 +246,9 @@ mod tests {
             ("[lenders]\ns = \"nohost\"\n", "HOST:PORT"),
             ("bogus = 1\n", "bogus"),
         ] {
-            let e = Config::parse(p, &format!("{BASE}{extra}")).unwrap_err().to_string();
+            let e = Config::parse(p, &format!("{BASE}{extra}"))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(what) && e.contains("g.toml"), "{extra}: {e}");
         }
     }

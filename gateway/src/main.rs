@@ -40,9 +40,11 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
-    let level = cli.log_level.clone().unwrap_or_else(|| config.log_level.clone());
-    if let Err(e) =
-        devlend_daemon::logging::init(&level, devlend_daemon::logging::LogFormat::Human)
+    let level = cli
+        .log_level
+        .clone()
+        .unwrap_or_else(|| config.log_level.clone());
+    if let Err(e) = devlend_daemon::logging::init(&level, devlend_daemon::logging::LogFormat::Human)
     {
         eprintln!("devlend-gateway: {e}");
         return ExitCode::from(2);

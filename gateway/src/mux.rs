@@ -110,7 +110,9 @@ fn decode_header(b: &[u8; FRAME_HEADER_LEN]) -> Result<Header, MuxError> {
     let len = h.len as usize;
     let ok = match h.kind {
         KIND_HELLO => h.stream == 0 && (HELLO_FIXED + 1..=HELLO_FIXED + 64).contains(&len),
-        KIND_OPEN => h.stream != 0 && (devlend_fabric::relay::REQUEST_FIXED_LEN..=MAX_OPEN).contains(&len),
+        KIND_OPEN => {
+            h.stream != 0 && (devlend_fabric::relay::REQUEST_FIXED_LEN..=MAX_OPEN).contains(&len)
+        }
         KIND_DATA => h.stream != 0 && (1..=MAX_DATA).contains(&len),
         KIND_WINDOW => h.stream != 0 && len >= 1,
         KIND_FIN => h.stream != 0 && len == 0,
@@ -311,7 +313,11 @@ impl Link {
             peer_cluster: peer.cluster,
             stats: LinkStats::default(),
         });
-        let incoming = if role == Role::Acceptor { incoming } else { None };
+        let incoming = if role == Role::Acceptor {
+            incoming
+        } else {
+            None
+        };
         tokio::spawn(writer(link.clone(), w, out_rx));
         tokio::spawn(reader(link.clone(), r, incoming));
         Ok(link)
@@ -359,7 +365,13 @@ impl Link {
         self.send_with_len(kind, stream, payload.len() as u32, payload)
     }
 
-    fn send_with_len(&self, kind: u8, stream: u32, len: u32, payload: Vec<u8>) -> Result<(), MuxError> {
+    fn send_with_len(
+        &self,
+        kind: u8,
+        stream: u32,
+        len: u32,
+        payload: Vec<u8>,
+    ) -> Result<(), MuxError> {
         self.out
             .send(Out {
                 header: encode_header(kind, stream, len),
@@ -394,7 +406,9 @@ impl Link {
         let streams: Vec<_> = self.lock().drain().map(|(_, s)| s).collect();
         for s in streams {
             self.stats.sessions_active.fetch_sub(1, Ordering::Relaxed);
-            let _ = s.inbox.send(Inbound::Reset("the link to the peer gateway was lost".into()));
+            let _ = s.inbox.send(Inbound::Reset(
+                "the link to the peer gateway was lost".into(),
+            ));
             s.credit.close();
         }
     }
@@ -569,7 +583,9 @@ async fn read_frames<R: AsyncRead + Unpin>(
                 if let Some(s) = link.lock().remove(&h.stream) {
                     link.stats.sessions_active.fetch_sub(1, Ordering::Relaxed);
                     let why = String::from_utf8_lossy(&payload).into_owned();
-                    let _ = s.inbox.send(Inbound::Reset(format!("by the peer gateway: {why}")));
+                    let _ = s
+                        .inbox
+                        .send(Inbound::Reset(format!("by the peer gateway: {why}")));
                     s.credit.close();
                 }
             }
@@ -681,7 +697,8 @@ impl MuxReader {
 impl Drop for MuxReader {
     fn drop(&mut self) {
         if !self.done {
-            self.link.reset(self.id, "the relaying gateway ended the session");
+            self.link
+                .reset(self.id, "the relaying gateway ended the session");
         }
     }
 }
@@ -765,7 +782,8 @@ impl MuxWriter {
 impl Drop for MuxWriter {
     fn drop(&mut self) {
         if !self.done {
-            self.link.reset(self.id, "the relaying gateway ended the session");
+            self.link
+                .reset(self.id, "the relaying gateway ended the session");
         }
     }
 }
@@ -889,7 +907,9 @@ mod tests {
         r.read_exact(&mut hb).await.unwrap();
         let mut p = vec![0u8; decode_header(&hb).unwrap().len as usize];
         r.read_exact(&mut p).await.unwrap();
-        let open = devlend_fabric::relay::RelayRequest::new("b", "l").encode().unwrap();
+        let open = devlend_fabric::relay::RelayRequest::new("b", "l")
+            .encode()
+            .unwrap();
         let mut f = encode_header(KIND_OPEN, 1, open.len() as u32).to_vec();
         f.extend_from_slice(&open);
         w.write_all(&f).await.unwrap();
@@ -924,7 +944,9 @@ mod tests {
         }
         .encode();
         assert_eq!(
-            LinkHello::decode(&hello[FRAME_HEADER_LEN..]).unwrap().window,
+            LinkHello::decode(&hello[FRAME_HEADER_LEN..])
+                .unwrap()
+                .window,
             DEFAULT_WINDOW
         );
         let mut bad = hello.clone();

@@ -198,7 +198,7 @@ pub async fn keep_peer(gw: Arc<Gateway>, slot: Arc<PeerSlot>) {
                 let msg = devlend_fabric::error::chain(&e);
                 failures += 1;
                 // The first failures, then one in 20: a peer down for long is not a flood.
-                if failures <= 3 || failures % 20 == 0 {
+                if failures <= 3 || failures.is_multiple_of(20) {
                     tracing::warn!(peer = %slot.addr, error = %msg, attempt = failures, "cannot join peer gateway; retrying with backoff");
                 }
                 *slot.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg);
@@ -255,7 +255,8 @@ async fn dial(gw: &Arc<Gateway>, slot: &PeerSlot) -> Result<Arc<Link>, DialError
         let mut tcp = tcp.ok_or_else(|| conn_err(last))?;
         set_liveness(&tcp).map_err(conn_err)?;
         tcp.set_read_timeout(Some(DIAL_TIMEOUT)).map_err(conn_err)?;
-        tcp.set_write_timeout(Some(DIAL_TIMEOUT)).map_err(conn_err)?;
+        tcp.set_write_timeout(Some(DIAL_TIMEOUT))
+            .map_err(conn_err)?;
         let conn = devlend_fabric::tls::client_handshake(&target, &mut tcp).map_err(|source| {
             DialError::Tls {
                 addr: a.clone(),

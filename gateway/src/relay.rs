@@ -191,7 +191,11 @@ async fn route(gw: &Gateway, req: &RelayRequest) -> Result<Dest, RelayReply> {
                 &format!(
                     "cluster {own:?} has no lender {:?} (its gateway knows: {})",
                     req.lender,
-                    if known.is_empty() { "none".into() } else { known.join(", ") }
+                    if known.is_empty() {
+                        "none".into()
+                    } else {
+                        known.join(", ")
+                    }
                 ),
             ));
         };
@@ -301,10 +305,7 @@ impl Rd {
                 Ok(n) => Ok(Some(buf[..n].to_vec())),
                 Err(e) => Err(format!("connection: {e}")),
             },
-            Rd::Mux(m) => m
-                .recv()
-                .await
-                .map_err(|e| devlend_fabric::error::chain(&e)),
+            Rd::Mux(m) => m.recv().await.map_err(|e| devlend_fabric::error::chain(&e)),
         }
     }
 
@@ -359,9 +360,7 @@ async fn pump(mut r: Rd, mut w: Wr, count: Option<&AtomicU64>) -> Result<(), Str
         match r.next().await {
             Ok(Some(d)) => {
                 let n = d.len();
-                if let Err(e) = w.write(d).await {
-                    return Err(e);
-                }
+                w.write(d).await?;
                 r.consumed(n);
                 if let Some(c) = count {
                     c.fetch_add(n as u64, Ordering::Relaxed);

@@ -104,10 +104,7 @@ pub fn snapshot(gw: &Arc<Gateway>) -> Status {
                 clusters: s.clusters.clone(),
                 addr: s.addr.clone(),
                 connected: link.is_some(),
-                rtt_us: link
-                    .as_ref()
-                    .map(|l| g(&l.stats.rtt_us))
-                    .filter(|r| *r > 0),
+                rtt_us: link.as_ref().map(|l| g(&l.stats.rtt_us)).filter(|r| *r > 0),
                 connects: g(&s.connects),
                 sessions_total: g(&s.past[2]) + cur(|l| g(&l.stats.sessions_total)),
                 sessions_active: cur(active),

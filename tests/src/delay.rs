@@ -229,7 +229,11 @@ mod tests {
         let mut got = vec![0u8; data.len()];
         c.read_exact(&mut got).unwrap();
         writer.join().unwrap();
-        assert!(t.elapsed() >= Duration::from_millis(60), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() >= Duration::from_millis(60),
+            "{:?}",
+            t.elapsed()
+        );
         assert!(got == data);
     }
 }

@@ -110,8 +110,8 @@ impl NsLink {
         let a_ip = format!("10.{n}.{}.1", k * 4);
         let b_ip = format!("10.{n}.{}.2", k * 4);
         ip(&[
-            "link", "add", &a_if, "netns", &a.name, "type", "veth", "peer", "name", &b_if,
-            "netns", &b.name,
+            "link", "add", &a_if, "netns", &a.name, "type", "veth", "peer", "name", &b_if, "netns",
+            &b.name,
         ])?;
         for (ns, ifn, addr) in [(&a.name, &a_if, &a_ip), (&b.name, &b_if, &b_ip)] {
             ip(&["-n", ns, "addr", "add", &format!("{addr}/30"), "dev", ifn])?;

@@ -69,7 +69,9 @@ fn gateway_config(
         certs.path("ca.crt"),
     );
     for (c, addr, sni) in routes {
-        t.push_str(&format!("{c} = {{ addr = \"{addr}\", server_name = \"{sni}\" }}\n"));
+        t.push_str(&format!(
+            "{c} = {{ addr = \"{addr}\", server_name = \"{sni}\" }}\n"
+        ));
     }
     t.push_str("[lenders]\n");
     for (l, addr) in lenders {
@@ -139,7 +141,10 @@ impl Topo {
             &certs,
             "gw-a",
             "a",
-            &[("b", &relay_ab.addr, "gw-b"), ("loop", &relay_ab.addr, "gw-b")],
+            &[
+                ("b", &relay_ab.addr, "gw-b"),
+                ("loop", &relay_ab.addr, "gw-b"),
+            ],
             &[],
         );
         let cfg_b = gateway_config(
@@ -147,7 +152,10 @@ impl Topo {
             &certs,
             "gw-b",
             "b",
-            &[("a", &relay_ba.addr, "gw-a"), ("loop", &relay_ba.addr, "gw-a")],
+            &[
+                ("a", &relay_ba.addr, "gw-a"),
+                ("loop", &relay_ba.addr, "gw-a"),
+            ],
             &[("store1", format!("{}:7700", link_b.b_ip))],
         );
         let control_a = format!("{}:7712", ga.ns_ip);
@@ -283,7 +291,9 @@ fn attach_across_gateways_verified_io_status_and_routing_errors() {
     let v = Command::new(bin("devlend").unwrap())
         .args(["verify", "--socket"])
         .arg(&sock)
-        .args(["--queues", "2", "--span", "4M", "--rounds", "3", "--seed", "11", "--out"])
+        .args([
+            "--queues", "2", "--span", "4M", "--rounds", "3", "--seed", "11", "--out",
+        ])
         .arg(&expect)
         .output()
         .unwrap();
@@ -322,12 +332,19 @@ fn attach_across_gateways_verified_io_status_and_routing_errors() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&text.stdout);
-    assert!(text.contains("gateway of cluster a") && text.contains(" up "), "{text}");
+    assert!(
+        text.contains("gateway of cluster a") && text.contains(" up "),
+        "{text}"
+    );
     eprintln!("{text}");
 
     // Routing errors fail the attach fast, naming what is wrong.
     for (device, needle, status) in [
-        ("zz/store1/disk0", "unknown cluster \"zz\"", "UnknownCluster"),
+        (
+            "zz/store1/disk0",
+            "unknown cluster \"zz\"",
+            "UnknownCluster",
+        ),
         ("b/nosuch/disk0", "no lender \"nosuch\"", "UnknownLender"),
         ("loop/store1/disk0", "ran out of hops", "TtlExceeded"),
     ] {
@@ -336,7 +353,10 @@ fn attach_across_gateways_verified_io_status_and_routing_errors() {
         let took = t0.elapsed();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{device} attached");
-        assert!(err.contains(needle) && err.contains(status), "{device}: {err}");
+        assert!(
+            err.contains(needle) && err.contains(status),
+            "{device}: {err}"
+        );
         assert!(took < Duration::from_secs(5), "{device} took {took:?}");
         eprintln!("{device}: refused in {took:?}: {}", err.trim());
     }
@@ -365,7 +385,16 @@ fn bench_read(sock: &Path, runtime: &str) -> f64 {
     let out = Command::new(bin("devlend").unwrap())
         .args(["bench", "--socket"])
         .arg(sock)
-        .args(["--rw", "read", "--bs", "128K", "--iodepth", "256", "--queues", "1"])
+        .args([
+            "--rw",
+            "read",
+            "--bs",
+            "128K",
+            "--iodepth",
+            "256",
+            "--queues",
+            "1",
+        ])
         .args(["--runtime", runtime, "--ramp", "1", "--json"])
         .output()
         .unwrap();
@@ -385,7 +414,11 @@ fn sequential_reads_at_20ms_rtt_keep_most_of_the_throughput() {
     let t = Topo::new(4);
     let sock = t.socket("tp.sock");
     let out = t.attach("b/store1/disk0", &sock, 1);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // No delay, 20 ms RTT, no delay again: the baseline is the mean of the two.
     let near1 = bench_read(&sock, "4");
     t.relay_ab.set_delay(DELAY);
@@ -406,10 +439,16 @@ fn sequential_reads_at_20ms_rtt_keep_most_of_the_throughput() {
          bandwidth x RTT at the no-delay rate = {:.1} MB",
         near * 0.020
     );
-    assert!(rtt_seen >= 20_000, "the delay was not on: rtt {rtt_seen} us");
+    assert!(
+        rtt_seen >= 20_000,
+        "the delay was not on: rtt {rtt_seen} us"
+    );
     // The issue asks for 80 %; this shared two-core machine is noisy, so the test holds
     // a floor and docs/performance.md reports the measured ratio.
-    assert!(ratio >= 0.6, "only {ratio:.2} of the no-delay throughput at 20 ms RTT");
+    assert!(
+        ratio >= 0.6,
+        "only {ratio:.2} of the no-delay throughput at 20 ms RTT"
+    );
     let c = counters(&t.borrower);
     assert_eq!(c["errors"], 0, "{c}");
 }
@@ -502,7 +541,11 @@ fn gateway_b_restarted_during_verified_writes_loses_nothing() {
     t.relay_ab.set_delay(DELAY);
     let sock = t.socket("rs.sock");
     let out = t.attach("b/store1/disk0", &sock, 1);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut w = Workload::new(&sock, devlend_tests::test_seed());
     let t0 = Instant::now();
     let mut restarted = false;
@@ -536,9 +579,15 @@ fn gateway_b_restarted_during_verified_writes_loses_nothing() {
     assert!(w.acked_writes > 50, "only {} writes", w.acked_writes);
     let c = counters(&t.borrower);
     assert_eq!(c["errors"], 0, "{c}");
-    assert!(c["reconnects"].as_u64().unwrap() >= 1, "sessions were never cut: {c}");
+    assert!(
+        c["reconnects"].as_u64().unwrap() >= 1,
+        "sessions were never cut: {c}"
+    );
     let p = t.peer_b();
-    assert!(p["connects"].as_u64().unwrap() >= 2, "gateway a never rejoined: {p}");
+    assert!(
+        p["connects"].as_u64().unwrap() >= 2,
+        "gateway a never rejoined: {p}"
+    );
     assert_eq!(p["connected"], true, "{p}");
     eprintln!(
         "{} acknowledged writes, {} reconnects, {} resent, all read back; workload ran {:?} after the restart",

@@ -85,8 +85,10 @@ impl LenderTarget {
     pub fn open(
         &self,
         hello: &devlend_fabric::Hello,
-    ) -> Result<(devlend_fabric::conn::Stream, devlend_fabric::HelloReply), devlend_fabric::tcp::ConnectError>
-    {
+    ) -> Result<
+        (devlend_fabric::conn::Stream, devlend_fabric::HelloReply),
+        devlend_fabric::tcp::ConnectError,
+    > {
         devlend_fabric::tcp::open_via(
             &self.addr,
             self.relay.as_ref(),
