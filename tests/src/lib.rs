@@ -7,6 +7,7 @@
 pub mod agents;
 pub mod certs;
 pub mod delay;
+pub mod gateways;
 pub mod netns;
 pub use devlend_qemu::guest;
 pub mod storage_daemon;
