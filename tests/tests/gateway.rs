@@ -174,25 +174,31 @@ fn sequential_reads_at_20ms_rtt_keep_most_of_the_throughput() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // No delay, 20 ms RTT, no delay again: the baseline is the mean of the two.
-    let near1 = bench_read(&sock, "4");
-    t.relay_ab.set_delay(DELAY);
-    std::thread::sleep(Duration::from_millis(500));
-    let rtt_seen = t.peer_b()["rtt_us"].as_u64().unwrap();
-    let far = bench_read(&sock, "4");
-    let rtt_after = t.peer_b()["rtt_us"].as_u64().unwrap();
-    t.relay_ab.set_delay(Duration::ZERO);
-    std::thread::sleep(Duration::from_millis(200));
-    let near2 = bench_read(&sock, "4");
-    let near = (near1 + near2) / 2.0;
-    let ratio = far / near;
+    // Alternating no delay / 20 ms RTT, three runs each, on the same attachment and
+    // client; the best run of each side is compared: the machine is shared, and a run
+    // that loses the CPU to other work measures that, not the link.
+    let mut near = Vec::new();
+    let mut far = Vec::new();
+    let mut rtt_seen = 0;
+    for _ in 0..3 {
+        t.relay_ab.set_delay(Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(300));
+        near.push(bench_read(&sock, "3"));
+        t.relay_ab.set_delay(DELAY);
+        std::thread::sleep(Duration::from_millis(500));
+        rtt_seen = rtt_seen.max(t.peer_b()["rtt_us"].as_u64().unwrap());
+        far.push(bench_read(&sock, "3"));
+    }
+    let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
+    let (bn, bf) = (best(&near), best(&far));
+    let ratio = bf / bn;
     let in_flight_mib = 256.0 * 128.0 / 1024.0;
     eprintln!(
         "128 KiB sequential reads, queue depth 256 ({in_flight_mib} MiB in flight): \
-         no delay {near1:.0} and {near2:.0} MB/s (mean {near:.0}), 20 ms RTT {far:.0} MB/s \
-         (link RTT measured {rtt_seen} us, {rtt_after} us after): ratio {ratio:.2}; \
-         bandwidth x RTT at the no-delay rate = {:.1} MB",
-        near * 0.020
+         no delay {near:.0?} MB/s, 20 ms RTT {far:.0?} MB/s (link RTT measured up to \
+         {rtt_seen} us): best {bf:.0} / {bn:.0} = ratio {ratio:.2}; bandwidth x RTT at \
+         the no-delay rate = {:.1} MB",
+        bn * 0.020
     );
     assert!(
         rtt_seen >= 20_000,
@@ -201,7 +207,7 @@ fn sequential_reads_at_20ms_rtt_keep_most_of_the_throughput() {
     // The issue asks for 80 %; this shared two-core machine is noisy, so the test holds
     // a floor and docs/performance.md reports the measured ratio.
     assert!(
-        ratio >= 0.6,
+        ratio >= 0.7,
         "only {ratio:.2} of the no-delay throughput at 20 ms RTT"
     );
     let c = counters(&t.borrower);
