@@ -493,7 +493,15 @@ impl Registry {
     ///
     /// # Errors
     /// [`RegistryError`] for each refusal; nothing is left behind on error.
-    pub fn attach(&self, req: AttachRequest) -> Result<AttachmentInfo, RegistryError> {
+    pub fn attach(&self, mut req: AttachRequest) -> Result<AttachmentInfo, RegistryError> {
+        // A device address CLUSTER/LENDER/DEVICE is kept as lender CLUSTER/LENDER and
+        // device DEVICE, as status shows it.
+        if req.lender.is_empty() {
+            let (c, l, d) = devlend_fabric::relay::parse_device_address(&req.device)
+                .map_err(RegistryError::BadRequest)?;
+            req.lender = format!("{c}/{l}");
+            req.device = d;
+        }
         if !(64..=1024).contains(&req.queue_size) || !req.queue_size.is_power_of_two() {
             return Err(RegistryError::BadRequest(format!(
                 "queue size {} must be a power of two in 64..=1024",

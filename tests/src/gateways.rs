@@ -66,8 +66,13 @@ fn gateway_config(
     cluster: &str,
     routes: &[(&str, &str, &str)],
     lenders: &[(&str, String)],
+    window: Option<u32>,
 ) -> PathBuf {
-    let mut t = format!(
+    let mut t = String::new();
+    if let Some(w) = window {
+        t.push_str(&format!("window = {w}\n"));
+    }
+    t += &format!(
         "cluster = \"{cluster}\"\nlisten = \"0.0.0.0:7710\"\npeer_listen = \"0.0.0.0:7711\"\ncontrol = \"0.0.0.0:7712\"\n\
          tls_cert = \"{}\"\ntls_key = \"{}\"\ntls_ca = \"{}\"\nping_interval_ms = 200\n[routes]\n",
         certs.path(&format!("{name}.crt")),
@@ -109,6 +114,14 @@ impl Topo {
     /// # Panics
     /// Any step failing (a test fixture).
     pub fn new(base: u8) -> Topo {
+        Self::with_window(base, None)
+    }
+
+    /// As [`Self::new`], with both gateways' per-session `window` (bytes) when given.
+    ///
+    /// # Panics
+    /// Any step failing (a test fixture).
+    pub fn with_window(base: u8, window: Option<u32>) -> Topo {
         let dir = tempfile::tempdir().unwrap();
         let certs = Certs::make(&dir.path().join("certs")).unwrap();
         let ns: Vec<Netns> = (0..4).map(|i| Netns::new(base + i).unwrap()).collect();
@@ -156,6 +169,7 @@ impl Topo {
                 ("loop", &relay_ab.addr, "gw-b"),
             ],
             &[],
+            window,
         );
         let cfg_b = gateway_config(
             dir.path(),
@@ -167,6 +181,7 @@ impl Topo {
                 ("loop", &relay_ba.addr, "gw-a"),
             ],
             &[("store1", format!("{}:7700", link_b.b_ip))],
+            window,
         );
         let control_a = format!("{}:7712", ga.ns_ip);
         let control_b = format!("{}:7712", gb.ns_ip);

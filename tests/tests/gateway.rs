@@ -67,6 +67,9 @@ fn attach_across_gateways_verified_io_status_and_routing_errors() {
     );
     let c = counters(&t.borrower);
     assert_eq!(c["errors"], 0, "{c}");
+    let list = t.borrower.cli_json(&["status"]).unwrap();
+    assert_eq!(list[0]["lender"], "b/store1", "{list}");
+    assert_eq!(list[0]["device"], "disk0", "{list}");
 
     // Status: the link is up, its RTT covers the relay's 2 x 10 ms, sessions and bytes
     // are counted on both gateways.
@@ -212,6 +215,30 @@ fn sequential_reads_at_20ms_rtt_keep_most_of_the_throughput() {
     );
     let c = counters(&t.borrower);
     assert_eq!(c["errors"], 0, "{c}");
+}
+
+#[test]
+fn a_window_smaller_than_bandwidth_times_rtt_caps_a_long_link() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // 1 MiB per session: at most 1 MiB per 20 ms round trip, about 52 MB/s.
+    let t = Topo::with_window(12, Some(1 << 20));
+    let sock = t.socket("w.sock");
+    let out = t.attach("b/store1/disk0", &sock, 1);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let near = bench_read(&sock, "2");
+    t.relay_ab.set_delay(DELAY);
+    std::thread::sleep(Duration::from_millis(500));
+    let far = bench_read(&sock, "2");
+    eprintln!("window 1 MiB: no delay {near:.0} MB/s, 20 ms RTT {far:.0} MB/s (bound 1 MiB / 20 ms = 52 MB/s)");
+    assert!(
+        far < 70.0,
+        "{far:.0} MB/s through a 1 MiB window at 20 ms RTT"
+    );
+    assert!(near > 2.0 * far, "no delay {near:.0}, 20 ms {far:.0} MB/s");
 }
 
 /// The frontend and the model of what the disk must hold (as in tests/faults.rs).
