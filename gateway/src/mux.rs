@@ -332,12 +332,15 @@ impl Link {
             return Err(MuxError::Closed);
         }
         let id = self.next_id.fetch_add(2, Ordering::Relaxed);
-        let stream = self.add_stream(id);
+        let stream = self.add_stream(id)?;
         self.send(KIND_OPEN, id, open)?;
         Ok(stream)
     }
 
-    fn add_stream(self: &Arc<Self>, id: u32) -> MuxStream {
+    /// Registers stream `id`. Checked under the streams' lock, which [`Self::close`]
+    /// takes after marking the link closed: a stream is either refused here or reset
+    /// by the close, never left waiting on a dead link.
+    fn add_stream(self: &Arc<Self>, id: u32) -> Result<MuxStream, MuxError> {
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             inbox: tx,
@@ -346,15 +349,21 @@ impl Link {
             fin_sent: AtomicBool::new(false),
             fin_received: AtomicBool::new(false),
         });
-        self.lock().insert(id, shared.clone());
+        {
+            let mut streams = self.lock();
+            if self.is_closed() {
+                return Err(MuxError::Closed);
+            }
+            streams.insert(id, shared.clone());
+        }
         self.stats.sessions_total.fetch_add(1, Ordering::Relaxed);
         self.stats.sessions_active.fetch_add(1, Ordering::Relaxed);
-        MuxStream {
+        Ok(MuxStream {
             id,
             link: self.clone(),
             shared,
             inbox: rx,
-        }
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<Shared>>> {
@@ -531,7 +540,7 @@ async fn read_frames<R: AsyncRead + Unpin>(
                         h.stream
                     )));
                 }
-                let stream = link.add_stream(h.stream);
+                let stream = link.add_stream(h.stream)?;
                 if tx.send((stream, payload)).is_err() {
                     return Err(MuxError::Closed);
                 }
@@ -843,6 +852,21 @@ mod tests {
         d.ping().unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(d.stats.rtt_us.load(Ordering::Relaxed) > 0);
+    }
+
+    #[tokio::test]
+    async fn a_closed_link_refuses_and_resets_streams() {
+        let (d, _acc, mut inc) = pair(MIN_WINDOW).await;
+        let s = d.open(b"before-the-close-1".to_vec()).unwrap();
+        let _far = inc.recv().await.unwrap();
+        let (mut r, mut w) = s.split();
+        d.close();
+        assert!(matches!(r.recv().await, Err(MuxError::Reset(_))));
+        assert!(w.send(b"x").await.is_err());
+        assert!(matches!(
+            d.open(b"after-the-close-12".to_vec()),
+            Err(MuxError::Closed)
+        ));
     }
 
     #[tokio::test]

@@ -22,8 +22,9 @@ use crate::Gateway;
 
 /// How long a borrower may take to send its preamble.
 pub const PREAMBLE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Bound of the connect to a lender.
-pub const LENDER_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Bound of the connect to a lender (under the borrower's 3 s wait for the reply, so
+/// that it gets the gateway's reason rather than a timeout).
+pub const LENDER_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Size of each read from a TCP end.
 const READ_CHUNK: usize = 256 << 10;
 

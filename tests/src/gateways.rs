@@ -9,7 +9,8 @@
 //! Each cluster's hosts are joined by a veth pair of their own ([`NsLink`]); the
 //! gateways' link goes through a [`DelayRelay`] in the test process, one each way
 //! (the relay a -> b carries gateway a's link, b -> a gateway b's). Cluster `loop` is
-//! routed a -> b and b -> a: a routing loop. The lender serves `disk0` (a sparse file
+//! routed a -> b and b -> a: a routing loop; cluster `dead` is routed by gateway a to
+//! an address where nothing listens. The lender serves `disk0` (a sparse file
 //! of [`DISK`] bytes) as `store1` of cluster b.
 
 use std::path::{Path, PathBuf};
@@ -167,6 +168,8 @@ impl Topo {
             &[
                 ("b", &relay_ab.addr, "gw-b"),
                 ("loop", &relay_ab.addr, "gw-b"),
+                // Nothing listens there: an unreachable gateway.
+                ("dead", "127.0.0.1:9", "gw-b"),
             ],
             &[],
             window,

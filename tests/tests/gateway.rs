@@ -105,6 +105,11 @@ fn attach_across_gateways_verified_io_status_and_routing_errors() {
         ),
         ("b/nosuch/disk0", "no lender \"nosuch\"", "UnknownLender"),
         ("loop/store1/disk0", "ran out of hops", "TtlExceeded"),
+        (
+            "dead/store1/disk0",
+            "cluster \"dead\" at 127.0.0.1:9 is unreachable",
+            "Unreachable",
+        ),
     ] {
         let t0 = Instant::now();
         let out = t.attach(device, &t.socket("bad.sock"), 1);
