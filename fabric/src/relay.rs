@@ -404,6 +404,28 @@ mod tests {
     }
 
     #[test]
+    fn random_bytes_never_panic_the_decoders() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..50_000 {
+            let n = (next() % 200) as usize;
+            let mut b: Vec<u8> = (0..n).map(|_| next() as u8).collect();
+            if n >= 5 && next() % 2 == 0 {
+                b[..4].copy_from_slice(&RELAY_MAGIC);
+                b[4] = RELAY_VERSION;
+            }
+            let _ = RelayRequest::read_from(&mut b.as_slice());
+            let _ = RelayReply::read_from(&mut b.as_slice());
+            let _ = parse_device_address(&String::from_utf8_lossy(&b));
+        }
+    }
+
+    #[test]
     fn device_addresses_split() {
         assert_eq!(
             parse_device_address("b/l1/disk0").unwrap(),

@@ -951,6 +951,82 @@ mod tests {
             .expect("the link stays open after a window violation");
     }
 
+    /// Random input never panics a decoder, and random frames after a valid HELLO
+    /// close the link (or leave it up, when they happen to be valid) without a panic.
+    #[tokio::test]
+    async fn random_input_is_refused_without_panics() {
+        use rand::{Rng, SeedableRng};
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        eprintln!("seed {seed}");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for _ in 0..20_000 {
+            let mut h = [0u8; FRAME_HEADER_LEN];
+            rng.fill(&mut h[..]);
+            if rng.random_bool(0.5) {
+                h[0] = rng.random_range(0..10);
+                h[1..4].fill(0);
+            }
+            let _ = decode_header(&h);
+            let n = rng.random_range(0..100);
+            let mut p = vec![0u8; n];
+            rng.fill(&mut p[..]);
+            if n >= 4 && rng.random_bool(0.5) {
+                p[..4].copy_from_slice(&HELLO_MAGIC);
+            }
+            let _ = LinkHello::decode(&p);
+        }
+        let panicked = std::sync::Arc::new(AtomicBool::new(false));
+        let flag = panicked.clone();
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |i| {
+            flag.store(true, Ordering::SeqCst);
+            eprintln!("{i}");
+        }));
+        for _ in 0..50 {
+            let (a, b) = tokio::io::duplex(1 << 16);
+            let (tx, _inc) = mpsc::unbounded_channel();
+            let acc = tokio::spawn(Link::start(
+                b,
+                Role::Acceptor,
+                LinkHello {
+                    cluster: "b".into(),
+                    window: MIN_WINDOW,
+                },
+                Duration::from_secs(5),
+                Some(tx),
+            ));
+            let (r, mut w) = tokio::io::split(a);
+            w.write_all(
+                &LinkHello {
+                    cluster: "a".into(),
+                    window: MIN_WINDOW,
+                }
+                .encode(),
+            )
+            .await
+            .unwrap();
+            let link = acc.await.unwrap().unwrap();
+            // The peer's end goes once the junk is written: end of stream at the latest.
+            let mut junk = vec![0u8; rng.random_range(1..4096)];
+            rng.fill(&mut junk[..]);
+            // Frame-like junk: a plausible kind, zero flags, a small length.
+            if rng.random_bool(0.7) {
+                junk[0] = rng.random_range(1..9);
+                junk[1..4].fill(0);
+            }
+            let _ = w.write_all(&junk).await;
+            drop((r, w));
+            tokio::time::timeout(Duration::from_secs(5), link.wait_closed())
+                .await
+                .expect("the link stays open after junk and the peer's end");
+        }
+        std::panic::set_hook(prev);
+        assert!(!panicked.load(Ordering::SeqCst), "a task panicked");
+    }
+
     #[test]
     fn headers_are_validated() {
         assert!(decode_header(&encode_header(KIND_DATA, 1, 10)).is_ok());
