@@ -141,7 +141,8 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Write man pages for devlend, devlend-device-agent and devlend-compute-agent.
+    /// Write man pages for devlend, devlend-device-agent, devlend-compute-agent and
+    /// devlend-gateway.
     Man {
         /// Directory to write `devlend.1`, `devlend-device-agent.8`, ... into.
         #[arg(long, default_value = ".")]
@@ -489,6 +490,7 @@ fn run(cli: Cli) -> Result<()> {
                 (Cli::command(), "1"),
                 (devlend_device_agent::Cli::command(), "8"),
                 (devlend_compute_agent::config::Cli::command(), "8"),
+                (devlend_gateway::config::Cli::command(), "8"),
             ];
             let top = Cli::command();
             let subpages: Vec<(clap::Command, &str)> = top

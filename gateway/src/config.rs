@@ -26,6 +26,22 @@ use serde::{Deserialize, Serialize};
 
 use crate::mux::{DEFAULT_WINDOW, MIN_WINDOW};
 
+/// Relays lend sessions between clusters: borrowers of this cluster open sessions here
+/// for lenders elsewhere; peer gateways open links here for lenders of this cluster.
+#[derive(Debug, clap::Parser)]
+#[command(name = "devlend-gateway", version)]
+pub struct Cli {
+    /// Config file (TOML).
+    #[arg(long, value_name = "FILE", default_value = "/etc/devlend/gateway.toml")]
+    pub config: PathBuf,
+    /// Log filter, over the file's `log_level`.
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+    /// Print the configuration as read and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
 /// A route to a peer gateway: its address, and optionally the name its certificate
 /// carries (default: the host part of the address).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

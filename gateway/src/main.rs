@@ -1,28 +1,11 @@
 //! `devlend-gateway`: the cluster gateway daemon.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use devlend_gateway::config::Config;
+use devlend_gateway::config::{Cli, Config};
 use devlend_gateway::Gateway;
-
-/// Relays lend sessions between clusters: borrowers of this cluster open sessions here
-/// for lenders elsewhere; peer gateways open links here for lenders of this cluster.
-#[derive(Debug, Parser)]
-#[command(name = "devlend-gateway", version)]
-struct Cli {
-    /// Config file (TOML) [default: /etc/devlend/gateway.toml].
-    #[arg(long, value_name = "FILE", default_value = "/etc/devlend/gateway.toml")]
-    config: PathBuf,
-    /// Log filter, over the file's `log_level`.
-    #[arg(long, value_name = "FILTER")]
-    log_level: Option<String>,
-    /// Print the configuration as read and exit.
-    #[arg(long)]
-    print_config: bool,
-}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
