@@ -123,6 +123,16 @@ impl Topo {
     /// # Panics
     /// Any step failing (a test fixture).
     pub fn with_window(base: u8, window: Option<u32>) -> Topo {
+        Self::build(base, window, false)
+    }
+
+    /// As [`Self::with_window`]; with `lender_tls`, the lender speaks only TLS (the test
+    /// CA's `lender` certificate, names `localhost` and `127.0.0.1`) and the compute
+    /// agent trusts that CA, for TLS end to end through the gateways.
+    ///
+    /// # Panics
+    /// Any step failing (a test fixture).
+    pub fn build(base: u8, window: Option<u32>, lender_tls: bool) -> Topo {
         let dir = tempfile::tempdir().unwrap();
         let certs = Certs::make(&dir.path().join("certs")).unwrap();
         let ns: Vec<Netns> = (0..4).map(|i| Netns::new(base + i).unwrap()).collect();
@@ -150,11 +160,19 @@ impl Topo {
             "device-agent",
             &bin("devlend-device-agent").unwrap(),
             &[
-                "--listen".to_owned(),
-                "0.0.0.0:7700".into(),
-                "--device".into(),
-                format!("disk0={}", img.display()),
-            ],
+                vec![
+                    "--listen".to_owned(),
+                    "0.0.0.0:7700".into(),
+                    "--device".into(),
+                    format!("disk0={}", img.display()),
+                ],
+                if lender_tls {
+                    certs.lender_args(false)
+                } else {
+                    Vec::new()
+                },
+            ]
+            .concat(),
             dir.path(),
         )
         .unwrap();
@@ -195,11 +213,19 @@ impl Topo {
             Some(&c.name),
             "compute-agent",
             &[
-                "--cluster".to_owned(),
-                "a".into(),
-                "--gateway".into(),
-                format!("{}:7710", link_a.b_ip),
-            ],
+                vec![
+                    "--cluster".to_owned(),
+                    "a".into(),
+                    "--gateway".into(),
+                    format!("{}:7710", link_a.b_ip),
+                ],
+                if lender_tls {
+                    certs.borrower_args("ca.crt", None)
+                } else {
+                    Vec::new()
+                },
+            ]
+            .concat(),
         )
         .unwrap();
         let t = Topo {

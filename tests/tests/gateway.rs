@@ -246,6 +246,56 @@ fn a_window_smaller_than_bandwidth_times_rtt_caps_a_long_link() {
     assert!(near > 2.0 * far, "no delay {near:.0}, 20 ms {far:.0} MB/s");
 }
 
+#[test]
+fn tls_runs_end_to_end_from_borrower_to_lender_through_the_gateways() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let t = Topo::build(20, None, true);
+    t.relay_ab.set_delay(DELAY);
+    let sock = t.socket("tls.sock");
+    let s = sock.display().to_string();
+    // Plaintext to a TLS lender: the lender's refusal comes back through both gateways.
+    let out = t.attach("b/store1/disk0", &sock, 1);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a plaintext attach to a TLS lender worked"
+    );
+    assert!(err.contains("requires TLS"), "{err}");
+    // TLS inside the relayed pipe, verified against the lender's certificate name.
+    let base = [
+        "attach",
+        "--device",
+        "b/store1/disk0",
+        "--socket",
+        &s,
+        "--tls",
+    ];
+    let out = t
+        .borrower
+        .cli(&[&base[..], &["--tls-server-name", "localhost", "--json"]].concat())
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        t.logs()
+    );
+    let expect = t.dir.path().join("expect.bin");
+    let v = Command::new(bin("devlend").unwrap())
+        .args(["verify", "--socket"])
+        .arg(&sock)
+        .args(["--queues", "1", "--span", "2M", "--rounds", "2", "--out"])
+        .arg(&expect)
+        .output()
+        .unwrap();
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
+    let list = t.borrower.cli_json(&["status"]).unwrap();
+    assert_eq!(list[0]["transport"], "tcp+tls", "{list}");
+    let want = std::fs::read(&expect).unwrap();
+    let img = std::fs::read(&t.img).unwrap();
+    assert!(img[..want.len()] == want[..]);
+}
+
 /// The frontend and the model of what the disk must hold (as in tests/faults.rs).
 struct Workload {
     c: BlkClient,
