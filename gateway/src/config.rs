@@ -104,6 +104,11 @@ pub struct Config {
     /// Milliseconds between RTT pings on each peer link; default 1000.
     #[serde(default = "default_ping_ms")]
     pub ping_interval_ms: u64,
+    /// Milliseconds without a frame from a peer after which its link is declared dead
+    /// and closed (its sessions reset, the link redialled); default 5000. Peers' pings
+    /// (`ping_interval_ms`) must come well within it.
+    #[serde(default = "default_link_timeout_ms")]
+    pub link_timeout_ms: u64,
     /// Milliseconds a new session waits for a peer link that is down before it is
     /// refused as unreachable; default 2000.
     #[serde(default = "default_wait_ms")]
@@ -124,6 +129,9 @@ fn default_window() -> u32 {
 }
 fn default_ping_ms() -> u64 {
     1000
+}
+fn default_link_timeout_ms() -> u64 {
+    5000
 }
 fn default_wait_ms() -> u64 {
     2000
@@ -203,6 +211,12 @@ impl Config {
         }
         if c.ping_interval_ms == 0 {
             return Err(invalid("ping_interval_ms must be at least 1".into()));
+        }
+        if c.link_timeout_ms < 2 * c.ping_interval_ms {
+            return Err(invalid(format!(
+                "link_timeout_ms {} must be at least twice ping_interval_ms {}",
+                c.link_timeout_ms, c.ping_interval_ms
+            )));
         }
         for (name, r) in &c.routes {
             if !name_ok(name) {

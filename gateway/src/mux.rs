@@ -199,6 +199,8 @@ pub struct LinkStats {
     pub sessions_active: AtomicI64,
     /// Last round-trip time measured with PING, in microseconds (0: none yet).
     pub rtt_us: AtomicU64,
+    /// When the last frame arrived, in ms since the link started.
+    pub last_heard_ms: AtomicU64,
 }
 
 /// What a stream's reader is handed.
@@ -398,6 +400,12 @@ impl Link {
         self.send(KIND_PING, 0, t.to_le_bytes().to_vec())
     }
 
+    /// How long since the peer last sent a frame.
+    pub fn silent_for(&self) -> Duration {
+        let heard = Duration::from_millis(self.stats.last_heard_ms.load(Ordering::Relaxed));
+        self.epoch.elapsed().saturating_sub(heard)
+    }
+
     /// Whether the link has ended.
     pub fn is_closed(&self) -> bool {
         *self.closed.borrow()
@@ -520,6 +528,9 @@ async fn read_frames<R: AsyncRead + Unpin>(
             Err(e) => return Err(MuxError::Io(e)),
         }
         let h = decode_header(&hb)?;
+        link.stats
+            .last_heard_ms
+            .store(link.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
         let mut payload = Vec::new();
         if !matches!(h.kind, KIND_WINDOW) && h.len > 0 {
             payload = vec![0u8; h.len as usize];

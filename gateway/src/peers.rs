@@ -179,10 +179,18 @@ pub async fn keep_peer(gw: Arc<Gateway>, slot: Arc<PeerSlot>) {
                 tracing::info!(peer = %slot.addr, clusters = ?slot.clusters, peer_cluster = %link.peer_cluster, "link to peer gateway up");
                 slot.link.send_replace(Some(link.clone()));
                 let _ = link.ping();
+                let dead_after = Duration::from_millis(gw.config.link_timeout_ms);
                 loop {
                     tokio::select! {
                         _ = link.wait_closed() => break,
-                        _ = tokio::time::sleep(ping) => { let _ = link.ping(); }
+                        _ = tokio::time::sleep(ping) => {
+                            if link.silent_for() > dead_after {
+                                tracing::warn!(peer = %slot.addr, silent_ms = link.silent_for().as_millis() as u64, "peer gateway silent past link_timeout_ms; closing the link");
+                                link.close();
+                                break;
+                            }
+                            let _ = link.ping();
+                        }
                     }
                 }
                 slot.link.send_replace(None);
@@ -340,6 +348,8 @@ async fn serve_peer(
         remote,
         link: link.clone(),
     });
+    let dead_after = Duration::from_millis(gw.config.link_timeout_ms);
+    let mut check = tokio::time::interval(Duration::from_millis(250));
     loop {
         tokio::select! {
             s = rx.recv() => match s {
@@ -349,6 +359,13 @@ async fn serve_peer(
                 None => break,
             },
             _ = link.wait_closed() => break,
+            _ = check.tick() => {
+                if link.silent_for() > dead_after {
+                    tracing::warn!(%remote, silent_ms = link.silent_for().as_millis() as u64, "peer gateway silent past link_timeout_ms; closing its link");
+                    link.close();
+                    break;
+                }
+            }
         }
     }
     gw.peers

@@ -75,7 +75,7 @@ fn gateway_config(
     }
     t += &format!(
         "cluster = \"{cluster}\"\nlisten = \"0.0.0.0:7710\"\npeer_listen = \"0.0.0.0:7711\"\ncontrol = \"0.0.0.0:7712\"\n\
-         tls_cert = \"{}\"\ntls_key = \"{}\"\ntls_ca = \"{}\"\nping_interval_ms = 200\n[routes]\n",
+         tls_cert = \"{}\"\ntls_key = \"{}\"\ntls_ca = \"{}\"\nping_interval_ms = 200\nlink_timeout_ms = 3000\n[routes]\n",
         certs.path(&format!("{name}.crt")),
         certs.path(&format!("{name}.key")),
         certs.path("ca.crt"),
@@ -343,6 +343,15 @@ impl Topo {
             &self.gw_b_config,
             &self.gw_b_probe,
         ));
+    }
+
+    /// Takes gateway a's only link out of its namespace down (`false`: every packet to
+    /// or from gateway a is dropped, silently: the long link is cut) or up again.
+    ///
+    /// # Panics
+    /// `ip` fails.
+    pub fn set_long_link(&self, up: bool) {
+        self._ns[1].set_link(up).unwrap();
     }
 
     /// The logs of both gateways and the compute agent.

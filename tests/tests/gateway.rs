@@ -296,6 +296,62 @@ fn tls_runs_end_to_end_from_borrower_to_lender_through_the_gateways() {
     assert!(img[..want.len()] == want[..]);
 }
 
+#[test]
+fn a_long_link_cut_past_the_link_timeout_is_a_delay_not_an_error() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let t = Topo::new(24);
+    t.relay_ab.set_delay(DELAY);
+    let sock = t.socket("cut.sock");
+    let out = t.attach("b/store1/disk0", &sock, 1);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut w = Workload::new(&sock, devlend_tests::test_seed());
+    let t0 = Instant::now();
+    let mut restored = false;
+    // Silent drops for 6 s: past the gateways' link timeout (3 s in these configs), so
+    // both sides declare the link dead, reset its sessions and redial.
+    let cutter = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            std::thread::sleep(Duration::from_secs(2));
+            t.set_long_link(false);
+            std::thread::sleep(Duration::from_secs(6));
+            t.set_long_link(true);
+        });
+        while t0.elapsed() < Duration::from_secs(18) {
+            let r = w.batch();
+            assert!(
+                r.iter().all(|&x| x == 0),
+                "a request failed across the link cut: {r:?} (after {:?})\n{}",
+                t0.elapsed(),
+                t.logs()
+            );
+            if h.is_finished() {
+                restored = true;
+            }
+        }
+        h.join().is_ok()
+    });
+    assert!(cutter && restored);
+    w.verify();
+    let c = counters(&t.borrower);
+    assert_eq!(c["errors"], 0, "{c}");
+    assert!(c["reconnects"].as_u64().unwrap() >= 1, "{c}");
+    assert!(
+        t.gw_a.log().contains("silent past link_timeout_ms"),
+        "{}",
+        t.gw_a.log()
+    );
+    let p = t.peer_b();
+    assert!(p["connects"].as_u64().unwrap() >= 2, "{p}");
+    eprintln!(
+        "{} acknowledged writes across a 6 s cut: {} reconnects, {} resent",
+        w.acked_writes, c["reconnects"], c["resent"]
+    );
+}
+
 /// The frontend and the model of what the disk must hold (as in tests/faults.rs).
 struct Workload {
     c: BlkClient,
