@@ -90,6 +90,9 @@ pub struct Config {
     /// Status endpoint (HTTP, `GET /v1/status`); none if absent.
     #[serde(default)]
     pub control: Option<SocketAddr>,
+    /// Prometheus metrics at `http://ADDR/metrics`; none if absent.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
     /// This gateway's certificate chain (PEM), presented to peers both ways.
     pub tls_cert: PathBuf,
     /// Its private key (PEM).

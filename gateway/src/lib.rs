@@ -12,11 +12,13 @@
 //! - [`mux`]: the gateway-to-gateway link (framing, per-session credit, pings);
 //! - [`peers`]: dialling peers with backoff, accepting them, TLS;
 //! - [`relay`]: routing one session and splicing its two ends;
-//! - [`status`]: the counters `devlend gateway status` shows.
+//! - [`status`]: the counters `devlend gateway status` shows;
+//! - [`metrics`]: the same as Prometheus metrics.
 //!
 //! The design, the wire formats and the window arithmetic are in `docs/gateway.md`.
 
 pub mod config;
+pub mod metrics;
 pub mod mux;
 pub mod peers;
 pub mod relay;

@@ -45,6 +45,14 @@ fn run(config: Config) -> anyhow::Result<()> {
     let gw = Gateway::new(config)
         .map_err(|e| anyhow::anyhow!("TLS: {}", devlend_fabric::error::chain(&e)))?;
     let gw = Arc::new(gw);
+    // Kept for the process's lifetime: the endpoint runs on its own thread.
+    let _metrics = match gw.config.metrics_listen {
+        Some(addr) => Some(devlend_daemon::metrics::serve(
+            addr,
+            devlend_gateway::metrics::GatewayMetrics(gw.clone()),
+        )?),
+        None => None,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -75,7 +75,7 @@ fn gateway_config(
     }
     t += &format!(
         "cluster = \"{cluster}\"\nlisten = \"0.0.0.0:7710\"\npeer_listen = \"0.0.0.0:7711\"\ncontrol = \"0.0.0.0:7712\"\n\
-         tls_cert = \"{}\"\ntls_key = \"{}\"\ntls_ca = \"{}\"\nping_interval_ms = 200\nlink_timeout_ms = 3000\n[routes]\n",
+         tls_cert = \"{}\"\ntls_key = \"{}\"\ntls_ca = \"{}\"\nping_interval_ms = 200\nlink_timeout_ms = 3000\nmetrics_listen = \"0.0.0.0:7713\"\n[routes]\n",
         certs.path(&format!("{name}.crt")),
         certs.path(&format!("{name}.key")),
         certs.path("ca.crt"),

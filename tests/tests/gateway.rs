@@ -96,6 +96,28 @@ fn attach_across_gateways_verified_io_status_and_routing_errors() {
     );
     eprintln!("{text}");
 
+    // The same figures as Prometheus metrics.
+    let metrics = {
+        use std::io::{Read, Write};
+        let addr = t.control_a.replace(":7712", ":7713");
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    };
+    let peer_up = format!(
+        "devlend_gateway_peer_up{{peer=\"{}\"}} 1",
+        p["addr"].as_str().unwrap()
+    );
+    assert!(metrics.contains(&peer_up), "{metrics}");
+    assert!(
+        metrics.contains("devlend_gateway_peer_bytes_total{")
+            && metrics.contains("devlend_gateway_local_sessions_opened_total "),
+        "{metrics}"
+    );
+
     // Routing errors fail the attach fast, naming what is wrong.
     for (device, needle, status) in [
         (
