@@ -44,6 +44,8 @@ pub struct Topo {
     pub relay_ab: DelayRelay,
     _relay_ba: DelayRelay,
     gw_b_ns: String,
+    compute_ns: String,
+    borrower_args: Vec<String>,
     gw_b_config: PathBuf,
     gw_b_probe: String,
     /// Gateway a's control address, from the root namespace.
@@ -208,26 +210,22 @@ impl Topo {
         let control_b = format!("{}:7712", gb.ns_ip);
         let gw_b = start_gateway(dir.path(), &gb.name, "gateway-b", &cfg_b, &control_b);
         let gw_a = start_gateway(dir.path(), &ga.name, "gateway-a", &cfg_a, &control_a);
-        let borrower = Borrower::start_in(
-            dir.path(),
-            Some(&c.name),
-            "compute-agent",
-            &[
-                vec![
-                    "--cluster".to_owned(),
-                    "a".into(),
-                    "--gateway".into(),
-                    format!("{}:7710", link_a.b_ip),
-                ],
-                if lender_tls {
-                    certs.borrower_args("ca.crt", None)
-                } else {
-                    Vec::new()
-                },
-            ]
-            .concat(),
-        )
-        .unwrap();
+        let borrower_args = [
+            vec![
+                "--cluster".to_owned(),
+                "a".into(),
+                "--gateway".into(),
+                format!("{}:7710", link_a.b_ip),
+            ],
+            if lender_tls {
+                certs.borrower_args("ca.crt", None)
+            } else {
+                Vec::new()
+            },
+        ]
+        .concat();
+        let borrower =
+            Borrower::start_in(dir.path(), Some(&c.name), "compute-agent", &borrower_args).unwrap();
         let t = Topo {
             borrower,
             gw_a,
@@ -236,6 +234,8 @@ impl Topo {
             relay_ab,
             _relay_ba: relay_ba,
             gw_b_ns: gb.name.clone(),
+            compute_ns: c.name.clone(),
+            borrower_args,
             gw_b_config: cfg_b,
             gw_b_probe: control_b.clone(),
             local_a: format!("{}:7710", ga.ns_ip),
@@ -343,6 +343,22 @@ impl Topo {
             &self.gw_b_config,
             &self.gw_b_probe,
         ));
+    }
+
+    /// Kills the compute agent with SIGKILL and starts it again with the same
+    /// arguments and state file (logging to `name`.log).
+    ///
+    /// # Panics
+    /// It cannot start again.
+    pub fn restart_borrower(&mut self, name: &str) {
+        self.borrower.proc.kill_hard();
+        self.borrower = Borrower::start_in(
+            self.dir.path(),
+            Some(&self.compute_ns),
+            name,
+            &self.borrower_args,
+        )
+        .unwrap();
     }
 
     /// Takes gateway a's only link out of its namespace down (`false`: every packet to

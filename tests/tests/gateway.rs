@@ -374,6 +374,44 @@ fn a_long_link_cut_past_the_link_timeout_is_a_delay_not_an_error() {
     );
 }
 
+#[test]
+fn a_relayed_attachment_is_served_again_after_a_compute_agent_restart() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut t = Topo::new(28);
+    t.relay_ab.set_delay(DELAY);
+    let sock = t.socket("ra.sock");
+    let out = t.attach("b/store1/disk0", &sock, 1);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut w = Workload::new(&sock, devlend_tests::test_seed());
+    for _ in 0..20 {
+        assert!(w.batch().iter().all(|&x| x == 0));
+    }
+    drop(w.c);
+    // SIGKILL: the state file is all the new agent has; it resolves b/store1 through
+    // the gateway again.
+    t.restart_borrower("compute-agent-2");
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = t.borrower.cli_json(&["status"]).unwrap();
+        if s[0]["restoring"].is_null() && s[0]["lender"] == "b/store1" {
+            break;
+        }
+        assert!(Instant::now() < end, "not served again: {s}\n{}", t.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    w.c = BlkClient::connect(&sock, 1, 4 * MIB as usize).unwrap();
+    for _ in 0..20 {
+        assert!(w.batch().iter().all(|&x| x == 0));
+    }
+    w.verify();
+    let c = counters(&t.borrower);
+    assert_eq!(c["errors"], 0, "{c}");
+}
+
 /// The frontend and the model of what the disk must hold (as in tests/faults.rs).
 struct Workload {
     c: BlkClient,
