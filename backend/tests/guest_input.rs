@@ -74,6 +74,7 @@ impl Rig {
             token: Vec::new(),
             tls: None,
             transport: Default::default(),
+            relay: None,
         };
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();

@@ -122,6 +122,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
             token: Vec::new(),
             tls: None,
             transport: Default::default(),
+            relay: None,
         },
         limits,
         stats.clone(),

@@ -14,6 +14,7 @@ pub mod api_client;
 pub mod bench;
 pub mod blk_client;
 pub mod demo;
+pub mod gateway_cmd;
 pub mod output;
 pub mod pattern;
 pub mod placement;

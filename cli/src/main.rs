@@ -33,11 +33,13 @@ enum Cmd {
     /// with --lender and --device (direct mode), or one the pool places and leases
     /// (--class, --min-capacity, --trait, --vm).
     Attach {
-        /// Lender address, HOST:PORT (direct mode).
-        #[arg(long, required_unless_present = "class", requires = "device")]
+        /// Lender address, HOST:PORT (direct mode), or CLUSTER/LENDER: a lender named in
+        /// a cluster's gateway, reached through the compute agent's gateway.
+        #[arg(long, required_unless_present_any = ["class", "device"], requires = "device")]
         lender: Option<String>,
-        /// Device name on the lender (direct mode).
-        #[arg(long, conflicts_with = "class", requires = "lender")]
+        /// Device name on the lender (direct mode), or a whole device address
+        /// CLUSTER/LENDER/DEVICE without --lender.
+        #[arg(long, conflicts_with = "class")]
         device: Option<String>,
         /// Lease a device of this resource class from the pool (e.g. BLOCK).
         #[arg(long, conflicts_with = "lender", requires = "vm")]
@@ -143,7 +145,8 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Write man pages for devlend, devlend-device-agent and devlend-compute-agent.
+    /// Write man pages for devlend, devlend-device-agent, devlend-compute-agent and
+    /// devlend-gateway.
     Man {
         /// Directory to write `devlend.1`, `devlend-device-agent.8`, ... into.
         #[arg(long, default_value = ".")]
@@ -170,6 +173,11 @@ enum Cmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// A cluster gateway (devlend-gateway): its peers, sessions, bytes and RTTs.
+    Gateway {
+        #[command(subcommand)]
+        cmd: devlend_cli::gateway_cmd::GatewayCmd,
     },
     /// The device pool: run it, list its devices, leases and providers.
     Pool {
@@ -332,6 +340,12 @@ fn run(cli: Cli) -> Result<()> {
             let api = ApiClient::new(&cli.api)?;
             let (lender, device, claimed) = match (lender, device, class) {
                 (Some(l), Some(d), _) => (l, d, None),
+                (None, Some(d), None) if d.contains('/') => (String::new(), d, None),
+                (None, Some(_), None) => {
+                    bail!(
+                        "--device without --lender must be a device address CLUSTER/LENDER/DEVICE"
+                    )
+                }
                 (_, _, Some(class)) => {
                     if !(1..=86_400).contains(&lease_ttl) {
                         bail!("--lease-ttl {lease_ttl} must be 1..=86400 seconds");
@@ -500,6 +514,7 @@ fn run(cli: Cli) -> Result<()> {
                 (Cli::command(), "1"),
                 (devlend_device_agent::Cli::command(), "8"),
                 (devlend_compute_agent::config::Cli::command(), "8"),
+                (devlend_gateway::config::Cli::command(), "8"),
             ];
             let top = Cli::command();
             let subpages: Vec<(clap::Command, &str)> = top
@@ -615,6 +630,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Pool { cmd } => devlend_cli::pool_cmd::run(cmd)?,
+        Cmd::Gateway { cmd } => devlend_cli::gateway_cmd::run(cmd)?,
         Cmd::Demo {
             size,
             dir,

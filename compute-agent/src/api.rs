@@ -19,9 +19,12 @@ pub struct AttachRequest {
     /// name, with a numeric suffix if taken.
     #[serde(default)]
     pub id: Option<String>,
-    /// Lender address, `HOST:PORT`.
+    /// Lender address: `HOST:PORT` (direct), or `CLUSTER/LENDER`, a lender named in
+    /// its cluster's gateway, reached through this compute agent's gateway (configured
+    /// `cluster` and `gateway`); empty when `device` is a whole device address.
     pub lender: String,
-    /// Device name on the lender.
+    /// Device name on the lender, or with an empty `lender` a device address
+    /// `CLUSTER/LENDER/DEVICE`.
     pub device: String,
     /// Path of the vhost-user socket to create.
     pub socket: PathBuf,

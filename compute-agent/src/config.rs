@@ -55,6 +55,14 @@ pub struct Cli {
     /// The private key of `--tls-cert` (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// This compute host's cluster (a name in the gateways' routing tables); with
+    /// `--gateway`, lenders can be addressed `CLUSTER/LENDER`.
+    #[arg(long, value_name = "NAME", requires = "gateway")]
+    pub cluster: Option<String>,
+    /// The cluster gateway (`devlend-gateway`'s local listen address, `HOST:PORT`)
+    /// through which sessions to lenders addressed `CLUSTER/LENDER` go.
+    #[arg(long, value_name = "HOST:PORT", requires = "cluster")]
+    pub gateway: Option<String>,
 }
 
 /// The config file; every key is optional and a flag of the same name overrides it.
@@ -79,6 +87,10 @@ pub struct FileConfig {
     pub tls_cert: Option<PathBuf>,
     /// Private key of `tls_cert` (PEM).
     pub tls_key: Option<PathBuf>,
+    /// This host's cluster.
+    pub cluster: Option<String>,
+    /// The cluster gateway, `HOST:PORT`.
+    pub gateway: Option<String>,
 }
 
 /// The merged configuration.
@@ -107,6 +119,12 @@ pub struct Config {
     /// Private key of `tls_cert` (PEM), if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<PathBuf>,
+    /// This host's cluster, if any (with `gateway`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<String>,
+    /// The cluster gateway `HOST:PORT`, if any (with `cluster`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
     /// The config file read, if any (not a key of the file).
     #[serde(skip)]
     pub file: Option<PathBuf>,
@@ -151,6 +169,8 @@ impl Config {
             tls_ca: cli.tls_ca.clone().or_else(|| file.tls_ca.clone()),
             tls_cert: cli.tls_cert.clone().or_else(|| file.tls_cert.clone()),
             tls_key: cli.tls_key.clone().or_else(|| file.tls_key.clone()),
+            cluster: cli.cluster.clone().or_else(|| file.cluster.clone()),
+            gateway: cli.gateway.clone().or_else(|| file.gateway.clone()),
             file: path,
         }
     }
@@ -190,6 +210,28 @@ impl Config {
         let tls = devlend_fabric::tls::ClientTls::load(ca, identity)
             .map_err(|e| anyhow::anyhow!("TLS: {}", devlend_fabric::error::chain(&e)))?;
         Ok(Some(tls))
+    }
+}
+
+impl Config {
+    /// This host's cluster and gateway, for lenders addressed `CLUSTER/LENDER`; `None`
+    /// without them.
+    ///
+    /// # Errors
+    /// Only one of the two given, or a cluster name that is not valid.
+    pub fn gateway(&self) -> anyhow::Result<Option<(String, String)>> {
+        match (&self.cluster, &self.gateway) {
+            (None, None) => Ok(None),
+            (Some(c), Some(g)) => {
+                if !devlend_fabric::relay::valid_name(c) {
+                    anyhow::bail!(
+                        "cluster {c:?} is not a valid name (1..=64 letters, digits, -, _, .)"
+                    );
+                }
+                Ok(Some((c.clone(), g.clone())))
+            }
+            _ => anyhow::bail!("cluster and gateway go together: give both or neither"),
+        }
     }
 }
 

@@ -58,6 +58,10 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         tracing::info!("attachments made with tls: true verify their lender's certificate");
         registry.set_tls(tls);
     }
+    if let Some((cluster, gateway)) = config.gateway()? {
+        tracing::info!(%cluster, %gateway, "lenders addressed CLUSTER/LENDER are reached through this gateway");
+        registry.set_gateway(cluster, gateway);
+    }
     registry.set_restoring(saved.clone());
     // An unwritable state file is found now, not at the first attach.
     registry.check_state_file().map_err(state_err)?;

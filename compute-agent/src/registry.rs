@@ -119,6 +119,64 @@ pub struct Registry {
     saved_ok: std::sync::atomic::AtomicBool,
     /// Trust anchors and client identity for attachments that ask for TLS.
     tls: Option<devlend_fabric::tls::ClientTls>,
+    /// This compute agent's cluster and its cluster gateway (`HOST:PORT`), for lenders
+    /// addressed `CLUSTER/LENDER`.
+    gateway: Option<(String, String)>,
+}
+
+/// Where an attachment's sessions connect: the lender itself, or the local gateway with
+/// a route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
+    /// `HOST:PORT` to connect to: the lender, or the cluster gateway.
+    pub addr: String,
+    /// The route the gateway is asked for; `None`: direct.
+    pub relay: Option<devlend_fabric::relay::Route>,
+    /// The device name on the lender.
+    pub device: String,
+}
+
+/// Resolves a request's `lender` and `device` into where its sessions go.
+///
+/// - `lender` `HOST:PORT`: direct, `device` as given;
+/// - `lender` `CLUSTER/LENDER`, or an empty `lender` and `device`
+///   `CLUSTER/LENDER/DEVICE`: through `gateway` (this agent's `(cluster, HOST:PORT)`),
+///   which relays to the named lender of that cluster (its own cluster's included: the
+///   gateway knows its lenders by name; the hop stays inside the cluster).
+///
+/// # Errors
+/// A message for a malformed address, or a cluster address without a gateway.
+pub fn resolve(
+    lender: &str,
+    device: &str,
+    gateway: Option<&(String, String)>,
+) -> Result<Resolved, String> {
+    let (cluster, name, device) = if lender.contains('/') {
+        let (c, l) = lender.split_once('/').unwrap_or((lender, ""));
+        let (_, _, d) = devlend_fabric::relay::parse_device_address(&format!("{c}/{l}/{device}"))?;
+        (c.to_owned(), l.to_owned(), d)
+    } else if lender.is_empty() {
+        devlend_fabric::relay::parse_device_address(device)?
+    } else {
+        return Ok(Resolved {
+            addr: lender.to_owned(),
+            relay: None,
+            device: device.to_owned(),
+        });
+    };
+    let Some((_, gw)) = gateway else {
+        return Err(format!(
+            "lender {cluster}/{name} is addressed by cluster, but this compute agent has no gateway (configure cluster and gateway)"
+        ));
+    };
+    Ok(Resolved {
+        addr: gw.clone(),
+        relay: Some(devlend_fabric::relay::Route {
+            cluster,
+            lender: name,
+        }),
+        device,
+    })
 }
 
 fn valid_id(id: &str) -> bool {
@@ -299,10 +357,17 @@ impl Registry {
         self.tls = Some(tls);
     }
 
+    /// Lets attachments address lenders as `CLUSTER/LENDER`: their sessions go through
+    /// the gateway at `gateway` (`HOST:PORT`) of this agent's `cluster`.
+    pub fn set_gateway(&mut self, cluster: String, gateway: String) {
+        self.gateway = Some((cluster, gateway));
+    }
+
     /// The TLS target of a request asking for TLS; `None` for one that does not.
     fn tls_target(
         &self,
         req: &AttachRequest,
+        resolved: &Resolved,
     ) -> Result<Option<devlend_fabric::tls::TlsTarget>, RegistryError> {
         if !req.tls {
             if req.tls_server_name.is_some() {
@@ -317,13 +382,15 @@ impl Registry {
                 "TLS asked for, but this compute agent has no TLS trust anchors (start it with --tls-ca)".into(),
             ));
         };
-        devlend_fabric::tls::TlsTarget::new(
-            client.clone(),
-            &req.lender,
-            req.tls_server_name.as_deref(),
-        )
-        .map(Some)
-        .map_err(|e| RegistryError::BadRequest(e.to_string()))
+        // Through a gateway TLS runs end to end with the lender, whose certificate
+        // names it, not the gateway: the default name is the lender's.
+        let name = req
+            .tls_server_name
+            .as_deref()
+            .or(resolved.relay.as_ref().map(|r| r.lender.as_str()));
+        devlend_fabric::tls::TlsTarget::new(client.clone(), &resolved.addr, name)
+            .map(Some)
+            .map_err(|e| RegistryError::BadRequest(e.to_string()))
     }
 
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<(String, std::path::PathBuf)>> {
@@ -353,7 +420,14 @@ impl Registry {
                 Some(c)
             }
         };
-        let tls = self.tls_target(req)?;
+        let resolved = resolve(&req.lender, &req.device, self.gateway.as_ref())
+            .map_err(RegistryError::BadRequest)?;
+        if resolved.relay.is_some() && req.transport != crate::api::FabricTransport::Tcp {
+            return Err(RegistryError::BadRequest(
+                "a lender in another cluster is reached through the gateways over TCP: transport rdma cannot be relayed".into(),
+            ));
+        }
+        let tls = self.tls_target(req, &resolved)?;
         let (borrower, token) = match (&checked, &self.signer, &restore) {
             (Some(c), _, _) => (c.borrower(), c.token.clone()),
             (None, _, Some(r)) => (r.borrower, r.token.clone()),
@@ -363,7 +437,7 @@ impl Registry {
                     lease_id: borrower,
                     expires_at_ms: now_ms().saturating_add(DIRECT_TOKEN_LIFETIME_MS),
                     provider: String::new(),
-                    device: req.device.clone(),
+                    device: resolved.device.clone(),
                     consumer: id.to_owned(),
                 };
                 let token = signer
@@ -377,8 +451,9 @@ impl Registry {
             id: id.to_owned(),
             socket: req.socket.clone(),
             lender: LenderTarget {
-                addr: req.lender.clone(),
-                device: req.device.clone(),
+                addr: resolved.addr.clone(),
+                relay: resolved.relay.clone(),
+                device: resolved.device.clone(),
                 borrower,
                 token: token.clone(),
                 tls,
@@ -428,7 +503,15 @@ impl Registry {
     ///
     /// # Errors
     /// [`RegistryError`] for each refusal; nothing is left behind on error.
-    pub fn attach(&self, req: AttachRequest) -> Result<AttachmentInfo, RegistryError> {
+    pub fn attach(&self, mut req: AttachRequest) -> Result<AttachmentInfo, RegistryError> {
+        // A device address CLUSTER/LENDER/DEVICE is kept as lender CLUSTER/LENDER and
+        // device DEVICE, as status shows it.
+        if req.lender.is_empty() {
+            let (c, l, d) = devlend_fabric::relay::parse_device_address(&req.device)
+                .map_err(RegistryError::BadRequest)?;
+            req.lender = format!("{c}/{l}");
+            req.device = d;
+        }
         if !(64..=1024).contains(&req.queue_size) || !req.queue_size.is_power_of_two() {
             return Err(RegistryError::BadRequest(format!(
                 "queue size {} must be a power of two in 64..=1024",
@@ -901,5 +984,36 @@ fn unplug(p: &VmmPlug, timeout: Duration) -> Result<(), VmmError> {
         VmmTarget::CloudHypervisor { api } => {
             ch::remove_device(api, &p.device_id).map_err(VmmError::CloudHypervisor)
         }
+    }
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::*;
+
+    #[test]
+    fn addresses_resolve_direct_or_through_the_gateway() {
+        let gw = ("a".to_owned(), "10.0.0.1:7710".to_owned());
+        let d = resolve("10.0.0.9:7700", "disk0", Some(&gw)).unwrap();
+        assert_eq!(d.addr, "10.0.0.9:7700");
+        assert!(d.relay.is_none());
+        let r = resolve("b/store1", "disk0", Some(&gw)).unwrap();
+        assert_eq!(r.addr, "10.0.0.1:7710");
+        assert_eq!(
+            r.relay,
+            Some(devlend_fabric::relay::Route {
+                cluster: "b".into(),
+                lender: "store1".into()
+            })
+        );
+        assert_eq!(r.device, "disk0");
+        let r = resolve("", "b/store1/disk0", Some(&gw)).unwrap();
+        assert_eq!(r.device, "disk0");
+        assert_eq!(r.relay.unwrap().lender, "store1");
+        let e = resolve("b/store1", "disk0", None).unwrap_err();
+        assert!(e.contains("no gateway"), "{e}");
+        assert!(resolve("b/", "disk0", Some(&gw)).is_err());
+        assert!(resolve("b/x/y", "disk0", Some(&gw)).is_err());
+        assert!(resolve("", "disk0", Some(&gw)).is_err());
     }
 }

@@ -18,6 +18,7 @@ pub mod lease_token;
 pub mod net;
 pub mod pci;
 pub mod rdma;
+pub mod relay;
 pub mod tcp;
 pub mod tls;
 pub mod wire;

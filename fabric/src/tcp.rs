@@ -63,6 +63,21 @@ pub enum ConnectError {
         #[source]
         source: crate::rdma::RdmaError,
     },
+    /// The gateway at `addr` could not relay the session to the lender
+    /// ([`crate::relay`]): unknown cluster or lender, unreachable, hop budget exceeded.
+    #[error("gateway at {addr} cannot relay to lender {lender:?} in cluster {cluster:?}: {status:?}: {message}")]
+    Relay {
+        /// The gateway's address.
+        addr: String,
+        /// The destination cluster.
+        cluster: String,
+        /// The destination lender.
+        lender: String,
+        /// The gateway's status.
+        status: crate::relay::RelayStatus,
+        /// The gateway's message.
+        message: String,
+    },
     /// The lender refused the session.
     #[error("lender at {addr} refused device {device:?}: {status:?}: {message}")]
     Refused {
@@ -129,11 +144,34 @@ pub fn open(
     timeout: Duration,
     tls: Option<&TlsTarget>,
 ) -> Result<(Stream, HelloReply), ConnectError> {
-    let Some(target) = tls else {
-        let (s, reply) = connect_as(addr, hello, timeout)?;
-        return Ok((Stream::Tcp(s), reply));
-    };
+    open_via(addr, None, hello, timeout, tls)
+}
+
+/// As [`open`], with `relay`: `addr` is then the local cluster gateway, asked first
+/// (the relay preamble, [`crate::relay`]) to carry the connection to `relay`'s lender;
+/// the TLS handshake (with `tls`) and the devlend hello then run end to end with the
+/// lender through the gateways. `timeout` also bounds the preamble's reply, which
+/// covers the gateways' own connects.
+///
+/// # Errors
+/// As [`open`]; [`ConnectError::Relay`] when a gateway refuses the route (the message
+/// names the cluster, the lender, and why).
+pub fn open_via(
+    addr: &str,
+    relay: Option<&crate::relay::Route>,
+    hello: &Hello,
+    timeout: Duration,
+    tls: Option<&TlsTarget>,
+) -> Result<(Stream, HelloReply), ConnectError> {
     let mut tcp = connect_tcp(addr, timeout)?;
+    if let Some(route) = relay {
+        request_relay(addr, route, &mut tcp)?;
+    }
+    let Some(target) = tls else {
+        let reply = exchange_hello(addr, hello, &mut tcp, |e| e)?;
+        clear_timeouts(addr, &tcp)?;
+        return Ok((Stream::Tcp(tcp), reply));
+    };
     let tls_err = |source| ConnectError::Tls {
         addr: addr.to_owned(),
         source,
@@ -154,6 +192,34 @@ pub fn open(
         source: WireError::Io(e),
     })?;
     Ok((Stream::Tls(stream), reply))
+}
+
+/// Sends the relay preamble for `route` on `tcp` and reads the gateway's reply.
+fn request_relay(
+    addr: &str,
+    route: &crate::relay::Route,
+    tcp: &mut TcpStream,
+) -> Result<(), ConnectError> {
+    use crate::relay::{RelayReply, RelayRequest, RelayStatus};
+    let hs = |source| ConnectError::Handshake {
+        addr: addr.to_owned(),
+        source,
+    };
+    let req = RelayRequest::new(&route.cluster, &route.lender)
+        .encode()
+        .map_err(hs)?;
+    io::Write::write_all(tcp, &req).map_err(|e| hs(WireError::Io(e)))?;
+    let reply = RelayReply::read_from(tcp).map_err(hs)?;
+    if reply.status != RelayStatus::Ok {
+        return Err(ConnectError::Relay {
+            addr: addr.to_owned(),
+            cluster: route.cluster.clone(),
+            lender: route.lender.clone(),
+            status: reply.status,
+            message: reply.message,
+        });
+    }
+    Ok(())
 }
 
 /// Resolves `addr` and connects to the first address that answers; sets

@@ -145,6 +145,43 @@ impl Drop for Proc {
     }
 }
 
+/// Starts `program` with `args` as [`Proc::spawn`] does, inside network namespace
+/// `netns` (`ip netns exec`) when given.
+///
+/// # Errors
+/// The program cannot start.
+pub fn spawn_in(
+    netns: Option<&str>,
+    name: &str,
+    program: &Path,
+    args: &[String],
+    dir: &Path,
+) -> Result<Proc> {
+    match netns {
+        None => Proc::spawn(name, program, args, dir),
+        Some(ns) => {
+            let mut a = vec![
+                "netns".to_owned(),
+                "exec".into(),
+                ns.into(),
+                program.display().to_string(),
+            ];
+            a.extend(args.iter().cloned());
+            Proc::spawn(name, Path::new("ip"), &a, dir)
+        }
+    }
+}
+
+/// Waits up to 20 s until `addr` accepts TCP connections, failing early if `proc`
+/// exits.
+///
+/// # Errors
+/// The process exited, or the port never answered.
+pub fn wait_listening(proc: &mut Proc, addr: &str) -> Result<()> {
+    let what = format!("{} on {addr}", proc.name);
+    proc.wait_ready(&what, || TcpStream::connect(addr).is_ok())
+}
+
 /// A free TCP port on 127.0.0.1 (racy by nature; fine on a test machine).
 ///
 /// # Errors
@@ -295,10 +332,19 @@ impl Borrower {
     /// # Errors
     /// It cannot start or exits.
     pub fn start_named(dir: &Path, name: &str, extra: &[String]) -> Result<Self> {
+        Self::start_in(dir, None, name, extra)
+    }
+
+    /// As [`Self::start_named`], inside network namespace `netns` when given (the API
+    /// socket, a unix socket, is reachable from any namespace).
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start_in(dir: &Path, netns: Option<&str>, name: &str, extra: &[String]) -> Result<Self> {
         let api = dir.join("api.sock");
         let mut args = vec!["--api".to_owned(), api.display().to_string()];
         args.extend(extra.iter().cloned());
-        let mut proc = Proc::spawn(name, &bin("devlend-compute-agent")?, &args, dir)?;
+        let mut proc = spawn_in(netns, name, &bin("devlend-compute-agent")?, &args, dir)?;
         let probe = api.clone();
         proc.wait_ready("borrower", || {
             std::os::unix::net::UnixStream::connect(&probe).is_ok()

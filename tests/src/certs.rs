@@ -7,6 +7,7 @@
 //! | `borrower.crt`, `borrower.key` | a client certificate, signed by the CA |
 //! | `other-ca.crt` | an unrelated CA |
 //! | `stranger.crt`, `stranger.key` | a client certificate signed by the unrelated CA |
+//! | `gw-a.crt`, `gw-a.key`, `gw-b.crt`, `gw-b.key` | gateway certificates (server and client) for the names `gw-a`, `gw-b` |
 
 use std::path::{Path, PathBuf};
 
@@ -36,15 +37,26 @@ fn ca(name: &str) -> Result<Ca> {
 }
 
 fn leaf(dir: &Path, name: &str, ca: &Ca, names: &[&str], server: bool) -> Result<()> {
+    let eku = if server {
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth
+    } else {
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth
+    };
+    leaf_with(dir, name, ca, names, vec![eku])
+}
+
+fn leaf_with(
+    dir: &Path,
+    name: &str,
+    ca: &Ca,
+    names: &[&str],
+    eku: Vec<rcgen::ExtendedKeyUsagePurpose>,
+) -> Result<()> {
     let key = rcgen::KeyPair::generate()?;
     let mut p =
         rcgen::CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())?;
     p.distinguished_name.push(rcgen::DnType::CommonName, name);
-    p.extended_key_usages = vec![if server {
-        rcgen::ExtendedKeyUsagePurpose::ServerAuth
-    } else {
-        rcgen::ExtendedKeyUsagePurpose::ClientAuth
-    }];
+    p.extended_key_usages = eku;
     let cert = p.signed_by(&key, &ca.cert, &ca.key)?;
     std::fs::write(dir.join(format!("{name}.crt")), cert.pem())?;
     std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem())?;
@@ -65,6 +77,19 @@ impl Certs {
         leaf(dir, "lender", &good, &["localhost", "127.0.0.1"], true)?;
         leaf(dir, "borrower", &good, &["borrower"], false)?;
         leaf(dir, "stranger", &other, &["stranger"], false)?;
+        // Gateways are TLS servers and clients of each other: both usages.
+        for gw in ["gw-a", "gw-b"] {
+            leaf_with(
+                dir,
+                gw,
+                &good,
+                &[gw],
+                vec![
+                    rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+                    rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+                ],
+            )?;
+        }
         Ok(Certs {
             dir: dir.to_owned(),
         })

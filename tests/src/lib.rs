@@ -6,6 +6,8 @@
 
 pub mod agents;
 pub mod certs;
+pub mod delay;
+pub mod gateways;
 pub mod lan;
 pub mod netns;
 pub use devlend_qemu::guest;

@@ -85,3 +85,49 @@ impl Drop for Netns {
         let _ = ip(&["netns", "del", &self.name]);
     }
 }
+
+/// A veth pair joining two namespaces directly (a cluster's own fabric in tests), with
+/// addresses 10.<200+pid%50>.<4k>.1/30 in `a` and .2 in `b`. Removed with the
+/// namespaces, or on drop.
+pub struct NsLink {
+    a_ns: String,
+    a_if: String,
+    /// The address in `a`.
+    pub a_ip: String,
+    /// The address in `b`.
+    pub b_ip: String,
+}
+
+impl NsLink {
+    /// Joins `a` and `b` with link number `k` of this process (0..=63).
+    ///
+    /// # Errors
+    /// `ip` fails.
+    pub fn new(a: &Netns, b: &Netns, k: u8) -> Result<Self> {
+        let tag = format!("dg{}{k}", std::process::id() % 100_000);
+        let (a_if, b_if) = (format!("{tag}a"), format!("{tag}b"));
+        let n = 200 + (std::process::id() % 50) as u8;
+        let a_ip = format!("10.{n}.{}.1", k * 4);
+        let b_ip = format!("10.{n}.{}.2", k * 4);
+        ip(&[
+            "link", "add", &a_if, "netns", &a.name, "type", "veth", "peer", "name", &b_if, "netns",
+            &b.name,
+        ])?;
+        for (ns, ifn, addr) in [(&a.name, &a_if, &a_ip), (&b.name, &b_if, &b_ip)] {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/30"), "dev", ifn])?;
+            ip(&["-n", ns, "link", "set", ifn, "up"])?;
+        }
+        Ok(NsLink {
+            a_ns: a.name.clone(),
+            a_if,
+            a_ip,
+            b_ip,
+        })
+    }
+}
+
+impl Drop for NsLink {
+    fn drop(&mut self) {
+        let _ = ip(&["-n", &self.a_ns, "link", "del", &self.a_if]);
+    }
+}

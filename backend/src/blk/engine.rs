@@ -60,6 +60,9 @@ pub struct LenderTarget {
     pub tls: Option<devlend_fabric::tls::TlsTarget>,
     /// The transport of the virtqueues' sessions (the holding session is TCP).
     pub transport: Transport,
+    /// A lender in another cluster: `addr` is then the local cluster gateway, asked to
+    /// relay every session to this route (TCP only); `None`: `addr` is the lender.
+    pub relay: Option<devlend_fabric::relay::Route>,
 }
 
 /// The transport of a queue's fabric session.
@@ -74,6 +77,27 @@ pub enum Transport {
 }
 
 impl LenderTarget {
+    /// Opens a TCP session (TLS if configured, through the gateway if routed) with
+    /// `hello`, each step bounded by [`CONNECT_TIMEOUT`].
+    ///
+    /// # Errors
+    /// The connect, relay, TLS or handshake failure.
+    pub fn open(
+        &self,
+        hello: &devlend_fabric::Hello,
+    ) -> Result<
+        (devlend_fabric::conn::Stream, devlend_fabric::HelloReply),
+        devlend_fabric::tcp::ConnectError,
+    > {
+        devlend_fabric::tcp::open_via(
+            &self.addr,
+            self.relay.as_ref(),
+            hello,
+            CONNECT_TIMEOUT,
+            self.tls.as_ref(),
+        )
+    }
+
     /// The hello for virtqueue `queue_index`.
     pub fn hello(&self, queue_index: u16) -> devlend_fabric::Hello {
         let mut h = devlend_fabric::Hello::new(&self.device, queue_index);
@@ -507,12 +531,7 @@ impl QueueEngine {
     pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
         let (link, reply) = match self.target.transport {
             Transport::Tcp => {
-                let (stream, reply) = devlend_fabric::tcp::open(
-                    &self.target.addr,
-                    &self.target.hello(self.index),
-                    CONNECT_TIMEOUT,
-                    self.target.tls.as_ref(),
-                )?;
+                let (stream, reply) = self.target.open(&self.target.hello(self.index))?;
                 (Link::Stream(stream), reply)
             }
             Transport::Rdma => self.connect_rdma()?,

@@ -14,10 +14,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use devlend_fabric::conn::Stream;
-use devlend_fabric::tcp::{open as connect, ConnectError};
+use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::HelloStatus;
 
-use crate::blk::engine::{DisplayChain, LenderTarget, CONNECT_TIMEOUT};
+use crate::blk::engine::{DisplayChain, LenderTarget};
 
 /// Queue index of the holding session.
 pub const CONTROL_QUEUE: u16 = u16::MAX;
@@ -43,12 +43,7 @@ pub struct Holder {
 pub fn open(target: &LenderTarget) -> Result<(Stream, devlend_fabric::HelloReply), ConnectError> {
     let deadline = std::time::Instant::now() + BUSY_RETRY;
     loop {
-        match connect(
-            &target.addr,
-            &target.hello(CONTROL_QUEUE),
-            CONNECT_TIMEOUT,
-            target.tls.as_ref(),
-        ) {
+        match target.open(&target.hello(CONTROL_QUEUE)) {
             Err(ConnectError::Refused {
                 status: HelloStatus::Busy,
                 ..
@@ -140,12 +135,7 @@ fn watch(
             if stop.load(Ordering::Acquire) {
                 return;
             }
-            match connect(
-                &target.addr,
-                &target.hello(CONTROL_QUEUE),
-                CONNECT_TIMEOUT,
-                target.tls.as_ref(),
-            ) {
+            match target.open(&target.hello(CONTROL_QUEUE)) {
                 Ok((s, _)) => break s,
                 Err(e) => {
                     match &e {

@@ -24,7 +24,7 @@ use devlend_fabric::conn::Stream;
 use devlend_fabric::net::{self, NetMessage, Offload, FEATURE_NET, FEATURE_NET_OFFLOAD};
 use virtio_queue::{Queue, QueueT};
 
-use crate::blk::engine::{DisplayChain, LenderTarget, CONNECT_TIMEOUT};
+use crate::blk::engine::{DisplayChain, LenderTarget};
 use crate::blk::timer::RetryTimer;
 use crate::guest::GuestMemory;
 use crate::net::rx::{deliver, Delivery};
@@ -267,12 +267,7 @@ impl PairEngine {
     pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
         let mut hello = self.target.hello(self.index);
         hello.features |= FEATURE_NET;
-        let (stream, reply) = devlend_fabric::tcp::open(
-            &self.target.addr,
-            &hello,
-            CONNECT_TIMEOUT,
-            self.target.tls.as_ref(),
-        )?;
+        let (stream, reply) = self.target.open(&hello)?;
         if !reply.device.is_net() || reply.features & FEATURE_NET == 0 {
             return Err(devlend_fabric::tcp::ConnectError::Refused {
                 addr: self.target.addr.clone(),
