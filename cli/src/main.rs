@@ -432,15 +432,26 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{}", devlend_cli::output::vfio_user_args(&a));
                 return Ok(());
             }
-            println!(
-                "attached {} as {}: {} ({} sectors of 512 bytes), serial {:?}{}",
-                a.device,
-                a.id,
-                human_bytes(a.capacity_sectors * 512),
-                a.capacity_sectors,
-                a.serial,
-                if a.read_only { ", read-only" } else { "" }
-            );
+            match &a.net {
+                Some(n) => println!(
+                    "attached NIC {} as {}: MAC {}, MTU {}, {} queue pair(s), link {}",
+                    a.device,
+                    a.id,
+                    n.mac,
+                    n.mtu,
+                    a.queues,
+                    if n.link_up { "up" } else { "down" }
+                ),
+                None => println!(
+                    "attached {} as {}: {} ({} sectors of 512 bytes), serial {:?}{}",
+                    a.device,
+                    a.id,
+                    human_bytes(a.capacity_sectors * 512),
+                    a.capacity_sectors,
+                    a.serial,
+                    if a.read_only { ", read-only" } else { "" }
+                ),
+            }
             println!("vhost-user socket: {}", a.socket.display());
             if let Some(p) = &a.vmm {
                 println!(
@@ -454,6 +465,15 @@ fn run(cli: Cli) -> Result<()> {
                 Vmm::Qemu => {
                     println!("QEMU:\n  {}\n", qemu_args(&a));
                     println!("libvirt:\n{}", libvirt_xml(&a));
+                }
+                Vmm::CloudHypervisor if a.net.is_some() => {
+                    let mac = a.net.as_ref().map_or("", |n| n.mac.as_str());
+                    println!(
+                        "Cloud Hypervisor:\n  --memory size=<guest RAM>,shared=on --net vhost_user=true,socket={},num_queues={},queue_size={},mac={mac}",
+                        a.socket.display(),
+                        2 * u32::from(a.queues),
+                        a.queue_size
+                    );
                 }
                 Vmm::CloudHypervisor => {
                     let arg = cloud_hypervisor::cli_arg(

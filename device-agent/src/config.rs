@@ -570,15 +570,27 @@ impl Config {
     }
 }
 
-/// Refuses two devices of the same name.
+/// Refuses two devices of the same name, and two devices lending one network
+/// interface.
 ///
 /// # Errors
-/// [`Error::DuplicateDevice`] naming the first repeated name.
+/// [`Error::DuplicateDevice`] naming the first repeated name,
+/// [`Error::SharedInterface`].
 pub(crate) fn check_unique(devices: &[DeviceSpec]) -> Result<(), Error> {
     let mut seen = HashSet::new();
+    let mut interfaces: std::collections::HashMap<&str, &str> = Default::default();
     for d in devices {
         if !seen.insert(d.name.as_str()) {
             return Err(Error::DuplicateDevice(d.name.clone()));
+        }
+        if let Some(ifname) = d.net.as_deref() {
+            if let Some(first) = interfaces.insert(ifname, d.name.as_str()) {
+                return Err(Error::SharedInterface {
+                    interface: ifname.to_owned(),
+                    first: first.to_owned(),
+                    second: d.name.clone(),
+                });
+            }
         }
     }
     Ok(())
@@ -648,6 +660,12 @@ mod tests {
         assert!(spec("nic0=net:eth0,mac=03:00:00:00:00:01").is_err()); // multicast
         assert!(spec("nic0=net:eth0,mac=02:00:00").is_err());
         assert!(spec("nic0=net:eth0,ro").is_err());
+        let two = [spec("a=net:eth0").unwrap(), spec("b=net:eth0").unwrap()];
+        assert!(matches!(
+            check_unique(&two),
+            Err(Error::SharedInterface { ref interface, .. }) if interface == "eth0"
+        ));
+        assert!(check_unique(&[spec("a=net:eth0").unwrap(), spec("b=net:eth1").unwrap()]).is_ok());
         assert!(spec("nic0=net:").is_err());
         assert!(spec("d=/x.img,mac=02:00:00:00:00:01").is_err());
         assert!(spec("nic0=net:a-very-long-ifname").is_err());

@@ -51,6 +51,17 @@ pub enum Error {
     /// Two devices have the same name (within the config file, or within the flags).
     #[error("device {0:?} is given more than once")]
     DuplicateDevice(String),
+    /// Two devices lend the same network interface (a NIC goes to one borrower at a
+    /// time: two names would split its frames between two guests).
+    #[error("devices {first:?} and {second:?} both lend network interface {interface:?}")]
+    SharedInterface {
+        /// The interface.
+        interface: String,
+        /// The first device naming it.
+        first: String,
+        /// The second.
+        second: String,
+    },
     /// The backing file or block device could not be opened.
     #[error("cannot open {} for device {device:?}", path.display())]
     Open {

@@ -61,7 +61,9 @@ pub(crate) struct NicStats {
 pub(crate) struct Nic {
     /// The interface name.
     pub(crate) ifname: String,
-    ifindex: i32,
+    /// The interface's index, looked up again when the interface is replaced (deleted
+    /// and created again under the same name).
+    ifindex: std::sync::atomic::AtomicI32,
     /// The MAC address the guest should use (configured, else the interface's).
     pub(crate) mac: [u8; 6],
     fanout_id: u16,
@@ -97,6 +99,24 @@ fn if_ioctl(ifname: &str, request: libc::Ioctl) -> io::Result<libc::ifreq> {
 }
 
 impl Nic {
+    /// The interface's index now, looked up by name again (and recorded, for the
+    /// packet sockets opened next): another one than a socket was bound to means the
+    /// interface was deleted and created again, and that socket carries nothing any
+    /// more. The last known index while the name does not resolve.
+    pub(crate) fn refresh_ifindex(&self) -> i32 {
+        let known = self.ifindex.load(Ordering::Relaxed);
+        let Ok(c) = std::ffi::CString::new(self.ifname.as_str()) else {
+            return known;
+        };
+        // SAFETY: `c` is a NUL-terminated string alive for the call.
+        let now = unsafe { libc::if_nametoindex(c.as_ptr()) } as i32;
+        if now == 0 {
+            return known;
+        }
+        self.ifindex.store(now, Ordering::Relaxed);
+        now
+    }
+
     /// Finds the interface and reads its MAC address.
     ///
     /// # Errors
@@ -123,7 +143,7 @@ impl Nic {
         }
         let nic = Nic {
             ifname: ifname.to_owned(),
-            ifindex: ifindex as i32,
+            ifindex: std::sync::atomic::AtomicI32::new(ifindex as i32),
             mac: mac.unwrap_or(own_mac),
             fanout_id: (ifindex as u16) ^ (std::process::id() as u16).rotate_left(8),
             stats: NicStats::default(),
@@ -177,7 +197,7 @@ impl Nic {
         let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
         sll.sll_family = libc::AF_PACKET as u16;
         sll.sll_protocol = proto;
-        sll.sll_ifindex = self.ifindex;
+        sll.sll_ifindex = self.ifindex.load(Ordering::Relaxed);
         // SAFETY: `sll` is a live sockaddr_ll of the length given.
         let rc = unsafe {
             libc::bind(
@@ -191,7 +211,7 @@ impl Nic {
         }
         // SAFETY: packet_mreq is plain old data; all-zero is a valid value.
         let mut mreq: libc::packet_mreq = unsafe { std::mem::zeroed() };
-        mreq.mr_ifindex = self.ifindex;
+        mreq.mr_ifindex = self.ifindex.load(Ordering::Relaxed);
         mreq.mr_type = libc::PACKET_MR_PROMISC as u16;
         setsockopt(
             fd.as_raw_fd(),
@@ -253,8 +273,15 @@ pub(crate) fn hold(sock: &Stream) -> End {
 
 /// Serves one queue-pair session of a lent interface until the borrower closes it or
 /// breaks the protocol; the interface's counters are logged as it ends.
-pub(crate) fn serve(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offload: bool) -> End {
-    let end = pump(nic, sock, peer, queue, offload);
+pub(crate) fn serve(
+    nic: &Nic,
+    sock: &Stream,
+    peer: SocketAddr,
+    queue: u16,
+    offload: bool,
+    frame_timeout: Duration,
+) -> End {
+    let end = pump(nic, sock, peer, queue, offload, frame_timeout);
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let s = &nic.stats;
     tracing::info!(
@@ -271,7 +298,15 @@ pub(crate) fn serve(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offl
     end
 }
 
-fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offload: bool) -> End {
+fn pump(
+    nic: &Nic,
+    sock: &Stream,
+    peer: SocketAddr,
+    queue: u16,
+    offload: bool,
+    frame_timeout: Duration,
+) -> End {
+    let bound = nic.refresh_ifindex();
     let pkt = match nic.open_socket() {
         Ok(p) => p,
         Err(e) => return End::Socket(e),
@@ -287,6 +322,7 @@ fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offload: bool) -
         pkt: pkt.as_raw_fd(),
         inbuf: vec![0u8; 1 << 18],
         have: 0,
+        progress: false,
         out,
         rx: RxBatch::new(link.mtu, offload),
         offload,
@@ -294,6 +330,9 @@ fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offload: bool) -
     };
     tracing::info!(%peer, interface = %nic.ifname, queue, mtu = link.mtu, up = link.up, "frames flowing");
     let mut last_link = Instant::now();
+    // Since when the borrower's bytes have ended in the middle of a message with no
+    // whole message taken since.
+    let mut partial_since: Option<Instant> = None;
     loop {
         let mut fds = [
             libc::pollfd {
@@ -325,12 +364,31 @@ fn pump(nic: &Nic, sock: &Stream, peer: SocketAddr, queue: u16, offload: bool) -
             if let Some(end) = session.pump_from_borrower(sock) {
                 return end;
             }
+            partial_since = match (session.have, session.progress) {
+                (0, _) => None,
+                (_, true) => Some(Instant::now()),
+                (_, false) => partial_since.or_else(|| Some(Instant::now())),
+            };
+            session.progress = false;
         }
         if fds[1].revents & libc::POLLIN != 0 {
             session.pump_from_interface();
         }
+        if let Some(t) = partial_since.filter(|t| t.elapsed() >= frame_timeout) {
+            return End::Protocol(format!(
+                "a message cut short: {} bytes of it, nothing more for {:?}",
+                session.have,
+                t.elapsed()
+            ));
+        }
         if last_link.elapsed() >= LINK_POLL {
             last_link = Instant::now();
+            if nic.refresh_ifindex() != bound {
+                // Deleted and created again: this session's packet socket is bound to
+                // the old interface. The borrower reconnects, and its next session
+                // opens a socket on the new one.
+                return End::Protocol(format!("interface {} was replaced; reopening", nic.ifname));
+            }
             tracing::debug!(interface = %nic.ifname, stats = ?nic.stats, "counters");
             let now = nic.link();
             if now != link {
@@ -358,6 +416,8 @@ struct Session<'a> {
     /// OFFLOADS message; none before one).
     accept: u32,
     have: usize,
+    /// A whole message was taken from `inbuf` since the pump loop last looked.
+    progress: bool,
     out: Vec<u8>,
     rx: RxBatch,
 }
@@ -416,6 +476,7 @@ impl Session<'_> {
                 }
             }
             self.send_frames(&frames);
+            self.progress |= at > 0;
             self.inbuf.copy_within(at..self.have, 0);
             self.have -= at;
         }

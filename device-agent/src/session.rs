@@ -55,7 +55,9 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
     tracing::debug!(%peer, id, "session serving");
     let end = match (&dev.nic, queue) {
         (Some(_), CONTROL_QUEUE) => crate::nic::hold(&sock),
-        (Some(nic), q) => crate::nic::serve(nic, &sock, peer, q, offload),
+        (Some(nic), q) => {
+            crate::nic::serve(nic, &sock, peer, q, offload, shared.options.frame_timeout)
+        }
         (None, _) => engine::run(
             &dev,
             &sock,

@@ -292,6 +292,12 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
         out.console
     );
     assert_eq!(out.result("down_restart"), Some(down.as_str()));
+    assert_eq!(
+        out.result("carrier_at_restart"),
+        Some("0"),
+        "the guest's link stayed up while the compute agent was away:\n{}",
+        out.console
+    );
     assert_eq!(after[0]["net"]["link_up"], true, "{after}");
     assert!(
         after[0]["net"]["reconnects"].as_u64().unwrap_or(0) >= 2,

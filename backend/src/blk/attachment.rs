@@ -55,6 +55,12 @@ pub enum AttachmentError {
     /// The queue count is out of range.
     #[error("queue count {0} is out of range 1..={MAX_QUEUES}")]
     Queues(u16),
+    /// For a NIC: the queue pair count is out of range.
+    #[error("queue pair count {0} is out of range 1..={MAX_QUEUE_PAIRS} for a NIC")]
+    QueuePairs(u16),
+    /// For a NIC: the lender reported a link no guest can use.
+    #[error("the lender's network interface is unusable: {0}")]
+    BadLink(String),
     /// The lender could not be reached or refused the device.
     #[error("cannot open the device on the lender")]
     Lender(#[source] devlend_fabric::tcp::ConnectError),
@@ -155,9 +161,10 @@ impl Attachment {
         if reply.device.is_net() {
             // A lent NIC: `num_queues` counts queue pairs.
             if config.num_queues > MAX_QUEUE_PAIRS {
-                return Err(AttachmentError::Queues(config.num_queues));
+                return Err(AttachmentError::QueuePairs(config.num_queues));
             }
             let link = reply.device.link();
+            crate::net::spec::check_link(&link).map_err(AttachmentError::BadLink)?;
             let offload = reply.features & devlend_fabric::net::FEATURE_NET_OFFLOAD != 0;
             let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));
             let thread = {

@@ -38,6 +38,8 @@ pub const HOLD: Duration = Duration::from_millis(100);
 pub const HOLD_FRAMES: usize = 512;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// A session that lived this long was healthy: losing it retries at once again.
+const STABLE: Duration = Duration::from_secs(2);
 
 /// Counters of one queue pair.
 #[derive(Debug, Default)]
@@ -179,6 +181,8 @@ pub struct PairEngine {
     held: Held,
     timer: RetryTimer,
     backoff: Duration,
+    /// When the current session opened.
+    opened_at: Option<Instant>,
     retry_at: Option<Instant>,
     mergeable: bool,
     /// The current session's lender takes offload frames.
@@ -211,6 +215,7 @@ impl PairEngine {
             held: VecDeque::new(),
             timer: RetryTimer::new()?,
             backoff: Duration::ZERO,
+            opened_at: None,
             retry_at: None,
             mergeable: true,
             offload: false,
@@ -283,6 +288,14 @@ impl PairEngine {
             });
         }
         let link = reply.device.link();
+        if let Err(why) = crate::net::spec::check_link(&link) {
+            return Err(devlend_fabric::tcp::ConnectError::Refused {
+                addr: self.target.addr.clone(),
+                device: self.target.device.clone(),
+                status: devlend_fabric::HelloStatus::BadRequest,
+                message: format!("the lender's network interface is unusable: {why}"),
+            });
+        }
         self.offload = reply.features & FEATURE_NET_OFFLOAD != 0;
         self.stats.link_up.store(link.up, Ordering::Relaxed);
         self.stats.mtu.store(link.mtu, Ordering::Relaxed);
@@ -297,7 +310,9 @@ impl PairEngine {
             // First on the session: what the guest takes (none until it acks any).
             net::encode_offloads(self.accept, &mut self.out);
         }
-        self.backoff = Duration::ZERO;
+        // The backoff is reset only once the session has lived (see `lose`): a lender
+        // that takes the hello and then fails at once is retried with backoff too.
+        self.opened_at = Some(Instant::now());
         self.retry_at = None;
         tracing::info!(attachment = %self.name, pair = self.index, "fabric session open");
         Ok(())
@@ -308,6 +323,9 @@ impl PairEngine {
             return;
         }
         self.stats.connected.fetch_sub(1, Ordering::Relaxed);
+        if self.opened_at.take().is_some_and(|t| t.elapsed() >= STABLE) {
+            self.backoff = Duration::ZERO;
+        }
         tracing::warn!(attachment = %self.name, pair = self.index, reason = why, "fabric session lost; frames are dropped until it is back");
         // Frames queued for the lender are lost with it.
         let dropped = count_frames(&self.out);
@@ -488,6 +506,14 @@ impl PairEngine {
                         return Ok(used);
                     }
                     Ok(Some((NetMessage::Link(l), len))) => {
+                        if !crate::net::spec::MTU_RANGE.contains(&l.mtu) {
+                            self.pstats().errors.fetch_add(1, Ordering::Relaxed);
+                            self.lose(&format!(
+                                "protocol error: a link message with MTU {}",
+                                l.mtu
+                            ));
+                            return Ok(used);
+                        }
                         if l.up != self.stats.link_up.load(Ordering::Relaxed) {
                             tracing::info!(attachment = %self.name, up = l.up, mtu = l.mtu, "lender's link changed");
                         }

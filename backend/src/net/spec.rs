@@ -94,6 +94,37 @@ pub fn config_space(link: &LinkState, pairs: u16) -> [u8; CONFIG_LEN] {
     c
 }
 
+/// Smallest and largest MTU a virtio-net device may report (virtio 1.2 §5.1.4.1:
+/// 68..=65535 bytes).
+pub const MTU_RANGE: std::ops::RangeInclusive<u32> = 68..=65535;
+
+/// Checks a lender's link for a guest: an MTU in [`MTU_RANGE`] and a unicast,
+/// non-zero MAC.
+///
+/// # Errors
+/// What is wrong, for the attach's error message.
+pub fn check_link(link: &LinkState) -> Result<(), String> {
+    if !MTU_RANGE.contains(&link.mtu) {
+        return Err(format!(
+            "MTU {} is outside {}..={}",
+            link.mtu,
+            MTU_RANGE.start(),
+            MTU_RANGE.end()
+        ));
+    }
+    if link.mac[0] & 1 != 0 || link.mac == [0; 6] {
+        return Err(format!(
+            "MAC {} is not a unicast address",
+            link.mac
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":")
+        ));
+    }
+    Ok(())
+}
+
 /// `size` bytes of `config` from `offset` (zero past its end), as GET_CONFIG answers.
 pub fn config_slice(config: &[u8], offset: u32, size: u32) -> Vec<u8> {
     let mut out = vec![0u8; size as usize];
@@ -106,6 +137,28 @@ pub fn config_slice(config: &[u8], offset: u32, size: u32) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unusable_links_are_refused() {
+        let ok = LinkState {
+            up: true,
+            mtu: 1500,
+            mac: [2, 0, 0, 0, 0, 1],
+        };
+        assert!(check_link(&ok).is_ok());
+        for bad in [
+            LinkState { mtu: 0, ..ok },
+            LinkState { mtu: 67, ..ok },
+            LinkState { mtu: 100_000, ..ok },
+            LinkState {
+                mac: [0xff; 6],
+                ..ok
+            },
+            LinkState { mac: [0; 6], ..ok },
+        ] {
+            assert!(check_link(&bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn config_holds_mac_status_pairs_and_mtu() {

@@ -234,13 +234,28 @@ pub fn plug(qmp: &Path, id: &str, socket: &Path, kind: &PlugKind) -> Result<Plug
 pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Unplugs device `id` and removes its chardev. A device already gone from the VM is
-/// not an error.
+/// not an error, nor a VM that is gone (its QMP socket missing or refusing
+/// connections).
 ///
 /// # Errors
 /// [`HotplugError::NotReleased`] when the guest keeps the device past `timeout` (it is
 /// then still attached and the backend must keep serving it); QMP errors.
 pub fn unplug(qmp: &Path, id: &str, timeout: Duration) -> Result<(), HotplugError> {
-    let mut q = Qmp::connect(qmp)?;
+    let mut q = match Qmp::connect(qmp) {
+        Ok(q) => q,
+        // Nobody listens on the QMP socket (or it is gone): the VM has exited, and its
+        // devices with it.
+        Err(QmpError::Connect { source, .. })
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
+            tracing::info!(id, qmp = %qmp.display(), "the VM is gone; nothing to unplug");
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
     let present = device_ids(&mut q)?.iter().any(|d| d == id);
     if present {
         match q.execute("device_del", json!({ "id": id })) {
