@@ -24,6 +24,11 @@ use crate::WireError;
 /// grants it only for a function, and refuses a function to a hello without it.
 pub const FEATURE_PCI: u64 = 1 << 2;
 
+/// Most bytes of DMA maps (mirrors) one borrower may have at once (4 GiB). The lender
+/// keeps a mirror and a copy of each; the borrower a shadow copy: both refuse a map
+/// past it before allocating anything.
+pub const MAX_MIRROR_BYTES: u64 = 4 << 30;
+
 /// Header length of every message.
 pub const PCI_HEADER_LEN: usize = 8;
 /// Largest payload of one message, in bytes (1 MiB of data plus its framing).

@@ -24,6 +24,11 @@ pub const BACKOFF_MIN: Duration = Duration::from_millis(100);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Bound of the TCP connect, the TLS handshake and the link HELLO, each.
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most TLS handshakes of connecting peers run at once: each holds a blocking thread
+/// (shared with this gateway's own dials) for up to [`DIAL_TIMEOUT`]; past it, new
+/// connections are closed at once, so that a flood on the peer port cannot starve the
+/// dials.
+pub const MAX_INBOUND_HANDSHAKES: usize = 32;
 
 /// Why a peer could not be joined.
 #[derive(Debug, thiserror::Error)]
@@ -299,6 +304,8 @@ fn hello(gw: &Gateway) -> LinkHello {
 /// Accepts peer gateways on `listener`: TLS with a client certificate, then a link whose
 /// streams are relayed ([`crate::relay::transit`]). Runs for ever.
 pub async fn accept_peers(gw: Arc<Gateway>, listener: tokio::net::TcpListener) {
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_INBOUND_HANDSHAKES));
+    let mut refused_logged = std::time::Instant::now() - Duration::from_secs(60);
     loop {
         let (sock, remote) = match listener.accept().await {
             Ok(x) => x,
@@ -308,9 +315,17 @@ pub async fn accept_peers(gw: Arc<Gateway>, listener: tokio::net::TcpListener) {
                 continue;
             }
         };
+        let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+            if refused_logged.elapsed() >= Duration::from_secs(10) {
+                refused_logged = std::time::Instant::now();
+                tracing::warn!(%remote, limit = MAX_INBOUND_HANDSHAKES, "too many peer handshakes at once; closing new connections");
+            }
+            drop(sock);
+            continue;
+        };
         let gw = gw.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_peer(gw, sock, remote).await {
+            if let Err(e) = serve_peer(gw, sock, remote, permit).await {
                 tracing::warn!(%remote, error = %e, "peer gateway connection refused or failed");
             }
         });
@@ -321,11 +336,21 @@ async fn serve_peer(
     gw: Arc<Gateway>,
     sock: tokio::net::TcpStream,
     remote: SocketAddr,
+    permit: tokio::sync::OwnedSemaphorePermit,
 ) -> anyhow::Result<()> {
     let std_sock = sock.into_std()?;
     std_sock.set_nonblocking(false)?;
     let tls = gw.server_tls.clone();
     let label = remote.to_string();
+    // The whole handshake within DIAL_TIMEOUT, not just each read: a peer dribbling a
+    // byte at a time has its socket shut, which ends the blocking handshake.
+    let watchdog = {
+        let guard = std_sock.try_clone()?;
+        tokio::spawn(async move {
+            tokio::time::sleep(DIAL_TIMEOUT).await;
+            let _ = guard.shutdown(std::net::Shutdown::Both);
+        })
+    };
     let unix = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let mut tcp = std_sock;
         set_liveness(&tcp)?;
@@ -337,7 +362,10 @@ async fn serve_peer(
         unix.set_nonblocking(true)?;
         Ok(unix)
     })
-    .await??;
+    .await;
+    watchdog.abort();
+    drop(permit);
+    let unix = unix??;
     let io = tokio::net::UnixStream::from_std(unix)?;
     let (tx, mut rx) = mpsc::unbounded_channel::<Incoming>();
     let link = Link::start(io, Role::Acceptor, hello(&gw), DIAL_TIMEOUT, Some(tx))

@@ -581,6 +581,17 @@ fn scenario(port: u16, dir: &Path) {
         !raw.dma_map(mem.fd.as_raw_fd(), IOVA + 1, 0x1000),
         "an unaligned DMA map"
     );
+    // Past the end of the VMM's file (a shared mapping read past it raises SIGBUS in the
+    // compute agent), and past the mirror limit (allocated before anything is checked,
+    // it would abort the agent).
+    assert!(
+        !raw.dma_map(mem.fd.as_raw_fd(), IOVA + 0x1000_0000, 2 * GUEST_MEM),
+        "a DMA map longer than its file"
+    );
+    assert!(
+        !raw.dma_map(mem.fd.as_raw_fd(), IOVA + 0x1000_0000, 1 << 40),
+        "a DMA map of 1 TiB"
+    );
     // Refused before their payload is looked at: the payload must not be taken for the
     // next header (the patched vfio_user server reads every message whole).
     assert!(

@@ -532,6 +532,21 @@ impl ServerBackend for PciBorrower {
                 m.iova, m.size
             )));
         }
+        // Before mapping or allocating anything: within the mirror limit, and within the
+        // VMM's file (reading a shared mapping past the file's end raises SIGBUS).
+        let mapped: u64 = maps.iter().map(|m| m.size as u64).sum();
+        if mapped.saturating_add(size) > devlend_fabric::pci::MAX_MIRROR_BYTES {
+            return Err(einval(format!(
+                "DMA range {address:#x}+{size:#x} passes the mirror limit of {:#x} bytes",
+                devlend_fabric::pci::MAX_MIRROR_BYTES
+            )));
+        }
+        let file_len = fd.metadata()?.len();
+        if offset.checked_add(size).is_none_or(|end| end > file_len) {
+            return Err(einval(format!(
+                "DMA_MAP of {size:#x} bytes at offset {offset:#x} passes the end of the VMM's file ({file_len:#x} bytes)"
+            )));
+        }
         // SAFETY: a new shared mapping of the VMM's fd; no existing memory is affected.
         let p = unsafe {
             libc::mmap(

@@ -36,7 +36,7 @@ use crate::engine::End;
 
 /// Most bytes of mirrors one borrower may map (4 GiB): each costs as much again in the
 /// lender's synced copy.
-pub(crate) const MAX_MIRROR_BYTES: u64 = 4 << 30;
+pub(crate) const MAX_MIRROR_BYTES: u64 = devlend_fabric::pci::MAX_MIRROR_BYTES;
 /// How often the interrupt thread looks at its stop flag when no interrupt comes.
 const IRQ_POLL: Duration = Duration::from_millis(200);
 
