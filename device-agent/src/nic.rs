@@ -690,7 +690,7 @@ impl RxBatch {
                 let mut h = [0u8; VNET_HDR_LEN];
                 h.copy_from_slice(hdr);
                 let o = net::Offload::from_bytes(&h);
-                if o.flags != 0 && accept & net::RX_CSUM != 0 && guest_takes_gso(&o, accept) {
+                if o.flags != 0 && o.taken_by(accept) {
                     return match o.validate(frame.len(), true) {
                         Ok(()) => Rx::Offload(o, frame),
                         Err(e) => {
@@ -719,18 +719,6 @@ impl RxBatch {
                 Rx::Drop
             }
         }
-    }
-}
-
-/// Whether a guest that takes `accept` (`net::RX_*`) takes `o`'s segmentation (none:
-/// yes).
-fn guest_takes_gso(o: &net::Offload, accept: u32) -> bool {
-    let ecn_ok = o.gso_type & net::GSO_ECN == 0 || accept & net::RX_ECN != 0;
-    match o.gso_type & !net::GSO_ECN {
-        net::GSO_NONE => true,
-        net::GSO_TCPV4 => ecn_ok && accept & net::RX_TSO4 != 0,
-        net::GSO_TCPV6 => ecn_ok && accept & net::RX_TSO6 != 0,
-        _ => false,
     }
 }
 

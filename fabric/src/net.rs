@@ -153,6 +153,22 @@ impl Offload {
         b
     }
 
+    /// Whether a guest that takes `accept` ([`KIND_OFFLOADS`] bits) takes this frame:
+    /// its checksum flags need [`RX_CSUM`], and its segmentation the matching TSO (and
+    /// ECN) bit.
+    pub fn taken_by(&self, accept: u32) -> bool {
+        if self.flags != 0 && accept & RX_CSUM == 0 {
+            return false;
+        }
+        let ecn_ok = self.gso_type & GSO_ECN == 0 || accept & RX_ECN != 0;
+        match self.gso_type & !GSO_ECN {
+            GSO_NONE => true,
+            GSO_TCPV4 => ecn_ok && accept & RX_TSO4 != 0,
+            GSO_TCPV6 => ecn_ok && accept & RX_TSO6 != 0,
+            _ => false,
+        }
+    }
+
     /// Whether nothing is left to the lender (a plain frame).
     pub fn is_none(&self) -> bool {
         self.flags == 0 && self.gso_type == GSO_NONE
@@ -399,6 +415,10 @@ mod tests {
             ..tso
         };
         assert!(gro.validate(30_000, true).is_ok() && gro.validate(30_000, false).is_err());
+        assert!(gro.taken_by(RX_CSUM | RX_TSO4 | RX_ECN));
+        assert!(!gro.taken_by(RX_CSUM | RX_TSO6 | RX_ECN));
+        assert!(!gro.taken_by(RX_TSO4) && !tso.taken_by(RX_CSUM | RX_TSO4));
+        assert!(tso.taken_by(RX_CSUM | RX_TSO4 | RX_ECN));
         let mut b = Vec::new();
         encode_offloads(RX_CSUM | RX_TSO6, &mut b);
         assert_eq!(

@@ -488,7 +488,7 @@ impl PairEngine {
                     }
                     Ok(Some((NetMessage::OffloadFrame(o, f), len))) => {
                         at += len;
-                        if self.accept & net::RX_CSUM == 0 || !guest_takes(&o, self.accept) {
+                        if !o.taken_by(self.accept) {
                             // Not what the guest takes (its features changed while this
                             // frame was on its way): dropped, counted.
                             let stats = &self.stats.pairs[usize::from(self.index)];
@@ -711,17 +711,6 @@ fn receive(
         }
     }
     Ok(false)
-}
-
-/// Whether a guest taking `accept` (`net::RX_*`) takes `o`'s segmentation (none: yes).
-fn guest_takes(o: &Offload, accept: u32) -> bool {
-    let ecn_ok = o.gso_type & net::GSO_ECN == 0 || accept & net::RX_ECN != 0;
-    match o.gso_type & !net::GSO_ECN {
-        net::GSO_NONE => true,
-        net::GSO_TCPV4 => ecn_ok && accept & net::RX_TSO4 != 0,
-        net::GSO_TCPV6 => ecn_ok && accept & net::RX_TSO6 != 0,
-        _ => false,
-    }
 }
 
 /// How many whole frame messages `buf` starts with (for counting drops).
