@@ -12,3 +12,4 @@ pub mod blk;
 pub mod guest;
 pub mod net;
 pub mod pci;
+mod shared_map;

@@ -323,6 +323,7 @@ fn pump(
         inbuf: vec![0u8; 1 << 18],
         have: 0,
         progress: false,
+        frames: Vec::with_capacity(BATCH),
         out,
         rx: RxBatch::new(link.mtu, offload),
         offload,
@@ -418,6 +419,8 @@ struct Session<'a> {
     have: usize,
     /// A whole message was taken from `inbuf` since the pump loop last looked.
     progress: bool,
+    /// Frames of one read to send: (offload header or none, offset in `inbuf`, length).
+    frames: Vec<(Option<[u8; VNET_HDR_LEN]>, usize, usize)>,
     out: Vec<u8>,
     rx: RxBatch,
 }
@@ -435,8 +438,9 @@ impl Session<'_> {
                 Err(e) => return Some(End::Socket(e)),
             };
             self.have += n;
-            // (offload header or none, frame offset in `inbuf`, frame length)
-            let mut frames: Vec<(Option<[u8; VNET_HDR_LEN]>, usize, usize)> = Vec::new();
+            // Reused from read to read: no allocation per read.
+            let mut frames = std::mem::take(&mut self.frames);
+            frames.clear();
             let mut at = 0;
             loop {
                 match net::decode(&self.inbuf[at..self.have]) {
@@ -476,6 +480,7 @@ impl Session<'_> {
                 }
             }
             self.send_frames(&frames);
+            self.frames = frames;
             self.progress |= at > 0;
             self.inbuf.copy_within(at..self.have, 0);
             self.have -= at;

@@ -157,23 +157,8 @@ impl InflightRegion {
         num_queues: u16,
         queue_size: u16,
     ) -> io::Result<Arc<Self>> {
-        // SAFETY: a new shared mapping of `len` bytes of an open file, at a page-aligned
-        // offset checked to lie within the file; the kernel picks the address.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                offset,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let ptr =
-            NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+        // The offset was checked to be page-aligned and the range to lie within the file.
+        let ptr = crate::shared_map::map_shared(file.as_raw_fd(), len, offset)?;
         Ok(Arc::new(InflightRegion {
             ptr,
             len,

@@ -547,21 +547,7 @@ impl ServerBackend for PciBorrower {
                 "DMA_MAP of {size:#x} bytes at offset {offset:#x} passes the end of the VMM's file ({file_len:#x} bytes)"
             )));
         }
-        // SAFETY: a new shared mapping of the VMM's fd; no existing memory is affected.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                file_off,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap at 0"))?;
+        let ptr = crate::shared_map::map_shared(fd.as_raw_fd(), len, file_off)?;
         let map = GuestMap {
             iova: address,
             size: len,
