@@ -530,13 +530,19 @@ impl Registry {
                 req.poll_us
             )));
         }
+        if req.kind == crate::api::AttachKind::Pci && req.vmm.is_some() {
+            return Err(RegistryError::BadRequest(
+                "a PCIe function is not hot-plugged yet: start the VMM with the printed \
+                 --user-device / vfio-user-pci argument"
+                    .into(),
+            ));
+        }
         if req.kind == crate::api::AttachKind::Pci
-            && (req.vmm.is_some() || req.transport != crate::api::FabricTransport::Tcp)
+            && req.transport == crate::api::FabricTransport::Rdma
+            && req.tls
         {
             return Err(RegistryError::BadRequest(
-                "a PCIe function is not hot-plugged nor lent over RDMA yet: start the VMM with \
-                 the printed --user-device / vfio-user-pci argument, over TCP"
-                    .into(),
+                "a PCIe function over RDMA has no TLS: attach over TCP for TLS".into(),
             ));
         }
         if req.socket.as_os_str().is_empty() || !req.socket.is_absolute() {

@@ -120,22 +120,23 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         tracing::warn!(%peer, error = %e, "closing");
         return;
     }
-    // A PCIe function's session (its DMA mirror, its interrupts) runs over TCP only.
-    let admitted = if shared
-        .device(&hello.device)
-        .is_some_and(|d| d.pci.is_some())
-    {
-        Err((
-            devlend_fabric::HelloStatus::BadRequest,
-            format!(
-                "device {:?} is a PCIe function: it is lent over TCP only",
-                hello.device
-            ),
-        ))
-    } else {
-        crate::session::admit(shared, &hello, &peer, id)
-    };
-    let (dev, _active, _claim) = match admitted {
+    let admitted = crate::session::admit(shared, &hello, &peer, id).and_then(|(dev, a, c)| {
+        // One borrower at a time: the session that gets here first holds the function.
+        let lent = match &dev.pci {
+            Some(pci) => Some(pci.try_lend().ok_or_else(|| {
+                (
+                    devlend_fabric::HelloStatus::Busy,
+                    format!(
+                        "PCIe function {:?} is lent to another session (one at a time)",
+                        hello.device
+                    ),
+                )
+            })?),
+            None => None,
+        };
+        Ok((dev, a, c, lent))
+    });
+    let (dev, _active, _claim, lent) = match admitted {
         Ok(x) => x,
         Err((status, message)) => {
             tracing::info!(%peer, device = %hello.device, ?status, reason = %message, "session refused");
@@ -158,6 +159,36 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
             return;
         }
     };
+    if let (Some(pci), Some(_lent)) = (&dev.pci, lent) {
+        let mut reply = HelloReply::ok(dev.info.clone());
+        reply.features = devlend_fabric::pci::FEATURE_PCI;
+        let mut msg = Vec::new();
+        // The last send buffer: the session's messages start at the first.
+        let slot = conn.send_slots() - 1;
+        if reply.write_to(&mut msg).is_err()
+            || conn.send_msg(slot, &msg, TAG_SEND | 0xffff).is_err()
+        {
+            tracing::warn!(%peer, "cannot send the hello reply; closing");
+            return;
+        }
+        tracing::info!(%peer, device = %dev.name, "PCI session opened over RDMA");
+        dev.stats.session_opened();
+        let end = crate::pci::rdma::serve(pci, conn, &stop);
+        dev.stats.session_closed();
+        match end {
+            crate::engine::End::PeerClosed => {
+                tracing::info!(%peer, device = %dev.name, "PCI session over RDMA closed")
+            }
+            crate::engine::End::Protocol(reason) => {
+                dev.stats.protocol_error();
+                tracing::warn!(%peer, device = %dev.name, %reason, "protocol error; PCI session over RDMA closed");
+            }
+            e => {
+                tracing::warn!(%peer, device = %dev.name, error = %devlend_fabric::error::chain(&e), "PCI session over RDMA closed")
+            }
+        }
+        return;
+    }
     let max = dev.info.max_transfer as usize;
     let mut slots = Vec::with_capacity(IO_SLOTS);
     for _ in 0..IO_SLOTS {

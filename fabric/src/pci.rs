@@ -484,6 +484,110 @@ impl DmaRange {
     }
 }
 
+/// Over RDMA, the payload of [`KIND_DMA_MAP`]: the IOVA range and where the borrower
+/// registered the guest memory behind it, for the lender's one-sided RDMA READ (push)
+/// and WRITE (pull).
+///
+/// Layout (32 bytes): `iova: u64, size: u64, addr: u64, rkey: u32, reserved: u32 = 0`;
+/// `iova` and `size` as in [`DmaRange`]; `addr` is the borrower's virtual address of the
+/// range's first byte in its memory region of key `rkey`, which covers `size` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteDmaRange {
+    /// The IOVA range.
+    pub range: DmaRange,
+    /// Borrower virtual address of the first byte.
+    pub addr: u64,
+    /// The memory region's remote key.
+    pub rkey: u32,
+}
+
+impl RemoteDmaRange {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = self.range.encode();
+        b.extend_from_slice(&self.addr.to_le_bytes());
+        b.extend_from_slice(&self.rkey.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b
+    }
+
+    /// Decodes the payload.
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] for a wrong length, a bad [`DmaRange`], a reserved field
+    /// that is not zero, or an address range that wraps around.
+    pub fn decode(p: &[u8]) -> Result<Self, WireError> {
+        exact(p, 32, "RDMA DMA range length")?;
+        let range = DmaRange::decode(&p[..16])?;
+        let addr = u64_at(p, 16);
+        if u32_at(p, 28) != 0 || addr.checked_add(range.size).is_none() {
+            return Err(WireError::Invalid("RDMA DMA range"));
+        }
+        Ok(RemoteDmaRange {
+            range,
+            addr,
+            rkey: u32_at(p, 24),
+        })
+    }
+}
+
+/// Over RDMA, [`KIND_PUSH`] requests and [`KIND_PULL`] replies carry no page data, only
+/// the IOVA ranges the lender moved (pull) or is to move (push) with one-sided RDMA:
+/// entries of 16 bytes, `iova: u64, len: u32, reserved: u32 = 0`, at most
+/// [`RDMA_MAX_RANGES`] per message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    /// IOVA of the first byte.
+    pub iova: u64,
+    /// Length in bytes (> 0).
+    pub len: u32,
+}
+
+/// Largest encoded message of a PCI session over RDMA, header included (the size of
+/// each end's message buffers for the handshake, which PCI sessions keep).
+pub const RDMA_MAX_MESSAGE: usize = crate::rdma::MAX_HANDSHAKE_MSG;
+/// Largest region read or write in one message over RDMA, in bytes: larger accesses are
+/// split by the borrower (a BAR is accessed a register at a time; config space in
+/// 4-byte words), and refused by the lender.
+pub const RDMA_MAX_ACCESS: u32 = 1024;
+/// Most [`Range`]s in one message over RDMA.
+pub const RDMA_MAX_RANGES: usize = (RDMA_MAX_MESSAGE - PCI_HEADER_LEN) / 16;
+
+// The largest range list, and the largest access with its header, fit one message.
+const _: () = assert!(PCI_HEADER_LEN + RDMA_MAX_RANGES * 16 <= RDMA_MAX_MESSAGE);
+const _: () = assert!(PCI_HEADER_LEN + 16 + RDMA_MAX_ACCESS as usize <= RDMA_MAX_MESSAGE);
+
+/// Appends one [`Range`] to a payload.
+pub fn encode_range(r: Range, out: &mut Vec<u8>) {
+    out.extend_from_slice(&r.iova.to_le_bytes());
+    out.extend_from_slice(&r.len.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+}
+
+/// Splits a payload into its [`Range`]s.
+///
+/// # Errors
+/// [`WireError::Invalid`] for a length that is not a multiple of 16, more than
+/// [`RDMA_MAX_RANGES`] entries, an empty range, a reserved field that is not zero, or a
+/// range that wraps the IOVA space.
+pub fn decode_ranges(p: &[u8]) -> Result<Vec<Range>, WireError> {
+    if !p.len().is_multiple_of(16) || p.len() / 16 > RDMA_MAX_RANGES {
+        return Err(WireError::Invalid("range list length"));
+    }
+    p.chunks_exact(16)
+        .map(|e| {
+            let r = Range {
+                iova: u64_at(e, 0),
+                len: u32_at(e, 8),
+            };
+            if r.len == 0 || u32_at(e, 12) != 0 || r.iova.checked_add(u64::from(r.len)).is_none() {
+                return Err(WireError::Invalid("range"));
+            }
+            Ok(r)
+        })
+        .collect()
+}
+
 /// One page of mirrored memory in a push or a pull.
 ///
 /// Layout: `iova: u64, len: u32, reserved: u32 = 0`, then `len` bytes.
@@ -679,5 +783,56 @@ mod tests {
             vector: 5,
         };
         assert_eq!(Irq::decode(&i.encode()).unwrap(), i);
+    }
+
+    #[test]
+    fn rdma_maps_and_range_lists_round_trip_and_garbage_is_refused() {
+        let m = RemoteDmaRange {
+            range: DmaRange {
+                iova: 0x10_0000,
+                size: 0x2000,
+            },
+            addr: 0x7f00_0000_0000,
+            rkey: 0x1234,
+        };
+        let b = m.encode();
+        assert_eq!(b.len(), 32);
+        assert_eq!(RemoteDmaRange::decode(&b).unwrap(), m);
+        assert!(
+            RemoteDmaRange::decode(&b[..16]).is_err(),
+            "a TCP map over RDMA"
+        );
+        let mut bad = b.clone();
+        bad[28] = 1;
+        assert!(RemoteDmaRange::decode(&bad).is_err(), "reserved");
+        let mut bad = b.clone();
+        bad[16..24].copy_from_slice(&(u64::MAX - 10).to_le_bytes());
+        assert!(RemoteDmaRange::decode(&bad).is_err(), "wrapping address");
+
+        let mut p = Vec::new();
+        let rs = [
+            Range {
+                iova: 0x10_0000,
+                len: 4096,
+            },
+            Range {
+                iova: 0x10_3000,
+                len: 8192,
+            },
+        ];
+        for r in rs {
+            encode_range(r, &mut p);
+        }
+        assert_eq!(decode_ranges(&p).unwrap(), rs);
+        assert!(decode_ranges(&p[..20]).is_err(), "a cut entry");
+        let mut bad = p.clone();
+        bad[8..12].fill(0);
+        assert!(decode_ranges(&bad).is_err(), "an empty range");
+        let mut bad = p.clone();
+        bad[15] = 1;
+        assert!(decode_ranges(&bad).is_err(), "reserved");
+        let long = vec![0u8; (RDMA_MAX_RANGES + 1) * 16];
+        assert!(decode_ranges(&long).is_err(), "too many");
+        assert!(decode_ranges(&[]).unwrap().is_empty());
     }
 }

@@ -14,6 +14,8 @@ use crate::wire::{Op, RequestHeader, REQUEST_HEADER_LEN};
 use crate::WireError;
 
 #[cfg(feature = "rdma")]
+pub mod channel;
+#[cfg(feature = "rdma")]
 pub mod verbs;
 
 /// Bytes of one remote segment in a request message: address u64, rkey u32, len u32.

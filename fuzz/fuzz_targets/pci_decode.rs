@@ -3,13 +3,15 @@
 //!
 //! `Message::read_from`, then the payload decoder of the message's kind (`PciInfo`,
 //! `Access` of a read or a write, `IrqSet`, `DmaRange`, the pages of a push or pull,
-//! `Irq`). Nothing may panic, and whatever decodes re-encodes to the bytes it came
+//! `Irq`; over RDMA the `RemoteDmaRange` of a map and the `Range` lists of a push or
+//! pull). Nothing may panic, and whatever decodes re-encodes to the bytes it came
 //! from (reserved fields must be 0, so each value has one encoding).
 
 #![no_main]
 
 use devlend_fabric::pci::{
-    decode_pages, encode_page, Access, DmaRange, Irq, IrqSet, Message, PciInfo, KIND_DMA_MAP,
+    decode_pages, decode_ranges, encode_page, encode_range, Access, DmaRange, Irq, IrqSet,
+    Message, PciInfo, RemoteDmaRange, KIND_DMA_MAP,
     KIND_DMA_UNMAP, KIND_INFO, KIND_IRQ, KIND_PULL, KIND_PUSH, KIND_READ, KIND_SET_IRQS,
     KIND_WRITE, REPLY,
 };
@@ -50,12 +52,22 @@ fuzz_target!(|data: &[u8]| {
             if let Ok(r) = DmaRange::decode(p) {
                 assert_eq!(&r.encode(), p);
             }
+            if let Ok(r) = RemoteDmaRange::decode(p) {
+                assert_eq!(&r.encode(), p);
+            }
         }
         k if k == KIND_PUSH || k == KIND_PULL | REPLY => {
             if let Ok(pages) = decode_pages(p) {
                 let mut out = Vec::new();
                 for pg in pages {
                     encode_page(pg.iova, pg.data, &mut out);
+                }
+                assert_eq!(&out, p);
+            }
+            if let Ok(ranges) = decode_ranges(p) {
+                let mut out = Vec::new();
+                for r in ranges {
+                    encode_range(r, &mut out);
                 }
                 assert_eq!(&out, p);
             }

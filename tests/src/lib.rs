@@ -7,6 +7,7 @@
 pub mod agents;
 pub mod certs;
 pub mod delay;
+pub mod edu;
 pub mod gateways;
 pub mod lan;
 pub mod netns;
@@ -74,4 +75,41 @@ pub fn metric_value(text: &str, series: &str) -> Option<f64> {
         .find(|l| l.starts_with(series))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
+}
+
+/// The shared libraries `ldd` lists for `path` (absolute paths).
+pub fn shared_libraries(path: &std::path::Path) -> Vec<String> {
+    let out = match std::process::Command::new("ldd").arg(path).output() {
+        Ok(o) => o,
+        Err(_) => return Vec::new(),
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split("=>").nth(1))
+        .filter_map(|r| r.split_whitespace().next())
+        .filter(|p| p.starts_with('/'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Copies host binaries into a guest's initramfs: each `(name, host path)` at
+/// `/bin/NAME`, with every library it links and the dynamic loader, plus `extra` host
+/// files at their own paths (e.g. a verbs provider and its driver file).
+pub fn with_host_binaries(
+    mut b: guest::GuestBuilder,
+    bins: &[(&str, std::path::PathBuf)],
+    extra: &[&str],
+) -> guest::GuestBuilder {
+    let mut files: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    files.push("/lib64/ld-linux-x86-64.so.2".into());
+    for (name, path) in bins {
+        files.extend(shared_libraries(path));
+        b = b.host_file(format!("/bin/{name}"), path.clone());
+    }
+    files.sort();
+    files.dedup();
+    for f in files {
+        b = b.host_file(f.clone(), f);
+    }
+    b
 }

@@ -17,7 +17,7 @@
 //! then computes and copies correctly for the next borrower.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -27,29 +27,9 @@ use devlend_backend::pci::{Link, LinkError, LinkTarget, PciBorrower, PciError, P
 use devlend_fabric::pci::{DmaRange, Message, PciStatus, KIND_DMA_MAP, KIND_READ};
 use devlend_fabric::HelloStatus;
 use devlend_qemu::guest::Guest;
-use vfio_bindings::bindings::vfio::{
-    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSI_IRQ_INDEX,
+use devlend_tests::edu::{
+    Memory, Vmm, BAR0, CONFIG, DMA_CMD, DMA_COUNT, DMA_DST, DMA_SRC, EDU_BUF, GUEST_MEM, ID, IOVA,
 };
-use vfio_user::Client;
-use vmm_sys_util::eventfd::EventFd;
-
-/// BAR0 registers of edu (edu.rst).
-const ID: u64 = 0x00;
-const FACT: u64 = 0x08;
-const STATUS: u64 = 0x20;
-const IRQ_STATUS: u64 = 0x24;
-const IRQ_ACK: u64 = 0x64;
-const DMA_SRC: u64 = 0x80;
-const DMA_DST: u64 = 0x88;
-const DMA_COUNT: u64 = 0x90;
-const DMA_CMD: u64 = 0x98;
-/// The card's DMA buffer, in its own address space.
-const EDU_BUF: u64 = 0x40000;
-/// Guest memory the client maps for DMA: IOVA and size (below edu's 28-bit DMA mask).
-const IOVA: u64 = 0x10_0000;
-const GUEST_MEM: u64 = 0x20_0000;
-const CONFIG: u32 = 7;
-const BAR0: u32 = 0;
 
 fn bin(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -137,6 +117,7 @@ fn target(port: u16, id: u8) -> LinkTarget {
         token: Vec::new(),
         tls: None,
         timeout: Duration::from_secs(10),
+        transport: devlend_backend::blk::engine::Transport::Tcp,
     }
 }
 
@@ -167,172 +148,6 @@ fn serve(borrower: PciBorrower, sock: &Path) -> PciHandle {
     let mut b = borrower;
     std::thread::spawn(move || b.serve(&server));
     handle
-}
-
-/// "Guest memory": a memfd of [`GUEST_MEM`] bytes, mapped here.
-struct Memory {
-    fd: OwnedFd,
-    ptr: *mut u8,
-}
-
-impl Memory {
-    fn new() -> Memory {
-        // SAFETY: memfd_create with a NUL-terminated name; the fd is checked.
-        let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), 0) };
-        assert!(fd >= 0, "memfd_create");
-        // SAFETY: a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: the fd is open.
-        let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) };
-        assert_eq!(rc, 0, "ftruncate");
-        // SAFETY: a new shared mapping of our memfd.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                GUEST_MEM as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
-        Memory {
-            fd,
-            ptr: ptr.cast(),
-        }
-    }
-
-    fn write(&self, off: u64, data: &[u8]) {
-        assert!(off as usize + data.len() <= GUEST_MEM as usize);
-        // SAFETY: in bounds of our mapping; the borrower writes it only between an
-        // interrupt and its eventfd, which this test waits for before reading.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off as usize), data.len())
-        }
-    }
-
-    fn read(&self, off: u64, len: usize) -> Vec<u8> {
-        assert!(off as usize + len <= GUEST_MEM as usize);
-        let mut v = vec![0u8; len];
-        // SAFETY: as in `write`.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off as usize), v.as_mut_ptr(), len) }
-        v
-    }
-}
-
-impl Drop for Memory {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping.
-        unsafe {
-            libc::munmap(self.ptr.cast(), GUEST_MEM as usize);
-        }
-    }
-}
-
-/// The VMM's side: the vfio_user client, its MSI eventfd, its memory.
-struct Vmm {
-    client: Client,
-    irq: EventFd,
-}
-
-impl Vmm {
-    fn join(sock: &Path) -> Vmm {
-        let mut client = Client::new(sock).expect("vfio-user client");
-        let irq = EventFd::new(libc::EFD_NONBLOCK).expect("eventfd");
-        client
-            .set_irqs(
-                VFIO_PCI_MSI_IRQ_INDEX,
-                VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-                0,
-                1,
-                &[irq.as_raw_fd()],
-            )
-            .expect("enable MSI");
-        Vmm { client, irq }
-    }
-
-    fn r32(&mut self, region: u32, off: u64) -> u32 {
-        let mut b = [0u8; 4];
-        self.client.region_read(region, off, &mut b).expect("read");
-        u32::from_le_bytes(b)
-    }
-
-    fn w32(&mut self, region: u32, off: u64, v: u32) {
-        self.client
-            .region_write(region, off, &v.to_le_bytes())
-            .expect("write");
-    }
-
-    /// Enables memory decoding and bus mastering (the command register).
-    fn enable_bus_master(&mut self) {
-        let mut b = [0u8; 2];
-        self.client
-            .region_read(CONFIG, 0x04, &mut b)
-            .expect("read command");
-        let cmd = u16::from_le_bytes(b) | 0x06;
-        self.client
-            .region_write(CONFIG, 0x04, &cmd.to_le_bytes())
-            .expect("write command");
-    }
-
-    /// Waits for the MSI eventfd.
-    fn wait_irq(&self, what: &str) {
-        let until = Instant::now() + Duration::from_secs(30);
-        loop {
-            if self.irq.read().is_ok() {
-                return;
-            }
-            assert!(Instant::now() < until, "no interrupt for {what}");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn factorial(&mut self, n: u32) -> u32 {
-        self.w32(BAR0, STATUS, 0x80);
-        self.w32(BAR0, FACT, n);
-        self.wait_irq("the factorial");
-        let v = self.r32(BAR0, FACT);
-        assert_eq!(
-            self.r32(BAR0, IRQ_STATUS) & 1,
-            1,
-            "the factorial's interrupt bit"
-        );
-        self.w32(BAR0, IRQ_ACK, 1);
-        v
-    }
-
-    /// One DMA of `len` bytes, `to_ram` (EDU → RAM) or not, with its interrupt.
-    fn dma(&mut self, src: u64, dst: u64, len: u32, to_ram: bool) {
-        self.w32(BAR0, DMA_SRC, src as u32);
-        self.w32(BAR0, DMA_DST, dst as u32);
-        self.w32(BAR0, DMA_COUNT, len);
-        self.w32(BAR0, DMA_CMD, 0x1 | 0x4 | if to_ram { 0x2 } else { 0 });
-        self.wait_irq("the DMA");
-        assert_eq!(
-            self.r32(BAR0, IRQ_STATUS) & 0x100,
-            0x100,
-            "the DMA's interrupt bit"
-        );
-        self.w32(BAR0, IRQ_ACK, 0x100);
-    }
-
-    /// RAM → card → RAM through the mirror; checks the bytes read back.
-    fn dma_round_trip(&mut self, mem: &Memory, seed: u8) {
-        let pattern: Vec<u8> = (0..4096u32)
-            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-            .collect();
-        mem.write(0, &pattern);
-        self.dma(IOVA, EDU_BUF, 4096, false);
-        self.dma(EDU_BUF, IOVA + 0x8_0000, 4096, true);
-        let back = mem.read(0x8_0000, 4096);
-        let wrong = back.iter().zip(&pattern).filter(|(a, b)| a != b).count();
-        let first = back.iter().zip(&pattern).position(|(a, b)| a != b);
-        assert_eq!(
-            wrong, 0,
-            "the page copied into the card and back: {wrong} bytes differ, the first at {first:?}"
-        );
-    }
 }
 
 /// One raw vfio-user connection, for requests the `Client` cannot send or whose

@@ -244,6 +244,7 @@ impl Attachment {
             token: config.lender.token.clone(),
             tls: config.lender.tls.clone(),
             timeout: Duration::from_secs(10),
+            transport: config.lender.transport,
         };
         let borrower = crate::pci::PciBorrower::connect(&target).map_err(AttachmentError::Pci)?;
         let server = borrower

@@ -5,9 +5,16 @@
 //! [`Link::call`] (one call at a time), [`KIND_IRQ`] messages to the interrupt channel
 //! returned by [`Link::connect`]. When the connection ends, both channels close: calls
 //! fail with [`LinkError::Closed`] and the interrupt channel's receiver ends.
+//!
+//! Transports: a TCP (or TLS) stream, or an RDMA connection (rdma_cm; each message one
+//! SEND, at most [`devlend_fabric::pci::RDMA_MAX_MESSAGE`] bytes). Over RDMA the
+//! borrower registers the guest memory it maps for DMA ([`Link::register`]) so that
+//! the lender moves mirror pages one-sided.
 
 use std::net::Shutdown;
 use std::sync::mpsc::{self, Receiver, Sender};
+#[cfg(feature = "rdma")]
+use std::sync::Arc;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -57,14 +64,54 @@ pub struct LinkTarget {
     pub tls: Option<TlsTarget>,
     /// Bound on the connect and the handshake.
     pub timeout: Duration,
+    /// TCP (with `tls`), or RDMA (rdma_cm to `lender`; `tls` must be `None`).
+    pub transport: crate::blk::engine::Transport,
+}
+
+/// The session's connection.
+enum Wire {
+    Stream(Stream),
+    #[cfg(feature = "rdma")]
+    Rdma(Arc<RdmaWire>),
+}
+
+/// An RDMA connection shared by the callers and the reader thread.
+#[cfg(feature = "rdma")]
+struct RdmaWire {
+    ch: Mutex<devlend_fabric::rdma::channel::MsgChannel>,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+/// Guest memory registered for the lender's one-sided access (over RDMA): the memory
+/// region is deregistered on drop. Over TCP there is none.
+pub struct Registration {
+    #[cfg(feature = "rdma")]
+    mr: devlend_fabric::rdma::verbs::Mr,
+}
+
+impl Registration {
+    /// Start address (this process's virtual address) and remote key.
+    pub fn remote(&self) -> (u64, u32) {
+        #[cfg(feature = "rdma")]
+        return (self.mr.addr(), self.mr.rkey());
+        #[cfg(not(feature = "rdma"))]
+        (0, 0)
+    }
 }
 
 /// An open PCI session.
-#[derive(Debug)]
 pub struct Link {
-    stream: Stream,
+    wire: Wire,
     write: Mutex<()>,
     replies: Mutex<Receiver<Message>>,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("rdma", &self.is_rdma())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Link {
@@ -79,27 +126,49 @@ impl Link {
         hello.features = FEATURE_PCI;
         hello.borrower = t.borrower;
         hello.token = t.token.clone();
-        let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
         let bad = |what: &'static str| ConnectError::Handshake {
             addr: t.lender.clone(),
             source: WireError::Invalid(what),
         };
-        if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
-            return Err(bad("the lender's device is not a PCIe function"));
-        }
         let io = |e: std::io::Error| ConnectError::Handshake {
             addr: t.lender.clone(),
             source: WireError::Io(e),
         };
-        let reader = stream.try_clone().map_err(io)?;
         let (reply_tx, reply_rx) = mpsc::channel();
         let (irq_tx, irq_rx) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("devlend-pci-rx".into())
-            .spawn(move || read_loop(reader, reply_tx, irq_tx))
-            .map_err(io)?;
+        let wire = match t.transport {
+            crate::blk::engine::Transport::Tcp => {
+                let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
+                if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
+                    return Err(bad("the lender's device is not a PCIe function"));
+                }
+                let reader = stream.try_clone().map_err(io)?;
+                std::thread::Builder::new()
+                    .name("devlend-pci-rx".into())
+                    .spawn(move || read_loop(reader, reply_tx, irq_tx))
+                    .map_err(io)?;
+                Wire::Stream(stream)
+            }
+            #[cfg(feature = "rdma")]
+            crate::blk::engine::Transport::Rdma => {
+                let wire = rdma_connect(t, &hello)?;
+                let reader = Arc::clone(&wire);
+                std::thread::Builder::new()
+                    .name("devlend-pci-rx".into())
+                    .spawn(move || rdma_read_loop(&reader, &reply_tx, &irq_tx))
+                    .map_err(io)?;
+                Wire::Rdma(wire)
+            }
+            #[cfg(not(feature = "rdma"))]
+            crate::blk::engine::Transport::Rdma => {
+                return Err(ConnectError::Rdma {
+                    addr: t.lender.clone(),
+                    source: devlend_fabric::rdma::RdmaError::NotCompiled,
+                })
+            }
+        };
         let link = Link {
-            stream,
+            wire,
             write: Mutex::new(()),
             replies: Mutex::new(reply_rx),
         };
@@ -154,20 +223,207 @@ impl Link {
     /// # Errors
     /// [`LinkError::Send`].
     pub fn send(&self, m: &Message) -> Result<(), LinkError> {
-        let _g = self.write.lock().unwrap_or_else(PoisonError::into_inner);
-        m.write_to(&mut &self.stream).map_err(LinkError::Send)
+        match &self.wire {
+            Wire::Stream(s) => {
+                let _g = self.write.lock().unwrap_or_else(PoisonError::into_inner);
+                m.write_to(&mut &*s).map_err(LinkError::Send)
+            }
+            #[cfg(feature = "rdma")]
+            Wire::Rdma(w) => {
+                if w.closed.load(std::sync::atomic::Ordering::Acquire) {
+                    return Err(LinkError::Closed);
+                }
+                let mut ch = w.ch.lock().unwrap_or_else(PoisonError::into_inner);
+                ch.send(m).map_err(|e| {
+                    LinkError::Send(WireError::Io(std::io::Error::other(
+                        devlend_fabric::error::chain(&e),
+                    )))
+                })
+            }
+        }
+    }
+
+    /// Whether the session runs over RDMA (pushes and pulls then carry ranges only).
+    pub fn is_rdma(&self) -> bool {
+        match &self.wire {
+            Wire::Stream(_) => false,
+            #[cfg(feature = "rdma")]
+            Wire::Rdma(_) => true,
+        }
+    }
+
+    /// Largest region access in one message, in bytes.
+    pub fn max_access(&self) -> u32 {
+        if self.is_rdma() {
+            devlend_fabric::pci::RDMA_MAX_ACCESS
+        } else {
+            devlend_fabric::pci::MAX_ACCESS
+        }
+    }
+
+    /// Over RDMA, registers `len` bytes at `ptr` for the lender's remote READ and WRITE;
+    /// over TCP, `None`.
+    ///
+    /// # Safety
+    /// The range must stay mapped for as long as the returned registration lives.
+    ///
+    /// # Errors
+    /// [`LinkError::Send`] when the registration fails (out of RDMA resources).
+    pub unsafe fn register(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Option<Registration>, LinkError> {
+        match &self.wire {
+            Wire::Stream(_) => {
+                let _ = (ptr, len);
+                Ok(None)
+            }
+            #[cfg(feature = "rdma")]
+            Wire::Rdma(w) => {
+                let ch = w.ch.lock().unwrap_or_else(PoisonError::into_inner);
+                // SAFETY: the caller keeps the range mapped while the registration lives.
+                unsafe { devlend_fabric::rdma::verbs::Mr::register(ch.pd(), ptr, len, true) }
+                    .map(|mr| Some(Registration { mr }))
+                    .map_err(|e| {
+                        LinkError::Send(WireError::Io(std::io::Error::other(
+                            devlend_fabric::error::chain(&e),
+                        )))
+                    })
+            }
+        }
     }
 
     /// Shuts the connection down both ways: the lender's session ends (and it quiesces
     /// the function), pending and later calls fail.
     pub fn shutdown(&self) {
-        let _ = self.stream.shutdown(Shutdown::Both);
+        match &self.wire {
+            Wire::Stream(s) => {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            #[cfg(feature = "rdma")]
+            Wire::Rdma(w) => {
+                if !w.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                    w.ch.lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .disconnect();
+                }
+            }
+        }
     }
 }
 
 impl Drop for Link {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// Opens the RDMA connection and checks the lender's answer.
+#[cfg(feature = "rdma")]
+fn rdma_connect(t: &LinkTarget, hello: &Hello) -> Result<Arc<RdmaWire>, ConnectError> {
+    let (conn, reply) =
+        devlend_fabric::rdma::verbs::connect(&t.lender, hello, t.timeout).map_err(|source| {
+            ConnectError::Rdma {
+                addr: t.lender.clone(),
+                source,
+            }
+        })?;
+    if reply.status != devlend_fabric::HelloStatus::Ok {
+        return Err(ConnectError::Refused {
+            addr: t.lender.clone(),
+            device: hello.device.clone(),
+            status: reply.status,
+            message: reply.message,
+        });
+    }
+    if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
+        return Err(ConnectError::Handshake {
+            addr: t.lender.clone(),
+            source: WireError::Invalid("the lender's device is not a PCIe function"),
+        });
+    }
+    Ok(Arc::new(RdmaWire {
+        ch: Mutex::new(devlend_fabric::rdma::channel::MsgChannel::new(conn)),
+        closed: std::sync::atomic::AtomicBool::new(false),
+    }))
+}
+
+/// The RDMA reader: waits on the connection, takes what arrived, hands it on.
+#[cfg(feature = "rdma")]
+fn rdma_read_loop(w: &RdmaWire, replies: &Sender<Message>, irqs: &Sender<Irq>) {
+    use std::sync::atomic::Ordering;
+    let fd = w.ch.lock().unwrap_or_else(PoisonError::into_inner).fd();
+    loop {
+        if w.closed.load(Ordering::Acquire) {
+            tracing::info!("the PCI session over RDMA is closed");
+            return;
+        }
+        devlend_fabric::rdma::verbs::wait_fd(fd, Duration::from_millis(200));
+        let mut got = Vec::new();
+        let polled = {
+            let mut ch = w.ch.lock().unwrap_or_else(PoisonError::into_inner);
+            let r = ch.poll();
+            while let Some(m) = ch.take() {
+                got.push(m);
+            }
+            r
+        };
+        for m in got {
+            if !dispatch(m, replies, irqs) {
+                close_rdma(w);
+                return;
+            }
+        }
+        if let Err(e) = polled {
+            match e {
+                // Our own shutdown flushes the posted receives.
+                _ if w.closed.load(Ordering::Acquire) => {
+                    tracing::info!("the PCI session over RDMA is closed")
+                }
+                devlend_fabric::rdma::channel::ChannelError::Rdma(
+                    devlend_fabric::rdma::RdmaError::Disconnected,
+                ) => tracing::info!("the lender closed the PCI session"),
+                e => {
+                    tracing::warn!(error = %devlend_fabric::error::chain(&e), "PCI session lost")
+                }
+            }
+            close_rdma(w);
+            return;
+        }
+    }
+}
+
+#[cfg(feature = "rdma")]
+fn close_rdma(w: &RdmaWire) {
+    if !w.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
+        w.ch.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .disconnect();
+    }
+}
+
+/// Hands one message from the lender on; `false` when the session must close.
+fn dispatch(m: Message, replies: &Sender<Message>, irqs: &Sender<Irq>) -> bool {
+    if m.kind == KIND_IRQ {
+        match Irq::decode(&m.payload) {
+            Ok(irq) => {
+                let _ = irqs.send(irq);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "malformed interrupt message; closing the session");
+                false
+            }
+        }
+    } else if m.kind & REPLY == 0 {
+        tracing::warn!(
+            kind = m.kind,
+            "request from the lender; closing the session"
+        );
+        false
+    } else {
+        replies.send(m).is_ok()
     }
 }
 
@@ -185,25 +441,8 @@ fn read_loop(stream: Stream, replies: Sender<Message>, irqs: Sender<Irq>) {
                 return;
             }
         };
-        if m.kind == KIND_IRQ {
-            match Irq::decode(&m.payload) {
-                Ok(irq) => {
-                    let _ = irqs.send(irq);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "malformed interrupt message; closing the session");
-                    let _ = stream.shutdown(Shutdown::Both);
-                    return;
-                }
-            }
-        } else if m.kind & REPLY == 0 {
-            tracing::warn!(
-                kind = m.kind,
-                "request from the lender; closing the session"
-            );
+        if !dispatch(m, &replies, &irqs) {
             let _ = stream.shutdown(Shutdown::Both);
-            return;
-        } else if replies.send(m).is_err() {
             return;
         }
     }

@@ -40,9 +40,10 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use devlend_fabric::pci::{
-    decode_pages, encode_page, page_cost, Access, DmaRange, Irq, IrqAction, IrqSet, Message,
-    PciInfo, FLAG_MORE, KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH, KIND_READ, KIND_RESET,
-    KIND_SET_IRQS, KIND_WRITE, MAX_ACCESS, MIRROR_PAGE,
+    decode_pages, decode_ranges, encode_page, encode_range, page_cost, Access, DmaRange, Irq,
+    IrqAction, IrqSet, Message, PciInfo, Range, RemoteDmaRange, FLAG_MORE, KIND_DMA_MAP,
+    KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH, KIND_READ, KIND_RESET, KIND_SET_IRQS, KIND_WRITE,
+    MAX_ACCESS, MIRROR_PAGE, RDMA_MAX_RANGES,
 };
 use vfio_bindings::bindings::vfio::{
     vfio_region_info, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_TYPE_MASK,
@@ -52,7 +53,7 @@ use vfio_bindings::bindings::vfio::{
 use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion};
 use vm_memory::VolatileSlice;
 
-pub use link::{Link, LinkError, LinkTarget};
+pub use link::{Link, LinkError, LinkTarget, Registration};
 
 /// Why the borrower could not start serving.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +92,8 @@ pub struct PciStats {
 
 /// One DMA mapping of the VMM's memory.
 struct GuestMap {
+    /// Over RDMA, the mapping's registration (dropped before the mapping).
+    reg: Option<link::Registration>,
     iova: u64,
     size: usize,
     ptr: NonNull<u8>,
@@ -103,11 +106,6 @@ struct GuestMap {
 unsafe impl Send for GuestMap {}
 
 impl GuestMap {
-    fn slice(&self) -> VolatileSlice<'_> {
-        // SAFETY: `ptr..ptr + size` is our live mapping while `self` lives.
-        unsafe { VolatileSlice::new(self.ptr.as_ptr(), self.size) }
-    }
-
     fn overlaps(&self, iova: u64, size: u64) -> bool {
         iova < self.iova + self.size as u64 && self.iova < iova.saturating_add(size)
     }
@@ -115,7 +113,8 @@ impl GuestMap {
 
 impl Drop for GuestMap {
     fn drop(&mut self) {
-        // SAFETY: our own mapping, of this size.
+        drop(self.reg.take());
+        // SAFETY: our own mapping, of this size; its registration is gone.
         unsafe {
             libc::munmap(self.ptr.as_ptr().cast(), self.size);
         }
@@ -333,15 +332,19 @@ impl PciBorrower {
         Ok(())
     }
 
-    /// Pushes the DMA-mapped guest pages that changed since last synced.
+    /// Pushes the DMA-mapped guest pages that changed since last synced: over TCP with
+    /// their bytes, over RDMA as IOVA ranges the lender reads one-sided.
     fn push(&self, maps: &mut [GuestMap]) -> io::Result<()> {
+        let rdma = self.shared.link.is_rdma();
         let page = MIRROR_PAGE as usize;
         let mut buf = vec![0u8; page];
         let mut chunk = Vec::new();
         let mut pushed = 0u64;
+        // Over RDMA: the run of changed pages being built (IOVA, bytes).
+        let mut run: Option<(u64, u32)> = None;
         for m in maps.iter_mut() {
-            // SAFETY: as in `GuestMap::slice`; built from the raw parts so that the
-            // shadow may be borrowed beside it.
+            // SAFETY: `ptr..ptr + size` is the map's live mapping while `m` lives; built
+            // from the raw parts so that the shadow may be borrowed beside it.
             let slice = unsafe { VolatileSlice::new(m.ptr.as_ptr(), m.size) };
             for off in (0..m.size).step_by(page) {
                 let Ok(s) = slice.subslice(off, page) else {
@@ -353,13 +356,34 @@ impl PciBorrower {
                     continue;
                 }
                 shadow.copy_from_slice(&buf);
+                pushed += 1;
+                let iova = m.iova + off as u64;
+                if rdma {
+                    run = match run {
+                        Some((start, len))
+                            if start + u64::from(len) == iova
+                                && len as usize + page <= RDMA_MAX_RUN =>
+                        {
+                            Some((start, len + page as u32))
+                        }
+                        Some((start, len)) => {
+                            self.push_range(&mut chunk, Range { iova: start, len })?;
+                            Some((iova, page as u32))
+                        }
+                        None => Some((iova, page as u32)),
+                    };
+                    continue;
+                }
                 if chunk.len() + page_cost(page) > MAX_ACCESS as usize {
                     let mut msg = Message::new(KIND_PUSH, std::mem::take(&mut chunk));
                     msg.flags = FLAG_MORE;
                     self.shared.link.send(&msg).map_err(link_err)?;
                 }
-                encode_page(m.iova + off as u64, &buf, &mut chunk);
-                pushed += 1;
+                encode_page(iova, &buf, &mut chunk);
+            }
+            // Runs do not cross maps (each has its own registration).
+            if let Some((start, len)) = run.take() {
+                self.push_range(&mut chunk, Range { iova: start, len })?;
             }
         }
         if pushed == 0 {
@@ -375,34 +399,72 @@ impl PciBorrower {
             .map(|_| ())
             .map_err(link_err)
     }
+
+    /// Adds a range to an RDMA push, sending the chunk first when it is full.
+    fn push_range(&self, chunk: &mut Vec<u8>, r: Range) -> io::Result<()> {
+        if chunk.len() / 16 >= RDMA_MAX_RANGES {
+            let mut msg = Message::new(KIND_PUSH, std::mem::take(chunk));
+            msg.flags = FLAG_MORE;
+            self.shared.link.send(&msg).map_err(link_err)?;
+        }
+        encode_range(r, chunk);
+        Ok(())
+    }
 }
 
-/// Pulls the pages the function changed into guest memory.
+/// Longest run of pages one range of an RDMA push names, in bytes (1 MiB: one RDMA
+/// READ of the lender's).
+const RDMA_MAX_RUN: usize = 1 << 20;
+
+/// Pulls the pages the function changed into guest memory: over TCP their bytes come in
+/// the replies; over RDMA the lender wrote them already and the replies name their
+/// ranges, which the shadow then takes from guest memory.
 fn pull(shared: &Shared, maps: &mut [GuestMap]) -> Result<(), LinkError> {
     if maps.is_empty() {
         return Ok(());
     }
     let replies = shared.link.call(Message::new(KIND_PULL, Vec::new()))?;
+    let protocol = |e: devlend_fabric::WireError| LinkError::Protocol(e.to_string());
     let mut n = 0;
     for r in &replies {
-        let pages = decode_pages(&r.payload).map_err(|e| LinkError::Protocol(e.to_string()))?;
-        for p in pages {
-            let len = p.data.len();
+        let moved: Vec<(u64, Option<&[u8]>, usize)> = if shared.link.is_rdma() {
+            decode_ranges(&r.payload)
+                .map_err(protocol)?
+                .into_iter()
+                .map(|x| (x.iova, None, x.len as usize))
+                .collect()
+        } else {
+            decode_pages(&r.payload)
+                .map_err(protocol)?
+                .into_iter()
+                .map(|p| (p.iova, Some(p.data), p.data.len()))
+                .collect()
+        };
+        for (iova, data, len) in moved {
             let Some(m) = maps
                 .iter_mut()
-                .find(|m| p.iova >= m.iova && p.iova - m.iova + len as u64 <= m.size as u64)
+                .find(|m| iova >= m.iova && iova - m.iova + len as u64 <= m.size as u64)
             else {
                 return Err(LinkError::Protocol(format!(
-                    "pulled page at IOVA {:#x} outside every mapping",
-                    p.iova
+                    "pulled {len} bytes at IOVA {iova:#x} outside every mapping"
                 )));
             };
-            let off = (p.iova - m.iova) as usize;
-            if let Ok(s) = m.slice().subslice(off, len) {
-                s.copy_from(p.data);
+            let off = (iova - m.iova) as usize;
+            // SAFETY: `ptr..ptr + size` is the map's live mapping while `m` lives; built
+            // from the raw parts so that the shadow may be borrowed beside it.
+            let slice = unsafe { VolatileSlice::new(m.ptr.as_ptr(), m.size) };
+            if let Ok(s) = slice.subslice(off, len) {
+                match data {
+                    Some(d) => {
+                        s.copy_from(d);
+                        m.shadow[off..off + len].copy_from_slice(d);
+                    }
+                    None => {
+                        s.copy_to(&mut m.shadow[off..off + len]);
+                    }
+                }
             }
-            m.shadow[off..off + len].copy_from_slice(p.data);
-            n += 1;
+            n += len.div_ceil(MIRROR_PAGE as usize) as u64;
         }
     }
     shared.stats.pages_pulled.fetch_add(n, Ordering::Relaxed);
@@ -438,9 +500,10 @@ fn irq_loop(shared: &Shared, irqs: Receiver<Irq>) {
 
 impl ServerBackend for PciBorrower {
     fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> io::Result<()> {
-        for (i, chunk) in data.chunks_mut(MAX_ACCESS as usize).enumerate() {
+        let max = self.shared.link.max_access() as usize;
+        for (i, chunk) in data.chunks_mut(max).enumerate() {
             let off = offset
-                .checked_add((i * MAX_ACCESS as usize) as u64)
+                .checked_add((i * max) as u64)
                 .ok_or_else(|| einval("offset overflows"))?;
             let a = Access {
                 region,
@@ -473,9 +536,10 @@ impl ServerBackend for PciBorrower {
                 self.push(&mut maps)?;
             }
         }
-        for (i, chunk) in data.chunks(MAX_ACCESS as usize).enumerate() {
+        let max = self.shared.link.max_access() as usize;
+        for (i, chunk) in data.chunks(max).enumerate() {
             let off = offset
-                .checked_add((i * MAX_ACCESS as usize) as u64)
+                .checked_add((i * max) as u64)
                 .ok_or_else(|| einval("offset overflows"))?;
             let mut p = Access {
                 region,
@@ -548,15 +612,30 @@ impl ServerBackend for PciBorrower {
             )));
         }
         let ptr = crate::shared_map::map_shared(fd.as_raw_fd(), len, file_off)?;
-        let map = GuestMap {
+        let mut map = GuestMap {
+            reg: None,
             iova: address,
             size: len,
             ptr,
             shadow: vec![0; len],
         };
+        // SAFETY: the mapping lives in `map`, which drops the registration first.
+        map.reg = unsafe { self.shared.link.register(ptr.as_ptr(), len) }.map_err(link_err)?;
+        let payload = match &map.reg {
+            Some(reg) => {
+                let (addr, rkey) = reg.remote();
+                RemoteDmaRange {
+                    range: r,
+                    addr,
+                    rkey,
+                }
+                .encode()
+            }
+            None => r.encode(),
+        };
         self.shared
             .link
-            .call(Message::new(KIND_DMA_MAP, r.encode()))
+            .call(Message::new(KIND_DMA_MAP, payload))
             .map_err(link_err)?;
         maps.push(map);
         Ok(())

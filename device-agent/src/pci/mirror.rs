@@ -25,6 +25,10 @@ pub(crate) struct Mirror {
     pub(crate) size: usize,
     ptr: NonNull<u8>,
     synced: Vec<u8>,
+    /// Over RDMA: the mirror's registration and where the borrower's guest memory
+    /// behind this range is (set by the RDMA session right after the map).
+    #[cfg(feature = "rdma")]
+    pub(crate) remote: Option<super::rdma::Remote>,
 }
 
 // SAFETY: the mapping belongs to the Mirror alone and is accessed only through volatile
@@ -58,6 +62,8 @@ impl Mirror {
             size,
             ptr,
             synced: vec![0; size],
+            #[cfg(feature = "rdma")]
+            remote: None,
         })
     }
 
@@ -115,6 +121,48 @@ impl Mirror {
         }
     }
 
+    /// Calls `out(offset, len)` for each run of consecutive pages (at most `max_run`
+    /// bytes, a multiple of [`MIRROR_PAGE`]) that the function changed since they were
+    /// last pushed or pulled, and takes them as synced. Same comparison, and cost, as
+    /// [`Mirror::pull`]; the caller moves the bytes (RDMA WRITE from the mirror).
+    #[cfg(feature = "rdma")]
+    pub(crate) fn changed_runs(&mut self, max_run: usize, mut out: impl FnMut(usize, usize)) {
+        let page = MIRROR_PAGE as usize;
+        let base = self.iova;
+        let mut run: Option<(usize, usize)> = None;
+        self.pull(|iova, _| {
+            let off = (iova - base) as usize;
+            run = match run {
+                Some((start, len)) if start + len == off && len + page <= max_run => {
+                    Some((start, len + page))
+                }
+                Some((start, len)) => {
+                    out(start, len);
+                    Some((off, page))
+                }
+                None => Some((off, page)),
+            };
+        });
+        if let Some((start, len)) = run {
+            out(start, len);
+        }
+    }
+
+    /// Takes `len` bytes at `off` of the mirror as synced (after an RDMA READ of guest
+    /// memory into them).
+    #[cfg(feature = "rdma")]
+    pub(crate) fn synced_from_mirror(&mut self, off: usize, len: usize) {
+        // SAFETY: as in `slice`; built from the raw parts so that `synced` may be
+        // borrowed beside it.
+        let slice = unsafe { VolatileSlice::new(self.ptr.as_ptr(), self.size) };
+        if let (Ok(s), Some(dst)) = (
+            slice.subslice(off, len),
+            self.synced.get_mut(off..off + len),
+        ) {
+            s.copy_to(dst);
+        }
+    }
+
     /// Copies `len` bytes at `off` of the mirror out (for tests).
     #[cfg(test)]
     fn read(&self, off: usize, len: usize) -> Vec<u8> {
@@ -128,6 +176,9 @@ impl Mirror {
 
 impl Drop for Mirror {
     fn drop(&mut self) {
+        // The memory region goes before the memory.
+        #[cfg(feature = "rdma")]
+        drop(self.remote.take());
         // SAFETY: our own mapping, of this size; the IOMMU mapping was removed first by
         // the owner (or never made), so no device writes into it after this.
         unsafe {
@@ -160,5 +211,35 @@ mod tests {
         assert!(pulled.is_empty());
         assert!(m.contains(0x10_3000, 4096) && !m.contains(0x10_3000, 4097));
         assert!(m.overlaps(0x0f_f000, 0x2000) && !m.overlaps(0x14_0000, 0x1000));
+    }
+
+    #[cfg(feature = "rdma")]
+    #[test]
+    fn changed_runs_coalesce_neighbours_up_to_the_limit() {
+        let mut m = Mirror::new(0x10_0000, 8 * 4096).unwrap();
+        for page in [1usize, 2, 3, 5] {
+            m.slice()
+                .subslice(page * 4096, 1)
+                .unwrap()
+                .copy_from(&[9u8][..]);
+        }
+        let mut runs = Vec::new();
+        m.changed_runs(2 * 4096, |off, len| runs.push((off, len)));
+        assert_eq!(
+            runs,
+            vec![(4096, 8192), (3 * 4096, 4096), (5 * 4096, 4096)],
+            "pages 1-2 in one run (the limit), then 3, then 5"
+        );
+        runs.clear();
+        m.changed_runs(1 << 20, |off, len| runs.push((off, len)));
+        assert!(runs.is_empty(), "taken as synced");
+        // A READ landed in page 7: taken as synced, not reported by the next pull.
+        m.slice()
+            .subslice(7 * 4096, 2)
+            .unwrap()
+            .copy_from(&[4u8, 4][..]);
+        m.synced_from_mirror(7 * 4096, 4096);
+        m.changed_runs(1 << 20, |off, len| runs.push((off, len)));
+        assert!(runs.is_empty());
     }
 }

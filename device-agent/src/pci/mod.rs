@@ -10,6 +10,8 @@
 
 pub(crate) mod config;
 pub(crate) mod mirror;
+#[cfg(feature = "rdma")]
+pub(crate) mod rdma;
 pub(crate) mod session;
 
 use std::io;

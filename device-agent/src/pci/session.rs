@@ -41,18 +41,18 @@ pub(crate) const MAX_MIRROR_BYTES: u64 = devlend_fabric::pci::MAX_MIRROR_BYTES;
 const IRQ_POLL: Duration = Duration::from_millis(200);
 
 /// A refusal: the status and the reason sent back.
-type Refusal = (PciStatus, String);
+pub(super) type Refusal = (PciStatus, String);
 /// The answer to a request: the reply's payload, or a refusal.
-type Answer = Result<Vec<u8>, Refusal>;
+pub(super) type Answer = Result<Vec<u8>, Refusal>;
 
-fn invalid(reason: impl Into<String>) -> Refusal {
+pub(super) fn invalid(reason: impl Into<String>) -> Refusal {
     (PciStatus::Invalid, reason.into())
 }
 
 /// The eventfds VFIO signals, shared with the interrupt thread.
-struct IrqTable {
+pub(super) struct IrqTable {
     /// `(index, vector, eventfd)` of every enabled vector.
-    fds: Mutex<Vec<(u32, u32, Arc<EventFd>)>>,
+    pub(super) fds: Mutex<Vec<(u32, u32, Arc<EventFd>)>>,
     /// Wakes the interrupt thread to re-read `fds`.
     wake: EventFd,
     stop: AtomicBool,
@@ -70,24 +70,12 @@ pub(crate) fn serve(
     peer: SocketAddr,
     frame_timeout: Duration,
 ) -> End {
-    let wake = match EventFd::new(libc::EFD_NONBLOCK) {
-        Ok(w) => w,
+    let table = match IrqTable::new() {
+        Ok(t) => t,
         Err(e) => return End::Socket(e),
     };
-    let table = IrqTable {
-        fds: Mutex::new(Vec::new()),
-        wake,
-        stop: AtomicBool::new(false),
-    };
     let writer = Mutex::new(());
-    let mut lending = Lending {
-        f,
-        cfg: VirtConfig::new(&f.layout),
-        maps: Vec::new(),
-        mapped: 0,
-        table: &table,
-        push_error: None,
-    };
+    let mut lending = Lending::new(f, &table);
     let end = std::thread::scope(|s| {
         let irq_thread = s.spawn(|| irq_loop(&table, sock, &writer));
         let end = lending.run(sock, &writer, frame_timeout);
@@ -178,19 +166,42 @@ fn irq_loop(table: &IrqTable, sock: &Stream, writer: &Mutex<()>) {
     }
 }
 
-/// The state of one lending.
-struct Lending<'a> {
-    f: &'a PciFunction,
+impl IrqTable {
+    /// No vector enabled yet.
+    pub(super) fn new() -> std::io::Result<IrqTable> {
+        Ok(IrqTable {
+            fds: Mutex::new(Vec::new()),
+            wake: EventFd::new(libc::EFD_NONBLOCK)?,
+            stop: AtomicBool::new(false),
+        })
+    }
+}
+
+/// The state of one lending, whatever the transport.
+pub(super) struct Lending<'a> {
+    pub(super) f: &'a PciFunction,
     cfg: VirtConfig,
-    maps: Vec<Mirror>,
+    pub(super) maps: Vec<Mirror>,
     /// Bytes of all `maps`.
     mapped: u64,
     table: &'a IrqTable,
     /// The first refusal within a push that spans several messages, answered at its end.
-    push_error: Option<Refusal>,
+    pub(super) push_error: Option<Refusal>,
 }
 
-impl Lending<'_> {
+impl<'a> Lending<'a> {
+    /// A fresh lending of `f`: config space as after reset, nothing mapped.
+    pub(super) fn new(f: &'a PciFunction, table: &'a IrqTable) -> Lending<'a> {
+        Lending {
+            f,
+            cfg: VirtConfig::new(&f.layout),
+            maps: Vec::new(),
+            mapped: 0,
+            table,
+            push_error: None,
+        }
+    }
+
     fn run(&mut self, sock: &Stream, writer: &Mutex<()>, frame_timeout: Duration) -> End {
         loop {
             let m = match read_message(sock, frame_timeout) {
@@ -243,7 +254,7 @@ impl Lending<'_> {
 
     /// A request answered by one reply: its payload or a refusal. A malformed payload
     /// is an `Err` of the outer result (the session ends).
-    fn request(&mut self, m: &Message) -> Result<Answer, WireError> {
+    pub(super) fn request(&mut self, m: &Message) -> Result<Answer, WireError> {
         Ok(match m.kind {
             KIND_INFO => {
                 if !m.payload.is_empty() {
@@ -422,7 +433,7 @@ impl Lending<'_> {
         Ok(())
     }
 
-    fn dma_map(&mut self, r: DmaRange) -> Result<(), Refusal> {
+    pub(super) fn dma_map(&mut self, r: DmaRange) -> Result<(), Refusal> {
         if let Some(m) = self.maps.iter().find(|m| m.overlaps(r.iova, r.size)) {
             return Err(invalid(format!(
                 "DMA range {:#x}+{:#x} overlaps the mapped {:#x}+{:#x}",
@@ -453,7 +464,7 @@ impl Lending<'_> {
         Ok(())
     }
 
-    fn dma_unmap(&mut self, r: DmaRange) -> Result<(), Refusal> {
+    pub(super) fn dma_unmap(&mut self, r: DmaRange) -> Result<(), Refusal> {
         let Some(i) = self
             .maps
             .iter()
@@ -530,7 +541,7 @@ impl Lending<'_> {
     }
 
     /// Leaves the function as the next borrower should find it.
-    fn quiesce(&mut self) {
+    pub(super) fn quiesce(&mut self) {
         let f = self.f;
         let enabled: Vec<u32> = {
             let mut t = self

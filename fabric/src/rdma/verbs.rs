@@ -61,6 +61,12 @@ fn set_nonblocking(fd: RawFd) -> io::Result<()> {
 }
 
 /// Waits up to `timeout` for `fd` to be readable.
+/// Waits up to `timeout` for `fd` to be readable (e.g. [`Connection::fd`]); whether it
+/// is.
+pub fn wait_fd(fd: RawFd, timeout: Duration) -> bool {
+    wait_readable(fd, timeout)
+}
+
 fn wait_readable(fd: RawFd, timeout: Duration) -> bool {
     let mut p = libc::pollfd {
         fd,

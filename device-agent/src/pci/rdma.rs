@@ -1,0 +1,322 @@
+//! One PCI session over RDMA: the same requests as over TCP ([`super::session`]), as
+//! SEND/RECV messages, with the DMA mirror kept in sync one-sided.
+//!
+//! Each DMA map names, beside its IOVA range, the borrower's address and rkey of the
+//! guest memory behind it ([`RemoteDmaRange`]); the lender registers the range's mirror
+//! on the connection. A push lists the IOVA ranges that changed ([`Range`]s, no data):
+//! the lender RDMA-READs them from guest memory straight into the mirror, and answers
+//! when the reads completed. A pull RDMA-WRITEs the mirror pages the function changed
+//! into guest memory, then answers with their ranges (an RC queue pair places the
+//! WRITEs before the answer's SEND). Interrupts leave as [`KIND_IRQ`] messages.
+//!
+//! One thread does it all: it waits on the connection and on the function's interrupt
+//! eventfds at once. A malformed message, or a READ/WRITE that fails (a bad rkey or
+//! range from the borrower), ends the session with the reason logged; the function is
+//! then quiesced as after a TCP session.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use devlend_fabric::pci::{
+    decode_ranges, encode_range, Access, Irq, Message, PciStatus, Range, RemoteDmaRange, FLAG_MORE,
+    KIND_DMA_MAP, KIND_IRQ, KIND_PULL, KIND_PUSH, KIND_READ, RDMA_MAX_ACCESS, RDMA_MAX_RANGES,
+    REPLY,
+};
+use devlend_fabric::rdma::channel::{ChannelError, MsgChannel, RdmaOp, MAX_RDMA_OP};
+use devlend_fabric::rdma::verbs::{Connection, Mr};
+use devlend_fabric::WireError;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::session::{invalid, Answer, IrqTable, Lending};
+use super::PciFunction;
+use crate::engine::End;
+
+/// How often the session looks at its stop flag when nothing arrives.
+const STOP_CHECK: Duration = Duration::from_millis(200);
+
+/// A mirror's registration and the borrower's guest memory behind its range.
+pub(crate) struct Remote {
+    /// The mirror, registered for local access (RDMA READ lands in it, WRITE reads it).
+    pub(crate) mr: Mr,
+    /// Borrower virtual address of the range's first byte.
+    pub(crate) addr: u64,
+    /// The borrower's memory region key.
+    pub(crate) rkey: u32,
+}
+
+fn transport(e: ChannelError) -> End {
+    match e {
+        ChannelError::Message(e) => End::Protocol(e.to_string()),
+        ChannelError::Rdma(e) => {
+            End::Socket(std::io::Error::other(devlend_fabric::error::chain(&e)))
+        }
+    }
+}
+
+/// Serves one borrower's PCI session on `conn` (handshake answered) until it closes,
+/// breaks the protocol or `stop` is set (the lender shutting down, the lease ended),
+/// then quiesces the function.
+pub(crate) fn serve(f: &PciFunction, conn: Connection, stop: &AtomicBool) -> End {
+    let table = match IrqTable::new() {
+        Ok(t) => t,
+        Err(e) => return End::Socket(e),
+    };
+    let mut ch = MsgChannel::new(conn);
+    let mut lending = Lending::new(f, &table);
+    let end = run(&mut lending, &mut ch, &table, stop);
+    // Mirrors (and their memory regions) go while the queue pair is idle; then the QP.
+    lending.quiesce();
+    tracing::info!(bdf = %f.bdf, "function quiesced for the next borrower");
+    drop(ch);
+    end
+}
+
+fn run(lending: &mut Lending<'_>, ch: &mut MsgChannel, table: &IrqTable, stop: &AtomicBool) -> End {
+    loop {
+        if stop.load(Ordering::Acquire) {
+            tracing::info!(bdf = %lending.f.bdf, "PCI session over RDMA stopped (lease ended or lender shutting down)");
+            return End::PeerClosed;
+        }
+        let fds: Vec<(u32, u32, Arc<EventFd>)> = table
+            .fds
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let mut pfds: Vec<libc::pollfd> = std::iter::once(ch.fd())
+            .chain(fds.iter().map(|(_, _, e)| e.as_raw_fd()))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `pfds` is a live array of `pfds.len()` pollfds; every fd stays open
+        // for the call (the channel and the Arcs in `fds`).
+        unsafe {
+            libc::poll(
+                pfds.as_mut_ptr(),
+                pfds.len() as libc::nfds_t,
+                STOP_CHECK.as_millis() as libc::c_int,
+            )
+        };
+        for (p, (index, vector, efd)) in pfds[1..].iter().zip(&fds) {
+            if p.revents & libc::POLLIN == 0 || efd.read().is_err() {
+                continue;
+            }
+            let irq = Irq {
+                index: *index,
+                vector: *vector,
+            };
+            if let Err(e) = ch.send(&Message::new(KIND_IRQ, irq.encode())) {
+                return transport(e);
+            }
+        }
+        match ch.poll() {
+            Ok(()) => {}
+            Err(ChannelError::Rdma(devlend_fabric::rdma::RdmaError::Disconnected)) => {
+                return End::PeerClosed
+            }
+            Err(e) => return transport(e),
+        }
+        while let Some(m) = ch.take() {
+            if let Err(end) = handle(lending, ch, &m) {
+                return end;
+            }
+        }
+    }
+}
+
+/// Answers one message (or takes one part of a push).
+fn handle(lending: &mut Lending<'_>, ch: &mut MsgChannel, m: &Message) -> Result<(), End> {
+    if m.kind & REPLY != 0 || m.kind == KIND_IRQ {
+        return Err(End::Protocol(format!(
+            "message kind {:#04x} from a borrower",
+            m.kind
+        )));
+    }
+    if m.flags & FLAG_MORE != 0 && m.kind != KIND_PUSH {
+        return Err(End::Protocol(format!(
+            "more flag on request {:#04x}",
+            m.kind
+        )));
+    }
+    let protocol = |e: WireError| End::Protocol(e.to_string());
+    let answer: Answer = match m.kind {
+        KIND_PULL => {
+            if !m.payload.is_empty() {
+                return Err(End::Protocol("payload on a pull".into()));
+            }
+            return pull(lending, ch);
+        }
+        KIND_PUSH => match push(lending, ch, m)? {
+            None => return Ok(()),
+            Some(a) => a,
+        },
+        KIND_DMA_MAP => {
+            let r = RemoteDmaRange::decode(&m.payload).map_err(protocol)?;
+            dma_map(lending, ch, r)
+        }
+        KIND_READ => {
+            let (a, _) = Access::decode(&m.payload, false).map_err(protocol)?;
+            if a.len > RDMA_MAX_ACCESS {
+                Err(invalid(format!(
+                    "a read of {} bytes over RDMA (at most {RDMA_MAX_ACCESS} per message)",
+                    a.len
+                )))
+            } else {
+                lending.request(m).map_err(protocol)?
+            }
+        }
+        _ => lending.request(m).map_err(protocol)?,
+    };
+    let reply = match answer {
+        Ok(payload) => Message::new(m.kind | REPLY, payload),
+        Err((status, reason)) => {
+            tracing::info!(bdf = %lending.f.bdf, kind = m.kind, %reason, "request refused");
+            Message::refusal(m.kind, status, &reason)
+        }
+    };
+    ch.send(&reply).map_err(transport)
+}
+
+/// Maps the range (a mirror at its IOVA, as over TCP) and registers the mirror.
+fn dma_map(lending: &mut Lending<'_>, ch: &MsgChannel, r: RemoteDmaRange) -> Answer {
+    lending.dma_map(r.range)?;
+    let registered = match lending.maps.last_mut() {
+        Some(m) if m.iova == r.range.iova => {
+            // SAFETY: the mirror's mapping lives as long as the Mirror, which drops its
+            // `remote` (this MR) before unmapping.
+            unsafe { Mr::register(ch.pd(), m.as_ptr(), m.size, false) }.map(|mr| {
+                m.remote = Some(Remote {
+                    mr,
+                    addr: r.addr,
+                    rkey: r.rkey,
+                });
+            })
+        }
+        _ => return Err((PciStatus::Io, "the new mirror is not the last map".into())),
+    };
+    if let Err(e) = registered {
+        let _ = lending.dma_unmap(r.range);
+        return Err((
+            PciStatus::Io,
+            format!(
+                "registering the mirror for RDMA: {}",
+                devlend_fabric::error::chain(&e)
+            ),
+        ));
+    }
+    Ok(Vec::new())
+}
+
+/// One READ or WRITE per piece of at most [`MAX_RDMA_OP`] bytes of `len` bytes at
+/// offset `off` of a mirror.
+fn ops(read: bool, remote: &Remote, off: usize, len: usize, out: &mut Vec<RdmaOp>) {
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(MAX_RDMA_OP as usize);
+        out.push(RdmaOp {
+            read,
+            local: remote.mr.addr() + (off + at) as u64,
+            lkey: remote.mr.lkey(),
+            len: n as u32,
+            remote: remote.addr + (off + at) as u64,
+            rkey: remote.rkey,
+        });
+        at += n;
+    }
+}
+
+/// One message of a push: RDMA-READs its ranges into the mirrors; answers (`Some`) at
+/// the last message.
+fn push(
+    lending: &mut Lending<'_>,
+    ch: &mut MsgChannel,
+    m: &Message,
+) -> Result<Option<Answer>, End> {
+    let ranges = decode_ranges(&m.payload).map_err(|e| End::Protocol(e.to_string()))?;
+    let mut reads = Vec::new();
+    let mut landed = Vec::new();
+    for r in ranges {
+        let len = u64::from(r.len);
+        let found = lending
+            .maps
+            .iter()
+            .enumerate()
+            .find(|(_, x)| x.contains(r.iova, len));
+        match found {
+            Some((i, mirror)) => {
+                let off = (r.iova - mirror.iova) as usize;
+                if let Some(remote) = &mirror.remote {
+                    ops(true, remote, off, r.len as usize, &mut reads);
+                    landed.push((i, off, r.len as usize));
+                }
+            }
+            None => {
+                if lending.push_error.is_none() {
+                    lending.push_error = Some(invalid(format!(
+                        "push of {len} bytes at IOVA {:#x}, outside every mapped range",
+                        r.iova
+                    )));
+                }
+            }
+        }
+    }
+    ch.rdma(&reads).map_err(transport)?;
+    for (i, off, len) in landed {
+        if let Some(mirror) = lending.maps.get_mut(i) {
+            mirror.synced_from_mirror(off, len);
+        }
+    }
+    if m.flags & FLAG_MORE != 0 {
+        return Ok(None);
+    }
+    Ok(Some(match lending.push_error.take() {
+        Some(r) => Err(r),
+        None => Ok(Vec::new()),
+    }))
+}
+
+/// RDMA-WRITEs the mirror pages the function changed into guest memory and answers with
+/// their ranges, in messages of at most [`RDMA_MAX_RANGES`], the last without
+/// [`FLAG_MORE`].
+fn pull(lending: &mut Lending<'_>, ch: &mut MsgChannel) -> Result<(), End> {
+    let mut writes = Vec::new();
+    let mut ranges = Vec::new();
+    for mirror in &mut lending.maps {
+        let base = mirror.iova;
+        let mut runs = Vec::new();
+        mirror.changed_runs(MAX_RDMA_OP as usize, |off, len| runs.push((off, len)));
+        let Some(remote) = &mirror.remote else {
+            continue;
+        };
+        for (off, len) in runs {
+            ops(false, remote, off, len, &mut writes);
+            ranges.push(Range {
+                iova: base + off as u64,
+                len: len as u32,
+            });
+        }
+    }
+    ch.rdma(&writes).map_err(transport)?;
+    let chunks: Vec<&[Range]> = if ranges.is_empty() {
+        vec![&[]]
+    } else {
+        ranges.chunks(RDMA_MAX_RANGES).collect()
+    };
+    let n = chunks.len();
+    for (k, c) in chunks.into_iter().enumerate() {
+        let mut payload = Vec::with_capacity(c.len() * 16);
+        for r in c {
+            encode_range(*r, &mut payload);
+        }
+        let mut msg = Message::new(KIND_PULL | REPLY, payload);
+        if k + 1 < n {
+            msg.flags = FLAG_MORE;
+        }
+        ch.send(&msg).map_err(transport)?;
+    }
+    Ok(())
+}
