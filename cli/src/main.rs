@@ -94,7 +94,9 @@ enum Cmd {
         #[arg(long, value_name = "NAME", requires = "tls")]
         tls_server_name: Option<String>,
         /// Fabric transport of the queues' sessions: tcp (default) or rdma (rdma_cm, one
-        /// RC queue pair per queue; the lender must run with --transport rdma).
+        /// RC queue pair per queue, or for --kind pci the function's one session with
+        /// the DMA mirror moved by RDMA READ/WRITE; the lender must run with
+        /// --transport rdma).
         #[arg(long, value_enum, default_value = "tcp", value_name = "tcp|rdma")]
         transport: CliTransport,
         /// Attachment id, also the device id in the VMM (default: the device name).

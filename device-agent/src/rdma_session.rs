@@ -1,5 +1,6 @@
 //! The lender's RDMA sessions: an rdma_cm listener, and per connection one thread
-//! that answers the hello and serves requests.
+//! that answers the hello and serves requests. A PCIe function's session is handed to
+//! [`crate::pci::rdma`] after the hello; what follows is the block path.
 //!
 //! A request arrives as a RECV (header + the borrower's segments). For a write the
 //! session RDMA-READs the data out of guest memory into one of its own registered I/O
