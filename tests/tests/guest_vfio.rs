@@ -9,6 +9,10 @@
 //!   into the card and back to another address, and checks the bytes: that is the
 //!   mirror's push before the doorbell and its pull before the interrupt.
 //!
+//! A lent e1000e (same guest) covers what edu lacks: its port I/O BAR reads the STATUS
+//! register as BAR0 does, and an interrupt cause set through ICS arrives on the MSI-X
+//! vector its IVAR names (two vectors in turn), and on no other.
+//!
 //! Then, on the same guest: bad requests are refused and the lender goes on (a region
 //! index out of range, an offset past a BAR, a DMA map overlapping a mapped one, at the
 //! vfio-user socket and on the fabric; a malformed fabric message closes that session
@@ -30,6 +34,11 @@ use devlend_qemu::guest::Guest;
 use devlend_tests::edu::{
     Memory, Vmm, BAR0, CONFIG, DMA_CMD, DMA_COUNT, DMA_DST, DMA_SRC, EDU_BUF, GUEST_MEM, ID, IOVA,
 };
+use vfio_bindings::bindings::vfio::{
+    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX,
+};
+use vfio_user::Client;
+use vmm_sys_util::eventfd::EventFd;
 
 fn bin(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -63,8 +72,15 @@ done
 echo vfio-pci > /sys/bus/pci/devices/$BDF/driver_override
 echo $BDF > /sys/bus/pci/drivers_probe
 echo "DEVLEND-RESULT bdf=$BDF group=$(basename $(readlink /sys/bus/pci/devices/$BDF/iommu_group))"
+NIC=
+for d in /sys/bus/pci/devices/*; do
+  if [ "$(cat $d/vendor)" = 0x8086 ] && [ "$(cat $d/device)" = 0x10d3 ]; then NIC=$(basename $d); fi
+done
+[ -n "$NIC" ] || { echo "no e1000e device"; exit 1; }
+echo vfio-pci > /sys/bus/pci/devices/$NIC/driver_override
+echo $NIC > /sys/bus/pci/drivers_probe
 ls /dev/vfio
-devlend-device-agent --listen 0.0.0.0:7700 --device edu=pci:$BDF --log-level info 2>&1 | sed 's/^/lender: /' &
+devlend-device-agent --listen 0.0.0.0:7700 --device edu=pci:$BDF --device nic0=pci:$NIC --log-level info 2>&1 | sed 's/^/lender: /' &
 sleep 100000
 "#;
 
@@ -94,6 +110,11 @@ fn boot(port: u16) -> Guest {
             "intel-iommu,intremap=on,caching-mode=on".to_string(),
             "-device".to_string(),
             "edu".to_string(),
+            // MSI-X and a port I/O BAR, which edu has not.
+            "-device".to_string(),
+            "e1000e,netdev=none0".to_string(),
+            "-netdev".to_string(),
+            "user,id=none0,restrict=on".to_string(),
             "-nic".to_string(),
             format!("user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:{port}-:7700"),
         ])
@@ -284,7 +305,110 @@ fn edu_is_lent_over_vfio_user_with_dma_kept_in_sync() {
     );
 }
 
+/// e1000e (82574, QEMU's model): registers (e1000e datasheet §10) for its MSI-X and
+/// port I/O checks.
+mod e1000e {
+    /// BAR0 (MMIO) registers.
+    pub const STATUS: u64 = 0x08;
+    pub const ICS: u64 = 0xc8;
+    pub const IMS: u64 = 0xd0;
+    pub const IMC: u64 = 0xd8;
+    pub const IVAR: u64 = 0xe4;
+    /// The I/O BAR: IOADDR selects a register, IODATA reads or writes it.
+    pub const IOADDR: u64 = 0x0;
+    pub const IODATA: u64 = 0x4;
+    /// The "other" interrupt cause (ICR bit 24).
+    pub const ICR_OTHER: u32 = 1 << 24;
+    /// IVAR: the "other" cause's vector in bits 18:16, valid bit 19.
+    pub fn ivar_other(vector: u32) -> u32 {
+        (0x8 | vector) << 16
+    }
+}
+
+/// MSI-X and port I/O, on a lent e1000e: its I/O BAR reads the same STATUS register as
+/// BAR0, and an interrupt cause set through ICS arrives on the MSI-X vector IVAR maps
+/// it to, and on no other.
+fn e1000e_msix_and_port_io(port: u16, dir: &Path) {
+    let mut t = target(port, 11);
+    t.device = "nic0".into();
+    let b = PciBorrower::connect(&t).expect("borrow the e1000e");
+    let info = b.info().clone();
+    assert_eq!(info.regions[2].size, 32, "the I/O BAR (BAR2) of 32 bytes");
+    let msix = info.irqs.get(2).map(|i| i.count).unwrap_or(0);
+    assert!(msix >= 3, "e1000e reports its MSI-X vectors: {msix}");
+    let sock = dir.join("nic0.sock");
+    let handle = serve(b, &sock);
+    let mut c = Client::new(&sock).expect("vfio-user client");
+    let r32 = |c: &mut Client, region: u32, off: u64| {
+        let mut v = [0u8; 4];
+        c.region_read(region, off, &mut v).expect("read");
+        u32::from_le_bytes(v)
+    };
+    let w32 = |c: &mut Client, region: u32, off: u64, v: u32| {
+        c.region_write(region, off, &v.to_le_bytes())
+            .expect("write")
+    };
+    assert_eq!(r32(&mut c, CONFIG, 0), 0x10d3_8086, "vendor and device ID");
+    // Memory, I/O and bus mastering on (MSI-X messages are bus-master writes).
+    let mut cmd = [0u8; 2];
+    c.region_read(CONFIG, 4, &mut cmd).expect("command");
+    let cmd = u16::from_le_bytes(cmd) | 0x07;
+    c.region_write(CONFIG, 4, &cmd.to_le_bytes())
+        .expect("command");
+    let status = r32(&mut c, BAR0, e1000e::STATUS);
+    w32(&mut c, 2, e1000e::IOADDR, e1000e::STATUS as u32);
+    assert_eq!(
+        r32(&mut c, 2, e1000e::IODATA),
+        status,
+        "STATUS through the port I/O BAR as through BAR0"
+    );
+    let efds: Vec<EventFd> = (0..msix)
+        .map(|_| EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"))
+        .collect();
+    let raw: Vec<RawFd> = efds.iter().map(|e| e.as_raw_fd()).collect();
+    c.set_irqs(
+        VFIO_PCI_MSIX_IRQ_INDEX,
+        VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+        0,
+        msix,
+        &raw,
+    )
+    .expect("enable MSI-X");
+    for (round, vector) in [(0, 2u32), (1, 1)] {
+        w32(&mut c, BAR0, e1000e::IVAR, e1000e::ivar_other(vector));
+        w32(&mut c, BAR0, e1000e::IMS, e1000e::ICR_OTHER);
+        w32(&mut c, BAR0, e1000e::ICS, e1000e::ICR_OTHER);
+        let until = Instant::now() + Duration::from_secs(20);
+        while efds[vector as usize].read().is_err() {
+            assert!(
+                Instant::now() < until,
+                "round {round}: no interrupt on MSI-X vector {vector}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for (v, e) in efds.iter().enumerate() {
+            if v != vector as usize {
+                assert!(e.read().is_err(), "round {round}: vector {v} fired too");
+            }
+        }
+        w32(&mut c, BAR0, e1000e::IMC, e1000e::ICR_OTHER);
+        // Reading ICR clears it.
+        let _ = r32(&mut c, BAR0, 0xc0);
+    }
+    assert!(
+        handle
+            .stats()
+            .irqs
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 2
+    );
+    drop(c);
+    handle.disconnect();
+}
+
 fn scenario(port: u16, dir: &Path) {
+    e1000e_msix_and_port_io(port, dir);
+
     // The first borrower and its VMM: config space, ID, factorial, DMA.
     let sock = dir.join("edu.sock");
     let a = connect(port, 1);
