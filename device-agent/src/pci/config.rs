@@ -46,6 +46,8 @@ pub(crate) struct VirtConfig {
     /// Per BAR dword (6 BARs and the ROM): address bits the borrower may set, and the
     /// read-only low bits (type, prefetchable, or the ROM's none).
     bars: [(u32, u32); 7],
+    /// Offset of the MSI capability's message control (low byte), if it has one.
+    msi_control: Option<usize>,
 }
 
 impl VirtConfig {
@@ -59,6 +61,7 @@ impl VirtConfig {
             write_mask: vec![0; n],
             forward_mask: vec![0; n],
             bars: [(0, 0); 7],
+            msi_control: None,
         };
         let init = |o: usize| layout.initial.get(o).copied().unwrap_or(0);
         // Beyond the standard header: forwarded, except MSI/MSI-X below.
@@ -132,6 +135,7 @@ impl VirtConfig {
                         c.write_mask[p + 2] = 0x71;
                         c.write_mask[p + 3] = 0;
                         c.emul[p + 2] &= !0x71;
+                        c.msi_control = Some(p + 2);
                     }
                     CAP_MSIX => {
                         let len = 12.min(n - p);
@@ -210,6 +214,18 @@ impl VirtConfig {
                 self.set_dword(o, (cur & mask) | flags);
             }
         }
+        // MSI: Multiple Message Enable (bits 6:4) at most Multiple Message Capable
+        // (bits 3:1), as the function advertises (PCI 3.0 §6.8.1.3).
+        if let Some(o) = self
+            .msi_control
+            .filter(|&o| off <= o && o < off + data.len())
+        {
+            let ctrl = self.emul[o];
+            let capable = (ctrl >> 1) & 0x7;
+            if (ctrl >> 4) & 0x7 > capable {
+                self.emul[o] = (ctrl & !0x70) | (capable << 4);
+            }
+        }
         fwd
     }
 }
@@ -273,11 +289,23 @@ mod tests {
         assert_eq!(read(&c, &l.initial, 0x40, 4) & 0xffff, 0x0005);
         let fwd = c.write(0x42, &[0xff, 0xff]);
         assert!(fwd.iter().all(Option::is_none), "MSI control stays here");
-        assert_eq!(read(&c, &l.initial, 0x42, 2), 0x80 | 0x71);
+        // Enabled, with one message: edu is capable of one (MMC 0), so MME 7 is cut.
+        assert_eq!(read(&c, &l.initial, 0x42, 2), 0x80 | 0x01);
         c.write(0x44, &0xfee0_0000u32.to_le_bytes());
         assert_eq!(read(&c, &l.initial, 0x44, 4), 0xfee0_0000);
         // A capability the lender does not virtualize is forwarded.
         assert_eq!(c.write(0x60, &[0xaa]), vec![Some(0xaa)]);
+    }
+
+    #[test]
+    fn msi_multiple_message_enable_is_cut_to_what_is_capable() {
+        let mut l = edu();
+        l.initial[0x42] |= 2 << 1; // capable of 4 messages
+        let mut c = VirtConfig::new(&l);
+        c.write(0x42, &[0x21]); // 4 enabled: allowed
+        assert_eq!(read(&c, &l.initial, 0x42, 1) & 0x70, 0x20);
+        c.write(0x42, &[0x71]); // 128 asked
+        assert_eq!(read(&c, &l.initial, 0x42, 1) & 0x70, 0x20, "cut to 4");
     }
 
     #[test]
