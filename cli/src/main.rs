@@ -16,7 +16,7 @@ use devlend_compute_agent::api::{AttachRequest, VmmTarget};
 use devlend_compute_agent::vmm::cloud_hypervisor;
 use devlend_compute_agent::DEFAULT_API_SOCKET;
 
-/// Lend block devices across machines to VMs.
+/// Lend block devices, NICs and PCIe functions across machines to VMs.
 #[derive(Debug, Parser)]
 #[command(name = "devlend", version)]
 struct Cli {
@@ -29,9 +29,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Attach a device lent by a device agent on a new vhost-user-blk socket: one named
-    /// with --lender and --device (direct mode), or one the pool places and leases
-    /// (--class, --min-capacity, --trait, --vm).
+    /// Attach a device lent by a device agent on a new socket (vhost-user-blk, or
+    /// vhost-user-net for a NIC, or vfio-user with --kind pci): one named with --lender
+    /// and --device (direct mode), or one the pool places and leases (--class,
+    /// --min-capacity, --trait, --vm).
     Attach {
         /// Lender address, HOST:PORT (direct mode), or CLUSTER/LENDER: a lender named in
         /// a cluster's gateway, reached through the compute agent's gateway.

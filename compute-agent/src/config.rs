@@ -11,7 +11,8 @@ use crate::DEFAULT_API_SOCKET;
 /// The name of this daemon's config file: `/etc/devlend/compute-agent.toml`.
 pub const DAEMON: &str = "compute-agent";
 
-/// Serves block devices lent by device agents to VMs as vhost-user-blk sockets.
+/// Serves devices lent by device agents to VMs: block devices as vhost-user-blk sockets,
+/// NICs as vhost-user-net, PCIe functions as vfio-user.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "devlend-compute-agent", version)]
 pub struct Cli {

@@ -266,7 +266,7 @@ impl FromStr for DeviceSpec {
 #[command(
     name = "devlend-device-agent",
     version,
-    about = "Lends block devices to devlend borrowers"
+    about = "Lends block devices, network interfaces and PCIe functions to devlend borrowers"
 )]
 pub struct Cli {
     /// Address and port to listen on, e.g. 0.0.0.0:7700 (overrides `listen` in the file).
@@ -276,8 +276,13 @@ pub struct Cli {
     /// rdma_cm on the listen address (which must be an RDMA device's IP).
     #[arg(long, value_enum, value_name = "tcp|rdma")]
     pub transport: Option<Transport>,
-    /// A device to lend; repeatable. Replaces a config-file device of the same name.
-    #[arg(long = "device", value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B]")]
+    /// A device to lend; repeatable: a block device or file (PATH), a network interface
+    /// (`net:IFNAME`), or a PCIe function bound to vfio-pci (`pci:DDDD:BB:DD.F`).
+    /// Replaces a config-file device of the same name.
+    #[arg(
+        long = "device",
+        value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B] | NAME=net:IFNAME[,mac=M] | NAME=pci:BDF"
+    )]
     pub devices: Vec<DeviceSpec>,
     /// TOML config file with `listen`, `log_level`, `log_format`, `metrics_listen` and
     /// `[[device]]` tables; default /etc/devlend/device-agent.toml when it exists.
