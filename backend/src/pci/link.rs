@@ -5,15 +5,23 @@
 //! [`Link::call`] (one call at a time), [`KIND_IRQ`] messages to the interrupt channel
 //! returned by [`Link::connect`]. When the connection ends, both channels close: calls
 //! fail with [`LinkError::Closed`] and the interrupt channel's receiver ends.
+//!
+//! A mediated function (coherence mode `nvme`) has the lender read and write guest
+//! memory on its own initiative: the reader thread answers [`KIND_MEM_READ`] and applies
+//! [`KIND_MEM_WRITE`] through the [`GuestMemory`] given to [`Link::connect`], in stream
+//! order (a write that comes before an interrupt is in guest memory before the
+//! interrupt is queued).
 
 use std::net::Shutdown;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::pci::{
-    Irq, Message, PciInfo, PciStatus, FEATURE_PCI, FLAG_MORE, KIND_INFO, KIND_IRQ, REPLY,
+    Irq, MemRead, Message, PciInfo, PciStatus, FEATURE_PCI, FLAG_MORE, KIND_INFO, KIND_IRQ,
+    KIND_MEM_READ, KIND_MEM_WRITE, PCI_HEADER_LEN, REPLY,
 };
 use devlend_fabric::tcp::{self, ConnectError};
 use devlend_fabric::tls::TlsTarget;
@@ -41,6 +49,64 @@ pub enum LinkError {
     Protocol(String),
 }
 
+/// Guest memory as the lender of a mediated function reaches it (see the module doc).
+/// Both calls come from the reader thread; each must check that the whole range lies
+/// inside the DMA maps.
+pub trait GuestMemory: Send + Sync {
+    /// Whether the lender may read and write guest memory at all (the function is
+    /// mediated); when not, a [`KIND_MEM_READ`] or [`KIND_MEM_WRITE`] ends the session.
+    fn mediated(&self) -> bool;
+    /// Reads `buf.len()` bytes at `iova`.
+    ///
+    /// # Errors
+    /// The reason, when the range is not inside the DMA maps.
+    fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), String>;
+    /// Writes `data` at `iova`.
+    ///
+    /// # Errors
+    /// The reason, when the range is not inside the DMA maps.
+    fn write(&self, iova: u64, data: &[u8]) -> Result<(), String>;
+}
+
+/// The [`GuestMemory`] of a link with no DMA maps to serve (a function that is not
+/// mediated, a test): every lender access to guest memory ends the session.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoGuestMemory;
+
+impl GuestMemory for NoGuestMemory {
+    fn mediated(&self) -> bool {
+        false
+    }
+
+    fn read(&self, iova: u64, _buf: &mut [u8]) -> Result<(), String> {
+        Err(format!("no guest memory at {iova:#x}"))
+    }
+
+    fn write(&self, iova: u64, _data: &[u8]) -> Result<(), String> {
+        Err(format!("no guest memory at {iova:#x}"))
+    }
+}
+
+/// Fabric traffic of one link, both ways, headers included (bytes).
+#[derive(Debug, Default)]
+pub struct LinkCounters {
+    /// Messages sent to the lender.
+    pub msgs_sent: AtomicU64,
+    /// Bytes sent to the lender.
+    pub bytes_sent: AtomicU64,
+    /// Messages received from the lender.
+    pub msgs_received: AtomicU64,
+    /// Bytes received from the lender.
+    pub bytes_received: AtomicU64,
+}
+
+impl LinkCounters {
+    fn count(n: &AtomicU64, b: &AtomicU64, m: &Message) {
+        n.fetch_add(1, Ordering::Relaxed);
+        b.fetch_add((PCI_HEADER_LEN + m.payload.len()) as u64, Ordering::Relaxed);
+    }
+}
+
 /// Where and how to reach the lender.
 #[derive(Debug, Clone)]
 pub struct LinkTarget {
@@ -63,18 +129,23 @@ pub struct LinkTarget {
 #[derive(Debug)]
 pub struct Link {
     stream: Stream,
-    write: Mutex<()>,
+    write: Arc<Mutex<()>>,
     replies: Mutex<Receiver<Message>>,
+    counters: Arc<LinkCounters>,
 }
 
 impl Link {
     /// Connects, performs the handshake asking for [`FEATURE_PCI`], starts the reader
-    /// and fetches the function's [`PciInfo`].
+    /// (which serves the lender's guest memory accesses from `memory`) and fetches the
+    /// function's [`PciInfo`].
     ///
     /// # Errors
     /// [`ConnectError`] (including the lender's refusal: `Busy` while another borrower
     /// holds the function), or a failed info request as [`ConnectError::Handshake`].
-    pub fn connect(t: &LinkTarget) -> Result<(Link, PciInfo, Receiver<Irq>), ConnectError> {
+    pub fn connect(
+        t: &LinkTarget,
+        memory: Arc<dyn GuestMemory>,
+    ) -> Result<(Link, PciInfo, Receiver<Irq>), ConnectError> {
         let mut hello = Hello::new(&t.device, 0);
         hello.features = FEATURE_PCI;
         hello.borrower = t.borrower;
@@ -94,14 +165,23 @@ impl Link {
         let reader = stream.try_clone().map_err(io)?;
         let (reply_tx, reply_rx) = mpsc::channel();
         let (irq_tx, irq_rx) = mpsc::channel();
+        let write = Arc::new(Mutex::new(()));
+        let counters = Arc::new(LinkCounters::default());
+        let rx = Reader {
+            stream: reader,
+            write: Arc::clone(&write),
+            memory,
+            counters: Arc::clone(&counters),
+        };
         std::thread::Builder::new()
             .name("devlend-pci-rx".into())
-            .spawn(move || read_loop(reader, reply_tx, irq_tx))
+            .spawn(move || read_loop(&rx, reply_tx, irq_tx))
             .map_err(io)?;
         let link = Link {
             stream,
-            write: Mutex::new(()),
+            write,
             replies: Mutex::new(reply_rx),
+            counters,
         };
         let info = link
             .call(Message::new(KIND_INFO, Vec::new()))
@@ -155,7 +235,13 @@ impl Link {
     /// [`LinkError::Send`].
     pub fn send(&self, m: &Message) -> Result<(), LinkError> {
         let _g = self.write.lock().unwrap_or_else(PoisonError::into_inner);
+        LinkCounters::count(&self.counters.msgs_sent, &self.counters.bytes_sent, m);
         m.write_to(&mut &self.stream).map_err(LinkError::Send)
+    }
+
+    /// The link's traffic so far.
+    pub fn counters(&self) -> &LinkCounters {
+        &self.counters
     }
 
     /// Shuts the connection down both ways: the lender's session ends (and it quiesces
@@ -171,9 +257,56 @@ impl Drop for Link {
     }
 }
 
-fn read_loop(stream: Stream, replies: Sender<Message>, irqs: Sender<Irq>) {
+/// What the reader thread holds.
+struct Reader {
+    stream: Stream,
+    /// The link's write lock: a reply to [`KIND_MEM_READ`] is sent under it.
+    write: Arc<Mutex<()>>,
+    memory: Arc<dyn GuestMemory>,
+    counters: Arc<LinkCounters>,
+}
+
+impl Reader {
+    /// Serves one guest memory access of the lender; `Err` (the reason) ends the
+    /// session.
+    fn memory(&self, m: &Message) -> Result<(), String> {
+        if !self.memory.mediated() {
+            return Err(format!(
+                "guest memory access {:#04x} from the lender of a function that is not mediated",
+                m.kind
+            ));
+        }
+        if m.flags != 0 {
+            return Err("flags on a guest memory access".into());
+        }
+        if m.kind == KIND_MEM_WRITE {
+            let pages = devlend_fabric::pci::decode_pages(&m.payload).map_err(|e| e.to_string())?;
+            for p in pages {
+                self.memory.write(p.iova, p.data)?;
+            }
+            return Ok(());
+        }
+        let r = MemRead::decode(&m.payload).map_err(|e| e.to_string())?;
+        let mut buf = vec![0u8; r.len as usize];
+        let reply = match self.memory.read(r.iova, &mut buf) {
+            Ok(()) => Message::new(KIND_MEM_READ | REPLY, buf),
+            Err(reason) => {
+                tracing::warn!(%reason, "guest memory read by the lender refused");
+                Message::refusal(KIND_MEM_READ, PciStatus::Invalid, &reason)
+            }
+        };
+        let _g = self.write.lock().unwrap_or_else(PoisonError::into_inner);
+        LinkCounters::count(&self.counters.msgs_sent, &self.counters.bytes_sent, &reply);
+        reply
+            .write_to(&mut &self.stream)
+            .map_err(|e| format!("sending guest memory: {e}"))
+    }
+}
+
+fn read_loop(rx: &Reader, replies: Sender<Message>, irqs: Sender<Irq>) {
+    let stream = &rx.stream;
     loop {
-        let m = match Message::read_from(&mut &stream) {
+        let m = match Message::read_from(&mut &*stream) {
             Ok(m) => m,
             Err(WireError::Closed) => {
                 tracing::info!("the lender closed the PCI session");
@@ -185,7 +318,14 @@ fn read_loop(stream: Stream, replies: Sender<Message>, irqs: Sender<Irq>) {
                 return;
             }
         };
-        if m.kind == KIND_IRQ {
+        LinkCounters::count(&rx.counters.msgs_received, &rx.counters.bytes_received, &m);
+        if m.kind == KIND_MEM_READ || m.kind == KIND_MEM_WRITE {
+            if let Err(reason) = rx.memory(&m) {
+                tracing::warn!(%reason, "bad guest memory access by the lender; closing the session");
+                let _ = stream.shutdown(Shutdown::Both);
+                return;
+            }
+        } else if m.kind == KIND_IRQ {
             match Irq::decode(&m.payload) {
                 Ok(irq) => {
                     let _ = irqs.send(irq);

@@ -26,7 +26,15 @@
 //! map little memory and ring doorbells rarely (FPGAs, accelerators, test devices); it
 //! does not suit an SSD or a NIC whose driver maps all guest RAM and writes a doorbell
 //! per request (see `docs/pci.md`).
+//!
+//! # Mediated functions (coherence mode `nvme`)
+//!
+//! When the lender reports [`INFO_MEDIATED`], it keeps no mirror: it reads and writes
+//! guest memory itself ([`devlend_fabric::pci::KIND_MEM_READ`],
+//! [`devlend_fabric::pci::KIND_MEM_WRITE`]), served by the link's reader from the DMA
+//! maps ([`guest_mem`]). The borrower then neither pushes, pulls nor keeps a shadow.
 
+mod guest_mem;
 pub mod link;
 
 use std::collections::HashMap;
@@ -41,8 +49,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use devlend_fabric::pci::{
     decode_pages, encode_page, page_cost, Access, DmaRange, Irq, IrqAction, IrqSet, Message,
-    PciInfo, FLAG_MORE, KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH, KIND_READ, KIND_RESET,
-    KIND_SET_IRQS, KIND_WRITE, MAX_ACCESS, MIRROR_PAGE,
+    PciInfo, FLAG_MORE, INFO_MEDIATED, KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH,
+    KIND_READ, KIND_RESET, KIND_SET_IRQS, KIND_WRITE, MAX_ACCESS, MIRROR_PAGE,
 };
 use vfio_bindings::bindings::vfio::{
     vfio_region_info, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_TYPE_MASK,
@@ -52,7 +60,7 @@ use vfio_bindings::bindings::vfio::{
 use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion};
 use vm_memory::VolatileSlice;
 
-pub use link::{Link, LinkError, LinkTarget};
+pub use link::{GuestMemory, Link, LinkCounters, LinkError, LinkTarget, NoGuestMemory};
 
 /// Why the borrower could not start serving.
 #[derive(Debug, thiserror::Error)]
@@ -126,8 +134,10 @@ impl Drop for GuestMap {
 struct Shared {
     link: Link,
     info: PciInfo,
-    /// Guest memory mapped for DMA. Lock order: `maps`, then a call on `link`.
-    maps: Mutex<Vec<GuestMap>>,
+    /// Guest memory mapped for DMA. Lock order: `maps`, then a call on `link` (a
+    /// mediated function's lender reads and writes the maps from the link's reader:
+    /// then no call is made with `maps` held).
+    maps: Arc<guest_mem::Maps>,
     /// The VMM's eventfds by (interrupt index, vector).
     eventfds: Mutex<HashMap<(u32, u32), File>>,
     stats: PciStats,
@@ -147,6 +157,16 @@ impl PciHandle {
     /// As [`PciBorrower::disconnect`].
     pub fn disconnect(&self) {
         self.0.link.shutdown();
+    }
+
+    /// The fabric traffic of the session so far.
+    pub fn link_counters(&self) -> &LinkCounters {
+        self.0.link.counters()
+    }
+
+    /// Whether the lender mediates the function ([`INFO_MEDIATED`]).
+    pub fn mediated(&self) -> bool {
+        self.0.info.flags & INFO_MEDIATED != 0
     }
 }
 
@@ -181,11 +201,14 @@ impl PciBorrower {
     /// # Errors
     /// [`PciError::Connect`] (the lender's refusal included), [`PciError::Thread`].
     pub fn connect(target: &LinkTarget) -> Result<PciBorrower, PciError> {
-        let (link, info, irqs) = Link::connect(target).map_err(PciError::Connect)?;
+        let maps = Arc::new(guest_mem::Maps::default());
+        let (link, info, irqs) = Link::connect(target, Arc::clone(&maps) as Arc<dyn GuestMemory>)
+            .map_err(PciError::Connect)?;
+        maps.set_mediated(info.flags & INFO_MEDIATED != 0);
         let shared = Arc::new(Shared {
             link,
             info,
-            maps: Mutex::new(Vec::new()),
+            maps,
             eventfds: Mutex::new(HashMap::new()),
             stats: PciStats::default(),
         });
@@ -315,21 +338,35 @@ impl PciBorrower {
     }
 
     fn unmap_all(&self) -> io::Result<()> {
-        let mut maps = self
+        let ranges: Vec<DmaRange> = self
             .shared
             .maps
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        for m in maps.drain(..) {
-            let r = DmaRange {
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|m| DmaRange {
                 iova: m.iova,
                 size: m.size as u64,
-            };
-            self.shared
-                .link
-                .call(Message::new(KIND_DMA_UNMAP, r.encode()))
-                .map_err(link_err)?;
+            })
+            .collect();
+        for r in ranges {
+            self.unmap_one(r)?;
         }
+        Ok(())
+    }
+
+    /// Has the lender unmap `r`, then drops the map here (not before: the lender's
+    /// writes sent before its reply are applied to it, in stream order).
+    fn unmap_one(&self, r: DmaRange) -> io::Result<()> {
+        self.shared
+            .link
+            .call(Message::new(KIND_DMA_UNMAP, r.encode()))
+            .map_err(link_err)?;
+        self.shared
+            .maps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|m| !(m.iova == r.iova && m.size as u64 == r.size));
         Ok(())
     }
 
@@ -412,8 +449,9 @@ fn pull(shared: &Shared, maps: &mut [GuestMap]) -> Result<(), LinkError> {
 /// Delivers the lender's interrupts: pull what the function wrote, then signal the
 /// VMM's eventfd. Ends with the fabric session.
 fn irq_loop(shared: &Shared, irqs: Receiver<Irq>) {
+    let mediated = shared.info.flags & INFO_MEDIATED != 0;
     for irq in irqs {
-        {
+        if !mediated {
             let mut maps = shared.maps.lock().unwrap_or_else(PoisonError::into_inner);
             if let Err(e) = pull(shared, &mut maps) {
                 tracing::warn!(error = %e, "pull after an interrupt failed");
@@ -462,7 +500,7 @@ impl ServerBackend for PciBorrower {
     }
 
     fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> io::Result<()> {
-        if region < VFIO_PCI_ROM_REGION_INDEX {
+        if region < VFIO_PCI_ROM_REGION_INDEX && self.shared.info.flags & INFO_MEDIATED == 0 {
             // A BAR write may start DMA: the mirror must hold guest memory first.
             let mut maps = self
                 .shared
@@ -548,17 +586,39 @@ impl ServerBackend for PciBorrower {
             )));
         }
         let ptr = crate::shared_map::map_shared(fd.as_raw_fd(), len, file_off)?;
+        let mediated = self.shared.info.flags & INFO_MEDIATED != 0;
         let map = GuestMap {
             iova: address,
             size: len,
             ptr,
-            shadow: vec![0; len],
+            // A mediated function's lender moves guest memory itself: no shadow.
+            shadow: if mediated { Vec::new() } else { vec![0; len] },
         };
-        self.shared
+        if !mediated {
+            self.shared
+                .link
+                .call(Message::new(KIND_DMA_MAP, r.encode()))
+                .map_err(link_err)?;
+            maps.push(map);
+            return Ok(());
+        }
+        // Mapped here before the lender knows of it (its accesses come from the reader
+        // thread, which takes `maps`): the map is in place for the first of them, and
+        // `maps` is not held across the call.
+        maps.push(map);
+        drop(maps);
+        if let Err(e) = self
+            .shared
             .link
             .call(Message::new(KIND_DMA_MAP, r.encode()))
-            .map_err(link_err)?;
-        maps.push(map);
+        {
+            self.shared
+                .maps
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .retain(|m| !(m.iova == address && m.size == len));
+            return Err(link_err(e));
+        }
         Ok(())
     }
 
@@ -566,29 +626,22 @@ impl ServerBackend for PciBorrower {
         if flags.contains(DmaUnmapFlags::UNMAP_ALL) {
             return self.unmap_all();
         }
-        let mut maps = self
+        let known = self
             .shared
             .maps
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let Some(i) = maps
+            .unwrap_or_else(PoisonError::into_inner)
             .iter()
-            .position(|m| m.iova == address && m.size as u64 == size)
-        else {
+            .any(|m| m.iova == address && m.size as u64 == size);
+        if !known {
             return Err(einval(format!(
                 "DMA range {address:#x}+{size:#x} is not mapped as such"
             )));
-        };
-        let r = DmaRange {
+        }
+        self.unmap_one(DmaRange {
             iova: address,
             size,
-        };
-        self.shared
-            .link
-            .call(Message::new(KIND_DMA_UNMAP, r.encode()))
-            .map_err(link_err)?;
-        maps.swap_remove(i);
-        Ok(())
+        })
     }
 
     fn reset(&mut self) -> io::Result<()> {
