@@ -165,7 +165,10 @@ impl Memory {
         // SAFETY: a fresh fd we own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: the fd is open.
-        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) }, 0);
+        assert_eq!(
+            unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) },
+            0
+        );
         // SAFETY: a new shared mapping of our memfd.
         let ptr = unsafe {
             libc::mmap(
@@ -265,7 +268,9 @@ fn sqe(opcode: u8, nsid: u32, prp1: u64, prp2: u64, cdw: [u32; 6]) -> [u8; 64] {
 impl Driver {
     fn r32(&mut self, off: u64) -> u32 {
         let mut b = [0u8; 4];
-        self.client.region_read(BAR0, off, &mut b).expect("BAR0 read");
+        self.client
+            .region_read(BAR0, off, &mut b)
+            .expect("BAR0 read");
         u32::from_le_bytes(b)
     }
 
@@ -376,12 +381,19 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     let borrower = connect(port);
     let sock = dir.join("nvme.sock");
     let handle = serve(borrower, &sock);
-    assert!(handle.mediated(), "an NVMe controller is mediated by default");
+    assert!(
+        handle.mediated(),
+        "an NVMe controller is mediated by default"
+    );
 
     let mut client = Client::new(&sock).expect("vfio-user client");
     let mut b = [0u8; 4];
     client.region_read(CONFIG, 0, &mut b).expect("config");
-    assert_eq!(u16::from_le_bytes([b[0], b[1]]), 0x1b36, "QEMU's NVMe vendor");
+    assert_eq!(
+        u16::from_le_bytes([b[0], b[1]]),
+        0x1b36,
+        "QEMU's NVMe vendor"
+    );
     client.region_read(CONFIG, 8, &mut b).expect("class");
     assert_eq!(u32::from_le_bytes(b) >> 8, 0x010802, "class code NVMe");
     let mut cmd = [0u8; 2];
@@ -436,29 +448,58 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     d.w32(0x2c, 0);
     d.w32(0x30, (IOVA + ACQ) as u32);
     d.w32(0x34, 0);
-    assert_eq!(d.r32(0x28), (IOVA + ASQ) as u32, "ASQ reads back as written");
+    assert_eq!(
+        d.r32(0x28),
+        (IOVA + ASQ) as u32,
+        "ASQ reads back as written"
+    );
     d.w32(0x14, 1 | 6 << 16 | 4 << 20);
     d.wait_rdy(true);
 
     // IDENTIFY controller and namespace.
-    d.ok(false, sqe(0x06, 0, IOVA + IDENT, 0, [1, 0, 0, 0, 0, 0]), "identify controller");
+    d.ok(
+        false,
+        sqe(0x06, 0, IOVA + IDENT, 0, [1, 0, 0, 0, 0, 0]),
+        "identify controller",
+    );
     let id = d.mem.read(IDENT, 4096);
-    eprintln!("identify: MDTS {}, OACS {:#x}, ONCS {:#x}", id[77], u16::from_le_bytes([id[256], id[257]]), u16::from_le_bytes([id[520], id[521]]));
+    eprintln!(
+        "identify: MDTS {}, OACS {:#x}, ONCS {:#x}",
+        id[77],
+        u16::from_le_bytes([id[256], id[257]]),
+        u16::from_le_bytes([id[520], id[521]])
+    );
     assert_eq!(u16::from_le_bytes([id[0], id[1]]), 0x1b36, "Identify VID");
     assert_eq!(&id[4..9], b"lend0", "the serial");
-    assert!(id[77] != 0 && id[77] <= 5, "MDTS at most 128 KiB: {}", id[77]);
+    assert!(
+        id[77] != 0 && id[77] <= 5,
+        "MDTS at most 128 KiB: {}",
+        id[77]
+    );
     assert_eq!(u16::from_le_bytes([id[256], id[257]]), 0, "OACS cleared");
     assert_eq!(&id[536..540], &[0; 4], "no SGLs");
-    d.ok(false, sqe(0x06, 1, IOVA + IDENT, 0, [0, 0, 0, 0, 0, 0]), "identify namespace");
+    d.ok(
+        false,
+        sqe(0x06, 1, IOVA + IDENT, 0, [0, 0, 0, 0, 0, 0]),
+        "identify namespace",
+    );
     let ns = d.mem.read(IDENT, 4096);
     let nsze = u64::from_le_bytes(ns[0..8].try_into().expect("8 bytes"));
     let lbaf = ns[26] & 0xf;
     let lbads = ns[128 + 4 * lbaf as usize + 2];
     let lba = 1u64 << lbads;
-    assert_eq!(nsze * lba, IMAGE, "the namespace is the image ({nsze} blocks of {lba})");
+    assert_eq!(
+        nsze * lba,
+        IMAGE,
+        "the namespace is the image ({nsze} blocks of {lba})"
+    );
 
     // Number of queues, then an I/O queue pair on vector 1.
-    let nq = d.ok(false, sqe(0x09, 0, 0, 0, [0x07, 0, 0, 0, 0, 0]), "set features: queues");
+    let nq = d.ok(
+        false,
+        sqe(0x09, 0, 0, 0, [0x07, 0, 0, 0, 0, 0]),
+        "set features: queues",
+    );
     eprintln!("queues granted: {:#x}", nq.dw0);
     let qs = u32::from(IO_ENTRIES - 1) << 16 | 1;
     d.ok(
@@ -499,7 +540,13 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     let slba = 8u32;
     d.ok(
         true,
-        sqe(0x01, 1, IOVA + pages[0], IOVA + LIST, [slba, 0, nlb, 0, 0, 0]),
+        sqe(
+            0x01,
+            1,
+            IOVA + pages[0],
+            IOVA + LIST,
+            [slba, 0, nlb, 0, 0, 0],
+        ),
         "write 16 KiB",
     );
     d.ok(true, sqe(0x00, 1, 0, 0, [0; 6]), "flush");
@@ -508,10 +555,20 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     d.mem.write(rd, &vec![0u8; 0x5000]);
     d.ok(
         true,
-        sqe(0x02, 1, IOVA + rd + 0x800, 0, [slba, 0, (2048 / lba - 1) as u32, 0, 0, 0]),
+        sqe(
+            0x02,
+            1,
+            IOVA + rd + 0x800,
+            0,
+            [slba, 0, (2048 / lba - 1) as u32, 0, 0, 0],
+        ),
         "read 2 KiB",
     );
-    assert_eq!(d.mem.read(rd + 0x800, 2048), &pattern[..2048], "the first 2 KiB");
+    assert_eq!(
+        d.mem.read(rd + 0x800, 2048),
+        &pattern[..2048],
+        "the first 2 KiB"
+    );
     let list2: Vec<u8> = [rd + 0x2000, rd + 0x3000, rd + 0x4000]
         .iter()
         .flat_map(|p| (IOVA + p).to_le_bytes())
@@ -535,30 +592,52 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
 
     // Malformed commands: refused with their status, never submitted.
     let sub = |d: &mut Driver, e| d.run(true, e).sc();
-    let read4k = |p1: u64, p2: u64| sqe(0x02, 1, p1, p2, [slba, 0, (4096 / lba - 1) as u32, 0, 0, 0]);
-    assert_eq!(sub(&mut d, read4k(IOVA + rd + 2, 0)), (0, 0x13), "misaligned PRP 1");
+    let read4k =
+        |p1: u64, p2: u64| sqe(0x02, 1, p1, p2, [slba, 0, (4096 / lba - 1) as u32, 0, 0, 0]);
+    assert_eq!(
+        sub(&mut d, read4k(IOVA + rd + 2, 0)),
+        (0, 0x13),
+        "misaligned PRP 1"
+    );
     assert_eq!(
         sub(&mut d, read4k(IOVA + rd + 0x800, IOVA + rd + 0x2010)),
         (0, 0x13),
         "misaligned PRP 2"
     );
     d.mem.write(LIST + 0x200, &(IOVA + rd + 0x10).to_le_bytes());
-    d.mem.write(LIST + 0x208, &(IOVA + rd + 0x3000).to_le_bytes());
+    d.mem
+        .write(LIST + 0x208, &(IOVA + rd + 0x3000).to_le_bytes());
     assert_eq!(
         sub(
             &mut d,
-            sqe(0x02, 1, IOVA + rd, IOVA + LIST + 0x200, [slba, 0, (12288 / lba - 1) as u32, 0, 0, 0])
+            sqe(
+                0x02,
+                1,
+                IOVA + rd,
+                IOVA + LIST + 0x200,
+                [slba, 0, (12288 / lba - 1) as u32, 0, 0, 0]
+            )
         ),
         (0, 0x13),
         "a misaligned PRP list entry"
     );
-    assert_eq!(sub(&mut d, read4k(0x7000_0000, 0)), (0, 0x04), "PRP 1 outside the DMA maps");
+    assert_eq!(
+        sub(&mut d, read4k(0x7000_0000, 0)),
+        (0, 0x04),
+        "PRP 1 outside the DMA maps"
+    );
     d.mem.write(LIST + 0x300, &0x7000_0000u64.to_le_bytes());
     d.mem.write(LIST + 0x308, &0x7000_1000u64.to_le_bytes());
     assert_eq!(
         sub(
             &mut d,
-            sqe(0x02, 1, IOVA + rd, IOVA + LIST + 0x300, [slba, 0, (12288 / lba - 1) as u32, 0, 0, 0])
+            sqe(
+                0x02,
+                1,
+                IOVA + rd,
+                IOVA + LIST + 0x300,
+                [slba, 0, (12288 / lba - 1) as u32, 0, 0, 0]
+            )
         ),
         (0, 0x04),
         "a PRP list pointing outside the DMA maps"
@@ -566,17 +645,36 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     assert_eq!(
         sub(
             &mut d,
-            sqe(0x02, 1, IOVA + rd, 0x7000_0000, [slba, 0, (12288 / lba - 1) as u32, 0, 0, 0])
+            sqe(
+                0x02,
+                1,
+                IOVA + rd,
+                0x7000_0000,
+                [slba, 0, (12288 / lba - 1) as u32, 0, 0, 0]
+            )
         ),
         (0, 0x04),
         "a PRP list outside the DMA maps"
     );
     assert_eq!(
-        sub(&mut d, sqe(0x02, 1, IOVA + rd, IOVA + LIST, [slba, 0, (256 * 1024 / lba - 1) as u32, 0, 0, 0])),
+        sub(
+            &mut d,
+            sqe(
+                0x02,
+                1,
+                IOVA + rd,
+                IOVA + LIST,
+                [slba, 0, (256 * 1024 / lba - 1) as u32, 0, 0, 0]
+            )
+        ),
         (0, 0x02),
         "a transfer over MDTS (a PRP list too long)"
     );
-    assert_eq!(sub(&mut d, sqe(0x7e, 1, 0, 0, [0; 6])), (0, 0x01), "an unknown I/O opcode");
+    assert_eq!(
+        sub(&mut d, sqe(0x7e, 1, 0, 0, [0; 6])),
+        (0, 0x01),
+        "an unknown I/O opcode"
+    );
     assert_eq!(
         d.run(false, sqe(0x80, 0xffff_ffff, 0, 0, [0; 6])).sc(),
         (0, 0x01),
@@ -612,7 +710,13 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
         d.mem.write(DATA + 0x8000, &pattern[..4096]);
         d.ok(
             true,
-            sqe(0x01, 1, IOVA + DATA + 0x8000, 0, [64 + 8 * i as u32, 0, (4096 / lba - 1) as u32, 0, 0, 0]),
+            sqe(
+                0x01,
+                1,
+                IOVA + DATA + 0x8000,
+                0,
+                [64 + 8 * i as u32, 0, (4096 / lba - 1) as u32, 0, 0, 0],
+            ),
             "4 KiB write",
         );
     }
@@ -620,25 +724,49 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     for i in 0..N {
         d.ok(
             true,
-            sqe(0x02, 1, IOVA + DATA + 0x9000, 0, [64 + 8 * i as u32, 0, (4096 / lba - 1) as u32, 0, 0, 0]),
+            sqe(
+                0x02,
+                1,
+                IOVA + DATA + 0x9000,
+                0,
+                [64 + 8 * i as u32, 0, (4096 / lba - 1) as u32, 0, 0, 0],
+            ),
             "4 KiB read",
         );
         assert_eq!(d.mem.read(DATA + 0x9000, 4096), &pattern[..4096]);
     }
     let after = snap();
-    let per = |a: (u64, u64), b: (u64, u64)| ((b.0 - a.0) as f64 / N as f64, (b.1 - a.1) as f64 / N as f64);
+    let per = |a: (u64, u64), b: (u64, u64)| {
+        ((b.0 - a.0) as f64 / N as f64, (b.1 - a.1) as f64 / N as f64)
+    };
     let (wm, wb) = per(before, mid);
     let (rm, rb) = per(mid, after);
     eprintln!("FABRIC-COST 4k-write msgs={wm} bytes={wb}");
     eprintln!("FABRIC-COST 4k-read msgs={rm} bytes={rb}");
-    assert!(wb >= 4096.0 && wb < 4096.0 + 512.0, "a 4 KiB write moves its 4 KiB once: {wb}");
-    assert!(rb >= 4096.0 && rb < 4096.0 + 512.0, "a 4 KiB read moves its 4 KiB once: {rb}");
+    assert!(
+        wb >= 4096.0 && wb < 4096.0 + 512.0,
+        "a 4 KiB write moves its 4 KiB once: {wb}"
+    );
+    assert!(
+        rb >= 4096.0 && rb < 4096.0 + 512.0,
+        "a 4 KiB read moves its 4 KiB once: {rb}"
+    );
 
     // The image on the lender's side holds the pattern.
     let img = std::fs::read(image).expect("read the image");
     let at = (slba as u64 * lba) as usize;
-    assert!(img[at..at + 16384] == pattern[..], "the image holds the written pattern");
+    assert!(
+        img[at..at + 16384] == pattern[..],
+        "the image holds the written pattern"
+    );
     let at = (64 * lba) as usize;
-    assert!(img[at..at + 4096] == pattern[..4096], "and the 4 KiB writes");
-    eprintln!("mediator: reads {}, writes {}", handle.stats().reads.load(Ordering::Relaxed), handle.stats().writes.load(Ordering::Relaxed));
+    assert!(
+        img[at..at + 4096] == pattern[..4096],
+        "and the 4 KiB writes"
+    );
+    eprintln!(
+        "mediator: reads {}, writes {}",
+        handle.stats().reads.load(Ordering::Relaxed),
+        handle.stats().writes.load(Ordering::Relaxed)
+    );
 }

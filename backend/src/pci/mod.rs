@@ -140,6 +140,8 @@ struct Shared {
     maps: Arc<guest_mem::Maps>,
     /// The VMM's eventfds by (interrupt index, vector).
     eventfds: Mutex<HashMap<(u32, u32), File>>,
+    /// Vectors enabled on the lender, by interrupt index (from vector 0).
+    lender_irqs: Mutex<HashMap<u32, u32>>,
     stats: PciStats,
 }
 
@@ -210,6 +212,7 @@ impl PciBorrower {
             info,
             maps,
             eventfds: Mutex::new(HashMap::new()),
+            lender_irqs: Mutex::new(HashMap::new()),
             stats: PciStats::default(),
         });
         let s = Arc::clone(&shared);
@@ -304,23 +307,60 @@ impl PciBorrower {
     /// # Errors
     /// When the fabric session is gone.
     pub fn vmm_gone(&mut self) -> io::Result<()> {
-        let indexes: Vec<u32> = {
-            let mut e = self
-                .shared
-                .eventfds
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            let mut v: Vec<u32> = e.keys().map(|(i, _)| *i).collect();
-            e.clear();
-            v.sort_unstable();
-            v.dedup();
-            v
-        };
+        self.shared
+            .eventfds
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        let indexes: Vec<u32> = self
+            .shared
+            .lender_irqs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+            .map(|(i, _)| i)
+            .collect();
         for index in indexes {
             self.irq_action(index, IrqAction::Disable, 0)?;
         }
         self.unmap_all()?;
         self.reset()
+    }
+
+    /// Has the lender signal vectors `0..need` of `index` (none: disabled). It enables
+    /// whole ranges from vector 0 (as VFIO does), so a range that grows is disabled and
+    /// enabled again; one that shrinks stays (the borrower drops what has no eventfd).
+    fn lender_vectors(&self, index: u32, need: u32) -> io::Result<()> {
+        let have = self
+            .shared
+            .lender_irqs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&index)
+            .copied()
+            .unwrap_or(0);
+        if have > 0 && (need == 0 || need > have) {
+            self.irq_action(index, IrqAction::Disable, 0)?;
+            self.set_lender_count(index, 0);
+        }
+        if need > have {
+            self.irq_action(index, IrqAction::Enable, need)?;
+            self.set_lender_count(index, need);
+        }
+        Ok(())
+    }
+
+    fn set_lender_count(&self, index: u32, n: u32) {
+        let mut l = self
+            .shared
+            .lender_irqs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if n == 0 {
+            l.remove(&index);
+        } else {
+            l.insert(index, n);
+        }
     }
 
     fn irq_action(&self, index: u32, action: IrqAction, count: u32) -> io::Result<()> {
@@ -664,34 +704,55 @@ impl ServerBackend for PciBorrower {
         let action = flags & VFIO_IRQ_SET_ACTION_TYPE_MASK;
         match (action, data) {
             (VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD) if count > 0 => {
-                if start != 0 || fds.len() != count as usize {
+                // QEMU sends a partial update per run of vectors: eventfds for a run
+                // it uses, none for a run it does not (its fd -1).
+                if !fds.is_empty() && fds.len() != count as usize {
                     return Err(einval(format!(
-                        "SET_IRQS: {} eventfds for vectors {start}..+{count}: give one per vector from 0",
+                        "SET_IRQS: {} eventfds for vectors {start}..+{count}",
                         fds.len()
                     )));
                 }
-                self.irq_action(index, IrqAction::Enable, count)?;
-                let mut e = self
-                    .shared
-                    .eventfds
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner);
-                e.retain(|(i, _), _| *i != index);
-                for (v, f) in fds.into_iter().enumerate() {
-                    e.insert((index, v as u32), f);
-                }
-                Ok(())
+                let end = start
+                    .checked_add(count)
+                    .filter(|&e| {
+                        self.shared
+                            .info
+                            .irqs
+                            .get(index as usize)
+                            .is_some_and(|q| e <= q.count)
+                    })
+                    .ok_or_else(|| {
+                        einval(format!(
+                            "SET_IRQS: vectors {start}..+{count} of index {index} out of range"
+                        ))
+                    })?;
+                let need = {
+                    let mut e = self
+                        .shared
+                        .eventfds
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    e.retain(|(i, v), _| !(*i == index && (start..end).contains(v)));
+                    for (v, f) in (start..end).zip(fds) {
+                        e.insert((index, v), f);
+                    }
+                    e.keys()
+                        .filter(|(i, _)| *i == index)
+                        .map(|(_, v)| v + 1)
+                        .max()
+                        .unwrap_or(0)
+                };
+                self.lender_vectors(index, need)
             }
             (VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_DATA_EVENTFD)
                 if count == 0 =>
             {
-                self.irq_action(index, IrqAction::Disable, 0)?;
                 self.shared
                     .eventfds
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .retain(|(i, _), _| *i != index);
-                Ok(())
+                self.lender_vectors(index, 0)
             }
             (VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_NONE) => {
                 self.irq_action(index, IrqAction::Unmask, 0)

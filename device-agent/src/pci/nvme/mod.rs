@@ -831,6 +831,15 @@ impl Mediator {
             .map(|(q, _)| *q)
             .collect();
         for cqid in cqids {
+            if vector.is_none()
+                && self.cqs.get(&cqid).is_some_and(|c| {
+                    let mut e = [0u8; CQE];
+                    c.shadow.read(usize::from(c.sh_head) * CQE, &mut e);
+                    (le16(&e, 14) & 1 != 0) == c.sh_phase
+                })
+            {
+                tracing::info!(cqid, "completions found without an interrupt");
+            }
             if let Err(e) = self.drain(f, g, cqid) {
                 tracing::warn!(cqid, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
             }
@@ -921,9 +930,21 @@ impl Mediator {
                 }
             },
             Post::CreateSq(q, sq) if ok => {
+                tracing::info!(
+                    qid = q,
+                    entries = sq.size,
+                    cqid = sq.cqid,
+                    "NVMe I/O submission queue shadowed"
+                );
                 self.sqs.insert(q, *sq);
             }
             Post::CreateCq(q, cq) if ok => {
+                tracing::info!(
+                    qid = q,
+                    entries = cq.size,
+                    vector = cq.vector,
+                    "NVMe I/O completion queue shadowed"
+                );
                 self.cqs.insert(q, *cq);
             }
             Post::DeleteSq(q) if ok => {
