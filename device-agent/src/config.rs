@@ -36,6 +36,11 @@ pub struct DeviceSpec {
     /// `pci:0000:00:03.0`; file key `pci`): it must be bound to `vfio-pci`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pci: Option<String>,
+    /// For a PCIe function: how the function's DMA is kept coherent with guest memory
+    /// (`NAME=pci:BDF,coherence=nvme|mirror`; file key `coherence`). Default: `nvme`
+    /// for an NVMe controller (class code 01:08:02), `mirror` for any other function.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coherence: Option<Coherence>,
     /// For a network interface: the MAC address the borrower's guest should use
     /// (`aa:bb:cc:dd:ee:ff`); default the interface's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -51,6 +56,18 @@ pub struct DeviceSpec {
     /// `SSD`), besides those the lender derives (`FABRIC_TCP`, `DISCARD`, `READ_ONLY`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub traits: Vec<String>,
+}
+
+/// How a lent PCIe function's DMA is kept coherent with the borrower's guest memory
+/// (`docs/pci.md`, `docs/nvme.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Coherence {
+    /// The generic DMA mirror: push before BAR writes, pull after interrupts.
+    Mirror,
+    /// The NVMe mediator: shadow queues on the lender, only the buffers each command
+    /// names move.
+    Nvme,
 }
 
 fn path_is_empty(p: &Path) -> bool {
@@ -149,6 +166,9 @@ impl DeviceSpec {
             }
             return Ok(());
         }
+        if self.coherence.is_some() {
+            return bad_name("coherence applies to PCIe functions only");
+        }
         match (&self.net, self.path.as_os_str().is_empty()) {
             (Some(_), false) => return bad_name("has both a path and a network interface"),
             (None, true) => return bad_name("has neither a path nor a network interface"),
@@ -229,6 +249,7 @@ impl FromStr for DeviceSpec {
             path,
             net,
             pci,
+            coherence: None,
             mac: None,
             read_only: false,
             serial: None,
@@ -237,6 +258,14 @@ impl FromStr for DeviceSpec {
         for opt in parts {
             match opt {
                 "ro" => spec.read_only = true,
+                "coherence=nvme" => spec.coherence = Some(Coherence::Nvme),
+                "coherence=mirror" => spec.coherence = Some(Coherence::Mirror),
+                _ if opt.starts_with("coherence=") => {
+                    return Err(bad(format!(
+                        "unknown coherence {:?} (expected nvme or mirror)",
+                        &opt["coherence=".len()..]
+                    )))
+                }
                 _ if opt.starts_with("mac=") => spec.mac = Some(opt["mac=".len()..].to_owned()),
                 _ if opt.starts_with("serial=") => {
                     if spec.serial.is_some() {
@@ -251,7 +280,7 @@ impl FromStr for DeviceSpec {
                 "" => return Err(bad("empty option".into())),
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {opt:?} (expected ro, serial=S or traits=A+B)"
+                        "unknown option {opt:?} (expected ro, serial=S, traits=A+B or coherence=nvme|mirror)"
                     )))
                 }
             }
@@ -650,6 +679,21 @@ mod tests {
         assert!(spec("fpga0=pci:0000:00:03.8").is_err());
         assert!(spec("fpga0=pci:0000:00:03.0,ro").is_err());
         assert!(spec("fpga0=pci:").is_err());
+        assert_eq!(spec("fpga0=pci:0000:00:03.0").unwrap().coherence, None);
+        assert_eq!(
+            spec("ssd0=pci:0000:00:03.0,coherence=nvme")
+                .unwrap()
+                .coherence,
+            Some(Coherence::Nvme)
+        );
+        assert_eq!(
+            spec("ssd0=pci:0000:00:03.0,coherence=mirror")
+                .unwrap()
+                .coherence,
+            Some(Coherence::Mirror)
+        );
+        assert!(spec("ssd0=pci:0000:00:03.0,coherence=rdma").is_err());
+        assert!(spec("d0=/tmp/x,coherence=nvme").is_err());
     }
 
     #[test]

@@ -238,11 +238,12 @@ impl Device {
 impl Device {
     /// A PCIe function to lend.
     fn open_pci(spec: &DeviceSpec, bdf: &str) -> Result<Device, Error> {
-        let f = crate::pci::PciFunction::open(bdf).map_err(|source| Error::Pci {
-            device: spec.name.clone(),
-            bdf: bdf.to_owned(),
-            source,
-        })?;
+        let f =
+            crate::pci::PciFunction::open(bdf, spec.coherence).map_err(|source| Error::Pci {
+                device: spec.name.clone(),
+                bdf: bdf.to_owned(),
+                source,
+            })?;
         // As for a NIC, /dev/null stands in for the backing file.
         let file = File::open("/dev/null").map_err(|source| Error::Open {
             device: spec.name.clone(),
@@ -327,6 +328,7 @@ mod tests {
             path: path.to_owned(),
             net: None,
             pci: None,
+            coherence: None,
             mac: None,
             read_only: ro,
             serial: None,

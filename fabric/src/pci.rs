@@ -67,6 +67,17 @@ pub const KIND_PUSH: u8 = 0x47;
 /// Request: the mirror pages the function changed since they were last pushed or
 /// pulled; answered by [`Page`]s (see [`FLAG_MORE`]); no payload.
 pub const KIND_PULL: u8 = 0x48;
+/// Lender to borrower, a request the borrower answers in turn (coherence mode `nvme`):
+/// read `len` bytes of guest memory at `iova` ([`MemRead`]). The reply carries the
+/// bytes, or a refusal when the range is not inside the borrower's DMA maps. The lender
+/// sends it only while the borrower waits for the reply to one of its own requests (a
+/// doorbell write), so the two never cross.
+pub const KIND_MEM_READ: u8 = 0x49;
+/// Lender to borrower, one-way (coherence mode `nvme`): write guest memory ([`Page`]s,
+/// each inside the borrower's DMA maps). The borrower applies it in stream order, so a
+/// write sent before a [`KIND_IRQ`] is in guest memory before that interrupt reaches
+/// the VMM. Not answered; a page outside the maps ends the session.
+pub const KIND_MEM_WRITE: u8 = 0x4a;
 /// Lender to borrower, unsolicited: the function raised an interrupt ([`Irq`]).
 pub const KIND_IRQ: u8 = 0x50;
 
@@ -178,7 +189,7 @@ impl Message {
         let mut h = [0u8; PCI_HEADER_LEN];
         read_exact_or_eof(r, &mut h)?;
         let kind = h[0];
-        if !matches!(kind & !REPLY, KIND_INFO..=KIND_PULL) && kind != KIND_IRQ {
+        if !matches!(kind & !REPLY, KIND_INFO..=KIND_MEM_WRITE) && kind != KIND_IRQ {
             return Err(WireError::Invalid("PCI message kind"));
         }
         let status = PciStatus::from_u8(h[1])?;
@@ -266,6 +277,10 @@ pub struct PciInfo {
 
 /// [`PciInfo::flags`] bit: the function supports reset.
 pub const INFO_RESET: u32 = 1 << 0;
+/// [`PciInfo::flags`] bit: the lender mediates the function (coherence mode `nvme`): it
+/// keeps no mirror, reads and writes guest memory itself with [`KIND_MEM_READ`] and
+/// [`KIND_MEM_WRITE`], and the borrower neither pushes nor pulls.
+pub const INFO_MEDIATED: u32 = 1 << 1;
 
 impl PciInfo {
     /// Encodes the payload.
@@ -300,7 +315,7 @@ impl PciInfo {
         if nr > MAX_REGIONS || ni > MAX_IRQS {
             return Err(WireError::Invalid("PCI info counts"));
         }
-        if flags & !INFO_RESET != 0 || u32_at(p, 12) != 0 {
+        if flags & !(INFO_RESET | INFO_MEDIATED) != 0 || u32_at(p, 12) != 0 {
             return Err(WireError::Invalid("PCI info flags"));
         }
         exact(
@@ -640,6 +655,49 @@ pub fn decode_pages(mut p: &[u8]) -> Result<Vec<Page<'_>>, WireError> {
     Ok(pages)
 }
 
+/// The payload of [`KIND_MEM_READ`].
+///
+/// Layout (16 bytes): `iova: u64, len: u32, reserved: u32 = 0`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemRead {
+    /// IOVA of the first byte.
+    pub iova: u64,
+    /// Bytes to read (1..=[`MAX_ACCESS`]).
+    pub len: u32,
+}
+
+impl MemRead {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(16);
+        b.extend_from_slice(&self.iova.to_le_bytes());
+        b.extend_from_slice(&self.len.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b
+    }
+
+    /// Decodes the payload.
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] for a wrong length, a reserved field that is not zero, a
+    /// `len` of 0 or over [`MAX_ACCESS`], or a range that wraps the IOVA space.
+    pub fn decode(p: &[u8]) -> Result<Self, WireError> {
+        exact(p, 16, "guest memory read length")?;
+        let r = MemRead {
+            iova: u64_at(p, 0),
+            len: u32_at(p, 8),
+        };
+        if u32_at(p, 12) != 0
+            || r.len == 0
+            || r.len > MAX_ACCESS
+            || r.iova.checked_add(u64::from(r.len)).is_none()
+        {
+            return Err(WireError::Invalid("guest memory read"));
+        }
+        Ok(r)
+    }
+}
+
 /// The payload of [`KIND_IRQ`].
 ///
 /// Layout (8 bytes): `index: u32, vector: u32`.
@@ -783,6 +841,26 @@ mod tests {
             vector: 5,
         };
         assert_eq!(Irq::decode(&i.encode()).unwrap(), i);
+        let r = MemRead {
+            iova: 0x1000,
+            len: 64,
+        };
+        assert_eq!(MemRead::decode(&r.encode()).unwrap(), r);
+        for bad in [
+            MemRead { iova: 0, len: 0 },
+            MemRead {
+                iova: u64::MAX,
+                len: 2,
+            },
+            MemRead {
+                iova: 0,
+                len: MAX_ACCESS + 1,
+            },
+        ] {
+            assert!(MemRead::decode(&bad.encode()).is_err());
+        }
+        let m = Message::new(KIND_MEM_WRITE, b.clone());
+        assert_eq!(Message::read_from(&mut m.encode().as_slice()).unwrap(), m);
     }
 
     #[test]

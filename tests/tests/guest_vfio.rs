@@ -27,7 +27,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use devlend_backend::pci::{Link, LinkError, LinkTarget, PciBorrower, PciError, PciHandle};
+use devlend_backend::pci::{
+    Link, LinkError, LinkTarget, NoGuestMemory, PciBorrower, PciError, PciHandle,
+};
 use devlend_fabric::pci::{DmaRange, Message, PciStatus, KIND_DMA_MAP, KIND_READ};
 use devlend_fabric::HelloStatus;
 use devlend_qemu::guest::Guest;
@@ -570,7 +572,7 @@ fn scenario(port: u16, dir: &Path) {
     let (link, _, _irqs) = {
         let until = Instant::now() + Duration::from_secs(30);
         loop {
-            match Link::connect(&target(port, 3)) {
+            match Link::connect(&target(port, 3), std::sync::Arc::new(NoGuestMemory)) {
                 Ok(l) => break l,
                 Err(e) if Instant::now() < until => {
                     eprintln!("fabric client: {}", devlend_fabric::error::chain(&e));

@@ -10,17 +10,24 @@
 //! SEND, at most [`devlend_fabric::pci::RDMA_MAX_MESSAGE`] bytes). Over RDMA the
 //! borrower registers the guest memory it maps for DMA ([`Link::register`]) so that
 //! the lender moves mirror pages one-sided.
+//!
+//! A mediated function (coherence mode `nvme`) has the lender read and write guest
+//! memory on its own initiative. Over TCP the reader thread answers [`KIND_MEM_READ`]
+//! and applies [`KIND_MEM_WRITE`] through the [`GuestMemory`] given to
+//! [`Link::connect`], in stream order (a write that comes before an interrupt is in
+//! guest memory before the interrupt is queued); over RDMA the lender does both
+//! one-sided on the registered DMA maps, and such messages are a protocol error.
 
 use std::net::Shutdown;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-#[cfg(feature = "rdma")]
-use std::sync::Arc;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::pci::{
-    Irq, Message, PciInfo, PciStatus, FEATURE_PCI, FLAG_MORE, KIND_INFO, KIND_IRQ, REPLY,
+    Irq, MemRead, Message, PciInfo, PciStatus, FEATURE_PCI, FLAG_MORE, KIND_INFO, KIND_IRQ,
+    KIND_MEM_READ, KIND_MEM_WRITE, PCI_HEADER_LEN, REPLY,
 };
 use devlend_fabric::tcp::{self, ConnectError};
 use devlend_fabric::tls::TlsTarget;
@@ -46,6 +53,64 @@ pub enum LinkError {
     /// The lender answered with something else than the reply expected.
     #[error("protocol error: {0}")]
     Protocol(String),
+}
+
+/// Guest memory as the lender of a mediated function reaches it (see the module doc).
+/// Both calls come from the reader thread; each must check that the whole range lies
+/// inside the DMA maps.
+pub trait GuestMemory: Send + Sync {
+    /// Whether the lender may read and write guest memory at all (the function is
+    /// mediated); when not, a [`KIND_MEM_READ`] or [`KIND_MEM_WRITE`] ends the session.
+    fn mediated(&self) -> bool;
+    /// Reads `buf.len()` bytes at `iova`.
+    ///
+    /// # Errors
+    /// The reason, when the range is not inside the DMA maps.
+    fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), String>;
+    /// Writes `data` at `iova`.
+    ///
+    /// # Errors
+    /// The reason, when the range is not inside the DMA maps.
+    fn write(&self, iova: u64, data: &[u8]) -> Result<(), String>;
+}
+
+/// The [`GuestMemory`] of a link with no DMA maps to serve (a function that is not
+/// mediated, a test): every lender access to guest memory ends the session.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoGuestMemory;
+
+impl GuestMemory for NoGuestMemory {
+    fn mediated(&self) -> bool {
+        false
+    }
+
+    fn read(&self, iova: u64, _buf: &mut [u8]) -> Result<(), String> {
+        Err(format!("no guest memory at {iova:#x}"))
+    }
+
+    fn write(&self, iova: u64, _data: &[u8]) -> Result<(), String> {
+        Err(format!("no guest memory at {iova:#x}"))
+    }
+}
+
+/// Fabric traffic of one link, both ways, headers included (bytes).
+#[derive(Debug, Default)]
+pub struct LinkCounters {
+    /// Messages sent to the lender.
+    pub msgs_sent: AtomicU64,
+    /// Bytes sent to the lender.
+    pub bytes_sent: AtomicU64,
+    /// Messages received from the lender.
+    pub msgs_received: AtomicU64,
+    /// Bytes received from the lender.
+    pub bytes_received: AtomicU64,
+}
+
+impl LinkCounters {
+    fn count(n: &AtomicU64, b: &AtomicU64, m: &Message) {
+        n.fetch_add(1, Ordering::Relaxed);
+        b.fetch_add((PCI_HEADER_LEN + m.payload.len()) as u64, Ordering::Relaxed);
+    }
 }
 
 /// Where and how to reach the lender.
@@ -102,8 +167,9 @@ impl Registration {
 /// An open PCI session.
 pub struct Link {
     wire: Wire,
-    write: Mutex<()>,
+    write: Arc<Mutex<()>>,
     replies: Mutex<Receiver<Message>>,
+    counters: Arc<LinkCounters>,
 }
 
 impl std::fmt::Debug for Link {
@@ -116,12 +182,16 @@ impl std::fmt::Debug for Link {
 
 impl Link {
     /// Connects, performs the handshake asking for [`FEATURE_PCI`], starts the reader
-    /// and fetches the function's [`PciInfo`].
+    /// (which serves the lender's guest memory accesses from `memory`, over TCP) and
+    /// fetches the function's [`PciInfo`].
     ///
     /// # Errors
     /// [`ConnectError`] (including the lender's refusal: `Busy` while another borrower
     /// holds the function), or a failed info request as [`ConnectError::Handshake`].
-    pub fn connect(t: &LinkTarget) -> Result<(Link, PciInfo, Receiver<Irq>), ConnectError> {
+    pub fn connect(
+        t: &LinkTarget,
+        memory: Arc<dyn GuestMemory>,
+    ) -> Result<(Link, PciInfo, Receiver<Irq>), ConnectError> {
         let mut hello = Hello::new(&t.device, 0);
         hello.features = FEATURE_PCI;
         hello.borrower = t.borrower;
@@ -136,41 +206,52 @@ impl Link {
         };
         let (reply_tx, reply_rx) = mpsc::channel();
         let (irq_tx, irq_rx) = mpsc::channel();
+        let write = Arc::new(Mutex::new(()));
+        let counters = Arc::new(LinkCounters::default());
         let wire = match t.transport {
             crate::blk::engine::Transport::Tcp => {
                 let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
                 if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
                     return Err(bad("the lender's device is not a PCIe function"));
                 }
-                let reader = stream.try_clone().map_err(io)?;
+                let rx = Reader {
+                    stream: stream.try_clone().map_err(io)?,
+                    write: Arc::clone(&write),
+                    memory,
+                    counters: Arc::clone(&counters),
+                };
                 std::thread::Builder::new()
                     .name("devlend-pci-rx".into())
-                    .spawn(move || read_loop(reader, reply_tx, irq_tx))
+                    .spawn(move || read_loop(&rx, reply_tx, irq_tx))
                     .map_err(io)?;
                 Wire::Stream(stream)
             }
             #[cfg(feature = "rdma")]
             crate::blk::engine::Transport::Rdma => {
+                drop(memory);
                 let wire = rdma_connect(t, &hello)?;
                 let reader = Arc::clone(&wire);
+                let c = Arc::clone(&counters);
                 std::thread::Builder::new()
                     .name("devlend-pci-rx".into())
-                    .spawn(move || rdma_read_loop(&reader, &reply_tx, &irq_tx))
+                    .spawn(move || rdma_read_loop(&reader, &reply_tx, &irq_tx, &c))
                     .map_err(io)?;
                 Wire::Rdma(wire)
             }
             #[cfg(not(feature = "rdma"))]
             crate::blk::engine::Transport::Rdma => {
+                drop(memory);
                 return Err(ConnectError::Rdma {
                     addr: t.lender.clone(),
                     source: devlend_fabric::rdma::RdmaError::NotCompiled,
-                })
+                });
             }
         };
         let link = Link {
             wire,
-            write: Mutex::new(()),
+            write,
             replies: Mutex::new(reply_rx),
+            counters,
         };
         let info = link
             .call(Message::new(KIND_INFO, Vec::new()))
@@ -223,6 +304,7 @@ impl Link {
     /// # Errors
     /// [`LinkError::Send`].
     pub fn send(&self, m: &Message) -> Result<(), LinkError> {
+        LinkCounters::count(&self.counters.msgs_sent, &self.counters.bytes_sent, m);
         match &self.wire {
             Wire::Stream(s) => {
                 let _g = self.write.lock().unwrap_or_else(PoisonError::into_inner);
@@ -241,6 +323,11 @@ impl Link {
                 })
             }
         }
+    }
+
+    /// The link's traffic so far.
+    pub fn counters(&self) -> &LinkCounters {
+        &self.counters
     }
 
     /// Whether the session runs over RDMA (pushes and pulls then carry ranges only).
@@ -351,8 +438,12 @@ fn rdma_connect(t: &LinkTarget, hello: &Hello) -> Result<Arc<RdmaWire>, ConnectE
 
 /// The RDMA reader: waits on the connection, takes what arrived, hands it on.
 #[cfg(feature = "rdma")]
-fn rdma_read_loop(w: &RdmaWire, replies: &Sender<Message>, irqs: &Sender<Irq>) {
-    use std::sync::atomic::Ordering;
+fn rdma_read_loop(
+    w: &RdmaWire,
+    replies: &Sender<Message>,
+    irqs: &Sender<Irq>,
+    counters: &LinkCounters,
+) {
     let fd = w.ch.lock().unwrap_or_else(PoisonError::into_inner).fd();
     loop {
         if w.closed.load(Ordering::Acquire) {
@@ -370,6 +461,15 @@ fn rdma_read_loop(w: &RdmaWire, replies: &Sender<Message>, irqs: &Sender<Irq>) {
             r
         };
         for m in got {
+            LinkCounters::count(&counters.msgs_received, &counters.bytes_received, &m);
+            if m.kind == KIND_MEM_READ || m.kind == KIND_MEM_WRITE {
+                tracing::warn!(
+                    kind = m.kind,
+                    "guest memory message over RDMA (the lender moves guest memory one-sided); closing the session"
+                );
+                close_rdma(w);
+                return;
+            }
             if !dispatch(m, replies, irqs) {
                 close_rdma(w);
                 return;
@@ -427,9 +527,56 @@ fn dispatch(m: Message, replies: &Sender<Message>, irqs: &Sender<Irq>) -> bool {
     }
 }
 
-fn read_loop(stream: Stream, replies: Sender<Message>, irqs: Sender<Irq>) {
+/// What the reader thread holds.
+struct Reader {
+    stream: Stream,
+    /// The link's write lock: a reply to [`KIND_MEM_READ`] is sent under it.
+    write: Arc<Mutex<()>>,
+    memory: Arc<dyn GuestMemory>,
+    counters: Arc<LinkCounters>,
+}
+
+impl Reader {
+    /// Serves one guest memory access of the lender; `Err` (the reason) ends the
+    /// session.
+    fn memory(&self, m: &Message) -> Result<(), String> {
+        if !self.memory.mediated() {
+            return Err(format!(
+                "guest memory access {:#04x} from the lender of a function that is not mediated",
+                m.kind
+            ));
+        }
+        if m.flags != 0 {
+            return Err("flags on a guest memory access".into());
+        }
+        if m.kind == KIND_MEM_WRITE {
+            let pages = devlend_fabric::pci::decode_pages(&m.payload).map_err(|e| e.to_string())?;
+            for p in pages {
+                self.memory.write(p.iova, p.data)?;
+            }
+            return Ok(());
+        }
+        let r = MemRead::decode(&m.payload).map_err(|e| e.to_string())?;
+        let mut buf = vec![0u8; r.len as usize];
+        let reply = match self.memory.read(r.iova, &mut buf) {
+            Ok(()) => Message::new(KIND_MEM_READ | REPLY, buf),
+            Err(reason) => {
+                tracing::warn!(%reason, "guest memory read by the lender refused");
+                Message::refusal(KIND_MEM_READ, PciStatus::Invalid, &reason)
+            }
+        };
+        let _g = self.write.lock().unwrap_or_else(PoisonError::into_inner);
+        LinkCounters::count(&self.counters.msgs_sent, &self.counters.bytes_sent, &reply);
+        reply
+            .write_to(&mut &self.stream)
+            .map_err(|e| format!("sending guest memory: {e}"))
+    }
+}
+
+fn read_loop(rx: &Reader, replies: Sender<Message>, irqs: Sender<Irq>) {
+    let stream = &rx.stream;
     loop {
-        let m = match Message::read_from(&mut &stream) {
+        let m = match Message::read_from(&mut &*stream) {
             Ok(m) => m,
             Err(WireError::Closed) => {
                 tracing::info!("the lender closed the PCI session");
@@ -441,6 +588,15 @@ fn read_loop(stream: Stream, replies: Sender<Message>, irqs: Sender<Irq>) {
                 return;
             }
         };
+        LinkCounters::count(&rx.counters.msgs_received, &rx.counters.bytes_received, &m);
+        if m.kind == KIND_MEM_READ || m.kind == KIND_MEM_WRITE {
+            if let Err(reason) = rx.memory(&m) {
+                tracing::warn!(%reason, "bad guest memory access by the lender; closing the session");
+                let _ = stream.shutdown(Shutdown::Both);
+                return;
+            }
+            continue;
+        }
         if !dispatch(m, &replies, &irqs) {
             let _ = stream.shutdown(Shutdown::Both);
             return;

@@ -26,7 +26,15 @@
 //! map little memory and ring doorbells rarely (FPGAs, accelerators, test devices); it
 //! does not suit an SSD or a NIC whose driver maps all guest RAM and writes a doorbell
 //! per request (see `docs/pci.md`).
+//!
+//! # Mediated functions (coherence mode `nvme`)
+//!
+//! When the lender reports [`INFO_MEDIATED`], it keeps no mirror: it reads and writes
+//! guest memory itself ([`devlend_fabric::pci::KIND_MEM_READ`],
+//! [`devlend_fabric::pci::KIND_MEM_WRITE`]), served by the link's reader from the DMA
+//! maps ([`guest_mem`]). The borrower then neither pushes, pulls nor keeps a shadow.
 
+mod guest_mem;
 pub mod link;
 
 use std::collections::HashMap;
@@ -41,9 +49,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use devlend_fabric::pci::{
     decode_pages, decode_ranges, encode_page, encode_range, page_cost, Access, DmaRange, Irq,
-    IrqAction, IrqSet, Message, PciInfo, Range, RemoteDmaRange, FLAG_MORE, KIND_DMA_MAP,
-    KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH, KIND_READ, KIND_RESET, KIND_SET_IRQS, KIND_WRITE,
-    MAX_ACCESS, MIRROR_PAGE, RDMA_MAX_RANGES,
+    IrqAction, IrqSet, Message, PciInfo, Range, RemoteDmaRange, FLAG_MORE, INFO_MEDIATED,
+    KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH, KIND_READ, KIND_RESET, KIND_SET_IRQS,
+    KIND_WRITE, MAX_ACCESS, MIRROR_PAGE, RDMA_MAX_RANGES,
 };
 use vfio_bindings::bindings::vfio::{
     vfio_region_info, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_TYPE_MASK,
@@ -53,7 +61,9 @@ use vfio_bindings::bindings::vfio::{
 use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion};
 use vm_memory::VolatileSlice;
 
-pub use link::{Link, LinkError, LinkTarget, Registration};
+pub use link::{
+    GuestMemory, Link, LinkCounters, LinkError, LinkTarget, NoGuestMemory, Registration,
+};
 
 /// Why the borrower could not start serving.
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +116,11 @@ struct GuestMap {
 unsafe impl Send for GuestMap {}
 
 impl GuestMap {
+    fn slice(&self) -> VolatileSlice<'_> {
+        // SAFETY: `ptr..ptr + size` is our live mapping while `self` lives.
+        unsafe { VolatileSlice::new(self.ptr.as_ptr(), self.size) }
+    }
+
     fn overlaps(&self, iova: u64, size: u64) -> bool {
         iova < self.iova + self.size as u64 && self.iova < iova.saturating_add(size)
     }
@@ -125,10 +140,14 @@ impl Drop for GuestMap {
 struct Shared {
     link: Link,
     info: PciInfo,
-    /// Guest memory mapped for DMA. Lock order: `maps`, then a call on `link`.
-    maps: Mutex<Vec<GuestMap>>,
+    /// Guest memory mapped for DMA. Lock order: `maps`, then a call on `link` (a
+    /// mediated function's lender reads and writes the maps from the link's reader:
+    /// then no call is made with `maps` held).
+    maps: Arc<guest_mem::Maps>,
     /// The VMM's eventfds by (interrupt index, vector).
     eventfds: Mutex<HashMap<(u32, u32), File>>,
+    /// Vectors enabled on the lender, by interrupt index (from vector 0).
+    lender_irqs: Mutex<HashMap<u32, u32>>,
     stats: PciStats,
 }
 
@@ -146,6 +165,16 @@ impl PciHandle {
     /// As [`PciBorrower::disconnect`].
     pub fn disconnect(&self) {
         self.0.link.shutdown();
+    }
+
+    /// The fabric traffic of the session so far.
+    pub fn link_counters(&self) -> &LinkCounters {
+        self.0.link.counters()
+    }
+
+    /// Whether the lender mediates the function ([`INFO_MEDIATED`]).
+    pub fn mediated(&self) -> bool {
+        self.0.info.flags & INFO_MEDIATED != 0
     }
 }
 
@@ -180,12 +209,16 @@ impl PciBorrower {
     /// # Errors
     /// [`PciError::Connect`] (the lender's refusal included), [`PciError::Thread`].
     pub fn connect(target: &LinkTarget) -> Result<PciBorrower, PciError> {
-        let (link, info, irqs) = Link::connect(target).map_err(PciError::Connect)?;
+        let maps = Arc::new(guest_mem::Maps::default());
+        let (link, info, irqs) = Link::connect(target, Arc::clone(&maps) as Arc<dyn GuestMemory>)
+            .map_err(PciError::Connect)?;
+        maps.set_mediated(info.flags & INFO_MEDIATED != 0);
         let shared = Arc::new(Shared {
             link,
             info,
-            maps: Mutex::new(Vec::new()),
+            maps,
             eventfds: Mutex::new(HashMap::new()),
+            lender_irqs: Mutex::new(HashMap::new()),
             stats: PciStats::default(),
         });
         let s = Arc::clone(&shared);
@@ -280,23 +313,60 @@ impl PciBorrower {
     /// # Errors
     /// When the fabric session is gone.
     pub fn vmm_gone(&mut self) -> io::Result<()> {
-        let indexes: Vec<u32> = {
-            let mut e = self
-                .shared
-                .eventfds
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            let mut v: Vec<u32> = e.keys().map(|(i, _)| *i).collect();
-            e.clear();
-            v.sort_unstable();
-            v.dedup();
-            v
-        };
+        self.shared
+            .eventfds
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        let indexes: Vec<u32> = self
+            .shared
+            .lender_irqs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+            .map(|(i, _)| i)
+            .collect();
         for index in indexes {
             self.irq_action(index, IrqAction::Disable, 0)?;
         }
         self.unmap_all()?;
         self.reset()
+    }
+
+    /// Has the lender signal vectors `0..need` of `index` (none: disabled). It enables
+    /// whole ranges from vector 0 (as VFIO does), so a range that grows is disabled and
+    /// enabled again; one that shrinks stays (the borrower drops what has no eventfd).
+    fn lender_vectors(&self, index: u32, need: u32) -> io::Result<()> {
+        let have = self
+            .shared
+            .lender_irqs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&index)
+            .copied()
+            .unwrap_or(0);
+        if have > 0 && (need == 0 || need > have) {
+            self.irq_action(index, IrqAction::Disable, 0)?;
+            self.set_lender_count(index, 0);
+        }
+        if need > have {
+            self.irq_action(index, IrqAction::Enable, need)?;
+            self.set_lender_count(index, need);
+        }
+        Ok(())
+    }
+
+    fn set_lender_count(&self, index: u32, n: u32) {
+        let mut l = self
+            .shared
+            .lender_irqs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if n == 0 {
+            l.remove(&index);
+        } else {
+            l.insert(index, n);
+        }
     }
 
     fn irq_action(&self, index: u32, action: IrqAction, count: u32) -> io::Result<()> {
@@ -314,21 +384,35 @@ impl PciBorrower {
     }
 
     fn unmap_all(&self) -> io::Result<()> {
-        let mut maps = self
+        let ranges: Vec<DmaRange> = self
             .shared
             .maps
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        for m in maps.drain(..) {
-            let r = DmaRange {
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|m| DmaRange {
                 iova: m.iova,
                 size: m.size as u64,
-            };
-            self.shared
-                .link
-                .call(Message::new(KIND_DMA_UNMAP, r.encode()))
-                .map_err(link_err)?;
+            })
+            .collect();
+        for r in ranges {
+            self.unmap_one(r)?;
         }
+        Ok(())
+    }
+
+    /// Has the lender unmap `r`, then drops the map here (not before: the lender's
+    /// writes sent before its reply are applied to it, in stream order).
+    fn unmap_one(&self, r: DmaRange) -> io::Result<()> {
+        self.shared
+            .link
+            .call(Message::new(KIND_DMA_UNMAP, r.encode()))
+            .map_err(link_err)?;
+        self.shared
+            .maps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|m| !(m.iova == r.iova && m.size as u64 == r.size));
         Ok(())
     }
 
@@ -474,8 +558,9 @@ fn pull(shared: &Shared, maps: &mut [GuestMap]) -> Result<(), LinkError> {
 /// Delivers the lender's interrupts: pull what the function wrote, then signal the
 /// VMM's eventfd. Ends with the fabric session.
 fn irq_loop(shared: &Shared, irqs: Receiver<Irq>) {
+    let mediated = shared.info.flags & INFO_MEDIATED != 0;
     for irq in irqs {
-        {
+        if !mediated {
             let mut maps = shared.maps.lock().unwrap_or_else(PoisonError::into_inner);
             if let Err(e) = pull(shared, &mut maps) {
                 tracing::warn!(error = %e, "pull after an interrupt failed");
@@ -525,7 +610,7 @@ impl ServerBackend for PciBorrower {
     }
 
     fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> io::Result<()> {
-        if region < VFIO_PCI_ROM_REGION_INDEX {
+        if region < VFIO_PCI_ROM_REGION_INDEX && self.shared.info.flags & INFO_MEDIATED == 0 {
             // A BAR write may start DMA: the mirror must hold guest memory first.
             let mut maps = self
                 .shared
@@ -612,12 +697,14 @@ impl ServerBackend for PciBorrower {
             )));
         }
         let ptr = crate::shared_map::map_shared(fd.as_raw_fd(), len, file_off)?;
+        let mediated = self.shared.info.flags & INFO_MEDIATED != 0;
         let mut map = GuestMap {
             reg: None,
             iova: address,
             size: len,
             ptr,
-            shadow: vec![0; len],
+            // A mediated function's lender moves guest memory itself: no shadow.
+            shadow: if mediated { Vec::new() } else { vec![0; len] },
         };
         // SAFETY: the mapping lives in `map`, which drops the registration first.
         map.reg = unsafe { self.shared.link.register(ptr.as_ptr(), len) }.map_err(link_err)?;
@@ -633,11 +720,27 @@ impl ServerBackend for PciBorrower {
             }
             None => r.encode(),
         };
-        self.shared
-            .link
-            .call(Message::new(KIND_DMA_MAP, payload))
-            .map_err(link_err)?;
+        if !mediated {
+            self.shared
+                .link
+                .call(Message::new(KIND_DMA_MAP, payload))
+                .map_err(link_err)?;
+            maps.push(map);
+            return Ok(());
+        }
+        // Mapped here before the lender knows of it (its accesses come from the reader
+        // thread, which takes `maps`): the map is in place for the first of them, and
+        // `maps` is not held across the call.
         maps.push(map);
+        drop(maps);
+        if let Err(e) = self.shared.link.call(Message::new(KIND_DMA_MAP, payload)) {
+            self.shared
+                .maps
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .retain(|m| !(m.iova == address && m.size == len));
+            return Err(link_err(e));
+        }
         Ok(())
     }
 
@@ -645,29 +748,22 @@ impl ServerBackend for PciBorrower {
         if flags.contains(DmaUnmapFlags::UNMAP_ALL) {
             return self.unmap_all();
         }
-        let mut maps = self
+        let known = self
             .shared
             .maps
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let Some(i) = maps
+            .unwrap_or_else(PoisonError::into_inner)
             .iter()
-            .position(|m| m.iova == address && m.size as u64 == size)
-        else {
+            .any(|m| m.iova == address && m.size as u64 == size);
+        if !known {
             return Err(einval(format!(
                 "DMA range {address:#x}+{size:#x} is not mapped as such"
             )));
-        };
-        let r = DmaRange {
+        }
+        self.unmap_one(DmaRange {
             iova: address,
             size,
-        };
-        self.shared
-            .link
-            .call(Message::new(KIND_DMA_UNMAP, r.encode()))
-            .map_err(link_err)?;
-        maps.swap_remove(i);
-        Ok(())
+        })
     }
 
     fn reset(&mut self) -> io::Result<()> {
@@ -690,34 +786,55 @@ impl ServerBackend for PciBorrower {
         let action = flags & VFIO_IRQ_SET_ACTION_TYPE_MASK;
         match (action, data) {
             (VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD) if count > 0 => {
-                if start != 0 || fds.len() != count as usize {
+                // QEMU sends a partial update per run of vectors: eventfds for a run
+                // it uses, none for a run it does not (its fd -1).
+                if !fds.is_empty() && fds.len() != count as usize {
                     return Err(einval(format!(
-                        "SET_IRQS: {} eventfds for vectors {start}..+{count}: give one per vector from 0",
+                        "SET_IRQS: {} eventfds for vectors {start}..+{count}",
                         fds.len()
                     )));
                 }
-                self.irq_action(index, IrqAction::Enable, count)?;
-                let mut e = self
-                    .shared
-                    .eventfds
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner);
-                e.retain(|(i, _), _| *i != index);
-                for (v, f) in fds.into_iter().enumerate() {
-                    e.insert((index, v as u32), f);
-                }
-                Ok(())
+                let end = start
+                    .checked_add(count)
+                    .filter(|&e| {
+                        self.shared
+                            .info
+                            .irqs
+                            .get(index as usize)
+                            .is_some_and(|q| e <= q.count)
+                    })
+                    .ok_or_else(|| {
+                        einval(format!(
+                            "SET_IRQS: vectors {start}..+{count} of index {index} out of range"
+                        ))
+                    })?;
+                let need = {
+                    let mut e = self
+                        .shared
+                        .eventfds
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    e.retain(|(i, v), _| !(*i == index && (start..end).contains(v)));
+                    for (v, f) in (start..end).zip(fds) {
+                        e.insert((index, v), f);
+                    }
+                    e.keys()
+                        .filter(|(i, _)| *i == index)
+                        .map(|(_, v)| v + 1)
+                        .max()
+                        .unwrap_or(0)
+                };
+                self.lender_vectors(index, need)
             }
             (VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_DATA_EVENTFD)
                 if count == 0 =>
             {
-                self.irq_action(index, IrqAction::Disable, 0)?;
                 self.shared
                     .eventfds
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .retain(|(i, _), _| *i != index);
-                Ok(())
+                self.lender_vectors(index, 0)
             }
             (VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_NONE) => {
                 self.irq_action(index, IrqAction::Unmask, 0)

@@ -9,9 +9,13 @@
 //! domain (VFIO_IOMMU_MAP_DMA).
 
 pub(crate) mod config;
+pub(crate) mod guest_access;
 pub(crate) mod mirror;
+pub(crate) mod nvme;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
+#[cfg(feature = "rdma")]
+pub(crate) mod rdma_guest;
 pub(crate) mod session;
 
 use std::io;
@@ -20,12 +24,19 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use devlend_fabric::pci::{IrqInfo, PciInfo, RegionInfo, INFO_RESET};
+use devlend_fabric::pci::{IrqInfo, PciInfo, RegionInfo, INFO_MEDIATED, INFO_RESET};
 use vfio_bindings::bindings::vfio::{
     VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
     VFIO_PCI_ROM_REGION_INDEX, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
 };
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioError};
+
+use crate::config::Coherence;
+
+/// Class code of an NVMe controller (base class 01h mass storage, subclass 08h
+/// non-volatile memory, programming interface 02h NVM Express): lent through the NVMe
+/// mediator unless the spec says otherwise.
+pub(crate) const CLASS_NVME: [u8; 3] = [0x01, 0x08, 0x02];
 
 /// Why a PCIe function could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +78,8 @@ pub(crate) struct PciFunction {
     /// Per region index: VFIO's offset of the region in the device fd.
     offsets: Vec<u64>,
     layout: config::Layout,
+    /// How the function's DMA is kept coherent with guest memory.
+    pub(crate) coherence: Coherence,
     /// Set while a borrower's session holds the function.
     lent: AtomicBool,
 }
@@ -82,11 +95,12 @@ impl std::fmt::Debug for PciFunction {
 
 impl PciFunction {
     /// Opens the function at `bdf` (bound to vfio-pci) in a container of its own, and
-    /// reads its regions, interrupts and config space.
+    /// reads its regions, interrupts and config space. `coherence` `None` picks `nvme`
+    /// for an NVMe controller ([`CLASS_NVME`]), `mirror` for any other function.
     ///
     /// # Errors
     /// [`PciError`].
-    pub(crate) fn open(bdf: &str) -> Result<PciFunction, PciError> {
+    pub(crate) fn open(bdf: &str, coherence: Option<Coherence>) -> Result<PciFunction, PciError> {
         let sysfs = PathBuf::from("/sys/bus/pci/devices").join(bdf);
         if !sysfs.exists() {
             return Err(PciError::NoFunction(sysfs));
@@ -135,6 +149,7 @@ impl PciFunction {
                 bar_sizes: [0; 7],
                 initial: Vec::new(),
             },
+            coherence: Coherence::Mirror,
             lent: AtomicBool::new(false),
         };
         let cfg_size = f.info.regions[VFIO_PCI_CONFIG_REGION_INDEX as usize].size;
@@ -151,7 +166,20 @@ impl PciFunction {
             let b = |i: usize| f.layout.initial.get(i).copied().unwrap_or(0xff);
             format!("{:04x}", u16::from_le_bytes([b(o), b(o + 1)]))
         };
-        tracing::info!(bdf, vendor = id(0), device = id(2), "PCIe function ready");
+        let class = [
+            f.layout.initial.get(11).copied().unwrap_or(0),
+            f.layout.initial.get(10).copied().unwrap_or(0),
+            f.layout.initial.get(9).copied().unwrap_or(0),
+        ];
+        f.coherence = coherence.unwrap_or(if class == CLASS_NVME {
+            Coherence::Nvme
+        } else {
+            Coherence::Mirror
+        });
+        if f.coherence == Coherence::Nvme {
+            f.info.flags |= INFO_MEDIATED;
+        }
+        tracing::info!(bdf, vendor = id(0), device = id(2), coherence = ?f.coherence, "PCIe function ready");
         Ok(f)
     }
 

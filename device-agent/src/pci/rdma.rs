@@ -9,6 +9,12 @@
 //! into guest memory, then answers with their ranges (an RC queue pair places the
 //! WRITEs before the answer's SEND). Interrupts leave as [`KIND_IRQ`] messages.
 //!
+//! A mediated function (coherence mode `nvme`) keeps no mirror: its DMA maps are only
+//! recorded with their remote address and rkey, BAR0's controller registers and
+//! doorbells go to the [`Mediator`], which reads and writes guest memory one-sided
+//! ([`super::rdma_guest::RdmaGuest`]), and the function's interrupts go to it too: it
+//! copies the completions, then sends the guest's interrupt.
+//!
 //! One thread does it all: it waits on the connection and on the function's interrupt
 //! eventfds at once. A malformed message, or a READ/WRITE that fails (a bad rkey or
 //! range from the borrower), ends the session with the reason logged; the function is
@@ -20,17 +26,21 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use devlend_fabric::pci::{
-    decode_ranges, encode_range, Access, Irq, Message, PciStatus, Range, RemoteDmaRange, FLAG_MORE,
-    KIND_DMA_MAP, KIND_IRQ, KIND_PULL, KIND_PUSH, KIND_READ, RDMA_MAX_ACCESS, RDMA_MAX_RANGES,
-    REPLY,
+    decode_ranges, encode_range, Access, DmaRange, Irq, Message, PciStatus, Range, RemoteDmaRange,
+    FLAG_MORE, KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_IRQ, KIND_PULL, KIND_PUSH, KIND_READ, KIND_RESET,
+    KIND_WRITE, RDMA_MAX_ACCESS, RDMA_MAX_RANGES, REPLY,
 };
 use devlend_fabric::rdma::channel::{ChannelError, MsgChannel, RdmaOp, MAX_RDMA_OP};
 use devlend_fabric::rdma::verbs::{Connection, Mr};
 use devlend_fabric::WireError;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::guest_access::AccessCounters;
+use super::nvme::{Handled, Mediator};
+use super::rdma_guest::{Bounce, RdmaGuest, RemoteMap};
 use super::session::{invalid, Answer, IrqTable, Lending};
 use super::PciFunction;
+use crate::config::Coherence;
 use crate::engine::End;
 
 /// How often the session looks at its stop flag when nothing arrives.
@@ -64,16 +74,79 @@ pub(crate) fn serve(f: &PciFunction, conn: Connection, stop: &AtomicBool) -> End
         Err(e) => return End::Socket(e),
     };
     let mut ch = MsgChannel::new(conn);
+    let mut med = match f.coherence {
+        Coherence::Mirror => None,
+        Coherence::Nvme => {
+            let m = match Mediator::new(f) {
+                Ok(m) => m,
+                Err(e) => return End::Socket(e),
+            };
+            let bounce = match Bounce::new(&ch) {
+                Ok(b) => b,
+                Err(e) => {
+                    return End::Socket(std::io::Error::other(devlend_fabric::error::chain(&e)))
+                }
+            };
+            Some(Mediated {
+                m,
+                maps: Vec::new(),
+                bounce,
+                counters: AccessCounters::default(),
+            })
+        }
+    };
     let mut lending = Lending::new(f, &table);
-    let end = run(&mut lending, &mut ch, &table, stop);
+    let end = run(&mut lending, &mut ch, &table, stop, &mut med);
     // Mirrors (and their memory regions) go while the queue pair is idle; then the QP.
     lending.quiesce();
+    if let Some(md) = &mut med {
+        // Bus mastering is off and the function reset: the shadow queues can go.
+        md.m.reset();
+        tracing::info!(stats = ?md.m.stats, fabric = ?md.counters, "NVMe mediator ends");
+    }
     tracing::info!(bdf = %f.bdf, "function quiesced for the next borrower");
+    drop(med);
     drop(ch);
     end
 }
 
-fn run(lending: &mut Lending<'_>, ch: &mut MsgChannel, table: &IrqTable, stop: &AtomicBool) -> End {
+/// A mediated function's state on an RDMA session.
+struct Mediated {
+    m: Mediator,
+    /// The borrower's DMA maps, with their remote address and rkey.
+    maps: Vec<RemoteMap>,
+    bounce: Bounce,
+    counters: AccessCounters,
+}
+
+impl Mediated {
+    /// Runs `op` on the mediator with guest memory reached over `ch`.
+    fn with<T>(
+        &mut self,
+        ch: &mut MsgChannel,
+        table: &IrqTable,
+        op: impl FnOnce(&mut Mediator, &mut RdmaGuest<'_>) -> T,
+    ) -> T {
+        let index_of = |v: u32| table.index_of(v);
+        let mut g = RdmaGuest {
+            ch,
+            maps: &self.maps,
+            bounce: &mut self.bounce,
+            index_of: &index_of,
+            counters: &mut self.counters,
+        };
+        op(&mut self.m, &mut g)
+    }
+}
+
+fn run(
+    lending: &mut Lending<'_>,
+    ch: &mut MsgChannel,
+    table: &IrqTable,
+    stop: &AtomicBool,
+    med: &mut Option<Mediated>,
+) -> End {
+    let f = lending.f;
     loop {
         if stop.load(Ordering::Acquire) {
             tracing::info!(bdf = %lending.f.bdf, "PCI session over RDMA stopped (lease ended or lender shutting down)");
@@ -94,15 +167,26 @@ fn run(lending: &mut Lending<'_>, ch: &mut MsgChannel, table: &IrqTable, stop: &
             .collect();
         // SAFETY: `pfds` is a live array of `pfds.len()` pollfds; every fd stays open
         // for the call (the channel and the Arcs in `fds`).
-        unsafe {
+        let n = unsafe {
             libc::poll(
                 pfds.as_mut_ptr(),
                 pfds.len() as libc::nfds_t,
                 STOP_CHECK.as_millis() as libc::c_int,
             )
         };
+        if n <= 0 {
+            if let Some(md) = med.as_mut() {
+                // A quiet interval: look at every queue, lest an interrupt was lost.
+                md.with(ch, table, |m, g| m.on_interrupt(f, g, None));
+            }
+        }
         for (p, (index, vector, efd)) in pfds[1..].iter().zip(&fds) {
             if p.revents & libc::POLLIN == 0 || efd.read().is_err() {
+                continue;
+            }
+            if let Some(md) = med.as_mut() {
+                // The mediator copies the completions, then raises the guest's vector.
+                md.with(ch, table, |m, g| m.on_interrupt(f, g, Some(*vector)));
                 continue;
             }
             let irq = Irq {
@@ -121,7 +205,11 @@ fn run(lending: &mut Lending<'_>, ch: &mut MsgChannel, table: &IrqTable, stop: &
             Err(e) => return transport(e),
         }
         while let Some(m) = ch.take() {
-            if let Err(end) = handle(lending, ch, &m) {
+            let handled = match med.as_mut() {
+                Some(md) => handle_mediated(lending, ch, table, md, &m),
+                None => handle(lending, ch, &m),
+            };
+            if let Err(end) = handled {
                 return end;
             }
         }
@@ -171,6 +259,16 @@ fn handle(lending: &mut Lending<'_>, ch: &mut MsgChannel, m: &Message) -> Result
         }
         _ => lending.request(m).map_err(protocol)?,
     };
+    reply(lending, ch, m, answer)
+}
+
+/// Sends the answer to request `m`.
+fn reply(
+    lending: &Lending<'_>,
+    ch: &mut MsgChannel,
+    m: &Message,
+    answer: Answer,
+) -> Result<(), End> {
     let reply = match answer {
         Ok(payload) => Message::new(m.kind | REPLY, payload),
         Err((status, reason)) => {
@@ -179,6 +277,86 @@ fn handle(lending: &mut Lending<'_>, ch: &mut MsgChannel, m: &Message) -> Result
         }
     };
     ch.send(&reply).map_err(transport)
+}
+
+/// Answers one message of a mediated function: DMA maps are recorded (no mirror),
+/// BAR0 accesses go to the mediator first, a reset resets it too; the rest is as for
+/// any function. A push or pull has no mirror to work on (the borrower of a mediated
+/// function sends neither).
+fn handle_mediated(
+    lending: &mut Lending<'_>,
+    ch: &mut MsgChannel,
+    table: &IrqTable,
+    md: &mut Mediated,
+    m: &Message,
+) -> Result<(), End> {
+    let protocol = |e: WireError| End::Protocol(e.to_string());
+    let f = lending.f;
+    let answer: Answer = match m.kind {
+        KIND_DMA_MAP if m.flags == 0 => {
+            let r = RemoteDmaRange::decode(&m.payload).map_err(protocol)?;
+            md.m.map(r.range.iova, r.range.size).map(|()| {
+                md.maps.push(RemoteMap {
+                    iova: r.range.iova,
+                    size: r.range.size,
+                    addr: r.addr,
+                    rkey: r.rkey,
+                });
+                Vec::new()
+            })
+        }
+        KIND_DMA_UNMAP if m.flags == 0 => {
+            let r = DmaRange::decode(&m.payload).map_err(protocol)?;
+            md.m.unmap(r.iova, r.size).map(|()| {
+                md.maps.retain(|x| !(x.iova == r.iova && x.size == r.size));
+                Vec::new()
+            })
+        }
+        KIND_READ if m.flags == 0 => {
+            let (a, _) = Access::decode(&m.payload, false).map_err(protocol)?;
+            if a.len > RDMA_MAX_ACCESS {
+                Err(invalid(format!(
+                    "a read of {} bytes over RDMA (at most {RDMA_MAX_ACCESS} per message)",
+                    a.len
+                )))
+            } else if a.region == 0 {
+                match lending.check_read(&a) {
+                    Err(r) => Err(r),
+                    Ok(()) => {
+                        let mut buf = vec![0u8; a.len as usize];
+                        if md.m.bar_read(a.offset, &mut buf) == Handled::Yes {
+                            Ok(buf)
+                        } else {
+                            return handle(lending, ch, m);
+                        }
+                    }
+                }
+            } else {
+                return handle(lending, ch, m);
+            }
+        }
+        KIND_WRITE if m.flags == 0 => {
+            let (a, data) = Access::decode(&m.payload, true).map_err(protocol)?;
+            if a.region != 0 {
+                return handle(lending, ch, m);
+            }
+            match lending.check_write(&a) {
+                Err(r) => Err(r),
+                Ok(()) => match md.with(ch, table, |med, g| med.bar_write(f, g, a.offset, data)) {
+                    Ok(Handled::Yes) => Ok(Vec::new()),
+                    Ok(Handled::Pass) => return handle(lending, ch, m),
+                    Err(r) => Err(r),
+                },
+            }
+        }
+        KIND_RESET if m.payload.is_empty() => {
+            handle(lending, ch, m)?;
+            md.m.reset();
+            return Ok(());
+        }
+        _ => return handle(lending, ch, m),
+    };
+    reply(lending, ch, m, answer)
 }
 
 /// Maps the range (a mirror at its IOVA, as over TCP) and registers the mirror.

@@ -9,6 +9,12 @@
 //! ends, the function is quiesced for the next borrower: interrupts disabled, bus
 //! mastering turned off, VFIO_DEVICE_RESET (when the function supports a reset), every
 //! mirror unmapped from the IOMMU and freed.
+//!
+//! In coherence mode `nvme` the session has a [`Mediator`] instead of mirrors: BAR0's
+//! controller registers and doorbells go to it (from the request loop, which may read
+//! guest memory), the function's interrupts too (from the interrupt thread, which only
+//! writes guest memory and raises the guest's interrupts), and DMA maps are only
+//! recorded.
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -30,8 +36,11 @@ use vfio_bindings::bindings::vfio::{
 use vmm_sys_util::eventfd::EventFd;
 
 use super::config::VirtConfig;
+use super::guest_access::{AccessCounters, TcpGuest};
 use super::mirror::Mirror;
+use super::nvme::{Handled, Mediator};
 use super::PciFunction;
+use crate::config::Coherence;
 use crate::engine::End;
 
 /// Most bytes of mirrors one borrower may map (4 GiB): each costs as much again in the
@@ -49,6 +58,39 @@ pub(super) fn invalid(reason: impl Into<String>) -> Refusal {
     (PciStatus::Invalid, reason.into())
 }
 
+/// The mediator of a session in coherence mode `nvme`, and what it needs to reach guest
+/// memory over the session's stream.
+struct Nvme<'a> {
+    mediator: Mutex<Mediator>,
+    counters: Mutex<AccessCounters>,
+    sock: &'a Stream,
+    writer: &'a Mutex<()>,
+    timeout: Duration,
+}
+
+impl Nvme<'_> {
+    /// Runs `op` on the mediator with guest access from the request loop (`can_read`)
+    /// or the interrupt thread, which raises interrupts of the vectors in `table`.
+    fn with<T>(
+        &self,
+        table: &IrqTable,
+        can_read: bool,
+        op: impl FnOnce(&mut Mediator, &mut TcpGuest<'_>) -> T,
+    ) -> T {
+        let index_of = |v: u32| table.index_of(v);
+        let mut g = TcpGuest {
+            sock: self.sock,
+            writer: self.writer,
+            timeout: self.timeout,
+            can_read,
+            index_of: &index_of,
+            counters: &self.counters,
+        };
+        let mut m = self.mediator.lock().unwrap_or_else(PoisonError::into_inner);
+        op(&mut m, &mut g)
+    }
+}
+
 /// The eventfds VFIO signals, shared with the interrupt thread.
 pub(super) struct IrqTable {
     /// `(index, vector, eventfd)` of every enabled vector.
@@ -56,6 +98,16 @@ pub(super) struct IrqTable {
     /// Wakes the interrupt thread to re-read `fds`.
     wake: EventFd,
     stop: AtomicBool,
+}
+
+impl IrqTable {
+    /// The interrupt index enabled for `vector`: MSI-X before MSI before INTx.
+    pub(super) fn index_of(&self, vector: u32) -> Option<u32> {
+        let t = self.fds.lock().unwrap_or_else(PoisonError::into_inner);
+        [2u32, 1, 0]
+            .into_iter()
+            .find(|i| t.iter().any(|(x, v, _)| x == i && *v == vector))
+    }
 }
 
 /// Serves one borrower's session on `f` until it closes or breaks the protocol, then
@@ -75,9 +127,23 @@ pub(crate) fn serve(
         Err(e) => return End::Socket(e),
     };
     let writer = Mutex::new(());
+    let nvme = match f.coherence {
+        Coherence::Nvme => match Mediator::new(f) {
+            Ok(m) => Some(Nvme {
+                mediator: Mutex::new(m),
+                counters: Mutex::new(AccessCounters::default()),
+                sock,
+                writer: &writer,
+                timeout: frame_timeout,
+            }),
+            Err(e) => return End::Socket(e),
+        },
+        Coherence::Mirror => None,
+    };
     let mut lending = Lending::new(f, &table);
+    lending.nvme = nvme.as_ref();
     let end = std::thread::scope(|s| {
-        let irq_thread = s.spawn(|| irq_loop(&table, sock, &writer));
+        let irq_thread = s.spawn(|| irq_loop(&table, sock, &writer, f, nvme.as_ref()));
         let end = lending.run(sock, &writer, frame_timeout);
         table.stop.store(true, Ordering::Release);
         let _ = table.wake.write(1);
@@ -85,6 +151,11 @@ pub(crate) fn serve(
         end
     });
     lending.quiesce();
+    if let Some(n) = &nvme {
+        let m = n.mediator.lock().unwrap_or_else(PoisonError::into_inner);
+        let c = n.counters.lock().unwrap_or_else(PoisonError::into_inner);
+        tracing::info!(%peer, stats = ?m.stats, fabric = ?*c, "NVMe mediator ends");
+    }
     tracing::info!(%peer, bdf = %f.bdf, "function quiesced for the next borrower");
     end
 }
@@ -113,7 +184,13 @@ fn read_message(sock: &Stream, frame_timeout: Duration) -> Result<Message, WireE
 }
 
 /// Waits on the enabled vectors' eventfds and sends a [`KIND_IRQ`] for each signal.
-fn irq_loop(table: &IrqTable, sock: &Stream, writer: &Mutex<()>) {
+fn irq_loop(
+    table: &IrqTable,
+    sock: &Stream,
+    writer: &Mutex<()>,
+    f: &PciFunction,
+    nvme: Option<&Nvme<'_>>,
+) {
     loop {
         if table.stop.load(Ordering::Acquire) {
             return;
@@ -141,6 +218,9 @@ fn irq_loop(table: &IrqTable, sock: &Stream, writer: &Mutex<()>) {
             )
         };
         if n <= 0 {
+            if let Some(nv) = nvme {
+                nv.with(table, false, |m, g| m.on_interrupt(f, g, None));
+            }
             continue;
         }
         if pfds[0].revents != 0 {
@@ -148,6 +228,11 @@ fn irq_loop(table: &IrqTable, sock: &Stream, writer: &Mutex<()>) {
         }
         for (p, (index, vector, efd)) in pfds[1..].iter().zip(&fds) {
             if p.revents & libc::POLLIN == 0 || efd.read().is_err() {
+                continue;
+            }
+            if let Some(nv) = nvme {
+                // The mediator copies the completions, then raises the guest's vector.
+                nv.with(table, false, |m, g| m.on_interrupt(f, g, Some(*vector)));
                 continue;
             }
             let m = Message::new(
@@ -180,6 +265,8 @@ impl IrqTable {
 /// The state of one lending, whatever the transport.
 pub(super) struct Lending<'a> {
     pub(super) f: &'a PciFunction,
+    /// The NVMe mediator, in coherence mode `nvme` over TCP.
+    nvme: Option<&'a Nvme<'a>>,
     cfg: VirtConfig,
     pub(super) maps: Vec<Mirror>,
     /// Bytes of all `maps`.
@@ -194,6 +281,7 @@ impl<'a> Lending<'a> {
     pub(super) fn new(f: &'a PciFunction, table: &'a IrqTable) -> Lending<'a> {
         Lending {
             f,
+            nvme: None,
             cfg: VirtConfig::new(&f.layout),
             maps: Vec::new(),
             mapped: 0,
@@ -276,6 +364,9 @@ impl<'a> Lending<'a> {
                 }
                 self.f.device.reset();
                 self.cfg = VirtConfig::new(&self.f.layout);
+                if let Some(nv) = self.nvme {
+                    nv.with(self.table, true, |m, _| m.reset());
+                }
                 tracing::info!(bdf = %self.f.bdf, "function reset by the borrower");
                 Ok(Vec::new())
             }
@@ -290,6 +381,16 @@ impl<'a> Lending<'a> {
                 .map(|()| Vec::new()),
             _ => return Err(WireError::Invalid("PCI request kind")),
         })
+    }
+
+    /// [`Self::check`] for a read.
+    pub(super) fn check_read(&self, a: &Access) -> Result<(), Refusal> {
+        self.check(a, VFIO_REGION_INFO_FLAG_READ)
+    }
+
+    /// [`Self::check`] for a write.
+    pub(super) fn check_write(&self, a: &Access) -> Result<(), Refusal> {
+        self.check(a, VFIO_REGION_INFO_FLAG_WRITE)
     }
 
     /// Checks that `a` addresses an existing region with `flag`, within its size.
@@ -330,6 +431,11 @@ impl<'a> Lending<'a> {
     fn read(&mut self, a: Access) -> Result<Vec<u8>, Refusal> {
         self.check(&a, VFIO_REGION_INFO_FLAG_READ)?;
         let mut buf = vec![0u8; a.len as usize];
+        if let (Some(nv), 0) = (self.nvme, a.region) {
+            if nv.with(self.table, true, |m, _| m.bar_read(a.offset, &mut buf)) == Handled::Yes {
+                return Ok(buf);
+            }
+        }
         self.f
             .pread(a.region, a.offset, &mut buf)
             .map_err(|e| (PciStatus::Io, format!("read of region {}: {e}", a.region)))?;
@@ -342,6 +448,13 @@ impl<'a> Lending<'a> {
     fn write(&mut self, a: Access, data: &[u8]) -> Result<(), Refusal> {
         self.check(&a, VFIO_REGION_INFO_FLAG_WRITE)?;
         let io = |e: std::io::Error| (PciStatus::Io, format!("write of region {}: {e}", a.region));
+        if let (Some(nv), 0) = (self.nvme, a.region) {
+            let f = self.f;
+            if nv.with(self.table, true, |m, g| m.bar_write(f, g, a.offset, data))? == Handled::Yes
+            {
+                return Ok(());
+            }
+        }
         if a.region != VFIO_PCI_CONFIG_REGION_INDEX {
             return self.f.pwrite(a.region, a.offset, data).map_err(io);
         }
@@ -434,6 +547,9 @@ impl<'a> Lending<'a> {
     }
 
     pub(super) fn dma_map(&mut self, r: DmaRange) -> Result<(), Refusal> {
+        if let Some(nv) = self.nvme {
+            return nv.with(self.table, true, |m, _| m.map(r.iova, r.size));
+        }
         if let Some(m) = self.maps.iter().find(|m| m.overlaps(r.iova, r.size)) {
             return Err(invalid(format!(
                 "DMA range {:#x}+{:#x} overlaps the mapped {:#x}+{:#x}",
@@ -465,6 +581,9 @@ impl<'a> Lending<'a> {
     }
 
     pub(super) fn dma_unmap(&mut self, r: DmaRange) -> Result<(), Refusal> {
+        if let Some(nv) = self.nvme {
+            return nv.with(self.table, true, |m, _| m.unmap(r.iova, r.size));
+        }
         let Some(i) = self
             .maps
             .iter()
@@ -570,6 +689,10 @@ impl<'a> Lending<'a> {
             }
         }
         f.device.reset();
+        if let Some(nv) = self.nvme {
+            // Bus mastering is off: the shadow queues and bounce buffers can go.
+            nv.with(self.table, false, |m, _| m.reset());
+        }
         for m in self.maps.drain(..) {
             if let Err(e) = f.container.vfio_dma_unmap(m.iova, m.size) {
                 // The IOMMU still points at the mirror: keep its memory rather than free

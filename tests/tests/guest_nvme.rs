@@ -1,0 +1,773 @@
+//! An NVMe SSD lent through the NVMe mediator (coherence mode `nvme`, `docs/nvme.md`):
+//! the lender runs inside a QEMU TCG guest with intel-iommu and QEMU's emulated `nvme`
+//! (backed by an image file on the host) bound to vfio-pci; its port is forwarded to the
+//! host's loopback. On the host, devlend's borrower serves vfio-user, and the
+//! `vfio_user` crate's `Client` acts as a userspace NVMe driver on "guest memory" (a
+//! memfd mapped with DMA_MAP):
+//! - enables the controller with admin queues in guest memory (AQA, ASQ, ACQ, CC.EN);
+//! - IDENTIFY controller (QEMU's 1b36 vendor, the serial, what the mediator restricts:
+//!   MDTS, OACS, SGLS) and namespace (its size is the image's);
+//! - creates an I/O completion queue (MSI-X vector 1) and submission queue;
+//! - WRITEs 16 KiB through a PRP list of scattered pages, FLUSH, READs it back into
+//!   other pages (PRP 1 with an offset and PRP 2), and compares; the interrupt comes
+//!   after the completion entry is in guest memory;
+//! - has malformed commands refused with their NVMe status, never reaching the
+//!   controller: a misaligned PRP 1 and PRP list entry (PRP Offset Invalid), PRPs
+//!   outside the DMA maps (Data Transfer Error), a transfer over MDTS (Invalid Field),
+//!   unknown admin and I/O opcodes (Invalid Command Opcode); then I/O still works;
+//! - counts the fabric messages and bytes per 4 KiB READ and WRITE (docs/performance.md);
+//! - and the image file on the host holds the written pattern.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use devlend_backend::pci::{LinkTarget, PciBorrower, PciHandle};
+use devlend_qemu::guest::Guest;
+use vfio_bindings::bindings::vfio::{
+    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX,
+};
+use vfio_user::Client;
+use vmm_sys_util::eventfd::EventFd;
+
+const CONFIG: u32 = 7;
+const BAR0: u32 = 0;
+/// Guest memory: IOVA and size.
+const IOVA: u64 = 0x10_0000;
+const GUEST_MEM: u64 = 0x20_0000;
+/// Layout of guest memory (offsets from IOVA).
+const ASQ: u64 = 0x0000;
+const ACQ: u64 = 0x1000;
+const IDENT: u64 = 0x2000;
+const IOCQ: u64 = 0x4000;
+const IOSQ: u64 = 0x5000;
+const LIST: u64 = 0x6000;
+const DATA: u64 = 0x2_0000;
+const ADMIN_ENTRIES: u16 = 32;
+const IO_ENTRIES: u16 = 16;
+/// The image: 8 MiB.
+const IMAGE: u64 = 8 << 20;
+
+fn bin(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/release")
+        .join(name)
+}
+
+fn libs(path: &Path) -> Vec<String> {
+    let out = Command::new("ldd").arg(path).output().expect("ldd");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split("=>").nth(1))
+        .filter_map(|r| r.split_whitespace().next())
+        .filter(|p| p.starts_with('/'))
+        .map(str::to_string)
+        .collect()
+}
+
+const SCRIPT: &str = r#"
+set -e
+devlend-modprobe vfio vfio_iommu_type1 vfio_virqfd irqbypass vfio_pci_core vfio_pci
+ip link set lo up
+ip addr add 10.0.2.15/24 dev eth0
+ip link set eth0 up
+BDF=
+for d in /sys/bus/pci/devices/*; do
+  if [ "$(cat $d/class)" = 0x010802 ]; then BDF=$(basename $d); fi
+done
+[ -n "$BDF" ] || { echo "no NVMe controller"; exit 1; }
+echo vfio-pci > /sys/bus/pci/devices/$BDF/driver_override
+echo $BDF > /sys/bus/pci/drivers_probe
+echo "DEVLEND-RESULT bdf=$BDF"
+devlend-device-agent --listen 0.0.0.0:7700 --device ssd0=pci:$BDF --log-level info 2>&1 | sed 's/^/lender: /' &
+sleep 100000
+"#;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Boots the lender's guest with an emulated NVMe on `image`.
+pub fn boot_lender(port: u16, image: &Path, memory_mib: u32) -> Guest {
+    let agent = bin("devlend-device-agent");
+    assert!(
+        agent.exists(),
+        "{} is missing: cargo build --release -p devlend-device-agent",
+        agent.display()
+    );
+    let mut b = Guest::builder()
+        .name("nvme-lender")
+        .memory_mib(memory_mib)
+        .kernel_arg("intel_iommu=on iommu=pt")
+        .args([
+            "-machine".to_string(),
+            "kernel-irqchip=split".to_string(),
+            "-device".to_string(),
+            "intel-iommu,intremap=on,caching-mode=on".to_string(),
+            "-drive".to_string(),
+            format!("file={},if=none,id=nv0,format=raw", image.display()),
+            "-device".to_string(),
+            "nvme,serial=lend0,drive=nv0".to_string(),
+            "-nic".to_string(),
+            format!("user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:{port}-:7700"),
+        ])
+        .script(SCRIPT)
+        .host_file("/bin/devlend-device-agent", &agent);
+    let mut files = libs(&agent);
+    files.push("/lib64/ld-linux-x86-64.so.2".into());
+    files.sort();
+    files.dedup();
+    for f in files {
+        b = b.host_file(f.clone(), f);
+    }
+    b.boot().expect("boot the lender's guest")
+}
+
+/// Connects a borrower to the lender at `port`, retrying while it starts.
+fn connect(port: u16) -> PciBorrower {
+    let target = LinkTarget {
+        lender: format!("127.0.0.1:{port}"),
+        device: "ssd0".into(),
+        borrower: [7; 16],
+        token: Vec::new(),
+        tls: None,
+        timeout: Duration::from_secs(10),
+        transport: devlend_backend::blk::engine::Transport::Tcp,
+    };
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        match PciBorrower::connect(&target) {
+            Ok(b) => return b,
+            Err(e) if Instant::now() < until => {
+                eprintln!("borrower: {}; retrying", devlend_fabric::error::chain(&e));
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Err(e) => panic!("borrower: {}", devlend_fabric::error::chain(&e)),
+        }
+    }
+}
+
+/// "Guest memory": a memfd mapped here.
+struct Memory {
+    fd: OwnedFd,
+    ptr: *mut u8,
+}
+
+impl Memory {
+    fn new() -> Memory {
+        // SAFETY: memfd_create with a NUL-terminated name; the fd is checked.
+        let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), 0) };
+        assert!(fd >= 0, "memfd_create");
+        // SAFETY: a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: the fd is open.
+        assert_eq!(
+            unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) },
+            0
+        );
+        // SAFETY: a new shared mapping of our memfd.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                GUEST_MEM as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        Memory {
+            fd,
+            ptr: ptr.cast(),
+        }
+    }
+
+    fn write(&self, off: u64, data: &[u8]) {
+        assert!(off as usize + data.len() <= GUEST_MEM as usize);
+        // SAFETY: in bounds of our mapping; volatile, since the borrower writes it too.
+        unsafe {
+            for (i, b) in data.iter().enumerate() {
+                std::ptr::write_volatile(self.ptr.add(off as usize + i), *b);
+            }
+        }
+    }
+
+    fn read(&self, off: u64, len: usize) -> Vec<u8> {
+        assert!(off as usize + len <= GUEST_MEM as usize);
+        // SAFETY: as in `write`.
+        unsafe {
+            (0..len)
+                .map(|i| std::ptr::read_volatile(self.ptr.add(off as usize + i)))
+                .collect()
+        }
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping.
+        unsafe {
+            libc::munmap(self.ptr.cast(), GUEST_MEM as usize);
+        }
+    }
+}
+
+/// One submission queue and its completion queue, as a driver keeps them.
+struct Queue {
+    qid: u16,
+    /// Offsets of the queues in guest memory (IOVA - [`IOVA`]).
+    sq: u64,
+    cq: u64,
+    entries: u16,
+    tail: u16,
+    head: u16,
+    phase: bool,
+    irq: EventFd,
+}
+
+/// A completion: DW0, SQ head, status field (without the phase).
+#[derive(Debug, Clone, Copy)]
+struct Done {
+    dw0: u32,
+    sqhd: u16,
+    status: u16,
+}
+
+impl Done {
+    fn sc(&self) -> (u16, u16) {
+        ((self.status >> 8) & 7, self.status & 0xff)
+    }
+}
+
+/// A userspace NVMe driver on the vfio-user client.
+struct Driver {
+    client: Client,
+    mem: Memory,
+    admin: Queue,
+    io: Option<Queue>,
+    cid: u16,
+}
+
+fn sqe(opcode: u8, nsid: u32, prp1: u64, prp2: u64, cdw: [u32; 6]) -> [u8; 64] {
+    let mut e = [0u8; 64];
+    e[0] = opcode;
+    e[4..8].copy_from_slice(&nsid.to_le_bytes());
+    e[24..32].copy_from_slice(&prp1.to_le_bytes());
+    e[32..40].copy_from_slice(&prp2.to_le_bytes());
+    for (i, d) in cdw.iter().enumerate() {
+        e[40 + 4 * i..44 + 4 * i].copy_from_slice(&d.to_le_bytes());
+    }
+    e
+}
+
+impl Driver {
+    fn r32(&mut self, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        self.client
+            .region_read(BAR0, off, &mut b)
+            .expect("BAR0 read");
+        u32::from_le_bytes(b)
+    }
+
+    fn w32(&mut self, off: u64, v: u32) {
+        self.client
+            .region_write(BAR0, off, &v.to_le_bytes())
+            .expect("BAR0 write");
+    }
+
+    fn wait_rdy(&mut self, rdy: bool) {
+        let until = Instant::now() + Duration::from_secs(60);
+        while (self.r32(0x1c) & 1 == 1) != rdy {
+            assert!(Instant::now() < until, "CSTS.RDY never became {rdy}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Submits `e` on the admin queue (`io` false) or the I/O queue, and waits for its
+    /// completion: the interrupt first, then the entry, which must be there already.
+    fn run(&mut self, io: bool, mut e: [u8; 64]) -> Done {
+        self.cid = self.cid.wrapping_add(1);
+        let cid = self.cid;
+        e[2..4].copy_from_slice(&cid.to_le_bytes());
+        let q = if io {
+            self.io.as_mut().expect("the I/O queue")
+        } else {
+            &mut self.admin
+        };
+        let (sq, tail) = (q.sq, q.tail);
+        q.tail = (q.tail + 1) % q.entries;
+        let (qid, new_tail) = (q.qid, q.tail);
+        self.mem.write(sq + u64::from(tail) * 64, &e);
+        self.w32(0x1000 + 8 * u64::from(qid), u32::from(new_tail));
+        let q = if io {
+            self.io.as_mut().expect("the I/O queue")
+        } else {
+            &mut self.admin
+        };
+        let until = Instant::now() + Duration::from_secs(60);
+        while q.irq.read().is_err() {
+            assert!(
+                Instant::now() < until,
+                "no interrupt for command {:#x} on queue {qid}",
+                e[0]
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let c = self.mem.read(q.cq + u64::from(q.head) * 16, 16);
+        let st = u16::from_le_bytes([c[14], c[15]]);
+        assert_eq!(
+            st & 1 == 1,
+            q.phase,
+            "the completion entry is in guest memory when the interrupt comes"
+        );
+        assert_eq!(u16::from_le_bytes([c[12], c[13]]), cid, "the command id");
+        assert_eq!(u16::from_le_bytes([c[10], c[11]]), qid, "the SQ id");
+        q.head = (q.head + 1) % q.entries;
+        if q.head == 0 {
+            q.phase = !q.phase;
+        }
+        let head = q.head;
+        self.w32(0x1000 + 8 * u64::from(qid) + 4, u32::from(head));
+        Done {
+            dw0: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            sqhd: u16::from_le_bytes([c[8], c[9]]),
+            status: st >> 1,
+        }
+    }
+
+    fn ok(&mut self, io: bool, e: [u8; 64], what: &str) -> Done {
+        let d = self.run(io, e);
+        assert_eq!(d.status, 0, "{what}: status {:?}", d.sc());
+        d
+    }
+}
+
+#[test]
+fn nvme_is_lent_through_the_mediator_to_a_userspace_driver() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let image = dir.path().join("nvme.img");
+    std::fs::write(&image, vec![0u8; IMAGE as usize]).expect("the image");
+    let port = free_port();
+    let mut lender = boot_lender(port, &image, 512);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lender
+            .wait_for_text("listening", Duration::from_secs(240))
+            .expect("the lender listens");
+        scenario(port, dir.path(), &image);
+    }));
+    for l in lender.console().lines().filter(|l| l.contains("lender: ")) {
+        eprintln!("{l}");
+    }
+    lender.kill();
+    if let Err(p) = result {
+        std::panic::resume_unwind(p);
+    }
+}
+
+fn serve(borrower: PciBorrower, sock: &Path) -> PciHandle {
+    let server = borrower.listen(sock).expect("listen");
+    let handle = borrower.handle();
+    let mut b = borrower;
+    std::thread::spawn(move || b.serve(&server));
+    handle
+}
+
+fn scenario(port: u16, dir: &Path, image: &Path) {
+    let borrower = connect(port);
+    let sock = dir.join("nvme.sock");
+    let handle = serve(borrower, &sock);
+    assert!(
+        handle.mediated(),
+        "an NVMe controller is mediated by default"
+    );
+
+    let mut client = Client::new(&sock).expect("vfio-user client");
+    let mut b = [0u8; 4];
+    client.region_read(CONFIG, 0, &mut b).expect("config");
+    assert_eq!(
+        u16::from_le_bytes([b[0], b[1]]),
+        0x1b36,
+        "QEMU's NVMe vendor"
+    );
+    client.region_read(CONFIG, 8, &mut b).expect("class");
+    assert_eq!(u32::from_le_bytes(b) >> 8, 0x010802, "class code NVMe");
+    let mut cmd = [0u8; 2];
+    client.region_read(CONFIG, 4, &mut cmd).expect("command");
+    let c = u16::from_le_bytes(cmd) | 0x06;
+    client
+        .region_write(CONFIG, 4, &c.to_le_bytes())
+        .expect("bus mastering");
+    let mem = Memory::new();
+    client
+        .dma_map(0, IOVA, GUEST_MEM, mem.fd.as_raw_fd())
+        .expect("DMA map");
+    let irqs = [
+        EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+        EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+    ];
+    client
+        .set_irqs(
+            VFIO_PCI_MSIX_IRQ_INDEX,
+            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+            0,
+            2,
+            &[irqs[0].as_raw_fd(), irqs[1].as_raw_fd()],
+        )
+        .expect("enable MSI-X");
+    let [irq0, irq1] = irqs;
+    let mut d = Driver {
+        client,
+        mem,
+        admin: Queue {
+            qid: 0,
+            sq: ASQ,
+            cq: ACQ,
+            entries: ADMIN_ENTRIES,
+            tail: 0,
+            head: 0,
+            phase: true,
+            irq: irq0,
+        },
+        io: None,
+        cid: 0,
+    };
+
+    // Enable (NVMe Base 2.0 §3.5.1).
+    let cap_lo = d.r32(0);
+    eprintln!("CAP {cap_lo:#x}, VS {:#x}", d.r32(8));
+    d.w32(0x14, 0);
+    d.wait_rdy(false);
+    let aqa = u32::from(ADMIN_ENTRIES - 1) << 16 | u32::from(ADMIN_ENTRIES - 1);
+    d.w32(0x24, aqa);
+    d.w32(0x28, (IOVA + ASQ) as u32);
+    d.w32(0x2c, 0);
+    d.w32(0x30, (IOVA + ACQ) as u32);
+    d.w32(0x34, 0);
+    assert_eq!(
+        d.r32(0x28),
+        (IOVA + ASQ) as u32,
+        "ASQ reads back as written"
+    );
+    d.w32(0x14, 1 | 6 << 16 | 4 << 20);
+    d.wait_rdy(true);
+
+    // IDENTIFY controller and namespace.
+    d.ok(
+        false,
+        sqe(0x06, 0, IOVA + IDENT, 0, [1, 0, 0, 0, 0, 0]),
+        "identify controller",
+    );
+    let id = d.mem.read(IDENT, 4096);
+    eprintln!(
+        "identify: MDTS {}, OACS {:#x}, ONCS {:#x}",
+        id[77],
+        u16::from_le_bytes([id[256], id[257]]),
+        u16::from_le_bytes([id[520], id[521]])
+    );
+    assert_eq!(u16::from_le_bytes([id[0], id[1]]), 0x1b36, "Identify VID");
+    assert_eq!(&id[4..9], b"lend0", "the serial");
+    assert!(
+        id[77] != 0 && id[77] <= 5,
+        "MDTS at most 128 KiB: {}",
+        id[77]
+    );
+    assert_eq!(u16::from_le_bytes([id[256], id[257]]), 0, "OACS cleared");
+    assert_eq!(&id[536..540], &[0; 4], "no SGLs");
+    d.ok(
+        false,
+        sqe(0x06, 1, IOVA + IDENT, 0, [0, 0, 0, 0, 0, 0]),
+        "identify namespace",
+    );
+    let ns = d.mem.read(IDENT, 4096);
+    let nsze = u64::from_le_bytes(ns[0..8].try_into().expect("8 bytes"));
+    let lbaf = ns[26] & 0xf;
+    let lbads = ns[128 + 4 * lbaf as usize + 2];
+    let lba = 1u64 << lbads;
+    assert_eq!(
+        nsze * lba,
+        IMAGE,
+        "the namespace is the image ({nsze} blocks of {lba})"
+    );
+
+    // Number of queues, then an I/O queue pair on vector 1.
+    let nq = d.ok(
+        false,
+        sqe(0x09, 0, 0, 0, [0x07, 0, 0, 0, 0, 0]),
+        "set features: queues",
+    );
+    eprintln!("queues granted: {:#x}", nq.dw0);
+    let qs = u32::from(IO_ENTRIES - 1) << 16 | 1;
+    d.ok(
+        false,
+        sqe(0x05, 0, IOVA + IOCQ, 0, [qs, 1 << 16 | 3, 0, 0, 0, 0]),
+        "create I/O CQ",
+    );
+    d.ok(
+        false,
+        sqe(0x01, 0, IOVA + IOSQ, 0, [qs, 1 << 16 | 1, 0, 0, 0, 0]),
+        "create I/O SQ",
+    );
+    d.io = Some(Queue {
+        qid: 1,
+        sq: IOSQ,
+        cq: IOCQ,
+        entries: IO_ENTRIES,
+        tail: 0,
+        head: 0,
+        phase: true,
+        irq: irq1,
+    });
+
+    // WRITE 16 KiB at LBA 8 from four scattered pages through a PRP list.
+    let pattern: Vec<u8> = (0..16384u32)
+        .map(|i| (i as u8).wrapping_mul(13).wrapping_add((i >> 9) as u8))
+        .collect();
+    let pages = [DATA, DATA + 0x3000, DATA + 0x1000, DATA + 0x7000];
+    for (i, p) in pages.iter().enumerate() {
+        d.mem.write(*p, &pattern[i * 4096..(i + 1) * 4096]);
+    }
+    let list: Vec<u8> = pages[1..]
+        .iter()
+        .flat_map(|p| (IOVA + p).to_le_bytes())
+        .collect();
+    d.mem.write(LIST, &list);
+    let nlb = (16384 / lba - 1) as u32;
+    let slba = 8u32;
+    d.ok(
+        true,
+        sqe(
+            0x01,
+            1,
+            IOVA + pages[0],
+            IOVA + LIST,
+            [slba, 0, nlb, 0, 0, 0],
+        ),
+        "write 16 KiB",
+    );
+    d.ok(true, sqe(0x00, 1, 0, 0, [0; 6]), "flush");
+    // READ it back: 2 KiB, then 14 KiB (PRP 1 at an offset, then a list).
+    let rd = DATA + 0x10_000;
+    d.mem.write(rd, &vec![0u8; 0x5000]);
+    d.ok(
+        true,
+        sqe(
+            0x02,
+            1,
+            IOVA + rd + 0x800,
+            0,
+            [slba, 0, (2048 / lba - 1) as u32, 0, 0, 0],
+        ),
+        "read 2 KiB",
+    );
+    assert_eq!(
+        d.mem.read(rd + 0x800, 2048),
+        &pattern[..2048],
+        "the first 2 KiB"
+    );
+    let list2: Vec<u8> = [rd + 0x2000, rd + 0x3000, rd + 0x4000]
+        .iter()
+        .flat_map(|p| (IOVA + p).to_le_bytes())
+        .collect();
+    d.mem.write(LIST + 0x100, &list2);
+    let slba2 = slba + (2048 / lba) as u32;
+    d.ok(
+        true,
+        sqe(
+            0x02,
+            1,
+            IOVA + rd + 0x1800,
+            IOVA + LIST + 0x100,
+            [slba2, 0, (14336 / lba - 1) as u32, 0, 0, 0],
+        ),
+        "read 14 KiB",
+    );
+    let mut back = d.mem.read(rd + 0x1800, 2048);
+    back.extend(d.mem.read(rd + 0x2000, 12288));
+    assert!(back == pattern[2048..], "the 14 KiB read back");
+
+    // Malformed commands: refused with their status, never submitted.
+    let sub = |d: &mut Driver, e| d.run(true, e).sc();
+    let read4k =
+        |p1: u64, p2: u64| sqe(0x02, 1, p1, p2, [slba, 0, (4096 / lba - 1) as u32, 0, 0, 0]);
+    assert_eq!(
+        sub(&mut d, read4k(IOVA + rd + 2, 0)),
+        (0, 0x13),
+        "misaligned PRP 1"
+    );
+    assert_eq!(
+        sub(&mut d, read4k(IOVA + rd + 0x800, IOVA + rd + 0x2010)),
+        (0, 0x13),
+        "misaligned PRP 2"
+    );
+    d.mem.write(LIST + 0x200, &(IOVA + rd + 0x10).to_le_bytes());
+    d.mem
+        .write(LIST + 0x208, &(IOVA + rd + 0x3000).to_le_bytes());
+    assert_eq!(
+        sub(
+            &mut d,
+            sqe(
+                0x02,
+                1,
+                IOVA + rd,
+                IOVA + LIST + 0x200,
+                [slba, 0, (12288 / lba - 1) as u32, 0, 0, 0]
+            )
+        ),
+        (0, 0x13),
+        "a misaligned PRP list entry"
+    );
+    assert_eq!(
+        sub(&mut d, read4k(0x7000_0000, 0)),
+        (0, 0x04),
+        "PRP 1 outside the DMA maps"
+    );
+    d.mem.write(LIST + 0x300, &0x7000_0000u64.to_le_bytes());
+    d.mem.write(LIST + 0x308, &0x7000_1000u64.to_le_bytes());
+    assert_eq!(
+        sub(
+            &mut d,
+            sqe(
+                0x02,
+                1,
+                IOVA + rd,
+                IOVA + LIST + 0x300,
+                [slba, 0, (12288 / lba - 1) as u32, 0, 0, 0]
+            )
+        ),
+        (0, 0x04),
+        "a PRP list pointing outside the DMA maps"
+    );
+    assert_eq!(
+        sub(
+            &mut d,
+            sqe(
+                0x02,
+                1,
+                IOVA + rd,
+                0x7000_0000,
+                [slba, 0, (12288 / lba - 1) as u32, 0, 0, 0]
+            )
+        ),
+        (0, 0x04),
+        "a PRP list outside the DMA maps"
+    );
+    assert_eq!(
+        sub(
+            &mut d,
+            sqe(
+                0x02,
+                1,
+                IOVA + rd,
+                IOVA + LIST,
+                [slba, 0, (256 * 1024 / lba - 1) as u32, 0, 0, 0]
+            )
+        ),
+        (0, 0x02),
+        "a transfer over MDTS (a PRP list too long)"
+    );
+    assert_eq!(
+        sub(&mut d, sqe(0x7e, 1, 0, 0, [0; 6])),
+        (0, 0x01),
+        "an unknown I/O opcode"
+    );
+    assert_eq!(
+        d.run(false, sqe(0x80, 0xffff_ffff, 0, 0, [0; 6])).sc(),
+        (0, 0x01),
+        "Format NVM is not mediated"
+    );
+    assert_eq!(
+        d.run(false, sqe(0x7c, 0, IOVA, IOVA + 0x1000, [0; 6])).sc(),
+        (0, 0x01),
+        "Doorbell Buffer Config is not mediated"
+    );
+    assert_eq!(
+        d.run(false, sqe(0x09, 0, 0, 0, [0x0d, 1, 0, 0, 0, 0])).sc(),
+        (0, 0x02),
+        "a host memory buffer is refused"
+    );
+    // The refusals did not reach the controller: the SQ head it reports follows the
+    // guest's queue, and I/O goes on.
+    let done = d.ok(true, read4k(IOVA + rd, 0), "a read after the refusals");
+    assert_eq!(done.sqhd, d.io.as_ref().map_or(0, |q| q.tail), "SQ head");
+    assert_eq!(d.mem.read(rd, 4096), &pattern[..4096]);
+
+    // Fabric cost per 4 KiB command.
+    let c = handle.link_counters();
+    let snap = || {
+        (
+            c.msgs_sent.load(Ordering::Relaxed) + c.msgs_received.load(Ordering::Relaxed),
+            c.bytes_sent.load(Ordering::Relaxed) + c.bytes_received.load(Ordering::Relaxed),
+        )
+    };
+    const N: u64 = 8;
+    let before = snap();
+    for i in 0..N {
+        d.mem.write(DATA + 0x8000, &pattern[..4096]);
+        d.ok(
+            true,
+            sqe(
+                0x01,
+                1,
+                IOVA + DATA + 0x8000,
+                0,
+                [64 + 8 * i as u32, 0, (4096 / lba - 1) as u32, 0, 0, 0],
+            ),
+            "4 KiB write",
+        );
+    }
+    let mid = snap();
+    for i in 0..N {
+        d.ok(
+            true,
+            sqe(
+                0x02,
+                1,
+                IOVA + DATA + 0x9000,
+                0,
+                [64 + 8 * i as u32, 0, (4096 / lba - 1) as u32, 0, 0, 0],
+            ),
+            "4 KiB read",
+        );
+        assert_eq!(d.mem.read(DATA + 0x9000, 4096), &pattern[..4096]);
+    }
+    let after = snap();
+    let per = |a: (u64, u64), b: (u64, u64)| {
+        ((b.0 - a.0) as f64 / N as f64, (b.1 - a.1) as f64 / N as f64)
+    };
+    let (wm, wb) = per(before, mid);
+    let (rm, rb) = per(mid, after);
+    eprintln!("FABRIC-COST 4k-write msgs={wm} bytes={wb}");
+    eprintln!("FABRIC-COST 4k-read msgs={rm} bytes={rb}");
+    assert!(
+        wb >= 4096.0 && wb < 4096.0 + 512.0,
+        "a 4 KiB write moves its 4 KiB once: {wb}"
+    );
+    assert!(
+        rb >= 4096.0 && rb < 4096.0 + 512.0,
+        "a 4 KiB read moves its 4 KiB once: {rb}"
+    );
+
+    // The image on the lender's side holds the pattern.
+    let img = std::fs::read(image).expect("read the image");
+    let at = (slba as u64 * lba) as usize;
+    assert!(
+        img[at..at + 16384] == pattern[..],
+        "the image holds the written pattern"
+    );
+    let at = (64 * lba) as usize;
+    assert!(
+        img[at..at + 4096] == pattern[..4096],
+        "and the 4 KiB writes"
+    );
+    eprintln!(
+        "mediator: reads {}, writes {}",
+        handle.stats().reads.load(Ordering::Relaxed),
+        handle.stats().writes.load(Ordering::Relaxed)
+    );
+}
