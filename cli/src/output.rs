@@ -194,6 +194,7 @@ fn state(a: &AttachmentInfo) -> &'static str {
     match (&a.vmm, a.connected) {
         _ if a.restoring.is_some() => "restoring",
         _ if a.lease_ended => "lease-ended",
+        _ if a.lender_lost => "lender-lost",
         (_, true) => "connected",
         (Some(_), false) => "unplugged",
         (None, false) => "waiting",

@@ -297,6 +297,10 @@ pub struct AttachmentInfo {
     /// this attachment's (detach it).
     #[serde(default)]
     pub lease_ended: bool,
+    /// The lender is gone for good (a PCIe function, whose session is not re-opened:
+    /// the VMM's device state was on it); detach and attach again.
+    #[serde(default)]
+    pub lender_lost: bool,
     /// I/O rates over the last seconds (absent until two samples, one second apart).
     #[serde(default)]
     pub rates: Option<Rates>,

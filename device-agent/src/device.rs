@@ -89,6 +89,12 @@ impl Device {
         self.spec == *spec
     }
 
+    /// Whether `borrower` holds the device now (a session of it is open).
+    pub(crate) fn held_by(&self, borrower: [u8; 16]) -> bool {
+        let h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
+        borrower != [0; 16] && h.as_ref().is_some_and(|(id, _)| *id == borrower)
+    }
+
     /// Lets a session of `borrower` use the device: a device is lent to one borrower at
     /// a time, for as long as it has a session open. An anonymous borrower (all zero)
     /// gets a session only while nobody holds the device, and does not hold it. Returns

@@ -121,7 +121,25 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         tracing::warn!(%peer, error = %e, "closing");
         return;
     }
-    let admitted = crate::session::admit(shared, &hello, &peer, id).and_then(|(dev, a, c)| {
+    // A lender that requires TLS lends over RDMA only to a borrower that already holds
+    // the device through a TLS session (its holding session); a PCIe function has no
+    // holding session: it is lent over TCP+TLS only.
+    let tls_refusal = shared.tls.get().is_some().then(|| match shared.device(&hello.device) {
+        Some(d) if d.pci.is_some() => Some(format!(
+            "this lender requires TLS: PCIe function {:?} is lent over TCP with TLS only (attach without --transport rdma)",
+            hello.device
+        )),
+        Some(d) if !d.held_by(hello.borrower) => Some(format!(
+            "this lender requires TLS: open the holding session of {:?} over TLS first (attach with --tls)",
+            hello.device
+        )),
+        _ => None,
+    });
+    let admitted = match tls_refusal.flatten() {
+        Some(reason) => Err((devlend_fabric::HelloStatus::Denied, reason)),
+        None => crate::session::admit(shared, &hello, &peer, id),
+    }
+    .and_then(|(dev, a, c)| {
         // One borrower at a time: the session that gets here first holds the function.
         let lent = match &dev.pci {
             Some(pci) => Some(pci.try_lend().ok_or_else(|| {

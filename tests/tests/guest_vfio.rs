@@ -178,6 +178,8 @@ fn serve(borrower: PciBorrower, sock: &Path) -> PciHandle {
 struct Raw {
     s: UnixStream,
     id: u16,
+    /// The errno of the last reply (0 when it was not an error).
+    errno: u32,
 }
 
 impl Raw {
@@ -185,6 +187,7 @@ impl Raw {
         let mut r = Raw {
             s: UnixStream::connect(sock).expect("connect"),
             id: 0,
+            errno: 0,
         };
         r.s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         let json = b"{\"capabilities\":{\"max_msg_fds\":1,\"max_data_xfer_size\":1048576}}\0";
@@ -226,6 +229,7 @@ impl Raw {
         let mut rest = vec![0u8; (hdr.2 as usize).saturating_sub(16)];
         self.s.read_exact(&mut rest).expect("reply body");
         assert_eq!(hdr.0, self.id, "reply id");
+        self.errno = if hdr.3 & 0x20 != 0 { hdr.4 } else { 0 };
         (hdr, rest)
     }
 
@@ -405,6 +409,29 @@ fn e1000e_msix_and_port_io(port: u16, dir: &Path) {
             >= 2
     );
     drop(c);
+    // A VMM that shrinks its memory file under a DMA map: the next BAR write's push must
+    // not touch the mapping past the file's end (SIGBUS would kill this borrower, which
+    // runs in the test's own process); it is refused with an errno and the borrower goes
+    // on. (A raw connection: the `Client` waits for ever on a refused write.)
+    let mut raw = Raw::join(&sock);
+    let mem = Memory::new();
+    assert!(
+        raw.dma_map(mem.fd.as_raw_fd(), IOVA, GUEST_MEM),
+        "DMA_MAP of the memfd"
+    );
+    // SAFETY: ftruncate on our own memfd; nothing here touches the mapping after it.
+    assert_eq!(unsafe { libc::ftruncate(mem.fd.as_raw_fd(), 0) }, 0);
+    assert_eq!(
+        raw.region_write(BAR0, e1000e::IMC, &u32::MAX.to_le_bytes()),
+        Err(libc::EINVAL as u32),
+        "a BAR write whose push would read past the shrunk file"
+    );
+    assert_eq!(
+        vendor_device(&mut raw),
+        0x10d3_8086,
+        "the borrower goes on after a shrunk memory file"
+    );
+    drop(raw);
     handle.disconnect();
 }
 
@@ -518,6 +545,8 @@ fn scenario(port: u16, dir: &Path) {
         !raw.dma_map(mem.fd.as_raw_fd(), IOVA + 0x8000, 0x1_0000),
         "a DMA map overlapping it"
     );
+    // Answered with an errno, never 0: a VMM (QEMU 11) takes `-errno` as the result.
+    assert_eq!(raw.errno, libc::EINVAL as u32, "the overlap's errno");
     assert!(
         !raw.dma_map(mem.fd.as_raw_fd(), IOVA + 1, 0x1000),
         "an unaligned DMA map"
@@ -533,6 +562,7 @@ fn scenario(port: u16, dir: &Path) {
         !raw.dma_map(mem.fd.as_raw_fd(), IOVA + 0x1000_0000, 1 << 40),
         "a DMA map of 1 TiB"
     );
+    assert_eq!(raw.errno, libc::EINVAL as u32, "the 1 TiB map's errno");
     // Refused before their payload is looked at: the payload must not be taken for the
     // next header (the patched vfio_user server reads every message whole).
     assert!(

@@ -13,7 +13,8 @@
 //!
 //! Also: a second borrower is refused while the first holds the function; after a
 //! detach the lender quiesces the function and lends it again over RDMA, and it works;
-//! a lender shutdown ends the PCI session over RDMA.
+//! a lender shutdown ends the PCI session over RDMA; a lender that requires TLS refuses
+//! the function over RDMA (which has no TLS).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -56,7 +57,6 @@ grep -q vfio-user-pci /tmp/attach.out && echo "DEVLEND-RESULT printed_qemu=yes"
 devlend-edu-vmm /run/devlend/edu.sock
 if attach edu2 > /tmp/attach2.out 2>&1; then echo "DEVLEND-RESULT second=attached"; else echo "DEVLEND-RESULT second=refused"; sed 's/^/second: /' /tmp/attach2.out; fi
 devlend detach --api /run/devlend/ca.sock edu > /dev/null
-sleep 2
 attach again > /dev/null
 echo "DEVLEND-RESULT round=2"
 devlend-edu-vmm /run/devlend/again.sock
@@ -65,6 +65,17 @@ echo "DEVLEND-RESULT quiesced=$(grep -c 'function quiesced for the next borrower
 kill -TERM $LPID
 wait $LPID || true
 echo "DEVLEND-RESULT stopped=$(grep -c 'PCI session over RDMA stopped' /tmp/lender.log)"
+sleep 1
+devlend --api /run/devlend/ca.sock status --json > /tmp/status.json
+if grep -q -E '"lender_lost": ?true' /tmp/status.json; then echo "DEVLEND-RESULT lost_shown=yes"; else echo "DEVLEND-RESULT lost_shown=no"; cat /tmp/status.json; fi
+devlend --api /run/devlend/ca.sock status | grep -q lender-lost && echo "DEVLEND-RESULT lost_table=yes"
+# A lender that requires TLS lends no PCIe function over RDMA (RDMA has no TLS).
+devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --device edu=pci:$BDF --tls-cert /certs/lender.crt --tls-key /certs/lender.key --log-level info >> /tmp/lender-tls.log 2>&1 &
+LPID=$!
+sleep 2
+if attach tls > /tmp/attach-tls.out 2>&1; then echo "DEVLEND-RESULT tls_rdma=attached"; else echo "DEVLEND-RESULT tls_rdma=refused"; sed 's/^/tls: /' /tmp/attach-tls.out; fi
+kill -TERM $LPID
+wait $LPID || true
 tail -n 25 /tmp/lender.log | sed 's/^/lender: /'
 grep -i -E 'warn|error' /tmp/ca.log | tail -n 10 | sed 's/^/borrower: /' || true
 "#;
@@ -103,6 +114,11 @@ fn edu_is_lent_over_rdma_with_the_mirror_moved_one_sided() {
             "/etc/libibverbs.d/rxe.driver",
         ],
     );
+    let certs_dir = tempfile::tempdir().expect("tempdir");
+    let certs = devlend_tests::certs::Certs::make(certs_dir.path()).expect("certificates");
+    let b = b
+        .host_file("/certs/lender.crt", certs.path("lender.crt"))
+        .host_file("/certs/lender.key", certs.path("lender.key"));
     let mut guest = b.boot().expect("boot");
     let out = guest.wait_done(Duration::from_secs(600)).expect("guest");
     for l in guest.console().lines().filter(|l| {
@@ -110,6 +126,7 @@ fn edu_is_lent_over_rdma_with_the_mirror_moved_one_sided() {
             || l.contains("lender: ")
             || l.contains("borrower: ")
             || l.contains("second: ")
+            || l.contains("tls: ")
             || l.contains("panicked")
     }) {
         eprintln!("{l}");
@@ -162,6 +179,21 @@ fn edu_is_lent_over_rdma_with_the_mirror_moved_one_sided() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     assert!(quiesced >= 1, "the function was quiesced after the detach");
+    assert_eq!(
+        out.result("lost_shown"),
+        Some("yes"),
+        "status says the lender is lost once the function's session is gone"
+    );
+    assert_eq!(
+        out.result("lost_table"),
+        Some("yes"),
+        "and the table says so"
+    );
+    assert_eq!(
+        out.result("tls_rdma"),
+        Some("refused"),
+        "a lender that requires TLS does not lend a PCIe function over plain RDMA"
+    );
     assert_eq!(
         out.result("stopped"),
         Some("1"),

@@ -115,6 +115,10 @@ pub struct Attachment {
     thread: Option<JoinHandle<()>>,
 }
 
+/// How long attaching a PCIe function retries while the lender answers busy (it may
+/// still be quiescing the function for its previous borrower).
+const PCI_BUSY_WAIT: Duration = Duration::from_secs(3);
+
 impl Attachment {
     /// Opens a session to the lender to learn the device (capacity, limits, serial),
     /// binds the socket and starts serving it.
@@ -246,7 +250,22 @@ impl Attachment {
             timeout: Duration::from_secs(10),
             transport: config.lender.transport,
         };
-        let borrower = crate::pci::PciBorrower::connect(&target).map_err(AttachmentError::Pci)?;
+        // A function just given back by this compute agent (a detach, then an attach at
+        // once) may still be quiescing on the lender, which answers busy meanwhile.
+        let until = std::time::Instant::now() + PCI_BUSY_WAIT;
+        let borrower = loop {
+            match crate::pci::PciBorrower::connect(&target) {
+                Err(crate::pci::PciError::Connect(
+                    devlend_fabric::tcp::ConnectError::Refused {
+                        status: devlend_fabric::HelloStatus::Busy,
+                        ..
+                    },
+                )) if std::time::Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+                r => break r.map_err(AttachmentError::Pci)?,
+            }
+        };
         let server = borrower
             .listen(&config.socket)
             .map_err(AttachmentError::Pci)?;
@@ -334,6 +353,12 @@ impl Attachment {
     /// I/O counters since start.
     pub fn stats(&self) -> StatsSnapshot {
         self.stats.snapshot()
+    }
+
+    /// Whether the lender is gone for good: a PCIe function's fabric session ended (it is
+    /// not re-opened under a running VMM).
+    pub fn lender_lost(&self) -> bool {
+        self.pci.as_ref().is_some_and(|p| p.session_closed())
     }
 
     /// Whether a frontend is connected now.

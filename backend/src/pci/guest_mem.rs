@@ -46,6 +46,11 @@ impl Maps {
             .iter()
             .find(|m| iova >= m.iova && end <= m.iova + m.size as u64)
             .ok_or_else(|| format!("{len} bytes at IOVA {iova:#x} are outside every DMA map"))?;
+        if !m.intact() {
+            return Err(format!(
+                "the VMM's memory file behind IOVA {iova:#x} shrank below its DMA map"
+            ));
+        }
         let s = m
             .slice()
             .subslice((iova - m.iova) as usize, len)

@@ -167,6 +167,8 @@ impl Registration {
 /// An open PCI session.
 pub struct Link {
     wire: Wire,
+    /// Set when the reader thread ends (the session is over).
+    closed: Arc<std::sync::atomic::AtomicBool>,
     write: Arc<Mutex<()>>,
     replies: Mutex<Receiver<Message>>,
     counters: Arc<LinkCounters>,
@@ -208,6 +210,7 @@ impl Link {
         let (irq_tx, irq_rx) = mpsc::channel();
         let write = Arc::new(Mutex::new(()));
         let counters = Arc::new(LinkCounters::default());
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let wire = match t.transport {
             crate::blk::engine::Transport::Tcp => {
                 let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
@@ -220,9 +223,13 @@ impl Link {
                     memory,
                     counters: Arc::clone(&counters),
                 };
+                let done = Arc::clone(&closed);
                 std::thread::Builder::new()
                     .name("devlend-pci-rx".into())
-                    .spawn(move || read_loop(&rx, reply_tx, irq_tx))
+                    .spawn(move || {
+                        read_loop(&rx, reply_tx, irq_tx);
+                        done.store(true, Ordering::Release);
+                    })
                     .map_err(io)?;
                 Wire::Stream(stream)
             }
@@ -232,9 +239,13 @@ impl Link {
                 let wire = rdma_connect(t, &hello)?;
                 let reader = Arc::clone(&wire);
                 let c = Arc::clone(&counters);
+                let done = Arc::clone(&closed);
                 std::thread::Builder::new()
                     .name("devlend-pci-rx".into())
-                    .spawn(move || rdma_read_loop(&reader, &reply_tx, &irq_tx, &c))
+                    .spawn(move || {
+                        rdma_read_loop(&reader, &reply_tx, &irq_tx, &c);
+                        done.store(true, Ordering::Release);
+                    })
                     .map_err(io)?;
                 Wire::Rdma(wire)
             }
@@ -249,6 +260,7 @@ impl Link {
         };
         let link = Link {
             wire,
+            closed,
             write,
             replies: Mutex::new(reply_rx),
             counters,
@@ -323,6 +335,12 @@ impl Link {
                 })
             }
         }
+    }
+
+    /// Whether the session is over (the reader thread ended: closed by either side, or
+    /// lost).
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// The link's traffic so far.

@@ -109,6 +109,11 @@ struct GuestMap {
     ptr: NonNull<u8>,
     /// What the mirror holds, as far as the borrower knows.
     shadow: Vec<u8>,
+    /// The VMM's file, and the end of the mapped range in it (bytes).
+    file: File,
+    file_end: u64,
+    /// Whether the file cannot shrink (F_SEAL_SHRINK).
+    sealed: bool,
 }
 
 // SAFETY: the mapping belongs to this GuestMap alone and is touched only through
@@ -116,6 +121,13 @@ struct GuestMap {
 unsafe impl Send for GuestMap {}
 
 impl GuestMap {
+    /// Whether the VMM's file still covers the whole mapping: a shared mapping touched
+    /// past its file's end raises SIGBUS, and a VMM may shrink its file after DMA_MAP.
+    /// Checked before every pass over guest memory; a sealed file cannot shrink.
+    fn intact(&self) -> bool {
+        self.sealed || self.file.metadata().is_ok_and(|m| m.len() >= self.file_end)
+    }
+
     fn slice(&self) -> VolatileSlice<'_> {
         // SAFETY: `ptr..ptr + size` is our live mapping while `self` lives.
         unsafe { VolatileSlice::new(self.ptr.as_ptr(), self.size) }
@@ -162,6 +174,11 @@ impl PciHandle {
         &self.0.stats
     }
 
+    /// Whether the fabric session to the lender has ended.
+    pub fn session_closed(&self) -> bool {
+        self.0.link.is_closed()
+    }
+
     /// As [`PciBorrower::disconnect`].
     pub fn disconnect(&self) {
         self.0.link.shutdown();
@@ -188,6 +205,29 @@ impl Drop for PciBorrower {
         // Ends the reader, hence the interrupt thread and its share of `Shared`.
         self.shared.link.shutdown();
     }
+}
+
+/// Makes sure the VMM's memory file cannot shrink under a DMA map: it is sealed against
+/// shrinking already (QEMU's memfd backend seals its files), or the seal can be added
+/// (a memfd created with MFD_ALLOW_SEALING). Otherwise (a plain file, hugetlbfs) the
+/// map's [`GuestMap::intact`] checks the file's size before each pass.
+fn seal_shrink(f: &File) -> bool {
+    // SAFETY: fcntl on an open fd we own, with integer arguments only.
+    let seals = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals >= 0 && seals & libc::F_SEAL_SHRINK != 0 {
+        return true;
+    }
+    // SAFETY: as above.
+    seals >= 0 && unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0
+}
+
+/// The refusal of a pass over a map whose file shrank under it.
+fn shrunk(m: &GuestMap) -> io::Error {
+    einval(format!(
+        "the VMM's memory file behind DMA map {:#x}+{:#x} shrank below the mapped range; \
+         its memory is not touched",
+        m.iova, m.size
+    ))
 }
 
 fn einval(msg: impl Into<String>) -> io::Error {
@@ -427,6 +467,9 @@ impl PciBorrower {
         // Over RDMA: the run of changed pages being built (IOVA, bytes).
         let mut run: Option<(u64, u32)> = None;
         for m in maps.iter_mut() {
+            if !m.intact() {
+                return Err(shrunk(m));
+            }
             // SAFETY: `ptr..ptr + size` is the map's live mapping while `m` lives; built
             // from the raw parts so that the shadow may be borrowed beside it.
             let slice = unsafe { VolatileSlice::new(m.ptr.as_ptr(), m.size) };
@@ -533,6 +576,9 @@ fn pull(shared: &Shared, maps: &mut [GuestMap]) -> Result<(), LinkError> {
                     "pulled {len} bytes at IOVA {iova:#x} outside every mapping"
                 )));
             };
+            if !m.intact() {
+                return Err(LinkError::Protocol(shrunk(m).to_string()));
+            }
             let off = (iova - m.iova) as usize;
             // SAFETY: `ptr..ptr + size` is the map's live mapping while `m` lives; built
             // from the raw parts so that the shadow may be borrowed beside it.
@@ -698,6 +744,7 @@ impl ServerBackend for PciBorrower {
         }
         let ptr = crate::shared_map::map_shared(fd.as_raw_fd(), len, file_off)?;
         let mediated = self.shared.info.flags & INFO_MEDIATED != 0;
+        let sealed = seal_shrink(&fd);
         let mut map = GuestMap {
             reg: None,
             iova: address,
@@ -705,6 +752,9 @@ impl ServerBackend for PciBorrower {
             ptr,
             // A mediated function's lender moves guest memory itself: no shadow.
             shadow: if mediated { Vec::new() } else { vec![0; len] },
+            file: fd,
+            file_end: offset + size,
+            sealed,
         };
         // SAFETY: the mapping lives in `map`, which drops the registration first.
         map.reg = unsafe { self.shared.link.register(ptr.as_ptr(), len) }.map_err(link_err)?;

@@ -45,6 +45,10 @@ use crate::engine::End;
 
 /// How often the session looks at its stop flag when nothing arrives.
 const STOP_CHECK: Duration = Duration::from_millis(200);
+/// For a mediated function: after this long without a message or an interrupt, the
+/// mediator looks at every shadow completion queue (an interrupt can be lost while the
+/// borrower re-enables vectors), as over TCP.
+const MEDIATED_IDLE_LOOK: Duration = Duration::from_millis(10);
 
 /// A mirror's registration and the borrower's guest memory behind its range.
 pub(crate) struct Remote {
@@ -171,7 +175,11 @@ fn run(
             libc::poll(
                 pfds.as_mut_ptr(),
                 pfds.len() as libc::nfds_t,
-                STOP_CHECK.as_millis() as libc::c_int,
+                if med.is_some() {
+                    MEDIATED_IDLE_LOOK.as_millis() as libc::c_int
+                } else {
+                    STOP_CHECK.as_millis() as libc::c_int
+                },
             )
         };
         if n <= 0 {

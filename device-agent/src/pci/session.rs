@@ -46,6 +46,17 @@ use crate::engine::End;
 /// Most bytes of mirrors one borrower may map (4 GiB): each costs as much again in the
 /// lender's synced copy.
 pub(crate) const MAX_MIRROR_BYTES: u64 = devlend_fabric::pci::MAX_MIRROR_BYTES;
+/// Memory the lender keeps free beside mirrors (bytes): 128 MiB.
+const MEMORY_RESERVE: u64 = 128 << 20;
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes.
+fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// How often the interrupt thread looks at its stop flag when no interrupt comes.
 const IRQ_POLL: Duration = Duration::from_millis(200);
 
@@ -561,6 +572,23 @@ impl<'a> Lending<'a> {
                 "mapping {:#x} more bytes passes the mirror limit of {MAX_MIRROR_BYTES:#x}",
                 r.size
             )));
+        }
+        // The mirror and its synced copy are pinned or touched in full: refuse a map the
+        // lender's memory cannot hold, rather than be killed for it (a VMM that maps all
+        // its RAM for DMA needs twice that here).
+        if let Some(avail) = mem_available() {
+            let need = r.size.saturating_mul(2).saturating_add(MEMORY_RESERVE);
+            if need > avail {
+                return Err((
+                    PciStatus::Io,
+                    format!(
+                        "a mirror of {} MiB needs {} MiB of the lender's memory, {} MiB are available",
+                        r.size >> 20,
+                        need >> 20,
+                        avail >> 20
+                    ),
+                ));
+            }
         }
         let size = usize::try_from(r.size).map_err(|_| invalid("DMA range too large"))?;
         let mirror = Mirror::new(r.iova, size)

@@ -401,6 +401,8 @@ pub struct Connection {
     peer: String,
     wc: Vec<ibv_wc>,
     disconnected: bool,
+    /// Completions taken during the handshake but not returned yet.
+    early: Vec<Completion>,
 }
 
 // SAFETY: every handle inside is used by one thread at a time (the owner's).
@@ -491,6 +493,7 @@ fn build(
         // SAFETY: ibv_wc is plain data; zeroes are valid.
         wc: (0..64).map(|_| unsafe { std::mem::zeroed() }).collect(),
         disconnected: false,
+        early: Vec::new(),
     };
     for i in 0..shape.recv.0 {
         c.post_recv(i)?;
@@ -830,6 +833,7 @@ impl Connection {
     /// [`RdmaError::Disconnected`] when the peer disconnected (after the completions
     /// already queued were appended).
     pub fn poll(&mut self, out: &mut Vec<Completion>) -> Result<(), RdmaError> {
+        out.append(&mut self.early);
         let mut events = 0u32;
         loop {
             let mut cq = std::ptr::null_mut();
@@ -888,11 +892,17 @@ impl Connection {
     /// Waits until `deadline` for one completion (handshake only: later completions are
     /// taken with [`Self::poll`]).
     fn wait(&mut self, deadline: Instant, what: &'static str) -> Result<Completion, RdmaError> {
-        let mut out = Vec::new();
         loop {
-            self.poll(&mut out)?;
-            if let Some(c) = out.first() {
-                return Ok(*c);
+            // One poll may take several completions (the hello's SEND and the reply's
+            // RECV together): the ones not returned yet wait in `early`.
+            if self.early.is_empty() {
+                let mut out = std::mem::take(&mut self.early);
+                let polled = self.poll(&mut out);
+                self.early = out;
+                polled?;
+            }
+            if !self.early.is_empty() {
+                return Ok(self.early.remove(0));
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {

@@ -1499,10 +1499,12 @@ impl Server {
                     command: header.command,
                     flags: HeaderFlags::Error as u32 | HeaderFlags::Reply as u32,
                     message_size: size_of::<Header>() as u32,
-                    error: if matches!(e, Error::InvalidInput) {
-                        EINVAL as u32
-                    } else {
-                        0
+                    // devlend: never 0 (a VMM takes `-error` for its result, and 0 for
+                    // success): the backend's errno, or one for its error's kind.
+                    error: match &e {
+                        Error::InvalidInput => EINVAL as u32,
+                        Error::Backend(io) => errno_of(io),
+                        _ => libc::EIO as u32,
                     },
                 };
                 stream
@@ -1513,6 +1515,20 @@ impl Server {
 
         Ok(())
     }
+}
+
+/// devlend: the errno a VMM is answered with for a backend's error: its own, else one
+/// for its kind (EINVAL for invalid input, EPIPE for a broken pipe, else EIO).
+fn errno_of(e: &std::io::Error) -> u32 {
+    if let Some(n) = e.raw_os_error().filter(|&n| n > 0) {
+        return n as u32;
+    }
+    (match e.kind() {
+        std::io::ErrorKind::InvalidInput => libc::EINVAL,
+        std::io::ErrorKind::BrokenPipe => libc::EPIPE,
+        std::io::ErrorKind::Unsupported => libc::ENOTSUP,
+        _ => libc::EIO,
+    }) as u32
 }
 
 impl Drop for Server {
