@@ -59,6 +59,7 @@ impl Rig {
             path: file.clone(),
             net: None,
             pci: None,
+            coherence: None,
             mac: None,
             read_only,
             serial: Some("SERIAL-0123456789ABC".into()),

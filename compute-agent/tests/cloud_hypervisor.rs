@@ -1040,6 +1040,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         path: img,
         net: None,
         pci: None,
+        coherence: None,
         mac: None,
         read_only: false,
         serial: None,

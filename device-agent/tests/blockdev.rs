@@ -24,6 +24,7 @@ fn lends_a_block_device() {
         path: path.into(),
         net: None,
         pci: None,
+        coherence: None,
         mac: None,
         read_only: false,
         serial: None,

@@ -165,10 +165,8 @@ impl Memory {
         // SAFETY: a fresh fd we own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: the fd is open.
-        assert_eq!(
-            unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) },
-            0
-        );
+        let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) };
+        assert_eq!(rc, 0, "ftruncate");
         // SAFETY: a new shared mapping of our memfd.
         let ptr = unsafe {
             libc::mmap(
@@ -744,11 +742,11 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     eprintln!("FABRIC-COST 4k-write msgs={wm} bytes={wb}");
     eprintln!("FABRIC-COST 4k-read msgs={rm} bytes={rb}");
     assert!(
-        wb >= 4096.0 && wb < 4096.0 + 512.0,
+        (4096.0..4096.0 + 512.0).contains(&wb),
         "a 4 KiB write moves its 4 KiB once: {wb}"
     );
     assert!(
-        rb >= 4096.0 && rb < 4096.0 + 512.0,
+        (4096.0..4096.0 + 512.0).contains(&rb),
         "a 4 KiB read moves its 4 KiB once: {rb}"
     );
 

@@ -48,6 +48,7 @@ impl Fixture {
                     path,
                     net: None,
                     pci: None,
+                    coherence: None,
                     mac: None,
                     read_only: ro,
                     serial: None,

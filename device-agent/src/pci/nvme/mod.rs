@@ -381,7 +381,8 @@ impl Mediator {
             return Err(invalid("admin queues of fewer than 2 entries"));
         }
         for (what, base, n, es) in [("ASQ", self.asq, sq_n, SQE), ("ACQ", self.acq, cq_n, CQE)] {
-            if base % PAGE as u64 != 0 || !self.inside(base, (usize::from(n) * es) as u64) {
+            if !base.is_multiple_of(PAGE as u64) || !self.inside(base, (usize::from(n) * es) as u64)
+            {
                 return Err(invalid(format!(
                     "{what} {base:#x} ({n} entries) is not page-aligned inside the DMA maps"
                 )));
@@ -596,7 +597,7 @@ impl Mediator {
                     return Err(INVALID_QSIZE);
                 }
                 // Physically contiguous (PC, CDW11 bit 0) and page-aligned only.
-                if c11 & 1 == 0 || prp1 % PAGE as u64 != 0 {
+                if c11 & 1 == 0 || !prp1.is_multiple_of(PAGE as u64) {
                     return Err(INVALID_FIELD);
                 }
                 let es = if sqe[0] == admin::CREATE_CQ { CQE } else { SQE };
@@ -854,10 +855,7 @@ impl Mediator {
     ) -> Result<(), GuestError> {
         let mut taken = 0;
         let mut freed_sqs = Vec::new();
-        loop {
-            let Some(cq) = self.cqs.get_mut(&cqid) else {
-                break;
-            };
+        while let Some(cq) = self.cqs.get_mut(&cqid) {
             let mut e = [0u8; CQE];
             cq.shadow.read(usize::from(cq.sh_head) * CQE, &mut e);
             if (le16(&e, 14) & 1 != 0) != cq.sh_phase {
