@@ -306,7 +306,10 @@ pub struct Cli {
     #[arg(long, value_enum, value_name = "tcp|rdma")]
     pub transport: Option<Transport>,
     /// A device to lend; repeatable. Replaces a config-file device of the same name.
-    #[arg(long = "device", value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B]")]
+    #[arg(
+        long = "device",
+        value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B] | NAME=pci:BDF[,coherence=nvme|mirror]"
+    )]
     pub devices: Vec<DeviceSpec>,
     /// TOML config file with `listen`, `log_level`, `log_format`, `metrics_listen` and
     /// `[[device]]` tables; default /etc/devlend/device-agent.toml when it exists.

@@ -63,6 +63,8 @@ fn invalid(reason: impl Into<String>) -> Refusal {
 struct Nvme<'a> {
     mediator: Mutex<Mediator>,
     counters: Mutex<AccessCounters>,
+    /// Why the borrower broke the protocol during a guest memory read, if it did.
+    broken: Mutex<Option<String>>,
     sock: &'a Stream,
     writer: &'a Mutex<()>,
     timeout: Duration,
@@ -85,6 +87,7 @@ impl Nvme<'_> {
             can_read,
             index_of: &index_of,
             counters: &self.counters,
+            broken: &self.broken,
         };
         let mut m = self.mediator.lock().unwrap_or_else(PoisonError::into_inner);
         op(&mut m, &mut g)
@@ -137,6 +140,7 @@ pub(crate) fn serve(
             Ok(m) => Some(Nvme {
                 mediator: Mutex::new(m),
                 counters: Mutex::new(AccessCounters::default()),
+                broken: Mutex::new(None),
                 sock,
                 writer: &writer,
                 timeout: frame_timeout,
@@ -312,6 +316,14 @@ impl Lending<'_> {
                     Err(e) => return End::Protocol(e.to_string()),
                 },
             };
+            if let Some(reason) = self.nvme.and_then(|n| {
+                n.broken
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take()
+            }) {
+                return End::Protocol(reason);
+            }
             let reply = match answer {
                 Ok(payload) => Message::new(m.kind | REPLY, payload),
                 Err((status, reason)) => {

@@ -41,11 +41,15 @@ use super::guest_access::{GuestAccess, GuestError};
 use super::PciFunction;
 
 /// Highest queue identifier the mediator serves (64 I/O queue pairs beside the admin
-/// pair). Doorbells past it pass to the controller untouched... they are ignored.
+/// pair): the doorbells of queues 0..=64 are the mediator's; writes past them pass to
+/// the controller, which has no such queue (the mediator never creates one).
 pub(crate) const MAX_QID: u16 = 64;
 /// Largest transfer of one command: 128 KiB (the MDTS the guest is told, 5 with 4 KiB
 /// pages, or the controller's own when smaller).
 pub(crate) const MAX_TRANSFER: usize = 128 << 10;
+/// Most entries of a queue the mediator shadows (the controller's CAP.MQES + 1 when
+/// smaller).
+pub(crate) const MAX_ENTRIES: u32 = 4096;
 /// Pages of bounce buffers (16 MiB): commands that find no room wait in their queue's
 /// pending list until completions free some.
 const ARENA_PAGES: usize = 4096;
@@ -164,7 +168,7 @@ pub(crate) struct Mediator {
     container: Arc<VfioContainer>,
     /// Doorbell stride, bytes.
     stride: u64,
-    /// CAP.MQES + 1: most entries of a queue.
+    /// CAP.MQES + 1, at most [`MAX_ENTRIES`]: most entries of a queue.
     max_entries: u32,
     /// The controller's MDTS in bytes (0: no limit).
     device_mdts: usize,
@@ -202,7 +206,7 @@ impl Mediator {
         Ok(Mediator {
             container: Arc::clone(&f.container),
             stride: 4 << dstrd,
-            max_entries: (cap & 0xffff) as u32 + 1,
+            max_entries: ((cap & 0xffff) as u32 + 1).min(MAX_ENTRIES),
             device_mdts: 0,
             aqa: 0,
             asq: 0,
