@@ -16,6 +16,8 @@
 //!   outside the DMA maps (Data Transfer Error), a transfer over MDTS (Invalid Field),
 //!   unknown admin and I/O opcodes (Invalid Command Opcode); then I/O still works;
 //! - counts the fabric messages and bytes per 4 KiB READ and WRITE (docs/performance.md);
+//! - refuses an I/O CQ outside the DMA maps and an SQ on a missing CQ, deletes the I/O
+//!   queue pair, resets the controller (CC.EN 1 → 0 → 1) and IDENTIFYs again;
 //! - and the image file on the host holds the written pattern.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -748,6 +750,78 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     assert!(
         (4096.0..4096.0 + 512.0).contains(&rb),
         "a 4 KiB read moves its 4 KiB once: {rb}"
+    );
+
+    // Queue management through the mediator: an I/O CQ outside the DMA maps is
+    // refused; the I/O queue pair is deleted (SQ first), and its id can be created
+    // again.
+    assert_eq!(
+        d.run(
+            false,
+            sqe(
+                0x05,
+                0,
+                0x7000_0000,
+                0,
+                [u32::from(IO_ENTRIES - 1) << 16 | 2, 1 << 16 | 3, 0, 0, 0, 0]
+            )
+        )
+        .sc(),
+        (0, 0x04),
+        "an I/O CQ outside the DMA maps"
+    );
+    assert_eq!(
+        d.run(
+            false,
+            sqe(
+                0x01,
+                0,
+                IOVA + IOSQ + 0x1000,
+                0,
+                [u32::from(IO_ENTRIES - 1) << 16 | 2, 9 << 16 | 1, 0, 0, 0, 0]
+            )
+        )
+        .sc(),
+        (1, 0x00),
+        "an I/O SQ on a CQ that does not exist"
+    );
+    d.ok(
+        false,
+        sqe(0x00, 0, 0, 0, [1, 0, 0, 0, 0, 0]),
+        "delete I/O SQ",
+    );
+    d.ok(
+        false,
+        sqe(0x04, 0, 0, 0, [1, 0, 0, 0, 0, 0]),
+        "delete I/O CQ",
+    );
+    assert_eq!(
+        d.run(false, sqe(0x00, 0, 0, 0, [1, 0, 0, 0, 0, 0])).sc(),
+        (1, 0x01),
+        "deleting it twice"
+    );
+
+    // Controller reset (CC.EN 1 -> 0 -> 1): the mediator drops its queues and shadows
+    // new admin queues; the controller answers again.
+    d.w32(0x14, 0);
+    d.wait_rdy(false);
+    d.mem.write(ACQ, &[0u8; 4096]);
+    d.admin.tail = 0;
+    d.admin.head = 0;
+    d.admin.phase = true;
+    let _ = d.admin.irq.read();
+    d.w32(0x14, 1 | 6 << 16 | 4 << 20);
+    d.wait_rdy(true);
+    d.mem.write(IDENT, &[0u8; 4096]);
+    d.ok(
+        false,
+        sqe(0x06, 0, IOVA + IDENT, 0, [1, 0, 0, 0, 0, 0]),
+        "identify after a reset",
+    );
+    assert_eq!(
+        &d.mem.read(IDENT + 4, 5),
+        b"lend0",
+        "the serial after a reset"
     );
 
     // The image on the lender's side holds the pattern.
