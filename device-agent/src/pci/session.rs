@@ -48,6 +48,9 @@ use crate::engine::End;
 pub(crate) const MAX_MIRROR_BYTES: u64 = devlend_fabric::pci::MAX_MIRROR_BYTES;
 /// How often the interrupt thread looks at its stop flag when no interrupt comes.
 const IRQ_POLL: Duration = Duration::from_millis(200);
+/// With the NVMe mediator, how often it also looks at the shadow completion queues when
+/// no interrupt comes (a controller interrupt may be lost while vectors are re-enabled).
+const NVME_IDLE_POLL: Duration = Duration::from_millis(10);
 
 /// A refusal: the status and the reason sent back.
 type Refusal = (PciStatus, String);
@@ -230,7 +233,12 @@ fn irq_loop(
             libc::poll(
                 pfds.as_mut_ptr(),
                 pfds.len() as libc::nfds_t,
-                IRQ_POLL.as_millis() as libc::c_int,
+                if nvme.is_some() {
+                    NVME_IDLE_POLL
+                } else {
+                    IRQ_POLL
+                }
+                .as_millis() as libc::c_int,
             )
         };
         if n <= 0 {

@@ -843,7 +843,7 @@ impl Mediator {
                     (le16(&e, 14) & 1 != 0) == c.sh_phase
                 })
             {
-                tracing::info!(cqid, "completions found without an interrupt");
+                tracing::debug!(cqid, "completions found without an interrupt");
             }
             if let Err(e) = self.drain(f, g, cqid) {
                 tracing::warn!(cqid, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
