@@ -108,6 +108,7 @@ mod tests {
         let mut big = vec![0u8; 0x10_1000];
         assert!(m.read(0x10_0000, &mut big).is_err());
         assert!(m.write(u64::MAX - 4, &[1; 16]).is_err());
-        m.write(0x20_0000, &[9; 4096]).expect("the whole second map");
+        m.write(0x20_0000, &[9; 4096])
+            .expect("the whole second map");
     }
 }

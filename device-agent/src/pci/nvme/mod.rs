@@ -338,7 +338,7 @@ impl Mediator {
                 };
                 let v = v32()? as u16;
                 if cq {
-                    self.cq_head(f, g, qid, v);
+                    self.cq_head(g, qid, v);
                 } else {
                     self.sq_tail(f, g, qid, v);
                 }
@@ -799,7 +799,7 @@ impl Mediator {
         Ok(())
     }
 
-    fn cq_head(&mut self, f: &PciFunction, g: &mut dyn GuestAccess, qid: u16, head: u16) {
+    fn cq_head(&mut self, g: &mut dyn GuestAccess, qid: u16, head: u16) {
         let Some(cq) = self.cqs.get_mut(&qid) else {
             tracing::info!(qid, "head doorbell of a queue that does not exist; ignored");
             return;
@@ -814,7 +814,6 @@ impl Mediator {
                 tracing::warn!(error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
             }
         }
-        let _ = f;
     }
 
     // ---- Completion -------------------------------------------------------------
