@@ -3,15 +3,15 @@
 //!
 //! `Message::read_from`, then the payload decoder of the message's kind (`PciInfo`,
 //! `Access` of a read or a write, `IrqSet`, `DmaRange`, the pages of a push or pull,
-//! `Irq`). Nothing may panic, and whatever decodes re-encodes to the bytes it came
+//! `Irq`, the guest memory reads and writes of a mediated function). Nothing may panic, and whatever decodes re-encodes to the bytes it came
 //! from (reserved fields must be 0, so each value has one encoding).
 
 #![no_main]
 
 use devlend_fabric::pci::{
-    decode_pages, encode_page, Access, DmaRange, Irq, IrqSet, Message, PciInfo, KIND_DMA_MAP,
-    KIND_DMA_UNMAP, KIND_INFO, KIND_IRQ, KIND_PULL, KIND_PUSH, KIND_READ, KIND_SET_IRQS,
-    KIND_WRITE, REPLY,
+    decode_pages, encode_page, Access, DmaRange, Irq, IrqSet, MemRead, Message, PciInfo,
+    KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_INFO, KIND_IRQ, KIND_MEM_READ, KIND_MEM_WRITE, KIND_PULL,
+    KIND_PUSH, KIND_READ, KIND_SET_IRQS, KIND_WRITE, REPLY,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -51,7 +51,12 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(&r.encode(), p);
             }
         }
-        k if k == KIND_PUSH || k == KIND_PULL | REPLY => {
+        KIND_MEM_READ => {
+            if let Ok(r) = MemRead::decode(p) {
+                assert_eq!(&r.encode(), p);
+            }
+        }
+        k if k == KIND_PUSH || k == KIND_PULL | REPLY || k == KIND_MEM_WRITE => {
             if let Ok(pages) = decode_pages(p) {
                 let mut out = Vec::new();
                 for pg in pages {
