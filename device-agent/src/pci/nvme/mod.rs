@@ -461,6 +461,13 @@ impl Mediator {
             return;
         }
         let (guest, size, mut head) = (sq.guest, sq.size, sq.head);
+        if !self.inside(guest, (usize::from(size) * SQE) as u64) {
+            tracing::warn!(
+                qid,
+                "the guest's submission queue is no longer inside the DMA maps; doorbell ignored"
+            );
+            return;
+        }
         // Fetch the new entries, in at most two runs (the queue wraps).
         let n = (usize::from(tail) + usize::from(size) - usize::from(head)) % usize::from(size);
         let mut raw = vec![0u8; n * SQE];
@@ -770,6 +777,17 @@ impl Mediator {
         cqid: u16,
         irq: bool,
     ) -> Result<(), GuestError> {
+        let Some(cq) = self.cqs.get(&cqid) else {
+            return Ok(());
+        };
+        let (base, bytes) = (cq.guest, (usize::from(cq.size) * CQE) as u64);
+        if !self.inside(base, bytes) {
+            tracing::warn!(cqid, "the guest's completion queue is no longer inside the DMA maps; its completions are dropped");
+            if let Some(cq) = self.cqs.get_mut(&cqid) {
+                cq.backlog.clear();
+            }
+            return Ok(());
+        }
         let Some(cq) = self.cqs.get_mut(&cqid) else {
             return Ok(());
         };
@@ -879,7 +897,11 @@ impl Mediator {
                 tracing::warn!(sqid, cid, "completion of no command in flight; dropped");
                 continue;
             };
-            self.complete(g, sqid, cid, cmd, ok)?;
+            if !self.complete(g, sqid, cid, cmd, ok)? {
+                // Its buffers left the DMA maps while it ran: the data is dropped.
+                let st = (DATA_TRANSFER_ERROR.field() << 1) | (le16(&e, 14) & 1);
+                e[14..16].copy_from_slice(&st.to_le_bytes());
+            }
             let guest_head = self.sqs.get(&sqid).map_or(0, |s| s.head);
             e[8..10].copy_from_slice(&guest_head.to_le_bytes());
             if let Some(cq) = self.cqs.get_mut(&cqid) {
@@ -903,7 +925,9 @@ impl Mediator {
         Ok(())
     }
 
-    /// One command's completion: its data to guest memory, its queue effects.
+    /// One command's completion: its data to guest memory, its queue effects. `false`
+    /// when its data could not be pushed because its buffers are no longer inside the
+    /// DMA maps.
     fn complete(
         &mut self,
         g: &mut dyn GuestAccess,
@@ -911,7 +935,7 @@ impl Mediator {
         cid: u16,
         cmd: Inflight,
         ok: bool,
-    ) -> Result<(), GuestError> {
+    ) -> Result<bool, GuestError> {
         let mut data = Vec::new();
         if let (Some((first, n)), Some(arena)) = (cmd.bounce, self.arena.as_mut()) {
             if ok && cmd.dir == Dir::FromDevice {
@@ -959,6 +983,14 @@ impl Mediator {
         }
         tracing::trace!(sqid, cid, ok, "command completed");
         if !data.is_empty() {
+            if !cmd
+                .segs
+                .iter()
+                .all(|&(iova, n)| self.inside(iova, n as u64))
+            {
+                tracing::info!(sqid, cid, "a command's buffers were unmapped while it ran");
+                return Ok(false);
+            }
             let mut o = 0;
             let pages: Vec<(u64, &[u8])> = cmd
                 .segs
@@ -971,7 +1003,7 @@ impl Mediator {
                 .collect();
             g.write(&pages)?;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Identify Controller (§5.17.2.1) as the guest sees it: MDTS at most
