@@ -306,11 +306,11 @@ pub struct Cli {
     #[arg(long, value_enum, value_name = "tcp|rdma")]
     pub transport: Option<Transport>,
     /// A device to lend; repeatable: a block device or file (PATH), a network interface
-    /// (`net:IFNAME`), or a PCIe function bound to vfio-pci (`pci:DDDD:BB:DD.F`).
-    /// Replaces a config-file device of the same name.
+    /// (`net:IFNAME`), or a PCIe function bound to vfio-pci (`pci:DDDD:BB:DD.F`, with
+    /// its coherence mode). Replaces a config-file device of the same name.
     #[arg(
         long = "device",
-        value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B] | NAME=net:IFNAME[,mac=M] | NAME=pci:BDF"
+        value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B] | NAME=net:IFNAME[,mac=M] | NAME=pci:BDF[,coherence=nvme|mirror]"
     )]
     pub devices: Vec<DeviceSpec>,
     /// TOML config file with `listen`, `log_level`, `log_format`, `metrics_listen` and

@@ -3,16 +3,17 @@
 //!
 //! `Message::read_from`, then the payload decoder of the message's kind (`PciInfo`,
 //! `Access` of a read or a write, `IrqSet`, `DmaRange`, the pages of a push or pull,
-//! `Irq`; over RDMA the `RemoteDmaRange` of a map and the `Range` lists of a push or
-//! pull). Nothing may panic, and whatever decodes re-encodes to the bytes it came
+//! `Irq`, the guest memory reads and writes of a mediated function; over RDMA the
+//! `RemoteDmaRange` of a map and the `Range` lists of a push or pull). Nothing may
+//! panic, and whatever decodes re-encodes to the bytes it came
 //! from (reserved fields must be 0, so each value has one encoding).
 
 #![no_main]
 
 use devlend_fabric::pci::{
     decode_pages, decode_ranges, encode_page, encode_range, Access, DmaRange, Irq, IrqSet,
-    Message, PciInfo, RemoteDmaRange, KIND_DMA_MAP,
-    KIND_DMA_UNMAP, KIND_INFO, KIND_IRQ, KIND_PULL, KIND_PUSH, KIND_READ, KIND_SET_IRQS,
+    MemRead, Message, PciInfo, RemoteDmaRange, KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_INFO,
+    KIND_IRQ, KIND_MEM_READ, KIND_MEM_WRITE, KIND_PULL, KIND_PUSH, KIND_READ, KIND_SET_IRQS,
     KIND_WRITE, REPLY,
 };
 use libfuzzer_sys::fuzz_target;
@@ -56,7 +57,12 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(&r.encode(), p);
             }
         }
-        k if k == KIND_PUSH || k == KIND_PULL | REPLY => {
+        KIND_MEM_READ => {
+            if let Ok(r) = MemRead::decode(p) {
+                assert_eq!(&r.encode(), p);
+            }
+        }
+        k if k == KIND_PUSH || k == KIND_PULL | REPLY || k == KIND_MEM_WRITE => {
             if let Ok(pages) = decode_pages(p) {
                 let mut out = Vec::new();
                 for pg in pages {

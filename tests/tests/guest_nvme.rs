@@ -16,7 +16,12 @@
 //!   outside the DMA maps (Data Transfer Error), a transfer over MDTS (Invalid Field),
 //!   unknown admin and I/O opcodes (Invalid Command Opcode); then I/O still works;
 //! - counts the fabric messages and bytes per 4 KiB READ and WRITE (docs/performance.md);
-//! - and the image file on the host holds the written pattern.
+//! - refuses an I/O CQ outside the DMA maps and an SQ on a missing CQ, deletes the I/O
+//!   queue pair, resets the controller (CC.EN 1 → 0 → 1) and IDENTIFYs again;
+//! - and the image file on the host holds the written pattern;
+//! - then on the raw fabric: a borrower that refuses the lender's read of a command's
+//!   data gets that command failed (Data Transfer Error), one that sends a guest memory
+//!   message itself ends its session, and the function, quiesced, works for the next.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -24,7 +29,13 @@ use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use devlend_backend::pci::{LinkTarget, PciBorrower, PciHandle};
+use std::sync::{Arc, Mutex};
+
+use devlend_backend::pci::{GuestMemory, Link, LinkError, LinkTarget, PciBorrower, PciHandle};
+use devlend_fabric::pci::{
+    Access, DmaRange, IrqAction, IrqSet, Message, INFO_MEDIATED, KIND_DMA_MAP, KIND_MEM_WRITE,
+    KIND_READ, KIND_SET_IRQS, KIND_WRITE,
+};
 use devlend_qemu::guest::Guest;
 use vfio_bindings::bindings::vfio::{
     VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX,
@@ -166,10 +177,8 @@ impl Memory {
         // SAFETY: a fresh fd we own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: the fd is open.
-        assert_eq!(
-            unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) },
-            0
-        );
+        let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) };
+        assert_eq!(rc, 0, "ftruncate");
         // SAFETY: a new shared mapping of our memfd.
         let ptr = unsafe {
             libc::mmap(
@@ -360,6 +369,7 @@ fn nvme_is_lent_through_the_mediator_to_a_userspace_driver() {
             .wait_for_text("listening", Duration::from_secs(240))
             .expect("the lender listens");
         scenario(port, dir.path(), &image);
+        fabric(port);
     }));
     for l in lender.console().lines().filter(|l| l.contains("lender: ")) {
         eprintln!("{l}");
@@ -745,12 +755,84 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     eprintln!("FABRIC-COST 4k-write msgs={wm} bytes={wb}");
     eprintln!("FABRIC-COST 4k-read msgs={rm} bytes={rb}");
     assert!(
-        wb >= 4096.0 && wb < 4096.0 + 512.0,
+        (4096.0..4096.0 + 512.0).contains(&wb),
         "a 4 KiB write moves its 4 KiB once: {wb}"
     );
     assert!(
-        rb >= 4096.0 && rb < 4096.0 + 512.0,
+        (4096.0..4096.0 + 512.0).contains(&rb),
         "a 4 KiB read moves its 4 KiB once: {rb}"
+    );
+
+    // Queue management through the mediator: an I/O CQ outside the DMA maps is
+    // refused; the I/O queue pair is deleted (SQ first), and its id can be created
+    // again.
+    assert_eq!(
+        d.run(
+            false,
+            sqe(
+                0x05,
+                0,
+                0x7000_0000,
+                0,
+                [u32::from(IO_ENTRIES - 1) << 16 | 2, 1 << 16 | 3, 0, 0, 0, 0]
+            )
+        )
+        .sc(),
+        (0, 0x04),
+        "an I/O CQ outside the DMA maps"
+    );
+    assert_eq!(
+        d.run(
+            false,
+            sqe(
+                0x01,
+                0,
+                IOVA + IOSQ + 0x1000,
+                0,
+                [u32::from(IO_ENTRIES - 1) << 16 | 2, 9 << 16 | 1, 0, 0, 0, 0]
+            )
+        )
+        .sc(),
+        (1, 0x00),
+        "an I/O SQ on a CQ that does not exist"
+    );
+    d.ok(
+        false,
+        sqe(0x00, 0, 0, 0, [1, 0, 0, 0, 0, 0]),
+        "delete I/O SQ",
+    );
+    d.ok(
+        false,
+        sqe(0x04, 0, 0, 0, [1, 0, 0, 0, 0, 0]),
+        "delete I/O CQ",
+    );
+    assert_eq!(
+        d.run(false, sqe(0x00, 0, 0, 0, [1, 0, 0, 0, 0, 0])).sc(),
+        (1, 0x01),
+        "deleting it twice"
+    );
+
+    // Controller reset (CC.EN 1 -> 0 -> 1): the mediator drops its queues and shadows
+    // new admin queues; the controller answers again.
+    d.w32(0x14, 0);
+    d.wait_rdy(false);
+    d.mem.write(ACQ, &[0u8; 4096]);
+    d.admin.tail = 0;
+    d.admin.head = 0;
+    d.admin.phase = true;
+    let _ = d.admin.irq.read();
+    d.w32(0x14, 1 | 6 << 16 | 4 << 20);
+    d.wait_rdy(true);
+    d.mem.write(IDENT, &[0u8; 4096]);
+    d.ok(
+        false,
+        sqe(0x06, 0, IOVA + IDENT, 0, [1, 0, 0, 0, 0, 0]),
+        "identify after a reset",
+    );
+    assert_eq!(
+        &d.mem.read(IDENT + 4, 5),
+        b"lend0",
+        "the serial after a reset"
     );
 
     // The image on the lender's side holds the pattern.
@@ -766,8 +848,220 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
         "and the 4 KiB writes"
     );
     eprintln!(
-        "mediator: reads {}, writes {}",
+        "borrower: region reads {}, writes {}",
         handle.stats().reads.load(Ordering::Relaxed),
         handle.stats().writes.load(Ordering::Relaxed)
     );
+    // The VMM leaves, then the borrower: the lender quiesces the function.
+    drop(d);
+    handle.disconnect();
+}
+
+/// Guest memory of a borrower on the raw fabric: 1 MiB at [`IOVA`] with a range whose
+/// reads the borrower refuses, as a borrower whose maps changed under the lender would.
+struct FakeGuest {
+    mem: Mutex<Vec<u8>>,
+    refused: std::ops::Range<u64>,
+}
+
+impl GuestMemory for FakeGuest {
+    fn mediated(&self) -> bool {
+        true
+    }
+
+    fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), String> {
+        let end = iova + buf.len() as u64;
+        if iova < self.refused.end && self.refused.start < end {
+            return Err("refused by the test".into());
+        }
+        let m = self.mem.lock().expect("memory");
+        let o = iova.checked_sub(IOVA).ok_or("below")? as usize;
+        buf.copy_from_slice(m.get(o..o + buf.len()).ok_or("past the end")?);
+        Ok(())
+    }
+
+    fn write(&self, iova: u64, data: &[u8]) -> Result<(), String> {
+        let mut m = self.mem.lock().expect("memory");
+        let o = iova.checked_sub(IOVA).ok_or("below")? as usize;
+        m.get_mut(o..o + data.len())
+            .ok_or("past the end")?
+            .copy_from_slice(data);
+        Ok(())
+    }
+}
+
+/// A borrower's session on the raw fabric to the mediated controller.
+struct Raw {
+    link: Link,
+    irqs: std::sync::mpsc::Receiver<devlend_fabric::pci::Irq>,
+    guest: Arc<FakeGuest>,
+    tail: u16,
+}
+
+impl Raw {
+    fn connect(port: u16) -> Raw {
+        let guest = Arc::new(FakeGuest {
+            mem: Mutex::new(vec![0; 0x10_0000]),
+            refused: IOVA + 0x8_0000..IOVA + 0x9_0000,
+        });
+        let target = LinkTarget {
+            lender: format!("127.0.0.1:{port}"),
+            device: "ssd0".into(),
+            borrower: [8; 16],
+            token: Vec::new(),
+            tls: None,
+            timeout: Duration::from_secs(10),
+            transport: devlend_backend::blk::engine::Transport::Tcp,
+        };
+        let until = Instant::now() + Duration::from_secs(60);
+        let (link, info, irqs) = loop {
+            match Link::connect(&target, Arc::clone(&guest) as Arc<dyn GuestMemory>) {
+                Ok(l) => break l,
+                Err(e) if Instant::now() < until => {
+                    eprintln!("raw borrower: {}", devlend_fabric::error::chain(&e));
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                Err(e) => panic!("raw borrower: {}", devlend_fabric::error::chain(&e)),
+            }
+        };
+        assert_ne!(info.flags & INFO_MEDIATED, 0, "the lender mediates");
+        Raw {
+            link,
+            irqs,
+            guest,
+            tail: 0,
+        }
+    }
+
+    fn write(&self, region: u32, offset: u64, data: &[u8]) -> Result<(), LinkError> {
+        let mut p = Access {
+            region,
+            len: data.len() as u32,
+            offset,
+        }
+        .encode();
+        p.extend_from_slice(data);
+        self.link.call(Message::new(KIND_WRITE, p)).map(drop)
+    }
+
+    fn r32(&self, offset: u64) -> u32 {
+        let a = Access {
+            region: BAR0,
+            len: 4,
+            offset,
+        };
+        let r = self
+            .link
+            .call(Message::new(KIND_READ, a.encode()))
+            .expect("read");
+        u32::from_le_bytes(r[0].payload[..4].try_into().expect("4 bytes"))
+    }
+
+    fn w32(&self, offset: u64, v: u32) {
+        self.write(BAR0, offset, &v.to_le_bytes()).expect("write");
+    }
+
+    fn wait_rdy(&self, rdy: bool) {
+        let until = Instant::now() + Duration::from_secs(60);
+        while (self.r32(0x1c) & 1 == 1) != rdy {
+            assert!(Instant::now() < until, "CSTS.RDY never became {rdy}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Maps the memory, enables MSI-X, bus mastering and the controller.
+    fn enable(&mut self) {
+        self.link
+            .call(Message::new(
+                KIND_DMA_MAP,
+                DmaRange {
+                    iova: IOVA,
+                    size: 0x10_0000,
+                }
+                .encode(),
+            ))
+            .expect("DMA map");
+        let set = IrqSet {
+            index: VFIO_PCI_MSIX_IRQ_INDEX,
+            action: IrqAction::Enable,
+            count: 1,
+        };
+        self.link
+            .call(Message::new(KIND_SET_IRQS, set.encode()))
+            .expect("MSI-X");
+        self.write(CONFIG, 4, &0x0006u16.to_le_bytes())
+            .expect("bus mastering");
+        self.w32(0x14, 0);
+        self.wait_rdy(false);
+        self.w32(0x24, 15 << 16 | 15);
+        self.w32(0x28, (IOVA + ASQ) as u32);
+        self.w32(0x2c, 0);
+        self.w32(0x30, (IOVA + ACQ) as u32);
+        self.w32(0x34, 0);
+        self.w32(0x14, 1 | 6 << 16 | 4 << 20);
+        self.wait_rdy(true);
+    }
+
+    /// Runs one admin command; returns its status (SCT, SC). The completion entry is in
+    /// guest memory when the interrupt comes.
+    fn admin(&mut self, e: [u8; 64]) -> (u16, u16) {
+        let slot = self.tail;
+        self.guest
+            .write(IOVA + ASQ + u64::from(slot) * 64, &e)
+            .expect("SQ entry");
+        self.tail = (self.tail + 1) % 16;
+        self.w32(0x1000, u32::from(self.tail));
+        let irq = self
+            .irqs
+            .recv_timeout(Duration::from_secs(30))
+            .expect("an interrupt");
+        assert_eq!((irq.index, irq.vector), (VFIO_PCI_MSIX_IRQ_INDEX, 0));
+        let mut c = [0u8; 16];
+        self.guest
+            .read(IOVA + ACQ + u64::from(slot) * 16, &mut c)
+            .expect("CQ entry");
+        let st = u16::from_le_bytes([c[14], c[15]]);
+        assert_eq!(st & 1, 1, "the phase of the first pass");
+        self.w32(0x1004, u32::from(self.tail));
+        ((st >> 9) & 7, (st >> 1) & 0xff)
+    }
+
+    fn identify(&mut self) {
+        assert_eq!(
+            self.admin(sqe(0x06, 0, IOVA + IDENT, 0, [1, 0, 0, 0, 0, 0])),
+            (0, 0),
+            "identify"
+        );
+        let mut id = [0u8; 9];
+        self.guest
+            .read(IOVA + IDENT, &mut id)
+            .expect("identify data");
+        assert_eq!(&id[4..9], b"lend0", "the serial");
+    }
+}
+
+/// The mediator on the raw fabric: a borrower that refuses the lender's read of a
+/// command's data gets the command failed (Data Transfer Error); a borrower that
+/// sends a guest memory message itself ends its session; the function is then
+/// quiesced and lent again, and works.
+fn fabric(port: u16) {
+    let mut raw = Raw::connect(port);
+    raw.enable();
+    raw.identify();
+    let refused = IOVA + 0x8_0000;
+    assert_eq!(
+        raw.admin(sqe(0x09, 0, refused, 0, [0x0e, 0, 0, 0, 0, 0])),
+        (0, 0x04),
+        "Set Features Timestamp whose data the borrower refuses"
+    );
+    raw.identify();
+    let bogus = Message::new(KIND_MEM_WRITE, Vec::new());
+    match raw.link.call(bogus) {
+        Err(LinkError::Closed | LinkError::Send(_)) => {}
+        other => panic!("a guest memory message from the borrower: {other:?}"),
+    }
+    drop(raw);
+    let mut again = Raw::connect(port);
+    again.enable();
+    again.identify();
 }

@@ -73,3 +73,56 @@ impl GuestMemory for Maps {
         self.with_range(iova, data.len(), |s| s.copy_from(data))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+
+    fn map(iova: u64, size: usize) -> (std::fs::File, GuestMap) {
+        let f = tempfile::tempfile().expect("tempfile");
+        f.set_len(size as u64).expect("set_len");
+        let ptr = crate::shared_map::map_shared(f.as_raw_fd(), size, 0).expect("mmap");
+        let file = f.try_clone().expect("dup");
+        (
+            f,
+            GuestMap {
+                reg: None,
+                iova,
+                size,
+                ptr,
+                shadow: Vec::new(),
+                file,
+                file_end: size as u64,
+                sealed: false,
+            },
+        )
+    }
+
+    #[test]
+    fn the_lender_reaches_only_the_dma_maps() {
+        let m = Maps::default();
+        assert!(!m.mediated());
+        m.set_mediated(true);
+        let (_f1, a) = map(0x10_0000, 0x2000);
+        let (_f2, b) = map(0x20_0000, 0x1000);
+        m.lock().unwrap().extend([a, b]);
+        m.write(0x10_1ff0, &[7; 16]).expect("inside the first map");
+        let mut buf = [0u8; 16];
+        m.read(0x10_1ff0, &mut buf).expect("read back");
+        assert_eq!(buf, [7; 16]);
+        // Across the end of a map, into the gap, across two maps, wrapping.
+        assert!(m.write(0x10_1ff8, &[1; 16]).is_err());
+        assert!(m.read(0x18_0000, &mut buf).is_err());
+        let mut big = vec![0u8; 0x10_1000];
+        assert!(m.read(0x10_0000, &mut big).is_err());
+        assert!(m.write(u64::MAX - 4, &[1; 16]).is_err());
+        m.write(0x20_0000, &[9; 4096])
+            .expect("the whole second map");
+        // A file shrunk under its map: refused, not touched (SIGBUS).
+        _f2.set_len(0).expect("truncate");
+        assert!(m.write(0x20_0000, &[9; 16]).is_err());
+        assert!(m.read(0x10_0000, &mut buf).is_ok(), "the other map is whole");
+    }
+}

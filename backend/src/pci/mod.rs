@@ -375,7 +375,8 @@ impl PciBorrower {
 
     /// Has the lender signal vectors `0..need` of `index` (none: disabled). It enables
     /// whole ranges from vector 0 (as VFIO does), so a range that grows is disabled and
-    /// enabled again; one that shrinks stays (the borrower drops what has no eventfd).
+    /// enabled again; it shrinks only to nothing (the borrower drops an interrupt whose
+    /// vector has no eventfd).
     fn lender_vectors(&self, index: u32, need: u32) -> io::Result<()> {
         let have = self
             .shared
@@ -858,7 +859,7 @@ impl ServerBackend for PciBorrower {
                             "SET_IRQS: vectors {start}..+{count} of index {index} out of range"
                         ))
                     })?;
-                let need = {
+                {
                     let mut e = self
                         .shared
                         .eventfds
@@ -868,13 +869,20 @@ impl ServerBackend for PciBorrower {
                     for (v, f) in (start..end).zip(fds) {
                         e.insert((index, v), f);
                     }
-                    e.keys()
-                        .filter(|(i, _)| *i == index)
-                        .map(|(_, v)| v + 1)
-                        .max()
-                        .unwrap_or(0)
-                };
-                self.lender_vectors(index, need)
+                }
+                // As VFIO: the vectors named stay enabled, with or without an eventfd (a
+                // device may need its interrupts enabled before it is set up: QEMU's
+                // emulated NVMe only signals a vector that was enabled when the queue
+                // using it was created).
+                let have = self
+                    .shared
+                    .lender_irqs
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(&index)
+                    .copied()
+                    .unwrap_or(0);
+                self.lender_vectors(index, have.max(end))
             }
             (VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_DATA_EVENTFD)
                 if count == 0 =>

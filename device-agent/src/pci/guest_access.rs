@@ -88,12 +88,23 @@ pub(crate) struct TcpGuest<'a> {
     pub(crate) index_of: &'a dyn Fn(u32) -> Option<u32>,
     /// Traffic, added to.
     pub(crate) counters: &'a Mutex<AccessCounters>,
+    /// Set to the reason when the borrower broke the protocol (an unexpected message
+    /// while waiting for guest memory): the session must end.
+    pub(crate) broken: &'a Mutex<Option<String>>,
 }
 
 impl TcpGuest<'_> {
     fn send(&self, m: &Message) -> Result<(), GuestError> {
         let _g = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         m.write_to(&mut &*self.sock).map_err(GuestError::Wire)
+    }
+
+    fn protocol(&self, reason: String) -> GuestError {
+        let mut b = self.broken.lock().unwrap_or_else(PoisonError::into_inner);
+        if b.is_none() {
+            *b = Some(reason.clone());
+        }
+        GuestError::Protocol(reason)
     }
 
     fn count(&self, f: impl FnOnce(&mut AccessCounters)) {
@@ -117,13 +128,13 @@ impl GuestAccess for TcpGuest<'_> {
                 .map_err(|e| GuestError::Wire(WireError::Io(e)))?;
             let m = Message::read_from(&mut (&*self.sock).by_ref());
             let _ = self.sock.set_read_timeout(None);
-            let m = m.map_err(GuestError::Wire)?;
+            let m = m.map_err(|e| self.protocol(format!("reading guest memory: {e}")))?;
             self.count(|c| {
                 c.reads += 1;
                 c.read_bytes += (2 * PCI_HEADER_LEN + 16 + m.payload.len()) as u64;
             });
             if m.kind != KIND_MEM_READ | REPLY {
-                return Err(GuestError::Protocol(format!(
+                return Err(self.protocol(format!(
                     "message {:#04x} while waiting for guest memory",
                     m.kind
                 )));
@@ -134,7 +145,7 @@ impl GuestAccess for TcpGuest<'_> {
                 ));
             }
             if m.payload.len() != chunk.len() || m.flags != 0 {
-                return Err(GuestError::Protocol(format!(
+                return Err(self.protocol(format!(
                     "{} bytes of guest memory for {} asked",
                     m.payload.len(),
                     chunk.len()

@@ -178,6 +178,13 @@ impl PciFunction {
         });
         if f.coherence == Coherence::Nvme {
             f.info.flags |= INFO_MEDIATED;
+            if class != CLASS_NVME {
+                tracing::warn!(
+                    bdf,
+                    ?class,
+                    "coherence=nvme on a function that is not an NVMe controller (class 01:08:02)"
+                );
+            }
         }
         tracing::info!(bdf, vendor = id(0), device = id(2), coherence = ?f.coherence, "PCIe function ready");
         Ok(f)

@@ -59,6 +59,9 @@ fn mem_available() -> Option<u64> {
 
 /// How often the interrupt thread looks at its stop flag when no interrupt comes.
 const IRQ_POLL: Duration = Duration::from_millis(200);
+/// With the NVMe mediator, how often it also looks at the shadow completion queues when
+/// no interrupt comes (a controller interrupt may be lost while vectors are re-enabled).
+const NVME_IDLE_POLL: Duration = Duration::from_millis(10);
 
 /// A refusal: the status and the reason sent back.
 pub(super) type Refusal = (PciStatus, String);
@@ -74,6 +77,8 @@ pub(super) fn invalid(reason: impl Into<String>) -> Refusal {
 struct Nvme<'a> {
     mediator: Mutex<Mediator>,
     counters: Mutex<AccessCounters>,
+    /// Why the borrower broke the protocol during a guest memory read, if it did.
+    broken: Mutex<Option<String>>,
     sock: &'a Stream,
     writer: &'a Mutex<()>,
     timeout: Duration,
@@ -96,6 +101,7 @@ impl Nvme<'_> {
             can_read,
             index_of: &index_of,
             counters: &self.counters,
+            broken: &self.broken,
         };
         let mut m = self.mediator.lock().unwrap_or_else(PoisonError::into_inner);
         op(&mut m, &mut g)
@@ -143,6 +149,7 @@ pub(crate) fn serve(
             Ok(m) => Some(Nvme {
                 mediator: Mutex::new(m),
                 counters: Mutex::new(AccessCounters::default()),
+                broken: Mutex::new(None),
                 sock,
                 writer: &writer,
                 timeout: frame_timeout,
@@ -225,7 +232,12 @@ fn irq_loop(
             libc::poll(
                 pfds.as_mut_ptr(),
                 pfds.len() as libc::nfds_t,
-                IRQ_POLL.as_millis() as libc::c_int,
+                if nvme.is_some() {
+                    NVME_IDLE_POLL
+                } else {
+                    IRQ_POLL
+                }
+                .as_millis() as libc::c_int,
             )
         };
         if n <= 0 {
@@ -335,6 +347,14 @@ impl<'a> Lending<'a> {
                     Err(e) => return End::Protocol(e.to_string()),
                 },
             };
+            if let Some(reason) = self.nvme.and_then(|n| {
+                n.broken
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take()
+            }) {
+                return End::Protocol(reason);
+            }
             let reply = match answer {
                 Ok(payload) => Message::new(m.kind | REPLY, payload),
                 Err((status, reason)) => {

@@ -194,7 +194,7 @@ pub(crate) fn prp_segments(
     let mut pages: Vec<Segment> = vec![(prp1, first)];
     let mut rem = len - first;
     if rem > 0 && rem <= PAGE {
-        if prp2 % page != 0 {
+        if !prp2.is_multiple_of(page) {
             return Err(PRP_OFFSET_INVALID);
         }
         pages.push((prp2, rem));
@@ -217,7 +217,7 @@ pub(crate) fn prp_segments(
         let data_entries = if chained { take - 1 } else { take };
         for i in 0..data_entries {
             let e = le64(&raw, i * 8);
-            if e % page != 0 {
+            if !e.is_multiple_of(page) {
                 return Err(PRP_OFFSET_INVALID);
             }
             let n = rem.min(PAGE);
@@ -226,7 +226,7 @@ pub(crate) fn prp_segments(
         }
         if chained {
             list = le64(&raw, (take - 1) * 8);
-            if list % page != 0 {
+            if !list.is_multiple_of(page) {
                 return Err(PRP_OFFSET_INVALID);
             }
         }

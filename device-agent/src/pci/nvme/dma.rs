@@ -105,11 +105,47 @@ impl Drop for DmaBuf {
     }
 }
 
+/// Which pages of an arena are taken; runs of contiguous pages are given out first fit.
+#[derive(Debug)]
+pub(crate) struct Pages(Vec<bool>);
+
+impl Pages {
+    /// `n` free pages.
+    pub(crate) fn new(n: usize) -> Pages {
+        Pages(vec![false; n])
+    }
+
+    /// `n` contiguous free pages: the index of the first, or `None` when no run is free.
+    pub(crate) fn alloc(&mut self, n: usize) -> Option<usize> {
+        if n == 0 || n > self.0.len() {
+            return None;
+        }
+        let mut run = 0;
+        for i in 0..self.0.len() {
+            run = if self.0[i] { 0 } else { run + 1 };
+            if run == n {
+                let first = i + 1 - n;
+                self.0[first..=i].iter_mut().for_each(|u| *u = true);
+                return Some(first);
+            }
+        }
+        None
+    }
+
+    /// Gives back pages `first..first + n` (pages out of range are ignored).
+    pub(crate) fn free(&mut self, first: usize, n: usize) {
+        let end = first.saturating_add(n).min(self.0.len());
+        if let Some(r) = self.0.get_mut(first.min(end)..end) {
+            r.iter_mut().for_each(|u| *u = false);
+        }
+    }
+}
+
 /// The bounce buffers: one [`DmaBuf`] cut into pages, given out in contiguous runs.
 pub(crate) struct Arena {
     /// The memory.
     pub(crate) buf: DmaBuf,
-    used: Vec<bool>,
+    pages: Pages,
 }
 
 impl Arena {
@@ -124,37 +160,44 @@ impl Arena {
     ) -> io::Result<Arena> {
         Ok(Arena {
             buf: DmaBuf::new(container, iova, pages * PAGE)?,
-            used: vec![false; pages],
+            pages: Pages::new(pages),
         })
     }
 
-    /// `n` contiguous free pages (first fit): the index of the first, or `None` when no
-    /// run is free.
+    /// As [`Pages::alloc`].
     pub(crate) fn alloc(&mut self, n: usize) -> Option<usize> {
-        if n == 0 || n > self.used.len() {
-            return None;
-        }
-        let mut run = 0;
-        for i in 0..self.used.len() {
-            run = if self.used[i] { 0 } else { run + 1 };
-            if run == n {
-                let first = i + 1 - n;
-                self.used[first..=i].iter_mut().for_each(|u| *u = true);
-                return Some(first);
-            }
-        }
-        None
+        self.pages.alloc(n)
     }
 
-    /// Gives back pages `first..first + n`.
+    /// As [`Pages::free`].
     pub(crate) fn free(&mut self, first: usize, n: usize) {
-        if let Some(r) = self.used.get_mut(first..first + n) {
-            r.iter_mut().for_each(|u| *u = false);
-        }
+        self.pages.free(first, n);
     }
 
     /// IOVA of page `i`.
     pub(crate) fn iova(&self, i: usize) -> u64 {
         self.buf.iova + (i * PAGE) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pages;
+
+    #[test]
+    fn runs_are_given_first_fit_and_come_back() {
+        let mut p = Pages::new(8);
+        assert_eq!(p.alloc(3), Some(0));
+        assert_eq!(p.alloc(3), Some(3));
+        assert_eq!(p.alloc(3), None, "two pages left");
+        p.free(0, 3);
+        assert_eq!(p.alloc(2), Some(0));
+        assert_eq!(p.alloc(2), Some(6));
+        assert_eq!(p.alloc(1), Some(2));
+        assert_eq!(p.alloc(1), None);
+        assert_eq!(p.alloc(0), None);
+        assert_eq!(p.alloc(9), None);
+        p.free(5, 100);
+        assert_eq!(p.alloc(3), Some(5));
     }
 }

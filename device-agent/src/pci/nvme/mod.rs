@@ -41,11 +41,15 @@ use super::guest_access::{GuestAccess, GuestError};
 use super::PciFunction;
 
 /// Highest queue identifier the mediator serves (64 I/O queue pairs beside the admin
-/// pair). Doorbells past it pass to the controller untouched... they are ignored.
+/// pair): the doorbells of queues 0..=64 are the mediator's; writes past them pass to
+/// the controller, which has no such queue (the mediator never creates one).
 pub(crate) const MAX_QID: u16 = 64;
 /// Largest transfer of one command: 128 KiB (the MDTS the guest is told, 5 with 4 KiB
 /// pages, or the controller's own when smaller).
 pub(crate) const MAX_TRANSFER: usize = 128 << 10;
+/// Most entries of a queue the mediator shadows (the controller's CAP.MQES + 1 when
+/// smaller).
+pub(crate) const MAX_ENTRIES: u32 = 4096;
 /// Pages of bounce buffers (16 MiB): commands that find no room wait in their queue's
 /// pending list until completions free some.
 const ARENA_PAGES: usize = 4096;
@@ -164,7 +168,7 @@ pub(crate) struct Mediator {
     container: Arc<VfioContainer>,
     /// Doorbell stride, bytes.
     stride: u64,
-    /// CAP.MQES + 1: most entries of a queue.
+    /// CAP.MQES + 1, at most [`MAX_ENTRIES`]: most entries of a queue.
     max_entries: u32,
     /// The controller's MDTS in bytes (0: no limit).
     device_mdts: usize,
@@ -202,7 +206,7 @@ impl Mediator {
         Ok(Mediator {
             container: Arc::clone(&f.container),
             stride: 4 << dstrd,
-            max_entries: (cap & 0xffff) as u32 + 1,
+            max_entries: ((cap & 0xffff) as u32 + 1).min(MAX_ENTRIES),
             device_mdts: 0,
             aqa: 0,
             asq: 0,
@@ -334,7 +338,7 @@ impl Mediator {
                 };
                 let v = v32()? as u16;
                 if cq {
-                    self.cq_head(f, g, qid, v);
+                    self.cq_head(g, qid, v);
                 } else {
                     self.sq_tail(f, g, qid, v);
                 }
@@ -381,7 +385,8 @@ impl Mediator {
             return Err(invalid("admin queues of fewer than 2 entries"));
         }
         for (what, base, n, es) in [("ASQ", self.asq, sq_n, SQE), ("ACQ", self.acq, cq_n, CQE)] {
-            if base % PAGE as u64 != 0 || !self.inside(base, (usize::from(n) * es) as u64) {
+            if !base.is_multiple_of(PAGE as u64) || !self.inside(base, (usize::from(n) * es) as u64)
+            {
                 return Err(invalid(format!(
                     "{what} {base:#x} ({n} entries) is not page-aligned inside the DMA maps"
                 )));
@@ -456,6 +461,13 @@ impl Mediator {
             return;
         }
         let (guest, size, mut head) = (sq.guest, sq.size, sq.head);
+        if !self.inside(guest, (usize::from(size) * SQE) as u64) {
+            tracing::warn!(
+                qid,
+                "the guest's submission queue is no longer inside the DMA maps; doorbell ignored"
+            );
+            return;
+        }
         // Fetch the new entries, in at most two runs (the queue wraps).
         let n = (usize::from(tail) + usize::from(size) - usize::from(head)) % usize::from(size);
         let mut raw = vec![0u8; n * SQE];
@@ -596,7 +608,7 @@ impl Mediator {
                     return Err(INVALID_QSIZE);
                 }
                 // Physically contiguous (PC, CDW11 bit 0) and page-aligned only.
-                if c11 & 1 == 0 || prp1 % PAGE as u64 != 0 {
+                if c11 & 1 == 0 || !prp1.is_multiple_of(PAGE as u64) {
                     return Err(INVALID_FIELD);
                 }
                 let es = if sqe[0] == admin::CREATE_CQ { CQE } else { SQE };
@@ -765,6 +777,17 @@ impl Mediator {
         cqid: u16,
         irq: bool,
     ) -> Result<(), GuestError> {
+        let Some(cq) = self.cqs.get(&cqid) else {
+            return Ok(());
+        };
+        let (base, bytes) = (cq.guest, (usize::from(cq.size) * CQE) as u64);
+        if !self.inside(base, bytes) {
+            tracing::warn!(cqid, "the guest's completion queue is no longer inside the DMA maps; its completions are dropped");
+            if let Some(cq) = self.cqs.get_mut(&cqid) {
+                cq.backlog.clear();
+            }
+            return Ok(());
+        }
         let Some(cq) = self.cqs.get_mut(&cqid) else {
             return Ok(());
         };
@@ -794,7 +817,7 @@ impl Mediator {
         Ok(())
     }
 
-    fn cq_head(&mut self, f: &PciFunction, g: &mut dyn GuestAccess, qid: u16, head: u16) {
+    fn cq_head(&mut self, g: &mut dyn GuestAccess, qid: u16, head: u16) {
         let Some(cq) = self.cqs.get_mut(&qid) else {
             tracing::info!(qid, "head doorbell of a queue that does not exist; ignored");
             return;
@@ -809,7 +832,6 @@ impl Mediator {
                 tracing::warn!(error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
             }
         }
-        let _ = f;
     }
 
     // ---- Completion -------------------------------------------------------------
@@ -838,7 +860,7 @@ impl Mediator {
                     (le16(&e, 14) & 1 != 0) == c.sh_phase
                 })
             {
-                tracing::info!(cqid, "completions found without an interrupt");
+                tracing::debug!(cqid, "completions found without an interrupt");
             }
             if let Err(e) = self.drain(f, g, cqid) {
                 tracing::warn!(cqid, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
@@ -854,10 +876,7 @@ impl Mediator {
     ) -> Result<(), GuestError> {
         let mut taken = 0;
         let mut freed_sqs = Vec::new();
-        loop {
-            let Some(cq) = self.cqs.get_mut(&cqid) else {
-                break;
-            };
+        while let Some(cq) = self.cqs.get_mut(&cqid) {
             let mut e = [0u8; CQE];
             cq.shadow.read(usize::from(cq.sh_head) * CQE, &mut e);
             if (le16(&e, 14) & 1 != 0) != cq.sh_phase {
@@ -878,7 +897,11 @@ impl Mediator {
                 tracing::warn!(sqid, cid, "completion of no command in flight; dropped");
                 continue;
             };
-            self.complete(g, sqid, cid, cmd, ok)?;
+            if !self.complete(g, sqid, cid, cmd, ok)? {
+                // Its buffers left the DMA maps while it ran: the data is dropped.
+                let st = (DATA_TRANSFER_ERROR.field() << 1) | (le16(&e, 14) & 1);
+                e[14..16].copy_from_slice(&st.to_le_bytes());
+            }
             let guest_head = self.sqs.get(&sqid).map_or(0, |s| s.head);
             e[8..10].copy_from_slice(&guest_head.to_le_bytes());
             if let Some(cq) = self.cqs.get_mut(&cqid) {
@@ -902,7 +925,9 @@ impl Mediator {
         Ok(())
     }
 
-    /// One command's completion: its data to guest memory, its queue effects.
+    /// One command's completion: its data to guest memory, its queue effects. `false`
+    /// when its data could not be pushed because its buffers are no longer inside the
+    /// DMA maps.
     fn complete(
         &mut self,
         g: &mut dyn GuestAccess,
@@ -910,7 +935,7 @@ impl Mediator {
         cid: u16,
         cmd: Inflight,
         ok: bool,
-    ) -> Result<(), GuestError> {
+    ) -> Result<bool, GuestError> {
         let mut data = Vec::new();
         if let (Some((first, n)), Some(arena)) = (cmd.bounce, self.arena.as_mut()) {
             if ok && cmd.dir == Dir::FromDevice {
@@ -958,6 +983,14 @@ impl Mediator {
         }
         tracing::trace!(sqid, cid, ok, "command completed");
         if !data.is_empty() {
+            if !cmd
+                .segs
+                .iter()
+                .all(|&(iova, n)| self.inside(iova, n as u64))
+            {
+                tracing::info!(sqid, cid, "a command's buffers were unmapped while it ran");
+                return Ok(false);
+            }
             let mut o = 0;
             let pages: Vec<(u64, &[u8])> = cmd
                 .segs
@@ -970,7 +1003,7 @@ impl Mediator {
                 .collect();
             g.write(&pages)?;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Identify Controller (§5.17.2.1) as the guest sees it: MDTS at most
