@@ -23,7 +23,7 @@
 //!   data gets that command failed (Data Transfer Error), one that sends a guest memory
 //!   message itself ends its session, and the function, quiesced, works for the next.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::Ordering;
@@ -37,27 +37,16 @@ use devlend_fabric::pci::{
     KIND_READ, KIND_SET_IRQS, KIND_WRITE,
 };
 use devlend_qemu::guest::Guest;
+use devlend_tests::nvme::{
+    sqe, Driver, Memory, Queue, ACQ, ADMIN_ENTRIES, ASQ, BAR0, CONFIG, DATA, GUEST_MEM, IDENT,
+    IOCQ, IOSQ, IOVA, IO_ENTRIES, LIST,
+};
 use vfio_bindings::bindings::vfio::{
     VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX,
 };
 use vfio_user::Client;
 use vmm_sys_util::eventfd::EventFd;
 
-const CONFIG: u32 = 7;
-const BAR0: u32 = 0;
-/// Guest memory: IOVA and size.
-const IOVA: u64 = 0x10_0000;
-const GUEST_MEM: u64 = 0x20_0000;
-/// Layout of guest memory (offsets from IOVA).
-const ASQ: u64 = 0x0000;
-const ACQ: u64 = 0x1000;
-const IDENT: u64 = 0x2000;
-const IOCQ: u64 = 0x4000;
-const IOSQ: u64 = 0x5000;
-const LIST: u64 = 0x6000;
-const DATA: u64 = 0x2_0000;
-const ADMIN_ENTRIES: u16 = 32;
-const IO_ENTRIES: u16 = 16;
 /// The image: 8 MiB.
 const IMAGE: u64 = 8 << 20;
 
@@ -160,200 +149,6 @@ fn connect(port: u16) -> PciBorrower {
             }
             Err(e) => panic!("borrower: {}", devlend_fabric::error::chain(&e)),
         }
-    }
-}
-
-/// "Guest memory": a memfd mapped here.
-struct Memory {
-    fd: OwnedFd,
-    ptr: *mut u8,
-}
-
-impl Memory {
-    fn new() -> Memory {
-        // SAFETY: memfd_create with a NUL-terminated name; the fd is checked.
-        let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), 0) };
-        assert!(fd >= 0, "memfd_create");
-        // SAFETY: a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: the fd is open.
-        let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) };
-        assert_eq!(rc, 0, "ftruncate");
-        // SAFETY: a new shared mapping of our memfd.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                GUEST_MEM as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
-        Memory {
-            fd,
-            ptr: ptr.cast(),
-        }
-    }
-
-    fn write(&self, off: u64, data: &[u8]) {
-        assert!(off as usize + data.len() <= GUEST_MEM as usize);
-        // SAFETY: in bounds of our mapping; volatile, since the borrower writes it too.
-        unsafe {
-            for (i, b) in data.iter().enumerate() {
-                std::ptr::write_volatile(self.ptr.add(off as usize + i), *b);
-            }
-        }
-    }
-
-    fn read(&self, off: u64, len: usize) -> Vec<u8> {
-        assert!(off as usize + len <= GUEST_MEM as usize);
-        // SAFETY: as in `write`.
-        unsafe {
-            (0..len)
-                .map(|i| std::ptr::read_volatile(self.ptr.add(off as usize + i)))
-                .collect()
-        }
-    }
-}
-
-impl Drop for Memory {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping.
-        unsafe {
-            libc::munmap(self.ptr.cast(), GUEST_MEM as usize);
-        }
-    }
-}
-
-/// One submission queue and its completion queue, as a driver keeps them.
-struct Queue {
-    qid: u16,
-    /// Offsets of the queues in guest memory (IOVA - [`IOVA`]).
-    sq: u64,
-    cq: u64,
-    entries: u16,
-    tail: u16,
-    head: u16,
-    phase: bool,
-    irq: EventFd,
-}
-
-/// A completion: DW0, SQ head, status field (without the phase).
-#[derive(Debug, Clone, Copy)]
-struct Done {
-    dw0: u32,
-    sqhd: u16,
-    status: u16,
-}
-
-impl Done {
-    fn sc(&self) -> (u16, u16) {
-        ((self.status >> 8) & 7, self.status & 0xff)
-    }
-}
-
-/// A userspace NVMe driver on the vfio-user client.
-struct Driver {
-    client: Client,
-    mem: Memory,
-    admin: Queue,
-    io: Option<Queue>,
-    cid: u16,
-}
-
-fn sqe(opcode: u8, nsid: u32, prp1: u64, prp2: u64, cdw: [u32; 6]) -> [u8; 64] {
-    let mut e = [0u8; 64];
-    e[0] = opcode;
-    e[4..8].copy_from_slice(&nsid.to_le_bytes());
-    e[24..32].copy_from_slice(&prp1.to_le_bytes());
-    e[32..40].copy_from_slice(&prp2.to_le_bytes());
-    for (i, d) in cdw.iter().enumerate() {
-        e[40 + 4 * i..44 + 4 * i].copy_from_slice(&d.to_le_bytes());
-    }
-    e
-}
-
-impl Driver {
-    fn r32(&mut self, off: u64) -> u32 {
-        let mut b = [0u8; 4];
-        self.client
-            .region_read(BAR0, off, &mut b)
-            .expect("BAR0 read");
-        u32::from_le_bytes(b)
-    }
-
-    fn w32(&mut self, off: u64, v: u32) {
-        self.client
-            .region_write(BAR0, off, &v.to_le_bytes())
-            .expect("BAR0 write");
-    }
-
-    fn wait_rdy(&mut self, rdy: bool) {
-        let until = Instant::now() + Duration::from_secs(60);
-        while (self.r32(0x1c) & 1 == 1) != rdy {
-            assert!(Instant::now() < until, "CSTS.RDY never became {rdy}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Submits `e` on the admin queue (`io` false) or the I/O queue, and waits for its
-    /// completion: the interrupt first, then the entry, which must be there already.
-    fn run(&mut self, io: bool, mut e: [u8; 64]) -> Done {
-        self.cid = self.cid.wrapping_add(1);
-        let cid = self.cid;
-        e[2..4].copy_from_slice(&cid.to_le_bytes());
-        let q = if io {
-            self.io.as_mut().expect("the I/O queue")
-        } else {
-            &mut self.admin
-        };
-        let (sq, tail) = (q.sq, q.tail);
-        q.tail = (q.tail + 1) % q.entries;
-        let (qid, new_tail) = (q.qid, q.tail);
-        self.mem.write(sq + u64::from(tail) * 64, &e);
-        self.w32(0x1000 + 8 * u64::from(qid), u32::from(new_tail));
-        let q = if io {
-            self.io.as_mut().expect("the I/O queue")
-        } else {
-            &mut self.admin
-        };
-        let until = Instant::now() + Duration::from_secs(60);
-        while q.irq.read().is_err() {
-            assert!(
-                Instant::now() < until,
-                "no interrupt for command {:#x} on queue {qid}",
-                e[0]
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        let c = self.mem.read(q.cq + u64::from(q.head) * 16, 16);
-        let st = u16::from_le_bytes([c[14], c[15]]);
-        assert_eq!(
-            st & 1 == 1,
-            q.phase,
-            "the completion entry is in guest memory when the interrupt comes"
-        );
-        assert_eq!(u16::from_le_bytes([c[12], c[13]]), cid, "the command id");
-        assert_eq!(u16::from_le_bytes([c[10], c[11]]), qid, "the SQ id");
-        q.head = (q.head + 1) % q.entries;
-        if q.head == 0 {
-            q.phase = !q.phase;
-        }
-        let head = q.head;
-        self.w32(0x1000 + 8 * u64::from(qid) + 4, u32::from(head));
-        Done {
-            dw0: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-            sqhd: u16::from_le_bytes([c[8], c[9]]),
-            status: st >> 1,
-        }
-    }
-
-    fn ok(&mut self, io: bool, e: [u8; 64], what: &str) -> Done {
-        let d = self.run(io, e);
-        assert_eq!(d.status, 0, "{what}: status {:?}", d.sc());
-        d
     }
 }
 

@@ -11,6 +11,12 @@
 //! RDMA-WRITEs the pages the card changed into guest memory before the interrupt, so
 //! the bytes coming back right is the one-sided path working.
 //!
+//! An emulated NVMe controller in the same guest is lent through the NVMe mediator over
+//! RDMA: `devlend-nvme-vmm` (a userspace NVMe driver on the vfio-user socket) runs
+//! IDENTIFY, a 16 KiB WRITE through a PRP list and a READ back, and a misaligned PRP
+//! that must be refused; every fetch and push of the mediator is an RDMA READ or WRITE
+//! of the registered guest memory; the image on the host holds the data.
+//!
 //! Also: a second borrower is refused while the first holds the function; after a
 //! detach the lender quiesces the function and lends it again over RDMA, and it works;
 //! a lender shutdown ends the PCI session over RDMA; a lender that requires TLS refuses
@@ -20,6 +26,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use devlend_qemu::guest::Guest;
+
+/// Bytes of the emulated NVMe's image (512-byte LBAs).
+const IMAGE: u64 = 8 << 20;
 
 fn bin(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -43,8 +52,15 @@ done
 [ -n "$BDF" ] || { echo "no edu device"; exit 1; }
 echo vfio-pci > /sys/bus/pci/devices/$BDF/driver_override
 echo $BDF > /sys/bus/pci/drivers_probe
+NVME=
+for d in /sys/bus/pci/devices/*; do
+  if [ "$(cat $d/class)" = 0x010802 ]; then NVME=$(basename $d); fi
+done
+[ -n "$NVME" ] || { echo "no NVMe controller"; exit 1; }
+echo vfio-pci > /sys/bus/pci/devices/$NVME/driver_override
+echo $NVME > /sys/bus/pci/drivers_probe
 mkdir -p /run/devlend
-devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --device edu=pci:$BDF --log-level info >> /tmp/lender.log 2>&1 &
+devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --device edu=pci:$BDF --device ssd0=pci:$NVME --log-level info >> /tmp/lender.log 2>&1 &
 LPID=$!
 devlend-compute-agent --api /run/devlend/ca.sock --log-level info > /tmp/ca.log 2>&1 &
 devlend-wait-for /run/devlend/ca.sock 30
@@ -60,6 +76,12 @@ devlend detach --api /run/devlend/ca.sock edu > /dev/null
 attach again > /dev/null
 echo "DEVLEND-RESULT round=2"
 devlend-edu-vmm /run/devlend/again.sock
+# The NVMe controller, mediated (the default for class 01:08:02), over RDMA.
+devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device ssd0 --id ssd --socket /run/devlend/ssd.sock --kind pci --transport rdma > /dev/null
+devlend-nvme-vmm /run/devlend/ssd.sock IMAGE_BYTES
+devlend detach --api /run/devlend/ca.sock ssd > /dev/null
+sleep 1
+grep 'NVMe mediator ends' /tmp/lender.log | tail -n 1 | sed 's/^/mediator: /'
 echo "DEVLEND-RESULT rdma_pci_sessions=$(grep -c 'PCI session opened over RDMA' /tmp/lender.log)"
 echo "DEVLEND-RESULT quiesced=$(grep -c 'function quiesced for the next borrower' /tmp/lender.log)"
 kill -TERM $LPID
@@ -81,7 +103,7 @@ grep -i -E 'warn|error' /tmp/ca.log | tail -n 10 | sed 's/^/borrower: /' || true
 "#;
 
 #[test]
-fn edu_is_lent_over_rdma_with_the_mirror_moved_one_sided() {
+fn pcie_functions_are_lent_over_rdma_one_sided() {
     let names = ["devlend", "devlend-device-agent", "devlend-compute-agent"];
     let mut bins: Vec<(&str, PathBuf)> = names.iter().map(|n| (*n, bin(n))).collect();
     for (n, p) in &bins {
@@ -91,10 +113,18 @@ fn edu_is_lent_over_rdma_with_the_mirror_moved_one_sided() {
         "devlend-edu-vmm",
         PathBuf::from(env!("CARGO_BIN_EXE_devlend-edu-vmm")),
     ));
+    bins.push((
+        "devlend-nvme-vmm",
+        PathBuf::from(env!("CARGO_BIN_EXE_devlend-nvme-vmm")),
+    ));
     bins.push(("rdma", PathBuf::from("/usr/bin/rdma")));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let image = dir.path().join("nvme.img");
+    std::fs::write(&image, vec![0u8; IMAGE as usize]).expect("the NVMe image");
     let b = Guest::builder()
         .name("vfio-rdma")
-        .memory_mib(1024)
+        // The initramfs holds four devlend binaries with debug info (~350 MB).
+        .memory_mib(1536)
         .vcpus(2)
         .kernel_arg("intel_iommu=on iommu=pt")
         .args([
@@ -104,8 +134,12 @@ fn edu_is_lent_over_rdma_with_the_mirror_moved_one_sided() {
             "intel-iommu,intremap=on,caching-mode=on",
             "-device",
             "edu",
+            "-drive",
+            &format!("file={},if=none,id=nv0,format=raw", image.display()),
+            "-device",
+            "nvme,serial=lend0,drive=nv0",
         ])
-        .script(SCRIPT);
+        .script(SCRIPT.replace("IMAGE_BYTES", &IMAGE.to_string()));
     let b = devlend_tests::with_host_binaries(
         b,
         &bins,
@@ -121,12 +155,16 @@ fn edu_is_lent_over_rdma_with_the_mirror_moved_one_sided() {
         .host_file("/certs/lender.key", certs.path("lender.key"));
     let mut guest = b.boot().expect("boot");
     let out = guest.wait_done(Duration::from_secs(600)).expect("guest");
+    if std::env::var_os("DEVLEND_CONSOLE").is_some() {
+        eprintln!("{}", guest.console());
+    }
     for l in guest.console().lines().filter(|l| {
         l.contains("DEVLEND-RESULT")
             || l.contains("lender: ")
             || l.contains("borrower: ")
             || l.contains("second: ")
             || l.contains("tls: ")
+            || l.contains("mediator: ")
             || l.contains("panicked")
     }) {
         eprintln!("{l}");
@@ -162,6 +200,31 @@ fn edu_is_lent_over_rdma_with_the_mirror_moved_one_sided() {
         out.result("edu_dma_wrong_bytes_again"),
         Some("0"),
         "three more, with the mirror already in sync"
+    );
+    // The NVMe controller through the mediator, over RDMA.
+    assert_eq!(out.result("nvme_vid"), Some("1b36"), "IDENTIFY controller");
+    assert_eq!(
+        out.result("nvme_namespace_bytes"),
+        Some(IMAGE.to_string().as_str()),
+        "IDENTIFY namespace: the image's size"
+    );
+    assert_eq!(
+        out.result("nvme_wrong_bytes"),
+        Some("0"),
+        "16 KiB written and read back"
+    );
+    assert_eq!(
+        out.result("nvme_misaligned_prp"),
+        Some("(0, 19)"),
+        "a misaligned PRP refused with PRP Offset Invalid"
+    );
+    let img = std::fs::read(&image).expect("the image");
+    let pattern: Vec<u8> = (0..16384u32)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add((i >> 9) as u8))
+        .collect();
+    assert!(
+        img[8 * 512..8 * 512 + 16384] == pattern[..],
+        "the lender's image holds the 16 KiB written at LBA 8"
     );
     assert_eq!(
         out.result("second"),

@@ -123,6 +123,9 @@ mod tests {
         // A file shrunk under its map: refused, not touched (SIGBUS).
         _f2.set_len(0).expect("truncate");
         assert!(m.write(0x20_0000, &[9; 16]).is_err());
-        assert!(m.read(0x10_0000, &mut buf).is_ok(), "the other map is whole");
+        assert!(
+            m.read(0x10_0000, &mut buf).is_ok(),
+            "the other map is whole"
+        );
     }
 }
