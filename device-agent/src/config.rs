@@ -159,7 +159,10 @@ impl DeviceSpec {
                 return bad_name("has a PCIe function and also a path or an interface");
             }
             if !valid_bdf(bdf) {
-                return bad_name("the PCIe address is not DDDD:BB:DD.F (hex)");
+                return Err(Error::BadBdf {
+                    name: self.name.clone(),
+                    bdf: bdf.clone(),
+                });
             }
             if self.read_only || self.serial.is_some() || self.mac.is_some() {
                 return bad_name("ro, serial and mac do not apply to a PCIe function");

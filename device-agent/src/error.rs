@@ -20,6 +20,14 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A device's PCIe address is not `DDDD:BB:DD.F`.
+    #[error("device {name:?}: PCIe address {bdf:?} is not DDDD:BB:DD.F (hex, with the domain: e.g. 0000:{bdf})")]
+    BadBdf {
+        /// The device name.
+        name: String,
+        /// The address as given.
+        bdf: String,
+    },
     /// A device name is empty or longer than the protocol allows.
     #[error("invalid device name {name:?}: {reason}")]
     BadName {

@@ -295,7 +295,7 @@ pub(crate) fn admit<'s>(
         return Err((
             HelloStatus::BadRequest,
             format!(
-                "device {:?} is a PCIe function: a borrower must ask for feature PCI on queue 0",
+                "device {:?} is a PCIe function: a borrower must ask for feature PCI on queue 0 (devlend attach --kind pci)",
                 hello.device
             ),
         ));

@@ -657,7 +657,12 @@ fn expect(
     if ev == want {
         return Ok(());
     }
-    let reason = format!("{} (status {status}) while {what}", event_name(ev));
+    let mut reason = format!("{} (status {status}) while {what}", event_name(ev));
+    if ev == rdma_cm_event_type::RDMA_CM_EVENT_REJECTED {
+        reason.push_str(
+            ": nothing serves RDMA there (is the lender started with --transport rdma?)",
+        );
+    }
     if matches!(
         ev,
         rdma_cm_event_type::RDMA_CM_EVENT_ADDR_ERROR
