@@ -4,7 +4,7 @@
 //! memory" (a memfd mapped for DMA). Used by the PCIe lending tests on the host and, as
 //! `devlend-edu-vmm`, inside guests.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -43,76 +43,8 @@ pub const CONFIG: u32 = 7;
 /// VFIO region index of BAR0.
 pub const BAR0: u32 = 0;
 
-/// "Guest memory": a memfd of [`GUEST_MEM`] bytes, mapped here.
-pub struct Memory {
-    /// The memfd, for DMA_MAP.
-    pub fd: OwnedFd,
-    ptr: *mut u8,
-}
-
-impl Default for Memory {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Memory {
-    /// A zeroed memfd of [`GUEST_MEM`] bytes, mapped shared.
-    pub fn new() -> Memory {
-        // SAFETY: memfd_create with a NUL-terminated name; the fd is checked.
-        let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), 0) };
-        assert!(fd >= 0, "memfd_create");
-        // SAFETY: a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: the fd is open.
-        let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), GUEST_MEM as i64) };
-        assert_eq!(rc, 0, "ftruncate");
-        // SAFETY: a new shared mapping of our memfd.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                GUEST_MEM as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
-        Memory {
-            fd,
-            ptr: ptr.cast(),
-        }
-    }
-
-    /// Writes `data` at offset `off`.
-    pub fn write(&self, off: u64, data: &[u8]) {
-        assert!(off as usize + data.len() <= GUEST_MEM as usize);
-        // SAFETY: in bounds of our mapping; the borrower writes it only between an
-        // interrupt and its eventfd, which this test waits for before reading.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off as usize), data.len())
-        }
-    }
-
-    /// Reads `len` bytes at offset `off`.
-    pub fn read(&self, off: u64, len: usize) -> Vec<u8> {
-        assert!(off as usize + len <= GUEST_MEM as usize);
-        let mut v = vec![0u8; len];
-        // SAFETY: as in `write`.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off as usize), v.as_mut_ptr(), len) }
-        v
-    }
-}
-
-impl Drop for Memory {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping.
-        unsafe {
-            libc::munmap(self.ptr.cast(), GUEST_MEM as usize);
-        }
-    }
-}
+/// "Guest memory": a memfd of [`GUEST_MEM`] bytes, mapped here (the NVMe driver's).
+pub use crate::nvme::Memory;
 
 /// The VMM's side: the vfio_user client, its MSI eventfd, its memory.
 pub struct Vmm {

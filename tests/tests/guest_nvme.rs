@@ -23,9 +23,9 @@
 //!   data gets that command failed (Data Transfer Error), one that sends a guest memory
 //!   message itself ends its session, and the function, quiesced, works for the next.
 
+use devlend_tests::shared_libraries as libs;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -54,17 +54,6 @@ fn bin(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../target/release")
         .join(name)
-}
-
-fn libs(path: &Path) -> Vec<String> {
-    let out = Command::new("ldd").arg(path).output().expect("ldd");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split("=>").nth(1))
-        .filter_map(|r| r.split_whitespace().next())
-        .filter(|p| p.starts_with('/'))
-        .map(str::to_string)
-        .collect()
 }
 
 const SCRIPT: &str = r#"

@@ -16,6 +16,7 @@
 //! see `guest_vfio_qemu11.rs`). Without it the test says so and passes; with
 //! `DEVLEND_REQUIRE_QEMU11=1` it fails instead.
 
+use devlend_tests::shared_libraries as libs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,17 +29,6 @@ fn bin(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../target/release")
         .join(name)
-}
-
-fn libs(path: &Path) -> Vec<String> {
-    let out = Command::new("ldd").arg(path).output().expect("ldd");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split("=>").nth(1))
-        .filter_map(|r| r.split_whitespace().next())
-        .filter(|p| p.starts_with('/'))
-        .map(str::to_string)
-        .collect()
 }
 
 const LENDER_SCRIPT: &str = r#"

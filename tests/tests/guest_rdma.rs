@@ -10,6 +10,7 @@
 //! stop the RDMA sessions of the attachment still open.
 //! On the host (no RDMA device), `--transport rdma` must fail at once and say why.
 
+use devlend_tests::shared_libraries as libs;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -19,18 +20,6 @@ use devlend_qemu::guest::Guest;
 fn bin(name: &str) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release");
     root.join(name)
-}
-
-/// The libraries `ldd` lists for `path`.
-fn libs(path: &PathBuf) -> Vec<String> {
-    let out = Command::new("ldd").arg(path).output().expect("ldd");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split("=>").nth(1))
-        .filter_map(|r| r.split_whitespace().next())
-        .filter(|p| p.starts_with('/'))
-        .map(str::to_string)
-        .collect()
 }
 
 const SCRIPT: &str = r#"

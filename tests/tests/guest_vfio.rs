@@ -20,11 +20,11 @@
 //! that disconnects mid-DMA leaves the lender able to lend the function again, which
 //! then computes and copies correctly for the next borrower.
 
+use devlend_tests::shared_libraries as libs;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use devlend_backend::pci::{
@@ -46,18 +46,6 @@ fn bin(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../target/release")
         .join(name)
-}
-
-/// The libraries `ldd` lists for `path`.
-fn libs(path: &Path) -> Vec<String> {
-    let out = Command::new("ldd").arg(path).output().expect("ldd");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split("=>").nth(1))
-        .filter_map(|r| r.split_whitespace().next())
-        .filter(|p| p.starts_with('/'))
-        .map(str::to_string)
-        .collect()
 }
 
 const SCRIPT: &str = r#"

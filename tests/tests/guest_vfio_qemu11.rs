@@ -15,9 +15,9 @@
 //! `apt-get install -t trixie-backports --no-install-recommends qemu-system-x86`. Without
 //! it the test says so and passes; with `DEVLEND_REQUIRE_QEMU11=1` it fails instead.
 
+use devlend_tests::shared_libraries as libs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use devlend_backend::pci::{LinkTarget, PciBorrower};
@@ -27,17 +27,6 @@ fn bin(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../target/release")
         .join(name)
-}
-
-fn libs(path: &Path) -> Vec<String> {
-    let out = Command::new("ldd").arg(path).output().expect("ldd");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split("=>").nth(1))
-        .filter_map(|r| r.split_whitespace().next())
-        .filter(|p| p.starts_with('/'))
-        .map(str::to_string)
-        .collect()
 }
 
 const LENDER_SCRIPT: &str = r#"

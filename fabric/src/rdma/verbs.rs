@@ -659,9 +659,8 @@ fn expect(
     }
     let mut reason = format!("{} (status {status}) while {what}", event_name(ev));
     if ev == rdma_cm_event_type::RDMA_CM_EVENT_REJECTED {
-        reason.push_str(
-            ": nothing serves RDMA there (is the lender started with --transport rdma?)",
-        );
+        reason
+            .push_str(": nothing serves RDMA there (is the lender started with --transport rdma?)");
     }
     if matches!(
         ev,
