@@ -571,6 +571,18 @@ impl Registry {
                     e.id
                 )));
             }
+            // One borrower per device: a second attachment of it here would be refused
+            // by the lender as "another borrower", which this agent is not.
+            if let Some(e) = entries.values().find(|e| {
+                !req.device.is_empty()
+                    && e.request.lender == req.lender
+                    && e.request.device == req.device
+            }) {
+                return Err(RegistryError::Conflict(format!(
+                    "device {:?} of {} is already attached here as {} (one attachment per device); detach it first",
+                    req.device, req.lender, e.id
+                )));
+            }
             if let Some(r) = self.lock_restoring().iter().find(|r| {
                 r.saved.request.socket == req.socket || Some(&r.saved.id) == req.id.as_ref()
             }) {

@@ -549,6 +549,8 @@ fn a_device_is_lent_to_one_borrower_at_a_time() {
         ])
         .unwrap();
     assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("already attached here as"), "{err}");
     // Once the first detaches, the device can be attached again.
     s.borrower
         .cli_json(&["detach", first.to_str().unwrap()])

@@ -153,7 +153,7 @@ fn live_attach_io_detach_and_reattach() -> Result<()> {
         other.to_str().context("utf8")?,
     ])?;
     ensure!(
-        !dup.status.success() && err_text(&dup).contains("attached by another borrower"),
+        !dup.status.success() && err_text(&dup).contains("already attached here as"),
         "{}",
         err_text(&dup)
     );

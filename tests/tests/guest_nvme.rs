@@ -618,6 +618,44 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
         b"lend0",
         "the serial after a reset"
     );
+    // I/O right after the reset, before the namespace is identified again (Linux's
+    // order after a reset): the mediator still knows the namespace's block size.
+    let qs = u32::from(IO_ENTRIES - 1) << 16 | 1;
+    d.mem.write(IOCQ, &[0u8; 4096]);
+    d.ok(
+        false,
+        sqe(0x05, 0, IOVA + IOCQ, 0, [qs, 1 << 16 | 3, 0, 0, 0, 0]),
+        "create I/O CQ after a reset",
+    );
+    d.ok(
+        false,
+        sqe(0x01, 0, IOVA + IOSQ, 0, [qs, 1 << 16 | 1, 0, 0, 0, 0]),
+        "create I/O SQ after a reset",
+    );
+    if let Some(q) = d.io.as_mut() {
+        q.tail = 0;
+        q.head = 0;
+        q.phase = true;
+        let _ = q.irq.read();
+    }
+    let again = DATA + 0x18_000;
+    d.mem.write(again, &[0u8; 4096]);
+    d.ok(
+        true,
+        sqe(
+            0x02,
+            1,
+            IOVA + again,
+            0,
+            [slba, 0, (4096 / lba - 1) as u32, 0, 0, 0],
+        ),
+        "read after a reset, before IDENTIFY namespace",
+    );
+    assert_eq!(
+        d.mem.read(again, 4096),
+        &pattern[..4096],
+        "the data read right after a reset"
+    );
 
     // The image on the lender's side holds the pattern.
     let img = std::fs::read(image).expect("read the image");

@@ -82,7 +82,9 @@ echo "DEVLEND-RESULT rdma_stopped=$(grep -c 'RDMA session stopped' /tmp/lender.l
 fn rdma_on_soft_roce_in_a_guest() {
     let mut b = Guest::builder()
         .name("rdma")
-        .memory_mib(1024)
+        // The initramfs holds three devlend binaries with debug info (~320 MB) and the
+        // disks live in its tmpfs (half the RAM).
+        .memory_mib(1536)
         .vcpus(2)
         .script(SCRIPT);
     let mut files = vec![

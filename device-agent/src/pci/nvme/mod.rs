@@ -430,12 +430,14 @@ impl Mediator {
         Ok(())
     }
 
-    /// Drops every queue and command (the controller is reset or being reset).
+    /// Drops every queue and command (the controller is reset or being reset). The
+    /// namespaces' block sizes are kept: a reset does not change them (the mediator
+    /// refuses Format NVM and namespace management), and a guest resumes I/O after a
+    /// reset before it identifies its namespaces again.
     pub(crate) fn drop_queues(&mut self) {
         self.sqs.clear();
         self.cqs.clear();
         self.inflight.clear();
-        self.lba.clear();
         if let Some(a) = &mut self.arena {
             a.free(0, ARENA_PAGES);
         }
@@ -782,7 +784,10 @@ impl Mediator {
         };
         let (base, bytes) = (cq.guest, (usize::from(cq.size) * CQE) as u64);
         if !self.inside(base, bytes) {
-            tracing::warn!(cqid, "the guest's completion queue is no longer inside the DMA maps; its completions are dropped");
+            // Said only when completions are dropped, not at every idle look.
+            if !cq.backlog.is_empty() {
+                tracing::warn!(cqid, dropped = cq.backlog.len(), "the guest's completion queue is no longer inside the DMA maps; its completions are dropped");
+            }
             if let Some(cq) = self.cqs.get_mut(&cqid) {
                 cq.backlog.clear();
             }
