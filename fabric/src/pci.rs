@@ -150,16 +150,30 @@ impl Message {
         }
     }
 
+    /// Bytes of the encoded message (header and payload).
+    pub fn encoded_len(&self) -> usize {
+        PCI_HEADER_LEN + self.payload.len()
+    }
+
+    /// Encodes header and payload into the first [`Self::encoded_len`] bytes of `out`
+    /// (e.g. a registered RDMA send buffer); `None` when `out` is shorter.
+    pub fn encode_into(&self, out: &mut [u8]) -> Option<usize> {
+        let n = self.encoded_len();
+        let out = out.get_mut(..n)?;
+        out[0] = self.kind;
+        out[1] = self.status as u8;
+        out[2] = self.flags;
+        out[3] = 0;
+        out[4..8].copy_from_slice(&(self.payload.len() as u32).to_le_bytes());
+        out[PCI_HEADER_LEN..].copy_from_slice(&self.payload);
+        Some(n)
+    }
+
     /// Encodes header and payload into one buffer (one `write_all`, so that two threads
     /// sharing a connection under a lock never interleave a message).
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(PCI_HEADER_LEN + self.payload.len());
-        b.push(self.kind);
-        b.push(self.status as u8);
-        b.push(self.flags);
-        b.push(0);
-        b.extend_from_slice(&(self.payload.len() as u32).to_le_bytes());
-        b.extend_from_slice(&self.payload);
+        let mut b = vec![0u8; self.encoded_len()];
+        self.encode_into(&mut b);
         b
     }
 

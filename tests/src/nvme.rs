@@ -163,6 +163,8 @@ pub struct Driver {
     pub admin: Queue,
     /// The I/O queue pair, once created.
     pub io: Option<Queue>,
+    /// The I/O vector's eventfd until the I/O queue pair is created.
+    pub io_irq: Option<EventFd>,
     /// The last command identifier used.
     pub cid: u16,
 }
@@ -266,10 +268,9 @@ impl Driver {
     }
 }
 
-/// A new driver on `sock`: bus mastering on, guest memory mapped for DMA, two MSI-X
-/// vectors (admin, I/O), the controller enabled with the admin queues in guest memory
-/// (NVMe Base 2.0 §3.5.1).
-pub fn start(sock: &Path) -> Driver {
+/// A driver joined to `sock`, before anything is enabled: bus mastering on, guest
+/// memory mapped for DMA, two MSI-X vectors (admin, I/O).
+pub fn join(sock: &Path) -> Driver {
     let mut client = Client::new(sock).expect("vfio-user client");
     let mut cmd = [0u8; 2];
     client.region_read(CONFIG, 4, &mut cmd).expect("command");
@@ -295,7 +296,7 @@ pub fn start(sock: &Path) -> Driver {
         )
         .expect("enable MSI-X");
     let [irq0, irq1] = irqs;
-    let mut d = Driver {
+    Driver {
         client,
         mem,
         admin: Queue {
@@ -309,44 +310,69 @@ pub fn start(sock: &Path) -> Driver {
             irq: irq0,
         },
         io: None,
+        io_irq: Some(irq1),
         cid: 0,
-    };
-    d.w32(0x14, 0);
-    d.wait_rdy(false);
-    let aqa = u32::from(ADMIN_ENTRIES - 1) << 16 | u32::from(ADMIN_ENTRIES - 1);
-    d.w32(0x24, aqa);
-    d.w32(0x28, (IOVA + ASQ) as u32);
-    d.w32(0x2c, 0);
-    d.w32(0x30, (IOVA + ACQ) as u32);
-    d.w32(0x34, 0);
-    d.w32(0x14, 1 | 6 << 16 | 4 << 20);
-    d.wait_rdy(true);
-    // The I/O queue pair on vector 1.
-    d.ok(
-        false,
-        sqe(0x09, 0, 0, 0, [0x07, 0, 0, 0, 0, 0]),
-        "set features: queues",
-    );
-    let qs = u32::from(IO_ENTRIES - 1) << 16 | 1;
-    d.ok(
-        false,
-        sqe(0x05, 0, IOVA + IOCQ, 0, [qs, 1 << 16 | 3, 0, 0, 0, 0]),
-        "create I/O CQ",
-    );
-    d.ok(
-        false,
-        sqe(0x01, 0, IOVA + IOSQ, 0, [qs, 1 << 16 | 1, 0, 0, 0, 0]),
-        "create I/O SQ",
-    );
-    d.io = Some(Queue {
-        qid: 1,
-        sq: IOSQ,
-        cq: IOCQ,
-        entries: IO_ENTRIES,
-        tail: 0,
-        head: 0,
-        phase: true,
-        irq: irq1,
-    });
+    }
+}
+
+/// [`join`], then [`Driver::enable`] and [`Driver::create_io_queue`].
+pub fn start(sock: &Path) -> Driver {
+    let mut d = join(sock);
+    d.enable();
+    d.create_io_queue();
     d
+}
+
+impl Driver {
+    /// Enables the controller with the admin queues in guest memory (NVMe Base 2.0
+    /// §3.5.1): CC.EN 0, AQA/ASQ/ACQ, CC.EN 1 with 4 KiB pages.
+    pub fn enable(&mut self) {
+        self.w32(0x14, 0);
+        self.wait_rdy(false);
+        let aqa = u32::from(ADMIN_ENTRIES - 1) << 16 | u32::from(ADMIN_ENTRIES - 1);
+        self.w32(0x24, aqa);
+        self.w32(0x28, (IOVA + ASQ) as u32);
+        self.w32(0x2c, 0);
+        self.w32(0x30, (IOVA + ACQ) as u32);
+        self.w32(0x34, 0);
+        self.w32(0x14, 1 | 6 << 16 | 4 << 20);
+        self.wait_rdy(true);
+    }
+
+    /// Asks for queues (SET FEATURES, Number of Queues), then creates I/O queue pair 1
+    /// on MSI-X vector 1; returns the SET FEATURES completion.
+    pub fn create_io_queue(&mut self) -> Done {
+        let nq = self.ok(
+            false,
+            sqe(0x09, 0, 0, 0, [0x07, 0, 0, 0, 0, 0]),
+            "set features: queues",
+        );
+        let qs = u32::from(IO_ENTRIES - 1) << 16 | 1;
+        self.ok(
+            false,
+            sqe(0x05, 0, IOVA + IOCQ, 0, [qs, 1 << 16 | 3, 0, 0, 0, 0]),
+            "create I/O CQ",
+        );
+        self.ok(
+            false,
+            sqe(0x01, 0, IOVA + IOSQ, 0, [qs, 1 << 16 | 1, 0, 0, 0, 0]),
+            "create I/O SQ",
+        );
+        let irq = self
+            .io_irq
+            .take()
+            .or_else(|| self.io.take().map(|q| q.irq))
+            .expect("the I/O vector's eventfd");
+        self.io = Some(Queue {
+            qid: 1,
+            sq: IOSQ,
+            cq: IOCQ,
+            entries: IO_ENTRIES,
+            tail: 0,
+            head: 0,
+            phase: true,
+            irq,
+        });
+        nq
+    }
 }

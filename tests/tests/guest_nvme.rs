@@ -24,7 +24,6 @@
 //!   message itself ends its session, and the function, quiesced, works for the next.
 
 use devlend_tests::shared_libraries as libs;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -38,14 +37,9 @@ use devlend_fabric::pci::{
 };
 use devlend_qemu::guest::Guest;
 use devlend_tests::nvme::{
-    sqe, Driver, Memory, Queue, ACQ, ADMIN_ENTRIES, ASQ, BAR0, CONFIG, DATA, GUEST_MEM, IDENT,
-    IOCQ, IOSQ, IOVA, IO_ENTRIES, LIST,
+    sqe, Driver, ACQ, ASQ, BAR0, CONFIG, DATA, IDENT, IOCQ, IOSQ, IOVA, IO_ENTRIES, LIST,
 };
-use vfio_bindings::bindings::vfio::{
-    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX,
-};
-use vfio_user::Client;
-use vmm_sys_util::eventfd::EventFd;
+use vfio_bindings::bindings::vfio::VFIO_PCI_MSIX_IRQ_INDEX;
 
 /// The image: 8 MiB.
 const IMAGE: u64 = 8 << 20;
@@ -181,75 +175,26 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
         "an NVMe controller is mediated by default"
     );
 
-    let mut client = Client::new(&sock).expect("vfio-user client");
+    let mut d = devlend_tests::nvme::join(&sock);
     let mut b = [0u8; 4];
-    client.region_read(CONFIG, 0, &mut b).expect("config");
+    d.client.region_read(CONFIG, 0, &mut b).expect("config");
     assert_eq!(
         u16::from_le_bytes([b[0], b[1]]),
         0x1b36,
         "QEMU's NVMe vendor"
     );
-    client.region_read(CONFIG, 8, &mut b).expect("class");
+    d.client.region_read(CONFIG, 8, &mut b).expect("class");
     assert_eq!(u32::from_le_bytes(b) >> 8, 0x010802, "class code NVMe");
-    let mut cmd = [0u8; 2];
-    client.region_read(CONFIG, 4, &mut cmd).expect("command");
-    let c = u16::from_le_bytes(cmd) | 0x06;
-    client
-        .region_write(CONFIG, 4, &c.to_le_bytes())
-        .expect("bus mastering");
-    let mem = Memory::new();
-    client
-        .dma_map(0, IOVA, GUEST_MEM, mem.fd.as_raw_fd())
-        .expect("DMA map");
-    let irqs = [
-        EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
-        EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
-    ];
-    client
-        .set_irqs(
-            VFIO_PCI_MSIX_IRQ_INDEX,
-            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-            0,
-            2,
-            &[irqs[0].as_raw_fd(), irqs[1].as_raw_fd()],
-        )
-        .expect("enable MSI-X");
-    let [irq0, irq1] = irqs;
-    let mut d = Driver {
-        client,
-        mem,
-        admin: Queue {
-            qid: 0,
-            sq: ASQ,
-            cq: ACQ,
-            entries: ADMIN_ENTRIES,
-            tail: 0,
-            head: 0,
-            phase: true,
-            irq: irq0,
-        },
-        io: None,
-        cid: 0,
-    };
 
     // Enable (NVMe Base 2.0 §3.5.1).
     let cap_lo = d.r32(0);
     eprintln!("CAP {cap_lo:#x}, VS {:#x}", d.r32(8));
-    d.w32(0x14, 0);
-    d.wait_rdy(false);
-    let aqa = u32::from(ADMIN_ENTRIES - 1) << 16 | u32::from(ADMIN_ENTRIES - 1);
-    d.w32(0x24, aqa);
-    d.w32(0x28, (IOVA + ASQ) as u32);
-    d.w32(0x2c, 0);
-    d.w32(0x30, (IOVA + ACQ) as u32);
-    d.w32(0x34, 0);
+    d.enable();
     assert_eq!(
         d.r32(0x28),
         (IOVA + ASQ) as u32,
         "ASQ reads back as written"
     );
-    d.w32(0x14, 1 | 6 << 16 | 4 << 20);
-    d.wait_rdy(true);
 
     // IDENTIFY controller and namespace.
     d.ok(
@@ -290,33 +235,8 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     );
 
     // Number of queues, then an I/O queue pair on vector 1.
-    let nq = d.ok(
-        false,
-        sqe(0x09, 0, 0, 0, [0x07, 0, 0, 0, 0, 0]),
-        "set features: queues",
-    );
+    let nq = d.create_io_queue();
     eprintln!("queues granted: {:#x}", nq.dw0);
-    let qs = u32::from(IO_ENTRIES - 1) << 16 | 1;
-    d.ok(
-        false,
-        sqe(0x05, 0, IOVA + IOCQ, 0, [qs, 1 << 16 | 3, 0, 0, 0, 0]),
-        "create I/O CQ",
-    );
-    d.ok(
-        false,
-        sqe(0x01, 0, IOVA + IOSQ, 0, [qs, 1 << 16 | 1, 0, 0, 0, 0]),
-        "create I/O SQ",
-    );
-    d.io = Some(Queue {
-        qid: 1,
-        sq: IOSQ,
-        cq: IOCQ,
-        entries: IO_ENTRIES,
-        tail: 0,
-        head: 0,
-        phase: true,
-        irq: irq1,
-    });
 
     // WRITE 16 KiB at LBA 8 from four scattered pages through a PRP list.
     let pattern: Vec<u8> = (0..16384u32)
@@ -620,24 +540,8 @@ fn scenario(port: u16, dir: &Path, image: &Path) {
     );
     // I/O right after the reset, before the namespace is identified again (Linux's
     // order after a reset): the mediator still knows the namespace's block size.
-    let qs = u32::from(IO_ENTRIES - 1) << 16 | 1;
     d.mem.write(IOCQ, &[0u8; 4096]);
-    d.ok(
-        false,
-        sqe(0x05, 0, IOVA + IOCQ, 0, [qs, 1 << 16 | 3, 0, 0, 0, 0]),
-        "create I/O CQ after a reset",
-    );
-    d.ok(
-        false,
-        sqe(0x01, 0, IOVA + IOSQ, 0, [qs, 1 << 16 | 1, 0, 0, 0, 0]),
-        "create I/O SQ after a reset",
-    );
-    if let Some(q) = d.io.as_mut() {
-        q.tail = 0;
-        q.head = 0;
-        q.phase = true;
-        let _ = q.irq.read();
-    }
+    d.create_io_queue();
     let again = DATA + 0x18_000;
     d.mem.write(again, &[0u8; 4096]);
     d.ok(

@@ -328,11 +328,7 @@ impl Link {
                     return Err(LinkError::Closed);
                 }
                 let mut ch = w.ch.lock().unwrap_or_else(PoisonError::into_inner);
-                ch.send(m).map_err(|e| {
-                    LinkError::Send(WireError::Io(std::io::Error::other(
-                        devlend_fabric::error::chain(&e),
-                    )))
-                })
+                ch.send(m).map_err(|e| rdma_send_err(&e))
             }
         }
     }
@@ -390,11 +386,7 @@ impl Link {
                 // SAFETY: the caller keeps the range mapped while the registration lives.
                 unsafe { devlend_fabric::rdma::verbs::Mr::register(ch.pd(), ptr, len, true) }
                     .map(|mr| Some(Registration { mr }))
-                    .map_err(|e| {
-                        LinkError::Send(WireError::Io(std::io::Error::other(
-                            devlend_fabric::error::chain(&e),
-                        )))
-                    })
+                    .map_err(|e| rdma_send_err(&e))
             }
         }
     }
@@ -407,13 +399,7 @@ impl Link {
                 let _ = s.shutdown(Shutdown::Both);
             }
             #[cfg(feature = "rdma")]
-            Wire::Rdma(w) => {
-                if !w.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
-                    w.ch.lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .disconnect();
-                }
-            }
+            Wire::Rdma(w) => close_rdma(w),
         }
     }
 }
@@ -512,6 +498,15 @@ fn rdma_read_loop(
     }
 }
 
+/// An RDMA failure of a send or a registration, as [`LinkError::Send`].
+#[cfg(feature = "rdma")]
+fn rdma_send_err(e: &dyn std::error::Error) -> LinkError {
+    LinkError::Send(WireError::Io(std::io::Error::other(
+        devlend_fabric::error::chain(e),
+    )))
+}
+
+/// Marks the connection closed and disconnects it, once.
 #[cfg(feature = "rdma")]
 fn close_rdma(w: &RdmaWire) {
     if !w.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {

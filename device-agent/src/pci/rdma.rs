@@ -96,6 +96,7 @@ pub(crate) fn serve(f: &PciFunction, conn: Connection, stop: &AtomicBool) -> End
                 maps: Vec::new(),
                 bounce,
                 counters: AccessCounters::default(),
+                ops: Vec::new(),
             })
         }
     };
@@ -121,6 +122,8 @@ struct Mediated {
     maps: Vec<RemoteMap>,
     bounce: Bounce,
     counters: AccessCounters,
+    /// The guest access's work requests, reused.
+    ops: Vec<RdmaOp>,
 }
 
 impl Mediated {
@@ -138,6 +141,7 @@ impl Mediated {
             bounce: &mut self.bounce,
             index_of: &index_of,
             counters: &mut self.counters,
+            ops: &mut self.ops,
         };
         op(&mut self.m, &mut g)
     }
@@ -151,24 +155,25 @@ fn run(
     med: &mut Option<Mediated>,
 ) -> End {
     let f = lending.f;
+    // Kept across rounds: a round runs per message batch and, mediated, every 10 ms.
+    let mut fds: Vec<(u32, u32, Arc<EventFd>)> = Vec::new();
+    let mut pfds: Vec<libc::pollfd> = Vec::new();
     loop {
         if stop.load(Ordering::Acquire) {
             tracing::info!(bdf = %lending.f.bdf, "PCI session over RDMA stopped (lease ended or lender shutting down)");
             return End::PeerClosed;
         }
-        let fds: Vec<(u32, u32, Arc<EventFd>)> = table
-            .fds
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        let mut pfds: Vec<libc::pollfd> = std::iter::once(ch.fd())
-            .chain(fds.iter().map(|(_, _, e)| e.as_raw_fd()))
-            .map(|fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
+        fds.clone_from(&table.fds.lock().unwrap_or_else(PoisonError::into_inner));
+        pfds.clear();
+        pfds.extend(
+            std::iter::once(ch.fd())
+                .chain(fds.iter().map(|(_, _, e)| e.as_raw_fd()))
+                .map(|fd| libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                }),
+        );
         // SAFETY: `pfds` is a live array of `pfds.len()` pollfds; every fd stays open
         // for the call (the channel and the Arcs in `fds`).
         let n = unsafe {
@@ -322,25 +327,19 @@ fn handle_mediated(
         }
         KIND_READ if m.flags == 0 => {
             let (a, _) = Access::decode(&m.payload, false).map_err(protocol)?;
-            if a.len > RDMA_MAX_ACCESS {
-                Err(invalid(format!(
-                    "a read of {} bytes over RDMA (at most {RDMA_MAX_ACCESS} per message)",
-                    a.len
-                )))
-            } else if a.region == 0 {
-                match lending.check_read(&a) {
-                    Err(r) => Err(r),
-                    Ok(()) => {
-                        let mut buf = vec![0u8; a.len as usize];
-                        if md.m.bar_read(a.offset, &mut buf) == Handled::Yes {
-                            Ok(buf)
-                        } else {
-                            return handle(lending, ch, m);
-                        }
-                    }
-                }
-            } else {
+            // Other regions, and reads too long for a message, are as for any function.
+            if a.region != 0 || a.len > RDMA_MAX_ACCESS {
                 return handle(lending, ch, m);
+            }
+            match lending.check_read(&a) {
+                Err(r) => Err(r),
+                Ok(()) => {
+                    let mut buf = vec![0u8; a.len as usize];
+                    if md.m.bar_read(a.offset, &mut buf) != Handled::Yes {
+                        return handle(lending, ch, m);
+                    }
+                    Ok(buf)
+                }
             }
         }
         KIND_WRITE if m.flags == 0 => {

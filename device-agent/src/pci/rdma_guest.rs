@@ -65,6 +65,8 @@ pub(crate) struct RdmaGuest<'a> {
     pub(crate) index_of: &'a dyn Fn(u32) -> Option<u32>,
     /// Traffic, added to (reads and writes count RDMA work requests and their bytes).
     pub(crate) counters: &'a mut AccessCounters,
+    /// The work requests being built, kept by the session across accesses.
+    pub(crate) ops: &'a mut Vec<RdmaOp>,
 }
 
 fn wire(e: ChannelError) -> GuestError {
@@ -108,16 +110,17 @@ impl GuestAccess for RdmaGuest<'_> {
         while done < buf.len() {
             // One bounce-full of READs, split at map boundaries.
             let want = (buf.len() - done).min(BOUNCE_BYTES);
-            let mut ops = Vec::new();
+            self.ops.clear();
             let mut at = 0;
             while at < want {
                 let (remote, rkey, n) = self.locate(iova + (done + at) as u64, want - at)?;
-                ops.push(self.op(true, at, n, remote, rkey));
+                let op = self.op(true, at, n, remote, rkey);
+                self.ops.push(op);
                 at += n;
             }
-            self.ch.rdma(&ops).map_err(wire)?;
+            self.ch.rdma(self.ops).map_err(wire)?;
             buf[done..done + want].copy_from_slice(&self.bounce.buf[..want]);
-            self.counters.reads += ops.len() as u64;
+            self.counters.reads += self.ops.len() as u64;
             self.counters.read_bytes += want as u64;
             done += want;
         }
@@ -125,27 +128,28 @@ impl GuestAccess for RdmaGuest<'_> {
     }
 
     fn write(&mut self, pages: &[(u64, &[u8])]) -> Result<(), GuestError> {
-        let mut ops = Vec::new();
+        self.ops.clear();
         let mut used = 0;
         for (iova, data) in pages {
             let mut done = 0;
             while done < data.len() {
                 if used == BOUNCE_BYTES {
-                    self.ch.rdma(&ops).map_err(wire)?;
-                    ops.clear();
+                    self.ch.rdma(self.ops).map_err(wire)?;
+                    self.ops.clear();
                     used = 0;
                 }
                 let room = (data.len() - done).min(BOUNCE_BYTES - used);
                 let (remote, rkey, n) = self.locate(iova + done as u64, room)?;
                 self.bounce.buf[used..used + n].copy_from_slice(&data[done..done + n]);
-                ops.push(self.op(false, used, n, remote, rkey));
+                let op = self.op(false, used, n, remote, rkey);
+                self.ops.push(op);
                 self.counters.writes += 1;
                 self.counters.write_bytes += n as u64;
                 used += n;
                 done += n;
             }
         }
-        self.ch.rdma(&ops).map_err(wire)
+        self.ch.rdma(self.ops).map_err(wire)
     }
 
     fn interrupt(&mut self, vector: u32) -> Result<(), GuestError> {

@@ -181,21 +181,25 @@ impl MsgChannel {
     /// [`ChannelError::Message`] for a message longer than [`RDMA_MAX_MESSAGE`] (a bug of
     /// the caller, which splits what it sends); [`ChannelError::Rdma`].
     pub fn send(&mut self, m: &Message) -> Result<(), ChannelError> {
-        let b = m.encode();
-        if b.len() > RDMA_MAX_MESSAGE {
-            return Err(ChannelError::Message(WireError::TooLong {
+        let too_long = || {
+            ChannelError::Message(WireError::TooLong {
                 what: "PCI message over RDMA",
-                len: b.len() as u64,
+                len: m.encoded_len() as u64,
                 limit: RDMA_MAX_MESSAGE as u64,
-            }));
+            })
+        };
+        if m.encoded_len() > RDMA_MAX_MESSAGE {
+            return Err(too_long());
         }
         let slots = self.conn.send_slots();
         if self.in_flight >= slots {
             self.wait_until("waiting for a free send buffer", |c| c.in_flight < slots)?;
         }
         let i = self.next;
+        // Encoded in place, in the registered send buffer: no copy of its own.
+        let n = m.encode_into(self.conn.send_buf(i)).ok_or_else(too_long)?;
         self.next = (self.next + 1) % slots;
-        self.conn.send_msg(i, &b, TAG_SEND | i as u64)?;
+        self.conn.post_send(i, n, TAG_SEND | i as u64)?;
         self.in_flight += 1;
         Ok(())
     }
