@@ -186,7 +186,21 @@ impl BlkClient {
         buf_len: usize,
         read_only: bool,
     ) -> Result<Self> {
-        Self::open(socket, num_queues, buf_len, read_only, None)
+        Self::open(socket, num_queues, buf_len, read_only, None, None)
+    }
+
+    /// As [`Self::connect`], with `queue_size` entries per virtqueue (libblkio's default
+    /// is 256; deep clients ask for up to 1024).
+    ///
+    /// # Errors
+    /// Any libblkio error, with the socket named.
+    pub fn connect_sized(
+        socket: &Path,
+        num_queues: usize,
+        buf_len: usize,
+        queue_size: usize,
+    ) -> Result<Self> {
+        Self::open(socket, num_queues, buf_len, false, None, Some(queue_size))
     }
 
     /// As [`Self::connect`], with the buffer mapped as two memory regions back to back,
@@ -202,7 +216,7 @@ impl BlkClient {
         buf_len: usize,
         split: usize,
     ) -> Result<Self> {
-        Self::open(socket, num_queues, buf_len, false, Some(split))
+        Self::open(socket, num_queues, buf_len, false, Some(split), None)
     }
 
     fn open(
@@ -211,6 +225,7 @@ impl BlkClient {
         buf_len: usize,
         read_only: bool,
         split: Option<usize>,
+        queue_size: Option<usize>,
     ) -> Result<Self> {
         let ctx = || format!("vhost-user-blk socket {}", socket.display());
         let mut b = Blkio::new("virtio-blk-vhost-user")
@@ -227,6 +242,11 @@ impl BlkClient {
         b.set_i32("num-queues", num_queues as i32)
             .map_err(err)
             .with_context(ctx)?;
+        if let Some(size) = queue_size {
+            b.set_i32("queue-size", size as i32)
+                .map_err(err)
+                .with_context(ctx)?;
+        }
         let started = b.start().map_err(err).with_context(ctx)?;
         let capacity = b.get_u64("capacity").map_err(err)?;
         let read_only = b.get_bool("read-only").map_err(err)?;
@@ -396,6 +416,15 @@ impl QueueIo<'_> {
     /// Bytes of buffer this queue owns; `buf` offsets of its requests are within it.
     pub fn buffer_len(&self) -> usize {
         self.len
+    }
+
+    /// This queue's share of the buffer, to fill or check while nothing is in flight on
+    /// it.
+    pub fn buffer(&mut self) -> &mut [u8] {
+        // SAFETY: `base..base+len` is this handle's own share of the mapped buffer, alive
+        // for the handle's lifetime; `&mut self` keeps anyone else from using it here,
+        // and the caller has nothing in flight on it (see above).
+        unsafe { std::slice::from_raw_parts_mut(self.base, self.len) }
     }
 
     /// Fills this queue's buffer with a byte pattern derived from `seed` (data for

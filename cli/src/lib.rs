@@ -8,6 +8,7 @@
 //! - [`bench`]: `devlend bench`, block performance beside qemu-storage-daemon;
 //! - [`placement`]: `devlend attach --class ...`, a device leased from the pool;
 //! - [`verify`]: `devlend verify`, a verified workload for tests (e.g. inside a guest);
+//! - [`stress`]: `devlend stress`, a matrix of deep workloads that must never stall;
 //! - [`pool_cmd`]: `devlend pool serve|devices|leases|providers`.
 
 pub mod api_client;
@@ -19,4 +20,5 @@ pub mod output;
 pub mod pattern;
 pub mod placement;
 pub mod pool_cmd;
+pub mod stress;
 pub mod verify;

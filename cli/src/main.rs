@@ -200,6 +200,10 @@ enum Cmd {
         span: u64,
         #[arg(long, default_value_t = 4)]
         rounds: usize,
+        /// Go on with more rounds until this many seconds have passed (at least
+        /// --rounds are run): for tests that inject a fault during the workload.
+        #[arg(long, default_value_t = 0)]
+        min_seconds: u64,
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Map the buffer as two memory regions back to back and run a write and a read
@@ -208,6 +212,30 @@ enum Cmd {
         split_regions: bool,
         #[arg(long)]
         out: PathBuf,
+    },
+    /// A matrix of deep closed-loop workloads through a vhost-user-blk socket, for
+    /// tests: every cell must keep completing (no queue without a completion for
+    /// --stall-ms), with no failed request, and verify after it.
+    #[command(hide = true)]
+    Stress {
+        #[arg(long)]
+        socket: PathBuf,
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        queues: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M", value_parser = parse_size)]
+        sizes: Vec<u64>,
+        #[arg(long, value_delimiter = ',', default_value = "read,write,mixed")]
+        mixes: Vec<devlend_cli::stress::Mix>,
+        #[arg(long, value_delimiter = ',', default_value = "32,128,256")]
+        depths: Vec<usize>,
+        #[arg(long, default_value_t = 1024)]
+        queue_size: usize,
+        /// How long each cell runs, in ms.
+        #[arg(long, default_value_t = 1000)]
+        cell_ms: u64,
+        /// Longest a queue may go without a completion, in ms.
+        #[arg(long, default_value_t = 5000)]
+        stall_ms: u64,
     },
     /// Measure block performance through a vhost-user-blk socket (libblkio frontend):
     /// IOPS, MB/s, completion latency, and the CPU time and peak RSS of the servers.
@@ -594,13 +622,50 @@ fn run(cli: Cli) -> Result<()> {
             queues,
             span,
             rounds,
+            min_seconds,
             seed,
             split_regions,
             out,
         } => {
-            let n =
-                devlend_cli::verify::run(&socket, queues, span, rounds, seed, split_regions, &out)?;
+            let n = devlend_cli::verify::run(
+                &socket,
+                queues,
+                span,
+                devlend_cli::verify::Rounds {
+                    at_least: rounds,
+                    min_duration: std::time::Duration::from_secs(min_seconds),
+                },
+                seed,
+                split_regions,
+                &out,
+            )?;
             println!("verified {n} requests on {queues} queues");
+        }
+        Cmd::Stress {
+            socket,
+            queues,
+            sizes,
+            mixes,
+            depths,
+            queue_size,
+            cell_ms,
+            stall_ms,
+        } => {
+            let m = devlend_cli::stress::Matrix {
+                queues,
+                sizes: sizes.into_iter().map(|s| s as usize).collect(),
+                mixes,
+                depths,
+                queue_size,
+                cell: std::time::Duration::from_millis(cell_ms),
+                stall: std::time::Duration::from_millis(stall_ms),
+            };
+            let mut cells = 0;
+            devlend_cli::stress::run(&socket, &m, |c| {
+                cells += 1;
+                println!("{c}");
+            })?;
+            println!("stress: {cells} cells passed");
         }
         Cmd::Bench {
             socket,

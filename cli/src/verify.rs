@@ -14,8 +14,19 @@ use crate::blk_client::{BlkClient, BlkOp};
 
 const CHUNK: usize = 64 * 1024;
 
-/// Runs `rounds` rounds of `queues × 8` random writes (4–64 KiB) inside the first
-/// `span` bytes, verifying each round by reading everything written; then flush,
+/// How long the verified workload goes on.
+#[derive(Debug, Clone, Copy)]
+pub struct Rounds {
+    /// Rounds run in any case.
+    pub at_least: usize,
+    /// More rounds run until this much time has passed since the connect.
+    pub min_duration: std::time::Duration,
+}
+
+/// Runs `rounds.at_least` rounds of `queues × 8` random writes (4–64 KiB) inside the first
+/// `span` bytes, and more rounds until `rounds.min_duration` has passed since the connect (so
+/// that a fault a test injects "during" the workload lands in it on a fast machine as
+/// on a slow one), verifying each round by reading everything written; then flush,
 /// discard and write-zeroes. With `split`, the buffer is two memory regions split at
 /// 64 KiB, and a 64 KiB write and read whose buffer crosses that boundary run too.
 /// Returns the number of requests.
@@ -26,11 +37,12 @@ pub fn run(
     socket: &Path,
     queues: usize,
     span: u64,
-    rounds: usize,
+    rounds: Rounds,
     seed: u64,
     split: bool,
     out: &Path,
 ) -> Result<usize> {
+    let started = std::time::Instant::now();
     let per_queue = 8;
     let buf_len = queues * per_queue * CHUNK * 2;
     let mut c = if split {
@@ -52,7 +64,8 @@ pub fn run(
     };
     let mut requests = 0;
     let half = queues * per_queue * CHUNK;
-    for round in 0..rounds {
+    let mut round = 0usize;
+    while round < rounds.at_least || started.elapsed() < rounds.min_duration {
         // Disjoint extents per round, so requests in flight together never overlap.
         let slots = span / CHUNK;
         let mut used = vec![false; slots];
@@ -115,6 +128,7 @@ pub fn run(
                 );
             }
         }
+        round += 1;
     }
     check(&[c.run(0, &[BlkOp::Flush])?], "flush")?;
     let (d_off, z_off) = (CHUNK as u64, 3 * CHUNK as u64);

@@ -3,8 +3,10 @@
 //! The thread loops over four steps, and sleeps only when none of them can progress:
 //!
 //! 1. **receive**: read request frames (several per `recv`), validate them, take a
-//!    request from the session's [`Pool`] (while the in-flight budget allows; a spent
-//!    budget stops the reading, which is TCP backpressure), and start their I/O;
+//!    request from the session's [`Pool`] and start their I/O. A borrower granted the
+//!    budget as its credit (`FEATURE_CREDIT`) never goes beyond it, so the reading never
+//!    stops (a request beyond it ends the session); for one without credit a spent
+//!    budget stops the reading, which is TCP backpressure;
 //! 2. **submit** the queued io_uring operations in one `io_uring_enter`;
 //! 3. **reap** completions: continue short transfers and write-zeroes fallbacks, queue
 //!    the responses of finished requests;
@@ -115,6 +117,10 @@ struct Session<'a> {
     reading: bool,
     /// Reading stopped at a whole frame because the budget is spent.
     budget_blocked: bool,
+    /// The borrower was granted the budget as its credit ([`devlend_fabric::Credit`]):
+    /// a request beyond it breaks the protocol and ends the session, where a borrower
+    /// without credit is only not read until the budget allows.
+    credit: bool,
     /// Once reading has ended: when to give up sending the last responses to a peer
     /// that does not read them.
     drain_deadline: Option<Instant>,
@@ -144,6 +150,7 @@ pub(crate) fn run(
     ring: &mut Ring,
     frame_timeout: Duration,
     mode: IoMode,
+    credit: bool,
 ) -> End {
     if let Err(e) = sock.set_nonblocking(true) {
         return End::Socket(e);
@@ -167,6 +174,7 @@ pub(crate) fn run(
         frame_timeout,
         reading: true,
         budget_blocked: false,
+        credit,
         drain_deadline: None,
         end: None,
         out: VecDeque::new(),
@@ -272,6 +280,12 @@ impl Session<'_> {
         let h = RequestHeader::decode(&hb).map_err(|e| End::Protocol(e.to_string()))?;
         let need = check_framing(&h).map_err(|e| End::Protocol(e.to_string()))?;
         let Some(mut req) = self.pool.acquire(need) else {
+            if self.credit {
+                return Err(End::Protocol(format!(
+                    "request {:#x} goes beyond the credit granted ({MAX_IN_FLIGHT} requests, {MAX_IN_FLIGHT_BYTES} bytes)",
+                    h.id
+                )));
+            }
             self.budget_blocked = true;
             return Ok(None);
         };

@@ -306,6 +306,15 @@ fn run(
                 if let Err(e) = conn.post_recv(i) {
                     return End::Transport(e);
                 }
+                // A borrower has at most one request per receive buffer outstanding
+                // (its virtqueue is at most that large): more is a borrower that
+                // ignores its credit, and must not grow the backlog without bound.
+                if backlog.len() >= devlend_fabric::rdma::RECV_DEPTH {
+                    return End::Protocol(format!(
+                        "more than {} requests outstanding (the receive buffers posted)",
+                        devlend_fabric::rdma::RECV_DEPTH
+                    ));
+                }
                 dev.stats.request(h.op);
                 backlog.push_back((h, std::mem::take(&mut segs)));
                 continue;

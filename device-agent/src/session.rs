@@ -9,17 +9,28 @@ use devlend_fabric::error::chain;
 use devlend_fabric::net::{FEATURE_NET, FEATURE_NET_OFFLOAD};
 use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::tls::{self, TlsError};
-use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError, PROTOCOL_VERSION};
+use devlend_fabric::{
+    Credit, Hello, HelloReply, HelloStatus, WireError, FEATURE_CREDIT, PROTOCOL_VERSION,
+};
 
 use crate::device::{Claim, Device};
 use crate::engine::{self, End};
 use crate::server::{ActiveSession, Shared};
 use crate::uring::Ring;
+use crate::{MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES};
 
 /// Submission entries of a session's ring (completions: twice as many). Every request in
 /// flight has at most one operation queued (plus two socket polls), and the ring is
 /// submitted as entries are queued, so this never limits the requests in flight.
 const RING_ENTRIES: u32 = 1024;
+
+/// The credit a block session grants: its whole request budget.
+fn session_credit() -> Credit {
+    Credit {
+        requests: MAX_IN_FLIGHT as u32,
+        bytes: MAX_IN_FLIGHT_BYTES as u32,
+    }
+}
 
 /// Queue index of a borrower's holding session.
 const CONTROL_QUEUE: u16 = u16::MAX;
@@ -39,7 +50,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             None => return,
         },
     };
-    let Some((dev, mut ring, _active, _claim, queue, lent, offload)) =
+    let Some((dev, mut ring, _active, _claim, queue, lent, granted)) =
         handshake(shared, &sock, peer, id)
     else {
         return;
@@ -56,6 +67,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
     let end = match (&dev.nic, queue) {
         (Some(_), CONTROL_QUEUE) => crate::nic::hold(&sock),
         (Some(nic), q) => {
+            let offload = granted & FEATURE_NET_OFFLOAD != 0;
             crate::nic::serve(nic, &sock, peer, q, offload, shared.options.frame_timeout)
         }
         (None, _) => engine::run(
@@ -65,6 +77,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             &mut ring,
             shared.options.frame_timeout,
             shared.options.io,
+            granted & FEATURE_CREDIT != 0,
         ),
     };
     dev.stats.session_closed();
@@ -86,8 +99,7 @@ fn log_end(dev: &Device, peer: SocketAddr, end: &End) {
 
 /// What a successful handshake gives a session: the device, its ring, its slot among
 /// the active sessions, the borrower's claim, the queue index, for a PCIe function the
-/// function itself, taken for this session, and for a NIC whether the borrower was
-/// granted offload frames.
+/// function itself, taken for this session, and the features granted in the reply.
 type Admitted<'s> = (
     Arc<Device>,
     Ring,
@@ -95,7 +107,7 @@ type Admitted<'s> = (
     Claim,
     u16,
     Option<crate::pci::Lent>,
-    bool,
+    u64,
 );
 
 /// Reads the hello and answers it. On success, returns the device, the session's ring,
@@ -178,7 +190,15 @@ fn handshake<'s>(
             r.features = FEATURE_NET | (hello.features & FEATURE_NET_OFFLOAD);
             r
         }
-        None => HelloReply::ok(dev.info.clone()),
+        None => {
+            let mut r = HelloReply::ok(dev.info.clone());
+            // A borrower that keeps within a stated credit gets it: the session's whole
+            // request budget, so that the session never has to stop reading it.
+            if hello.features & FEATURE_CREDIT != 0 {
+                r.credit = Some(session_credit());
+            }
+            r
+        }
     };
     if let Err(e) = reply.write_to(&mut &*sock) {
         tracing::warn!(%peer, device = %dev.name, error = %e, "cannot send the hello reply");
@@ -192,8 +212,11 @@ fn handshake<'s>(
         return None;
     }
     tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "session opened");
-    let offload = dev.nic.is_some() && hello.features & FEATURE_NET_OFFLOAD != 0;
-    Some((dev, ring, active, claim, hello.queue_index, lent, offload))
+    let granted = match reply.credit {
+        Some(_) => reply.features | FEATURE_CREDIT,
+        None => reply.features,
+    };
+    Some((dev, ring, active, claim, hello.queue_index, lent, granted))
 }
 
 /// Runs the TLS handshake on an accepted connection (under the handshake timeout) and

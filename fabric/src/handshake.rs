@@ -19,6 +19,9 @@ pub const MAX_MESSAGE_LEN: usize = 1024;
 
 const HELLO_FIXED_LEN: usize = 36;
 const REPLY_FIXED_LEN: usize = 68;
+/// Length of the [`Credit`] that follows the fixed part of a reply granting
+/// [`FEATURE_CREDIT`].
+pub const CREDIT_LEN: usize = 8;
 
 /// [`DeviceInfo::flags`] bit: the device is read-only.
 pub const DEV_READ_ONLY: u32 = 1 << 0;
@@ -38,6 +41,43 @@ pub const DEV_LINK_UP: u32 = 1 << 4;
 /// [`crate::pci::FEATURE_PCI`]); its regions and interrupts come in a
 /// [`crate::pci::KIND_INFO`] reply after the handshake.
 pub const DEV_PCI: u32 = 1 << 5;
+
+/// [`Hello::features`] bit: the borrower keeps within the per-session [`Credit`] that
+/// the lender states in its reply, and asks the lender to state it. A lender that grants
+/// it sets the bit in [`HelloReply::features`] and sends [`HelloReply::credit`]; it may
+/// then end a session that goes beyond it. Granted for block devices.
+pub const FEATURE_CREDIT: u64 = 1 << 3;
+
+/// How much a borrower may have outstanding on one session: requests sent whose
+/// responses it has not received whole. The lender sizes its buffers for this and keeps
+/// reading the session while the borrower stays within it, so neither end ever waits
+/// for the other to read (`docs/protocol.md`, flow control).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Credit {
+    /// Most requests outstanding (≥ 1).
+    pub requests: u32,
+    /// Most bytes of read and write data outstanding (the `len` of READ and WRITE
+    /// requests; other requests count 0). One request of any length is allowed when
+    /// nothing else is outstanding.
+    pub bytes: u32,
+}
+
+impl Credit {
+    /// What a lender of protocol version 1 without [`FEATURE_CREDIT`] took per session
+    /// before it stopped reading: 1024 requests, 64 MiB. A borrower facing such a lender
+    /// keeps within it.
+    pub const V1_DEFAULT: Credit = Credit {
+        requests: 1024,
+        bytes: 64 << 20,
+    };
+
+    /// Whether a request of `charge` bytes may go out with `requests` requests and
+    /// `bytes` bytes already outstanding.
+    pub fn admits(&self, requests: usize, bytes: usize, charge: usize) -> bool {
+        requests < self.requests as usize
+            && (requests == 0 || bytes.saturating_add(charge) <= self.bytes as usize)
+    }
+}
 
 /// The borrower's opening message.
 ///
@@ -290,10 +330,11 @@ impl DeviceInfo {
 
 /// The lender's answer to a [`Hello`].
 ///
-/// Layout (68 bytes, then `msg_len` bytes of UTF-8 message): `magic: [u8;4], version: u16,
-/// status: u16, features: u64, capacity_sectors: u64, block_size: u32, max_transfer: u32,
-/// max_discard_sectors: u32, max_write_zeroes_sectors: u32, flags: u32, msg_len: u16,
-/// reserved: u16 = 0, serial: [u8; 20]`.
+/// Layout (68 bytes, then with [`FEATURE_CREDIT`] in `features` the 8-byte credit
+/// `requests: u32, bytes: u32`, then `msg_len` bytes of UTF-8 message): `magic: [u8;4],
+/// version: u16, status: u16, features: u64, capacity_sectors: u64, block_size: u32,
+/// max_transfer: u32, max_discard_sectors: u32, max_write_zeroes_sectors: u32, flags: u32,
+/// msg_len: u16, reserved: u16 = 0, serial: [u8; 20]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HelloReply {
     /// Protocol version the lender speaks.
@@ -304,6 +345,9 @@ pub struct HelloReply {
     pub features: u64,
     /// The device; all zero when `status` is not [`HelloStatus::Ok`].
     pub device: DeviceInfo,
+    /// The session's credit, sent when [`FEATURE_CREDIT`] is granted (`features` has
+    /// the bit exactly when this is `Some`).
+    pub credit: Option<Credit>,
     /// Why the session was refused (empty on success), at most [`MAX_MESSAGE_LEN`] bytes.
     pub message: String,
 }
@@ -316,6 +360,7 @@ impl HelloReply {
             status: HelloStatus::Ok,
             features: 0,
             device,
+            credit: None,
             message: String::new(),
         }
     }
@@ -332,6 +377,7 @@ impl HelloReply {
             status,
             features: 0,
             device: DeviceInfo::default(),
+            credit: None,
             message: message[..end].to_owned(),
         }
     }
@@ -347,7 +393,11 @@ impl HelloReply {
         b.extend_from_slice(&MAGIC);
         b.extend_from_slice(&self.version.to_le_bytes());
         b.extend_from_slice(&(self.status as u16).to_le_bytes());
-        b.extend_from_slice(&self.features.to_le_bytes());
+        let features = match self.credit {
+            Some(_) => self.features | FEATURE_CREDIT,
+            None => self.features & !FEATURE_CREDIT,
+        };
+        b.extend_from_slice(&features.to_le_bytes());
         b.extend_from_slice(&d.capacity_sectors.to_le_bytes());
         b.extend_from_slice(&d.block_size.to_le_bytes());
         b.extend_from_slice(&d.max_transfer.to_le_bytes());
@@ -357,6 +407,10 @@ impl HelloReply {
         b.extend_from_slice(&(msg.len() as u16).to_le_bytes());
         b.extend_from_slice(&[0, 0]);
         b.extend_from_slice(&d.serial);
+        if let Some(c) = self.credit {
+            b.extend_from_slice(&c.requests.to_le_bytes());
+            b.extend_from_slice(&c.bytes.to_le_bytes());
+        }
         b.extend_from_slice(msg);
         w.write_all(&b)?;
         Ok(())
@@ -392,6 +446,21 @@ impl HelloReply {
         }
         let mut serial = [0u8; SERIAL_LEN];
         serial.copy_from_slice(&b[48..68]);
+        let features = u64_at(8);
+        let credit = if features & FEATURE_CREDIT != 0 {
+            let mut c = [0u8; CREDIT_LEN];
+            read_exact_or_eof(r, &mut c)?;
+            let credit = Credit {
+                requests: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                bytes: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+            };
+            if credit.requests == 0 {
+                return Err(WireError::Invalid("credit of 0 requests"));
+            }
+            Some(credit)
+        } else {
+            None
+        };
         let device = DeviceInfo {
             capacity_sectors: u64_at(16),
             block_size: u32_at(24),
@@ -411,8 +480,9 @@ impl HelloReply {
         Ok(HelloReply {
             version,
             status,
-            features: u64_at(8),
+            features,
             device,
+            credit,
             message: String::from_utf8_lossy(&msg).into_owned(),
         })
     }
@@ -421,6 +491,18 @@ impl HelloReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credit_admits_within_requests_and_bytes() {
+        let c = Credit {
+            requests: 2,
+            bytes: 1 << 20,
+        };
+        assert!(c.admits(0, 0, 8 << 20), "alone, any length goes");
+        assert!(c.admits(1, 512 << 10, 512 << 10));
+        assert!(!c.admits(1, 512 << 10, (512 << 10) + 512));
+        assert!(!c.admits(2, 0, 0), "no third request");
+    }
 
     #[test]
     fn hello_round_trips() {
@@ -517,6 +599,23 @@ mod tests {
         assert_eq!(back, r);
         assert!(back.device.read_only());
 
+        let mut granted = HelloReply::ok(DeviceInfo {
+            block_size: 512,
+            ..DeviceInfo::default()
+        });
+        granted.credit = Some(Credit {
+            requests: 256,
+            bytes: 32 << 20,
+        });
+        let mut buf = Vec::new();
+        granted.write_to(&mut buf).unwrap();
+        assert_eq!(buf.len(), REPLY_FIXED_LEN + CREDIT_LEN);
+        let back = HelloReply::read_from(&mut buf.as_slice()).unwrap();
+        assert_eq!(back.features & FEATURE_CREDIT, FEATURE_CREDIT);
+        assert_eq!(back.credit, granted.credit);
+        // A credit of no request would stall the borrower for good.
+        buf[REPLY_FIXED_LEN..REPLY_FIXED_LEN + 4].fill(0);
+        assert!(HelloReply::read_from(&mut buf.as_slice()).is_err());
         let refusal = HelloReply::refuse(HelloStatus::NoSuchDevice, "no device \"x\"");
         let mut buf = Vec::new();
         refusal.write_to(&mut buf).unwrap();

@@ -24,7 +24,7 @@ pub mod tls;
 pub mod wire;
 
 pub use error::WireError;
-pub use handshake::{DeviceInfo, Hello, HelloReply, HelloStatus};
+pub use handshake::{Credit, DeviceInfo, Hello, HelloReply, HelloStatus, FEATURE_CREDIT};
 pub use wire::{Op, RequestHeader, ResponseHeader, Status};
 
 /// Protocol version spoken by this build (the handshake's `version` field).

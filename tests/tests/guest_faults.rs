@@ -16,6 +16,9 @@ const MIB: usize = 1 << 20;
 const DISK_BYTES: u64 = 64 << 20;
 /// Chunks of 256 KiB the guest writes, each then read back and compared.
 const CHUNKS: usize = 96;
+/// The guest's workload goes on at least this long after it starts: longer than the
+/// host's five kills take at most (5 × (2.5 s + 1 s)), whatever the machine's speed.
+const MIN_SECONDS: u64 = 25;
 
 /// Phase 1 (no marker at MiB 63): write CHUNKS random chunks with fsync, read each back
 /// past the page cache and compare, print the sha256 of the whole region, leave a
@@ -31,8 +34,13 @@ if [ "$marker" = "DEVLEND-PH1" ]; then
 fi
 echo "DEVLEND-RESULT workload=started"
 bad=0
-i=0
-while [ $i -lt CHUNKS ]; do
+n=0
+t0=$(date +%s)
+# Sized by time as well as by bytes: at least CHUNKS chunks, and on for MIN_SECONDS
+# (chunks wrap around the region), so the host's kills land in the workload however
+# fast the machine is.
+while [ $n -lt CHUNKS ] || [ $(( $(date +%s) - t0 )) -lt MIN_SECONDS ]; do
+  i=$((n % CHUNKS))
   dd if=/dev/urandom of=/tmp/c bs=256k count=1 2>/dev/null
   if ! dd if=/tmp/c of=/dev/vda bs=256k seek=$i conv=fsync 2>/tmp/err; then
     echo "write $i failed: $(cat /tmp/err)"; bad=$((bad+1))
@@ -41,7 +49,7 @@ while [ $i -lt CHUNKS ]; do
   a=$(sha256sum /tmp/c | cut -d' ' -f1)
   b=$(dd if=/dev/vda bs=256k skip=$i count=1 2>/dev/null | sha256sum | cut -d' ' -f1)
   [ "$a" = "$b" ] || { echo "chunk $i differs"; bad=$((bad+1)); }
-  i=$((i+1))
+  n=$((n+1))
 done
 echo "DEVLEND-RESULT bad=$bad"
 echo 3 > /proc/sys/vm/drop_caches
@@ -63,7 +71,9 @@ fn a_guest_rides_out_lender_kills_and_finds_its_data_after_a_reset() -> Result<(
     let sock = dir.path().join("disk0.sock");
     borrower.attach(&addr, "disk0", &sock, 1)?;
 
-    let script = SCRIPT.replace("CHUNKS", &CHUNKS.to_string());
+    let script = SCRIPT
+        .replace("CHUNKS", &CHUNKS.to_string())
+        .replace("MIN_SECONDS", &MIN_SECONDS.to_string());
     let mut guest = Guest::builder()
         .name("guest_faults")
         .script(script)

@@ -37,7 +37,9 @@ type Handler = VringEpollHandler<Arc<BlkBackend>>;
 struct QueueCell {
     engine: QueueEngine,
     vring: Option<VringRwLock>,
-    registered: (Option<RawFd>, u64),
+    /// The fabric fd registered in the worker's epoll set, its generation, and whether
+    /// for writability too.
+    registered: (Option<RawFd>, u64, bool),
 }
 
 /// The vhost-user-blk backend of one frontend connection.
@@ -78,7 +80,7 @@ impl BlkBackend {
                 if let Err(e) = engine.connect() {
                     tracing::warn!(queue = i, error = %crate::blk::engine::DisplayChain(&e), "cannot open fabric session yet");
                 }
-                Mutex::new(QueueCell { engine, vring: None, registered: (None, 0) })
+                Mutex::new(QueueCell { engine, vring: None, registered: (None, 0, false) })
             })
             .collect();
         BlkBackend {
@@ -134,9 +136,13 @@ impl BlkBackend {
         }
     }
 
+    /// Keeps the worker's epoll set watching the queue's current fabric fd: for
+    /// readability always, for writability while the engine has requests that the
+    /// socket did not take (level-triggered, so only then).
     fn sync_registration(&self, q: usize, cell: &mut QueueCell) {
         let (fd, gen) = cell.engine.fabric_fd();
-        if (fd, gen) == cell.registered {
+        let out = fd.is_some() && cell.engine.wants_write();
+        if (fd, gen, out) == cell.registered {
             return;
         }
         let Some(handler) = lock(&self.handlers).get(q).and_then(Weak::upgrade) else {
@@ -149,11 +155,16 @@ impl BlkBackend {
             let _ = handler.unregister_listener(old, EventSet::IN, id);
         }
         if let Some(fd) = fd {
-            if let Err(e) = handler.register_listener(fd, EventSet::IN, id) {
+            let events = if out {
+                EventSet::IN | EventSet::OUT
+            } else {
+                EventSet::IN
+            };
+            if let Err(e) = handler.register_listener(fd, events, id) {
                 tracing::error!(queue = q, error = %e, "cannot watch fabric socket");
             }
         }
-        cell.registered = (fd, gen);
+        cell.registered = (fd, gen, out);
     }
 
     /// Stops taking requests from the guest and waits for those in flight to complete
@@ -327,6 +338,10 @@ impl VhostUserBackend for BlkBackend {
         let mut state = vring.get_mut();
         let queue = state.get_queue_mut();
         if !queue.ready() {
+            // A stopped queue has nothing to write: stop watching for writability, or
+            // a writable socket would wake this worker for ever.
+            drop(state);
+            self.sync_registration(thread_id, &mut cell);
             return Ok(());
         }
         let mut used = if device_event == self.fabric_event() {

@@ -21,6 +21,7 @@
 //! IOERR. A lender that refuses the session for good (denied, no such device) fails
 //! them at once.
 
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -30,7 +31,7 @@ use std::time::{Duration, Instant};
 use devlend_fabric::wire::{
     RequestHeader, ResponseHeader, FLAG_UNMAP, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
-use devlend_fabric::{HelloStatus, Op, Status};
+use devlend_fabric::{Credit, HelloStatus, Op, Status};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -38,8 +39,9 @@ use crate::blk::inflight::InflightQueue;
 use crate::blk::request::{parse, DeviceLimits, Disposition, Request, Scratch};
 use crate::blk::resubmit::ResubmitRing;
 use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
-use crate::blk::tcp::{recv_vectored_nonblocking, write_all_vectored};
+use crate::blk::tcp::recv_vectored_nonblocking;
 use crate::blk::timer::RetryTimer;
+use crate::blk::tx::TxQueue;
 use crate::guest::{GuestMemory, GuestMemoryRef, HostIov};
 use devlend_fabric::latency::{LatencyHistogram, LatencySnapshot};
 
@@ -103,7 +105,9 @@ impl LenderTarget {
         let mut h = devlend_fabric::Hello::new(&self.device, queue_index);
         // This borrower can take a NIC too, with transmit offloads: the lender grants
         // them only for one.
-        h.features = devlend_fabric::net::FEATURE_NET | devlend_fabric::net::FEATURE_NET_OFFLOAD;
+        h.features = devlend_fabric::net::FEATURE_NET
+            | devlend_fabric::net::FEATURE_NET_OFFLOAD
+            | devlend_fabric::FEATURE_CREDIT;
         h.borrower = self.borrower;
         h.token.clone_from(&self.token);
         h
@@ -300,6 +304,20 @@ pub(crate) struct Slot {
     sent: Option<Instant>,
     /// Times this request was resent on a new session.
     resends: u32,
+    /// Sent (or queued to be sent) on the current session: it counts against the
+    /// session's credit until its response is in.
+    outstanding: bool,
+}
+
+impl Slot {
+    /// What the request counts against the byte credit: its data length for a read or
+    /// a write, 0 otherwise (as the lender charges it).
+    fn charge(&self) -> usize {
+        match self.op {
+            Some(Op::Read | Op::Write) => self.len as usize,
+            _ => 0,
+        }
+    }
 }
 
 /// Receive progress on the fabric connection.
@@ -366,7 +384,16 @@ pub struct QueueEngine {
     iov_tmp: Vec<HostIov>,
     tx_headers: Vec<[u8; REQUEST_HEADER_LEN]>,
     tx_heads: Vec<(u16, bool)>,
-    tx_iovs: Vec<libc::iovec>,
+    /// Requests parsed and waiting for the session's credit, in submission order (head,
+    /// id); an entry whose slot no longer holds that id is stale and skipped.
+    waiting: VecDeque<(u16, u64)>,
+    /// The session's credit: what may be outstanding on it at once.
+    credit: Credit,
+    /// Requests and data bytes outstanding on the session, against `credit`.
+    out_requests: usize,
+    out_bytes: usize,
+    /// Requests written or waiting to be written on a stream session.
+    tx: TxQueue,
     rx: Rx,
     rx_layout: RxLayout,
     rx_hdr: Box<[u8; RESPONSE_HEADER_LEN * RX_HEADERS]>,
@@ -475,7 +502,11 @@ impl QueueEngine {
             iov_tmp: Vec::new(),
             tx_headers: Vec::new(),
             tx_heads: Vec::new(),
-            tx_iovs: Vec::new(),
+            waiting: VecDeque::new(),
+            credit: Credit::V1_DEFAULT,
+            out_requests: 0,
+            out_bytes: 0,
+            tx: TxQueue::default(),
             rx: Rx::Header { got: 0 },
             rx_layout: RxLayout::Headers,
             rx_hdr: Box::new([0; RESPONSE_HEADER_LEN * RX_HEADERS]),
@@ -536,6 +567,22 @@ impl QueueEngine {
             }
             Transport::Rdma => self.connect_rdma()?,
         };
+        self.credit = match (&link, reply.credit) {
+            (_, Some(c)) => c,
+            // A lender of before credit stops reading beyond this: staying within it
+            // keeps that lender reading too.
+            (Link::Stream(_), None) => Credit::V1_DEFAULT,
+            // Over RDMA the lender has a receive buffer posted for every request a
+            // virtqueue can have outstanding.
+            #[cfg(feature = "rdma")]
+            (Link::Rdma(_), None) => Credit {
+                requests: devlend_fabric::rdma::RECV_DEPTH as u32,
+                bytes: u32::MAX,
+            },
+        };
+        self.out_requests = 0;
+        self.out_bytes = 0;
+        self.tx.clear();
         if reply.device.capacity_sectors != self.limits.capacity_sectors {
             tracing::warn!(
                 attachment = %self.name,
@@ -575,9 +622,23 @@ impl QueueEngine {
         (self.conn.as_ref().map(Link::fd), self.conn_gen)
     }
 
-    /// Requests sent to the lender and not yet completed.
+    /// Requests taken from the guest and not yet completed (sent to the lender, or
+    /// waiting for the session or its credit).
     pub fn inflight(&self) -> usize {
         self.inflight
+    }
+
+    /// Whether the session's socket is full with requests still to write: the worker
+    /// then watches it for writability too, and calls [`Self::process_responses`] when
+    /// it is.
+    pub fn wants_write(&self) -> bool {
+        self.conn.is_some() && self.tx.blocked()
+    }
+
+    /// The session's credit (what the lender stated, or the default for one that did
+    /// not).
+    pub fn credit(&self) -> Credit {
+        self.credit
     }
 
     /// Tracks this queue's chains in `log` from now on (SET_INFLIGHT_FD). Before the
@@ -814,26 +875,17 @@ impl QueueEngine {
                 slot.mem = Some(Arc::clone(mem));
                 slot.sent = None;
                 slot.resends = 0;
+                slot.outstanding = false;
                 self.inflight += 1;
                 self.heads_xor ^= head;
                 if op == Op::Read {
                     self.reads_inflight += 1;
                 }
                 self.stats.inflight.fetch_add(1, Ordering::Relaxed);
-                if self.conn.is_some() {
-                    self.tx_headers.push(
-                        RequestHeader {
-                            op,
-                            flags,
-                            len,
-                            id,
-                            sector,
-                        }
-                        .encode(),
-                    );
-                    self.tx_heads.push((head, op == Op::Write));
-                } else {
-                    // Waits in its slot; sent with the others once the session is back.
+                // Waits in its slot until the session and its credit let it go
+                // (`dispatch`), in submission order.
+                self.waiting.push_back((head, id));
+                if self.conn.is_none() {
                     self.lost_at.get_or_insert_with(Instant::now);
                 }
                 Ok(false)
@@ -1004,31 +1056,19 @@ impl QueueEngine {
         Ok(used)
     }
 
-    /// Queues every request in flight for sending on the new session, oldest first.
+    /// Queues every request in flight for sending on the new session, oldest first
+    /// (the credit then lets them go in that order).
     fn queue_resend(&mut self) {
-        let mut heads: Vec<u16> = (0..self.slots.len())
+        let mut heads: Vec<(u16, u64)> = (0..self.slots.len())
             .filter(|&h| self.slots[h].busy)
-            .map(|h| h as u16)
+            .map(|h| (h as u16, self.slots[h].id))
             .collect();
-        heads.sort_by_key(|&h| self.slots[usize::from(h)].id);
+        heads.sort_by_key(|&(_, id)| id);
         self.tx_headers.clear();
         self.tx_heads.clear();
-        for head in heads {
-            let s = &self.slots[usize::from(head)];
-            let op = s.op.unwrap_or(Op::Flush);
-            self.tx_headers.push(
-                RequestHeader {
-                    op,
-                    flags: s.flags,
-                    len: s.len,
-                    id: s.id,
-                    sector: s.sector,
-                }
-                .encode(),
-            );
-            self.tx_heads.push((head, op == Op::Write));
-        }
-        let n = self.tx_heads.len() as u64;
+        self.waiting.clear();
+        self.waiting.extend(heads.iter().copied());
+        let n = heads.len() as u64;
         self.stats.resent.fetch_add(n, Ordering::Relaxed);
         if n > 0 {
             tracing::info!(
@@ -1060,22 +1100,64 @@ impl QueueEngine {
         }
     }
 
-    /// Sends the batched requests in one vectored write.
+    /// Moves waiting requests onto the session, oldest first, while its credit allows:
+    /// into the batch that [`Self::flush_tx`] sends.
+    fn dispatch(&mut self) {
+        if self.conn.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        while let Some(&(head, id)) = self.waiting.front() {
+            let Some(slot) = self.slots.get_mut(usize::from(head)) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            if !slot.busy || slot.id != id || slot.outstanding {
+                // Completed meanwhile (failed at a deadline), or already sent.
+                self.waiting.pop_front();
+                continue;
+            }
+            let charge = slot.charge();
+            if !self
+                .credit
+                .admits(self.out_requests, self.out_bytes, charge)
+            {
+                break;
+            }
+            self.waiting.pop_front();
+            slot.outstanding = true;
+            slot.sent = Some(now);
+            self.out_requests += 1;
+            self.out_bytes += charge;
+            let op = slot.op.unwrap_or(Op::Flush);
+            self.tx_headers.push(
+                RequestHeader {
+                    op,
+                    flags: slot.flags,
+                    len: slot.len,
+                    id: slot.id,
+                    sector: slot.sector,
+                }
+                .encode(),
+            );
+            self.tx_heads.push((head, op == Op::Write));
+        }
+    }
+
+    /// Sends what the credit lets go: over RDMA one SEND per request; on a stream, the
+    /// requests join the send queue, which takes what the socket accepts without
+    /// blocking (the rest goes when it is writable: [`Self::wants_write`]).
     fn flush_tx(
         &mut self,
         queue: &mut Queue,
         mem: &GuestMemoryRef,
     ) -> Result<bool, virtio_queue::Error> {
-        if self.tx_heads.is_empty() {
-            return Ok(false);
-        }
-        self.tx_iovs.clear();
-        let now = Instant::now();
-        for &(head, _) in &self.tx_heads {
-            self.slots[usize::from(head)].sent = Some(now);
-        }
+        self.dispatch();
         #[cfg(feature = "rdma")]
         if let Some(Link::Rdma(link)) = self.conn.as_mut() {
+            if self.tx_heads.is_empty() {
+                return Ok(false);
+            }
             let result = link.send(&self.tx_headers, &self.tx_heads, &self.slots);
             self.tx_headers.clear();
             self.tx_heads.clear();
@@ -1090,39 +1172,44 @@ impl QueueEngine {
                 Err(e) => self.fail_connection(queue, mem, FabricFault::Rdma(e)),
             };
         }
-        for (i, &(head, has_data)) in self.tx_heads.iter().enumerate() {
-            let h = &mut self.tx_headers[i];
-            self.tx_iovs.push(libc::iovec {
-                iov_base: h.as_mut_ptr().cast(),
-                iov_len: h.len(),
-            });
-            if has_data {
-                self.tx_iovs.extend(
-                    self.slots[usize::from(head)]
-                        .iovs
-                        .iter()
-                        .map(HostIov::as_iovec),
-                );
-            }
+        for (h, &(head, data)) in self.tx_headers.iter().zip(&self.tx_heads) {
+            self.tx.push(*h, head, data);
         }
         self.tx_headers.clear();
         self.tx_heads.clear();
-        let result = match &self.conn {
-            Some(c) => write_all_vectored(c.fd(), &mut self.tx_iovs),
-            None => Err(io::Error::from(io::ErrorKind::NotConnected)),
+        if self.tx.is_empty() {
+            return Ok(false);
+        }
+        let Some(fd) = self.conn.as_ref().map(Link::fd) else {
+            return Ok(false);
         };
-        match result {
+        let slots = &self.slots;
+        match self.tx.write(fd, |h| slots[usize::from(h)].iovs.as_slice()) {
             Ok(()) => Ok(false),
             Err(e) => self.fail_connection(queue, mem, FabricFault::Io(e)),
         }
     }
 
-    /// Receives every response that has arrived, completing requests into the used ring.
-    /// Returns whether used-ring entries were added.
+    /// The session is readable or writable: receives every response that has arrived,
+    /// completing requests into the used ring, then sends what the credit they returned
+    /// lets go and what the socket did not take before. Returns whether used-ring
+    /// entries were added.
     ///
     /// # Errors
     /// A guest memory error on the used ring.
     pub fn process_responses(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        let mut used = self.receive_responses(queue, mem)?;
+        if self.conn.is_some() && (!self.waiting.is_empty() || !self.tx.is_empty()) {
+            used |= self.flush_tx(queue, mem)?;
+        }
+        Ok(used)
+    }
+
+    fn receive_responses(
         &mut self,
         queue: &mut Queue,
         mem: &GuestMemoryRef,
@@ -1415,6 +1502,11 @@ impl QueueEngine {
         if let Some(t) = slot.sent.take() {
             self.stats.latency.record(t.elapsed());
         }
+        if slot.outstanding {
+            slot.outstanding = false;
+            self.out_requests -= 1;
+            self.out_bytes -= slot.charge();
+        }
         slot.busy = false;
         slot.mem = None;
         self.inflight -= 1;
@@ -1444,16 +1536,28 @@ impl QueueEngine {
             error = %DisplayChain(&fault),
             "fabric session lost; requests in flight wait for a new one and are resent",
         );
-        self.conn = None;
-        self.rx = Rx::Header { got: 0 };
-        self.rx_layout = RxLayout::Headers;
-        self.tx_headers.clear();
-        self.tx_heads.clear();
+        self.drop_session();
         if self.inflight == 0 {
             return Ok(false);
         }
         self.lost_at.get_or_insert_with(Instant::now);
         self.recover(queue, mem)
+    }
+
+    /// Forgets the session: what was sent on it is outstanding nowhere now (every
+    /// request still in flight is resent on the next one, [`Self::queue_resend`]).
+    fn drop_session(&mut self) {
+        self.conn = None;
+        self.rx = Rx::Header { got: 0 };
+        self.rx_layout = RxLayout::Headers;
+        self.tx_headers.clear();
+        self.tx_heads.clear();
+        self.tx.clear();
+        self.out_requests = 0;
+        self.out_bytes = 0;
+        for slot in &mut self.slots {
+            slot.outstanding = false;
+        }
     }
 
     fn fail_all(
@@ -1510,7 +1614,7 @@ impl QueueEngine {
             };
             let mut pfd = libc::pollfd {
                 fd,
-                events: libc::POLLIN,
+                events: libc::POLLIN | if self.wants_write() { libc::POLLOUT } else { 0 },
                 revents: 0,
             };
             let ms = left.as_millis().min(100) as libc::c_int;
@@ -1532,6 +1636,9 @@ impl QueueEngine {
                 inflight = self.inflight,
                 "requests still in flight at drain deadline; failing them",
             );
+            // Their responses may still come, and a write may be half sent: the
+            // session cannot go on after them.
+            self.drop_session();
             used |= self.fail_all(queue, mem)?;
         }
         Ok(used)

@@ -27,6 +27,7 @@ pub mod resubmit;
 pub mod spec;
 mod tcp;
 pub mod timer;
+mod tx;
 
 pub use attachment::{Attachment, AttachmentConfig, AttachmentError};
 pub use engine::{QueueEngine, QueueStats, StatsSnapshot};

@@ -1,53 +1,11 @@
-//! Vectored socket I/O straight between the fabric connection and guest memory.
+//! Vectored socket receive straight from the fabric connection into guest memory (the
+//! send side is [`crate::blk::tx`]).
 
 use std::io;
 use std::os::fd::RawFd;
 
 /// Largest iovec count per syscall (Linux UIO_MAXIOV).
 const IOV_MAX: usize = 1024;
-
-/// Writes every byte described by `iovs` to the blocking socket `fd`, continuing after
-/// partial writes. `iovs` is consumed (advanced in place).
-///
-/// # Errors
-/// The socket error; `WriteZero` if the socket accepts no byte.
-pub fn write_all_vectored(fd: RawFd, mut iovs: &mut [libc::iovec]) -> io::Result<()> {
-    while !iovs.is_empty() {
-        let cnt = iovs.len().min(IOV_MAX);
-        // SAFETY: each iovec points at memory that is mapped and alive for the duration
-        // of this call (a header buffer owned by the caller or a guest memory region
-        // kept alive by the request); writev only reads from it.
-        let n = unsafe { libc::writev(fd, iovs.as_ptr(), cnt as libc::c_int) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(io::Error::from(io::ErrorKind::WriteZero));
-        }
-        iovs = advance(iovs, n as usize);
-    }
-    Ok(())
-}
-
-/// Drops `n` bytes from the front of `iovs`.
-pub fn advance(iovs: &mut [libc::iovec], mut n: usize) -> &mut [libc::iovec] {
-    let mut skip = 0;
-    for iov in iovs.iter_mut() {
-        if n < iov.iov_len {
-            // SAFETY: n < iov_len, so the new base stays inside the same buffer.
-            iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(n) }.cast();
-            iov.iov_len -= n;
-            break;
-        }
-        n -= iov.iov_len;
-        skip += 1;
-    }
-    &mut iovs[skip..]
-}
 
 /// Receives into `iovs` without blocking. Returns Ok(None) when no data is ready,
 /// Ok(Some(0)) on end of stream.
