@@ -293,7 +293,10 @@ pub trait VhostUserBackendMut: Send + Sync {
     /// queues of `inflight.queue_size` entries, and returns its description and fd.
     ///
     /// Only called when the backend offers `VhostUserProtocolFeatures::INFLIGHT_SHMFD`.
-    fn get_inflight_fd(&mut self, _inflight: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
+    fn get_inflight_fd(
+        &mut self,
+        _inflight: &VhostUserInflight,
+    ) -> Result<(VhostUserInflight, File)> {
         Err(std::io::Error::new(
             std::io::ErrorKind::Unsupported,
             "back end does not support GET_INFLIGHT_FD",

@@ -184,10 +184,15 @@ impl<T: VhostUserBackend> VhostUserHandler<T> {
         }
     }
 
-    fn vmm_va_to_gpa(&self, vmm_va: u64) -> VhostUserHandlerResult<u64> {
+    // devlend patch: translate the front-end's address range [vmm_va, vmm_va + len) to a
+    // guest physical address; the whole range must lie in one memory region (as DPDK's
+    // vhost requires of the rings), else a ring would reach outside the guest's memory.
+    fn vmm_va_to_gpa(&self, vmm_va: u64, len: u64) -> VhostUserHandlerResult<u64> {
         for mapping in self.mappings.iter() {
-            if vmm_va >= mapping.vmm_addr && vmm_va < mapping.vmm_addr + mapping.size {
-                return Ok(vmm_va - mapping.vmm_addr + mapping.gpa_base);
+            if let Some(offset) = vmm_va.checked_sub(mapping.vmm_addr) {
+                if offset < mapping.size && len <= mapping.size - offset {
+                    return Ok(mapping.gpa_base + offset);
+                }
             }
         }
 
@@ -456,9 +461,11 @@ where
             .get(index as usize)
             .ok_or(VhostUserError::InvalidParam)?;
 
-        if num == 0 || num as usize > self.max_queue_size {
+        // devlend patch: the vrings are split virtqueues (virtio-queue), whose size is a
+        // power of two (virtio 1.2 §2.7), even if the front-end acked RING_PACKED.
+        if num == 0 || num as usize > self.max_queue_size || !num.is_power_of_two() {
             log::error!(
-                "vring {index} requested queue size {num} out of range (1-{})",
+                "vring {index} requested queue size {num} out of range (1-{}, a power of two)",
                 self.max_queue_size
             );
             return Err(VhostUserError::InvalidParam);
@@ -482,14 +489,18 @@ where
             .ok_or(VhostUserError::InvalidParam)?;
 
         if !self.mappings.is_empty() {
+            // devlend patch: each ring, at the queue's size (SET_VRING_NUM comes first),
+            // must be in the memory table: virtio 1.2 §2.7 gives the descriptor table
+            // 16 * size bytes, the available ring 6 + 2 * size, the used ring 6 + 8 * size.
+            let size = u64::from(vring.get_ref().get_queue().size());
             let desc_table = self
-                .vmm_va_to_gpa(descriptor)
+                .vmm_va_to_gpa(descriptor, 16 * size)
                 .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
             let avail_ring = self
-                .vmm_va_to_gpa(available)
+                .vmm_va_to_gpa(available, 6 + 2 * size)
                 .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
             let used_ring = self
-                .vmm_va_to_gpa(used)
+                .vmm_va_to_gpa(used, 6 + 8 * size)
                 .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
             vring
                 .set_queue_info(desc_table, avail_ring, used_ring)

@@ -85,6 +85,10 @@ impl VhostUserBackendMut for MockVhostBackend {
     }
 
     fn set_config(&mut self, offset: u32, buf: &[u8]) -> Result<()> {
+        // devlend: a read-only field, as a back-end refuses it.
+        if offset == 0x300 {
+            return Err(std::io::Error::other("read-only"));
+        }
         assert_eq!(offset, 0x200);
         assert_eq!(buf, &[0xa5u8; 8]);
 
@@ -103,6 +107,10 @@ impl VhostUserBackendMut for MockVhostBackend {
     fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> Result<File> {
         let file = tempfile::tempfile().unwrap();
         Ok(file)
+    }
+
+    fn check_device_state(&self) -> Result<()> {
+        Ok(())
     }
 
     fn queues_per_thread(&self) -> Vec<u64> {
@@ -130,11 +138,19 @@ impl VhostUserBackendMut for MockVhostBackend {
 }
 
 fn setup_frontend(path: &Path, barrier: Arc<Barrier>) -> Frontend {
+    setup_frontend_with_queues(path, barrier, 1)
+}
+
+fn setup_frontend_with_queues(path: &Path, barrier: Arc<Barrier>, queues: u64) -> Frontend {
     barrier.wait();
-    let mut frontend = Frontend::connect(path, 1).unwrap();
+    let mut frontend = Frontend::connect(path, queues).unwrap();
     frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
     // Wait before issue service requests.
     barrier.wait();
+
+    // devlend: the back-end refuses requests other than feature negotiation before
+    // SET_OWNER.
+    frontend.set_owner().unwrap();
 
     let features = frontend.get_features().unwrap();
     let proto = frontend.get_protocol_features().unwrap();
@@ -152,6 +168,8 @@ fn vhost_user_client(path: &Path, barrier: Arc<Barrier>) {
     // Wait before issue service requests.
     barrier.wait();
 
+    // devlend: SET_FEATURES is refused before SET_OWNER.
+    frontend.set_owner().unwrap();
     let features = frontend.get_features().unwrap();
     let proto = frontend.get_protocol_features().unwrap();
     frontend.set_features(features).unwrap();
@@ -161,8 +179,7 @@ fn vhost_user_client(path: &Path, barrier: Arc<Barrier>) {
     let queue_num = frontend.get_queue_num().unwrap();
     assert_eq!(queue_num, 2);
 
-    frontend.set_owner().unwrap();
-    //frontend.set_owner().unwrap_err();
+    frontend.set_owner().unwrap_err();
     frontend.reset_owner().unwrap();
     frontend.reset_owner().unwrap();
     frontend.set_owner().unwrap();
@@ -283,8 +300,9 @@ fn test_vhost_user_server() {
 
 fn vhost_user_enable(path: &Path, barrier: Arc<Barrier>) {
     let frontend = setup_frontend(path, barrier);
-    frontend.set_owner().unwrap();
     frontend.set_owner().unwrap_err();
+    // devlend: the error was answered; the session goes on.
+    frontend.get_features().unwrap();
 }
 
 #[test]
@@ -410,4 +428,174 @@ fn test_vhost_user_reset_device() {
         assert!(backend.lock().unwrap().acked_features == 0);
         assert!(backend.lock().unwrap().events == 0);
     });
+}
+
+fn memfd(size: u64) -> File {
+    let memfd = nix::sys::memfd::memfd_create("test", nix::sys::memfd::MFdFlags::empty()).unwrap();
+    let file = File::from(memfd);
+    file.set_len(size).unwrap();
+    file
+}
+
+// devlend: the back-end answers invalid requests with an error (REPLY_ACK), keeps its
+// state and keeps the session.
+fn vhost_user_validate(path: &Path, barrier: Arc<Barrier>) {
+    // The front-end would refuse to send an index >= its own queue count.
+    let mut frontend = setup_frontend_with_queues(path, barrier, 8);
+
+    let file_offset = FileOffset::new(memfd(0x100000), 0);
+    let mem = GuestMemoryMmap::<()>::from_ranges_with_files(&[(
+        GuestAddress(0x100000),
+        0x100000,
+        Some(file_offset),
+    )])
+    .unwrap();
+    let addr = mem.get_host_address(GuestAddress(0x100000)).unwrap() as u64;
+    let fd = mem
+        .find_region(GuestAddress(0x100000))
+        .unwrap()
+        .file_offset()
+        .unwrap()
+        .file()
+        .as_raw_fd();
+    let region = |gpa: u64, size: u64| VhostUserMemoryRegionInfo::new(gpa, size, addr, 0, fd);
+    frontend
+        .set_mem_table(&[region(0x100000, 0x100000)])
+        .unwrap();
+
+    // Queue sizes: not a power of two, 0, beyond the back-end's maximum (256).
+    for num in [3, 100, 0, 65535, 512] {
+        assert!(frontend.set_vring_num(0, num).is_err(), "{num} accepted");
+    }
+    frontend.set_vring_num(0, 256).unwrap();
+
+    // A write the back-end refuses is answered with an error.
+    frontend
+        .set_config(0x300, VhostUserConfigFlags::WRITABLE, &[0u8; 8])
+        .unwrap_err();
+
+    // Refused memory tables: overlapping regions, more than 8 regions without
+    // CONFIGURE_MEM_SLOTS... (the mock offers it: 509 slots, so use overlap only).
+    frontend
+        .set_mem_table(&[region(0x100000, 0x100000), region(0x180000, 0x100000)])
+        .unwrap_err();
+
+    // Rings that do not lie in the memory table.
+    let ring = |desc: u64, used: u64, avail: u64| VringConfigData {
+        queue_max_size: 256,
+        queue_size: 256,
+        flags: 0,
+        desc_table_addr: desc,
+        used_ring_addr: used,
+        avail_ring_addr: avail,
+        log_addr: None,
+    };
+    let (desc, used, avail) = (addr, addr + 0x10000, addr + 0x20000);
+    // the descriptor table (4096 bytes) runs past the end of the region
+    let end = addr + 0x100000;
+    frontend
+        .set_vring_addr(0, &ring(end - 0x800, used, avail))
+        .unwrap_err();
+    // the used ring (2054 bytes) runs past the end
+    frontend
+        .set_vring_addr(0, &ring(desc, end - 0x100, avail))
+        .unwrap_err();
+    // the available ring is not mapped at all
+    frontend
+        .set_vring_addr(0, &ring(desc, used, end + 0x1000))
+        .unwrap_err();
+    // The old memory table is still there: the rings in it are accepted.
+    frontend
+        .set_vring_addr(0, &ring(desc, used, avail))
+        .unwrap();
+
+    // Vring indices out of range (the back-end has 2 queues).
+    let eventfd = EventFd::new(0).unwrap();
+    frontend.set_vring_num(5, 256).unwrap_err();
+    frontend.set_vring_base(5, 0).unwrap_err();
+    frontend
+        .set_vring_addr(5, &ring(desc, used, avail))
+        .unwrap_err();
+    frontend.set_vring_kick(5, &eventfd).unwrap_err();
+    frontend.set_vring_call(5, &eventfd).unwrap_err();
+    frontend.set_vring_err(5, &eventfd).unwrap_err();
+    frontend.set_vring_enable(5, true).unwrap_err();
+
+    // The session is still up.
+    frontend.get_features().unwrap();
+    frontend.set_vring_base(0, 0).unwrap();
+}
+
+#[test]
+fn test_vhost_user_validate() {
+    vhost_user_server(vhost_user_validate);
+}
+
+// devlend: send a raw request (with need_reply) and return the u64 of its reply.
+fn raw_request(sock: &mut UnixStream, code: u32, body: &[u8]) -> u64 {
+    use std::io::{Read, Write};
+    let mut msg = Vec::new();
+    msg.extend_from_slice(&code.to_ne_bytes());
+    msg.extend_from_slice(&(0x1u32 | VhostUserHeaderFlag::NEED_REPLY.bits()).to_ne_bytes());
+    msg.extend_from_slice(&(body.len() as u32).to_ne_bytes());
+    msg.extend_from_slice(body);
+    sock.write_all(&msg).unwrap();
+    let mut hdr = [0u8; 12];
+    sock.read_exact(&mut hdr).unwrap();
+    assert_eq!(&hdr[0..4], &code.to_ne_bytes());
+    assert_eq!(&hdr[8..12], &8u32.to_ne_bytes());
+    let mut value = [0u8; 8];
+    sock.read_exact(&mut value).unwrap();
+    u64::from_ne_bytes(value)
+}
+
+fn vring_state(index: u32, num: u32) -> Vec<u8> {
+    [index.to_ne_bytes(), num.to_ne_bytes()].concat()
+}
+
+// devlend: requests the front-end API cannot send.
+fn vhost_user_raw(path: &Path, barrier: Arc<Barrier>) {
+    const GET_FEATURES: u32 = 1;
+    const SET_OWNER: u32 = 3;
+    const SET_VRING_NUM: u32 = 8;
+    const SET_VRING_BASE: u32 = 10;
+    const SET_PROTOCOL_FEATURES: u32 = 16;
+    const CHECK_DEVICE_STATE: u32 = 43;
+    barrier.wait();
+    let mut sock = UnixStream::connect(path).unwrap();
+    barrier.wait();
+
+    raw_request(&mut sock, GET_FEATURES, &[]);
+    let reply_ack = VhostUserProtocolFeatures::REPLY_ACK.bits().to_ne_bytes();
+    assert_eq!(raw_request(&mut sock, SET_PROTOCOL_FEATURES, &reply_ack), 0);
+
+    // Before SET_OWNER, a vring request is refused.
+    assert_ne!(
+        raw_request(&mut sock, SET_VRING_NUM, &vring_state(0, 64)),
+        0
+    );
+    assert_eq!(raw_request(&mut sock, SET_OWNER, &[]), 0);
+    assert_eq!(
+        raw_request(&mut sock, SET_VRING_NUM, &vring_state(0, 64)),
+        0
+    );
+
+    // A split queue's base has 16 bits (bits 16-31 are reserved): 0x10000 is not 0.
+    assert_ne!(
+        raw_request(&mut sock, SET_VRING_BASE, &vring_state(0, 0x1_0000)),
+        0
+    );
+    assert_eq!(
+        raw_request(&mut sock, SET_VRING_BASE, &vring_state(0, 5)),
+        0
+    );
+
+    // DEVICE_STATE was not negotiated: CHECK_DEVICE_STATE answers an error even though
+    // the back-end would report success.
+    assert_ne!(raw_request(&mut sock, CHECK_DEVICE_STATE, &[]), 0);
+}
+
+#[test]
+fn test_vhost_user_raw() {
+    vhost_user_server(vhost_user_raw);
 }

@@ -385,6 +385,8 @@ pub struct BackendReqHandler<S: VhostUserBackendReqHandler> {
 
     // sending ack for messages without payload
     reply_ack_enabled: bool,
+    // devlend patch: SET_OWNER has been received (and RESET_OWNER has not since)
+    owned: bool,
     // postcopy state reached through the POSTCOPY_* requests
     #[cfg(feature = "postcopy")]
     postcopy_state: PostcopyState,
@@ -405,9 +407,60 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             acked_virtio_features: 0,
             acked_protocol_features: 0,
             reply_ack_enabled: false,
+            owned: false,
             #[cfg(feature = "postcopy")]
             postcopy_state: PostcopyState::Inactive,
             error: None,
+        }
+    }
+
+    // devlend patch: a split virtqueue's size is a power of two (virtio 1.2 §2.7), and
+    // no queue is larger than 32768 (§2.7, §2.8).
+    fn check_vring_num(&self, num: u32) -> Result<()> {
+        let packed = self.acked_virtio_features & VIRTIO_F_RING_PACKED != 0;
+        if num == 0 || num > MAX_VRING_NUM || (!packed && !num.is_power_of_two()) {
+            return Err(Error::InvalidParam);
+        }
+        Ok(())
+    }
+
+    // devlend patch: for a split virtqueue, only bits 0-15 of the SET_VRING_BASE value
+    // are used; bits 16-31 are reserved and set to zero.
+    fn check_vring_base(&self, base: u32) -> Result<()> {
+        let packed = self.acked_virtio_features & VIRTIO_F_RING_PACKED != 0;
+        if !packed && base > u32::from(u16::MAX) {
+            return Err(Error::InvalidParam);
+        }
+        Ok(())
+    }
+
+    // devlend patch: refuse a request in the way the protocol lets the back-end report
+    // an error for it, and keep the session when the front-end has been told:
+    // - the requests that have no reply of their own get a REPLY_ACK error when the
+    //   front-end asked for it (need_reply);
+    // - GET_CONFIG gets a reply with a zero-length payload, SET_DEVICE_STATE_FD and
+    //   CHECK_DEVICE_STATE a non-zero value, GET_SHARED_OBJECT a reply without an fd.
+    // Anything else has no error reply in the spec: the error is returned and the
+    // caller closes the connection.
+    fn send_error_reply(
+        &mut self,
+        hdr: &VhostUserMsgHeader<FrontendReq>,
+        err: Error,
+    ) -> Result<()> {
+        match hdr.get_code() {
+            Ok(FrontendReq::GET_CONFIG) => {
+                let reply = VhostUserConfig::new(0, 0, VhostUserConfigFlags::empty());
+                self.send_reply_message(hdr, &reply)
+            }
+            Ok(FrontendReq::SET_DEVICE_STATE_FD) => {
+                self.send_reply_message(hdr, &VhostUserU64::new(0x101))
+            }
+            Ok(FrontendReq::CHECK_DEVICE_STATE) => {
+                self.send_reply_message(hdr, &VhostUserU64::new(1))
+            }
+            Ok(FrontendReq::GET_SHARED_OBJECT) => self.send_reply_message(hdr, &VhostUserEmpty),
+            Ok(code) if !has_reply_body(code) => self.send_ack_message(hdr, Err(err)),
+            _ => Err(err),
         }
     }
 
@@ -488,21 +541,34 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             }
         };
 
+        // devlend patch: SET_OWNER starts the session; before it only the feature
+        // negotiation that QEMU does while it sets up the connection is accepted.
+        if let Ok(code) = hdr.get_code() {
+            if !self.owned && !allowed_without_owner(code) {
+                return self.send_error_reply(&hdr, Error::InvalidOperation("no SET_OWNER"));
+            }
+        }
+
         match hdr.get_code() {
             Ok(FrontendReq::SET_OWNER) => {
                 self.check_request_size(&hdr, size, 0)?;
                 let res = self.backend.set_owner();
+                if res.is_ok() {
+                    self.owned = true;
+                }
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::RESET_OWNER) => {
                 self.check_request_size(&hdr, size, 0)?;
                 let res = self.backend.reset_owner();
+                self.owned = false;
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::RESET_DEVICE) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::RESET_DEVICE)?;
                 self.check_request_size(&hdr, size, 0)?;
-                let res = self.backend.reset_device();
+                let res = self
+                    .check_proto_feature(VhostUserProtocolFeatures::RESET_DEVICE)
+                    .and_then(|_| self.backend.reset_device());
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::GET_FEATURES) => {
@@ -516,7 +582,9 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             Ok(FrontendReq::SET_FEATURES) => {
                 let msg = self.extract_request_body::<VhostUserU64>(&hdr, size, &buf)?;
                 let res = self.backend.set_features(msg.value);
-                self.acked_virtio_features = msg.value;
+                if res.is_ok() {
+                    self.acked_virtio_features = msg.value;
+                }
                 self.update_reply_ack_flag();
                 self.send_ack_message(&hdr, res)?;
             }
@@ -540,28 +608,34 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             }
             Ok(FrontendReq::SET_VRING_NUM) => {
                 let msg = self.extract_request_body::<VhostUserVringState>(&hdr, size, &buf)?;
-                let res = self.backend.set_vring_num(msg.index, msg.num);
+                let res = self
+                    .check_vring_num(msg.num)
+                    .and_then(|_| self.backend.set_vring_num(msg.index, msg.num));
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::SET_VRING_ADDR) => {
-                let msg = self.extract_request_body::<VhostUserVringAddr>(&hdr, size, &buf)?;
-                let flags = match VhostUserVringAddrFlags::from_bits(msg.flags) {
-                    Some(val) => val,
-                    None => return Err(Error::InvalidMessage),
-                };
-                let res = self.backend.set_vring_addr(
-                    msg.index,
-                    flags,
-                    msg.descriptor,
-                    msg.used,
-                    msg.available,
-                    msg.log,
-                );
+                let msg =
+                    self.extract_request_body_unchecked::<VhostUserVringAddr>(&hdr, size, &buf)?;
+                let res = VhostUserVringAddrFlags::from_bits(msg.flags)
+                    .filter(|_| msg.is_valid())
+                    .ok_or(Error::InvalidParam)
+                    .and_then(|flags| {
+                        self.backend.set_vring_addr(
+                            msg.index,
+                            flags,
+                            msg.descriptor,
+                            msg.used,
+                            msg.available,
+                            msg.log,
+                        )
+                    });
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::SET_VRING_BASE) => {
                 let msg = self.extract_request_body::<VhostUserVringState>(&hdr, size, &buf)?;
-                let res = self.backend.set_vring_base(msg.index, msg.num);
+                let res = self
+                    .check_vring_base(msg.num)
+                    .and_then(|_| self.backend.set_vring_base(msg.index, msg.num));
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::GET_VRING_BASE) => {
@@ -571,20 +645,23 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             }
             Ok(FrontendReq::SET_VRING_CALL) => {
                 self.check_request_size(&hdr, size, mem::size_of::<VhostUserU64>())?;
-                let (index, file) = self.handle_vring_fd_request(&buf, files)?;
-                let res = self.backend.set_vring_call(index, file);
+                let res = self
+                    .handle_vring_fd_request(&buf, files)
+                    .and_then(|(index, file)| self.backend.set_vring_call(index, file));
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::SET_VRING_KICK) => {
                 self.check_request_size(&hdr, size, mem::size_of::<VhostUserU64>())?;
-                let (index, file) = self.handle_vring_fd_request(&buf, files)?;
-                let res = self.backend.set_vring_kick(index, file);
+                let res = self
+                    .handle_vring_fd_request(&buf, files)
+                    .and_then(|(index, file)| self.backend.set_vring_kick(index, file));
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::SET_VRING_ERR) => {
                 self.check_request_size(&hdr, size, mem::size_of::<VhostUserU64>())?;
-                let (index, file) = self.handle_vring_fd_request(&buf, files)?;
-                let res = self.backend.set_vring_err(index, file);
+                let res = self
+                    .handle_vring_fd_request(&buf, files)
+                    .and_then(|(index, file)| self.backend.set_vring_err(index, file));
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::GET_PROTOCOL_FEATURES) => {
@@ -604,7 +681,9 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             Ok(FrontendReq::SET_PROTOCOL_FEATURES) => {
                 let msg = self.extract_request_body::<VhostUserU64>(&hdr, size, &buf)?;
                 let res = self.backend.set_protocol_features(msg.value);
-                self.acked_protocol_features = msg.value;
+                if res.is_ok() {
+                    self.acked_protocol_features = msg.value;
+                }
                 self.update_reply_ack_flag();
                 self.send_ack_message(&hdr, res)?;
 
@@ -612,7 +691,9 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                 self.check_proto_feature(VhostUserProtocolFeatures::XEN_MMAP)?;
             }
             Ok(FrontendReq::GET_QUEUE_NUM) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::MQ)?;
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::MQ) {
+                    return self.send_error_reply(&hdr, e);
+                }
                 self.check_request_size(&hdr, size, 0)?;
                 let num = self.backend.get_queue_num()?;
                 let msg = VhostUserU64::new(num);
@@ -623,37 +704,44 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                 // devlend patch: QEMU's vhost-user-net restores the ring enable state
                 // before SET_FEATURES on a new connection; protocol features set with
                 // SET_PROTOCOL_FEATURES show that bit 30 was negotiated.
-                if self.acked_protocol_features == 0 {
-                    self.check_feature(VhostUserVirtioFeatures::PROTOCOL_FEATURES)?;
-                }
-                let enable = match msg.num {
-                    1 => true,
-                    0 => false,
-                    _ => return Err(Error::InvalidParam),
+                let res = if self.acked_protocol_features == 0 {
+                    self.check_feature(VhostUserVirtioFeatures::PROTOCOL_FEATURES)
+                } else {
+                    Ok(())
                 };
-
-                let res = self.backend.set_vring_enable(msg.index, enable);
+                let res = match (res, msg.num) {
+                    (Err(e), _) => Err(e),
+                    (Ok(()), 0) => self.backend.set_vring_enable(msg.index, false),
+                    (Ok(()), 1) => self.backend.set_vring_enable(msg.index, true),
+                    (Ok(()), _) => Err(Error::InvalidParam),
+                };
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::GET_CONFIG) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::CONFIG)?;
                 self.check_request_size(&hdr, size, hdr.get_size() as usize)?;
-                self.get_config(&hdr, &buf)?;
+                match self.check_proto_feature(VhostUserProtocolFeatures::CONFIG) {
+                    Ok(()) => self.get_config(&hdr, &buf)?,
+                    Err(e) => self.send_error_reply(&hdr, e)?,
+                }
             }
             Ok(FrontendReq::SET_CONFIG) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::CONFIG)?;
                 self.check_request_size(&hdr, size, hdr.get_size() as usize)?;
-                let res = self.set_config(size, &buf);
+                let res = self
+                    .check_proto_feature(VhostUserProtocolFeatures::CONFIG)
+                    .and_then(|_| self.set_config(size, &buf));
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::SET_BACKEND_REQ_FD) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::BACKEND_REQ)?;
                 self.check_request_size(&hdr, size, hdr.get_size() as usize)?;
-                let res = self.set_backend_req_fd(files);
+                let res = self
+                    .check_proto_feature(VhostUserProtocolFeatures::BACKEND_REQ)
+                    .and_then(|_| self.set_backend_req_fd(files));
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::GET_SHARED_OBJECT) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::SHARED_OBJECT)?;
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::SHARED_OBJECT) {
+                    return self.send_error_reply(&hdr, e);
+                }
                 self.check_request_size(&hdr, size, hdr.get_size() as usize)?;
                 let msg = self.extract_request_body::<VhostUserSharedMsg>(&hdr, size, &buf)?;
 
@@ -673,7 +761,10 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                 }
             }
             Ok(FrontendReq::GET_INFLIGHT_FD) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::INFLIGHT_SHMFD)?;
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+                {
+                    return self.send_error_reply(&hdr, e);
+                }
 
                 let msg = self.extract_request_body::<VhostUserInflight>(&hdr, size, &buf)?;
                 let (inflight, file) = self.backend.get_inflight_fd(&msg)?;
@@ -682,10 +773,11 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                     .send_message(&reply_hdr, &inflight, Some(&[file.as_raw_fd()]))?;
             }
             Ok(FrontendReq::SET_INFLIGHT_FD) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::INFLIGHT_SHMFD)?;
-                let file = take_single_file(files).ok_or(Error::IncorrectFds)?;
                 let msg = self.extract_request_body::<VhostUserInflight>(&hdr, size, &buf)?;
-                let res = self.backend.set_inflight_fd(&msg, file);
+                let res = self
+                    .check_proto_feature(VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+                    .and_then(|_| take_single_file(files).ok_or(Error::IncorrectFds))
+                    .and_then(|file| self.backend.set_inflight_fd(&msg, file));
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::GPU_SET_SOCKET) => {
@@ -693,14 +785,22 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::GET_MAX_MEM_SLOTS) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)?;
+                if let Err(e) =
+                    self.check_proto_feature(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+                {
+                    return self.send_error_reply(&hdr, e);
+                }
                 self.check_request_size(&hdr, size, 0)?;
                 let num = self.backend.get_max_mem_slots()?;
                 let msg = VhostUserU64::new(num);
                 self.send_reply_message(&hdr, &msg)?;
             }
             Ok(FrontendReq::ADD_MEM_REG) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)?;
+                if let Err(e) =
+                    self.check_proto_feature(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+                {
+                    return self.send_error_reply(&hdr, e);
+                }
                 #[cfg(feature = "postcopy")]
                 if self.postcopy_state == PostcopyState::Listen
                     && size == mem::size_of::<VhostUserU64>()
@@ -711,12 +811,13 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                     }
                     return self.backend.postcopy_ack_mem_regions();
                 }
-                let mut files = files.ok_or(Error::InvalidParam)?;
-                if files.len() != 1 {
-                    return Err(Error::InvalidParam);
-                }
-                let msg =
-                    self.extract_request_body::<VhostUserSingleMemoryRegion>(&hdr, size, &buf)?;
+                let msg = self.extract_request_body_unchecked::<VhostUserSingleMemoryRegion>(
+                    &hdr, size, &buf,
+                )?;
+                let mut files = match files {
+                    Some(files) if files.len() == 1 && msg.is_valid() => files,
+                    _ => return self.send_error_reply(&hdr, Error::InvalidParam),
+                };
                 let res = self.backend.add_mem_region(
                     &msg,
                     files.swap_remove(0),
@@ -753,7 +854,11 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                 if self.postcopy_state == PostcopyState::Listen
                     && size == mem::size_of::<VhostUserU64>() =>
             {
-                self.check_proto_feature(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)?;
+                if let Err(e) =
+                    self.check_proto_feature(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+                {
+                    return self.send_error_reply(&hdr, e);
+                }
                 let msg = self.extract_request_body::<VhostUserU64>(&hdr, size, &buf)?;
                 if msg.value != 0 {
                     return Err(Error::FrontendInternalError);
@@ -761,7 +866,11 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                 self.backend.postcopy_ack_mem_regions()?;
             }
             Ok(FrontendReq::REM_MEM_REG) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)?;
+                if let Err(e) =
+                    self.check_proto_feature(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+                {
+                    return self.send_error_reply(&hdr, e);
+                }
 
                 let msg =
                     self.extract_request_body::<VhostUserSingleMemoryRegion>(&hdr, size, &buf)?;
@@ -769,9 +878,14 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                 self.send_ack_message(&hdr, res)?;
             }
             Ok(FrontendReq::SET_DEVICE_STATE_FD) => {
-                let file = take_single_file(files).ok_or(Error::IncorrectFds)?;
                 let msg =
                     self.extract_request_body::<VhostUserTransferDeviceState>(&hdr, size, &buf)?;
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::DEVICE_STATE) {
+                    return self.send_error_reply(&hdr, e);
+                }
+                let Some(file) = take_single_file(files) else {
+                    return self.send_error_reply(&hdr, Error::IncorrectFds);
+                };
                 let reply_hdr = self.new_reply_header::<VhostUserU64>(&hdr, 0)?;
 
                 let direction: VhostTransferStateDirection = msg
@@ -803,6 +917,9 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                 }
             }
             Ok(FrontendReq::CHECK_DEVICE_STATE) => {
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::DEVICE_STATE) {
+                    return self.send_error_reply(&hdr, e);
+                }
                 let res = self.backend.check_device_state();
 
                 // We must return a value in the payload to indicate success or error:
@@ -814,13 +931,17 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
                 self.send_reply_message(&hdr, &msg)?;
             }
             Ok(FrontendReq::GET_SHMEM_CONFIG) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::SHMEM)?;
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::SHMEM) {
+                    return self.send_error_reply(&hdr, e);
+                }
                 let msg = self.backend.get_shmem_config()?;
                 self.send_reply_message(&hdr, &msg)?;
             }
             #[cfg(feature = "postcopy")]
             Ok(FrontendReq::POSTCOPY_ADVISE) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::PAGEFAULT)?;
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::PAGEFAULT) {
+                    return self.send_error_reply(&hdr, e);
+                }
                 if self.postcopy_state != PostcopyState::Inactive {
                     return Err(Error::InvalidOperation("postcopy already advised"));
                 }
@@ -843,7 +964,9 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             }
             #[cfg(feature = "postcopy")]
             Ok(FrontendReq::POSTCOPY_LISTEN) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::PAGEFAULT)?;
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::PAGEFAULT) {
+                    return self.send_error_reply(&hdr, e);
+                }
                 if self.postcopy_state != PostcopyState::Advise {
                     return Err(Error::InvalidOperation("postcopy not advised"));
                 }
@@ -855,7 +978,9 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             }
             #[cfg(feature = "postcopy")]
             Ok(FrontendReq::POSTCOPY_END) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::PAGEFAULT)?;
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::PAGEFAULT) {
+                    return self.send_error_reply(&hdr, e);
+                }
                 if self.postcopy_state != PostcopyState::Listen {
                     return Err(Error::InvalidOperation("postcopy not listening"));
                 }
@@ -869,7 +994,9 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             // the size and offset of shared memory area provided in the message.
             // See https://qemu-project.gitlab.io/qemu/interop/vhost-user.html#migration.
             Ok(FrontendReq::SET_LOG_BASE) => {
-                self.check_proto_feature(VhostUserProtocolFeatures::LOG_SHMFD)?;
+                if let Err(e) = self.check_proto_feature(VhostUserProtocolFeatures::LOG_SHMFD) {
+                    return self.send_error_reply(&hdr, e);
+                }
                 let file = take_single_file(files).ok_or(Error::IncorrectFds)?;
                 let msg = self.extract_request_body::<VhostUserLog>(&hdr, size, &buf)?;
                 self.backend.set_log_base(&msg, file)?;
@@ -906,6 +1033,23 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             return Err(Error::InvalidMessage);
         }
 
+        // devlend patch: without CONFIGURE_MEM_SLOTS a front-end sends at most
+        // VHOST_USER_MAX_RAM_SLOTS (8) regions; with it, at most what GET_MAX_MEM_SLOTS
+        // offered.
+        let max_regions = if self.acked_protocol_features
+            & VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS.bits()
+            != 0
+        {
+            self.backend
+                .get_max_mem_slots()?
+                .min(MAX_ATTACHED_FD_ENTRIES as u64)
+        } else {
+            BASELINE_MEM_REGIONS
+        };
+        if u64::from(msg.num_regions) > max_regions {
+            return Err(Error::InvalidParam);
+        }
+
         // validate number of fds matching number of memory regions
         let files = files.ok_or(Error::InvalidMessage)?;
         if files.len() != msg.num_regions as usize {
@@ -926,6 +1070,15 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             if !region.is_valid() {
                 return Err(Error::InvalidMessage);
             }
+        }
+        // devlend patch: no two regions may cover the same guest physical address.
+        let mut ranges: Vec<(u64, u64)> = regions
+            .iter()
+            .map(|r| (r.guest_phys_addr, r.guest_phys_addr + r.memory_size))
+            .collect();
+        ranges.sort_unstable();
+        if ranges.windows(2).any(|w| w[0].1 > w[1].0) {
+            return Err(Error::InvalidParam);
         }
 
         #[cfg(feature = "postcopy")]
@@ -961,19 +1114,22 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
     fn get_config(&mut self, hdr: &VhostUserMsgHeader<FrontendReq>, buf: &[u8]) -> Result<()> {
         let payload_offset = mem::size_of::<VhostUserConfig>();
         if buf.len() > MAX_MSG_SIZE || buf.len() < payload_offset {
-            return Err(Error::InvalidMessage);
+            return self.send_error_reply(hdr, Error::InvalidMessage);
         }
         // SAFETY: Safe because we checked that `buf` size is at least that of VhostUserConfig.
         let msg = unsafe { std::ptr::read_unaligned(buf.as_ptr() as *const VhostUserConfig) };
-        if !msg.is_valid() {
-            return Err(Error::InvalidMessage);
-        }
-        if buf.len() - payload_offset != msg.size as usize {
-            return Err(Error::InvalidMessage);
-        }
+        // devlend patch: a request the back-end cannot serve (size 0, offset + size
+        // overflowing or beyond the config space, unknown flags, a payload of another
+        // size) gets the error reply of the spec, a zero-length payload, rather than
+        // a closed connection.
         let flags = match VhostUserConfigFlags::from_bits(msg.flags) {
-            Some(val) => val,
-            None => return Err(Error::InvalidMessage),
+            Some(flags) if msg.is_valid() && buf.len() - payload_offset == msg.size as usize => {
+                flags
+            }
+            _ => {
+                let reply = VhostUserConfig::new(msg.offset, 0, VhostUserConfigFlags::empty());
+                return self.send_reply_message(hdr, &reply);
+            }
         };
         let res = self.backend.get_config(msg.offset, msg.size, flags);
 
@@ -1066,6 +1222,11 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
         // instead of waiting for the call.
         // If Bit 8 is unset, the data must contain a file descriptor.
         let has_fd = (msg.value & 0x100u64) == 0;
+        // devlend patch: bits 9-63 are not defined; a value with one set is no vring
+        // index (it would otherwise be truncated to bits 0-7).
+        if msg.value & !0x1ffu64 != 0 {
+            return Err(Error::InvalidParam);
+        }
 
         let file = take_single_file(files);
 
@@ -1129,6 +1290,19 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
         }
     }
 
+    // devlend patch: like extract_request_body, but leaves the validation of the values
+    // to the caller, so that it can answer an error instead of closing the connection.
+    fn extract_request_body_unchecked<T: Sized + VhostUserMsgValidator>(
+        &self,
+        hdr: &VhostUserMsgHeader<FrontendReq>,
+        size: usize,
+        buf: &[u8],
+    ) -> Result<T> {
+        self.check_request_size(hdr, size, mem::size_of::<T>())?;
+        // SAFETY: Safe because we checked that `buf` size is equal to T size.
+        Ok(unsafe { std::ptr::read_unaligned(buf.as_ptr() as *const T) })
+    }
+
     fn extract_request_body<T: Sized + VhostUserMsgValidator>(
         &self,
         hdr: &VhostUserMsgHeader<FrontendReq>,
@@ -1184,6 +1358,10 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             };
             let msg = VhostUserU64::new(val);
             self.main_sock.send_message(&hdr, &msg, None)?;
+            // devlend patch: the front-end has been told of the error; the session
+            // goes on (the request had no effect). Without REPLY_ACK the error
+            // cannot be reported, and the caller closes the connection.
+            return Ok(());
         }
         res
     }
@@ -1215,6 +1393,53 @@ impl<S: VhostUserBackendReqHandler> AsRawFd for BackendReqHandler<S> {
     fn as_raw_fd(&self) -> RawFd {
         self.main_sock.as_raw_fd()
     }
+}
+
+// devlend patch: VIRTIO_F_RING_PACKED (virtio 1.2 §6).
+const VIRTIO_F_RING_PACKED: u64 = 1 << 34;
+// devlend patch: the largest virtqueue (virtio 1.2 §2.7, §2.8: "Queue Size" is at
+// most 32768).
+const MAX_VRING_NUM: u32 = 32768;
+// devlend patch: VHOST_USER_MAX_RAM_SLOTS of SET_MEM_TABLE without
+// VHOST_USER_PROTOCOL_F_CONFIGURE_MEM_SLOTS (QEMU's VHOST_MEMORY_BASELINE_NREGIONS).
+const BASELINE_MEM_REGIONS: u64 = 8;
+
+// devlend patch: the requests a front-end sends before SET_OWNER: QEMU negotiates the
+// features, reads the queue count and the slots and sets up the back-end channel first.
+fn allowed_without_owner(code: FrontendReq) -> bool {
+    matches!(
+        code,
+        FrontendReq::SET_OWNER
+            | FrontendReq::RESET_OWNER
+            | FrontendReq::GET_FEATURES
+            | FrontendReq::GET_PROTOCOL_FEATURES
+            | FrontendReq::SET_PROTOCOL_FEATURES
+            | FrontendReq::GET_QUEUE_NUM
+            | FrontendReq::GET_MAX_MEM_SLOTS
+            | FrontendReq::GET_SHMEM_CONFIG
+            | FrontendReq::SET_BACKEND_REQ_FD
+    )
+}
+
+// devlend patch: the requests answered with a reply of their own, for which REPLY_ACK
+// changes nothing (the spec's "Communication" and REPLY_ACK sections).
+fn has_reply_body(code: FrontendReq) -> bool {
+    matches!(
+        code,
+        FrontendReq::GET_FEATURES
+            | FrontendReq::GET_PROTOCOL_FEATURES
+            | FrontendReq::GET_VRING_BASE
+            | FrontendReq::GET_QUEUE_NUM
+            | FrontendReq::GET_CONFIG
+            | FrontendReq::GET_INFLIGHT_FD
+            | FrontendReq::GET_SHARED_OBJECT
+            | FrontendReq::GET_MAX_MEM_SLOTS
+            | FrontendReq::SET_DEVICE_STATE_FD
+            | FrontendReq::CHECK_DEVICE_STATE
+            | FrontendReq::GET_SHMEM_CONFIG
+            | FrontendReq::SET_LOG_BASE
+            | FrontendReq::POSTCOPY_ADVISE
+    )
 }
 
 // Retrieve a SOL_SOCKET socket option value using `getsockopt`.
@@ -1383,6 +1608,347 @@ mod tests {
             let _ = frontend_endpoint.send_message(&hdr, &VhostUserEmpty, None);
         });
         assert!(handler.handle_request().is_err());
+    }
+
+    // devlend: a handler past SET_OWNER with REPLY_ACK and `proto` negotiated, and the
+    // front-end's end of its socket.
+    fn ready_handler(
+        proto: VhostUserProtocolFeatures,
+    ) -> (
+        BackendReqHandler<Mutex<DummyBackendReqHandler>>,
+        Endpoint<VhostUserMsgHeader<FrontendReq>>,
+    ) {
+        let (p1, p2) = UnixStream::pair().unwrap();
+        let mut dummy = DummyBackendReqHandler::new();
+        dummy.owned = true;
+        dummy.acked_protocol_features = (proto | VhostUserProtocolFeatures::REPLY_ACK).bits();
+        let mut handler = BackendReqHandler::from_stream(p1, Arc::new(Mutex::new(dummy)));
+        handler.owned = true;
+        handler.virtio_features = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        handler.acked_virtio_features = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        handler.acked_protocol_features = (proto | VhostUserProtocolFeatures::REPLY_ACK).bits();
+        handler.update_reply_ack_flag();
+        (handler, Endpoint::from_stream(p2))
+    }
+
+    // devlend: send a request with need_reply; the handler must handle it and keep the
+    // session; return the REPLY_ACK value (0: success).
+    fn ack_of<T: ByteValued>(
+        handler: &mut BackendReqHandler<Mutex<DummyBackendReqHandler>>,
+        ep: &mut Endpoint<VhostUserMsgHeader<FrontendReq>>,
+        code: FrontendReq,
+        body: &T,
+        payload: &[u8],
+        fds: Option<&[RawFd]>,
+    ) -> u64 {
+        let size = (mem::size_of::<T>() + payload.len()) as u32;
+        let hdr = VhostUserMsgHeader::new(code, VhostUserHeaderFlag::NEED_REPLY.bits(), size);
+        ep.send_message_with_payload(&hdr, body, payload, fds)
+            .unwrap();
+        handler.handle_request().unwrap();
+        let (reply, ack, files) = ep.recv_body::<VhostUserU64>().unwrap();
+        assert!(reply.is_reply_for(&hdr));
+        assert!(files.is_none());
+        ack.value
+    }
+
+    fn state(index: u32, num: u32) -> VhostUserVringState {
+        VhostUserVringState::new(index, num)
+    }
+
+    #[test]
+    fn test_set_vring_num_refused_without_closing() {
+        let (mut handler, mut ep) = ready_handler(VhostUserProtocolFeatures::empty());
+        let num = FrontendReq::SET_VRING_NUM;
+        // Not a power of two, zero, beyond the queue's maximum.
+        for bad in [3, 100, 0, 65535, 512] {
+            assert_ne!(
+                ack_of(&mut handler, &mut ep, num, &state(0, bad), &[], None),
+                0
+            );
+        }
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, num, &state(0, 128), &[], None),
+            0
+        );
+        assert_eq!(handler.backend.lock().unwrap().vring_num[0], 128);
+        // A packed queue's size need not be a power of two.
+        handler.acked_virtio_features |= VIRTIO_F_RING_PACKED;
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, num, &state(0, 100), &[], None),
+            0
+        );
+    }
+
+    // Send GET_CONFIG; the handler must keep the session; return the reply's size field
+    // and payload length.
+    fn get_config_reply(
+        handler: &mut BackendReqHandler<Mutex<DummyBackendReqHandler>>,
+        ep: &mut Endpoint<VhostUserMsgHeader<FrontendReq>>,
+        offset: u32,
+        size: u32,
+        payload_len: usize,
+    ) -> (u32, usize) {
+        let body = VhostUserConfig::new(offset, size, VhostUserConfigFlags::WRITABLE);
+        let payload = vec![0u8; payload_len];
+        let len = (mem::size_of::<VhostUserConfig>() + payload_len) as u32;
+        let hdr = VhostUserMsgHeader::new(FrontendReq::GET_CONFIG, 0, len);
+        ep.send_message_with_payload(&hdr, &body, &payload, None)
+            .unwrap();
+        handler.handle_request().unwrap();
+        let (reply, _) = ep.recv_header().unwrap();
+        assert!(reply.is_reply_for(&hdr));
+        let (n, buf) = ep.recv_data(reply.get_size() as usize).unwrap();
+        assert!(n >= mem::size_of::<VhostUserConfig>());
+        // SAFETY: `buf` holds at least a VhostUserConfig, checked above.
+        let cfg = unsafe { std::ptr::read_unaligned(buf.as_ptr() as *const VhostUserConfig) };
+        (cfg.size, n - mem::size_of::<VhostUserConfig>())
+    }
+
+    #[test]
+    fn test_get_config_invalid_gets_empty_reply() {
+        let (mut handler, mut ep) = ready_handler(VhostUserProtocolFeatures::CONFIG);
+        // offset + size overflows
+        assert_eq!(
+            get_config_reply(&mut handler, &mut ep, u32::MAX - 1, 4, 4),
+            (0, 0)
+        );
+        // size 0
+        assert_eq!(get_config_reply(&mut handler, &mut ep, 0x100, 0, 0), (0, 0));
+        // beyond the config space
+        assert_eq!(
+            get_config_reply(&mut handler, &mut ep, 0x100, 0x1000, 0xf00),
+            (0, 0)
+        );
+        // a payload shorter than the size asked for
+        assert_eq!(get_config_reply(&mut handler, &mut ep, 0x100, 4, 2), (0, 0));
+        // refused by the back-end (outside its config space)
+        assert_eq!(get_config_reply(&mut handler, &mut ep, 0x80, 4, 4), (0, 0));
+        // and a valid one still works
+        assert_eq!(get_config_reply(&mut handler, &mut ep, 0x100, 4, 4), (4, 4));
+    }
+
+    #[test]
+    fn test_set_config_backend_error_is_error_ack() {
+        let (mut handler, mut ep) = ready_handler(VhostUserProtocolFeatures::CONFIG);
+        let code = FrontendReq::SET_CONFIG;
+        let flags = VhostUserConfigFlags::WRITABLE;
+        // The back-end refuses offset 0x80.
+        let body = VhostUserConfig::new(0x80, 4, flags);
+        assert_ne!(
+            ack_of(&mut handler, &mut ep, code, &body, &[0xa5; 4], None),
+            0
+        );
+        // Overflowing offset + size.
+        let body = VhostUserConfig::new(u32::MAX, 4, flags);
+        assert_ne!(
+            ack_of(&mut handler, &mut ep, code, &body, &[0xa5; 4], None),
+            0
+        );
+        let body = VhostUserConfig::new(0x100, 4, flags);
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, code, &body, &[0xa5; 4], None),
+            0
+        );
+    }
+
+    // Send SET_MEM_TABLE with `regions` and `nfds` descriptors (ends of socket pairs);
+    // return the ack, and whether every descriptor sent was closed by the back-end.
+    fn set_mem_table_ack(
+        handler: &mut BackendReqHandler<Mutex<DummyBackendReqHandler>>,
+        ep: &mut Endpoint<VhostUserMsgHeader<FrontendReq>>,
+        regions: &[(u64, u64)],
+        nfds: usize,
+    ) -> (u64, bool) {
+        let mut payload = Vec::new();
+        for (i, (gpa, size)) in regions.iter().enumerate() {
+            let region = VhostUserMemoryRegion::new(*gpa, *size, 0x1000_0000 * (i as u64 + 1), 0);
+            payload.extend_from_slice(region.as_slice());
+        }
+        let pairs: Vec<(UnixStream, UnixStream)> =
+            (0..nfds).map(|_| UnixStream::pair().unwrap()).collect();
+        let fds: Vec<RawFd> = pairs.iter().map(|(a, _)| a.as_raw_fd()).collect();
+        let body = VhostUserMemory::new(regions.len() as u32);
+        let fds = if fds.is_empty() { None } else { Some(&fds[..]) };
+        let ack = ack_of(
+            handler,
+            ep,
+            FrontendReq::SET_MEM_TABLE,
+            &body,
+            &payload,
+            fds,
+        );
+        let mut closed = true;
+        for (sent, peer) in pairs {
+            drop(sent);
+            peer.set_nonblocking(true).unwrap();
+            let mut byte = [0u8; 1];
+            // EOF once the back-end has closed its copy too.
+            closed &= matches!(std::io::Read::read(&mut &peer, &mut byte), Ok(0));
+        }
+        (ack, closed)
+    }
+
+    #[test]
+    fn test_set_mem_table_refused() {
+        let (mut handler, mut ep) = ready_handler(VhostUserProtocolFeatures::empty());
+        let mb = 0x10_0000u64;
+        let nine: Vec<(u64, u64)> = (0..9).map(|i| (i * mb, mb)).collect();
+        let refused = [
+            // more regions than VHOST_USER_MAX_RAM_SLOTS without CONFIGURE_MEM_SLOTS
+            (nine.clone(), 9),
+            // fewer fds than regions, more fds than regions
+            (vec![(0, mb), (mb, mb)], 1),
+            (vec![(0, mb)], 2),
+            // overlapping regions
+            (vec![(0, 2 * mb), (mb, mb)], 2),
+            // a region of size 0, a region whose end overflows
+            (vec![(0, 0)], 1),
+            (vec![(u64::MAX - mb + 2, mb)], 1),
+        ];
+        for (regions, nfds) in refused {
+            let (ack, closed) = set_mem_table_ack(&mut handler, &mut ep, &regions, nfds);
+            assert_ne!(ack, 0, "{regions:x?} with {nfds} fds acked");
+            assert!(closed, "{regions:x?}: fds left open");
+        }
+        let (ack, _) = set_mem_table_ack(&mut handler, &mut ep, &[(0, mb), (mb, mb)], 2);
+        assert_eq!(ack, 0);
+
+        // With CONFIGURE_MEM_SLOTS, as many as GET_MAX_MEM_SLOTS offers (up to the fds
+        // a message can carry).
+        let (mut handler, mut ep) = ready_handler(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS);
+        let (ack, _) = set_mem_table_ack(&mut handler, &mut ep, &nine, 9);
+        assert_eq!(ack, 0);
+    }
+
+    #[test]
+    fn test_vring_requests_out_of_range() {
+        let (mut handler, mut ep) = ready_handler(VhostUserProtocolFeatures::empty());
+        let bad = 5; // the dummy back-end has 2 queues
+        for code in [
+            FrontendReq::SET_VRING_NUM,
+            FrontendReq::SET_VRING_BASE,
+            FrontendReq::SET_VRING_ENABLE,
+        ] {
+            assert_ne!(
+                ack_of(&mut handler, &mut ep, code, &state(bad, 1), &[], None),
+                0
+            );
+        }
+        let addr = VhostUserVringAddr::new(
+            bad,
+            VhostUserVringAddrFlags::empty(),
+            0x1000,
+            0x2000,
+            0x3000,
+            0,
+        );
+        let code = FrontendReq::SET_VRING_ADDR;
+        assert_ne!(ack_of(&mut handler, &mut ep, code, &addr, &[], None), 0);
+        // A misaligned descriptor table.
+        let addr = VhostUserVringAddr::new(0, VhostUserVringAddrFlags::empty(), 8, 0, 0, 0);
+        assert_ne!(ack_of(&mut handler, &mut ep, code, &addr, &[], None), 0);
+        for code in [
+            FrontendReq::SET_VRING_KICK,
+            FrontendReq::SET_VRING_CALL,
+            FrontendReq::SET_VRING_ERR,
+        ] {
+            // index 5 without fd; index 0 with undefined bits; index 0 marked "no fd"
+            // but with one.
+            let no_fd = VhostUserU64::new(0x100 | u64::from(bad));
+            assert_ne!(ack_of(&mut handler, &mut ep, code, &no_fd, &[], None), 0);
+            let undefined_bits = VhostUserU64::new(0x1_0000_0100);
+            assert_ne!(
+                ack_of(&mut handler, &mut ep, code, &undefined_bits, &[], None),
+                0
+            );
+            let (fd, _peer) = UnixStream::pair().unwrap();
+            let fds = [fd.as_raw_fd()];
+            let no_fd = VhostUserU64::new(0x100);
+            assert_ne!(
+                ack_of(&mut handler, &mut ep, code, &no_fd, &[], Some(&fds)),
+                0
+            );
+        }
+        // A split queue's base has 16 bits.
+        let code = FrontendReq::SET_VRING_BASE;
+        assert_ne!(
+            ack_of(&mut handler, &mut ep, code, &state(0, 0x1_0000), &[], None),
+            0
+        );
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, code, &state(0, 0x10), &[], None),
+            0
+        );
+
+        // GET_VRING_BASE has no error reply in the spec: the request fails (and the
+        // caller closes the connection), without a panic.
+        let hdr = VhostUserMsgHeader::new(FrontendReq::GET_VRING_BASE, 0, 8);
+        ep.send_message(&hdr, &state(bad, 0), None).unwrap();
+        assert!(handler.handle_request().is_err());
+    }
+
+    #[test]
+    fn test_requests_before_owner_or_feature_refused() {
+        let (mut handler, mut ep) = ready_handler(VhostUserProtocolFeatures::CONFIG);
+        handler.owned = false;
+        // Feature negotiation is allowed before SET_OWNER.
+        let hdr = VhostUserMsgHeader::new(FrontendReq::GET_FEATURES, 0, 0);
+        ep.send_message(&hdr, &VhostUserEmpty, None).unwrap();
+        handler.handle_request().unwrap();
+        let (reply, _, _) = ep.recv_body::<VhostUserU64>().unwrap();
+        assert!(reply.is_reply_for(&hdr));
+        // Anything else is refused.
+        let num = FrontendReq::SET_VRING_NUM;
+        assert_ne!(
+            ack_of(&mut handler, &mut ep, num, &state(0, 64), &[], None),
+            0
+        );
+        let features = VhostUserU64::new(VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits());
+        let code = FrontendReq::SET_FEATURES;
+        assert_ne!(ack_of(&mut handler, &mut ep, code, &features, &[], None), 0);
+        assert_eq!(get_config_reply(&mut handler, &mut ep, 0x100, 4, 4), (0, 0));
+        assert_eq!(handler.backend.lock().unwrap().vring_num[0], 0);
+
+        handler.backend.lock().unwrap().owned = false;
+        let owner = FrontendReq::SET_OWNER;
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, owner, &VhostUserEmpty, &[], None),
+            0
+        );
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, num, &state(0, 64), &[], None),
+            0
+        );
+
+        // A request whose protocol feature was not negotiated.
+        let code = FrontendReq::RESET_DEVICE;
+        assert_ne!(
+            ack_of(&mut handler, &mut ep, code, &VhostUserEmpty, &[], None),
+            0
+        );
+        let hdr = VhostUserMsgHeader::new(FrontendReq::CHECK_DEVICE_STATE, 0, 0);
+        ep.send_message(&hdr, &VhostUserEmpty, None).unwrap();
+        handler.handle_request().unwrap();
+        let (reply, value, _) = ep.recv_body::<VhostUserU64>().unwrap();
+        assert!(reply.is_reply_for(&hdr));
+        assert_ne!(value.value, 0);
+    }
+
+    #[test]
+    fn test_refused_set_features_not_recorded() {
+        let (mut handler, mut ep) = ready_handler(VhostUserProtocolFeatures::empty());
+        // The dummy back-end does not offer VIRTIO_F_RING_PACKED and refuses it.
+        let features = VhostUserU64::new(VIRTIO_F_RING_PACKED);
+        let code = FrontendReq::SET_FEATURES;
+        assert_ne!(ack_of(&mut handler, &mut ep, code, &features, &[], None), 0);
+        assert_eq!(handler.acked_virtio_features & VIRTIO_F_RING_PACKED, 0);
+        // So queues are still split ones, with power-of-two sizes.
+        let num = FrontendReq::SET_VRING_NUM;
+        assert_ne!(
+            ack_of(&mut handler, &mut ep, num, &state(0, 100), &[], None),
+            0
+        );
     }
 
     #[test]
