@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use devlend_fabric::ratelimit::RateLimit;
 use devlend_fabric::wire::{
     RequestHeader, ResponseHeader, FLAG_UNMAP, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
@@ -430,6 +431,11 @@ pub struct QueueEngine {
     /// The agent stops to be restarted: a drain leaves what cannot complete in time to
     /// the next backend (see [`Self::set_handoff`]).
     handoff: bool,
+    /// Why the driver broke this virtqueue, once it did: nothing more is taken from its
+    /// avail ring until the frontend re-initializes it ([`Self::reset_broken`]).
+    broken: Option<String>,
+    /// The queue broke since the last [`Self::take_newly_broken`].
+    newly_broken: bool,
 }
 
 /// A queue's open fabric session.
@@ -532,6 +538,8 @@ impl QueueEngine {
             },
             log: None,
             handoff: false,
+            broken: None,
+            newly_broken: false,
         }
     }
 
@@ -694,6 +702,69 @@ impl QueueEngine {
         self.stopping = true;
     }
 
+    /// The driver broke the virtqueue (`reason`): stop taking chains from it, and log
+    /// it once. Requests already in flight still complete. The caller tells the frontend
+    /// ([`Self::take_newly_broken`]); the queue is used again only after the frontend
+    /// re-initializes it (GET_VRING_BASE, [`Self::reset_broken`]), as virtio 1.2 §2.1.2
+    /// has a device that needs a reset wait for one.
+    pub fn break_queue(&mut self, reason: String) {
+        if self.broken.is_some() {
+            return;
+        }
+        tracing::warn!(
+            attachment = %self.name,
+            queue = self.index,
+            %reason,
+            inflight = self.inflight,
+            "the driver broke this virtqueue; it is stopped until the frontend re-initializes it",
+        );
+        self.broken = Some(reason);
+        self.newly_broken = true;
+    }
+
+    /// Whether the queue is stopped because the driver broke it.
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
+    /// Whether the queue broke since the last call (the frontend is then to be told).
+    pub fn take_newly_broken(&mut self) -> bool {
+        std::mem::take(&mut self.newly_broken)
+    }
+
+    /// The frontend stopped the queue (GET_VRING_BASE): whatever broke it is gone with
+    /// its next initialization.
+    pub fn reset_broken(&mut self) {
+        if let Some(reason) = self.broken.take() {
+            tracing::info!(
+                attachment = %self.name,
+                queue = self.index,
+                was = %reason,
+                "virtqueue stopped by the frontend; it is served again once re-initialized",
+            );
+        }
+        self.newly_broken = false;
+    }
+
+    /// Checks the avail ring's index against the last one seen: a driver may make at
+    /// most a queue's size of chains available at once (virtio 1.2 §2.7.6). Returns the
+    /// violation.
+    fn avail_violation(
+        queue: &Queue,
+        mem: &GuestMemory,
+    ) -> Result<Option<String>, virtio_queue::Error> {
+        let idx = queue.avail_idx(mem, std::sync::atomic::Ordering::Acquire)?;
+        let pending = idx.0.wrapping_sub(queue.next_avail());
+        Ok((pending > queue.size()).then(|| {
+            format!(
+                "avail.idx {} is {pending} chains past the last index taken ({}), more than the queue size {}",
+                idx.0,
+                queue.next_avail(),
+                queue.size()
+            )
+        }))
+    }
+
     /// Pops every available chain, completes the invalid ones and sends the rest to the
     /// lender in one batch. Loops with notifications re-enabled so that no kick is lost
     /// (EVENT_IDX). Returns whether used-ring entries were added (the caller then checks
@@ -707,7 +778,7 @@ impl QueueEngine {
         mem: &GuestMemoryRef,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
-        if self.stopping {
+        if self.stopping || self.broken.is_some() {
             return Ok(false);
         }
         if self.slots.len() < usize::from(queue.size()) {
@@ -719,7 +790,19 @@ impl QueueEngine {
         }
         loop {
             queue.disable_notification(mem.as_ref())?;
+            if let Some(reason) = Self::avail_violation(queue, mem.as_ref())? {
+                self.break_queue(reason);
+                return Ok(used | self.flush_tx(queue, mem)?);
+            }
             while let Some(chain) = queue.pop_descriptor_chain(mem.as_ref()) {
+                if chain.head_index() >= queue.size() {
+                    self.break_queue(format!(
+                        "head index {} in the avail ring, past the queue size {}",
+                        chain.head_index(),
+                        queue.size()
+                    ));
+                    return Ok(used | self.flush_tx(queue, mem)?);
+                }
                 used |= self.take_chain(queue, mem, chain)?;
             }
             used |= self.flush_tx(queue, mem)?;
@@ -836,12 +919,16 @@ impl QueueEngine {
                 match self.slots.get(usize::from(head)) {
                     Some(slot) if !slot.busy => {}
                     _ => {
-                        tracing::warn!(
-                            attachment = %self.name,
-                            queue = self.index,
-                            head,
-                            "guest reused a descriptor head still in flight; chain ignored",
-                        );
+                        static REUSED_HEAD: RateLimit = RateLimit::new(5, Duration::from_secs(10));
+                        if let Some(suppressed) = REUSED_HEAD.check() {
+                            tracing::warn!(
+                                attachment = %self.name,
+                                queue = self.index,
+                                head,
+                                suppressed,
+                                "guest reused a descriptor head still in flight; chain ignored (logged at most every 10 s)",
+                            );
+                        }
                         return Ok(false);
                     }
                 }
