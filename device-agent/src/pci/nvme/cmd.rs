@@ -5,6 +5,10 @@
 //! SGLs (PSDT ≠ 0), fused commands and separate metadata (MPTR ≠ 0) are refused; the
 //! mediator clears SGLS and FUSES in Identify Controller so that a driver does not use
 //! them.
+//!
+//! This file and [`super::spec`] use nothing but each other and `std`: the fuzz target
+//! `pci_decode` (`fuzz/`) compiles the two by path, to run the checks on arbitrary
+//! commands without the rest of the lender.
 
 use super::spec::{
     admin, cdw, io, le16, le32, le64, Status, DATA_TRANSFER_ERROR, INVALID_FIELD, INVALID_LOG_PAGE,
@@ -160,6 +164,13 @@ pub(crate) fn check_common(sqe: &[u8; SQE], io_queue: bool) -> Result<(), Status
 
 /// One contiguous run of guest memory: IOVA and bytes.
 pub(crate) type Segment = (u64, usize);
+
+/// Whether `iova..iova + len` lies inside one of the DMA `maps` (IOVA and size each; a
+/// range that wraps the address space is inside none).
+pub(crate) fn inside_maps(maps: &[(u64, u64)], iova: u64, len: u64) -> bool {
+    iova.checked_add(len)
+        .is_some_and(|end| maps.iter().any(|&(i, s)| iova >= i && end <= i + s))
+}
 
 /// Walks the PRPs of a transfer of `len` bytes (§4.1.1, 4 KiB pages): PRP 1 (an offset
 /// that is a multiple of 4), then PRP 2 as a second page or as a PRP list (8-byte
