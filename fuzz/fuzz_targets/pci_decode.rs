@@ -15,7 +15,8 @@
 //!    `admin_transfer` or `io_transfer`, then `prp_segments` against a fixed set of DMA
 //!    maps, with PRP lists read from guest memory the input writes. Nothing may panic;
 //!    a refusal has one of the statuses each check gives; accepted segments cover
-//!    exactly the transfer, each inside one DMA map, laid out as PRPs allow.
+//!    exactly the transfer, each inside one DMA map, laid out as PRPs allow, merged
+//!    when contiguous inside one map.
 //!
 //! The mediator's `cmd.rs` and `spec.rs` are compiled in by path (they use only `std`
 //! and each other), so that the lender itself (VFIO, io_uring, RDMA) is not built here.
@@ -291,9 +292,10 @@ fn nvme_command(data: &[u8]) {
         }
         if k + 1 < segs.len() {
             assert_eq!(end % page, 0, "segment {k} of {segs:x?} ends mid-page");
-            assert_ne!(
-                end,
-                segs[k + 1].0,
+            // Contiguous segments are merged, unless no one map holds them both.
+            let (next, m) = segs[k + 1];
+            assert!(
+                end != next || Mem::find(iova, (n + m) as u64).is_none(),
                 "contiguous segments not merged: {segs:x?}"
             );
         }

@@ -177,7 +177,9 @@ pub(crate) fn inside_maps(maps: &[(u64, u64)], iova: u64, len: u64) -> bool {
 /// aligned; the last entry of each full list page points to the next one), whose
 /// entries must be page-aligned. `read` fetches list pages from guest memory; `inside`
 /// says whether a range lies inside the guest's DMA maps. Adjacent pages are merged
-/// into one segment.
+/// into one segment while the run stays inside one map (`inside` of the whole run), so
+/// that every segment is a range the maps hold: the mediator checks each again when it
+/// moves the data.
 ///
 /// # Errors
 /// [`PRP_OFFSET_INVALID`] for a misaligned PRP or list; [`DATA_TRANSFER_ERROR`] for a
@@ -248,7 +250,7 @@ pub(crate) fn prp_segments(
             return Err(DATA_TRANSFER_ERROR);
         }
         match segs.last_mut() {
-            Some((a, l)) if *a + *l as u64 == iova => *l += n,
+            Some((a, l)) if *a + *l as u64 == iova && inside(*a, (*l + n) as u64) => *l += n,
             _ => segs.push((iova, n)),
         }
     }
@@ -336,6 +338,32 @@ mod tests {
             walk(&m, 0x12000, 0x1eff0, 4 * 4096),
             Err(PRP_OFFSET_INVALID)
         );
+    }
+
+    /// Found by the fuzz target pci_decode (its reproducer is
+    /// `fuzz/regressions/pci_decode/prp-pages-in-two-adjacent-maps`): two pages of one
+    /// command in two adjacent DMA maps were merged into one segment that lies inside
+    /// neither, which the completion then refused as unmapped.
+    #[test]
+    fn pages_in_two_adjacent_maps_stay_two_segments() {
+        let maps = [(0x1_0000, 0x1_0000), (0x2_0000, 0x4000)];
+        let m = Mem(vec![0; 0x10000]);
+        let walk = |p1, p2, len| {
+            prp_segments(
+                p1,
+                p2,
+                len,
+                0x8000,
+                |i, b| m.read(i, b),
+                |i, l| inside_maps(&maps, i, l),
+            )
+        };
+        let segs = walk(0x1fa00, 0x2_0000, 4096);
+        assert_eq!(segs, Ok(vec![(0x1fa00, 0x600), (0x2_0000, 0xa00)]));
+        let segs = segs.unwrap();
+        assert!(segs.iter().all(|&(i, n)| inside_maps(&maps, i, n as u64)));
+        // Inside one map, the same layout is still one segment.
+        assert_eq!(walk(0x1ea00, 0x1f000, 4096), Ok(vec![(0x1ea00, 4096)]));
     }
 
     #[test]
