@@ -93,3 +93,79 @@ put("blk_request", "in-indirect", chain(
 put("blk_request", "out-read-only", chain(
     [desc(HDR, 16, NEXT, 1), desc(DATA, 512, NEXT, 2), desc(STATUS, 1, WRITE, 0)],
     [(HDR, outhdr(1, 0))], device=DEVICE | 1))
+
+# --- wire_decode, the gateway's decoders (selectors 6-8).
+def relay_request(cluster, lender, ttl=8):
+    return b"DLGW" + struct.pack("<BBBBI", 1, ttl, len(cluster), len(lender), 0) + cluster + lender
+
+
+def relay_reply(status, msg):
+    return b"DLGW" + struct.pack("<BBH", 1, status, len(msg)) + msg
+
+
+def mux_header(kind, stream, ln):
+    return struct.pack("<BBHII", kind, 0, 0, stream, ln)
+
+
+put("wire_decode", "relay-request", b"\x06" + relay_request(b"site-b", b"lender1"))
+put("wire_decode", "relay-reply-ok", b"\x07" + relay_reply(0, b""))
+put("wire_decode", "relay-reply-refused", b"\x07" + relay_reply(1, b'no route to cluster "zz"'))
+cluster = b"site-a"
+link_hello = b"DLMX" + struct.pack("<BBHI", 1, len(cluster), 0, 32 << 20) + cluster
+put("wire_decode", "mux-hello", b"\x08" + mux_header(1, 0, len(link_hello)) + link_hello)
+open_req = relay_request(b"site-b", b"lender1", ttl=7)
+put("wire_decode", "mux-open", b"\x08" + mux_header(2, 1, len(open_req)) + open_req)
+put("wire_decode", "mux-data", b"\x08" + mux_header(3, 1, 5) + b"hello")
+put("wire_decode", "mux-window", b"\x08" + mux_header(4, 3, 1 << 16))
+
+# --- wire_decode, NIC frame messages (selector 9): several in one buffer, as read.
+def net_msg(kind, payload):
+    return struct.pack("<BBHI", kind, 0, 0, len(payload)) + payload
+
+
+eth = bytes([0xff] * 6 + [2, 0, 0, 0, 0, 7]) + b"\x08\x00" + bytes(46)
+link = net_msg(0x21, struct.pack("<II", 1, 1500) + bytes([2, 0, 0, 0, 0, 7]) + bytes(2))
+put("wire_decode", "net-link-frames", b"\x09" + link + net_msg(0x20, eth) + net_msg(0x20, eth[:14]))
+# NEEDS_CSUM, TCPv4 segmentation with ECN, hdr_len 54, MSS 1448, checksum at 34+16.
+offload = struct.pack("<BBHHHH", 1, 0x81, 54, 1448, 34, 16)
+tcp = eth[:12] + b"\x08\x00" + bytes(3000)
+put("wire_decode", "net-offloads", b"\x09" + net_msg(0x23, struct.pack("<I", 0xf))
+    + net_msg(0x22, offload + tcp))
+
+# --- wire_decode, RDMA request messages (selector 10): header, count, segments.
+def rdma_req(op, ln, segs, rid=1, sector=8):
+    b = req(op, 0, ln, rid, sector) + struct.pack("<H", len(segs)) + bytes(6)
+    return b + b"".join(struct.pack("<QII", a, k, n) for a, k, n in segs)
+
+
+put("wire_decode", "rdma-write", b"\x0a" + rdma_req(2, 1536, [(0x7f00_0000_1000, 5, 512),
+                                                            (0x7f00_0000_9000, 5, 1024)]))
+put("wire_decode", "rdma-flush", b"\x0a" + rdma_req(3, 0, [], sector=0))
+
+# --- pci_decode: a selector byte; 0: a PCI session message (the seed-* files without
+# "nvme" in their name, written by hand); 1: an NVMe command, below.
+def sqe(opcode, nsid=0, prp1=0, prp2=0, cdw10=0, cdw11=0, cdw12=0, cid=1):
+    b = struct.pack("<BBHI", opcode, 0, cid, nsid) + bytes(16) + struct.pack("<QQ", prp1, prp2)
+    return b + struct.pack("<IIIIII", cdw10, cdw11, cdw12, 0, 0, 0)
+
+
+def nvme(config, entry, writes=()):
+    b = b"\x01" + bytes([config]) + entry
+    for m, off, data in writes:
+        b += struct.pack("<BHH", m, off, len(data)) + data
+    return b
+
+
+IO = 1
+# Read of 8 blocks of 512 bytes (namespace 1) into one page.
+put("pci_decode", "nvme-read", nvme(IO, sqe(0x02, nsid=1, prp1=0x11000, cdw12=7)))
+# Write of 4 blocks of 4096 bytes (namespace 2): PRP 1, then a list of three pages in
+# the first map at 0x1f000 (offset 0xf000).
+prp_list = struct.pack("<QQQ", 0x13000, 0x14000, 0x18000)
+put("pci_decode", "nvme-write-prp-list",
+    nvme(IO, sqe(0x01, nsid=2, prp1=0x12000, prp2=0x1f000, cdw12=3), [(0, 0xf000, prp_list)]))
+# Admin: Identify Controller (4096 bytes), and Get Log Page SMART (NUMD 1023: 4096 bytes)
+# from the middle of a page, so PRP 2 is the second page.
+put("pci_decode", "nvme-identify", nvme(0, sqe(0x06, prp1=0x11000, cdw10=1)))
+put("pci_decode", "nvme-log-page", nvme(0, sqe(0x02, prp1=0x11800, prp2=0x15000,
+                                            cdw10=0x02 | 1023 << 16)))

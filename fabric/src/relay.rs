@@ -169,6 +169,21 @@ impl RelayRequest {
         })
     }
 
+    /// Decodes a whole request that arrived as one message (the OPEN of a relayed
+    /// stream between gateways): the fixed part and exactly the names it announces.
+    ///
+    /// # Errors
+    /// As [`Self::decode_prefix`] and [`Self::decode_rest`]; a message shorter than the
+    /// fixed part, or longer or shorter than it announces, is [`WireError::Invalid`].
+    pub fn decode(b: &[u8]) -> Result<Self, WireError> {
+        let Some((fixed, rest)) = b.split_first_chunk::<REQUEST_FIXED_LEN>() else {
+            return Err(WireError::Invalid(
+                "relay request shorter than its fixed part",
+            ));
+        };
+        Self::decode_rest(Self::decode_prefix(fixed)?, rest)
+    }
+
     /// Reads and validates a request from a blocking reader.
     ///
     /// # Errors
@@ -386,6 +401,16 @@ mod tests {
         let cut = &b[..b.len() - 1];
         assert!(RelayRequest::read_from(&mut &cut[..]).is_err());
         assert!(RelayRequest::new("a/b", "x").encode().is_err());
+        // One whole message: exactly the announced names, no more, no less.
+        assert_eq!(RelayRequest::decode(&b).unwrap(), r);
+        assert!(matches!(
+            RelayRequest::decode(&b[..REQUEST_FIXED_LEN - 1]),
+            Err(WireError::Invalid(_))
+        ));
+        assert!(RelayRequest::decode(&b[..b.len() - 1]).is_err());
+        let mut long = b.clone();
+        long.push(b'x');
+        assert!(RelayRequest::decode(&long).is_err());
         assert!(RelayRequest::new("a", "").encode().is_err());
     }
 

@@ -166,12 +166,7 @@ pub async fn transit(gw: Arc<Gateway>, stream: MuxStream, open: Vec<u8>) {
 }
 
 fn parse_open(open: &[u8]) -> Result<RelayRequest, String> {
-    let fixed: &[u8; REQUEST_FIXED_LEN] = open
-        .get(..REQUEST_FIXED_LEN)
-        .and_then(|b| b.try_into().ok())
-        .ok_or("relay request shorter than its fixed part")?;
-    let prefix = RelayRequest::decode_prefix(fixed).map_err(|e| e.to_string())?;
-    RelayRequest::decode_rest(prefix, &open[REQUEST_FIXED_LEN..]).map_err(|e| e.to_string())
+    RelayRequest::decode(open).map_err(|e| e.to_string())
 }
 
 /// Where a session goes.

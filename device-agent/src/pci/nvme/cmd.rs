@@ -5,6 +5,10 @@
 //! SGLs (PSDT ≠ 0), fused commands and separate metadata (MPTR ≠ 0) are refused; the
 //! mediator clears SGLS and FUSES in Identify Controller so that a driver does not use
 //! them.
+//!
+//! This file and [`super::spec`] use nothing but each other and `std`: the fuzz target
+//! `pci_decode` (`fuzz/`) compiles the two by path, to run the checks on arbitrary
+//! commands without the rest of the lender.
 
 use super::spec::{
     admin, cdw, io, le16, le32, le64, Status, DATA_TRANSFER_ERROR, INVALID_FIELD, INVALID_LOG_PAGE,
@@ -161,12 +165,21 @@ pub(crate) fn check_common(sqe: &[u8; SQE], io_queue: bool) -> Result<(), Status
 /// One contiguous run of guest memory: IOVA and bytes.
 pub(crate) type Segment = (u64, usize);
 
+/// Whether `iova..iova + len` lies inside one of the DMA `maps` (IOVA and size each; a
+/// range that wraps the address space is inside none).
+pub(crate) fn inside_maps(maps: &[(u64, u64)], iova: u64, len: u64) -> bool {
+    iova.checked_add(len)
+        .is_some_and(|end| maps.iter().any(|&(i, s)| iova >= i && end <= i + s))
+}
+
 /// Walks the PRPs of a transfer of `len` bytes (§4.1.1, 4 KiB pages): PRP 1 (an offset
 /// that is a multiple of 4), then PRP 2 as a second page or as a PRP list (8-byte
 /// aligned; the last entry of each full list page points to the next one), whose
 /// entries must be page-aligned. `read` fetches list pages from guest memory; `inside`
 /// says whether a range lies inside the guest's DMA maps. Adjacent pages are merged
-/// into one segment.
+/// into one segment while the run stays inside one map (`inside` of the whole run), so
+/// that every segment is a range the maps hold: the mediator checks each again when it
+/// moves the data.
 ///
 /// # Errors
 /// [`PRP_OFFSET_INVALID`] for a misaligned PRP or list; [`DATA_TRANSFER_ERROR`] for a
@@ -237,7 +250,7 @@ pub(crate) fn prp_segments(
             return Err(DATA_TRANSFER_ERROR);
         }
         match segs.last_mut() {
-            Some((a, l)) if *a + *l as u64 == iova => *l += n,
+            Some((a, l)) if *a + *l as u64 == iova && inside(*a, (*l + n) as u64) => *l += n,
             _ => segs.push((iova, n)),
         }
     }
@@ -325,6 +338,32 @@ mod tests {
             walk(&m, 0x12000, 0x1eff0, 4 * 4096),
             Err(PRP_OFFSET_INVALID)
         );
+    }
+
+    /// Found by the fuzz target pci_decode (its reproducer is
+    /// `fuzz/regressions/pci_decode/prp-pages-in-two-adjacent-maps`): two pages of one
+    /// command in two adjacent DMA maps were merged into one segment that lies inside
+    /// neither, which the completion then refused as unmapped.
+    #[test]
+    fn pages_in_two_adjacent_maps_stay_two_segments() {
+        let maps = [(0x1_0000, 0x1_0000), (0x2_0000, 0x4000)];
+        let m = Mem(vec![0; 0x10000]);
+        let walk = |p1, p2, len| {
+            prp_segments(
+                p1,
+                p2,
+                len,
+                0x8000,
+                |i, b| m.read(i, b),
+                |i, l| inside_maps(&maps, i, l),
+            )
+        };
+        let segs = walk(0x1fa00, 0x2_0000, 4096);
+        assert_eq!(segs, Ok(vec![(0x1fa00, 0x600), (0x2_0000, 0xa00)]));
+        let segs = segs.unwrap();
+        assert!(segs.iter().all(|&(i, n)| inside_maps(&maps, i, n as u64)));
+        // Inside one map, the same layout is still one segment.
+        assert_eq!(walk(0x1ea00, 0x1f000, 4096), Ok(vec![(0x1ea00, 4096)]));
     }
 
     #[test]

@@ -252,8 +252,7 @@ impl Mediator {
     }
 
     fn inside(&self, iova: u64, len: u64) -> bool {
-        iova.checked_add(len)
-            .is_some_and(|end| self.maps.iter().any(|&(i, s)| iova >= i && end <= i + s))
+        cmd::inside_maps(&self.maps, iova, len)
     }
 
     // ---- Registers ------------------------------------------------------------
@@ -542,10 +541,7 @@ impl Mediator {
         };
         let max = self.max_transfer();
         let maps = &self.maps;
-        let inside = |iova: u64, len: u64| {
-            iova.checked_add(len)
-                .is_some_and(|end| maps.iter().any(|&(i, s)| iova >= i && end <= i + s))
-        };
+        let inside = |iova: u64, len: u64| cmd::inside_maps(maps, iova, len);
         let segs = cmd::prp_segments(
             le64(&sqe, 24),
             le64(&sqe, 32),
