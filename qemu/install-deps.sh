@@ -22,7 +22,7 @@ readonly MIN_MAJOR="${DEVLEND_QEMU_MIN_MAJOR:-10}"
 # RDMA: the -dev packages and clang for rdma-sys (bindgen) at build time; the rxe
 # provider and iproute2's `rdma` for the Soft-RoCE test guest.
 # debootstrap: the Debian 13 chroot with QEMU 11 (qemu/build-qemu11-root.sh).
-readonly BASE_PACKAGES=(busybox-static cpio kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql libibverbs-dev librdmacm-dev clang libclang-dev ibverbs-providers rdma-core debootstrap)
+readonly BASE_PACKAGES=(busybox-static cpio kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql libibverbs-dev librdmacm-dev clang libclang-dev ibverbs-providers rdma-core debootstrap syslinux syslinux-common mtools dosfstools)
 readonly QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 readonly LOCK_FILE=/run/lock/devlend-install-deps.lock
 

@@ -106,7 +106,8 @@ pub fn libvirt_xml(a: &AttachmentInfo) -> String {
         "<disk type='vhostuser' device='disk'>\n  \
          <driver name='qemu' type='raw' queues='{}'/>\n  \
          <source type='unix' path='{}'>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  \
-         <target dev='vdb' bus='virtio'/>  <!-- a disk name free in the domain -->\n  <serial>{}</serial>{ro}\n</disk>\n\
+         <target dev='vdb' bus='virtio'/>  <!-- a disk name free in the domain -->{ro}\n  \
+         <!-- the guest reads serial {} from the lender; libvirt refuses a serial element in a vhostuser disk -->\n</disk>\n\
          <!-- the domain needs shared memory: <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking> -->",
         a.queues,
         a.socket.display(),

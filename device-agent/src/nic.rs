@@ -329,7 +329,7 @@ fn pump(
         offload,
         accept: 0,
     };
-    tracing::info!(%peer, interface = %nic.ifname, queue, mtu = link.mtu, up = link.up, "frames flowing");
+    devlend_fabric::limited!(info, %peer, interface = %nic.ifname, queue, mtu = link.mtu, up = link.up, "frames flowing");
     let mut last_link = Instant::now();
     // Since when the borrower's bytes have ended in the middle of a message with no
     // whole message taken since.

@@ -97,7 +97,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     let peer = inc.peer();
     let _span = tracing::info_span!("rdma_session", id, %peer).entered();
     let Some(stop) = shared.register_rdma(id) else {
-        tracing::info!(%peer, "lender shutting down; RDMA connection not accepted");
+        devlend_fabric::limited!(info, %peer, "lender shutting down; RDMA connection not accepted");
         return;
     };
     let _registered = Registered(shared, id);
@@ -106,19 +106,19 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     {
         Ok(x) => x,
         Err(e) => {
-            tracing::warn!(%peer, error = %devlend_fabric::error::chain(&e), "RDMA connection setup failed");
+            devlend_fabric::limited!(warn, %peer, error = %devlend_fabric::error::chain(&e), "RDMA connection setup failed");
             return;
         }
     };
     let hello = match Hello::read_from(&mut conn.recv_msg(i, n)) {
         Ok(h) => h,
         Err(e) => {
-            tracing::warn!(%peer, error = %devlend_fabric::error::chain(&e), "bad hello over RDMA; closing");
+            devlend_fabric::limited!(warn, %peer, error = %devlend_fabric::error::chain(&e), "bad hello over RDMA; closing");
             return;
         }
     };
     if let Err(e) = conn.post_recv(i) {
-        tracing::warn!(%peer, error = %e, "closing");
+        devlend_fabric::limited!(warn, %peer, error = %e, "closing");
         return;
     }
     // A lender that requires TLS lends over RDMA only to a borrower that already holds
@@ -158,7 +158,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     let (dev, _active, _claim, lent) = match admitted {
         Ok(x) => x,
         Err((status, message)) => {
-            tracing::info!(%peer, device = %hello.device, ?status, reason = %message, "session refused");
+            devlend_fabric::limited!(info, %peer, device = %hello.device, ?status, reason = %message, "session refused");
             let mut msg = Vec::new();
             if HelloReply::refuse(status, &message)
                 .write_to(&mut msg)
@@ -187,23 +187,23 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         if reply.write_to(&mut msg).is_err()
             || conn.send_msg(slot, &msg, TAG_SEND | 0xffff).is_err()
         {
-            tracing::warn!(%peer, "cannot send the hello reply; closing");
+            devlend_fabric::limited!(warn, %peer, "cannot send the hello reply; closing");
             return;
         }
-        tracing::info!(%peer, device = %dev.name, "PCI session opened over RDMA");
+        devlend_fabric::limited!(info, %peer, device = %dev.name, "PCI session opened over RDMA");
         dev.stats.session_opened();
         let end = crate::pci::rdma::serve(pci, conn, &stop);
         dev.stats.session_closed();
         match end {
             crate::engine::End::PeerClosed => {
-                tracing::info!(%peer, device = %dev.name, "PCI session over RDMA closed")
+                devlend_fabric::limited!(info, %peer, device = %dev.name, "PCI session over RDMA closed")
             }
             crate::engine::End::Protocol(reason) => {
                 dev.stats.protocol_error();
-                tracing::warn!(%peer, device = %dev.name, %reason, "protocol error; PCI session over RDMA closed");
+                devlend_fabric::limited!(warn, %peer, device = %dev.name, %reason, "protocol error; PCI session over RDMA closed");
             }
             e => {
-                tracing::warn!(%peer, device = %dev.name, error = %devlend_fabric::error::chain(&e), "PCI session over RDMA closed")
+                devlend_fabric::limited!(warn, %peer, device = %dev.name, error = %devlend_fabric::error::chain(&e), "PCI session over RDMA closed")
             }
         }
         return;
@@ -219,7 +219,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         let mr = match unsafe { Mr::register(conn.pd(), buf.as_mut_ptr(), buf.len(), false) } {
             Ok(m) => m,
             Err(e) => {
-                tracing::warn!(%peer, error = %devlend_fabric::error::chain(&e), "cannot register I/O buffers; closing");
+                devlend_fabric::limited!(warn, %peer, error = %devlend_fabric::error::chain(&e), "cannot register I/O buffers; closing");
                 return;
             }
         };
@@ -236,24 +236,26 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         .is_err()
         || conn.send_msg(IO_SLOTS, &reply, TAG_SEND | 0xffff).is_err()
     {
-        tracing::warn!(%peer, "cannot send the hello reply; closing");
+        devlend_fabric::limited!(warn, %peer, "cannot send the hello reply; closing");
         return;
     }
-    tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "RDMA session opened");
+    devlend_fabric::limited!(info, %peer, device = %dev.name, queue = hello.queue_index, "RDMA session opened");
     dev.stats.session_opened();
     let end = run(&dev, &mut conn, &mut slots, &stop);
     dev.stats.session_closed();
     match end {
-        End::Closed => tracing::info!(%peer, device = %dev.name, "RDMA session closed"),
+        End::Closed => {
+            devlend_fabric::limited!(info, %peer, device = %dev.name, "RDMA session closed")
+        }
         End::Stopped => {
-            tracing::info!(%peer, device = %dev.name, "RDMA session stopped (lease ended or lender shutting down): requests answered, session closed")
+            devlend_fabric::limited!(info, %peer, device = %dev.name, "RDMA session stopped (lease ended or lender shutting down): requests answered, session closed")
         }
         End::Protocol(reason) => {
             dev.stats.protocol_error();
-            tracing::warn!(%peer, device = %dev.name, %reason, "protocol error; RDMA session closed");
+            devlend_fabric::limited!(warn, %peer, device = %dev.name, %reason, "protocol error; RDMA session closed");
         }
         End::Transport(e) => {
-            tracing::warn!(%peer, device = %dev.name, error = %devlend_fabric::error::chain(&e), "RDMA session closed")
+            devlend_fabric::limited!(warn, %peer, device = %dev.name, error = %devlend_fabric::error::chain(&e), "RDMA session closed")
         }
     }
     // The QP goes first (no RDMA into the buffers after), then the buffers' MRs.

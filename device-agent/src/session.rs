@@ -40,7 +40,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
     // Every line this session logs carries its id and peer.
     let _span = tracing::info_span!("session", id, %peer).entered();
     if let Err(e) = sock.set_nodelay(true).and_then(|()| set_keepalive(&sock)) {
-        tracing::warn!(%peer, error = %e, "cannot set socket options; closing");
+        devlend_fabric::limited!(warn, %peer, error = %e, "cannot set socket options; closing");
         return;
     }
     let sock = match shared.tls.get() {
@@ -86,13 +86,15 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
 
 fn log_end(dev: &Device, peer: SocketAddr, end: &End) {
     match end {
-        End::PeerClosed => tracing::info!(%peer, device = %dev.name, "session closed"),
+        End::PeerClosed => {
+            devlend_fabric::limited!(info, %peer, device = %dev.name, "session closed")
+        }
         End::Protocol(reason) => {
             dev.stats.protocol_error();
-            tracing::warn!(%peer, device = %dev.name, %reason, "protocol error; session closed");
+            devlend_fabric::limited!(warn, %peer, device = %dev.name, %reason, "protocol error; session closed");
         }
         End::Socket(e) | End::Ring(e) => {
-            tracing::warn!(%peer, device = %dev.name, error = %e, "session closed: {end}");
+            devlend_fabric::limited!(warn, %peer, device = %dev.name, error = %e, "session closed: {end}");
         }
     }
 }
@@ -123,7 +125,7 @@ fn handshake<'s>(
         .set_read_timeout(timeout)
         .and_then(|()| sock.set_write_timeout(timeout))
     {
-        tracing::warn!(%peer, error = %e, "cannot set the handshake timeout; closing");
+        devlend_fabric::limited!(warn, %peer, error = %e, "cannot set the handshake timeout; closing");
         return None;
     }
     let hello = match Hello::read_from(&mut &*sock) {
@@ -136,12 +138,12 @@ fn handshake<'s>(
             let cause = std::error::Error::source(&e)
                 .map(|c| format!(": {c}"))
                 .unwrap_or_default();
-            tracing::warn!(%peer, error = %format!("{e}{cause}"), "handshake failed");
+            devlend_fabric::limited!(warn, %peer, error = %format!("{e}{cause}"), "handshake failed");
             return None;
         }
     };
     let refuse = |status: HelloStatus, message: String| {
-        tracing::info!(%peer, device = %hello.device, ?status, reason = %message, "session refused");
+        devlend_fabric::limited!(info, %peer, device = %hello.device, ?status, reason = %message, "session refused");
         if let Err(e) = HelloReply::refuse(status, &message).write_to(&mut &*sock) {
             tracing::debug!(%peer, error = %e, "cannot send the refusal");
         }
@@ -201,17 +203,17 @@ fn handshake<'s>(
         }
     };
     if let Err(e) = reply.write_to(&mut &*sock) {
-        tracing::warn!(%peer, device = %dev.name, error = %e, "cannot send the hello reply");
+        devlend_fabric::limited!(warn, %peer, device = %dev.name, error = %e, "cannot send the hello reply");
         return None;
     }
     if let Err(e) = sock
         .set_read_timeout(None)
         .and_then(|()| sock.set_write_timeout(None))
     {
-        tracing::warn!(%peer, error = %e, "cannot clear the handshake timeout; closing");
+        devlend_fabric::limited!(warn, %peer, error = %e, "cannot clear the handshake timeout; closing");
         return None;
     }
-    tracing::info!(%peer, device = %dev.name, queue = hello.queue_index, "session opened");
+    devlend_fabric::limited!(info, %peer, device = %dev.name, queue = hello.queue_index, "session opened");
     let granted = match reply.credit {
         Some(_) => reply.features | FEATURE_CREDIT,
         None => reply.features,
@@ -234,14 +236,14 @@ fn accept_tls(
         .set_read_timeout(timeout)
         .and_then(|()| sock.set_write_timeout(timeout))
     {
-        tracing::warn!(%peer, error = %e, "cannot set the handshake timeout; closing");
+        devlend_fabric::limited!(warn, %peer, error = %e, "cannot set the handshake timeout; closing");
         return None;
     }
     match tls::server_handshake(config, &mut sock) {
         Ok(conn) => match tls::spawn_pump(conn, sock, &peer.to_string()) {
             Ok(s) => Some(Stream::Tls(s)),
             Err(e) => {
-                tracing::warn!(%peer, error = %e, "cannot start the TLS pump; closing");
+                devlend_fabric::limited!(warn, %peer, error = %e, "cannot start the TLS pump; closing");
                 None
             }
         },
@@ -251,7 +253,7 @@ fn accept_tls(
                 .unwrap_or_default();
             let reason =
                 "this lender requires TLS: attach with --tls (and give the compute agent --tls-ca)";
-            tracing::warn!(%peer, device = %device, reason = %TlsError::Plaintext, "plaintext connection refused");
+            devlend_fabric::limited!(warn, %peer, device = %device, reason = %TlsError::Plaintext, "plaintext connection refused");
             let _ = HelloReply::refuse(HelloStatus::Denied, reason).write_to(&mut sock);
             None
         }
@@ -260,7 +262,7 @@ fn accept_tls(
             None
         }
         Err(e) => {
-            tracing::warn!(%peer, error = %chain(&e), "TLS handshake failed; connection refused");
+            devlend_fabric::limited!(warn, %peer, error = %chain(&e), "TLS handshake failed; connection refused");
             None
         }
     }
@@ -327,7 +329,7 @@ pub(crate) fn admit<'s>(
         match guard.admit(hello, crate::leases::now_ms()) {
             Ok(lease) => shared.set_session_lease(id, lease),
             Err((status, reason)) => {
-                tracing::warn!(%peer, device = %hello.device, %reason, "lease check failed");
+                devlend_fabric::limited!(warn, %peer, device = %hello.device, %reason, "lease check failed");
                 return Err((status, reason));
             }
         }

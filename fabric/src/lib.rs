@@ -17,6 +17,7 @@ pub mod latency;
 pub mod lease_token;
 pub mod net;
 pub mod pci;
+pub mod ratelimit;
 pub mod rdma;
 pub mod relay;
 pub mod tcp;

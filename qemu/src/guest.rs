@@ -226,6 +226,9 @@ pub struct GuestBuilder {
     next_vhost_user_blk: u32,
     native_pcie_hotplug: bool,
     allow_reset: bool,
+    /// Boot through the firmware from the first vhost-user-blk disk, whose backing file
+    /// this is ([`GuestBuilder::firmware_boot_from`]).
+    firmware_disk: Option<PathBuf>,
 }
 
 impl Default for GuestBuilder {
@@ -251,7 +254,33 @@ impl GuestBuilder {
             next_vhost_user_blk: 0,
             native_pcie_hotplug: false,
             allow_reset: false,
+            firmware_disk: None,
         }
+    }
+
+    /// Boots through the firmware (SeaBIOS) from the first vhost-user-blk disk instead
+    /// of QEMU's direct kernel boot: before QEMU starts, a syslinux boot volume holding
+    /// the kernel and this guest's initramfs is written over the first
+    /// [`crate::firmware::BOOT_VOLUME_BYTES`] of `disk_image` (that disk's backing file,
+    /// e.g. the lender's image), and the disk gets `bootindex=0`. With
+    /// [`Self::allow_reset`], a reboot inside the guest goes through the firmware and the
+    /// disk again.
+    pub fn firmware_boot_from(mut self, disk_image: impl Into<PathBuf>) -> Self {
+        self.firmware_disk = Some(disk_image.into());
+        self
+    }
+
+    /// The kernel command line.
+    fn cmdline(&self) -> String {
+        let mut cmdline = BASE_CMDLINE.to_string();
+        if !self.modules.is_empty() {
+            let _ = write!(cmdline, " devlend.modules={}", self.modules.join(","));
+        }
+        for arg in &self.kernel_args {
+            cmdline.push(' ');
+            cmdline.push_str(arg);
+        }
+        cmdline
     }
 
     /// Let a guest reset (QMP `system_reset`, a reboot from inside) restart the guest
@@ -422,14 +451,6 @@ impl GuestBuilder {
 
     fn qemu_args(&self, image: &GuestImage, initrd: &Path, qmp: &Path) -> Vec<String> {
         let mem = self.memory_mib;
-        let mut cmdline = BASE_CMDLINE.to_string();
-        if !self.modules.is_empty() {
-            let _ = write!(cmdline, " devlend.modules={}", self.modules.join(","));
-        }
-        for arg in &self.kernel_args {
-            cmdline.push(' ');
-            cmdline.push_str(arg);
-        }
         let mut args: Vec<String> = [
             "-machine",
             "q35",
@@ -469,15 +490,23 @@ impl GuestBuilder {
             args.push("-device".into());
             args.push(format!("pcie-root-port,id=rp{i},slot={i},chassis={i}"));
         }
-        args.extend([
-            "-kernel".into(),
-            image.kernel.display().to_string(),
-            "-initrd".into(),
-            initrd.display().to_string(),
-            "-append".into(),
-            cmdline,
-        ]);
-        args.extend(self.extra_args.iter().cloned());
+        if self.firmware_disk.is_none() {
+            args.extend([
+                "-kernel".into(),
+                image.kernel.display().to_string(),
+                "-initrd".into(),
+                initrd.display().to_string(),
+                "-append".into(),
+                self.cmdline(),
+            ]);
+        }
+        for a in &self.extra_args {
+            if self.firmware_disk.is_some() && a == "vhost-user-blk-pci,chardev=vub0,id=vub0" {
+                args.push(format!("{a},bootindex=0"));
+            } else {
+                args.push(a.clone());
+            }
+        }
         args
     }
 }
@@ -592,6 +621,16 @@ impl Guest {
             .context("creating the guest's temporary directory")?;
         let initrd = work_dir.path().join("initrd");
         write_initrd(&image.initrd, &builder, &initrd)?;
+        if let Some(disk) = &builder.firmware_disk {
+            crate::firmware::write_boot_volume(
+                disk,
+                work_dir.path(),
+                &image.dir.join("vmlinuz"),
+                &initrd,
+                &builder.cmdline(),
+            )
+            .context("writing the boot volume")?;
+        }
         let qmp = work_dir.path().join("qmp.sock");
         let args = builder.qemu_args(&image, &initrd, &qmp);
         let qemu = qemu_binary();

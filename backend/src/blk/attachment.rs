@@ -503,21 +503,21 @@ fn serve(
         backend.attach_handlers(&daemon.get_epoll_handlers());
         set_current(&shared, Some((backend.clone(), None)));
         if let Err(e) = daemon.start(&mut listener) {
-            tracing::warn!(attachment = %config.id, error = %e, "vhost-user connection failed to start");
+            devlend_fabric::limited!(warn, attachment = %config.id, error = %e, "vhost-user connection failed to start");
         } else {
             set_current(&shared, Some((backend.clone(), daemon.shutdown_handle())));
             shared.connected.store(true, Ordering::Release);
-            tracing::info!(attachment = %config.id, socket = %config.socket.display(), "frontend connected");
+            devlend_fabric::limited!(info, attachment = %config.id, socket = %config.socket.display(), "frontend connected");
             if shared.stop.load(Ordering::Acquire) {
                 backend.drain_all(DRAIN_TIMEOUT, false);
                 daemon.request_shutdown();
             }
             match daemon.wait() {
                 Ok(()) => {
-                    tracing::info!(attachment = %config.id, socket = %config.socket.display(), "frontend disconnected")
+                    devlend_fabric::limited!(info, attachment = %config.id, socket = %config.socket.display(), "frontend disconnected")
                 }
                 Err(e) => {
-                    tracing::info!(attachment = %config.id, socket = %config.socket.display(), error = %e, "frontend connection ended")
+                    devlend_fabric::limited!(info, attachment = %config.id, socket = %config.socket.display(), error = %e, "frontend connection ended")
                 }
             }
             shared.connected.store(false, Ordering::Release);

@@ -334,7 +334,11 @@ impl VhostUserBackend for BlkBackend {
             return Ok(());
         };
         let mut cell = lock(cell);
-        self.drain_queue(&mut cell, DRAIN_TIMEOUT)
+        let drained = self.drain_queue(&mut cell, DRAIN_TIMEOUT);
+        // The frontend re-initializes the queue after this: a queue the driver broke is
+        // served again then.
+        cell.engine.reset_broken();
+        drained
     }
 
     fn handle_event(
@@ -361,7 +365,7 @@ impl VhostUserBackend for BlkBackend {
             self.sync_registration(thread_id, &mut cell);
             return Ok(());
         }
-        let mut used = if device_event == self.fabric_event() {
+        let result = if device_event == self.fabric_event() {
             cell.engine.process_responses(queue, &mem)
         } else if device_event == self.timer_event() {
             cell.engine.on_timer(queue, &mem)
@@ -369,18 +373,35 @@ impl VhostUserBackend for BlkBackend {
             cell.engine.process_avail(queue, &mem)
         } else {
             Ok(false)
-        }
-        .map_err(io::Error::other)?;
+        };
+        // A ring the engine cannot reach in guest memory is the driver's doing: it
+        // breaks this queue, not the worker (an error here would end the worker's
+        // thread, and with it the other events it serves).
+        let mut used = result.unwrap_or_else(|e| {
+            cell.engine
+                .break_queue(format!("a ring is not in guest memory: {e}"));
+            false
+        });
         if !self.poll.is_zero() {
-            used = self.busy_poll(&mut cell.engine, &mut state, &mem, used)?;
+            used = match self.busy_poll(&mut cell.engine, &mut state, &mem, used) {
+                Ok(u) => u,
+                Err(e) => {
+                    cell.engine
+                        .break_queue(format!("a ring is not in guest memory: {e}"));
+                    false
+                }
+            };
         }
         let queue = state.get_queue_mut();
-        if used
-            && queue
-                .needs_notification(mem.as_ref())
-                .map_err(io::Error::other)?
-        {
+        if used && queue.needs_notification(mem.as_ref()).unwrap_or(true) {
             state.signal_used_queue()?;
+        }
+        if cell.engine.take_newly_broken() {
+            // virtio 1.2 §2.1.2: the device needs a reset. vhost-user's way to say so is
+            // the vring's error eventfd (SET_VRING_ERR).
+            if let Err(e) = state.signal_err() {
+                tracing::warn!(queue = thread_id, error = %e, "cannot signal the vring's error eventfd");
+            }
         }
         drop(state);
         self.sync_registration(thread_id, &mut cell);

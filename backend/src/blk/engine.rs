@@ -21,304 +21,33 @@
 //! IOERR. A lender that refuses the session for good (denied, no such device) fails
 //! them at once.
 
-use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use devlend_fabric::ratelimit::RateLimit;
 use devlend_fabric::wire::{
     RequestHeader, ResponseHeader, FLAG_UNMAP, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
 use devlend_fabric::{Credit, HelloStatus, Op, Status};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::Bytes;
 
 use crate::blk::inflight::InflightQueue;
 use crate::blk::request::{parse, DeviceLimits, Disposition, Request, Scratch};
 use crate::blk::resubmit::ResubmitRing;
 use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
+pub use crate::blk::stats::{QueueStats, StatsSnapshot};
+use crate::blk::table::{NewRequest, RequestTable};
+pub use crate::blk::target::{
+    new_borrower_id, probe_transport, LenderTarget, Transport, CONNECT_TIMEOUT,
+};
 use crate::blk::tcp::recv_vectored_nonblocking;
 use crate::blk::timer::RetryTimer;
 use crate::blk::tx::TxQueue;
 use crate::guest::{GuestMemory, GuestMemoryRef, HostIov};
-use devlend_fabric::latency::{LatencyHistogram, LatencySnapshot};
-
-/// Where the device is lent from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LenderTarget {
-    /// `HOST:PORT` of the lender.
-    pub addr: String,
-    /// Device name on the lender.
-    pub device: String,
-    /// The attachment's identity, sent in every hello: the lender lends a device to one
-    /// borrower at a time. Under a lease, the lease id.
-    pub borrower: [u8; 16],
-    /// The pool's lease token (binary form), sent in every hello; empty in direct mode.
-    pub token: Vec<u8>,
-    /// Open every session inside TLS, verifying the lender against this; `None`: plain
-    /// TCP.
-    pub tls: Option<devlend_fabric::tls::TlsTarget>,
-    /// The transport of the virtqueues' sessions (the holding session is TCP).
-    pub transport: Transport,
-    /// A lender in another cluster: `addr` is then the local cluster gateway, asked to
-    /// relay every session to this route (TCP only); `None`: `addr` is the lender.
-    pub relay: Option<devlend_fabric::relay::Route>,
-}
-
-/// The transport of a queue's fabric session.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Transport {
-    /// TCP (optionally TLS): data inline in the stream.
-    #[default]
-    Tcp,
-    /// RDMA: requests carry (addr, rkey, len) of guest memory; the lender moves the
-    /// data one-sided.
-    Rdma,
-}
-
-impl LenderTarget {
-    /// Opens a TCP session (TLS if configured, through the gateway if routed) with
-    /// `hello`, each step bounded by [`CONNECT_TIMEOUT`].
-    ///
-    /// # Errors
-    /// The connect, relay, TLS or handshake failure.
-    pub fn open(
-        &self,
-        hello: &devlend_fabric::Hello,
-    ) -> Result<
-        (devlend_fabric::conn::Stream, devlend_fabric::HelloReply),
-        devlend_fabric::tcp::ConnectError,
-    > {
-        devlend_fabric::tcp::open_via(
-            &self.addr,
-            self.relay.as_ref(),
-            hello,
-            CONNECT_TIMEOUT,
-            self.tls.as_ref(),
-        )
-    }
-
-    /// The hello for virtqueue `queue_index`.
-    pub fn hello(&self, queue_index: u16) -> devlend_fabric::Hello {
-        let mut h = devlend_fabric::Hello::new(&self.device, queue_index);
-        // This borrower can take a NIC too, with transmit offloads: the lender grants
-        // them only for one.
-        h.features = devlend_fabric::net::FEATURE_NET
-            | devlend_fabric::net::FEATURE_NET_OFFLOAD
-            | devlend_fabric::FEATURE_CREDIT;
-        h.borrower = self.borrower;
-        h.token.clone_from(&self.token);
-        h
-    }
-}
-
-/// A fresh random borrower identity (from the kernel's random source; falls back to
-/// the clock and process id if it is unavailable).
-pub fn new_borrower_id() -> [u8; 16] {
-    let mut id = [0u8; 16];
-    let ok = std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut id))
-        .is_ok();
-    if !ok || id == [0; 16] {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(1);
-        id[..8].copy_from_slice(&(t as u64).to_le_bytes());
-        id[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-        id[15] |= 1;
-    }
-    id
-}
-
-/// Checks that the target's transport can open a queue session: for RDMA, opens one
-/// for queue 0 and closes it; for TCP, nothing (the holding session proved it).
-///
-/// # Errors
-/// Why a session cannot be opened (RDMA not compiled in, no device, no route, ...).
-pub fn probe_transport(target: &LenderTarget) -> Result<(), devlend_fabric::tcp::ConnectError> {
-    match target.transport {
-        Transport::Tcp => Ok(()),
-        #[cfg(feature = "rdma")]
-        Transport::Rdma => crate::blk::rdma::RdmaLink::connect(target, 0).map(drop),
-        #[cfg(not(feature = "rdma"))]
-        Transport::Rdma => Err(devlend_fabric::tcp::ConnectError::Rdma {
-            addr: target.addr.clone(),
-            source: devlend_fabric::rdma::RdmaError::NotCompiled,
-        }),
-    }
-}
-
-/// Timeout of one connect + handshake attempt to the lender.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// I/O counters of one attachment, shared by its queues. All counts are since the
-/// attachment was created; bytes are data bytes (headers excluded).
-#[derive(Debug, Default)]
-pub struct QueueStats {
-    reads: AtomicU64,
-    writes: AtomicU64,
-    flushes: AtomicU64,
-    discards: AtomicU64,
-    write_zeroes: AtomicU64,
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
-    errors_invalid: AtomicU64,
-    errors_lender: AtomicU64,
-    errors_fabric: AtomicU64,
-    local: AtomicU64,
-    reconnects: AtomicU64,
-    resent: AtomicU64,
-    resubmitted: AtomicU64,
-    inflight: AtomicI64,
-    per_queue: Vec<AtomicU64>,
-    latency: LatencyHistogram,
-}
-
-/// A copy of [`QueueStats`] at one instant.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StatsSnapshot {
-    /// Completed IN requests.
-    pub reads: u64,
-    /// Completed OUT requests.
-    pub writes: u64,
-    /// Completed FLUSH requests.
-    pub flushes: u64,
-    /// Completed DISCARD requests.
-    pub discards: u64,
-    /// Completed WRITE_ZEROES requests.
-    pub write_zeroes: u64,
-    /// Bytes read by completed IN requests.
-    pub bytes_read: u64,
-    /// Bytes written by completed OUT requests.
-    pub bytes_written: u64,
-    /// Requests completed with a status other than OK (IOERR or UNSUPP): the sum of
-    /// the three kinds below.
-    pub errors: u64,
-    /// Refused by the backend itself: invalid guest requests (bad chain, range, type).
-    pub errors_invalid: u64,
-    /// Answered IOERR or UNSUPP by the lender.
-    pub errors_lender: u64,
-    /// Failed because the fabric session was lost or could not be opened.
-    pub errors_fabric: u64,
-    /// Requests answered by the backend itself (GET_ID, invalid requests).
-    pub local: u64,
-    /// Fabric connections re-established after a loss.
-    pub reconnects: u64,
-    /// Requests sent again on a new session after theirs was lost.
-    pub resent: u64,
-    /// Requests resubmitted from the inflight buffer, left in flight by an earlier
-    /// backend (a compute agent restart).
-    pub resubmitted: u64,
-    /// Requests in flight to the lender now.
-    pub inflight: u64,
-    /// Requests completed by the lender, per virtqueue.
-    pub per_queue: Vec<u64>,
-    /// Completion latency of the requests the lender completed.
-    pub latency: LatencySnapshot,
-}
-
-impl QueueStats {
-    /// Counters for a device of `num_queues` virtqueues.
-    pub fn new(num_queues: u16) -> Self {
-        QueueStats {
-            per_queue: (0..num_queues).map(|_| AtomicU64::new(0)).collect(),
-            ..Default::default()
-        }
-    }
-
-    /// Reads every counter.
-    pub fn snapshot(&self) -> StatsSnapshot {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        StatsSnapshot {
-            reads: g(&self.reads),
-            writes: g(&self.writes),
-            flushes: g(&self.flushes),
-            discards: g(&self.discards),
-            write_zeroes: g(&self.write_zeroes),
-            bytes_read: g(&self.bytes_read),
-            bytes_written: g(&self.bytes_written),
-            errors: g(&self.errors_invalid) + g(&self.errors_lender) + g(&self.errors_fabric),
-            errors_invalid: g(&self.errors_invalid),
-            errors_lender: g(&self.errors_lender),
-            errors_fabric: g(&self.errors_fabric),
-            local: g(&self.local),
-            reconnects: g(&self.reconnects),
-            resent: g(&self.resent),
-            resubmitted: g(&self.resubmitted),
-            inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
-            per_queue: self.per_queue.iter().map(g).collect(),
-            latency: self.latency.snapshot(),
-        }
-    }
-
-    /// Counts a completion; a failure is the lender's, or the fabric's when `fabric`.
-    fn count(&self, op: Op, len: u32, status: u8, fabric: bool) {
-        let add = |a: &AtomicU64, v: u64| {
-            a.fetch_add(v, Ordering::Relaxed);
-        };
-        if status != S_OK {
-            add(
-                if fabric {
-                    &self.errors_fabric
-                } else {
-                    &self.errors_lender
-                },
-                1,
-            );
-            return;
-        }
-        match op {
-            Op::Read => {
-                add(&self.reads, 1);
-                add(&self.bytes_read, u64::from(len));
-            }
-            Op::Write => {
-                add(&self.writes, 1);
-                add(&self.bytes_written, u64::from(len));
-            }
-            Op::Flush => add(&self.flushes, 1),
-            Op::Discard => add(&self.discards, 1),
-            Op::WriteZeroes => add(&self.write_zeroes, 1),
-        }
-    }
-}
-
-/// A request in flight, in the slot of its head descriptor index.
-#[derive(Debug, Default)]
-pub(crate) struct Slot {
-    busy: bool,
-    id: u64,
-    pub(crate) op: Option<Op>,
-    len: u32,
-    sector: u64,
-    flags: u8,
-    status_addr: GuestAddress,
-    /// The request's guest buffers, one per host mapping they span.
-    pub(crate) iovs: Vec<HostIov>,
-    /// The memory map they were parsed with (kept alive, with its RDMA registrations,
-    /// until the request completes).
-    pub(crate) mem: Option<GuestMemoryRef>,
-    sent: Option<Instant>,
-    /// Times this request was resent on a new session.
-    resends: u32,
-    /// Sent (or queued to be sent) on the current session: it counts against the
-    /// session's credit until its response is in.
-    outstanding: bool,
-}
-
-impl Slot {
-    /// What the request counts against the byte credit: its data length for a read or
-    /// a write, 0 otherwise (as the lender charges it).
-    fn charge(&self) -> usize {
-        match self.op {
-            Some(Op::Read | Op::Write) => self.len as usize,
-            _ => 0,
-        }
-    }
-}
 
 /// Receive progress on the fabric connection.
 #[derive(Debug, Clone, Copy)]
@@ -377,35 +106,21 @@ pub struct QueueEngine {
     stats: Arc<QueueStats>,
     conn: Option<Link>,
     conn_gen: u64,
-    slots: Vec<Slot>,
-    inflight: usize,
-    seq: u64,
+    /// The requests in flight, their order and the session's credit.
+    table: RequestTable,
     scratch: Scratch,
     iov_tmp: Vec<HostIov>,
     tx_headers: Vec<[u8; REQUEST_HEADER_LEN]>,
     tx_heads: Vec<(u16, bool)>,
-    /// Requests parsed and waiting for the session's credit, in submission order (head,
-    /// id); an entry whose slot no longer holds that id is stale and skipped.
-    waiting: VecDeque<(u16, u64)>,
-    /// The session's credit: what may be outstanding on it at once.
-    credit: Credit,
-    /// Requests and data bytes outstanding on the session, against `credit`.
-    out_requests: usize,
-    out_bytes: usize,
     /// Requests written or waiting to be written on a stream session.
     tx: TxQueue,
     rx: Rx,
     rx_layout: RxLayout,
     rx_hdr: Box<[u8; RESPONSE_HEADER_LEN * RX_HEADERS]>,
     rx_iovs: Vec<libc::iovec>,
-    /// Reads in flight (their responses carry data).
-    reads_inflight: usize,
     /// Response headers taken from RDMA receives, reused between calls.
     #[cfg(feature = "rdma")]
     rdma_rx: Vec<[u8; RESPONSE_HEADER_LEN]>,
-    /// XOR of the heads in flight: the head of the only request in flight when
-    /// `inflight` is 1.
-    heads_xor: u16,
     stopping: bool,
     /// Set while requests fail because of the fabric (for the error counters).
     failing: bool,
@@ -430,6 +145,11 @@ pub struct QueueEngine {
     /// The agent stops to be restarted: a drain leaves what cannot complete in time to
     /// the next backend (see [`Self::set_handoff`]).
     handoff: bool,
+    /// Why the driver broke this virtqueue, once it did: nothing more is taken from its
+    /// avail ring until the frontend re-initializes it ([`Self::reset_broken`]).
+    broken: Option<String>,
+    /// The queue broke since the last [`Self::take_newly_broken`].
+    newly_broken: bool,
 }
 
 /// A queue's open fabric session.
@@ -495,26 +215,18 @@ impl QueueEngine {
             stats,
             conn: None,
             conn_gen: 0,
-            slots: Vec::new(),
-            inflight: 0,
-            seq: 0,
+            table: RequestTable::default(),
             scratch: Scratch::default(),
             iov_tmp: Vec::new(),
             tx_headers: Vec::new(),
             tx_heads: Vec::new(),
-            waiting: VecDeque::new(),
-            credit: Credit::V1_DEFAULT,
-            out_requests: 0,
-            out_bytes: 0,
             tx: TxQueue::default(),
             rx: Rx::Header { got: 0 },
             rx_layout: RxLayout::Headers,
             rx_hdr: Box::new([0; RESPONSE_HEADER_LEN * RX_HEADERS]),
             rx_iovs: Vec::new(),
-            reads_inflight: 0,
             #[cfg(feature = "rdma")]
             rdma_rx: Vec::new(),
-            heads_xor: 0,
             stopping: false,
             failing: false,
             retry_at: None,
@@ -532,6 +244,8 @@ impl QueueEngine {
             },
             log: None,
             handoff: false,
+            broken: None,
+            newly_broken: false,
         }
     }
 
@@ -567,7 +281,7 @@ impl QueueEngine {
             }
             Transport::Rdma => self.connect_rdma()?,
         };
-        self.credit = match (&link, reply.credit) {
+        let credit = match (&link, reply.credit) {
             (_, Some(c)) => c,
             // A lender of before credit stops reading beyond this: staying within it
             // keeps that lender reading too.
@@ -580,8 +294,7 @@ impl QueueEngine {
                 bytes: u32::MAX,
             },
         };
-        self.out_requests = 0;
-        self.out_bytes = 0;
+        self.table.new_session(credit);
         self.tx.clear();
         if reply.device.capacity_sectors != self.limits.capacity_sectors {
             tracing::warn!(
@@ -625,7 +338,7 @@ impl QueueEngine {
     /// Requests taken from the guest and not yet completed (sent to the lender, or
     /// waiting for the session or its credit).
     pub fn inflight(&self) -> usize {
-        self.inflight
+        self.table.inflight()
     }
 
     /// Whether the session's socket is full with requests still to write: the worker
@@ -638,18 +351,18 @@ impl QueueEngine {
     /// The session's credit (what the lender stated, or the default for one that did
     /// not).
     pub fn credit(&self) -> Credit {
-        self.credit
+        self.table.credit()
     }
 
     /// Tracks this queue's chains in `log` from now on (SET_INFLIGHT_FD). Before the
     /// next chain is popped, the chains it lists as left in flight by an earlier backend
     /// are resubmitted ([`InflightQueue::recover`]).
     pub fn set_inflight_log(&mut self, log: Option<InflightQueue>) {
-        if self.inflight > 0 && log.is_some() {
+        if self.table.inflight() > 0 && log.is_some() {
             tracing::warn!(
                 attachment = %self.name,
                 queue = self.index,
-                inflight = self.inflight,
+                inflight = self.table.inflight(),
                 "inflight buffer replaced while requests are in flight; they are not tracked in the new one",
             );
         }
@@ -674,8 +387,7 @@ impl QueueEngine {
     pub fn memory_changed(&mut self, mem: &GuestMemoryRef) {
         #[cfg(feature = "rdma")]
         if let Some(Link::Rdma(link)) = self.conn.as_mut() {
-            let in_flight = self.slots.iter().filter(|s| s.busy);
-            if let Err(e) = link.memory_changed(mem, in_flight.filter_map(|s| s.mem.as_ref())) {
+            if let Err(e) = link.memory_changed(mem, self.table.busy_mems()) {
                 tracing::warn!(
                     attachment = %self.name,
                     queue = self.index,
@@ -694,6 +406,69 @@ impl QueueEngine {
         self.stopping = true;
     }
 
+    /// The driver broke the virtqueue (`reason`): stop taking chains from it, and log
+    /// it once. Requests already in flight still complete. The caller tells the frontend
+    /// ([`Self::take_newly_broken`]); the queue is used again only after the frontend
+    /// re-initializes it (GET_VRING_BASE, [`Self::reset_broken`]), as virtio 1.2 §2.1.2
+    /// has a device that needs a reset wait for one.
+    pub fn break_queue(&mut self, reason: String) {
+        if self.broken.is_some() {
+            return;
+        }
+        tracing::warn!(
+            attachment = %self.name,
+            queue = self.index,
+            %reason,
+            inflight = self.table.inflight(),
+            "the driver broke this virtqueue; it is stopped until the frontend re-initializes it",
+        );
+        self.broken = Some(reason);
+        self.newly_broken = true;
+    }
+
+    /// Whether the queue is stopped because the driver broke it.
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
+    /// Whether the queue broke since the last call (the frontend is then to be told).
+    pub fn take_newly_broken(&mut self) -> bool {
+        std::mem::take(&mut self.newly_broken)
+    }
+
+    /// The frontend stopped the queue (GET_VRING_BASE): whatever broke it is gone with
+    /// its next initialization.
+    pub fn reset_broken(&mut self) {
+        if let Some(reason) = self.broken.take() {
+            tracing::info!(
+                attachment = %self.name,
+                queue = self.index,
+                was = %reason,
+                "virtqueue stopped by the frontend; it is served again once re-initialized",
+            );
+        }
+        self.newly_broken = false;
+    }
+
+    /// Checks the avail ring's index against the last one seen: a driver may make at
+    /// most a queue's size of chains available at once (virtio 1.2 §2.7.6). Returns the
+    /// violation.
+    fn avail_violation(
+        queue: &Queue,
+        mem: &GuestMemory,
+    ) -> Result<Option<String>, virtio_queue::Error> {
+        let idx = queue.avail_idx(mem, std::sync::atomic::Ordering::Acquire)?;
+        let pending = idx.0.wrapping_sub(queue.next_avail());
+        Ok((pending > queue.size()).then(|| {
+            format!(
+                "avail.idx {} is {pending} chains past the last index taken ({}), more than the queue size {}",
+                idx.0,
+                queue.next_avail(),
+                queue.size()
+            )
+        }))
+    }
+
     /// Pops every available chain, completes the invalid ones and sends the rest to the
     /// lender in one batch. Loops with notifications re-enabled so that no kick is lost
     /// (EVENT_IDX). Returns whether used-ring entries were added (the caller then checks
@@ -707,19 +482,28 @@ impl QueueEngine {
         mem: &GuestMemoryRef,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
-        if self.stopping {
+        if self.stopping || self.broken.is_some() {
             return Ok(false);
         }
-        if self.slots.len() < usize::from(queue.size()) {
-            self.slots
-                .resize_with(usize::from(queue.size()), Slot::default);
-        }
+        self.table.fit(queue.size());
         if self.log.as_ref().is_some_and(|l| !l.checked()) {
             used |= self.resubmit(queue, mem)?;
         }
         loop {
             queue.disable_notification(mem.as_ref())?;
+            if let Some(reason) = Self::avail_violation(queue, mem.as_ref())? {
+                self.break_queue(reason);
+                return Ok(used | self.flush_tx(queue, mem)?);
+            }
             while let Some(chain) = queue.pop_descriptor_chain(mem.as_ref()) {
+                if chain.head_index() >= queue.size() {
+                    self.break_queue(format!(
+                        "head index {} in the avail ring, past the queue size {}",
+                        chain.head_index(),
+                        queue.size()
+                    ));
+                    return Ok(used | self.flush_tx(queue, mem)?);
+                }
                 used |= self.take_chain(queue, mem, chain)?;
             }
             used |= self.flush_tx(queue, mem)?;
@@ -727,7 +511,7 @@ impl QueueEngine {
                 break;
             }
         }
-        if self.conn.is_none() && self.inflight > 0 {
+        if self.conn.is_none() && self.table.inflight() > 0 {
             used |= self.recover(queue, mem)?;
         }
         Ok(used)
@@ -833,21 +617,19 @@ impl QueueEngine {
                 Ok(true)
             }
             Disposition::Submit(req) => {
-                match self.slots.get(usize::from(head)) {
-                    Some(slot) if !slot.busy => {}
-                    _ => {
+                if !self.table.is_free(head) {
+                    static REUSED_HEAD: RateLimit = RateLimit::new(5, Duration::from_secs(10));
+                    if let Some(suppressed) = REUSED_HEAD.check() {
                         tracing::warn!(
                             attachment = %self.name,
                             queue = self.index,
                             head,
-                            "guest reused a descriptor head still in flight; chain ignored",
+                            suppressed,
+                            "guest reused a descriptor head still in flight; chain ignored (logged at most every 10 s)",
                         );
-                        return Ok(false);
                     }
+                    return Ok(false);
                 }
-                self.seq = self.seq.wrapping_add(1);
-                let id = (self.seq << 16) | u64::from(head);
-                let slot = &mut self.slots[usize::from(head)];
                 let (op, len, sector, flags) = match req {
                     Request::Read { sector, len } => (Op::Read, len, sector, 0),
                     Request::Write { sector, len } => (Op::Write, len, sector, 0),
@@ -864,27 +646,18 @@ impl QueueEngine {
                         if unmap { FLAG_UNMAP } else { 0 },
                     ),
                 };
-                slot.busy = true;
-                slot.id = id;
-                slot.op = Some(op);
-                slot.len = len;
-                slot.sector = sector;
-                slot.flags = flags;
-                slot.status_addr = parsed.status_addr;
-                std::mem::swap(&mut slot.iovs, &mut self.iov_tmp);
-                slot.mem = Some(Arc::clone(mem));
-                slot.sent = None;
-                slot.resends = 0;
-                slot.outstanding = false;
-                self.inflight += 1;
-                self.heads_xor ^= head;
-                if op == Op::Read {
-                    self.reads_inflight += 1;
-                }
+                let new = NewRequest {
+                    op,
+                    len,
+                    sector,
+                    flags,
+                    status_addr: parsed.status_addr,
+                };
+                self.table
+                    .insert(head, new, &mut self.iov_tmp, Arc::clone(mem));
                 self.stats.inflight.fetch_add(1, Ordering::Relaxed);
                 // Waits in its slot until the session and its credit let it go
                 // (`dispatch`), in submission order.
-                self.waiting.push_back((head, id));
                 if self.conn.is_none() {
                     self.lost_at.get_or_insert_with(Instant::now);
                 }
@@ -940,7 +713,7 @@ impl QueueEngine {
                         attachment = %self.name,
                         queue = self.index,
                         error = %DisplayChain(&e),
-                        inflight = self.inflight,
+                        inflight = self.table.inflight(),
                         "cannot open a fabric session{}",
                         if permanent { "; the lender refuses it: requests fail with IOERR" } else { "; requests wait for it" },
                     );
@@ -963,7 +736,7 @@ impl QueueEngine {
         queue: &mut Queue,
         mem: &GuestMemoryRef,
     ) -> Result<bool, virtio_queue::Error> {
-        if self.conn.is_some() || self.inflight == 0 {
+        if self.conn.is_some() || self.table.inflight() == 0 {
             self.lost_at = None;
             if let Some(t) = self.timer.as_mut() {
                 t.disarm();
@@ -994,7 +767,7 @@ impl QueueEngine {
                         attachment = %self.name,
                         queue = self.index,
                         lender = %self.target.addr,
-                        inflight = self.inflight,
+                        inflight = self.table.inflight(),
                         deadline_s = self.deadline.as_secs_f64(),
                         "fabric session not back within the deadline; failing the waiting requests with IOERR (logged at most every 10 s)",
                     );
@@ -1033,13 +806,8 @@ impl QueueEngine {
         mem: &GuestMemoryRef,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
-        for head in 0..self.slots.len() {
-            let slot = &mut self.slots[head];
-            if !slot.busy {
-                continue;
-            }
-            slot.resends += 1;
-            if slot.resends > MAX_RESENDS {
+        for head in self.table.count_resends(MAX_RESENDS) {
+            {
                 tracing::error!(
                     attachment = %self.name,
                     queue = self.index,
@@ -1048,7 +816,7 @@ impl QueueEngine {
                     "request resent on new sessions {MAX_RESENDS} times, each lost; failing it with IOERR",
                 );
                 self.failing = true;
-                let r = self.complete(queue, mem, head as u16, S_IOERR);
+                let r = self.complete(queue, mem, head, S_IOERR);
                 self.failing = false;
                 used |= r?;
             }
@@ -1059,16 +827,9 @@ impl QueueEngine {
     /// Queues every request in flight for sending on the new session, oldest first
     /// (the credit then lets them go in that order).
     fn queue_resend(&mut self) {
-        let mut heads: Vec<(u16, u64)> = (0..self.slots.len())
-            .filter(|&h| self.slots[h].busy)
-            .map(|h| (h as u16, self.slots[h].id))
-            .collect();
-        heads.sort_by_key(|&(_, id)| id);
         self.tx_headers.clear();
         self.tx_heads.clear();
-        self.waiting.clear();
-        self.waiting.extend(heads.iter().copied());
-        let n = heads.len() as u64;
+        let n = self.table.requeue_all() as u64;
         self.stats.resent.fetch_add(n, Ordering::Relaxed);
         if n > 0 {
             tracing::info!(
@@ -1093,7 +854,7 @@ impl QueueEngine {
         if let Some(t) = self.timer.as_mut() {
             t.clear();
         }
-        if self.conn.is_none() && self.inflight > 0 {
+        if self.conn.is_none() && self.table.inflight() > 0 {
             self.recover(queue, mem)
         } else {
             Ok(false)
@@ -1107,28 +868,8 @@ impl QueueEngine {
             return;
         }
         let now = Instant::now();
-        while let Some(&(head, id)) = self.waiting.front() {
-            let Some(slot) = self.slots.get_mut(usize::from(head)) else {
-                self.waiting.pop_front();
-                continue;
-            };
-            if !slot.busy || slot.id != id || slot.outstanding {
-                // Completed meanwhile (failed at a deadline), or already sent.
-                self.waiting.pop_front();
-                continue;
-            }
-            let charge = slot.charge();
-            if !self
-                .credit
-                .admits(self.out_requests, self.out_bytes, charge)
-            {
-                break;
-            }
-            self.waiting.pop_front();
-            slot.outstanding = true;
-            slot.sent = Some(now);
-            self.out_requests += 1;
-            self.out_bytes += charge;
+        while let Some(head) = self.table.next_to_send(now) {
+            let slot = self.table.slot(head);
             let op = slot.op.unwrap_or(Op::Flush);
             self.tx_headers.push(
                 RequestHeader {
@@ -1158,7 +899,7 @@ impl QueueEngine {
             if self.tx_heads.is_empty() {
                 return Ok(false);
             }
-            let result = link.send(&self.tx_headers, &self.tx_heads, &self.slots);
+            let result = link.send(&self.tx_headers, &self.tx_heads, self.table.slots());
             self.tx_headers.clear();
             self.tx_heads.clear();
             return match result {
@@ -1183,8 +924,8 @@ impl QueueEngine {
         let Some(fd) = self.conn.as_ref().map(Link::fd) else {
             return Ok(false);
         };
-        let slots = &self.slots;
-        match self.tx.write(fd, |h| slots[usize::from(h)].iovs.as_slice()) {
+        let table = &self.table;
+        match self.tx.write(fd, |h| table.slot(h).iovs.as_slice()) {
             Ok(()) => Ok(false),
             Err(e) => self.fail_connection(queue, mem, FabricFault::Io(e)),
         }
@@ -1203,7 +944,7 @@ impl QueueEngine {
         mem: &GuestMemoryRef,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = self.receive_responses(queue, mem)?;
-        if self.conn.is_some() && (!self.waiting.is_empty() || !self.tx.is_empty()) {
+        if self.conn.is_some() && (self.table.has_waiting() || !self.tx.is_empty()) {
             used |= self.flush_tx(queue, mem)?;
         }
         Ok(used)
@@ -1234,8 +975,7 @@ impl QueueEngine {
             // Registrations of regions only completed requests used go now.
             if let Some(Link::Rdma(link)) = self.conn.as_mut() {
                 if link.has_stale() {
-                    let in_flight = self.slots.iter().filter(|s| s.busy);
-                    link.prune(mem, in_flight.filter_map(|s| s.mem.as_ref()));
+                    link.prune(mem, self.table.busy_mems());
                 }
             }
             match outcome {
@@ -1287,13 +1027,13 @@ impl QueueEngine {
         let mut total = 0;
         match self.rx {
             Rx::Header { got } => {
-                let single_read = self.inflight == 1 && self.reads_inflight == 1;
+                let single_read = self.table.inflight() == 1 && self.table.reads() == 1;
                 let want = if got == 0 && single_read {
                     RESPONSE_HEADER_LEN
-                } else if self.reads_inflight == 0 {
+                } else if self.table.reads() == 0 {
                     // Headers only, one per request in flight (at least one header, to
                     // see a close or a stray response).
-                    RESPONSE_HEADER_LEN * self.inflight.clamp(1, RX_HEADERS)
+                    RESPONSE_HEADER_LEN * self.table.inflight().clamp(1, RX_HEADERS)
                 } else {
                     RESPONSE_HEADER_LEN
                 };
@@ -1307,8 +1047,13 @@ impl QueueEngine {
                 total += want - got;
                 self.rx_layout = RxLayout::Headers;
                 if got == 0 && single_read {
-                    let head = self.heads_xor;
-                    if let Some(slot) = self.slots.get(usize::from(head)).filter(|s| s.busy) {
+                    if let Some(slot) = self
+                        .table
+                        .only_head()
+                        .map(|h| (h, self.table.slot(h)))
+                        .filter(|(_, s)| s.busy)
+                    {
+                        let (head, slot) = slot;
                         for iov in &slot.iovs {
                             self.rx_iovs.push(iov.as_iovec());
                             total += iov.len;
@@ -1319,7 +1064,7 @@ impl QueueEngine {
             }
             Rx::Payload { head, got } => {
                 let mut skip = got;
-                for iov in &self.slots[usize::from(head)].iovs {
+                for iov in &self.table.slot(head).iovs {
                     if skip >= iov.len {
                         skip -= iov.len;
                         continue;
@@ -1382,7 +1127,7 @@ impl QueueEngine {
                     return Ok(used);
                 }
                 Rx::Payload { head, got } => {
-                    let want = self.slots[usize::from(head)].len as usize;
+                    let want = self.table.slot(head).len as usize;
                     let take = n.min(want - got);
                     let got = got + take;
                     n -= take;
@@ -1423,7 +1168,7 @@ impl QueueEngine {
         let used = self.on_header(queue, mem, &h, false)?;
         match self.rx {
             Rx::Payload { head: h2, .. } if h2 == head => {
-                let want = self.slots[usize::from(head)].len as usize;
+                let want = self.table.slot(head).len as usize;
                 if data < want {
                     self.rx = Rx::Payload { head, got: data };
                     return Ok(used);
@@ -1451,9 +1196,8 @@ impl QueueEngine {
         let h = ResponseHeader::decode(raw).map_err(FabricFault::Wire)?;
         let head = (h.id & 0xffff) as u16;
         let slot = self
-            .slots
-            .get(usize::from(head))
-            .filter(|s| s.busy && s.id == h.id)
+            .table
+            .lookup(h.id)
             .ok_or(FabricFault::UnknownId(h.id))?;
         let want = if h.status == Status::Ok && slot.op == Some(Op::Read) {
             slot.len
@@ -1484,35 +1228,22 @@ impl QueueEngine {
         head: u16,
         status: u8,
     ) -> Result<bool, virtio_queue::Error> {
-        let slot = &mut self.slots[usize::from(head)];
-        let op = slot.op.unwrap_or(Op::Flush);
-        let data = if status == S_OK && op == Op::Read {
-            slot.len
+        let done = self.table.remove(head);
+        let data = if status == S_OK && done.op == Op::Read {
+            done.len
         } else {
             0
         };
-        if let Some(m) = &slot.mem {
+        if let Some(m) = &done.mem {
             // The status address was validated against this memory map by `parse`.
-            let _ = m.write_obj(status, slot.status_addr);
+            let _ = m.write_obj(status, done.status_addr);
         }
-        self.stats.count(op, slot.len, status, self.failing);
+        self.stats.count(done.op, done.len, status, self.failing);
         if let Some(q) = self.stats.per_queue.get(usize::from(self.index)) {
             q.fetch_add(1, Ordering::Relaxed);
         }
-        if let Some(t) = slot.sent.take() {
+        if let Some(t) = done.sent {
             self.stats.latency.record(t.elapsed());
-        }
-        if slot.outstanding {
-            slot.outstanding = false;
-            self.out_requests -= 1;
-            self.out_bytes -= slot.charge();
-        }
-        slot.busy = false;
-        slot.mem = None;
-        self.inflight -= 1;
-        self.heads_xor ^= head;
-        if op == Op::Read {
-            self.reads_inflight -= 1;
         }
         self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
         self.put_used(queue, mem, head, data + 1)?;
@@ -1532,12 +1263,12 @@ impl QueueEngine {
             queue = self.index,
             lender = %self.target.addr,
             device = %self.target.device,
-            inflight = self.inflight,
+            inflight = self.table.inflight(),
             error = %DisplayChain(&fault),
             "fabric session lost; requests in flight wait for a new one and are resent",
         );
         self.drop_session();
-        if self.inflight == 0 {
+        if self.table.inflight() == 0 {
             return Ok(false);
         }
         self.lost_at.get_or_insert_with(Instant::now);
@@ -1553,11 +1284,7 @@ impl QueueEngine {
         self.tx_headers.clear();
         self.tx_heads.clear();
         self.tx.clear();
-        self.out_requests = 0;
-        self.out_bytes = 0;
-        for slot in &mut self.slots {
-            slot.outstanding = false;
-        }
+        self.table.forget_session();
     }
 
     fn fail_all(
@@ -1567,14 +1294,12 @@ impl QueueEngine {
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
         self.failing = true;
-        for head in 0..self.slots.len() {
-            if self.slots[head].busy {
-                match self.complete(queue, mem, head as u16, S_IOERR) {
-                    Ok(u) => used |= u,
-                    Err(e) => {
-                        self.failing = false;
-                        return Err(e);
-                    }
+        for head in self.table.busy_heads() {
+            match self.complete(queue, mem, head, S_IOERR) {
+                Ok(u) => used |= u,
+                Err(e) => {
+                    self.failing = false;
+                    return Err(e);
                 }
             }
         }
@@ -1597,7 +1322,7 @@ impl QueueEngine {
         let deadline = Instant::now() + timeout;
         let mut used = false;
         let leave = self.handoff && self.log.is_some();
-        while self.inflight > 0 {
+        while self.table.inflight() > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -1607,7 +1332,7 @@ impl QueueEngine {
                     break;
                 }
                 used |= self.recover(queue, mem)?;
-                if self.conn.is_none() && self.inflight > 0 {
+                if self.conn.is_none() && self.table.inflight() > 0 {
                     std::thread::sleep(left.min(Duration::from_millis(50)));
                 }
                 continue;
@@ -1622,18 +1347,18 @@ impl QueueEngine {
             unsafe { libc::poll(&mut pfd, 1, ms) };
             used |= self.process_responses(queue, mem)?;
         }
-        if self.inflight > 0 && leave {
+        if self.table.inflight() > 0 && leave {
             tracing::info!(
                 attachment = %self.name,
                 queue = self.index,
-                inflight = self.inflight,
+                inflight = self.table.inflight(),
                 "leaving the requests that cannot complete now to the next compute agent (they stay in the inflight buffer)",
             );
-        } else if self.inflight > 0 {
+        } else if self.table.inflight() > 0 {
             tracing::warn!(
                 attachment = %self.name,
                 queue = self.index,
-                inflight = self.inflight,
+                inflight = self.table.inflight(),
                 "requests still in flight at drain deadline; failing them",
             );
             // Their responses may still come, and a write may be half sent: the

@@ -3,7 +3,10 @@
 //! - [`spec`]: virtio-blk constants, feature bits and config space (virtio 1.2 §5.2);
 //! - [`request`]: descriptor chain → validated request, or an immediate status;
 //! - [`engine`]: one virtqueue's requests in flight over one fabric connection, resent
-//!   on a new one when it is lost;
+//!   on a new one when it is lost; `table`: its table of requests in flight (slots by
+//!   head, ids, the order they go out in, the session's credit); `tx`: its non-blocking
+//!   send queue on a stream; `target`: where the device is lent from; `stats`: the
+//!   attachment's counters;
 //! - `rdma` (cargo feature `rdma`): a queue's RDMA session and the guest memory
 //!   registered on it; `mr_cache`: which regions are registered, and until when;
 //! - [`timer`]: the reconnect timer a queue's worker waits on;
@@ -25,6 +28,9 @@ mod rdma;
 pub mod request;
 pub mod resubmit;
 pub mod spec;
+mod stats;
+mod table;
+mod target;
 mod tcp;
 pub mod timer;
 mod tx;

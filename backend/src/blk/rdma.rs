@@ -12,8 +12,9 @@
 
 use std::sync::Arc;
 
-use crate::blk::engine::{LenderTarget, Slot, CONNECT_TIMEOUT};
 use crate::blk::mr_cache::RegionCache;
+use crate::blk::table::Slot;
+use crate::blk::target::{LenderTarget, CONNECT_TIMEOUT};
 use crate::guest::GuestMemoryRef;
 use devlend_fabric::rdma::verbs::{self, Completion, Connection, Mr, RECV_BIT};
 use devlend_fabric::rdma::{encode_request, RdmaError, Segment, MAX_REQUEST_MSG, MAX_SEGMENTS};

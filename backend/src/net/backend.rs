@@ -258,7 +258,7 @@ impl VhostUserBackend for NetBackend {
         })();
         if let Err(e) = result {
             cell.engine.count_error();
-            tracing::warn!(pair = thread_id, error = %e, "guest ring error");
+            devlend_fabric::limited!(warn, pair = thread_id, error = %e, "guest ring error");
         }
         if rx_used
             && rxs
@@ -322,17 +322,19 @@ pub fn serve(
         };
         backend.attach_handlers(&daemon.get_epoll_handlers());
         if let Err(e) = daemon.start(&mut listener) {
-            tracing::warn!(attachment = %id, error = %e, "vhost-user connection failed to start");
+            devlend_fabric::limited!(warn, attachment = %id, error = %e, "vhost-user connection failed to start");
         } else {
             current(daemon.shutdown_handle());
             connected.store(true, Ordering::Release);
-            tracing::info!(attachment = %id, "frontend connected");
+            devlend_fabric::limited!(info, attachment = %id, "frontend connected");
             if stop.load(Ordering::Acquire) {
                 daemon.request_shutdown();
             }
             match daemon.wait() {
-                Ok(()) => tracing::info!(attachment = %id, "frontend disconnected"),
-                Err(e) => tracing::info!(attachment = %id, error = %e, "frontend connection ended"),
+                Ok(()) => devlend_fabric::limited!(info, attachment = %id, "frontend disconnected"),
+                Err(e) => {
+                    devlend_fabric::limited!(info, attachment = %id, error = %e, "frontend connection ended")
+                }
             }
             connected.store(false, Ordering::Release);
             current(None);

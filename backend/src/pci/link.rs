@@ -525,7 +525,7 @@ fn dispatch(m: Message, replies: &Sender<Message>, irqs: &Sender<Irq>) -> bool {
                 true
             }
             Err(e) => {
-                tracing::warn!(error = %e, "malformed interrupt message; closing the session");
+                devlend_fabric::limited!(warn, error = %e, "malformed interrupt message; closing the session");
                 false
             }
         }
@@ -574,7 +574,7 @@ impl Reader {
         let reply = match self.memory.read(r.iova, &mut buf) {
             Ok(()) => Message::new(KIND_MEM_READ | REPLY, buf),
             Err(reason) => {
-                tracing::warn!(%reason, "guest memory read by the lender refused");
+                devlend_fabric::limited!(warn, %reason, "guest memory read by the lender refused");
                 Message::refusal(KIND_MEM_READ, PciStatus::Invalid, &reason)
             }
         };
@@ -604,7 +604,7 @@ fn read_loop(rx: &Reader, replies: Sender<Message>, irqs: Sender<Irq>) {
         LinkCounters::count(&rx.counters.msgs_received, &rx.counters.bytes_received, &m);
         if m.kind == KIND_MEM_READ || m.kind == KIND_MEM_WRITE {
             if let Err(reason) = rx.memory(&m) {
-                tracing::warn!(%reason, "bad guest memory access by the lender; closing the session");
+                devlend_fabric::limited!(warn, %reason, "bad guest memory access by the lender; closing the session");
                 let _ = stream.shutdown(Shutdown::Both);
                 return;
             }

@@ -232,7 +232,7 @@ fn shrunk(m: &GuestMap) -> io::Error {
 
 fn einval(msg: impl Into<String>) -> io::Error {
     let msg = msg.into();
-    tracing::info!(reason = %msg, "vfio-user request refused");
+    devlend_fabric::limited!(info, reason = %msg, "vfio-user request refused");
     io::Error::new(io::ErrorKind::InvalidInput, msg)
 }
 
@@ -338,8 +338,8 @@ impl PciBorrower {
     pub fn serve(&mut self, server: &Server) {
         loop {
             match server.run(self) {
-                Ok(()) => tracing::info!("VMM left the vfio-user socket"),
-                Err(e) => tracing::warn!(error = %e, "vfio-user connection ended"),
+                Ok(()) => devlend_fabric::limited!(info, "VMM left the vfio-user socket"),
+                Err(e) => devlend_fabric::limited!(warn, error = %e, "vfio-user connection ended"),
             }
             if let Err(e) = self.vmm_gone() {
                 tracing::warn!(error = %e, "the lender is gone; no more VMM connections");

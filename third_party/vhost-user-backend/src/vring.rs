@@ -111,7 +111,8 @@ pub struct VringState<M: GuestAddressSpace = GuestMemoryAtomic<GuestMemoryMmap>>
     queue: Queue,
     kick: Option<EventConsumer>,
     call: Option<EventNotifier>,
-    err: Option<EventConsumer>,
+    // devlend patch: the back-end signals this eventfd (it does not read it).
+    err: Option<EventNotifier>,
     enabled: bool,
     mem: M,
 }
@@ -268,7 +269,16 @@ impl<M: GuestAddressSpace> VringState<M> {
     /// Set `EventFd` for err.
     fn set_err(&mut self, file: Option<File>) {
         // SAFETY: see comment in set_kick()
-        self.err = file.map(|f| unsafe { EventConsumer::from_raw_fd(f.into_raw_fd()) });
+        self.err = file.map(|f| unsafe { EventNotifier::from_raw_fd(f.into_raw_fd()) });
+    }
+
+    /// Tells the front-end that this vring is broken (the driver corrupted it): signals
+    /// the error eventfd of SET_VRING_ERR, if one was given (devlend patch).
+    pub fn signal_err(&self) -> io::Result<()> {
+        match &self.err {
+            Some(err) => err.notify(),
+            None => Ok(()),
+        }
     }
 }
 
@@ -582,5 +592,23 @@ mod tests {
         assert!(vring.get_ref().err.is_some());
         vring.set_err(None);
         assert!(vring.get_ref().err.is_none());
+    }
+
+    // devlend patch: the back-end signals the error eventfd it was given.
+    #[test]
+    fn test_signal_err() {
+        let mem = GuestMemoryAtomic::new(
+            GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0x100000), 0x10000)]).unwrap(),
+        );
+        let vring = VringMutex::new(mem, 0x1000).unwrap();
+        // No eventfd: nothing to signal, no error.
+        vring.get_ref().signal_err().unwrap();
+        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).unwrap();
+        // SAFETY: Safe because we panic before if eventfd is not valid.
+        let file = unsafe { File::from_raw_fd(notifier.into_raw_fd()) };
+        vring.set_err(Some(file));
+        assert!(consumer.consume().is_err(), "nothing signalled yet");
+        vring.get_ref().signal_err().unwrap();
+        consumer.consume().expect("the front-end sees the error");
     }
 }

@@ -1,0 +1,425 @@
+//! The table of one virtqueue's requests in flight: a slot per head descriptor index,
+//! the ids that tell a live response from a stale one, the order requests go out in,
+//! and the session's credit.
+//!
+//! - A request's id is `(sequence << 16) | head`: the table is indexed by head (a head
+//!   cannot be in flight twice), nothing is allocated per request, and the sequence
+//!   part grows with every request, so ids sort in submission order.
+//! - Every request waits in submission order ([`RequestTable::next_to_send`]) until the
+//!   session's [`Credit`] lets it go; it is then *outstanding* until it is removed.
+//! - When the session is lost, [`RequestTable::forget_session`] makes nothing
+//!   outstanding and [`RequestTable::requeue_all`] lines every request still in its
+//!   slot up again, oldest first, for the next session.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use devlend_fabric::{Credit, Op};
+use vm_memory::GuestAddress;
+
+use crate::guest::{GuestMemoryRef, HostIov};
+
+/// A request in flight, in the slot of its head descriptor index.
+#[derive(Debug, Default)]
+pub(crate) struct Slot {
+    pub(crate) busy: bool,
+    pub(crate) id: u64,
+    pub(crate) op: Option<Op>,
+    /// READ/WRITE: data bytes; DISCARD/WRITE_ZEROES: sectors; FLUSH: 0 (as on the wire).
+    pub(crate) len: u32,
+    pub(crate) sector: u64,
+    pub(crate) flags: u8,
+    pub(crate) status_addr: GuestAddress,
+    /// The request's guest buffers, one per host mapping they span.
+    pub(crate) iovs: Vec<HostIov>,
+    /// The memory map they were parsed with (kept alive, with its RDMA registrations,
+    /// until the request completes).
+    pub(crate) mem: Option<GuestMemoryRef>,
+    /// When it went out on the current session.
+    pub(crate) sent: Option<Instant>,
+    /// Times this request was resent on a new session.
+    pub(crate) resends: u32,
+    /// Sent (or queued to be sent) on the current session: it counts against the
+    /// session's credit until its response is in.
+    outstanding: bool,
+}
+
+impl Slot {
+    /// What the request counts against the byte credit: its data length for a read or
+    /// a write, 0 otherwise (as the lender charges it).
+    pub(crate) fn charge(&self) -> usize {
+        match self.op {
+            Some(Op::Read | Op::Write) => self.len as usize,
+            _ => 0,
+        }
+    }
+}
+
+/// What a new request is, as the fabric carries it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NewRequest {
+    pub(crate) op: Op,
+    pub(crate) len: u32,
+    pub(crate) sector: u64,
+    pub(crate) flags: u8,
+    pub(crate) status_addr: GuestAddress,
+}
+
+/// What a removed request was.
+#[derive(Debug)]
+pub(crate) struct Removed {
+    pub(crate) op: Op,
+    pub(crate) len: u32,
+    pub(crate) status_addr: GuestAddress,
+    pub(crate) mem: Option<GuestMemoryRef>,
+    pub(crate) sent: Option<Instant>,
+}
+
+/// One virtqueue's requests in flight.
+#[derive(Debug)]
+pub(crate) struct RequestTable {
+    slots: Vec<Slot>,
+    inflight: usize,
+    reads: usize,
+    /// XOR of the heads in flight: the head of the only request in flight when
+    /// `inflight` is 1.
+    heads_xor: u16,
+    seq: u64,
+    /// Requests waiting to go out, in submission order (head, id); an entry whose slot
+    /// no longer holds that id, or whose request is outstanding already, is stale.
+    waiting: VecDeque<(u16, u64)>,
+    credit: Credit,
+    out_requests: usize,
+    out_bytes: usize,
+}
+
+impl Default for RequestTable {
+    fn default() -> Self {
+        RequestTable {
+            slots: Vec::new(),
+            inflight: 0,
+            reads: 0,
+            heads_xor: 0,
+            seq: 0,
+            waiting: VecDeque::new(),
+            credit: Credit::V1_DEFAULT,
+            out_requests: 0,
+            out_bytes: 0,
+        }
+    }
+}
+
+impl RequestTable {
+    /// Makes room for heads below `size` (the queue's size).
+    pub(crate) fn fit(&mut self, size: u16) {
+        if self.slots.len() < usize::from(size) {
+            self.slots.resize_with(usize::from(size), Slot::default);
+        }
+    }
+
+    /// Whether `head` can take a new request (it has a slot and nothing in flight).
+    pub(crate) fn is_free(&self, head: u16) -> bool {
+        self.slots.get(usize::from(head)).is_some_and(|s| !s.busy)
+    }
+
+    /// Puts a request in the free slot of `head` ([`Self::is_free`]), taking its guest
+    /// buffers out of `iovs`, and lines it up to go out. Returns its id.
+    pub(crate) fn insert(
+        &mut self,
+        head: u16,
+        req: NewRequest,
+        iovs: &mut Vec<HostIov>,
+        mem: GuestMemoryRef,
+    ) -> u64 {
+        self.seq = self.seq.wrapping_add(1);
+        let id = (self.seq << 16) | u64::from(head);
+        let slot = &mut self.slots[usize::from(head)];
+        slot.busy = true;
+        slot.id = id;
+        slot.op = Some(req.op);
+        slot.len = req.len;
+        slot.sector = req.sector;
+        slot.flags = req.flags;
+        slot.status_addr = req.status_addr;
+        std::mem::swap(&mut slot.iovs, iovs);
+        slot.mem = Some(mem);
+        slot.sent = None;
+        slot.resends = 0;
+        slot.outstanding = false;
+        self.inflight += 1;
+        self.heads_xor ^= head;
+        if req.op == Op::Read {
+            self.reads += 1;
+        }
+        self.waiting.push_back((head, id));
+        id
+    }
+
+    /// The request in flight with this id, if any (a response's id is checked here).
+    pub(crate) fn lookup(&self, id: u64) -> Option<&Slot> {
+        self.slots
+            .get((id & 0xffff) as usize)
+            .filter(|s| s.busy && s.id == id)
+    }
+
+    /// The slot of `head` (which must be below the queue's size).
+    pub(crate) fn slot(&self, head: u16) -> &Slot {
+        &self.slots[usize::from(head)]
+    }
+
+    /// Every slot, indexed by head.
+    pub(crate) fn slots(&self) -> &[Slot] {
+        &self.slots
+    }
+
+    /// The next waiting request that the credit lets go now, oldest first; it is then
+    /// outstanding, sent at `now`.
+    pub(crate) fn next_to_send(&mut self, now: Instant) -> Option<u16> {
+        while let Some(&(head, id)) = self.waiting.front() {
+            let Some(slot) = self.slots.get_mut(usize::from(head)) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            if !slot.busy || slot.id != id || slot.outstanding {
+                self.waiting.pop_front();
+                continue;
+            }
+            let charge = slot.charge();
+            if !self
+                .credit
+                .admits(self.out_requests, self.out_bytes, charge)
+            {
+                return None;
+            }
+            self.waiting.pop_front();
+            slot.outstanding = true;
+            slot.sent = Some(now);
+            self.out_requests += 1;
+            self.out_bytes += charge;
+            return Some(head);
+        }
+        None
+    }
+
+    /// Whether requests wait to go out (the credit, or the session, holds them).
+    pub(crate) fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// Frees the slot of `head`, giving its credit back; returns what it held.
+    pub(crate) fn remove(&mut self, head: u16) -> Removed {
+        let slot = &mut self.slots[usize::from(head)];
+        let op = slot.op.unwrap_or(Op::Flush);
+        if slot.outstanding {
+            slot.outstanding = false;
+            self.out_requests -= 1;
+            self.out_bytes -= slot.charge();
+        }
+        slot.busy = false;
+        self.inflight -= 1;
+        self.heads_xor ^= head;
+        if op == Op::Read {
+            self.reads -= 1;
+        }
+        Removed {
+            op,
+            len: slot.len,
+            status_addr: slot.status_addr,
+            mem: slot.mem.take(),
+            sent: slot.sent.take(),
+        }
+    }
+
+    /// A new session, with its credit: nothing is outstanding on it yet.
+    pub(crate) fn new_session(&mut self, credit: Credit) {
+        self.forget_session();
+        self.credit = credit;
+    }
+
+    /// The session is gone: nothing is outstanding any more.
+    pub(crate) fn forget_session(&mut self) {
+        self.out_requests = 0;
+        self.out_bytes = 0;
+        for slot in &mut self.slots {
+            slot.outstanding = false;
+        }
+    }
+
+    /// Lines every request in flight up to go out again, oldest first (the order the
+    /// guest submitted them). Returns how many.
+    pub(crate) fn requeue_all(&mut self) -> usize {
+        let mut heads: Vec<(u16, u64)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.busy)
+            .map(|(h, s)| (h as u16, s.id))
+            .collect();
+        heads.sort_by_key(|&(_, id)| id);
+        self.waiting.clear();
+        self.waiting.extend(heads.iter().copied());
+        heads.len()
+    }
+
+    /// Counts one more resend for every request in flight; returns the heads that have
+    /// been resent more than `max` times.
+    pub(crate) fn count_resends(&mut self, max: u32) -> Vec<u16> {
+        let mut over = Vec::new();
+        for (head, slot) in self.slots.iter_mut().enumerate() {
+            if slot.busy {
+                slot.resends += 1;
+                if slot.resends > max {
+                    over.push(head as u16);
+                }
+            }
+        }
+        over
+    }
+
+    /// The heads in flight.
+    pub(crate) fn busy_heads(&self) -> Vec<u16> {
+        (0..self.slots.len() as u16)
+            .filter(|&h| self.slots[usize::from(h)].busy)
+            .collect()
+    }
+
+    /// The memory maps that requests in flight hold.
+    pub(crate) fn busy_mems(&self) -> impl Iterator<Item = &GuestMemoryRef> {
+        self.slots
+            .iter()
+            .filter(|s| s.busy)
+            .filter_map(|s| s.mem.as_ref())
+    }
+
+    /// Requests in flight (waiting or outstanding).
+    pub(crate) fn inflight(&self) -> usize {
+        self.inflight
+    }
+
+    /// Reads in flight.
+    pub(crate) fn reads(&self) -> usize {
+        self.reads
+    }
+
+    /// The head of the only request in flight, when there is exactly one.
+    pub(crate) fn only_head(&self) -> Option<u16> {
+        (self.inflight == 1).then_some(self.heads_xor)
+    }
+
+    /// The session's credit.
+    pub(crate) fn credit(&self) -> Credit {
+        self.credit
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn mem() -> GuestMemoryRef {
+        Arc::new(crate::guest::GuestMemory::new())
+    }
+
+    fn req(op: Op, len: u32, sector: u64) -> NewRequest {
+        NewRequest {
+            op,
+            len,
+            sector,
+            flags: 0,
+            status_addr: GuestAddress(0),
+        }
+    }
+
+    fn add(t: &mut RequestTable, head: u16, op: Op, len: u32) -> u64 {
+        assert!(t.is_free(head));
+        t.insert(head, req(op, len, u64::from(head)), &mut Vec::new(), mem())
+    }
+
+    #[test]
+    fn ids_name_the_head_and_tell_live_from_stale() {
+        let mut t = RequestTable::default();
+        t.fit(8);
+        let a = add(&mut t, 3, Op::Read, 4096);
+        assert_eq!(a & 0xffff, 3);
+        assert!(!t.is_free(3));
+        assert!(t.lookup(a).is_some());
+        assert!(
+            t.lookup(a + (1 << 16)).is_none(),
+            "same head, other sequence"
+        );
+        assert!(!t.is_free(100), "no slot past the queue size");
+        t.remove(3);
+        assert!(
+            t.lookup(a).is_none(),
+            "a response for a finished request is stale"
+        );
+        let b = add(&mut t, 3, Op::Write, 512);
+        assert!(b > a, "ids grow: they sort in submission order");
+        assert_eq!(t.inflight(), 1);
+        assert_eq!(t.only_head(), Some(3));
+    }
+
+    #[test]
+    fn the_credit_lets_requests_go_in_order_and_returns_as_they_complete() {
+        let mut t = RequestTable::default();
+        t.fit(16);
+        t.new_session(Credit {
+            requests: 2,
+            bytes: 8192,
+        });
+        for (h, len) in [(5, 4096), (1, 4096), (9, 4096), (2, 0)] {
+            add(&mut t, h, if len > 0 { Op::Write } else { Op::Flush }, len);
+        }
+        let now = Instant::now();
+        assert_eq!(t.next_to_send(now), Some(5));
+        assert_eq!(t.next_to_send(now), Some(1));
+        assert_eq!(
+            t.next_to_send(now),
+            None,
+            "two outstanding: the credit is spent"
+        );
+        assert!(t.has_waiting());
+        t.remove(5);
+        assert_eq!(t.next_to_send(now), Some(9));
+        assert_eq!(t.next_to_send(now), None);
+        t.remove(1);
+        assert_eq!(t.next_to_send(now), Some(2), "a flush charges no bytes");
+        assert_eq!(t.next_to_send(now), None);
+        // A request larger than the byte credit goes when alone.
+        t.remove(9);
+        t.remove(2);
+        add(&mut t, 4, Op::Read, 1 << 20);
+        assert_eq!(t.next_to_send(now), Some(4));
+        assert_eq!(t.reads(), 1);
+    }
+
+    #[test]
+    fn a_lost_session_resends_everything_oldest_first_under_the_new_credit() {
+        let mut t = RequestTable::default();
+        t.fit(16);
+        t.new_session(Credit {
+            requests: 8,
+            bytes: 1 << 20,
+        });
+        for h in [7, 3, 11, 0] {
+            add(&mut t, h, Op::Write, 512);
+        }
+        let now = Instant::now();
+        while t.next_to_send(now).is_some() {}
+        t.remove(3);
+        t.forget_session();
+        assert_eq!(t.requeue_all(), 3);
+        t.new_session(Credit {
+            requests: 1,
+            bytes: 1 << 20,
+        });
+        assert_eq!(t.next_to_send(now), Some(7));
+        assert_eq!(t.next_to_send(now), None);
+        t.remove(7);
+        assert_eq!(t.next_to_send(now), Some(11));
+        t.remove(11);
+        assert_eq!(t.next_to_send(now), Some(0));
+        assert_eq!(t.count_resends(0), vec![0]);
+    }
+}

@@ -1,0 +1,112 @@
+//! Where a device is lent from, and how a queue's session to it is opened.
+
+use std::time::Duration;
+
+/// Where the device is lent from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LenderTarget {
+    /// `HOST:PORT` of the lender.
+    pub addr: String,
+    /// Device name on the lender.
+    pub device: String,
+    /// The attachment's identity, sent in every hello: the lender lends a device to one
+    /// borrower at a time. Under a lease, the lease id.
+    pub borrower: [u8; 16],
+    /// The pool's lease token (binary form), sent in every hello; empty in direct mode.
+    pub token: Vec<u8>,
+    /// Open every session inside TLS, verifying the lender against this; `None`: plain
+    /// TCP.
+    pub tls: Option<devlend_fabric::tls::TlsTarget>,
+    /// The transport of the virtqueues' sessions (the holding session is TCP).
+    pub transport: Transport,
+    /// A lender in another cluster: `addr` is then the local cluster gateway, asked to
+    /// relay every session to this route (TCP only); `None`: `addr` is the lender.
+    pub relay: Option<devlend_fabric::relay::Route>,
+}
+
+/// The transport of a queue's fabric session.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// TCP (optionally TLS): data inline in the stream.
+    #[default]
+    Tcp,
+    /// RDMA: requests carry (addr, rkey, len) of guest memory; the lender moves the
+    /// data one-sided.
+    Rdma,
+}
+
+impl LenderTarget {
+    /// Opens a TCP session (TLS if configured, through the gateway if routed) with
+    /// `hello`, each step bounded by [`CONNECT_TIMEOUT`].
+    ///
+    /// # Errors
+    /// The connect, relay, TLS or handshake failure.
+    pub fn open(
+        &self,
+        hello: &devlend_fabric::Hello,
+    ) -> Result<
+        (devlend_fabric::conn::Stream, devlend_fabric::HelloReply),
+        devlend_fabric::tcp::ConnectError,
+    > {
+        devlend_fabric::tcp::open_via(
+            &self.addr,
+            self.relay.as_ref(),
+            hello,
+            CONNECT_TIMEOUT,
+            self.tls.as_ref(),
+        )
+    }
+
+    /// The hello for virtqueue `queue_index`.
+    pub fn hello(&self, queue_index: u16) -> devlend_fabric::Hello {
+        let mut h = devlend_fabric::Hello::new(&self.device, queue_index);
+        // This borrower can take a NIC too, with transmit offloads: the lender grants
+        // them only for one.
+        h.features = devlend_fabric::net::FEATURE_NET
+            | devlend_fabric::net::FEATURE_NET_OFFLOAD
+            | devlend_fabric::FEATURE_CREDIT;
+        h.borrower = self.borrower;
+        h.token.clone_from(&self.token);
+        h
+    }
+}
+
+/// A fresh random borrower identity (from the kernel's random source; falls back to
+/// the clock and process id if it is unavailable).
+pub fn new_borrower_id() -> [u8; 16] {
+    let mut id = [0u8; 16];
+    let ok = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut id))
+        .is_ok();
+    if !ok || id == [0; 16] {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(1);
+        id[..8].copy_from_slice(&(t as u64).to_le_bytes());
+        id[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        id[15] |= 1;
+    }
+    id
+}
+
+/// Checks that the target's transport can open a queue session: for RDMA, opens one
+/// for queue 0 and closes it; for TCP, nothing (the holding session proved it).
+///
+/// # Errors
+/// Why a session cannot be opened (RDMA not compiled in, no device, no route, ...).
+pub fn probe_transport(target: &LenderTarget) -> Result<(), devlend_fabric::tcp::ConnectError> {
+    match target.transport {
+        Transport::Tcp => Ok(()),
+        #[cfg(feature = "rdma")]
+        Transport::Rdma => crate::blk::rdma::RdmaLink::connect(target, 0).map(drop),
+        #[cfg(not(feature = "rdma"))]
+        Transport::Rdma => Err(devlend_fabric::tcp::ConnectError::Rdma {
+            addr: target.addr.clone(),
+            source: devlend_fabric::rdma::RdmaError::NotCompiled,
+        }),
+    }
+}
+
+/// Timeout of one connect + handshake attempt to the lender.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);

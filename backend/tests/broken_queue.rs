@@ -1,0 +1,122 @@
+//! A driver that corrupts its virtqueue stops that queue once (virtio 1.2 §2.1.2,
+//! §2.7.6), driven through the real queue engine on `virtio_queue::mock::MockSplitQueue`:
+//! an available index far past the queue size, or a head index out of range, breaks the
+//! queue; further kicks cost nothing and take nothing; the frontend's re-initialization
+//! (GET_VRING_BASE: `reset_broken`) makes it usable again. No lender is needed: nothing
+//! of a broken queue reaches one.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use devlend_backend::blk::engine::{LenderTarget, QueueEngine, QueueStats};
+use devlend_backend::blk::DeviceLimits;
+use devlend_backend::guest::GuestMemory;
+use virtio_queue::desc::{split::Descriptor, RawDescriptor};
+use virtio_queue::mock::MockSplitQueue;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+
+const QSIZE: u16 = 256;
+
+fn engine() -> QueueEngine {
+    let target = LenderTarget {
+        // Nothing listens: nothing may be sent.
+        addr: "127.0.0.1:9".into(),
+        device: "disk".into(),
+        borrower: [1; 16],
+        token: Vec::new(),
+        tls: None,
+        transport: Default::default(),
+        relay: None,
+    };
+    let limits = Arc::new(DeviceLimits::from_device_info(
+        &devlend_fabric::DeviceInfo {
+            capacity_sectors: 2048,
+            block_size: 512,
+            max_transfer: 1 << 20,
+            ..Default::default()
+        },
+    ));
+    QueueEngine::new(0, target, limits, Arc::new(QueueStats::default()))
+}
+
+fn memory() -> Arc<GuestMemory> {
+    Arc::new(GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap())
+}
+
+/// The avail ring's index field (offset 2 of the avail ring).
+fn set_avail_idx(mem: &GuestMemory, queue: &Queue, idx: u16) {
+    mem.write_obj(idx, GuestAddress(queue.avail_ring() + 2))
+        .unwrap();
+}
+
+#[test]
+fn an_avail_index_past_the_queue_size_breaks_the_queue_once_and_costs_nothing_after() {
+    let mem = memory();
+    let mock = MockSplitQueue::create(&*mem, GuestAddress(0), QSIZE);
+    let mut queue: Queue = mock.create_queue().unwrap();
+    let mut e = engine();
+    set_avail_idx(&mem, &queue, 40000);
+    assert!(!e.process_avail(&mut queue, &mem).unwrap());
+    assert!(e.is_broken(), "40000 chains available on a queue of 256");
+    assert!(e.take_newly_broken(), "the frontend is to be told, once");
+    assert!(!e.take_newly_broken());
+    assert_eq!(queue.next_avail(), 0, "nothing taken from the ring");
+    // A guest that keeps kicking costs no work and no log: 100000 kicks well under a
+    // second (each one was a spin through the ring and a log line).
+    let t = Instant::now();
+    for _ in 0..100_000 {
+        assert!(!e.process_avail(&mut queue, &mem).unwrap());
+    }
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(!e.take_newly_broken(), "told once only");
+    assert_eq!(e.inflight(), 0);
+    // The frontend stops the queue and the driver re-initializes it: served again.
+    e.reset_broken();
+    assert!(!e.is_broken());
+    queue.set_next_avail(0);
+    set_avail_idx(&mem, &queue, 0);
+    assert!(!e.process_avail(&mut queue, &mem).unwrap());
+    assert!(!e.is_broken(), "an empty, consistent ring is fine");
+}
+
+#[test]
+fn a_head_index_out_of_range_breaks_the_queue() {
+    let mem = memory();
+    let mock = MockSplitQueue::create(&*mem, GuestAddress(0), QSIZE);
+    let mut queue: Queue = mock.create_queue().unwrap();
+    let mut e = engine();
+    // One chain whose head, as the avail ring names it, is 300 on a queue of 256.
+    let d = RawDescriptor::from(Descriptor::new(0x8000, 16, 0, 0));
+    mock.add_desc_chains(&[d], 0).unwrap();
+    mem.write_obj(300u16, GuestAddress(queue.avail_ring() + 4))
+        .unwrap();
+    assert!(!e.process_avail(&mut queue, &mem).unwrap());
+    assert!(e.is_broken());
+    assert!(e.take_newly_broken());
+    assert_eq!(e.inflight(), 0, "nothing went to the lender");
+    assert_eq!(
+        queue
+            .used_idx(&*mem, std::sync::atomic::Ordering::Acquire)
+            .unwrap()
+            .0,
+        0,
+        "nothing was put in the used ring for a head that does not exist"
+    );
+}
+
+#[test]
+fn an_avail_index_at_most_the_queue_size_ahead_is_not_a_violation() {
+    let mem = memory();
+    let mock = MockSplitQueue::create(&*mem, GuestAddress(0), QSIZE);
+    let mut queue: Queue = mock.create_queue().unwrap();
+    let mut e = engine();
+    // Wrapping: last seen 65530, now 65530 + 256 (mod 2^16) is a full ring, legal.
+    queue.set_next_avail(65530);
+    queue.set_next_used(65530);
+    set_avail_idx(&mem, &queue, 65530u16.wrapping_add(QSIZE));
+    // The chains themselves are garbage (all-zero descriptors): they fail on their
+    // own, but the queue is not broken by the index.
+    let _ = e.process_avail(&mut queue, &mem);
+    assert!(!e.is_broken());
+}
