@@ -291,6 +291,16 @@ fn vring_sizes_that_are_not_powers_of_two_or_out_of_range_are_refused() {
         assert_ne!(ack, 0, "SET_VRING_NUM {num} accepted");
         assert_eq!(fe.set_vring_num(0, 256).unwrap(), 0, "after {num}");
     }
+    // A power of two above the device's largest queue (1024), sent again and again:
+    // refused each time, and the log must not grow with every one.
+    for _ in 0..500 {
+        assert_ne!(
+            fe.set_vring_num(0, 2048).unwrap(),
+            0,
+            "SET_VRING_NUM 2048 accepted"
+        );
+    }
+    assert_eq!(fe.set_vring_num(0, 256).unwrap(), 0, "after 2048");
     // The queue works at the size accepted.
     let mut q = Queue::new(0);
     q.start(&mut fe, &ram);

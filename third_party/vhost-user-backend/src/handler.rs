@@ -462,9 +462,11 @@ where
             .ok_or(VhostUserError::InvalidParam)?;
 
         // devlend patch: the vrings are split virtqueues (virtio-queue), whose size is a
-        // power of two (virtio 1.2 §2.7), even if the front-end acked RING_PACKED.
+        // power of two (virtio 1.2 §2.7), even if the front-end acked RING_PACKED. The
+        // front-end is told by the error ack; logged at debug level only, so that one
+        // repeating the request cannot fill the back-end's log.
         if num == 0 || num as usize > self.max_queue_size || !num.is_power_of_two() {
-            log::error!(
+            log::debug!(
                 "vring {index} requested queue size {num} out of range (1-{}, a power of two)",
                 self.max_queue_size
             );
