@@ -14,6 +14,7 @@ pub mod netns;
 pub mod nvme;
 pub use devlend_qemu::guest;
 pub mod storage_daemon;
+pub mod vhost_raw;
 
 /// SHA-256 of `data`, lower-case hex.
 pub fn sha256_hex(data: &[u8]) -> String {

@@ -26,7 +26,9 @@ use vmm_sys_util::event::{
 use crate::blk::engine::{LenderTarget, QueueEngine, QueueStats};
 use crate::blk::inflight::InflightRegion;
 use crate::blk::request::DeviceLimits;
-use crate::blk::spec::{config_slice, config_space, features, CONFIG_LEN, MAX_QUEUE_SIZE};
+use crate::blk::spec::{
+    config_field, config_slice, config_space, features, CONFIG_LEN, MAX_QUEUE_SIZE,
+};
 use crate::guest::GuestMemory;
 
 /// How long GET_VRING_BASE and detach wait for requests in flight before failing them.
@@ -288,6 +290,21 @@ impl VhostUserBackend for BlkBackend {
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
         config_slice(&self.config, offset, size)
+    }
+
+    /// SET_CONFIG. devlend offers no VIRTIO_BLK_F_CONFIG_WCE, so every field of
+    /// `virtio_blk_config` is read-only for the driver (virtio 1.2 §5.2.4): every write
+    /// is refused (the frontend gets an error ack and the session goes on). Not logged,
+    /// so that a frontend repeating it cannot fill the log.
+    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "virtio-blk config space is read-only: write of {} bytes at offset {offset} ({}) refused",
+                buf.len(),
+                config_field(offset),
+            ),
+        ))
     }
 
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemory>) -> io::Result<()> {

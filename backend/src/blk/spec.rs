@@ -103,6 +103,38 @@ pub fn config_space(limits: &DeviceLimits, num_queues: u16) -> [u8; CONFIG_LEN] 
     c
 }
 
+/// The fields of `struct virtio_blk_config` (virtio 1.2 §5.2.4): offset, size, name.
+const CONFIG_FIELDS: &[(u32, u32, &str)] = &[
+    (0, 8, "capacity"),
+    (8, 4, "size_max"),
+    (12, 4, "seg_max"),
+    (16, 4, "geometry"),
+    (20, 4, "blk_size"),
+    (24, 8, "topology"),
+    (32, 1, "writeback"),
+    (33, 1, "unused0"),
+    (34, 2, "num_queues"),
+    (36, 4, "max_discard_sectors"),
+    (40, 4, "max_discard_seg"),
+    (44, 4, "discard_sector_alignment"),
+    (48, 4, "max_write_zeroes_sectors"),
+    (52, 4, "max_write_zeroes_seg"),
+    (56, 1, "write_zeroes_may_unmap"),
+    (57, 3, "unused1"),
+    (60, 4, "max_secure_erase_sectors"),
+    (64, 4, "max_secure_erase_seg"),
+    (68, 4, "secure_erase_sector_alignment"),
+    (72, 24, "zoned"),
+];
+
+/// The name of the config-space field at byte `offset`, or `"beyond the config space"`.
+pub fn config_field(offset: u32) -> &'static str {
+    CONFIG_FIELDS
+        .iter()
+        .find(|&&(start, len, _)| offset >= start && offset - start < len)
+        .map_or("beyond the config space", |&(_, _, name)| name)
+}
+
 /// The bytes of a GET_CONFIG reply: exactly `size` bytes from `offset` (relative to the
 /// device config), zero-padded past the end of the layout (vhost-user spec,
 /// VHOST_USER_GET_CONFIG; both QEMU and libblkio need the exact size).
@@ -156,6 +188,24 @@ mod tests {
         assert_eq!(tail.len(), 20);
         assert_eq!(&tail[6..], &[0u8; 14]);
         assert_eq!(config_slice(&c, u32::MAX, 4), vec![0; 4]);
+    }
+
+    #[test]
+    fn config_fields_are_named_by_offset() {
+        assert_eq!(config_field(0), "capacity");
+        assert_eq!(config_field(7), "capacity");
+        assert_eq!(config_field(32), "writeback");
+        assert_eq!(config_field(35), "num_queues");
+        assert_eq!(config_field(95), "zoned");
+        assert_eq!(config_field(96), "beyond the config space");
+        assert_eq!(config_field(u32::MAX), "beyond the config space");
+        // The table covers the layout without gaps or overlaps.
+        let mut next = 0;
+        for &(start, len, _) in CONFIG_FIELDS {
+            assert_eq!(start, next);
+            next = start + len;
+        }
+        assert_eq!(next as usize, CONFIG_LEN);
     }
 
     #[test]

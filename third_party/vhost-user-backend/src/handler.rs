@@ -462,9 +462,11 @@ where
             .ok_or(VhostUserError::InvalidParam)?;
 
         // devlend patch: the vrings are split virtqueues (virtio-queue), whose size is a
-        // power of two (virtio 1.2 §2.7), even if the front-end acked RING_PACKED.
+        // power of two (virtio 1.2 §2.7), even if the front-end acked RING_PACKED. The
+        // front-end is told by the error ack; logged at debug level only, so that one
+        // repeating the request cannot fill the back-end's log.
         if num == 0 || num as usize > self.max_queue_size || !num.is_power_of_two() {
-            log::error!(
+            log::debug!(
                 "vring {index} requested queue size {num} out of range (1-{}, a power of two)",
                 self.max_queue_size
             );
@@ -506,20 +508,11 @@ where
                 .set_queue_info(desc_table, avail_ring, used_ring)
                 .map_err(|_| VhostUserError::InvalidParam)?;
 
-            // SET_VRING_BASE will only restore the 'avail' index, however, after the guest driver
-            // changes, for instance, after reboot, the 'used' index should be reset to 0.
-            //
-            // So let's fetch the used index from the vring as set by the guest here to keep
-            // compatibility with the QEMU's vhost-user library just in case, any implementation
-            // expects the 'used' index to be set when receiving a SET_VRING_ADDR message.
-            //
-            // Note: I'm not sure why QEMU's vhost-user library sets the 'user' index here,
-            // _probably_ to make sure that the VQ is already configured. A better solution would
-            // be to receive the 'used' index in SET_VRING_BASE, as is done when using packed VQs.
-            let idx = vring
-                .queue_used_idx()
-                .map_err(|_| VhostUserError::BackendInternalError)?;
-            vring.set_queue_next_used(idx);
+            // devlend patch: the used index is no longer read from guest memory here.
+            // A driver that rebuilds a ring at the same address (SeaBIOS handing over to
+            // Linux: GET_VRING_BASE, then SET_VRING_BASE 0 and SET_VRING_ADDR) may leave
+            // a stale used.idx there, and the first completion then went to the wrong
+            // used-ring slot. SET_VRING_BASE sets next_used (see there).
 
             Ok(())
         } else {
@@ -534,6 +527,14 @@ where
             .ok_or(VhostUserError::InvalidParam)?;
 
         vring.set_queue_next_avail(base as u16);
+        // devlend patch: and the used index too. For a split queue the front-end sends
+        // the avail index a new back-end is to start from: after GET_VRING_BASE every
+        // request popped has completed (the back-end stops the ring and drains it), so
+        // used == avail; on a reconnect (the back-end was lost) QEMU sends the guest's
+        // used index (virtio_queue_restore_last_avail_idx). A back-end that resubmits
+        // requests left in flight (INFLIGHT_SHMFD) sets both indices itself from the
+        // guest's used index. SET_VRING_ADDR no longer reads used.idx from guest memory.
+        vring.set_queue_next_used(base as u16);
 
         Ok(())
     }

@@ -13,10 +13,11 @@ use vhost::vhost_user::message::{
 };
 use vhost::vhost_user::{Backend, Frontend, Listener, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
-use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock};
+use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
+use virtio_queue::QueueT;
 use vm_memory::{
-    FileOffset, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend,
-    GuestMemoryMmap,
+    Address, Bytes, FileOffset, GuestAddress, GuestAddressSpace, GuestMemoryAtomic,
+    GuestMemoryBackend, GuestMemoryMmap,
 };
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -28,6 +29,8 @@ struct MockVhostBackend {
     events: u64,
     event_idx: bool,
     acked_features: u64,
+    // devlend: the guest memory, to complete the chains of a kicked ring.
+    mem: Option<GuestMemoryAtomic<GuestMemoryMmap>>,
 }
 
 impl MockVhostBackend {
@@ -38,6 +41,7 @@ impl MockVhostBackend {
             events: 0,
             event_idx: false,
             acked_features: 0,
+            mem: None,
         }
     }
 }
@@ -99,6 +103,7 @@ impl VhostUserBackendMut for MockVhostBackend {
         let mem = atomic_mem.memory();
         let region = mem.find_region(GuestAddress(0x100000)).unwrap();
         assert_eq!(region.size(), 0x100000);
+        self.mem = Some(atomic_mem.clone());
         Ok(())
     }
 
@@ -128,10 +133,29 @@ impl VhostUserBackendMut for MockVhostBackend {
         &mut self,
         _device_event: u16,
         _evset: EventSet,
-        _vrings: &[VringRwLock],
+        vrings: &[VringRwLock],
         _thread_id: usize,
     ) -> Result<()> {
         self.events += 1;
+        // devlend: complete every available chain (0 bytes written), as a device would,
+        // so that a test can see where the used entries land.
+        if let Some(mem) = &self.mem {
+            let mem = mem.memory();
+            for vring in vrings {
+                let mut state = vring.get_mut();
+                let queue = state.get_queue_mut();
+                if !queue.ready() {
+                    continue;
+                }
+                let mut heads = Vec::new();
+                while let Some(chain) = queue.pop_descriptor_chain(&*mem) {
+                    heads.push(chain.head_index());
+                }
+                for head in heads {
+                    queue.add_used(&*mem, head, 0).unwrap();
+                }
+            }
+        }
 
         Ok(())
     }
@@ -598,4 +622,111 @@ fn vhost_user_raw(path: &Path, barrier: Arc<Barrier>) {
 #[test]
 fn test_vhost_user_raw() {
     vhost_user_server(vhost_user_raw);
+}
+
+// devlend: a driver rebuilds its ring at the same address (SeaBIOS hands over to Linux:
+// GET_VRING_BASE, then SET_VRING_BASE 0 and SET_VRING_ADDR) and leaves a stale used.idx
+// in memory. The first completion must go to used slot 0 (next_used comes from
+// SET_VRING_BASE), not to the slot the stale index names.
+fn vhost_user_ring_reinit(path: &Path, barrier: Arc<Barrier>) {
+    const SIZE: u16 = 16;
+    const STALE: u16 = 57;
+    let mut frontend = setup_frontend(path, barrier);
+    let mem = GuestMemoryMmap::<()>::from_ranges_with_files(&[(
+        GuestAddress(0x100000),
+        0x100000,
+        Some(FileOffset::new(memfd(0x100000), 0)),
+    )])
+    .unwrap();
+    let addr = mem.get_host_address(GuestAddress(0x100000)).unwrap() as u64;
+    let fd = mem
+        .find_region(GuestAddress(0x100000))
+        .unwrap()
+        .file_offset()
+        .unwrap()
+        .file()
+        .as_raw_fd();
+    frontend
+        .set_mem_table(&[VhostUserMemoryRegionInfo::new(
+            0x100000, 0x100000, addr, 0, fd,
+        )])
+        .unwrap();
+
+    let (desc, avail, used) = (
+        GuestAddress(0x100000),
+        GuestAddress(0x110000),
+        GuestAddress(0x120000),
+    );
+    // Descriptor 0: a 16-byte buffer the device writes (VRING_DESC_F_WRITE).
+    mem.write_obj(0x180000u64, desc).unwrap();
+    mem.write_obj(16u32, desc.unchecked_add(8)).unwrap();
+    mem.write_obj(2u16, desc.unchecked_add(12)).unwrap();
+    // Offer head 0 as the first entry of a fresh avail ring.
+    let offer = || {
+        mem.write_slice(&[0u8; 4 + 2 * SIZE as usize], avail)
+            .unwrap();
+        mem.write_obj(0u16, avail.unchecked_add(4)).unwrap();
+        mem.write_obj(1u16, avail.unchecked_add(2)).unwrap();
+    };
+    let used_idx = || mem.read_obj::<u16>(used.unchecked_add(2)).unwrap();
+    let used_id = |slot: u64| {
+        mem.read_obj::<u32>(used.unchecked_add(4 + 8 * slot))
+            .unwrap()
+    };
+    let wait_used_idx_not = |old: u16| {
+        for _ in 0..500 {
+            if used_idx() != old {
+                return;
+            }
+            thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("no completion within 5 s (used.idx still {old})");
+    };
+    let config = VringConfigData {
+        queue_max_size: 256,
+        queue_size: SIZE,
+        flags: 0,
+        desc_table_addr: addr,
+        used_ring_addr: addr + 0x20000,
+        avail_ring_addr: addr + 0x10000,
+        log_addr: None,
+    };
+
+    // First driver (SeaBIOS): one request, completed in used slot 0.
+    frontend.set_vring_num(0, SIZE).unwrap();
+    frontend.set_vring_base(0, 0).unwrap();
+    frontend.set_vring_addr(0, &config).unwrap();
+    offer();
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    frontend.set_vring_call(0, &call).unwrap();
+    frontend.set_vring_kick(0, &kick).unwrap();
+    frontend.set_vring_enable(0, true).unwrap();
+    wait_used_idx_not(0);
+    assert_eq!((used_idx(), used_id(0)), (1, 0));
+    assert_eq!(frontend.get_vring_base(0).unwrap(), 1);
+
+    // Second driver (Linux): the same addresses, a fresh avail ring, but a stale used
+    // index left in memory; slot 0 holds garbage so that a write to it shows.
+    mem.write_obj(0xdeadu32, used.unchecked_add(4)).unwrap();
+    mem.write_obj(STALE, used.unchecked_add(2)).unwrap();
+    frontend.set_vring_num(0, SIZE).unwrap();
+    frontend.set_vring_base(0, 0).unwrap();
+    frontend.set_vring_addr(0, &config).unwrap();
+    offer();
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    frontend.set_vring_call(0, &call).unwrap();
+    frontend.set_vring_kick(0, &kick).unwrap();
+    wait_used_idx_not(STALE);
+    assert_eq!(
+        (used_idx(), used_id(0)),
+        (1, 0),
+        "the completion went to slot {} (used.idx {})",
+        STALE % SIZE,
+        used_idx()
+    );
+}
+
+#[test]
+fn test_vhost_user_ring_reinit_stale_used_idx() {
+    vhost_user_server(vhost_user_ring_reinit);
 }
