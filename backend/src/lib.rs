@@ -6,10 +6,11 @@
 //! Payloads move between the socket and guest memory directly ([`guest`]).
 //!
 //! [`net`] is a vhost-user-net backend; [`pci`] a vfio-user server for a lent PCIe
-//! function.
+//! function. [`virtq`] holds the checks of a virtqueue the driver may have corrupted.
 
 pub mod blk;
 pub mod guest;
 pub mod net;
 pub mod pci;
 mod shared_map;
+pub mod virtq;

@@ -120,3 +120,34 @@ fn an_avail_index_at_most_the_queue_size_ahead_is_not_a_violation() {
     let _ = e.process_avail(&mut queue, &mem);
     assert!(!e.is_broken());
 }
+
+#[test]
+fn a_nic_transmit_queue_with_a_corrupt_avail_index_is_an_error_not_a_spin() {
+    use devlend_backend::net::pair::{NetStats, PairEngine};
+    let mem = memory();
+    let mock = MockSplitQueue::create(&*mem, GuestAddress(0), QSIZE);
+    let mut queue: Queue = mock.create_queue().unwrap();
+    let stats = Arc::new(NetStats::new(1, true, 1500));
+    let target = LenderTarget {
+        addr: "127.0.0.1:9".into(),
+        device: "nic".into(),
+        borrower: [1; 16],
+        token: Vec::new(),
+        tls: None,
+        transport: Default::default(),
+        relay: None,
+    };
+    let mut e = PairEngine::new(0, Arc::from("nic"), target, stats).unwrap();
+    set_avail_idx(&mem, &queue, 40000);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = e.on_tx(&mut queue, &mem);
+        let _ = tx.send(matches!(r, Err(virtio_queue::Error::InvalidAvailRingIndex)));
+    });
+    // Without the check, on_tx never returns: virtio-queue takes no chain and
+    // enable_notification keeps saying there are more.
+    let refused = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the transmit path spins on a corrupt avail index");
+    assert!(refused, "the corrupt ring is reported as the guest's error");
+}

@@ -450,25 +450,6 @@ impl QueueEngine {
         self.newly_broken = false;
     }
 
-    /// Checks the avail ring's index against the last one seen: a driver may make at
-    /// most a queue's size of chains available at once (virtio 1.2 §2.7.6). Returns the
-    /// violation.
-    fn avail_violation(
-        queue: &Queue,
-        mem: &GuestMemory,
-    ) -> Result<Option<String>, virtio_queue::Error> {
-        let idx = queue.avail_idx(mem, std::sync::atomic::Ordering::Acquire)?;
-        let pending = idx.0.wrapping_sub(queue.next_avail());
-        Ok((pending > queue.size()).then(|| {
-            format!(
-                "avail.idx {} is {pending} chains past the last index taken ({}), more than the queue size {}",
-                idx.0,
-                queue.next_avail(),
-                queue.size()
-            )
-        }))
-    }
-
     /// Pops every available chain, completes the invalid ones and sends the rest to the
     /// lender in one batch. Loops with notifications re-enabled so that no kick is lost
     /// (EVENT_IDX). Returns whether used-ring entries were added (the caller then checks
@@ -491,7 +472,7 @@ impl QueueEngine {
         }
         loop {
             queue.disable_notification(mem.as_ref())?;
-            if let Some(reason) = Self::avail_violation(queue, mem.as_ref())? {
+            if let Some(reason) = crate::virtq::avail_violation(queue, mem.as_ref())? {
                 self.break_queue(reason);
                 return Ok(used | self.flush_tx(queue, mem)?);
             }

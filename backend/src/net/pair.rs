@@ -552,6 +552,11 @@ impl PairEngine {
         let mut used = false;
         loop {
             txq.disable_notification(mem)?;
+            // A corrupt avail index would make this loop spin (virtio-queue takes no
+            // chain, and says more are there): the worker reports it as the guest's.
+            if crate::virtq::avail_violation(txq, mem)?.is_some() {
+                return Err(virtio_queue::Error::InvalidAvailRingIndex);
+            }
             while self.out.len() < OUT_LIMIT {
                 let Some(chain) = txq.pop_descriptor_chain(mem) else {
                     break;

@@ -37,6 +37,11 @@ pub fn deliver(
     offload: Option<&Offload>,
     mergeable: bool,
 ) -> Result<Delivery, virtio_queue::Error> {
+    // A corrupt avail index: virtio-queue would take no chain and log it, for every
+    // frame, and the receive loop would spin on it. It is the guest's error.
+    if crate::virtq::avail_violation(queue, mem)?.is_some() {
+        return Err(virtio_queue::Error::InvalidAvailRingIndex);
+    }
     let need = NET_HDR_LEN + frame.len();
     let start = queue.next_avail();
     let mut chains = Vec::new();
@@ -161,6 +166,19 @@ mod tests {
         assert_eq!(vq.used().idx().load(), 6);
         let last = vq.used().ring().ref_at(5).unwrap().load();
         assert_eq!(last.len(), (8014 + 12 - 5 * 1536) as u32);
+    }
+
+    #[test]
+    fn a_corrupt_avail_index_is_an_error_not_a_spin() {
+        let m = mem();
+        let (vq, mut q) = queue_with(&m, 2, 1536);
+        vq.avail().idx().store(u16::to_le(40000));
+        assert!(matches!(
+            deliver(&mut q, &m, &[1u8; 100], None, true),
+            Err(virtio_queue::Error::InvalidAvailRingIndex)
+        ));
+        assert_eq!(q.next_avail(), 0);
+        assert_eq!(vq.used().idx().load(), 0);
     }
 
     #[test]
