@@ -19,16 +19,8 @@ use vm_memory::{Bytes, GuestAddress};
 const QSIZE: u16 = 256;
 
 fn engine() -> QueueEngine {
-    let target = LenderTarget {
-        // Nothing listens: nothing may be sent.
-        addr: "127.0.0.1:9".into(),
-        device: "disk".into(),
-        borrower: [1; 16],
-        token: Vec::new(),
-        tls: None,
-        transport: Default::default(),
-        relay: None,
-    };
+    // Nothing listens: nothing may be sent.
+    let target = LenderTarget::direct("127.0.0.1:9", "disk", [1; 16]);
     let limits = Arc::new(DeviceLimits::from_device_info(
         &devlend_fabric::DeviceInfo {
             capacity_sectors: 2048,
@@ -128,15 +120,7 @@ fn a_nic_transmit_queue_with_a_corrupt_avail_index_is_an_error_not_a_spin() {
     let mock = MockSplitQueue::create(&*mem, GuestAddress(0), QSIZE);
     let mut queue: Queue = mock.create_queue().unwrap();
     let stats = Arc::new(NetStats::new(1, true, 1500));
-    let target = LenderTarget {
-        addr: "127.0.0.1:9".into(),
-        device: "nic".into(),
-        borrower: [1; 16],
-        token: Vec::new(),
-        tls: None,
-        transport: Default::default(),
-        relay: None,
-    };
+    let target = LenderTarget::direct("127.0.0.1:9", "nic", [1; 16]);
     let mut e = PairEngine::new(0, Arc::from("nic"), target, stats).unwrap();
     set_avail_idx(&mem, &queue, 40000);
     let (tx, rx) = std::sync::mpsc::channel();

@@ -73,15 +73,7 @@ fn fake_lender(
 }
 
 fn engine(addr: &str) -> QueueEngine {
-    let target = LenderTarget {
-        addr: addr.to_owned(),
-        device: "disk".into(),
-        borrower: [1; 16],
-        token: Vec::new(),
-        tls: None,
-        transport: Default::default(),
-        relay: None,
-    };
+    let target = LenderTarget::direct(addr, "disk", [1; 16]);
     let limits = Arc::new(DeviceLimits::from_device_info(&device()));
     let mut e = QueueEngine::new(0, target, limits, Arc::new(QueueStats::default()))
         .with_deadline(Duration::from_secs(2));
@@ -194,6 +186,18 @@ fn a_lender_that_stops_reading_blocks_no_thread_and_a_drain_answers_at_its_deadl
     lender.join().unwrap();
 }
 
+/// Answers every held write, oldest first.
+fn answer(s: &mut TcpStream, held: &mut Vec<RequestHeader>) {
+    for h in held.drain(..) {
+        let r = ResponseHeader {
+            status: Status::Ok,
+            len: 0,
+            id: h.id,
+        };
+        s.write_all(&r.encode()).unwrap();
+    }
+}
+
 /// What the credit-checking lender saw.
 #[derive(Debug, Default)]
 struct Seen {
@@ -228,14 +232,7 @@ fn a_borrower_never_has_more_outstanding_than_the_credit_and_everything_complete
                     ) =>
                 {
                     // The borrower stopped sending: answer what is held, oldest first.
-                    for h in held.drain(..) {
-                        let r = ResponseHeader {
-                            status: Status::Ok,
-                            len: 0,
-                            id: h.id,
-                        };
-                        s.write_all(&r.encode()).unwrap();
-                    }
+                    answer(&mut s, &mut held);
                     bytes = 0;
                     continue;
                 }
@@ -255,14 +252,7 @@ fn a_borrower_never_has_more_outstanding_than_the_credit_and_everything_complete
             seen.most_outstanding = seen.most_outstanding.max(held.len());
             seen.most_bytes = seen.most_bytes.max(bytes);
         }
-        for h in held.drain(..) {
-            let r = ResponseHeader {
-                status: Status::Ok,
-                len: 0,
-                id: h.id,
-            };
-            s.write_all(&r.encode()).unwrap();
-        }
+        answer(&mut s, &mut held);
         seen_tx.send(seen).unwrap();
         // Hold the connection until the borrower has taken the last answers.
         std::thread::sleep(Duration::from_millis(500));

@@ -409,3 +409,37 @@ pub fn sparse_file(path: &Path, len: u64) -> Result<()> {
     File::create(path)?.set_len(len)?;
     Ok(())
 }
+
+/// One lent disk, as most guest tests want it: a lender serving a sparse image as
+/// `disk0`, and a borrower with it attached on `disk0.sock`, all in one directory.
+pub struct LentDisk {
+    /// The lender's backing file.
+    pub image: PathBuf,
+    /// The vhost-user socket the VMM joins.
+    pub socket: PathBuf,
+    /// The lender.
+    pub lender: Lender,
+    /// The borrower.
+    pub borrower: Borrower,
+}
+
+impl LentDisk {
+    /// Lends a sparse image of `bytes` from `dir` and attaches it with `queues` queues.
+    ///
+    /// # Errors
+    /// An agent does not start, or the attach fails.
+    pub fn start(dir: &Path, bytes: u64, queues: u16) -> Result<Self> {
+        let image = dir.join("disk0.img");
+        sparse_file(&image, bytes)?;
+        let lender = Lender::start(dir, &[format!("disk0={}", image.display())])?;
+        let borrower = Borrower::start(dir)?;
+        let socket = dir.join("disk0.sock");
+        borrower.attach(&lender.addr, "disk0", &socket, queues)?;
+        Ok(LentDisk {
+            image,
+            socket,
+            lender,
+            borrower,
+        })
+    }
+}

@@ -13,7 +13,7 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use devlend_tests::agents::{sparse_file, Borrower, Lender};
+use devlend_tests::agents::LentDisk;
 use devlend_tests::guest::Guest;
 use devlend_tests::sha256_hex;
 
@@ -62,18 +62,14 @@ done
 #[test]
 fn a_guest_keeping_one_queue_full_of_large_requests_never_stalls() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let img = dir.path().join("disk0.img");
-    sparse_file(&img, DISK_BYTES)?;
-    let lender = Lender::start(dir.path(), &[format!("disk0={}", img.display())])?;
-    let borrower = Borrower::start(dir.path())?;
-    let sock = dir.path().join("disk0.sock");
-    borrower.attach(&lender.addr, "disk0", &sock, 1)?;
+    let disk = LentDisk::start(dir.path(), DISK_BYTES, 1)?;
+    let (img, sock, borrower) = (&disk.image, &disk.socket, &disk.borrower);
     let script = SCRIPT.replace("SECONDS", &SECONDS.to_string());
     let mut guest = Guest::builder()
         .name("guest_deep_io")
         .memory_mib(1024)
         .script(script)
-        .vhost_user_blk(&sock)
+        .vhost_user_blk(sock)
         .boot()?;
     // 20 s of I/O, then the checks; a stalled queue shows as no end.
     let out = guest.wait_done(Duration::from_secs(400))?;
@@ -85,7 +81,7 @@ fn a_guest_keeping_one_queue_full_of_large_requests_never_stalls() -> Result<()>
         dds >= 8,
         "the workload hardly ran: {dds} dd runs\n{console}"
     );
-    let file = std::fs::read(&img)?;
+    let file = std::fs::read(img)?;
     for w in 0..4 {
         assert_eq!(
             out.result(&format!("verify{w}")),

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use devlend_qemu::firmware::BOOT_VOLUME_BYTES;
-use devlend_tests::agents::{sparse_file, Borrower, Lender};
+use devlend_tests::agents::LentDisk;
 use devlend_tests::guest::Guest;
 use devlend_tests::sha256_hex;
 
@@ -51,12 +51,8 @@ echo "DEVLEND-RESULT rounds=$next"
 #[test]
 fn seabios_boots_from_a_lent_disk_and_the_kernel_takes_it_over_round_after_round() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let img = dir.path().join("disk0.img");
-    sparse_file(&img, DISK_BYTES)?;
-    let lender = Lender::start(dir.path(), &[format!("disk0={}", img.display())])?;
-    let borrower = Borrower::start(dir.path())?;
-    let sock = dir.path().join("disk0.sock");
-    borrower.attach(&lender.addr, "disk0", &sock, 1)?;
+    let disk = LentDisk::start(dir.path(), DISK_BYTES, 1)?;
+    let (img, sock, borrower) = (&disk.image, &disk.socket, &disk.borrower);
     let script = SCRIPT.replace("ROUNDS", &ROUNDS.to_string());
     // The boot volume goes into the lender's file: the guest can boot only by reading it
     // through the lent disk.
@@ -64,8 +60,8 @@ fn seabios_boots_from_a_lent_disk_and_the_kernel_takes_it_over_round_after_round
         .name("guest_firmware_boot")
         .memory_mib(512)
         .script(script)
-        .vhost_user_blk(&sock)
-        .firmware_boot_from(&img)
+        .vhost_user_blk(sock)
+        .firmware_boot_from(img)
         .allow_reset(true)
         .boot()?;
     let out = guest.wait_done(Duration::from_secs(600))?;
@@ -76,7 +72,7 @@ fn seabios_boots_from_a_lent_disk_and_the_kernel_takes_it_over_round_after_round
         Some(ROUNDS.to_string().as_str()),
         "{console}"
     );
-    let file = std::fs::read(&img)?;
+    let file = std::fs::read(img)?;
     assert_eq!(
         &file[510..512],
         &[0x55, 0xaa],

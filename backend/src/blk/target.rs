@@ -36,6 +36,20 @@ pub enum Transport {
 }
 
 impl LenderTarget {
+    /// A target in direct mode over plain TCP: `device` of the lender at `addr`, for the
+    /// borrower identity `borrower` (no lease token, no TLS, no gateway).
+    pub fn direct(addr: impl Into<String>, device: impl Into<String>, borrower: [u8; 16]) -> Self {
+        LenderTarget {
+            addr: addr.into(),
+            device: device.into(),
+            borrower,
+            token: Vec::new(),
+            tls: None,
+            transport: Transport::Tcp,
+            relay: None,
+        }
+    }
+
     /// Opens a TCP session (TLS if configured, through the gateway if routed) with
     /// `hello`, each step bounded by [`CONNECT_TIMEOUT`].
     ///
