@@ -895,7 +895,13 @@ impl QueueEngine {
             };
         }
         for (h, &(head, data)) in self.tx_headers.iter().zip(&self.tx_heads) {
-            self.tx.push(*h, head, data);
+            // A write's data is its request's length (the chain's buffers, as parsed).
+            let len = if data {
+                self.table.slot(head).len as usize
+            } else {
+                0
+            };
+            self.tx.push(*h, head, len);
         }
         self.tx_headers.clear();
         self.tx_heads.clear();

@@ -30,6 +30,8 @@ struct Entry {
     header: [u8; REQUEST_HEADER_LEN],
     head: u16,
     data: bool,
+    /// Bytes on the wire: the header, and the data when `data`.
+    len: usize,
 }
 
 /// Requests waiting to be written on a stream, in order.
@@ -44,10 +46,15 @@ pub(crate) struct TxQueue {
 }
 
 impl TxQueue {
-    /// Queues a request: its encoded header, and whether the guest data of slot `head`
-    /// follows it.
-    pub(crate) fn push(&mut self, header: [u8; REQUEST_HEADER_LEN], head: u16, data: bool) {
-        self.entries.push_back(Entry { header, head, data });
+    /// Queues a request: its encoded header, and `data_len` bytes of the guest data of
+    /// slot `head` after it (0: none).
+    pub(crate) fn push(&mut self, header: [u8; REQUEST_HEADER_LEN], head: u16, data_len: usize) {
+        self.entries.push_back(Entry {
+            header,
+            head,
+            data: data_len > 0,
+            len: REQUEST_HEADER_LEN + data_len,
+        });
     }
 
     /// Nothing waits to be written.
@@ -91,7 +98,7 @@ impl TxQueue {
                     return Ok(());
                 }
             };
-            self.advance(n, &data);
+            self.advance(n);
         }
         Ok(())
     }
@@ -129,19 +136,13 @@ impl TxQueue {
     }
 
     /// `n` more bytes were written: drops the entries written whole.
-    fn advance<'a>(&mut self, n: usize, data: &impl Fn(u16) -> &'a [HostIov]) {
+    fn advance(&mut self, n: usize) {
         let mut left = self.done + n;
         while let Some(e) = self.entries.front() {
-            let len = REQUEST_HEADER_LEN
-                + if e.data {
-                    data(e.head).iter().map(|i| i.len).sum()
-                } else {
-                    0
-                };
-            if left < len {
+            if left < e.len {
                 break;
             }
-            left -= len;
+            left -= e.len;
             self.entries.pop_front();
         }
         self.done = left;
@@ -204,8 +205,8 @@ mod tests {
             .collect();
         let mut q = TxQueue::default();
         for i in 0..4u16 {
-            q.push(header(0xa0 + i as u8), i, true);
-            q.push(header(0xb0 + i as u8), 100 + i, false);
+            q.push(header(0xa0 + i as u8), i, 1 << 20);
+            q.push(header(0xb0 + i as u8), 100 + i, 0);
         }
         let data = |h: u16| iovs[usize::from(h)].as_slice();
         let t = std::time::Instant::now();
@@ -252,7 +253,7 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         drop(b);
         let mut q = TxQueue::default();
-        q.push(header(1), 0, false);
+        q.push(header(1), 0, 0);
         assert!(q.write(a.as_raw_fd(), |_| &[]).is_err());
         q.clear();
         assert!(q.is_empty() && !q.blocked());
