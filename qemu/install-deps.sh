@@ -5,7 +5,10 @@
 #   - the tools qemu/build-guest.sh uses to build the guest kernel + initramfs
 #     (busybox-static, cpio, kmod, xz-utils, zstd) and the host tools the tests
 #     use (iproute2, e2fsprogs);
-#   - PostgreSQL (postgresql): the pool's tests start a private server from it.
+#   - PostgreSQL (postgresql): the pool's tests start a private server from it;
+#   - libvirt 9.0 (libvirt-daemon, libvirt-daemon-driver-qemu, libvirt-clients): the
+#     libvirt test configures it and starts its daemons itself (tests/src/libvirt.rs);
+#   - Prometheus (prometheus, with promtool): the metrics test runs a private server.
 #
 # Idempotent and non-interactive. When everything is present it only checks and
 # exits within a fraction of a second (CI and the test harness call it on every
@@ -22,7 +25,8 @@ readonly MIN_MAJOR="${DEVLEND_QEMU_MIN_MAJOR:-10}"
 # RDMA: the -dev packages and clang for rdma-sys (bindgen) at build time; the rxe
 # provider and iproute2's `rdma` for the Soft-RoCE test guest.
 # debootstrap: the Debian 13 chroot with QEMU 11 (qemu/build-qemu11-root.sh).
-readonly BASE_PACKAGES=(busybox-static cpio kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql libibverbs-dev librdmacm-dev clang libclang-dev ibverbs-providers rdma-core debootstrap syslinux syslinux-common mtools dosfstools)
+# libvirt and prometheus: tests/tests/libvirt.rs and tests/tests/prometheus.rs.
+readonly BASE_PACKAGES=(busybox-static cpio kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql libibverbs-dev librdmacm-dev clang libclang-dev ibverbs-providers rdma-core debootstrap syslinux syslinux-common mtools dosfstools libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients prometheus)
 readonly QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 readonly LOCK_FILE=/run/lock/devlend-install-deps.lock
 
@@ -37,7 +41,7 @@ case "${1:-}" in
 "") ;;
 --check) check_only=1 ;;
 -h | --help)
-	sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
 	exit 0
 	;;
 *) die "unknown argument: $1 (try --help)" ;;

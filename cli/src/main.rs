@@ -10,7 +10,7 @@ use devlend_cli::bench::options::{
     parse_secs, parse_size, BenchOptions, Matrix, PeersOptions, Rw, Workload,
 };
 use devlend_cli::demo::{self, DemoOptions, Frontend};
-use devlend_cli::output::{human_bytes, libvirt_xml, qemu_args, status_table};
+use devlend_cli::output::{human_bytes, libvirt_target_dev, libvirt_xml, qemu_args, status_table};
 use devlend_cli::placement;
 use devlend_compute_agent::api::{AttachRequest, VmmTarget};
 use devlend_compute_agent::vmm::cloud_hypervisor;
@@ -116,6 +116,11 @@ enum Cmd {
         /// Which VMM's arguments to print.
         #[arg(long, value_enum, default_value_t = Vmm::Qemu)]
         vmm: Vmm,
+        /// The `<target dev=...>` of the printed libvirt `<disk>`: a name not yet used by
+        /// the domain's disks (`vd` and letters). The guest does not see it; it finds the
+        /// disk by its serial (docs/libvirt.md).
+        #[arg(long, default_value = "vdb", value_parser = libvirt_target_dev)]
+        libvirt_dev: String,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -361,6 +366,7 @@ fn run(cli: Cli) -> Result<()> {
             qmp,
             ch_api,
             vmm,
+            libvirt_dev,
             json,
         } => {
             let socket = if socket.is_absolute() {
@@ -495,7 +501,7 @@ fn run(cli: Cli) -> Result<()> {
             match vmm {
                 Vmm::Qemu => {
                     println!("QEMU:\n  {}\n", qemu_args(&a));
-                    println!("libvirt:\n{}", libvirt_xml(&a));
+                    println!("libvirt:\n{}", libvirt_xml(&a, &libvirt_dev));
                 }
                 Vmm::CloudHypervisor if a.net.is_some() => {
                     let mac = a.net.as_ref().map_or("", |n| n.mac.as_str());

@@ -44,7 +44,9 @@ pub fn qemu_net_args(a: &AttachmentInfo) -> String {
     )
 }
 
-/// A libvirt `<interface type='vhostuser'>` element for a lent NIC.
+/// A libvirt `<interface type='vhostuser'>` element for a lent NIC. libvirt 9.0 fails to
+/// start a domain whose vhostuser interface has an `<mtu>` ("Cannot set interface MTU on
+/// '(null)'"): the MTU goes in a comment.
 pub fn libvirt_net_xml(a: &AttachmentInfo) -> String {
     let (mac, mtu) = a
         .net
@@ -54,8 +56,9 @@ pub fn libvirt_net_xml(a: &AttachmentInfo) -> String {
         "<interface type='vhostuser'>\n  \
          <mac address='{mac}'/>\n  \
          <source type='unix' path='{}' mode='client'>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  \
-         <model type='virtio'/>\n  <mtu size='{mtu}'/>\n  \
-         <driver queues='{}' rx_queue_size='{qs}' tx_queue_size='{qs}'/>\n</interface>\n\
+         <model type='virtio'/>\n  \
+         <driver queues='{}' rx_queue_size='{qs}' tx_queue_size='{qs}'/>\n  \
+         <!-- the lender's MTU is {mtu}: set it in the guest (libvirt 9.0 refuses <mtu> here) -->\n</interface>\n\
          <!-- the domain needs shared memory: <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking> -->",
         a.socket.display(),
         a.queues,
@@ -95,9 +98,26 @@ pub fn qemu_args(a: &AttachmentInfo) -> String {
     )
 }
 
-/// A libvirt `<disk type='vhostuser'>` element for the attachment (an `<interface>`
-/// for a NIC).
-pub fn libvirt_xml(a: &AttachmentInfo) -> String {
+/// Checks a libvirt `<target dev=...>` name for a virtio disk: `vd` and one to three
+/// lower-case letters (libvirt derives the disk's index from them).
+///
+/// # Errors
+/// A message for clap when the name has another shape.
+pub fn libvirt_target_dev(s: &str) -> Result<String, String> {
+    let letters = s.strip_prefix("vd").unwrap_or("");
+    if (1..=3).contains(&letters.len()) && letters.bytes().all(|b| b.is_ascii_lowercase()) {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not a virtio disk name: `vd` and one to three letters (vdb, vdc, ...)"
+        ))
+    }
+}
+
+/// A libvirt `<disk type='vhostuser'>` element for the attachment, with target `dev`
+/// (an `<interface>` for a NIC). libvirt 9.0 refuses `<serial>` in a vhostuser disk:
+/// the guest reads the serial from devlend itself.
+pub fn libvirt_xml(a: &AttachmentInfo, dev: &str) -> String {
     if a.kind == "nic" {
         return libvirt_net_xml(a);
     }
@@ -106,12 +126,13 @@ pub fn libvirt_xml(a: &AttachmentInfo) -> String {
         "<disk type='vhostuser' device='disk'>\n  \
          <driver name='qemu' type='raw' queues='{}'/>\n  \
          <source type='unix' path='{}'>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  \
-         <target dev='vdb' bus='virtio'/>  <!-- a disk name free in the domain -->{ro}\n  \
-         <!-- the guest reads serial {} from the lender; libvirt refuses a serial element in a vhostuser disk -->\n</disk>\n\
+         <target dev='{dev}' bus='virtio'/>{ro}\n  \
+         <!-- the guest sees serial {}: /dev/disk/by-id/virtio-{}; target dev is libvirt's name only -->\n</disk>\n\
          <!-- the domain needs shared memory: <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking> -->",
         a.queues,
         a.socket.display(),
-        a.serial
+        a.serial,
+        a.serial,
     )
 }
 
@@ -260,4 +281,19 @@ fn disk_table(list: &[&AttachmentInfo]) -> String {
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod libvirt_tests {
+    use super::libvirt_target_dev;
+
+    #[test]
+    fn libvirt_target_names_are_virtio_disk_names() {
+        for ok in ["vdb", "vdz", "vdaa", "vdabc"] {
+            assert_eq!(libvirt_target_dev(ok).as_deref(), Ok(ok));
+        }
+        for bad in ["", "vd", "sdb", "vdB", "vd1", "vdabcd", "vdb'/>"] {
+            assert!(libvirt_target_dev(bad).is_err(), "{bad:?}");
+        }
+    }
 }

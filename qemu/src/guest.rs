@@ -449,6 +449,27 @@ impl GuestBuilder {
         Guest::start(self, image)
     }
 
+    /// The files of a direct kernel boot for a VMM the harness does not start itself
+    /// (libvirt, say): the kernel, this guest's initramfs written into `dir`, and the
+    /// kernel command line. The guest contract is the same; its console is wherever
+    /// that VMM puts the first serial port.
+    ///
+    /// # Errors
+    /// As [`GuestBuilder::boot`], or the initramfs cannot be written.
+    pub fn boot_files(&self, dir: &Path) -> Result<BootFiles> {
+        let image = match self.image.clone() {
+            Some(image) => image,
+            None => GuestImage::ensure()?,
+        };
+        let initrd = dir.join(format!("{}.initrd", self.name));
+        write_initrd(&image.initrd, self, &initrd)?;
+        Ok(BootFiles {
+            kernel: image.kernel,
+            initrd,
+            cmdline: self.cmdline(),
+        })
+    }
+
     fn qemu_args(&self, image: &GuestImage, initrd: &Path, qmp: &Path) -> Vec<String> {
         let mem = self.memory_mib;
         let mut args: Vec<String> = [
@@ -509,6 +530,17 @@ impl GuestBuilder {
         }
         args
     }
+}
+
+/// What [`GuestBuilder::boot_files`] gives another VMM to boot the guest.
+#[derive(Debug, Clone)]
+pub struct BootFiles {
+    /// The kernel.
+    pub kernel: PathBuf,
+    /// The guest's initramfs (base image plus the test's files).
+    pub initrd: PathBuf,
+    /// The kernel command line.
+    pub cmdline: String,
 }
 
 /// One line of console output.

@@ -27,6 +27,9 @@ use crate::netns::{Netns, NsLink};
 const MIB: u64 = 1 << 20;
 /// Size of the lent disk, bytes.
 pub const DISK: u64 = 64 * MIB;
+/// The port of the agents' metrics endpoints (each in its own namespace); the gateways'
+/// is 7713.
+pub const METRICS_PORT: u16 = 7714;
 /// The long link's one-way delay when on.
 pub const DELAY: Duration = Duration::from_millis(10);
 
@@ -58,6 +61,9 @@ pub struct Topo {
     pub img: PathBuf,
     _links: (NsLink, NsLink),
     _ns: Vec<Netns>,
+    /// The Prometheus endpoints (`HOST:PORT`, from the root namespace) of the compute
+    /// agent, the lender, gateway a and gateway b, in that order.
+    pub metrics: [String; 4],
     /// The test's directory (logs, sockets, certificates).
     pub dir: tempfile::TempDir,
 }
@@ -167,6 +173,8 @@ impl Topo {
                     "0.0.0.0:7700".into(),
                     "--device".into(),
                     format!("disk0={}", img.display()),
+                    "--metrics-listen".into(),
+                    format!("0.0.0.0:{METRICS_PORT}"),
                 ],
                 if lender_tls {
                     certs.lender_args(false)
@@ -216,6 +224,8 @@ impl Topo {
                 "a".into(),
                 "--gateway".into(),
                 format!("{}:7710", link_a.b_ip),
+                "--metrics-listen".into(),
+                format!("0.0.0.0:{METRICS_PORT}"),
             ],
             if lender_tls {
                 certs.borrower_args("ca.crt", None)
@@ -242,6 +252,12 @@ impl Topo {
             control_a,
             control_b,
             img,
+            metrics: [
+                format!("{}:{METRICS_PORT}", c.ns_ip),
+                format!("{}:{METRICS_PORT}", d.ns_ip),
+                format!("{}:7713", ga.ns_ip),
+                format!("{}:7713", gb.ns_ip),
+            ],
             _links: (link_a, link_b),
             _ns: ns,
             dir,

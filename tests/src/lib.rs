@@ -10,6 +10,7 @@ pub mod delay;
 pub mod edu;
 pub mod gateways;
 pub mod lan;
+pub mod libvirt;
 pub mod netns;
 pub mod nvme;
 pub use devlend_qemu::guest;

@@ -1,6 +1,7 @@
 //! The HTTP API (axum): routes, JSON errors, the OpenAPI document.
 
 pub mod error;
+pub mod metrics;
 pub mod openapi;
 pub mod routes;
 
@@ -16,6 +17,7 @@ pub const MAX_BODY_BYTES: usize = 4 << 20;
 pub fn router(service: PoolService) -> Router {
     Router::new()
         .route("/openapi.json", get(routes::openapi_json))
+        .route("/metrics", get(metrics::metrics))
         .route("/v1/signing-key", get(routes::signing_key))
         .route("/v1/providers", get(routes::providers))
         .route("/v1/providers/{name}", put(routes::register_provider))
