@@ -34,6 +34,23 @@ pub enum MetricsError {
     Thread(#[source] std::io::Error),
 }
 
+/// The content type of what [`render`] writes.
+pub const CONTENT_TYPE_OPENMETRICS: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The OpenMetrics text of one collector, read now: for a daemon that serves
+/// `/metrics` on a router of its own instead of [`serve`]'s thread.
+///
+/// # Errors
+/// Encoding errors (a collector whose `encode` fails).
+pub fn render(collector: impl Collector) -> Result<String, std::fmt::Error> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(collector));
+    let mut body = String::new();
+    prometheus_client::encoding::text::encode(&mut body, &registry)?;
+    Ok(body)
+}
+
 /// A running endpoint; it stops when the process exits.
 pub struct MetricsServer {
     addr: SocketAddr,
@@ -65,7 +82,10 @@ pub fn serve(addr: SocketAddr, collector: impl Collector) -> Result<MetricsServe
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
                 Ok(rt) => rt,
                 Err(e) => {
                     tracing::error!(error = %e, "metrics endpoint cannot start");
@@ -87,12 +107,11 @@ pub fn serve(addr: SocketAddr, collector: impl Collector) -> Result<MetricsServe
                         async move {
                             let mut body = String::new();
                             match prometheus_client::encoding::text::encode(&mut body, &registry) {
-                                Ok(()) => (
-                                    [(CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
-                                    body,
-                                )
+                                Ok(()) => ([(CONTENT_TYPE, CONTENT_TYPE_OPENMETRICS)], body)
                                     .into_response(),
-                                Err(_) => axum::http::StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                                Err(_) => {
+                                    axum::http::StatusCode::INTERNAL_SERVER_ERROR.into_response()
+                                }
                             }
                         }
                     }),

@@ -37,6 +37,9 @@ pub enum Error {
     /// The configuration is unusable (database URL, ...).
     #[error("{0}")]
     Config(String),
+    /// The metrics text could not be encoded.
+    #[error("cannot encode the metrics")]
+    Metrics(#[source] std::fmt::Error),
 }
 
 /// Shorthand for results of this crate's server side.

@@ -29,8 +29,7 @@ const IOV_MAX: usize = 1024;
 struct Entry {
     header: [u8; REQUEST_HEADER_LEN],
     head: u16,
-    data: bool,
-    /// Bytes on the wire: the header, and the data when `data`.
+    /// Bytes on the wire: the header, then the guest data of slot `head` if longer.
     len: usize,
 }
 
@@ -52,7 +51,6 @@ impl TxQueue {
         self.entries.push_back(Entry {
             header,
             head,
-            data: data_len > 0,
             len: REQUEST_HEADER_LEN + data_len,
         });
     }
@@ -113,7 +111,11 @@ impl TxQueue {
                 iov_base: e.header.as_ptr().cast_mut().cast(),
                 iov_len: e.header.len(),
             }];
-            let guest = if e.data { data(e.head) } else { &[] };
+            let guest = if e.len > REQUEST_HEADER_LEN {
+                data(e.head)
+            } else {
+                &[]
+            };
             for iov in header
                 .into_iter()
                 .chain(guest.iter().map(HostIov::as_iovec))
