@@ -169,3 +169,106 @@ put("pci_decode", "nvme-write-prp-list",
 put("pci_decode", "nvme-identify", nvme(0, sqe(0x06, prp1=0x11000, cdw10=1)))
 put("pci_decode", "nvme-log-page", nvme(0, sqe(0x02, prp1=0x11800, prp2=0x15000,
                                             cdw10=0x02 | 1023 << 16)))
+
+# --- vhost_sequence: actions, each an opcode byte and its fields (layout at the top of
+# fuzz_targets/vhost_sequence.rs).
+def negotiate(p=0, v=0):
+    return bytes([0, p, v])
+
+
+def mem(layout=0):
+    return bytes([1, layout])
+
+
+def setup(q, sz=8, base=0, fl=0):
+    return struct.pack("<BBBHB", 3, q, sz, base, fl)
+
+
+def vring(code, q, v, extra=b""):
+    return struct.pack("<BBBI", 4, code, q, v) + extra
+
+
+def simple(code, v=0, f=0):
+    return struct.pack("<BBBQ", 5, code, f, v)
+
+
+def config(kind, off, size, flags=0, data=b""):
+    return struct.pack("<BBHHB", 6, kind, off, size, flags) + data
+
+
+def inflight(kind, nq=2, qs=256, size=0, off=0):
+    return struct.pack("<BBHHII", 7, kind, nq, qs, size, off)
+
+
+def raw(code, hflags, payload=b"", nfd=0):
+    return struct.pack("<BBBHB", 8, code, hflags, len(payload), nfd) + payload
+
+
+def offer(q, kind, sector=0, n=8, fl=8):
+    return struct.pack("<BBBHBB", 9, q, kind, sector, n, fl)
+
+
+def avail_idx(q, mode, v):
+    return struct.pack("<BBBH", 12, q, mode, v)
+
+
+def kick(q):
+    return bytes([13, q])
+
+
+def wait(ms=0):
+    return bytes([14, ms])
+
+
+RECONNECT = bytes([17])
+
+
+def rebuild(q, base):
+    return struct.pack("<BBH", 18, q, base)
+
+
+IN, OUT, FLUSH, GET_ID, DISCARD, WZ = range(6)
+start = negotiate() + mem() + setup(0) + setup(1)
+put("vhost_sequence", "read", start + offer(0, IN) + wait() + vring(2, 0, 0))
+put("vhost_sequence", "write-flush-two-queues", start + offer(0, OUT, 16, 16) + offer(1, FLUSH)
+    + offer(1, GET_ID) + wait() + offer(0, IN, 16, 16) + wait() + vring(2, 0, 0) + vring(2, 1, 0))
+put("vhost_sequence", "discard-write-zeroes", start + offer(0, DISCARD, 8, 4)
+    + offer(0, WZ, 8, 4, fl=8 | 16) + wait())
+# The SeaBIOS handover: a request, then the ring rebuilt at the same place from base 1.
+put("vhost_sequence", "rebuild", negotiate() + mem() + setup(0, sz=3) + offer(0, IN) + wait()
+    + rebuild(0, 1) + offer(0, IN, 4, 1) + wait())
+# A driver that moves avail.idx far past the queue size.
+put("vhost_sequence", "avail-idx-corrupt", start + avail_idx(0, 0, 1000) + kick(0) + wait()
+    + offer(1, IN) + wait() + rebuild(0, 0) + offer(0, IN) + wait())
+# Inflight tracking across a backend restart.
+put("vhost_sequence", "inflight-reconnect", negotiate() + inflight(0) + mem() + setup(0)
+    + offer(0, OUT, 0, 8, fl=0) + kick(0) + RECONNECT + negotiate() + inflight(1 | 8)
+    + mem() + setup(0) + offer(0, IN) + wait())
+put("vhost_sequence", "config", negotiate() + config(0, 0, 60) + config(0, 0, 0)
+    + config(0, 0xfff0, 0x20) + config(1, 0, 8, 0, bytes(8)) + config(0, 20, 4))
+put("vhost_sequence", "queue-sizes", negotiate() + vring(0, 0, 3) + vring(0, 0, 65535)
+    + vring(0, 1, 0) + vring(0, 3, 256) + vring(1, 0, 0x10000) + vring(3, 0, 2))
+mem_regions = struct.pack("<HHBHH", 0, 0x20, 0, 0, 0) + struct.pack("<HHBHH", 0x20, 0x40, 0, 0x20, 0x20)
+put("vhost_sequence", "mem-table-raw", negotiate() + bytes([2, 0, 2]) + mem_regions
+    + bytes([2, 0]) + bytes([2, 0, 1]) + struct.pack("<HHBHH", 0, 0x60, 0, 0, 0) + bytes([0])
+    + mem(2) + setup(0) + offer(0, IN) + wait())
+put("vhost_sequence", "before-owner", bytes([5, 5]) + struct.pack("<BQ", 0, 1 << 3)
+    + simple(0) + mem() + setup(0) + simple(2) + mem() + raw(99, 0x09, bytes(8)))
+
+
+def inflight_write(off, data):
+    return struct.pack("<BHB", 16, off, len(data)) + data
+
+
+def inflight_desc(head, counter):
+    return inflight_write(16 + 16 * head, b"\x01" + bytes(7) + struct.pack("<Q", counter))
+
+
+# A frontend that hands a restarted backend an inflight buffer it wrote itself: four
+# heads marked in flight (queue 0: version 1, 256 descriptors), resubmitted on start.
+put("vhost_sequence", "inflight-resubmit", negotiate() + inflight(0) + mem() + setup(0)
+    + offer(0, OUT, 0, 8, fl=4) + offer(0, IN, 0, 8, fl=4)
+    + inflight_write(0, struct.pack("<QHHHH", 0, 1, 256, 0, 0))
+    + inflight_desc(0, 5) + inflight_desc(3, 2) + inflight_desc(7, 9) + inflight_desc(255, 1)
+    + RECONNECT + negotiate() + inflight(1 | 8) + mem() + setup(0, fl=1) + wait()
+    + offer(0, IN) + wait())

@@ -15,7 +15,7 @@ cd "$(dirname "$0")"
 secs="${1:-60}"
 shift || true
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(wire_decode blk_request pci_decode)
+[[ ${#targets[@]} -gt 0 ]] || targets=(wire_decode blk_request pci_decode vhost_sequence)
 export RUSTC_BOOTSTRAP=1
 
 # libfuzzer-sys compiles libFuzzer (C++) with the cc crate: it needs a C++ compiler.

@@ -29,6 +29,7 @@ pub mod req {
     pub const GET_FEATURES: u32 = 1;
     pub const SET_FEATURES: u32 = 2;
     pub const SET_OWNER: u32 = 3;
+    pub const RESET_OWNER: u32 = 4;
     pub const SET_MEM_TABLE: u32 = 5;
     pub const SET_VRING_NUM: u32 = 8;
     pub const SET_VRING_ADDR: u32 = 9;
@@ -43,6 +44,12 @@ pub mod req {
     pub const SET_VRING_ENABLE: u32 = 18;
     pub const GET_CONFIG: u32 = 24;
     pub const SET_CONFIG: u32 = 25;
+    pub const GET_INFLIGHT_FD: u32 = 31;
+    pub const SET_INFLIGHT_FD: u32 = 32;
+    pub const RESET_DEVICE: u32 = 34;
+    pub const GET_MAX_MEM_SLOTS: u32 = 36;
+    pub const ADD_MEM_REG: u32 = 37;
+    pub const REM_MEM_REG: u32 = 38;
 }
 
 /// Protocol feature bits.
@@ -51,6 +58,7 @@ pub mod proto {
     pub const MQ: u64 = 1 << 0;
     pub const REPLY_ACK: u64 = 1 << 3;
     pub const CONFIG: u64 = 1 << 9;
+    pub const INFLIGHT_SHMFD: u64 = 1 << 12;
     pub const CONFIGURE_MEM_SLOTS: u64 = 1 << 15;
 }
 
@@ -63,6 +71,8 @@ pub const F_VERSION_1: u64 = 1 << 32;
 pub const DESC_NEXT: u16 = 1;
 /// Descriptor flag VRING_DESC_F_WRITE (the device writes the buffer).
 pub const DESC_WRITE: u16 = 2;
+/// Descriptor flag VRING_DESC_F_INDIRECT (the buffer is a table of descriptors).
+pub const DESC_INDIRECT: u16 = 4;
 
 /// A message from the backend.
 #[derive(Debug)]
@@ -141,7 +151,7 @@ impl RawFrontend {
         // SAFETY: `hdr` points at `control`, which has room for one cmsg header with
         // `fds` (CMSG_SPACE); CMSG_FIRSTHDR/CMSG_DATA stay inside it, and the copy
         // writes exactly `fd_bytes` there.
-        let sent = unsafe {
+        unsafe {
             let cmsg = libc::CMSG_FIRSTHDR(&hdr);
             (*cmsg).cmsg_level = libc::SOL_SOCKET;
             (*cmsg).cmsg_type = libc::SCM_RIGHTS;
@@ -151,15 +161,112 @@ impl RawFrontend {
                 libc::CMSG_DATA(cmsg),
                 fd_bytes,
             );
-            libc::sendmsg(self.sock.as_raw_fd(), &hdr, 0)
-        };
-        if sent < 0 {
-            return Err(std::io::Error::last_os_error().into());
         }
+        let sent = loop {
+            // SAFETY: `hdr` and what it points at are alive for the call.
+            let sent = unsafe { libc::sendmsg(self.sock.as_raw_fd(), &hdr, 0) };
+            if sent >= 0 {
+                break sent;
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e.into());
+            }
+        };
         if (sent as usize) < msg.len() {
             self.sock.write_all(&msg[sent as usize..])?;
         }
         Ok(())
+    }
+
+    /// Sends a bare header whose payload size is `size`, with no payload (e.g. a size no
+    /// backend may accept, or one it waits for).
+    ///
+    /// # Errors
+    /// The socket fails.
+    pub fn send_header(&mut self, request: u32, flags: u32, size: u32) -> Result<()> {
+        let mut hdr = Vec::with_capacity(12);
+        for v in [request, flags, size] {
+            hdr.extend_from_slice(&v.to_ne_bytes());
+        }
+        self.sock.write_all(&hdr)?;
+        Ok(())
+    }
+
+    /// Sets how long a receive waits for a message (10 s from [`Self::connect`]).
+    ///
+    /// # Errors
+    /// The socket refuses the timeout (zero).
+    pub fn set_timeout(&self, timeout: Duration) -> Result<()> {
+        self.sock.set_read_timeout(Some(timeout))?;
+        Ok(())
+    }
+
+    /// Receives one message and the file descriptors that came with it (GET_INFLIGHT_FD
+    /// sends its memfd). A closed connection is an `io::Error` of kind `UnexpectedEof`,
+    /// nothing within the timeout one of kind `WouldBlock`.
+    ///
+    /// # Errors
+    /// The socket fails, is closed, or nothing comes in time.
+    pub fn recv_with_fds(&mut self) -> Result<(Reply, Vec<OwnedFd>)> {
+        let mut hdr = [0u8; 12];
+        // Room for one SCM_RIGHTS message of up to 8 fds (CMSG_SPACE(32) = 48 bytes).
+        let mut control = [0u64; 8];
+        let mut iov = libc::iovec {
+            iov_base: hdr.as_mut_ptr().cast(),
+            iov_len: hdr.len(),
+        };
+        // SAFETY: an all-zero msghdr is a valid value; the fields are set below.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&control) as _;
+        let n = loop {
+            // SAFETY: `msg` points at `hdr` and `control`, both alive for the call.
+            let n =
+                unsafe { libc::recvmsg(self.sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+            if n >= 0 {
+                break n;
+            }
+            let e = std::io::Error::last_os_error();
+            // A signal (libFuzzer's timer, for one) is no reason to give up.
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e.into());
+            }
+        };
+        let mut fds = Vec::new();
+        // SAFETY: the kernel filled `control` with `msg_controllen` bytes of cmsgs; the
+        // CMSG_* macros walk them inside it, and each SCM_RIGHTS one carries fds that are
+        // now this process's and owned by nothing else.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                    let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                        / std::mem::size_of::<RawFd>();
+                    for i in 0..count {
+                        fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        let n = n as usize;
+        if n == 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+        }
+        self.sock.read_exact(&mut hdr[n..])?;
+        let word = |i: usize| u32::from_ne_bytes([hdr[i], hdr[i + 1], hdr[i + 2], hdr[i + 3]]);
+        let mut payload = vec![0u8; word(8) as usize];
+        self.sock.read_exact(&mut payload)?;
+        let reply = Reply {
+            request: word(0),
+            flags: word(4),
+            payload,
+        };
+        Ok((reply, fds))
     }
 
     /// Receives one message.

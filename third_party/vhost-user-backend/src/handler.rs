@@ -410,6 +410,7 @@ where
         let mut mappings: Vec<AddrMapping> = Vec::new();
 
         for (region, file) in ctx.iter().zip(files) {
+            check_file_covers(&file, region.mmap_offset, region.memory_size)?;
             let guest_region = GuestRegionMmap::new(
                 region.mmap_region(file)?,
                 GuestAddress(region.guest_phys_addr),
@@ -732,6 +733,7 @@ where
             return Err(VhostUserError::InvalidOperation("postcopy not enabled"));
         }
 
+        check_file_covers(&file, region.mmap_offset, region.memory_size)?;
         let guest_region = Arc::new(
             GuestRegionMmap::new(
                 region.mmap_region(file)?,
@@ -969,6 +971,29 @@ impl<T: VhostUserBackend> Drop for VhostUserHandler<T> {
     }
 }
 
+/// devlend patch: a memory region must lie inside its file. `mmap` maps a range past
+/// the end of a regular file (memfd, hugetlbfs, /dev/shm) without complaint, and the
+/// first access there is a SIGBUS that kills the whole back-end process, with every other
+/// device it serves: a front-end's off-by-one, or a hostile one, must cost only its own
+/// request. Other kinds of fd (a character device such as /dev/zero or a DAX device)
+/// have no such size and are left to `mmap`.
+fn check_file_covers(file: &File, offset: u64, size: u64) -> VhostUserResult<()> {
+    let meta = file.metadata().map_err(VhostUserError::ReqHandlerError)?;
+    if !meta.file_type().is_file() {
+        return Ok(());
+    }
+    match offset.checked_add(size) {
+        Some(end) if end <= meta.len() => Ok(()),
+        _ => Err(VhostUserError::ReqHandlerError(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "memory region of {size:#x} bytes at offset {offset:#x} runs past the end of its {:#x}-byte file",
+                meta.len()
+            ),
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1052,6 +1077,45 @@ mod tests {
             events >= 1,
             "Backend SHOULD have been kicked after enabling"
         );
+    }
+
+    // devlend patch: a region past the end of its file is refused (a SIGBUS at the first
+    // access otherwise), in SET_MEM_TABLE and ADD_MEM_REG, and the memory map is kept.
+    #[test]
+    fn test_region_past_end_of_file_refused() {
+        fn memfd(size: u64) -> File {
+            // SAFETY: a NUL-terminated name and valid flags.
+            let fd = unsafe { libc::memfd_create(c"test".as_ptr(), libc::MFD_CLOEXEC) };
+            assert!(fd >= 0);
+            // SAFETY: a new fd that nothing else owns.
+            let file = unsafe { File::from_raw_fd(fd) };
+            file.set_len(size).unwrap();
+            file
+        }
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
+        let backend = Arc::new(Mutex::new(MockVhostBackend::new()));
+        let mut handler = VhostUserHandler::new(backend, mem.clone()).unwrap();
+
+        let good = VhostUserMemoryRegion::new(0x100000, 0x10000, 0x7000_0000, 0);
+        handler
+            .set_mem_table(&[good], vec![memfd(0x10000)], None)
+            .unwrap();
+        assert_eq!(mem.memory().num_regions(), 1);
+
+        // One page too long, or starting past the end, or overflowing.
+        for (size, offset) in [(0x11000, 0), (0x1000, 0x10000), (0x1000, u64::MAX & !0xfff)] {
+            let bad = VhostUserMemoryRegion::new(0x100000, size, 0x7000_0000, offset);
+            assert!(handler
+                .set_mem_table(&[bad], vec![memfd(0x10000)], None)
+                .is_err());
+            let bad = VhostUserSingleMemoryRegion::new(0x200000, size, 0x7100_0000, offset);
+            assert!(handler.add_mem_region(&bad, memfd(0x10000), None).is_err());
+            assert_eq!(mem.memory().num_regions(), 1);
+        }
+        // The whole file, and a page at its end, are fine.
+        let tail = VhostUserSingleMemoryRegion::new(0x200000, 0x1000, 0x7100_0000, 0xf000);
+        handler.add_mem_region(&tail, memfd(0x10000), None).unwrap();
+        assert_eq!(mem.memory().num_regions(), 2);
     }
 
     // These tests need access to `/dev/userfaultfd`.
