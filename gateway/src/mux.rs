@@ -362,7 +362,7 @@ async fn writer<W: AsyncWrite + Unpin>(
     .await;
     if let Err(e) = result {
         if !link.is_closed() {
-            tracing::warn!(peer = %link.peer_cluster, error = %e, "cannot write to the peer gateway; closing the link");
+            devlend_fabric::limited!(warn, peer = %link.peer_cluster, error = %e, "cannot write to the peer gateway; closing the link");
         }
     }
     let _ = w.shutdown().await;
@@ -381,10 +381,10 @@ async fn reader<R: AsyncRead + Unpin>(
     };
     match result {
         Err(MuxError::Protocol(m)) => {
-            tracing::warn!(peer = %link.peer_cluster, reason = %m, "peer gateway broke the link protocol; closing the link");
+            devlend_fabric::limited!(warn, peer = %link.peer_cluster, reason = %m, "peer gateway broke the link protocol; closing the link");
         }
         Err(e) if !link.is_closed() => {
-            tracing::warn!(peer = %link.peer_cluster, error = %devlend_fabric::error::chain(&e), "link to the peer gateway lost");
+            devlend_fabric::limited!(warn, peer = %link.peer_cluster, error = %devlend_fabric::error::chain(&e), "link to the peer gateway lost");
         }
         _ => {}
     }

@@ -181,7 +181,7 @@ pub async fn keep_peer(gw: Arc<Gateway>, slot: Arc<PeerSlot>) {
                 backoff = BACKOFF_MIN;
                 failures = 0;
                 slot.connects.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(peer = %slot.addr, clusters = ?slot.clusters, peer_cluster = %link.peer_cluster, "link to peer gateway up");
+                devlend_fabric::limited!(info, peer = %slot.addr, clusters = ?slot.clusters, peer_cluster = %link.peer_cluster, "link to peer gateway up");
                 slot.link.send_replace(Some(link.clone()));
                 let _ = link.ping();
                 let dead_after = Duration::from_millis(gw.config.link_timeout_ms);
@@ -190,7 +190,7 @@ pub async fn keep_peer(gw: Arc<Gateway>, slot: Arc<PeerSlot>) {
                         _ = link.wait_closed() => break,
                         _ = tokio::time::sleep(ping) => {
                             if link.silent_for() > dead_after {
-                                tracing::warn!(peer = %slot.addr, silent_ms = link.silent_for().as_millis() as u64, "peer gateway silent past link_timeout_ms; closing the link");
+                                devlend_fabric::limited!(warn, peer = %slot.addr, silent_ms = link.silent_for().as_millis() as u64, "peer gateway silent past link_timeout_ms; closing the link");
                                 link.close();
                                 break;
                             }
@@ -203,7 +203,7 @@ pub async fn keep_peer(gw: Arc<Gateway>, slot: Arc<PeerSlot>) {
                 slot.past[0].fetch_add(s.bytes_sent.load(Ordering::Relaxed), Ordering::Relaxed);
                 slot.past[1].fetch_add(s.bytes_received.load(Ordering::Relaxed), Ordering::Relaxed);
                 slot.past[2].fetch_add(s.sessions_total.load(Ordering::Relaxed), Ordering::Relaxed);
-                tracing::warn!(peer = %slot.addr, "link to peer gateway lost; rejoining with backoff");
+                devlend_fabric::limited!(warn, peer = %slot.addr, "link to peer gateway lost; rejoining with backoff");
                 *slot.last_error.lock().unwrap_or_else(|p| p.into_inner()) =
                     Some("the link was lost; rejoining".into());
             }
@@ -212,7 +212,7 @@ pub async fn keep_peer(gw: Arc<Gateway>, slot: Arc<PeerSlot>) {
                 failures += 1;
                 // The first failures, then one in 20: a peer down for long is not a flood.
                 if failures <= 3 || failures.is_multiple_of(20) {
-                    tracing::warn!(peer = %slot.addr, error = %msg, attempt = failures, "cannot join peer gateway; retrying with backoff");
+                    devlend_fabric::limited!(warn, peer = %slot.addr, error = %msg, attempt = failures, "cannot join peer gateway; retrying with backoff");
                 }
                 *slot.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg);
             }
@@ -310,7 +310,7 @@ pub async fn accept_peers(gw: Arc<Gateway>, listener: tokio::net::TcpListener) {
         let (sock, remote) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot accept a peer gateway connection");
+                devlend_fabric::limited!(warn, error = %e, "cannot accept a peer gateway connection");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
@@ -326,7 +326,7 @@ pub async fn accept_peers(gw: Arc<Gateway>, listener: tokio::net::TcpListener) {
         let gw = gw.clone();
         tokio::spawn(async move {
             if let Err(e) = serve_peer(gw, sock, remote, permit).await {
-                tracing::warn!(%remote, error = %e, "peer gateway connection refused or failed");
+                devlend_fabric::limited!(warn, %remote, error = %e, "peer gateway connection refused or failed");
             }
         });
     }
@@ -371,7 +371,7 @@ async fn serve_peer(
     let link = Link::start(io, Role::Acceptor, hello(&gw), DIAL_TIMEOUT, Some(tx))
         .await
         .map_err(|e| anyhow::anyhow!("link: {}", devlend_fabric::error::chain(&e)))?;
-    tracing::info!(%remote, peer_cluster = %link.peer_cluster, "peer gateway joined");
+    devlend_fabric::limited!(info, %remote, peer_cluster = %link.peer_cluster, "peer gateway joined");
     gw.peers.lock_inbound().push(Inbound {
         remote,
         link: link.clone(),
@@ -389,7 +389,7 @@ async fn serve_peer(
             _ = link.wait_closed() => break,
             _ = check.tick() => {
                 if link.silent_for() > dead_after {
-                    tracing::warn!(%remote, silent_ms = link.silent_for().as_millis() as u64, "peer gateway silent past link_timeout_ms; closing its link");
+                    devlend_fabric::limited!(warn, %remote, silent_ms = link.silent_for().as_millis() as u64, "peer gateway silent past link_timeout_ms; closing its link");
                     link.close();
                     break;
                 }
@@ -399,6 +399,6 @@ async fn serve_peer(
     gw.peers
         .lock_inbound()
         .retain(|i| !Arc::ptr_eq(&i.link, &link));
-    tracing::info!(%remote, peer_cluster = %link.peer_cluster, "peer gateway left");
+    devlend_fabric::limited!(info, %remote, peer_cluster = %link.peer_cluster, "peer gateway left");
     Ok(())
 }

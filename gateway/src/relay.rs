@@ -34,7 +34,7 @@ pub async fn serve_local(gw: Arc<Gateway>, listener: tokio::net::TcpListener) {
         let (sock, remote) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot accept a session");
+                devlend_fabric::limited!(warn, error = %e, "cannot accept a session");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
@@ -63,13 +63,13 @@ async fn local_session(gw: Arc<Gateway>, mut sock: TcpStream, remote: std::net::
         Ok(Ok(r)) => r,
         Ok(Err(why)) => {
             gw.local.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%remote, reason = %why, "malformed relay preamble; closing the session");
+            devlend_fabric::limited!(warn, %remote, reason = %why, "malformed relay preamble; closing the session");
             refuse_local(sock, RelayReply::refuse(RelayStatus::BadRequest, &why)).await;
             return;
         }
         Err(_) => {
             gw.local.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%remote, "no relay preamble within {PREAMBLE_TIMEOUT:?}; closing the session");
+            devlend_fabric::limited!(warn, %remote, "no relay preamble within {PREAMBLE_TIMEOUT:?}; closing the session");
             return;
         }
     };
@@ -77,12 +77,12 @@ async fn local_session(gw: Arc<Gateway>, mut sock: TcpStream, remote: std::net::
         Ok(d) => d,
         Err(reply) => {
             gw.local.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(%remote, cluster = %req.cluster, lender = %req.lender, status = ?reply.status, reason = %reply.message, "session refused");
+            devlend_fabric::limited!(info, %remote, cluster = %req.cluster, lender = %req.lender, status = ?reply.status, reason = %reply.message, "session refused");
             refuse_local(sock, reply).await;
             return;
         }
     };
-    tracing::debug!(%remote, cluster = %req.cluster, lender = %req.lender, "session relayed");
+    devlend_fabric::limited!(debug, %remote, cluster = %req.cluster, lender = %req.lender, "session relayed");
     gw.local.sessions_active.fetch_add(1, Ordering::Relaxed);
     let far = match dest {
         Dest::Lender(mut t) => {
@@ -101,7 +101,7 @@ async fn local_session(gw: Arc<Gateway>, mut sock: TcpStream, remote: std::net::
         b_to_a: Some(&gw.local.bytes_out),
     };
     if let Err(why) = splice(End::Tcp(sock), far, counters).await {
-        tracing::debug!(%remote, cluster = %req.cluster, lender = %req.lender, reason = %why, "session ended abnormally");
+        devlend_fabric::limited!(debug, %remote, cluster = %req.cluster, lender = %req.lender, reason = %why, "session ended abnormally");
     }
     gw.local.sessions_active.fetch_sub(1, Ordering::Relaxed);
 }
@@ -138,7 +138,7 @@ pub async fn transit(gw: Arc<Gateway>, stream: MuxStream, open: Vec<u8>) {
     let req = match parse_open(&open) {
         Ok(req) => req,
         Err(why) => {
-            tracing::warn!(reason = %why, "malformed relay request from a peer gateway; refusing the session");
+            devlend_fabric::limited!(warn, reason = %why, "malformed relay request from a peer gateway; refusing the session");
             refuse(w, RelayReply::refuse(RelayStatus::BadRequest, &why)).await;
             drop(r);
             return;
@@ -153,7 +153,7 @@ pub async fn transit(gw: Arc<Gateway>, stream: MuxStream, open: Vec<u8>) {
         }
         Ok(Dest::Peer(s)) => End::Mux(s),
         Err(reply) => {
-            tracing::info!(cluster = %req.cluster, lender = %req.lender, status = ?reply.status, reason = %reply.message, "relayed session refused");
+            devlend_fabric::limited!(info, cluster = %req.cluster, lender = %req.lender, status = ?reply.status, reason = %reply.message, "relayed session refused");
             refuse(w, reply).await;
             drop(r);
             return;
@@ -161,7 +161,7 @@ pub async fn transit(gw: Arc<Gateway>, stream: MuxStream, open: Vec<u8>) {
     };
     let near = End::MuxHalves(r, w);
     if let Err(why) = splice(near, far, Counters::default()).await {
-        tracing::debug!(cluster = %req.cluster, lender = %req.lender, reason = %why, "relayed session ended abnormally");
+        devlend_fabric::limited!(debug, cluster = %req.cluster, lender = %req.lender, reason = %why, "relayed session ended abnormally");
     }
 }
 

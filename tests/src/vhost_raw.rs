@@ -665,6 +665,12 @@ impl SplitRing {
         ram.write(self.desc + 16 * u64::from(i), &d);
     }
 
+    /// The buffer address descriptor `i` holds.
+    pub fn desc_addr(&self, ram: &GuestRam, i: u16) -> u64 {
+        let b = ram.read(self.desc + 16 * u64::from(i), 8);
+        u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+    }
+
     /// The avail ring's index.
     pub fn avail_idx(&self, ram: &GuestRam) -> u16 {
         ram.load_u16(self.avail + 2)
@@ -725,4 +731,129 @@ impl SplitRing {
             std::thread::sleep(Duration::from_millis(2));
         }
     }
+}
+
+/// A virtqueue a raw frontend sets up: its rings in [`GuestRam`] and its kick, call
+/// and error eventfds.
+pub struct RawQueue {
+    /// The vring index.
+    pub index: u32,
+    /// Its rings.
+    pub ring: SplitRing,
+    /// SET_VRING_KICK's eventfd (the frontend writes it).
+    pub kick: vmm_sys_util::eventfd::EventFd,
+    /// SET_VRING_CALL's.
+    pub call: vmm_sys_util::eventfd::EventFd,
+    /// SET_VRING_ERR's (the backend signals it when the ring is broken).
+    pub err: vmm_sys_util::eventfd::EventFd,
+}
+
+impl RawQueue {
+    /// Vring `index` with its rings of `size` entries from `base` (guest physical).
+    ///
+    /// # Panics
+    /// An eventfd cannot be created.
+    pub fn new(index: u32, base: u64, size: u16) -> Self {
+        let ev = || vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK).expect("eventfd");
+        RawQueue {
+            index,
+            ring: SplitRing::at(base, size),
+            kick: ev(),
+            call: ev(),
+            err: ev(),
+        }
+    }
+
+    /// SET_VRING_NUM, _BASE `base`, _ADDR, _CALL, _ERR, _KICK, _ENABLE.
+    ///
+    /// # Errors
+    /// A request fails or is refused.
+    pub fn start(&self, fe: &mut RawFrontend, ram: &GuestRam, base: u32) -> Result<()> {
+        let i = self.index;
+        let r = self.ring;
+        let acks = [
+            ("NUM", fe.set_vring_num(i, u32::from(r.size))?),
+            ("BASE", fe.set_vring_base(i, base)?),
+            (
+                "ADDR",
+                fe.set_vring_addr(
+                    i,
+                    ram.user_addr(r.desc),
+                    ram.user_addr(r.used),
+                    ram.user_addr(r.avail),
+                )?,
+            ),
+            (
+                "CALL",
+                fe.set_vring_fd(
+                    req::SET_VRING_CALL,
+                    u64::from(i),
+                    Some(self.call.as_raw_fd()),
+                )?,
+            ),
+            (
+                "ERR",
+                fe.set_vring_fd(req::SET_VRING_ERR, u64::from(i), Some(self.err.as_raw_fd()))?,
+            ),
+            (
+                "KICK",
+                fe.set_vring_fd(
+                    req::SET_VRING_KICK,
+                    u64::from(i),
+                    Some(self.kick.as_raw_fd()),
+                )?,
+            ),
+            ("ENABLE", fe.set_vring_enable(i, true)?),
+        ];
+        for (what, ack) in acks {
+            if ack != 0 {
+                bail!("SET_VRING_{what} of vring {i} refused: {ack}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the kick eventfd.
+    ///
+    /// # Panics
+    /// The eventfd cannot be written.
+    pub fn kick(&self) {
+        self.kick.write(1).expect("kick");
+    }
+
+    /// Whether the error eventfd is signalled within `timeout` (and clears it).
+    pub fn err_signalled(&self, timeout: Duration) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: self.err.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        n == 1 && self.err.read().is_ok()
+    }
+}
+
+/// The CPU time (user + system) process `pid` has used, in seconds.
+///
+/// # Panics
+/// Its `/proc/PID/stat` cannot be read.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc stat");
+    // Fields after "(comm) ": state is field 3; utime and stime are fields 14, 15.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime");
+    // SAFETY: sysconf with a valid name.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    ticks as f64 / hz
+}
+
+/// The share of one core process `pid` uses over the next `over`.
+pub fn cpu_share(pid: u32, over: Duration) -> f64 {
+    let t0 = cpu_seconds(pid);
+    let start = std::time::Instant::now();
+    std::thread::sleep(over);
+    (cpu_seconds(pid) - t0) / start.elapsed().as_secs_f64()
 }

@@ -549,3 +549,171 @@ fn gateway_b_restarted_during_verified_writes_loses_nothing() {
         .cli_json(&["detach", &sock.display().to_string()])
         .unwrap();
 }
+
+/// Lines of `log` (an agent's whole stderr so far).
+fn lines(log: &str) -> usize {
+    log.bytes().filter(|&b| b == b'\n').count()
+}
+
+/// Reads `s` until the far end closes it (or 15 s pass), dropping what comes.
+fn drain(s: &mut impl std::io::Read) {
+    let mut b = [0u8; 4096];
+    let end = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < end {
+        match s.read(&mut b) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// A peer that floods a gateway with what makes it log: malformed relay preambles,
+/// preambles that stop short or never come, sessions it refuses, TLS garbage on its
+/// peer port, and a peer gateway (a valid certificate) that breaks the link protocol
+/// right after its HELLO. Each used to log a line or three; now each call site logs a
+/// burst and then about one line a second, so the log stays bounded however long the
+/// flood lasts, and the gateway goes on answering.
+#[test]
+fn a_flood_of_malformed_peers_gets_a_bounded_log() {
+    use devlend_fabric::relay::{RelayReply, RelayRequest, RelayStatus};
+    use devlend_tests::agents::{free_port, wait_listening, Proc};
+    use std::io::Write;
+    use std::net::TcpStream;
+
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let certs = devlend_tests::certs::Certs::make(&dir.path().join("certs")).unwrap();
+    let local = format!("127.0.0.1:{}", free_port().unwrap());
+    let peer = format!("127.0.0.1:{}", free_port().unwrap());
+    let config = dir.path().join("gw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "cluster = \"a\"\nlisten = \"{local}\"\npeer_listen = \"{peer}\"\n\
+             tls_cert = \"{}\"\ntls_key = \"{}\"\ntls_ca = \"{}\"\n\
+             [lenders]\nstore1 = \"127.0.0.1:9\"\n",
+            certs.path("gw-a.crt"),
+            certs.path("gw-a.key"),
+            certs.path("ca.crt"),
+        ),
+    )
+    .unwrap();
+    let mut gw = Proc::spawn(
+        "gateway",
+        &bin("devlend-gateway").unwrap(),
+        &["--config".to_owned(), config.display().to_string()],
+        dir.path(),
+    )
+    .unwrap();
+    wait_listening(&mut gw, &local).unwrap();
+    wait_listening(&mut gw, &peer).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let before = lines(&gw.log());
+    let start = Instant::now();
+    let connect = |addr: &str| {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        s
+    };
+
+    // Sessions that never send their preamble: closed after 10 s, each logged.
+    let idle: Vec<TcpStream> = (0..100).map(|_| connect(&local)).collect();
+    const N: usize = 300;
+    for i in 0..N {
+        // A malformed preamble, a preamble cut short, a session to a lender the gateway
+        // does not know.
+        let mut s = connect(&local);
+        s.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        drain(&mut s);
+        let mut s = connect(&local);
+        s.write_all(&b"DLGW"[..(i % 4) + 1]).unwrap();
+        drop(s);
+        let mut s = connect(&local);
+        s.write_all(&RelayRequest::new("a", "nobody").encode().unwrap())
+            .unwrap();
+        let r = RelayReply::read_from(&mut s).unwrap();
+        assert_eq!(r.status, RelayStatus::UnknownLender, "{r:?}");
+        // Not TLS on the peer port.
+        let mut s = connect(&peer);
+        s.write_all(&[0x16, 3, 1, 0, 4, 1, 2, 3, 4, 0xff, 0xff])
+            .unwrap();
+        drain(&mut s);
+    }
+    // A peer gateway with a valid certificate: its HELLO (cluster "b"), then a frame of
+    // an unknown kind (layouts in gateway/src/mux.rs).
+    let client = devlend_fabric::tls::ClientTls::load(
+        Path::new(&certs.path("ca.crt")),
+        Some((
+            Path::new(&certs.path("gw-b.crt")),
+            Path::new(&certs.path("gw-b.key")),
+        )),
+    )
+    .unwrap();
+    let target = devlend_fabric::tls::TlsTarget::new(client, &peer, Some("gw-a")).unwrap();
+    let mut hello = vec![1, 0, 0, 0, 0, 0, 0, 0, 13, 0, 0, 0];
+    hello.extend_from_slice(b"DLMX");
+    hello.extend_from_slice(&[1, 1, 0, 0]);
+    hello.extend_from_slice(&(32u32 << 20).to_le_bytes());
+    hello.push(b'b');
+    hello.extend_from_slice(&[0x7f, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
+    for _ in 0..100 {
+        let mut tcp = connect(&peer);
+        let conn = devlend_fabric::tls::client_handshake(&target, &mut tcp).unwrap();
+        let mut s = devlend_fabric::tls::spawn_pump(conn, tcp, "test").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        s.write_all(&hello).unwrap();
+        drain(&mut s);
+    }
+    // The idle sessions time out (10 s after they were opened).
+    for mut s in idle {
+        drain(&mut s);
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let log = gw.log();
+    let logged = lines(&log) - before;
+    // Seven call sites (malformed preamble, no preamble, session refused, TLS failed,
+    // peer joined, broke the protocol, left), each a burst of 20 and then one line a
+    // second, each after a "suppressed" line: well under what the 1400 connections
+    // logged before (a line each, three for the peer gateway's).
+    let bound = 7 * (20 + 2 * (secs.ceil() as usize + 1));
+    eprintln!("{logged} lines over {secs:.1} s (bound {bound})");
+    assert!(
+        logged <= bound,
+        "the flood made the gateway log {logged} lines in {secs:.1} s; the last ones:\n{}",
+        log.lines().rev().take(100).collect::<Vec<_>>().join("\n")
+    );
+    assert!(
+        log.contains("peer gateway broke the link protocol"),
+        "the peer gateway's frames were read:\n{log}"
+    );
+    // The gateway goes on answering; a second later, the next refusal's line says how
+    // many were left out.
+    std::thread::sleep(Duration::from_millis(1100));
+    let mut s = connect(&local);
+    s.write_all(&RelayRequest::new("a", "nobody").encode().unwrap())
+        .unwrap();
+    assert_eq!(
+        RelayReply::read_from(&mut s).unwrap().status,
+        RelayStatus::UnknownLender
+    );
+    let end = Instant::now() + Duration::from_secs(5);
+    while !gw
+        .log()
+        .contains("more lines like the next were suppressed")
+    {
+        assert!(
+            Instant::now() < end,
+            "the suppressed lines are counted:\n{}",
+            gw.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    gw.check_alive().unwrap();
+}

@@ -25,7 +25,7 @@ use vmm_sys_util::event::{
 
 use crate::blk::engine::LenderTarget;
 use crate::guest::GuestMemory;
-use crate::net::pair::{NetStats, PairEngine};
+use crate::net::pair::{NetStats, PairEngine, PairQueue};
 use crate::net::spec::{
     config_slice, config_space, features, guest_offloads, CONFIG_LEN, MAX_QUEUE_SIZE,
 };
@@ -213,6 +213,28 @@ impl VhostUserBackend for NetBackend {
         Some((consumer, notifier))
     }
 
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        // The frontend re-initializes the queue after this: a queue the driver broke is
+        // served again then.
+        let side = if queue_index.is_multiple_of(2) {
+            PairQueue::Rx
+        } else {
+            PairQueue::Tx
+        };
+        if let Some(cell) = self.pairs.get(queue_index as usize / 2) {
+            lock(cell).engine.reset_broken(side);
+        }
+        Ok(())
+    }
+
+    fn reset_device(&self) {
+        for cell in &self.pairs {
+            let mut c = lock(cell);
+            c.engine.reset_broken(PairQueue::Rx);
+            c.engine.reset_broken(PairQueue::Tx);
+        }
+    }
+
     fn handle_event(
         &self,
         device_event: u16,
@@ -233,38 +255,38 @@ impl VhostUserBackend for NetBackend {
         let rx_ready = rxs.get_queue().ready();
         let tx_ready = txs.get_queue().ready();
         let ev = u64::from(device_event);
-        let err = io::Error::other;
-        // An error here is the guest's (its rings or memory): counted and logged, and
-        // the worker goes on; returning it would end the worker and with it the NIC.
-        let result = (|| -> Result<(), virtio_queue::Error> {
-            if ev == self.fabric_event() {
-                if evset.contains(EventSet::OUT) {
-                    cell.engine.flush();
-                    if tx_ready {
-                        tx_used |= cell.engine.on_tx(txs.get_queue_mut(), &mem)?;
-                    }
+        // An error here is the guest's (its rings are not in its memory): it breaks
+        // that virtqueue, and the worker goes on; returning it would end the worker and
+        // with it the NIC.
+        if ev == self.fabric_event() {
+            if evset.contains(EventSet::OUT) {
+                cell.engine.flush();
+                if tx_ready {
+                    let r = cell.engine.on_tx(txs.get_queue_mut(), &mem);
+                    tx_used |= cell.engine.ring_result(PairQueue::Tx, r);
                 }
-                let q = rx_ready.then(|| rxs.get_queue_mut());
-                rx_used |= cell.engine.on_fabric(q, &mem)?;
-            } else if ev == self.timer_event() {
-                let q = rx_ready.then(|| rxs.get_queue_mut());
-                rx_used |= cell.engine.on_timer(q, &mem)?;
-            } else if device_event == 0 && rx_ready {
-                rx_used |= cell.engine.deliver_held(rxs.get_queue_mut(), &mem)?;
-            } else if device_event == 1 && tx_ready {
-                tx_used |= cell.engine.on_tx(txs.get_queue_mut(), &mem)?;
             }
-            Ok(())
-        })();
-        if let Err(e) = result {
-            cell.engine.count_error();
-            devlend_fabric::limited!(warn, pair = thread_id, error = %e, "guest ring error");
+            let q = rx_ready.then(|| rxs.get_queue_mut());
+            let r = cell.engine.on_fabric(q, &mem);
+            rx_used |= cell.engine.ring_result(PairQueue::Rx, r);
+        } else if ev == self.timer_event() {
+            let q = rx_ready.then(|| rxs.get_queue_mut());
+            let r = cell.engine.on_timer(q, &mem);
+            rx_used |= cell.engine.ring_result(PairQueue::Rx, r);
+        } else if device_event == 0 && rx_ready {
+            let r = cell.engine.deliver_held(rxs.get_queue_mut(), &mem);
+            rx_used |= cell.engine.ring_result(PairQueue::Rx, r);
+        } else if device_event == 1 && tx_ready {
+            let r = cell.engine.on_tx(txs.get_queue_mut(), &mem);
+            tx_used |= cell.engine.ring_result(PairQueue::Tx, r);
         }
+        // A used ring that cannot be read for its event index: signal (the guest's
+        // loss, not the worker's).
         if rx_used
             && rxs
                 .get_queue_mut()
                 .needs_notification(mem.as_ref())
-                .map_err(err)?
+                .unwrap_or(true)
         {
             rxs.signal_used_queue()?;
         }
@@ -272,9 +294,18 @@ impl VhostUserBackend for NetBackend {
             && txs
                 .get_queue_mut()
                 .needs_notification(mem.as_ref())
-                .map_err(err)?
+                .unwrap_or(true)
         {
             txs.signal_used_queue()?;
+        }
+        // virtio 1.2 §2.1.2: the device needs a reset. vhost-user's way to say so is
+        // the vring's error eventfd (SET_VRING_ERR).
+        for (q, state) in [(PairQueue::Rx, &rxs), (PairQueue::Tx, &txs)] {
+            if cell.engine.take_newly_broken(q) {
+                if let Err(e) = state.signal_err() {
+                    devlend_fabric::limited!(warn, pair = thread_id, error = %e, "cannot signal the vring's error eventfd");
+                }
+            }
         }
         drop((rxs, txs));
         self.sync_registration(thread_id, &mut cell);

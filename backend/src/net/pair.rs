@@ -29,6 +29,7 @@ use crate::blk::timer::RetryTimer;
 use crate::guest::GuestMemory;
 use crate::net::rx::{deliver, Delivery};
 use crate::net::spec::NET_HDR_LEN;
+use crate::virtq::BrokenQueue;
 
 /// Most bytes of frames queued for the lender before the transmitq is left alone.
 pub const OUT_LIMIT: usize = 2 << 20;
@@ -167,6 +168,15 @@ impl NetStats {
     }
 }
 
+/// One of a queue pair's two virtqueues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairQueue {
+    /// The receiveq (virtqueue 2 × pair).
+    Rx,
+    /// The transmitq (virtqueue 2 × pair + 1).
+    Tx,
+}
+
 /// One queue pair's fabric connection and frames on their way.
 pub struct PairEngine {
     index: u16,
@@ -189,6 +199,10 @@ pub struct PairEngine {
     offload: bool,
     /// The offloaded frames the guest takes (`net::RX_*`, from its acked features).
     accept: u32,
+    /// Whether the driver broke the receiveq: frames for it are then dropped.
+    rx_broken: BrokenQueue,
+    /// Whether the driver broke the transmitq: nothing is taken from it then.
+    tx_broken: BrokenQueue,
 }
 
 impl PairEngine {
@@ -202,7 +216,10 @@ impl PairEngine {
         target: LenderTarget,
         stats: Arc<NetStats>,
     ) -> io::Result<Self> {
+        let vq = index.saturating_mul(2);
         Ok(PairEngine {
+            rx_broken: BrokenQueue::new(name.clone(), vq),
+            tx_broken: BrokenQueue::new(name.clone(), vq.saturating_add(1)),
             index,
             name,
             target,
@@ -230,6 +247,64 @@ impl PairEngine {
     /// Counts an error of the guest's rings.
     pub fn count_error(&self) {
         self.pstats().errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn broken_mut(&mut self, q: PairQueue) -> &mut BrokenQueue {
+        match q {
+            PairQueue::Rx => &mut self.rx_broken,
+            PairQueue::Tx => &mut self.tx_broken,
+        }
+    }
+
+    /// The driver broke virtqueue `q` (`reason`): it stops, with one warning, until the
+    /// frontend re-initializes it ([`Self::reset_broken`]); the other queue of the pair
+    /// goes on. Counted as an error.
+    pub fn break_queue(&mut self, q: PairQueue, reason: String) {
+        let b = self.broken_mut(q);
+        if b.is_broken() {
+            return;
+        }
+        b.break_queue(reason);
+        self.count_error();
+        if q == PairQueue::Rx {
+            self.drop_held();
+        }
+    }
+
+    /// Whether virtqueue `q` is stopped because the driver broke it.
+    pub fn is_broken(&self, q: PairQueue) -> bool {
+        match q {
+            PairQueue::Rx => self.rx_broken.is_broken(),
+            PairQueue::Tx => self.tx_broken.is_broken(),
+        }
+    }
+
+    /// Whether `q` broke since the last call (the worker then signals its vring's error
+    /// eventfd).
+    pub fn take_newly_broken(&mut self, q: PairQueue) -> bool {
+        self.broken_mut(q).take_newly_broken()
+    }
+
+    /// The frontend stopped `q` (GET_VRING_BASE) or reset the device: it is served again
+    /// once re-initialized.
+    pub fn reset_broken(&mut self, q: PairQueue) {
+        self.broken_mut(q).reset();
+    }
+
+    /// What a call on virtqueue `q` returned: its value, or for a guest memory error
+    /// on the rings, `false` and `q` broken.
+    pub fn ring_result(&mut self, q: PairQueue, r: Result<bool, virtio_queue::Error>) -> bool {
+        r.unwrap_or_else(|e| {
+            self.break_queue(q, format!("a ring is not in guest memory: {e}"));
+            false
+        })
+    }
+
+    /// Drops (and counts) the frames waiting for receive buffers.
+    fn drop_held(&mut self) {
+        let n = self.held.len() as u64;
+        self.held.clear();
+        self.pstats().rx_drops.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Whether the guest acked mergeable receive buffers.
@@ -411,18 +486,43 @@ impl PairEngine {
     }
 
     /// The guest posted receive buffers: deliver what waits. Returns whether used
-    /// entries were added.
+    /// entries were added. A ring the driver corrupted (its avail index is checked even
+    /// when nothing waits: this is also the receiveq's kick) breaks the receiveq.
     ///
     /// # Errors
-    /// A guest memory error on the rings.
+    /// None: a guest memory error on the rings breaks the receiveq.
     pub fn deliver_held(
         &mut self,
         rxq: &mut Queue,
         mem: &GuestMemory,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
+        if self.rx_broken.is_broken() {
+            self.drop_held();
+            return Ok(false);
+        }
+        match crate::virtq::avail_violation(rxq, mem) {
+            Ok(None) => {}
+            Ok(Some(why)) => {
+                self.break_queue(PairQueue::Rx, why);
+                return Ok(false);
+            }
+            Err(e) => {
+                let why = format!("a ring is not in guest memory: {e}");
+                self.break_queue(PairQueue::Rx, why);
+                return Ok(false);
+            }
+        }
         while let Some((_, offload, frame)) = self.held.front() {
-            match deliver(rxq, mem, frame, offload.as_ref(), self.mergeable)? {
+            let d =
+                deliver(rxq, mem, frame, offload.as_ref(), self.mergeable).unwrap_or_else(|e| {
+                    Delivery::Broken(format!("a ring is not in guest memory: {e}"))
+                });
+            match d {
+                Delivery::Broken(why) => {
+                    self.break_queue(PairQueue::Rx, why);
+                    break;
+                }
                 Delivery::Done(chains) => {
                     count_delivered(self.pstats(), chains, frame.len());
                     used = true;
@@ -435,10 +535,15 @@ impl PairEngine {
                 Delivery::NoBuffers => {
                     // Ask the guest to kick when it posts buffers (EVENT_IDX); if it did
                     // meanwhile, go on.
-                    if rxq.enable_notification(mem)? {
-                        continue;
+                    match rxq.enable_notification(mem) {
+                        Ok(true) => continue,
+                        Ok(false) => break,
+                        Err(e) => {
+                            let why = format!("a ring is not in guest memory: {e}");
+                            self.break_queue(PairQueue::Rx, why);
+                            break;
+                        }
                     }
-                    break;
                 }
             }
         }
@@ -482,9 +587,14 @@ impl PairEngine {
                 match net::decode(&self.inbuf[at..self.have]) {
                     Ok(Some((NetMessage::Frame(f), len))) => {
                         at += len;
-                        let stats = &self.stats.pairs[usize::from(self.index)];
                         let q = rxq.as_deref_mut();
-                        used |= receive(&mut self.held, stats, self.mergeable, q, mem, None, f)?;
+                        let rx = Rx {
+                            held: &mut self.held,
+                            broken: &mut self.rx_broken,
+                            stats: &self.stats.pairs[usize::from(self.index)],
+                            mergeable: self.mergeable,
+                        };
+                        used |= receive(rx, q, mem, None, f);
                     }
                     Ok(Some((NetMessage::OffloadFrame(o, f), len))) => {
                         at += len;
@@ -496,9 +606,14 @@ impl PairEngine {
                             stats.rx_drops.fetch_add(1, Ordering::Relaxed);
                             continue;
                         }
-                        let stats = &self.stats.pairs[usize::from(self.index)];
                         let q = rxq.as_deref_mut();
-                        used |= receive(&mut self.held, stats, self.mergeable, q, mem, Some(o), f)?;
+                        let rx = Rx {
+                            held: &mut self.held,
+                            broken: &mut self.rx_broken,
+                            stats: &self.stats.pairs[usize::from(self.index)],
+                            mergeable: self.mergeable,
+                        };
+                        used |= receive(rx, q, mem, Some(o), f);
                     }
                     Ok(Some((NetMessage::Offloads(_), _))) => {
                         self.pstats().errors.fetch_add(1, Ordering::Relaxed);
@@ -542,31 +657,52 @@ impl PairEngine {
     /// The guest transmitted: frames go to the lender (or are dropped while it is away).
     /// Returns whether used entries were added to the transmitq.
     ///
+    /// A ring the driver corrupted (an avail index more than the queue size ahead, a
+    /// head out of range, a malformed chain) breaks the transmitq: nothing more is
+    /// taken from it until the frontend re-initializes it. A well-formed chain holding a
+    /// bad frame (too short, too long, a bad offload header) is dropped, counted, and
+    /// returned to the guest.
+    ///
     /// # Errors
-    /// A guest memory error on the rings.
+    /// A guest memory error on the rings (the caller breaks the transmitq).
     pub fn on_tx(
         &mut self,
         txq: &mut Queue,
         mem: &GuestMemory,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
+        if self.tx_broken.is_broken() {
+            return Ok(false);
+        }
         loop {
             txq.disable_notification(mem)?;
             // A corrupt avail index would make this loop spin (virtio-queue takes no
-            // chain, and says more are there): the worker reports it as the guest's.
-            if crate::virtq::avail_violation(txq, mem)?.is_some() {
-                return Err(virtio_queue::Error::InvalidAvailRingIndex);
+            // chain, and says more are there).
+            if let Some(why) = crate::virtq::avail_violation(txq, mem)? {
+                self.break_queue(PairQueue::Tx, why);
+                break;
             }
             while self.out.len() < OUT_LIMIT {
                 let Some(chain) = txq.pop_descriptor_chain(mem) else {
                     break;
                 };
                 let head = chain.head_index();
+                if let Some(why) = crate::virtq::head_violation(txq, head)
+                    .or_else(|| crate::virtq::chain_violation(txq, mem, head))
+                {
+                    // Not taken: GET_VRING_BASE names this chain as the next.
+                    txq.set_next_avail(txq.next_avail().wrapping_sub(1));
+                    self.break_queue(PairQueue::Tx, why);
+                    break;
+                }
                 self.take_tx(chain, mem);
                 txq.add_used(mem, head, 0)?;
                 used = true;
             }
             self.flush();
+            if self.tx_broken.is_broken() {
+                break;
+            }
             if self.out.len() >= OUT_LIMIT {
                 // Resumed when the socket drains (the worker watches it for writability).
                 break;
@@ -680,29 +816,54 @@ impl PairEngine {
 /// Frames held for guest receive buffers: when, what the guest is left to do, the frame.
 type Held = VecDeque<(Instant, Option<Offload>, Vec<u8>)>;
 
-/// One frame from the lender: straight into the guest's buffers while nothing waits
-/// before it; copied aside (into `held`) only when it has to wait. Returns whether
-/// used entries were added.
-fn receive(
-    held: &mut Held,
-    stats: &PairStats,
+/// What [`receive`] works on: the pair's receive side, borrowed beside the frame.
+struct Rx<'a> {
+    held: &'a mut Held,
+    broken: &'a mut BrokenQueue,
+    stats: &'a PairStats,
     mergeable: bool,
+}
+
+/// One frame from the lender: straight into the guest's buffers while nothing waits
+/// before it; copied aside (into `held`) only when it has to wait; dropped while the
+/// driver has the receiveq broken. Returns whether used entries were added.
+fn receive(
+    rx: Rx<'_>,
     rxq: Option<&mut Queue>,
     mem: &GuestMemory,
     offload: Option<Offload>,
     f: &[u8],
-) -> Result<bool, virtio_queue::Error> {
+) -> bool {
+    let Rx {
+        held,
+        broken,
+        stats,
+        mergeable,
+    } = rx;
+    if broken.is_broken() {
+        stats.rx_drops.fetch_add(1, Ordering::Relaxed);
+        return false;
+    }
     let direct = match rxq {
-        Some(q) if held.is_empty() => deliver(q, mem, f, offload.as_ref(), mergeable)?,
+        Some(q) if held.is_empty() => deliver(q, mem, f, offload.as_ref(), mergeable)
+            .unwrap_or_else(|e| Delivery::Broken(format!("a ring is not in guest memory: {e}"))),
         _ => Delivery::NoBuffers,
     };
     match direct {
+        Delivery::Broken(why) => {
+            broken.break_queue(why);
+            stats.errors.fetch_add(1, Ordering::Relaxed);
+            stats
+                .rx_drops
+                .fetch_add(1 + held.len() as u64, Ordering::Relaxed);
+            held.clear();
+        }
         Delivery::Done(chains) => {
             count_delivered(stats, chains, f.len());
             if offload.is_some_and(|o| o.gso_type != net::GSO_NONE) {
                 stats.rx_gso.fetch_add(1, Ordering::Relaxed);
             }
-            return Ok(true);
+            return true;
         }
         Delivery::Unfit => {
             stats.rx_drops.fetch_add(1, Ordering::Relaxed);
@@ -715,7 +876,7 @@ fn receive(
             held.push_back((Instant::now(), offload, f.to_vec()));
         }
     }
-    Ok(false)
+    false
 }
 
 /// How many whole frame messages `buf` starts with (for counting drops).

@@ -21,15 +21,20 @@ pub enum Delivery {
     /// Without mergeable buffers, the frame does not fit in one chain (or the guest's
     /// buffers are unusable): drop it.
     Unfit,
+    /// The driver corrupted the ring (the reason): an avail index more than the queue
+    /// size ahead, a head out of range, a malformed chain ([`crate::virtq`]). Nothing
+    /// was taken; the queue is to stop until the frontend re-initializes it.
+    Broken(String),
 }
 
 /// Writes `frame` into the chains at the head of `queue`'s avail ring, after a header
 /// that carries `offload` (flags, GSO type and size, checksum offsets: what the guest
 /// is left to do or need not do; none: all zero). Either the whole frame is written or
-/// nothing is taken: the ring is rewound when buffers run short.
+/// nothing is taken: the ring is rewound when buffers run short, and when the ring
+/// turns out corrupt ([`Delivery::Broken`]).
 ///
 /// # Errors
-/// A guest memory error on the used ring.
+/// A guest memory error on the rings.
 pub fn deliver(
     queue: &mut Queue,
     mem: &GuestMemory,
@@ -39,8 +44,8 @@ pub fn deliver(
 ) -> Result<Delivery, virtio_queue::Error> {
     // A corrupt avail index: virtio-queue would take no chain and log it, for every
     // frame, and the receive loop would spin on it. It is the guest's error.
-    if crate::virtq::avail_violation(queue, mem)?.is_some() {
-        return Err(virtio_queue::Error::InvalidAvailRingIndex);
+    if let Some(why) = crate::virtq::avail_violation(queue, mem)? {
+        return Ok(Delivery::Broken(why));
     }
     let need = NET_HDR_LEN + frame.len();
     let start = queue.next_avail();
@@ -52,6 +57,14 @@ pub fn deliver(
             return Ok(Delivery::NoBuffers);
         };
         let head = chain.head_index();
+        // virtio-queue's chain iterator stops silently at a loop, a buffer outside
+        // memory or a bad `next`: the frame would go into a truncated chain.
+        if let Some(why) = crate::virtq::head_violation(queue, head)
+            .or_else(|| crate::virtq::chain_violation(queue, mem, head))
+        {
+            queue.set_next_avail(start);
+            return Ok(Delivery::Broken(why));
+        }
         let Ok(w) = chain.writer(mem) else {
             queue.set_next_avail(start);
             return Ok(Delivery::Unfit);
@@ -169,16 +182,38 @@ mod tests {
     }
 
     #[test]
-    fn a_corrupt_avail_index_is_an_error_not_a_spin() {
+    fn a_corrupt_avail_index_breaks_the_queue_not_a_spin() {
         let m = mem();
         let (vq, mut q) = queue_with(&m, 2, 1536);
         vq.avail().idx().store(u16::to_le(40000));
         assert!(matches!(
             deliver(&mut q, &m, &[1u8; 100], None, true),
-            Err(virtio_queue::Error::InvalidAvailRingIndex)
+            Ok(Delivery::Broken(why)) if why.contains("avail.idx 40000")
         ));
         assert_eq!(q.next_avail(), 0);
         assert_eq!(vq.used().idx().load(), 0);
+    }
+
+    #[test]
+    fn a_malformed_chain_breaks_the_queue_and_nothing_is_taken() {
+        let m = mem();
+        let (vq, mut q) = queue_with(&m, 3, 1536);
+        // The second chain's buffer lies outside guest memory: a 4000-byte frame needs
+        // three chains, and none is taken.
+        let bad = RawDescriptor::from(SplitDescriptor::new(0x2000_0000, 1536, F_WRITE, 0));
+        vq.desc_table().store(1, bad).unwrap();
+        assert!(matches!(
+            deliver(&mut q, &m, &[1u8; 4000], None, true),
+            Ok(Delivery::Broken(why)) if why.contains("not in guest memory")
+        ));
+        assert_eq!(q.next_avail(), 0);
+        assert_eq!(vq.used().idx().load(), 0);
+        // A head out of range.
+        vq.avail().ring().ref_at(0).unwrap().store(u16::to_le(16));
+        assert!(matches!(
+            deliver(&mut q, &m, &[1u8; 100], None, true),
+            Ok(Delivery::Broken(why)) if why.contains("head index 16")
+        ));
     }
 
     #[test]

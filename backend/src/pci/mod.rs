@@ -85,6 +85,12 @@ pub enum PciError {
     Thread(#[source] io::Error),
 }
 
+/// Most DMA maps a VMM may hold at once on one borrowed function (advertised to it as
+/// vfio-user's `max_dma_maps`; a map past it is refused with ENOSPC). Each map is an
+/// mmap of the agent's, which all its attachments share (`vm.max_map_count`); a VMM
+/// maps each RAM section once (a handful, a few hundred with many hot-plugged DIMMs).
+pub const MAX_DMA_MAPS: u32 = 1024;
+
 /// Counters of one borrowed function.
 #[derive(Debug, Default)]
 pub struct PciStats {
@@ -230,10 +236,18 @@ fn shrunk(m: &GuestMap) -> io::Error {
     ))
 }
 
+/// A refusal (EINVAL) with its reason; the VMM gets the errno, the log the reason
+/// (`ServerBackend::refused`, rate-limited).
 fn einval(msg: impl Into<String>) -> io::Error {
-    let msg = msg.into();
-    devlend_fabric::limited!(info, reason = %msg, "vfio-user request refused");
-    io::Error::new(io::ErrorKind::InvalidInput, msg)
+    io::Error::new(io::ErrorKind::InvalidInput, msg.into())
+}
+
+/// The name of vfio-user command `c`, for the log.
+fn command_name(c: u16) -> String {
+    match vfio_user::Command::n(c) {
+        Some(c) => format!("{c:?}"),
+        None => format!("unknown ({c})"),
+    }
 }
 
 fn link_err(e: LinkError) -> io::Error {
@@ -326,10 +340,12 @@ impl PciBorrower {
                 count: q.count,
             })
             .collect();
-        Server::new(path, true, irqs, regions).map_err(|source| PciError::Socket {
-            path: path.display().to_string(),
-            source,
-        })
+        Server::new(path, true, irqs, regions)
+            .map(|s| s.with_max_dma_maps(MAX_DMA_MAPS))
+            .map_err(|source| PciError::Socket {
+                path: path.display().to_string(),
+                source,
+            })
     }
 
     /// Serves VMM connections on `server` one after the other, forever: when a VMM
@@ -610,7 +626,7 @@ fn irq_loop(shared: &Shared, irqs: Receiver<Irq>) {
         if !mediated {
             let mut maps = shared.maps.lock().unwrap_or_else(PoisonError::into_inner);
             if let Err(e) = pull(shared, &mut maps) {
-                tracing::warn!(error = %e, "pull after an interrupt failed");
+                devlend_fabric::limited!(warn, error = %e, "pull after an interrupt failed");
             }
         }
         let fds = shared
@@ -620,7 +636,7 @@ fn irq_loop(shared: &Shared, irqs: Receiver<Irq>) {
         match fds.get(&(irq.index, irq.vector)) {
             Some(mut f) => {
                 if let Err(e) = f.write_all(&1u64.to_ne_bytes()) {
-                    tracing::warn!(error = %e, "cannot signal the VMM's eventfd");
+                    devlend_fabric::limited!(warn, error = %e, "cannot signal the VMM's eventfd");
                 }
                 shared.stats.irqs.fetch_add(1, Ordering::Relaxed);
             }
@@ -631,6 +647,20 @@ fn irq_loop(shared: &Shared, irqs: Receiver<Irq>) {
 }
 
 impl ServerBackend for PciBorrower {
+    fn refused(&mut self, command: u16, errno: u32, error: &vfio_user::Error) {
+        let reason = match error {
+            vfio_user::Error::Backend(e) => e.to_string(),
+            e => e.to_string(),
+        };
+        devlend_fabric::limited!(
+            info,
+            command = %command_name(command),
+            errno,
+            %reason,
+            "vfio-user request refused"
+        );
+    }
+
     fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> io::Result<()> {
         let max = self.shared.link.max_access() as usize;
         for (i, chunk) in data.chunks_mut(max).enumerate() {
@@ -727,6 +757,15 @@ impl ServerBackend for PciBorrower {
                 "DMA range {address:#x}+{size:#x} overlaps the mapped {:#x}+{:#x}",
                 m.iova, m.size
             )));
+        }
+        if maps.len() >= MAX_DMA_MAPS as usize {
+            // ENOSPC, as VFIO's type1 IOMMU answers past its dma_entry_limit.
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                format!(
+                    "DMA range {address:#x}+{size:#x}: the VMM holds {MAX_DMA_MAPS} DMA maps already, the most it may (max_dma_maps)"
+                ),
+            ));
         }
         // Before mapping or allocating anything: within the mirror limit, and within the
         // VMM's file (reading a shared mapping past the file's end raises SIGBUS).

@@ -98,6 +98,17 @@ const fn default_max_data_xfer_size() -> u32 {
     1048576
 }
 
+/// devlend: the spec's default for `max_dma_maps` (DMA map windows valid at once).
+pub const DEFAULT_MAX_DMA_MAPS: u32 = 65535;
+
+const fn default_max_dma_maps() -> u32 {
+    DEFAULT_MAX_DMA_MAPS
+}
+
+/// devlend: the most file descriptors the server receives with one message (its
+/// receive buffer); SET_IRQS may carry up to this many, DMA_MAP one, the others none.
+const MAX_RECEIVED_FDS: usize = 16;
+
 /// devlend: the largest message the server reads: the largest transfer and its header,
 /// with room for the version's capabilities.
 const MAX_MESSAGE_SIZE: usize = default_max_data_xfer_size() as usize + 4096;
@@ -236,6 +247,9 @@ struct Capabilities {
     max_data_xfer_size: u32,
     #[serde(default = "default_migration_capabilities")]
     migration: MigrationCapabilities,
+    /// devlend: advertised by the server (the VMM keeps at most this many maps).
+    #[serde(default = "default_max_dma_maps")]
+    max_dma_maps: u32,
 }
 
 #[derive(Serialize, Deserialize, Debug, Default)]
@@ -249,6 +263,7 @@ impl Default for Capabilities {
             max_msg_fds: default_max_msg_fds(),
             max_data_xfer_size: default_max_data_xfer_size(),
             migration: default_migration_capabilities(),
+            max_dma_maps: default_max_dma_maps(),
         }
     }
 }
@@ -315,6 +330,13 @@ pub enum Error {
     InvalidInput,
     #[error("No_reply bit unexpectedly set for command: {0:?}")]
     UnexpectedNoReply(Command),
+    /// devlend: a malformed or out-of-range request, with the reason (EINVAL).
+    #[error("Refused: {0}")]
+    Refused(String),
+    /// devlend: a message size that cannot be a message: the framing is lost and the
+    /// connection is closed.
+    #[error("Message size {0} out of range; the connection is closed")]
+    MessageSize(usize),
 }
 
 /// The header every capability of a region begins with.
@@ -910,6 +932,12 @@ pub trait ServerBackend {
         _count: u32,
         _fds: Vec<File>,
     ) -> Result<(), std::io::Error>;
+    /// devlend: a request of `command` was refused with `errno` (the VMM got the error
+    /// reply) because of `error`. A VMM can repeat a refused request as fast as it
+    /// likes: a backend that logs this should rate-limit it. Default: a debug line.
+    fn refused(&mut self, command: u16, errno: u32, error: &Error) {
+        debug!("Refused command {command}: errno {errno}: {error}");
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -930,6 +958,7 @@ pub struct Server {
     resettable: bool,
     irqs: Vec<IrqInfo>,
     regions: Vec<ServerRegion>,
+    max_dma_maps: u32,
 }
 
 impl Server {
@@ -951,7 +980,15 @@ impl Server {
             resettable,
             irqs,
             regions,
+            max_dma_maps: DEFAULT_MAX_DMA_MAPS,
         })
+    }
+
+    /// devlend: the `max_dma_maps` advertised in the VERSION reply (default: the spec's
+    /// 65535). The backend enforces it: its `dma_map` refuses a map past the limit.
+    pub fn with_max_dma_maps(mut self, n: u32) -> Self {
+        self.max_dma_maps = n;
+        self
     }
 
     pub fn from_owned_fd(
@@ -968,6 +1005,39 @@ impl Server {
             resettable,
             irqs,
             regions,
+            max_dma_maps: DEFAULT_MAX_DMA_MAPS,
+        }
+    }
+
+    /// devlend: checks a region access before the backend sees it: the region exists,
+    /// allows the access (its READ or WRITE flag), and holds `offset..offset + count`
+    /// (no overflow); `count` is at most the transfer size both ends advertise.
+    fn check_access(&self, region: u32, offset: u64, count: u32, write: bool) -> Result<(), Error> {
+        let r = self
+            .regions
+            .get(region as usize)
+            .ok_or_else(|| Error::Refused(format!("region {region} does not exist")))?;
+        let info = &r.region_info;
+        let (flag, what) = if write {
+            (VFIO_REGION_INFO_FLAG_WRITE, "written")
+        } else {
+            (VFIO_REGION_INFO_FLAG_READ, "read")
+        };
+        if info.flags & flag == 0 {
+            return Err(Error::Refused(format!("region {region} cannot be {what}")));
+        }
+        if count > default_max_data_xfer_size() {
+            return Err(Error::Refused(format!(
+                "an access of {count} bytes is larger than the transfer size {}",
+                default_max_data_xfer_size()
+            )));
+        }
+        match offset.checked_add(u64::from(count)) {
+            Some(end) if end <= info.size => Ok(()),
+            _ => Err(Error::Refused(format!(
+                "{count} bytes at offset {offset:#x} are outside region {region} ({:#x} bytes)",
+                info.size
+            ))),
         }
     }
 
@@ -980,6 +1050,29 @@ impl Server {
         fds: Vec<File>,
     ) -> Result<(), Error> {
         let command = Command::n(header.command).ok_or(Error::UnknownCommand(header.command))?;
+        // devlend: only commands come from the client: a reply, or a message with the
+        // error flag, is refused.
+        if header.flags & 0xf != HeaderFlags::Command as u32
+            || header.flags & HeaderFlags::Error as u32 != 0
+        {
+            return Err(Error::Refused(format!(
+                "flags {:#x}: not a command",
+                header.flags
+            )));
+        }
+        // devlend: file descriptors only where the command takes them (they are
+        // closed with the refusal).
+        let allowed = match command {
+            Command::DmaMap => 1,
+            Command::SetIrqs => MAX_RECEIVED_FDS,
+            _ => 0,
+        };
+        if fds.len() > allowed {
+            return Err(Error::Refused(format!(
+                "{} file descriptors with {command:?}, which takes at most {allowed}",
+                fds.len()
+            )));
+        }
         match command {
             Command::Unknown
             | Command::GetRegionIoFds
@@ -1018,12 +1111,18 @@ impl Server {
                     serde_json::from_str(&client_version_data)
                         .map_err(Error::DeserializeCapabilites)?;
 
-                info!(
+                // devlend: debug, not info: a VMM may send VERSION at will.
+                debug!(
                     "Received client version: major = {} minor = {} capabilities = {:?}",
                     client_version.major, client_version.minor, client_capabilities.capabilities,
                 );
 
-                let server_capabilities = CapabilitiesData::default();
+                let server_capabilities = CapabilitiesData {
+                    capabilities: Capabilities {
+                        max_dma_maps: self.max_dma_maps,
+                        ..Default::default()
+                    },
+                };
                 let server_version_data = serde_json::to_string(&server_capabilities)
                     .map_err(Error::SerializeCapabilites)?;
                 let server_version = Version {
@@ -1048,7 +1147,7 @@ impl Server {
                 // TODO: Use write_all_vectored() when ready
                 let _ = stream.write_vectored(&bufs).map_err(Error::StreamWrite)?;
 
-                info!(
+                debug!(
                     "Sent server version: major = {} minor = {} capabilities = {:?}",
                     server_version.major, server_version.minor, server_capabilities.capabilities
                 );
@@ -1062,13 +1161,9 @@ impl Server {
                     .read_exact(&mut cmd.as_mut_slice()[size_of::<Header>()..])
                     .map_err(Error::StreamRead)?;
 
-                let mut fds = fds;
-
                 // The specification demands that the caller passes 0
-                // or 1 file descriptor.
-                if fds.len() > 1 {
-                    return Err(Error::InvalidInput);
-                }
+                // or 1 file descriptor (devlend: checked above).
+                let mut fds = fds;
 
                 backend
                     .dma_map(
@@ -1312,6 +1407,25 @@ impl Server {
                     return Err(Error::UnsupportedFeature);
                 }
 
+                // devlend: the vectors named lie inside the index, and eventfds come
+                // only with DATA_EVENTFD, one per vector (or none: a partial update).
+                let irq = &self.irqs[cmd.index as usize];
+                let (start, count) = (cmd.start, cmd.count);
+                if count > 0 && start.checked_add(count).is_none_or(|end| end > irq.count) {
+                    return Err(Error::Refused(format!(
+                        "vectors {start}..+{count} of interrupt index {} ({} vectors)",
+                        cmd.index, irq.count
+                    )));
+                }
+                let eventfds = cmd.flags & VFIO_IRQ_SET_DATA_TYPE_MASK == VFIO_IRQ_SET_DATA_EVENTFD;
+                if !fds.is_empty() && (!eventfds || fds.len() != count as usize) {
+                    return Err(Error::Refused(format!(
+                        "{} file descriptors for {count} vectors with SET_IRQS flags {:#x}",
+                        fds.len(),
+                        cmd.flags
+                    )));
+                }
+
                 backend
                     .set_irqs(cmd.index, cmd.flags, cmd.start, cmd.count, fds)
                     .map_err(Error::Backend)?;
@@ -1346,10 +1460,12 @@ impl Server {
 
                 let (region, offset, count) = (cmd.region, cmd.offset, cmd.count);
 
-                // devlend: at most the transfer size both ends advertise.
+                // devlend: at most the transfer size both ends advertise, inside the
+                // region.
                 if region as usize >= self.regions.len() || count > default_max_data_xfer_size() {
                     return Err(Error::InvalidInput);
                 }
+                self.check_access(region, offset, count, false)?;
 
                 let mut data = vec![0u8; count as usize];
                 backend
@@ -1384,10 +1500,12 @@ impl Server {
 
                 let (region, offset, count) = (cmd.region, cmd.offset, cmd.count);
 
-                // devlend: the data must be in the message (read whole already).
+                // devlend: the data must be in the message (read whole already), and
+                // inside the region.
                 if region as usize >= self.regions.len() || count as usize != body.len() {
                     return Err(Error::InvalidInput);
                 }
+                self.check_access(region, offset, count, true)?;
 
                 let mut data = vec![0u8; count as usize];
                 body.read_exact(&mut data).map_err(Error::StreamRead)?;
@@ -1460,7 +1578,7 @@ impl Server {
 
             // Other end closed connection
             if bytes == 0 {
-                info!("Connection closed");
+                debug!("Connection closed");
                 break;
             }
 
@@ -1483,8 +1601,8 @@ impl Server {
             }
             let size = header.message_size as usize;
             if size < size_of::<Header>() || size > MAX_MESSAGE_SIZE {
-                error!("Message size {size} out of range; closing the connection");
-                return Err(Error::InvalidInput);
+                // Logged by whoever runs the server (the error says why).
+                return Err(Error::MessageSize(size));
             }
             let mut message = vec![0u8; size - size_of::<Header>()];
             stream
@@ -1493,19 +1611,22 @@ impl Server {
             let mut body = message.as_slice();
 
             if let Err(e) = self.handle_command(backend, &mut stream, header, &mut body, fds) {
-                error!("Error handling command: {:?}: {e}", header.command);
+                // devlend: never 0 (a VMM takes `-error` for its result, and 0 for
+                // success): the backend's errno, or one for its error's kind.
+                let errno = match &e {
+                    Error::InvalidInput | Error::Refused(_) => EINVAL as u32,
+                    Error::Backend(io) => errno_of(io),
+                    _ => libc::EIO as u32,
+                };
+                // devlend: the backend logs it (under a rate limit of its own): a VMM
+                // repeating a refused request must not flood the log.
+                backend.refused(header.command, errno, &e);
                 let reply = Header {
                     message_id: header.message_id,
                     command: header.command,
                     flags: HeaderFlags::Error as u32 | HeaderFlags::Reply as u32,
                     message_size: size_of::<Header>() as u32,
-                    // devlend: never 0 (a VMM takes `-error` for its result, and 0 for
-                    // success): the backend's errno, or one for its error's kind.
-                    error: match &e {
-                        Error::InvalidInput => EINVAL as u32,
-                        Error::Backend(io) => errno_of(io),
-                        _ => libc::EIO as u32,
-                    },
+                    error: errno,
                 };
                 stream
                     .write_all(reply.as_slice())
@@ -1527,6 +1648,7 @@ fn errno_of(e: &std::io::Error) -> u32 {
         std::io::ErrorKind::InvalidInput => libc::EINVAL,
         std::io::ErrorKind::BrokenPipe => libc::EPIPE,
         std::io::ErrorKind::Unsupported => libc::ENOTSUP,
+        std::io::ErrorKind::StorageFull => libc::ENOSPC,
         _ => libc::EIO,
     }) as u32
 }
