@@ -12,11 +12,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use devlend_fabric::reconnect::{Attempt, Policy, Reconnector, SystemClock};
+
 use crate::registry::{Registry, RegistryError};
 use crate::state::SavedAttachment;
 
-const RETRY_MIN: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(10);
+/// A round of attempts every 1 s doubling to 10 s, for as long as an attachment waits
+/// (each is given up on its own, when hopeless).
+const RETRY: Policy = Policy::backoff(Duration::from_secs(1), Duration::from_secs(10));
 
 /// Whether a failed restore can never succeed: retrying it is pointless.
 fn hopeless(e: &RegistryError) -> bool {
@@ -48,8 +51,7 @@ fn run(registry: &Registry, mut waiting: Vec<SavedAttachment>) {
         attachments = waiting.len(),
         "serving the saved attachments again"
     );
-    let mut backoff = RETRY_MIN;
-    loop {
+    let round = |r: &Reconnector| {
         waiting.retain(|s| match registry.restore(s) {
             Ok(_) => {
                 registry.restored(&s.id);
@@ -63,15 +65,18 @@ fn run(registry: &Registry, mut waiting: Vec<SavedAttachment>) {
             }
             Err(e) => {
                 let reason = e.to_string();
-                tracing::warn!(id = %s.id, error = %reason, retry_s = backoff.as_secs(), "cannot serve the saved attachment yet; retrying");
+                tracing::warn!(id = %s.id, error = %reason, retry_s = r.next_wait().as_secs(), "cannot serve the saved attachment yet; retrying");
                 registry.restore_failed(&s.id, &reason);
                 true
             }
         });
         if waiting.is_empty() {
-            return;
+            Attempt::Done(())
+        } else {
+            Attempt::Failed(())
         }
-        std::thread::sleep(backoff);
-        backoff = (backoff * 2).min(RETRY_MAX);
-    }
+    };
+    // No deadline and no refusal for the round: it ends once every attachment is served
+    // or dropped.
+    let _ = Reconnector::new(RETRY).run(&SystemClock, round);
 }

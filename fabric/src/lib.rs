@@ -8,6 +8,8 @@
 //!
 //! Transports: [`tcp`] (the default), optionally inside TLS 1.3 ([`tls`], bridged to the
 //! engines through [`conn::Stream`]). RDMA comes behind a cargo feature.
+//!
+//! [`reconnect`] says when a borrower tries a lost session again, and when it stops.
 
 pub mod conn;
 pub mod error;
@@ -19,6 +21,7 @@ pub mod net;
 pub mod pci;
 pub mod ratelimit;
 pub mod rdma;
+pub mod reconnect;
 pub mod relay;
 pub mod tcp;
 pub mod tls;

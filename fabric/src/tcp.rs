@@ -92,6 +92,27 @@ pub enum ConnectError {
     },
 }
 
+impl ConnectError {
+    /// Whether the lender refuses this borrower for good: denied, no such device, a
+    /// request or protocol version it does not take, or a TLS refusal (an untrusted or
+    /// misnamed certificate, a client certificate refused). Retrying cannot succeed
+    /// until a configuration changes; the other failures (busy, unreachable, a lost
+    /// connection) are those of the moment.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            ConnectError::Refused { status, .. } => matches!(
+                status,
+                HelloStatus::Denied
+                    | HelloStatus::NoSuchDevice
+                    | HelloStatus::BadRequest
+                    | HelloStatus::UnsupportedVersion
+            ),
+            ConnectError::Tls { source, .. } => source.is_permanent(),
+            _ => false,
+        }
+    }
+}
+
 /// Opens a TCP connection to a lender and performs the handshake for `device`,
 /// virtqueue `queue_index`.
 ///

@@ -10,8 +10,9 @@
 //! After the TCP connect (borrower) or accept (lender), the TLS handshake runs on the
 //! TCP socket, blocking, under the caller's socket timeouts ([`client_handshake`],
 //! [`server_handshake`]). Then [`spawn_pump`] creates a `socketpair(AF_UNIX,
-//! SOCK_STREAM)`, hands one end to the caller as the connection
-//! ([`crate::conn::Stream::Tls`]) and moves bytes between the other end and the TLS
+//! SOCK_STREAM)`, hands one end to the caller as the connection (a plain
+//! `UnixStream`, which the connection layer above wraps for the engines) and moves
+//! bytes between the other end and the TLS
 //! session on a thread of its own, for the connection's lifetime. The engines keep
 //! doing their raw `writev`/`recvmsg`, io_uring and `sendfile` on a plaintext fd; the
 //! devlend hello and everything after it ride inside TLS (`docs/protocol.md`).

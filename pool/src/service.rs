@@ -1,5 +1,6 @@
 //! The pool's operations, one per endpoint: validation, placement and storage put
-//! together. The HTTP layer ([`crate::http`]) only moves JSON in and out of these.
+//! together. The HTTP layer above (module `http`) only moves JSON in and out of these;
+//! nothing here knows of it.
 
 use std::sync::Arc;
 

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use devlend_fabric::reconnect::{Attempt, GaveUp, Policy, Reconnector, SystemClock};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -118,6 +119,9 @@ pub struct Attachment {
 /// How long attaching a PCIe function retries while the lender answers busy (it may
 /// still be quiescing the function for its previous borrower).
 const PCI_BUSY_WAIT: Duration = Duration::from_secs(3);
+/// Attaching a PCIe function: "busy" retried every 250 ms for [`PCI_BUSY_WAIT`].
+const PCI_BUSY: Policy =
+    Policy::backoff(Duration::from_millis(250), Duration::from_millis(250)).deadline(PCI_BUSY_WAIT);
 
 impl Attachment {
     /// Opens a session to the lender to learn the device (capacity, limits, serial),
@@ -252,20 +256,25 @@ impl Attachment {
         };
         // A function just given back by this compute agent (a detach, then an attach at
         // once) may still be quiescing on the lender, which answers busy meanwhile.
-        let until = std::time::Instant::now() + PCI_BUSY_WAIT;
-        let borrower = loop {
-            match crate::pci::PciBorrower::connect(&target) {
-                Err(crate::pci::PciError::Connect(
-                    devlend_fabric::tcp::ConnectError::Refused {
-                        status: devlend_fabric::HelloStatus::Busy,
-                        ..
-                    },
-                )) if std::time::Instant::now() < until => {
-                    std::thread::sleep(Duration::from_millis(250));
+        let borrower = Reconnector::new(PCI_BUSY)
+            .run(&SystemClock, |_| {
+                match crate::pci::PciBorrower::connect(&target) {
+                    Ok(b) => Attempt::Done(b),
+                    Err(
+                        e @ crate::pci::PciError::Connect(
+                            devlend_fabric::tcp::ConnectError::Refused {
+                                status: devlend_fabric::HelloStatus::Busy,
+                                ..
+                            },
+                        ),
+                    ) => Attempt::Failed(e),
+                    Err(e) => Attempt::Refused(e),
                 }
-                r => break r.map_err(AttachmentError::Pci)?,
-            }
-        };
+            })
+            .map_err(|g| match g {
+                GaveUp::Refused(e) | GaveUp::Deadline(e) => AttachmentError::Pci(e),
+                GaveUp::Stopped => unreachable!("attaching is never stopped"),
+            })?;
         let server = borrower
             .listen(&config.socket)
             .map_err(AttachmentError::Pci)?;

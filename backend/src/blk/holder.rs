@@ -4,20 +4,26 @@
 //! a session open. This idle session (queue index [`CONTROL_QUEUE`]) keeps the device the
 //! attachment's while no VM is connected. If the lender goes away (restart, network),
 //! the holder re-establishes the session as soon as the lender answers again, so that
-//! the device stays this attachment's.
+//! the device stays this attachment's: 100 ms doubling to 5 s
+//! ([`devlend_fabric::reconnect`]), for as long as the attachment lives. A permanent
+//! refusal (denied: a lease that ended; a TLS certificate refused) is logged as an error
+//! at its first answer, and retried like the others: the holder's job is to hold the
+//! device again as soon as it can (a renewed lease, a fixed certificate).
 
 use std::io::Read;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use devlend_fabric::conn::Stream;
+use devlend_fabric::reconnect::{Attempt, Clock, GaveUp, Policy, Reconnector, SystemClock};
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::HelloStatus;
 
-use crate::blk::engine::{DisplayChain, LenderTarget};
+use crate::blk::link::DisplayChain;
+use crate::blk::target::LenderTarget;
 
 /// Queue index of the holding session.
 pub const CONTROL_QUEUE: u16 = u16::MAX;
@@ -26,8 +32,12 @@ pub const CONTROL_QUEUE: u16 = u16::MAX;
 /// middle of being released by its previous borrower).
 pub const BUSY_RETRY: Duration = Duration::from_secs(2);
 
-/// Most time between two attempts to re-establish a lost holding session.
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Opening: "busy" retried every 100 ms for [`BUSY_RETRY`]; any other failure returned.
+const OPEN: Policy =
+    Policy::backoff(Duration::from_millis(100), Duration::from_millis(100)).deadline(BUSY_RETRY);
+
+/// Re-establishing a lost holding session: 100 ms doubling to 5 s, for ever.
+const REOPEN: Policy = Policy::backoff(Duration::from_millis(100), Duration::from_secs(5));
 
 /// A running holder.
 pub struct Holder {
@@ -41,16 +51,49 @@ pub struct Holder {
 /// # Errors
 /// The lender's refusal or the connection error.
 pub fn open(target: &LenderTarget) -> Result<(Stream, devlend_fabric::HelloReply), ConnectError> {
-    let deadline = std::time::Instant::now() + BUSY_RETRY;
-    loop {
-        match target.open(&target.hello(CONTROL_QUEUE)) {
-            Err(ConnectError::Refused {
-                status: HelloStatus::Busy,
-                ..
-            }) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(100));
+    Reconnector::new(OPEN)
+        .run(&SystemClock, |_| {
+            match target.open(&target.hello(CONTROL_QUEUE)) {
+                Ok(v) => Attempt::Done(v),
+                Err(e) if is_busy(&e) => Attempt::Failed(e),
+                Err(e) => Attempt::Refused(e),
             }
-            other => return other,
+        })
+        .map_err(|g| match g {
+            GaveUp::Refused(e) | GaveUp::Deadline(e) => e,
+            GaveUp::Stopped => unreachable!("opening is never stopped"),
+        })
+}
+
+fn is_busy(e: &ConnectError) -> bool {
+    matches!(
+        e,
+        ConnectError::Refused {
+            status: HelloStatus::Busy,
+            ..
+        }
+    )
+}
+
+/// The system clock, whose sleeps end early once the holder is released.
+struct Releasable<'a>(&'a AtomicBool);
+
+impl Clock for Releasable<'_> {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+
+    fn sleep(&self, d: Duration) -> bool {
+        let end = Instant::now() + d;
+        loop {
+            if self.0.load(Ordering::Acquire) {
+                return false;
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return true;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(50)));
         }
     }
 }
@@ -118,6 +161,8 @@ fn watch(
     stop: &AtomicBool,
     current: &Mutex<Option<Stream>>,
 ) {
+    let mut retry = Reconnector::new(REOPEN);
+    retry.connected(Instant::now());
     loop {
         // Nothing is ever sent on this session: a read returns only at its end.
         let mut sink = [0u8; 64];
@@ -130,39 +175,30 @@ fn watch(
             return;
         }
         tracing::warn!(attachment = %name, lender = %target.addr, device = %target.device, "lost the session holding the device; re-establishing it");
-        let mut backoff = Duration::from_millis(100);
-        stream = loop {
+        retry.lost(Instant::now());
+        let reopened = retry.run(&Releasable(stop), |r| {
             if stop.load(Ordering::Acquire) {
-                return;
+                return Attempt::Stop;
             }
             match target.open(&target.hello(CONTROL_QUEUE)) {
-                Ok((s, _)) => break s,
+                Ok((s, _)) => Attempt::Done(s),
                 Err(e) => {
-                    match &e {
-                        ConnectError::Refused {
-                            status: HelloStatus::Busy,
-                            ..
-                        } => {
-                            tracing::warn!(attachment = %name, error = %DisplayChain(&e), "the lender answers busy (another borrower holds the device, or it awaits word from the pool); retrying");
-                        }
-                        ConnectError::Refused {
-                            status: HelloStatus::Denied,
-                            ..
-                        } if backoff == Duration::from_millis(100) => {
-                            tracing::error!(attachment = %name, error = %DisplayChain(&e), "the lender refuses this attachment (its lease ended?)");
-                        }
-                        ConnectError::Tls { source, .. }
-                            if source.is_permanent() && backoff == Duration::from_millis(100) =>
-                        {
-                            tracing::error!(attachment = %name, error = %DisplayChain(&e), "TLS with the lender is refused; retrying");
-                        }
-                        _ => {}
+                    let first = r.failures() == 0;
+                    if is_busy(&e) {
+                        tracing::warn!(attachment = %name, error = %DisplayChain(&e), "the lender answers busy (another borrower holds the device, or it awaits word from the pool); retrying");
+                    } else if first && matches!(e, ConnectError::Tls { .. }) && e.is_permanent() {
+                        tracing::error!(attachment = %name, error = %DisplayChain(&e), "TLS with the lender is refused; retrying");
+                    } else if first && e.is_permanent() {
+                        tracing::error!(attachment = %name, error = %DisplayChain(&e), "the lender refuses this attachment (its lease ended?); retrying");
                     }
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    // Retried all the same: see the module doc.
+                    Attempt::Failed(e)
                 }
             }
-        };
+        });
+        // Only a release ends the retries.
+        let Ok(s) = reopened else { return };
+        stream = s;
         tracing::info!(attachment = %name, lender = %target.addr, "holding session re-established");
         match stream.try_clone() {
             Ok(c) => *lock(current) = Some(c),

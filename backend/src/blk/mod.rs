@@ -2,14 +2,17 @@
 //!
 //! - [`spec`]: virtio-blk constants, feature bits and config space (virtio 1.2 §5.2);
 //! - [`request`]: descriptor chain → validated request, or an immediate status;
-//! - [`engine`]: one virtqueue's requests in flight over one fabric connection, resent
-//!   on a new one when it is lost; `table`: its table of requests in flight (slots by
-//!   head, ids, the order they go out in, the session's credit); `tx`: its non-blocking
-//!   send queue on a stream; `target`: where the device is lent from; `stats`: the
-//!   attachment's counters;
-//! - `rdma` (cargo feature `rdma`): a queue's RDMA session and the guest memory
-//!   registered on it; `mr_cache`: which regions are registered, and until when;
-//! - [`timer`]: the reconnect timer a queue's worker waits on;
+//! - [`engine`]: one virtqueue's requests in flight over one fabric session, resent on
+//!   a new one when it is lost; `table`: its table of requests in flight (slots by head,
+//!   ids, the order they go out in, the session's credit, the inflight-buffer marks);
+//!   `complete`: returning a chain to the guest; `target`: where the device is lent
+//!   from; `stats`: the attachment's counters;
+//! - `link`: the session as the engine sees it (a trait); `stream`: the stream link
+//!   (TCP, TLS), with its receive framing and its non-blocking send queue (`tx`);
+//!   `rdma` (cargo feature `rdma`): the RDMA link and the guest memory registered on
+//!   it; `mr_cache`: which regions are registered, and until when;
+//! - [`timer`]: the reconnect timer a queue's worker waits on (when to reconnect is
+//!   `devlend_fabric::reconnect`'s);
 //! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
 //!   resubmits what was in flight; [`resubmit`] turns its heads back into chains;
 //! - [`backend`]: the `vhost-user-backend` glue (features, config, workers);
@@ -17,10 +20,12 @@
 
 pub mod attachment;
 pub mod backend;
+mod complete;
 pub mod engine;
 pub mod holder;
 pub mod inflight;
 pub use devlend_fabric::latency;
+mod link;
 #[cfg(any(feature = "rdma", test))]
 mod mr_cache;
 #[cfg(feature = "rdma")]
@@ -29,9 +34,9 @@ pub mod request;
 pub mod resubmit;
 pub mod spec;
 mod stats;
+mod stream;
 mod table;
 mod target;
-mod tcp;
 pub mod timer;
 mod tx;
 

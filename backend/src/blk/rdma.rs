@@ -1,26 +1,36 @@
-//! A queue's RDMA session: the queue pair, and guest memory registered on it.
+//! A queue's RDMA session, the RDMA [`Link`]: the queue pair, and guest memory
+//! registered on it.
+//!
+//! Each request goes as one SEND naming its guest buffers (address, rkey, length); the
+//! lender moves the data one-sided and SENDs the response header, so a receive is
+//! headers only, each completing its request at once.
 //!
 //! **Memory-region lifetime** (the rule is in [`crate::blk::mr_cache`]): each guest
 //! memory region is one MR (local write, remote read, remote write) in this session's
 //! protection domain, registered when vhost-user hands over a map containing it
-//! ([`RdmaLink::memory_changed`], from `update_memory`) or, on a new session, when the
+//! ([`Link::memory_changed`], from `update_memory`) or, on a new session, when the
 //! first request parsed against that map is sent; kept while the current map or a
-//! request in flight holds the region; dropped after ([`RdmaLink::prune`]). A lost
+//! request in flight holds the region; dropped after (pruned once no request in flight holds it). A lost
 //! session drops the queue pair and every registration with it (the requests are resent
 //! on the next session, registered again on its protection domain); so does detach,
 //! which drops the engine.
 
+use std::os::fd::RawFd;
 use std::sync::Arc;
+use std::time::Instant;
 
+use crate::blk::complete::Completer;
+use crate::blk::link::{check_response, next_request, FabricFault, Link};
 use crate::blk::mr_cache::RegionCache;
-use crate::blk::table::Slot;
+use crate::blk::spec::S_IOERR;
+use crate::blk::table::{RequestTable, Slot};
 use crate::blk::target::{LenderTarget, CONNECT_TIMEOUT};
 use crate::guest::GuestMemoryRef;
 use devlend_fabric::rdma::verbs::{self, Completion, Connection, Mr, RECV_BIT};
 use devlend_fabric::rdma::{encode_request, RdmaError, Segment, MAX_REQUEST_MSG, MAX_SEGMENTS};
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::wire::{REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
-use devlend_fabric::{HelloReply, HelloStatus, Op};
+use devlend_fabric::{Credit, HelloReply, HelloStatus, Op};
 
 /// Registers `len` bytes at `ptr` of guest memory on `pd`.
 fn register(pd: &Arc<verbs::Pd>, ptr: *mut u8, len: usize) -> Result<Mr, RdmaError> {
@@ -36,6 +46,8 @@ pub(crate) struct RdmaLink {
     regs: RegionCache<Mr>,
     segs: Vec<Segment>,
     done: Vec<Completion>,
+    /// Response headers taken from receives, reused between calls.
+    responses: Vec<[u8; RESPONSE_HEADER_LEN]>,
 }
 
 impl RdmaLink {
@@ -66,14 +78,10 @@ impl RdmaLink {
                 regs: RegionCache::new(),
                 segs: Vec::with_capacity(MAX_SEGMENTS),
                 done: Vec::new(),
+                responses: Vec::new(),
             },
             reply,
         ))
-    }
-
-    /// The fd to watch (completions and rdma_cm events).
-    pub(crate) fn fd(&self) -> std::os::fd::RawFd {
-        self.conn.fd()
     }
 
     /// Registers the regions of `mem` not registered yet.
@@ -97,7 +105,7 @@ impl RdmaLink {
     ///
     /// # Errors
     /// A registration failed (out of RDMA resources); the session is then dropped.
-    pub(crate) fn memory_changed<'a>(
+    fn register_new<'a>(
         &mut self,
         current: &'a GuestMemoryRef,
         in_flight: impl Iterator<Item = &'a GuestMemoryRef>,
@@ -107,15 +115,9 @@ impl RdmaLink {
         Ok(())
     }
 
-    /// Whether some registered region is not in the current map (a request in flight
-    /// still uses it, or did).
-    pub(crate) fn has_stale(&self) -> bool {
-        self.regs.has_stale()
-    }
-
     /// Drops the registrations of regions that neither `current` nor the maps of the
     /// requests in flight hold.
-    pub(crate) fn prune<'a>(
+    fn prune<'a>(
         &mut self,
         current: &'a GuestMemoryRef,
         in_flight: impl Iterator<Item = &'a GuestMemoryRef>,
@@ -130,65 +132,56 @@ impl RdmaLink {
         }
     }
 
-    /// Sends a batch: each request as one SEND from the send buffer of its head, with
-    /// one segment per guest buffer iovec for reads and writes. Returns the heads that
+    /// Sends one request as one SEND from the send buffer of its head, with one
+    /// segment per guest buffer iovec for a read or a write. Returns `false` when it
     /// cannot be sent (more segments than allowed, or memory outside the registered
-    /// map): the caller completes them with IOERR.
-    pub(crate) fn send(
+    /// map): the caller completes it with IOERR.
+    fn send_one(
         &mut self,
-        headers: &[[u8; REQUEST_HEADER_LEN]],
-        heads: &[(u16, bool)],
-        slots: &[Slot],
-    ) -> Result<Vec<u16>, RdmaError> {
-        let mut refused = Vec::new();
-        for (hdr, &(head, _)) in headers.iter().zip(heads) {
-            let slot = &slots[usize::from(head)];
-            self.segs.clear();
-            if matches!(slot.op, Some(Op::Read | Op::Write)) {
-                let Some(mem) = slot.mem.as_ref() else {
-                    refused.push(head);
-                    continue;
-                };
-                self.ensure(mem)?;
-                let mut ok = slot.iovs.len() <= MAX_SEGMENTS;
-                for iov in slot.iovs.iter().take(MAX_SEGMENTS) {
-                    match self.regs.lookup(iov.ptr as u64, iov.len as u64, Mr::rkey) {
-                        Some(rkey) => self.segs.push(Segment {
-                            addr: iov.ptr as u64,
-                            rkey,
-                            len: iov.len as u32,
-                        }),
-                        None => ok = false,
-                    }
-                }
-                if !ok {
-                    tracing::warn!(
-                        head,
-                        segments = slot.iovs.len(),
-                        "request cannot be described to the lender over RDMA; failing it"
-                    );
-                    refused.push(head);
-                    continue;
+        header: &[u8; REQUEST_HEADER_LEN],
+        head: u16,
+        slot: &Slot,
+    ) -> Result<bool, RdmaError> {
+        self.segs.clear();
+        if matches!(slot.op, Some(Op::Read | Op::Write)) {
+            let Some(mem) = slot.mem.as_ref() else {
+                return Ok(false);
+            };
+            self.ensure(mem)?;
+            let mut ok = slot.iovs.len() <= MAX_SEGMENTS;
+            for iov in slot.iovs.iter().take(MAX_SEGMENTS) {
+                match self.regs.lookup(iov.ptr as u64, iov.len as u64, Mr::rkey) {
+                    Some(rkey) => self.segs.push(Segment {
+                        addr: iov.ptr as u64,
+                        rkey,
+                        len: iov.len as u32,
+                    }),
+                    None => ok = false,
                 }
             }
-            let i = usize::from(head);
-            let buf = self.conn.send_buf(i);
-            let n = encode_request(hdr, &self.segs, &mut buf[..MAX_REQUEST_MSG]);
-            self.conn.post_send(i, n, u64::from(head))?;
+            if !ok {
+                tracing::warn!(
+                    head,
+                    segments = slot.iovs.len(),
+                    "request cannot be described to the lender over RDMA; failing it"
+                );
+                return Ok(false);
+            }
         }
-        Ok(refused)
+        let i = usize::from(head);
+        let buf = self.conn.send_buf(i);
+        let n = encode_request(header, &self.segs, &mut buf[..MAX_REQUEST_MSG]);
+        self.conn.post_send(i, n, u64::from(head))?;
+        Ok(true)
     }
 
-    /// Takes the responses that arrived (their data is already in guest memory),
+    /// Takes the response headers that arrived (their data is already in guest memory),
     /// reposting their receive buffers.
     ///
     /// # Errors
     /// A failed work request, a response of the wrong size, or a disconnect; the
     /// responses taken before it are in `out`.
-    pub(crate) fn receive(
-        &mut self,
-        out: &mut Vec<[u8; RESPONSE_HEADER_LEN]>,
-    ) -> Result<(), RdmaError> {
+    fn poll(&mut self, out: &mut Vec<[u8; RESPONSE_HEADER_LEN]>) -> Result<(), RdmaError> {
         self.done.clear();
         let polled = self.conn.poll(&mut self.done);
         for k in 0..self.done.len() {
@@ -219,5 +212,72 @@ impl RdmaLink {
             self.conn.post_recv(i)?;
         }
         polled
+    }
+}
+
+impl Link for RdmaLink {
+    fn fd(&self) -> RawFd {
+        self.conn.fd()
+    }
+
+    /// The lender has a receive buffer posted for every request a virtqueue can have
+    /// outstanding.
+    fn default_credit(&self) -> Credit {
+        Credit {
+            requests: devlend_fabric::rdma::RECV_DEPTH as u32,
+            bytes: u32::MAX,
+        }
+    }
+
+    fn send(
+        &mut self,
+        table: &mut RequestTable,
+        done: &mut Completer<'_>,
+    ) -> Result<(), FabricFault> {
+        let now = Instant::now();
+        while let Some((head, header, _)) = next_request(table, now) {
+            if !self
+                .send_one(&header, head, table.slot(head))
+                .map_err(FabricFault::Rdma)?
+            {
+                done.complete(table, head, S_IOERR)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn receive(
+        &mut self,
+        table: &mut RequestTable,
+        done: &mut Completer<'_>,
+    ) -> Result<(), FabricFault> {
+        let mut responses = std::mem::take(&mut self.responses);
+        let polled = self.poll(&mut responses);
+        let mut outcome = Ok(());
+        for raw in &responses {
+            if let Err(fault) =
+                check_response(table, raw).and_then(|r| Ok(done.complete(table, r.head, r.status)?))
+            {
+                outcome = Err(fault);
+                break;
+            }
+        }
+        responses.clear();
+        self.responses = responses;
+        // Registrations of regions only completed requests used go now.
+        if self.regs.has_stale() {
+            self.prune(done.mem(), table.busy_mems());
+        }
+        outcome?;
+        polled.map_err(FabricFault::Rdma)
+    }
+
+    fn memory_changed(
+        &mut self,
+        current: &GuestMemoryRef,
+        table: &RequestTable,
+    ) -> Result<(), FabricFault> {
+        self.register_new(current, table.busy_mems())
+            .map_err(FabricFault::Rdma)
     }
 }

@@ -1,10 +1,9 @@
-//! virtio-blk constants, feature bits and the config space (virtio 1.2 §5.2).
+//! virtio-blk constants, feature bits and the config space (virtio 1.2 §5.2), and the
+//! lent device's limits they are derived from ([`DeviceLimits`]).
 
 use virtio_bindings::virtio_blk as vb;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
-
-use crate::blk::request::DeviceLimits;
 
 /// Size of the request header `virtio_blk_outhdr` in bytes (virtio 1.2 §5.2.6).
 pub const OUTHDR_LEN: usize = 16;
@@ -41,6 +40,52 @@ pub const S_OK: u8 = vb::VIRTIO_BLK_S_OK as u8;
 pub const S_IOERR: u8 = vb::VIRTIO_BLK_S_IOERR as u8;
 /// Status VIRTIO_BLK_S_UNSUPP.
 pub const S_UNSUPP: u8 = vb::VIRTIO_BLK_S_UNSUPP as u8;
+
+/// What the backend knows of the lent device, from the lender's handshake reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// Capacity in 512-byte sectors.
+    pub capacity_sectors: u64,
+    /// Logical block size in bytes (config space `blk_size`).
+    pub block_size: u32,
+    /// Largest data length of one IN or OUT request, in bytes.
+    pub max_transfer: u32,
+    /// Largest discard in 512-byte sectors; 0 when discard is not offered.
+    pub max_discard_sectors: u32,
+    /// Largest write-zeroes in 512-byte sectors; 0 when write-zeroes is not offered.
+    pub max_write_zeroes_sectors: u32,
+    /// Whether writes are refused (VIRTIO_BLK_F_RO is offered; enforced whatever the
+    /// driver acked).
+    pub read_only: bool,
+    /// Device ID string returned by GET_ID, NUL-padded.
+    pub serial: [u8; devlend_fabric::SERIAL_LEN],
+}
+
+impl DeviceLimits {
+    /// Derives the limits from a lender's [`devlend_fabric::DeviceInfo`]. A read-only
+    /// device offers neither discard nor write-zeroes.
+    pub fn from_device_info(info: &devlend_fabric::DeviceInfo) -> Self {
+        use devlend_fabric::handshake::{DEV_DISCARD, DEV_WRITE_ZEROES};
+        let ro = info.read_only();
+        let pick = |flag: u32, v: u32| if !ro && info.flags & flag != 0 { v } else { 0 };
+        DeviceLimits {
+            capacity_sectors: info.capacity_sectors,
+            block_size: info.block_size,
+            max_transfer: info.max_transfer,
+            max_discard_sectors: pick(DEV_DISCARD, info.max_discard_sectors),
+            max_write_zeroes_sectors: pick(DEV_WRITE_ZEROES, info.max_write_zeroes_sectors),
+            read_only: ro,
+            serial: info.serial,
+        }
+    }
+
+    /// Whether `sectors` 512-byte sectors at `sector` lie inside the device.
+    pub(crate) fn in_range(&self, sector: u64, sectors: u64) -> bool {
+        sector
+            .checked_add(sectors)
+            .is_some_and(|end| end <= self.capacity_sectors)
+    }
+}
 
 /// Bit 30, VHOST_USER_F_PROTOCOL_FEATURES (vhost-user spec).
 const VHOST_USER_F_PROTOCOL_FEATURES: u32 = 30;

@@ -1,6 +1,6 @@
 //! The table of one virtqueue's requests in flight: a slot per head descriptor index,
 //! the ids that tell a live response from a stale one, the order requests go out in,
-//! and the session's credit.
+//! the session's credit, and the marks of the queue's chains in the inflight buffer.
 //!
 //! - A request's id is `(sequence << 16) | head`: the table is indexed by head (a head
 //!   cannot be in flight twice), nothing is allocated per request, and the sequence
@@ -10,6 +10,11 @@
 //! - When the session is lost, [`RequestTable::forget_session`] makes nothing
 //!   outstanding and [`RequestTable::requeue_all`] lines every request still in its
 //!   slot up again, oldest first, for the next session.
+//! - With an inflight buffer (INFLIGHT_SHMFD, [`InflightQueue`]), every chain is marked
+//!   there from the moment it is popped ([`RequestTable::popped`]) until it is back in
+//!   the used ring ([`RequestTable::returned`]). A request is marked for as long as it
+//!   has a slot, across lost sessions too; a restarted backend finds the marks in pop
+//!   order, the order the table resends in.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -17,6 +22,7 @@ use std::time::Instant;
 use devlend_fabric::{Credit, Op};
 use vm_memory::GuestAddress;
 
+use crate::blk::inflight::InflightQueue;
 use crate::guest::{GuestMemoryRef, HostIov};
 
 /// A request in flight, in the slot of its head descriptor index.
@@ -91,6 +97,8 @@ pub(crate) struct RequestTable {
     credit: Credit,
     out_requests: usize,
     out_bytes: usize,
+    /// This queue's part of the inflight buffer, when the frontend gave one.
+    log: Option<InflightQueue>,
 }
 
 impl Default for RequestTable {
@@ -105,6 +113,7 @@ impl Default for RequestTable {
             credit: Credit::V1_DEFAULT,
             out_requests: 0,
             out_bytes: 0,
+            log: None,
         }
     }
 }
@@ -165,11 +174,6 @@ impl RequestTable {
     /// The slot of `head` (which must be below the queue's size).
     pub(crate) fn slot(&self, head: u16) -> &Slot {
         &self.slots[usize::from(head)]
-    }
-
-    /// Every slot, indexed by head.
-    pub(crate) fn slots(&self) -> &[Slot] {
-        &self.slots
     }
 
     /// The next waiting request that the credit lets go now, oldest first; it is then
@@ -310,12 +314,60 @@ impl RequestTable {
     pub(crate) fn credit(&self) -> Credit {
         self.credit
     }
+
+    /// Marks chains in `log` from now on (`None`: no inflight buffer).
+    pub(crate) fn set_log(&mut self, log: Option<InflightQueue>) {
+        self.log = log;
+    }
+
+    /// Whether chains are marked in an inflight buffer.
+    pub(crate) fn has_log(&self) -> bool {
+        self.log.is_some()
+    }
+
+    /// Whether the inflight buffer has not been read yet for what an earlier backend
+    /// left in it ([`Self::recover_log`]).
+    pub(crate) fn log_unread(&self) -> bool {
+        self.log.as_ref().is_some_and(|l| !l.checked())
+    }
+
+    /// The heads an earlier backend left marked in the inflight buffer, in the order it
+    /// popped them (see [`InflightQueue::recover`]); none without a buffer.
+    pub(crate) fn recover_log(&mut self, guest_used_idx: u16, queue_size: u16) -> Vec<u16> {
+        self.log
+            .as_mut()
+            .map_or_else(Vec::new, |l| l.recover(guest_used_idx, queue_size))
+    }
+
+    /// The chain of `head` was popped from the avail ring: marks it in flight, before
+    /// anything else is done with it (so that a crash from here on leaves it marked).
+    pub(crate) fn popped(&mut self, head: u16) {
+        if let Some(l) = self.log.as_mut() {
+            l.mark(head);
+        }
+    }
+
+    /// `head` is about to be added to the used ring.
+    pub(crate) fn returning(&mut self, head: u16) {
+        if let Some(l) = self.log.as_mut() {
+            l.before_used(head);
+        }
+    }
+
+    /// `head` was added to the used ring, whose index is now `used_idx`: its mark goes.
+    pub(crate) fn returned(&mut self, head: u16, used_idx: u16) {
+        if let Some(l) = self.log.as_mut() {
+            l.after_used(head, used_idx);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::blk::inflight::InflightRegion;
     use std::sync::Arc;
+    use vhost::vhost_user::message::VhostUserInflight;
 
     fn mem() -> GuestMemoryRef {
         Arc::new(crate::guest::GuestMemory::new())
@@ -421,5 +473,116 @@ mod tests {
         t.remove(11);
         assert_eq!(t.next_to_send(now), Some(0));
         assert_eq!(t.count_resends(0), vec![0]);
+    }
+
+    fn logged(t: &mut RequestTable, size: u16) -> (VhostUserInflight, std::fs::File) {
+        let (region, msg, file) = InflightRegion::create(1, size).expect("memfd");
+        t.set_log(region.queue(0));
+        assert!(t.log_unread());
+        assert!(t.recover_log(0, size).is_empty(), "a fresh buffer");
+        assert!(!t.log_unread());
+        (msg, file)
+    }
+
+    /// What a backend started on the same buffer would resubmit, with the guest's used
+    /// index at `used`.
+    fn after_restart(msg: &VhostUserInflight, file: &std::fs::File, used: u16) -> Vec<u16> {
+        let region = InflightRegion::open(msg, file).expect("reopen");
+        let mut t = RequestTable::default();
+        t.set_log(region.queue(0));
+        t.recover_log(used, msg.queue_size)
+    }
+
+    /// Pops `head` and, as the engine does for a chain that is a request, takes it in.
+    fn pop(t: &mut RequestTable, head: u16) -> u64 {
+        t.popped(head);
+        add(t, head, Op::Write, 512)
+    }
+
+    /// Completes `head` as the engine does: slot freed, then the used ring (index now
+    /// `used`), with the inflight buffer around it.
+    fn complete(t: &mut RequestTable, head: u16, used: u16) {
+        t.remove(head);
+        t.returning(head);
+        t.returned(head, used);
+    }
+
+    #[test]
+    fn a_chain_is_marked_from_pop_to_used_ring_and_a_restart_resubmits_in_resend_order() {
+        let mut t = RequestTable::default();
+        t.fit(16);
+        let (msg, file) = logged(&mut t, 16);
+        for h in [7, 3, 11] {
+            pop(&mut t, h);
+        }
+        // A chain completed at once (an invalid request) is marked and cleared too.
+        t.popped(5);
+        t.returning(5);
+        t.returned(5, 1);
+        pop(&mut t, 0);
+        let now = Instant::now();
+        while t.next_to_send(now).is_some() {}
+        complete(&mut t, 3, 2);
+        assert_eq!(after_restart(&msg, &file, 2), [7, 11, 0]);
+        // The session is lost: the marks stay, and the table resends in their order.
+        t.forget_session();
+        assert_eq!(t.requeue_all(), 3);
+        let resend: Vec<u16> = std::iter::from_fn(|| t.next_to_send(now)).collect();
+        assert_eq!(resend, [7, 11, 0]);
+        assert_eq!(after_restart(&msg, &file, 2), resend);
+        complete(&mut t, 11, 3);
+        assert_eq!(after_restart(&msg, &file, 3), [7, 0]);
+    }
+
+    #[test]
+    fn a_restarted_table_takes_the_marked_chains_back_in_the_same_order() {
+        let mut t = RequestTable::default();
+        t.fit(8);
+        let (msg, file) = logged(&mut t, 8);
+        for h in [4, 1, 6] {
+            pop(&mut t, h);
+        }
+        drop(t); // the backend is killed
+        let region = InflightRegion::open(&msg, &file).expect("reopen");
+        let mut t = RequestTable::default();
+        t.fit(8);
+        t.set_log(region.queue(0));
+        let heads = t.recover_log(0, 8);
+        assert_eq!(heads, [4, 1, 6]);
+        // Resubmitted: popped again (from a private ring) in that order, after which
+        // new chains follow.
+        for &h in &heads {
+            pop(&mut t, h);
+        }
+        pop(&mut t, 2);
+        let ids: Vec<u64> = [4, 1, 6, 2].iter().map(|&h| t.slot(h).id).collect();
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids follow pop order");
+        assert_eq!(after_restart(&msg, &file, 0), [4, 1, 6, 2]);
+    }
+
+    #[test]
+    fn a_mark_goes_only_once_the_used_ring_has_the_chain() {
+        let mut t = RequestTable::default();
+        t.fit(8);
+        let (msg, file) = logged(&mut t, 8);
+        pop(&mut t, 2);
+        pop(&mut t, 5);
+        // Freed in the table, not yet in the used ring: a restart still resubmits it.
+        t.remove(2);
+        assert_eq!(after_restart(&msg, &file, 0), [2, 5]);
+        // In the used ring (guest used index 1), the buffer not yet updated: a restart
+        // sees the used index moved and drops it.
+        t.returning(2);
+        assert_eq!(after_restart(&msg, &file, 1), [5]);
+    }
+
+    #[test]
+    fn without_an_inflight_buffer_nothing_is_marked() {
+        let mut t = RequestTable::default();
+        t.fit(4);
+        assert!(!t.has_log() && !t.log_unread());
+        pop(&mut t, 1);
+        complete(&mut t, 1, 1);
+        assert!(t.recover_log(1, 4).is_empty());
     }
 }

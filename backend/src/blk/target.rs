@@ -104,23 +104,5 @@ pub fn new_borrower_id() -> [u8; 16] {
     id
 }
 
-/// Checks that the target's transport can open a queue session: for RDMA, opens one
-/// for queue 0 and closes it; for TCP, nothing (the holding session proved it).
-///
-/// # Errors
-/// Why a session cannot be opened (RDMA not compiled in, no device, no route, ...).
-pub fn probe_transport(target: &LenderTarget) -> Result<(), devlend_fabric::tcp::ConnectError> {
-    match target.transport {
-        Transport::Tcp => Ok(()),
-        #[cfg(feature = "rdma")]
-        Transport::Rdma => crate::blk::rdma::RdmaLink::connect(target, 0).map(drop),
-        #[cfg(not(feature = "rdma"))]
-        Transport::Rdma => Err(devlend_fabric::tcp::ConnectError::Rdma {
-            addr: target.addr.clone(),
-            source: devlend_fabric::rdma::RdmaError::NotCompiled,
-        }),
-    }
-}
-
 /// Timeout of one connect + handshake attempt to the lender.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);

@@ -12,6 +12,10 @@
 //!
 //! A lost connection is retried at once, then every 100 ms doubling to 2 s, from the
 //! worker's timer; the lender's link messages set the link state seen by the agent.
+//!
+//! Why this file is over 600 lines: it is one state machine (the session, transmit
+//! backpressure, receive frames held for guest buffers) whose parts share its buffers
+//! and its timer.
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
@@ -22,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::net::{self, NetMessage, Offload, FEATURE_NET, FEATURE_NET_OFFLOAD};
+use devlend_fabric::reconnect::{Policy, Reconnector};
 use virtio_queue::{Queue, QueueT};
 
 use crate::blk::engine::{DisplayChain, LenderTarget};
@@ -41,6 +46,8 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// A session that lived this long was healthy: losing it retries at once again.
 const STABLE: Duration = Duration::from_secs(2);
+/// Reconnects ([`devlend_fabric::reconnect`]): no deadline, frames are dropped meanwhile.
+const RETRY: Policy = Policy::backoff(FIRST_BACKOFF, MAX_BACKOFF).stable_after(STABLE);
 
 /// Counters of one queue pair.
 #[derive(Debug, Default)]
@@ -190,10 +197,8 @@ pub struct PairEngine {
     out: Vec<u8>,
     held: Held,
     timer: RetryTimer,
-    backoff: Duration,
-    /// When the current session opened.
-    opened_at: Option<Instant>,
-    retry_at: Option<Instant>,
+    /// When to reconnect (the backoff, and when the current session opened).
+    retry: Reconnector,
     mergeable: bool,
     /// The current session's lender takes offload frames.
     offload: bool,
@@ -231,9 +236,7 @@ impl PairEngine {
             out: Vec::new(),
             held: VecDeque::new(),
             timer: RetryTimer::new()?,
-            backoff: Duration::ZERO,
-            opened_at: None,
-            retry_at: None,
+            retry: Reconnector::new(RETRY),
             mergeable: true,
             offload: false,
             accept: 0,
@@ -387,8 +390,7 @@ impl PairEngine {
         }
         // The backoff is reset only once the session has lived (see `lose`): a lender
         // that takes the hello and then fails at once is retried with backoff too.
-        self.opened_at = Some(Instant::now());
-        self.retry_at = None;
+        self.retry.connected(Instant::now());
         tracing::info!(attachment = %self.name, pair = self.index, "fabric session open");
         Ok(())
     }
@@ -398,32 +400,24 @@ impl PairEngine {
             return;
         }
         self.stats.connected.fetch_sub(1, Ordering::Relaxed);
-        if self.opened_at.take().is_some_and(|t| t.elapsed() >= STABLE) {
-            self.backoff = Duration::ZERO;
-        }
+        self.retry.lost(Instant::now());
         tracing::warn!(attachment = %self.name, pair = self.index, reason = why, "fabric session lost; frames are dropped until it is back");
         // Frames queued for the lender are lost with it.
         let dropped = count_frames(&self.out);
         self.pstats().tx_drops.fetch_add(dropped, Ordering::Relaxed);
         self.out.clear();
         self.have = 0;
-        self.schedule_retry();
+        self.arm_timer();
     }
 
     fn schedule_retry(&mut self) {
-        let wait = self.backoff;
-        self.backoff = if wait.is_zero() {
-            FIRST_BACKOFF
-        } else {
-            (wait * 2).min(MAX_BACKOFF)
-        };
-        self.retry_at = Some(Instant::now() + wait);
+        self.retry.failed(Instant::now());
         self.arm_timer();
     }
 
     fn arm_timer(&mut self) {
         let now = Instant::now();
-        let mut next = self.retry_at;
+        let mut next = self.retry.retry_at();
         if let Some((t, _, _)) = self.held.front() {
             let expiry = *t + HOLD;
             next = Some(next.map_or(expiry, |n| n.min(expiry)));
@@ -437,7 +431,7 @@ impl PairEngine {
     /// Tries to connect now if not connected and no retry is scheduled (the first
     /// attempt, when the queues start).
     pub fn start(&mut self) {
-        if self.conn.is_none() && self.retry_at.is_none() {
+        if self.conn.is_none() && self.retry.retry_at().is_none() {
             if let Err(e) = self.connect() {
                 tracing::warn!(attachment = %self.name, pair = self.index, error = %DisplayChain(&e), "cannot open fabric session yet");
                 self.schedule_retry();
@@ -457,8 +451,7 @@ impl PairEngine {
         mem: &GuestMemory,
     ) -> Result<bool, virtio_queue::Error> {
         self.timer.clear();
-        if self.conn.is_none() && self.retry_at.is_some_and(|t| Instant::now() >= t) {
-            self.retry_at = None;
+        if self.conn.is_none() && self.retry.retry_at().is_some_and(|t| Instant::now() >= t) {
             if let Err(e) = self.connect() {
                 tracing::debug!(attachment = %self.name, pair = self.index, error = %DisplayChain(&e), "lender still away");
                 self.schedule_retry();

@@ -16,7 +16,7 @@ pub const MAX_BODY_BYTES: usize = 4 << 20;
 /// The pool's router over `service`.
 pub fn router(service: PoolService) -> Router {
     Router::new()
-        .route("/openapi.json", get(routes::openapi_json))
+        .route("/openapi.json", get(openapi::openapi_json))
         .route("/metrics", get(metrics::metrics))
         .route("/v1/signing-key", get(routes::signing_key))
         .route("/v1/providers", get(routes::providers))

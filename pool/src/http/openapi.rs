@@ -1,5 +1,8 @@
-//! The OpenAPI 3 document, generated from the handlers' annotations (utoipa).
+//! The OpenAPI 3 document, generated from the handlers' annotations (utoipa), and its
+//! own route. This module looks at the handlers ([`super::routes`]); they do not look
+//! back.
 
+use axum::Json;
 use utoipa::OpenApi;
 
 use super::routes;
@@ -11,7 +14,7 @@ use super::routes;
         description = "Inventory of lendable devices, leases, placement. See docs/pool.md."
     ),
     paths(
-        routes::openapi_json,
+        openapi_json,
         routes::signing_key,
         routes::register_provider,
         routes::provider_heartbeat,
@@ -30,4 +33,11 @@ struct ApiDoc;
 /// The document served at `GET /openapi.json`.
 pub fn document() -> utoipa::openapi::OpenApi {
     ApiDoc::openapi()
+}
+
+/// The OpenAPI 3 document of this API.
+#[utoipa::path(get, path = "/openapi.json", tag = "meta",
+    responses((status = 200, description = "The OpenAPI 3 document", body = Object)))]
+pub async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    Json(document())
 }

@@ -37,13 +37,6 @@ fn query_pairs(q: &Option<String>, allowed: &[&str]) -> Result<Vec<(String, Stri
     Ok(pairs)
 }
 
-/// The OpenAPI 3 document of this API.
-#[utoipa::path(get, path = "/openapi.json", tag = "meta",
-    responses((status = 200, description = "The OpenAPI 3 document", body = Object)))]
-pub async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
-    Json(super::openapi::document())
-}
-
 /// The key lease tokens are signed with.
 #[utoipa::path(get, path = "/v1/signing-key", tag = "pool",
     responses((status = 200, body = SigningKey)))]

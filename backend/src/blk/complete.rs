@@ -1,0 +1,117 @@
+//! Returning a chain to the guest: its status byte, the attachment's counters, the used
+//! ring, and the inflight buffer kept in step with it.
+//!
+//! A [`Completer`] is made for one batch of work on a queue (a receive, a send, a drain)
+//! and handed to the queue's link, which completes requests through it as their
+//! responses arrive; the engine reads [`Completer::used`] afterwards to know whether to
+//! notify the guest.
+
+use std::sync::atomic::Ordering;
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::Bytes;
+
+use crate::blk::spec::S_OK;
+use crate::blk::stats::QueueStats;
+use crate::blk::table::RequestTable;
+use crate::guest::{GuestMemory, GuestMemoryRef};
+use devlend_fabric::Op;
+
+/// Completes one queue's requests into its used ring.
+pub(crate) struct Completer<'a> {
+    queue: &'a mut Queue,
+    mem: &'a GuestMemoryRef,
+    stats: &'a QueueStats,
+    index: u16,
+    /// Failures are the fabric's (the session was lost or refused), for the counters.
+    fabric: bool,
+    used: bool,
+}
+
+impl<'a> Completer<'a> {
+    /// A completer for virtqueue `index` (`queue`, in guest memory `mem`), counting into
+    /// `stats`.
+    pub(crate) fn new(
+        queue: &'a mut Queue,
+        mem: &'a GuestMemoryRef,
+        stats: &'a QueueStats,
+        index: u16,
+    ) -> Self {
+        Completer {
+            queue,
+            mem,
+            stats,
+            index,
+            fabric: false,
+            used: false,
+        }
+    }
+
+    /// The same completer, counting the failures it completes as the fabric's.
+    pub(crate) fn fabric_failures(mut self) -> Self {
+        self.fabric = true;
+        self
+    }
+
+    /// The guest memory map current now.
+    pub(crate) fn mem(&self) -> &GuestMemoryRef {
+        self.mem
+    }
+
+    /// Whether used-ring entries were added.
+    pub(crate) fn used(&self) -> bool {
+        self.used
+    }
+
+    /// The request in slot `head` is answered with virtio `status` (a read's data, if
+    /// any, is in its guest buffers already): stores the status byte, counts it, frees
+    /// the slot (giving its credit back) and returns the chain to the used ring.
+    ///
+    /// # Errors
+    /// The used ring is not in guest memory.
+    pub(crate) fn complete(
+        &mut self,
+        table: &mut RequestTable,
+        head: u16,
+        status: u8,
+    ) -> Result<(), virtio_queue::Error> {
+        let done = table.remove(head);
+        let data = if status == S_OK && done.op == Op::Read {
+            done.len
+        } else {
+            0
+        };
+        if let Some(m) = &done.mem {
+            // The status address was validated against this memory map by `parse`.
+            let _ = m.write_obj(status, done.status_addr);
+        }
+        self.stats.count(done.op, done.len, status, self.fabric);
+        if let Some(q) = self.stats.per_queue.get(usize::from(self.index)) {
+            q.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(t) = done.sent {
+            self.stats.latency.record(t.elapsed());
+        }
+        self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.put_used(table, head, data + 1)
+    }
+
+    /// Returns `head` to the used ring with `len` bytes written, keeping the inflight
+    /// buffer in step (virtio 1.2 §2.7.8; [`RequestTable::returning`]).
+    ///
+    /// # Errors
+    /// The used ring is not in guest memory.
+    pub(crate) fn put_used(
+        &mut self,
+        table: &mut RequestTable,
+        head: u16,
+        len: u32,
+    ) -> Result<(), virtio_queue::Error> {
+        let mem: &GuestMemory = self.mem;
+        table.returning(head);
+        self.queue.add_used(mem, head, len)?;
+        table.returned(head, self.queue.next_used());
+        self.used = true;
+        Ok(())
+    }
+}
