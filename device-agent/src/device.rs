@@ -90,6 +90,7 @@ impl Device {
     }
 
     /// Whether `borrower` holds the device now (a session of it is open).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn held_by(&self, borrower: [u8; 16]) -> bool {
         let h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
         borrower != [0; 16] && h.as_ref().is_some_and(|(id, _)| *id == borrower)

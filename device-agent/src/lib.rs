@@ -1,16 +1,21 @@
 //! devlend's lender: serves local block devices and regular files to borrowers over
 //! the fabric.
 //!
-//! A [`Lender`] opens the devices named by [`DeviceSpec`]s, binds a TCP listener and
-//! serves one session per accepted connection, each on its own thread: the handshake of
-//! [`devlend_fabric::handshake`], then block requests ([`devlend_fabric::wire`]) executed
-//! on the backing file through io_uring (or plain system calls for files in memory, see
-//! [`IoMode`]), many in flight, answered in completion order.
+//! A [`Lender`] opens the devices named by [`DeviceSpec`]s, binds a TCP listener (and,
+//! with [`Lender::serve_rdma`], an rdma_cm one) and serves one session per connection,
+//! each on its own thread: the handshake of [`devlend_fabric::handshake`], then block
+//! requests ([`devlend_fabric::wire`]) executed on the backing file through one
+//! device-I/O layer for TCP and RDMA alike: io_uring, or plain system calls for files in
+//! memory (see [`IoMode`]), many in flight, answered in completion order.
+//!
+//! The modules are layered (server → sessions → device I/O → the lent device → leaves;
+//! `docs/architecture.md`).
 //!
 //! Limits (advertised in the handshake, enforced per request):
 //! [`MAX_TRANSFER_BYTES`], [`MAX_DISCARD_SECTORS`], [`MAX_WRITE_ZEROES_SECTORS`]; per
 //! session at most [`MAX_IN_FLIGHT`] requests and [`MAX_IN_FLIGHT_BYTES`] of data buffers
-//! in flight, beyond which the session stops reading its socket (TCP backpressure).
+//! in flight: the credit granted to a borrower that asks for it, beyond which the
+//! session of one that does not stops reading its socket (TCP backpressure).
 //!
 //! Per-device counters ([`DeviceStatsSnapshot`]) are available from [`Lender::stats`] and
 //! [`LenderHandle::stats`]; tests use them to check which I/O reached the device.
@@ -19,25 +24,19 @@
 
 pub mod config;
 mod device;
-mod engine;
 pub mod error;
-mod frame;
+mod io;
 pub mod leases;
 pub mod metrics;
 mod nic;
 pub mod pci;
-mod pool;
 pub mod pool_link;
-#[cfg(feature = "rdma")]
-mod rdma_session;
-mod request;
 mod server;
 mod session;
 pub mod stats;
-mod uring;
 
+pub use config::IoMode;
 pub use config::{Cli, Config, DeviceSpec};
-pub use engine::IoMode;
 pub use error::Error;
 pub use leases::LeaseGuard;
 pub use server::{

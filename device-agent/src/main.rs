@@ -46,7 +46,11 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
         _ => None,
     };
     let client_certs = tls.as_ref().is_some_and(|(_, t)| t.requires_client_cert());
-    let lender = Lender::bind(&config.listen, config.devices)?;
+    let options = devlend_device_agent::Options {
+        io: config.io_mode,
+        ..Default::default()
+    };
+    let lender = Lender::bind_with(&config.listen, config.devices, options)?;
     if let Some((cert, tls)) = tls {
         tracing::info!(
             cert = %cert.display(),

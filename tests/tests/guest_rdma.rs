@@ -2,12 +2,17 @@
 //! a lender and a compute agent both in it over `--transport rdma`, driven through the
 //! borrower's vhost-user socket by libblkio (`devlend verify`, then `devlend bench` on
 //! RDMA and on TCP in the same run); the lender's file must hold what was written.
+//! The first lender runs its device I/O through io_uring (`--io-mode uring`), the one
+//! restarted after the kill on the session's thread (`auto` on these tmpfs files).
 //! The verified run maps its buffer as two guest memory regions back to back and has a
 //! write and a read whose buffer crosses them (two segments, two rkeys). Then, on a
 //! second device, the lender is killed with SIGKILL and restarted in the middle of a
 //! verified run over RDMA (a run sized by time, so that the kill lands in it however
 //! fast the machine): no request may fail, every write must read back, and the
-//! lender's file must hold every acknowledged write. The stress matrix (`stress.rs`)
+//! lender's file must hold every acknowledged write. The lender's metrics must show
+//! that RDMA sessions record what TCP ones do: a latency for every request answered
+//! (after the verified run), and the device's errors (a third device whose file shrinks
+//! under the lender, so that its reads fail). The stress matrix (`stress.rs`)
 //! runs over RDMA too. Last, the lender's shutdown must
 //! stop the RDMA sessions of the attachment still open.
 //! On the host (no RDMA device), `--transport rdma` must fail at once and say why.
@@ -34,11 +39,15 @@ rdma link add rxe0 type rxe netdev d0
 mkdir -p /run/devlend /srv
 truncate -s 64M /srv/disk.img
 truncate -s 64M /srv/disk1.img
+truncate -s 64M /srv/disk2.img
+metric() { grep "^$1" /tmp/metrics | awk '{s+=$2} END {print s+0}'; }
 lender() {
-  devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --device disk0=/srv/disk.img --device disk1=/srv/disk1.img --log-level info >> /tmp/lender.log 2>&1 &
+  devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --io-mode $1 --device disk0=/srv/disk.img --device disk1=/srv/disk1.img --device disk2=/srv/disk2.img --metrics-listen 127.0.0.1:9100 --log-level info >> /tmp/lender.log 2>&1 &
   LPID=$!
 }
-lender
+# The first lender does its device I/O through io_uring (on tmpfs files too), the one
+# restarted after the kill on the session's thread (auto: these files are on tmpfs).
+lender uring
 devlend-compute-agent --api /run/devlend/ca.sock --log-level warn > /tmp/ca.log 2>&1 &
 devlend-wait-for /run/devlend/ca.sock 30
 sleep 1
@@ -49,6 +58,10 @@ echo "DEVLEND-RESULT verify_s=$(( $(date +%s) - t0 ))"
 echo "DEVLEND-RESULT rdma_sessions=$(grep -c 'RDMA session opened' /tmp/lender.log)"
 echo "DEVLEND-RESULT expected=$(sha256sum /tmp/expected | cut -d' ' -f1)"
 echo "DEVLEND-RESULT lender=$(head -c 4194304 /srv/disk.img | sha256sum | cut -d' ' -f1)"
+# Every request of the verified run came over RDMA: each has its latency recorded.
+wget -q -O /tmp/metrics http://127.0.0.1:9100/metrics
+echo "DEVLEND-RESULT rdma_requests=$(metric 'devlend_device_requests_total{device="disk0"')"
+echo "DEVLEND-RESULT rdma_latencies=$(metric 'devlend_device_request_duration_seconds_count{device="disk0"}')"
 # The lender killed and restarted during verified writes over RDMA.
 devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk1 --socket /run/devlend/fault.sock --queues 2 --transport rdma > /dev/null
 # Sized by time, not by bytes: verified rounds go on for 20 s whatever the machine's
@@ -59,11 +72,21 @@ sleep 3
 kill -0 $VPID && echo "DEVLEND-RESULT killed_during_io=yes"
 kill -9 $LPID
 sleep 1
-lender
+lender auto
 if wait $VPID; then echo "DEVLEND-RESULT fault_verify=ok"; else sed 's/^/verify: /' /tmp/verify-fault.log; echo "DEVLEND-RESULT fault_verify=failed"; fi
 echo "DEVLEND-RESULT sessions_lost=$(grep -c 'fabric session lost' /tmp/ca.log)"
 echo "DEVLEND-RESULT fault_expected=$(sha256sum /tmp/expected-fault | cut -d' ' -f1)"
 echo "DEVLEND-RESULT fault_lender=$(head -c 4194304 /srv/disk1.img | sha256sum | cut -d' ' -f1)"
+# Device errors over RDMA are counted as over TCP: disk2's file shrinks to nothing
+# under the lender (which keeps its 64 MiB capacity), so every read finds its end.
+devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk2 --socket /run/devlend/err.sock --queues 1 --transport rdma > /dev/null
+truncate -s 0 /srv/disk2.img
+devlend bench --socket /run/devlend/err.sock --rw randread --bs 4K --iodepth 4 --runtime 1 --ramp 0 > /tmp/bench-err 2>&1 || true
+wget -q -O /tmp/metrics http://127.0.0.1:9100/metrics
+echo "DEVLEND-RESULT err_reads=$(metric 'devlend_device_requests_total{device="disk2",op="read"}')"
+echo "DEVLEND-RESULT err_errors=$(metric 'devlend_device_errors_total{device="disk2",kind="request"}')"
+echo "DEVLEND-RESULT err_latencies=$(metric 'devlend_device_request_duration_seconds_count{device="disk2"}')"
+devlend detach --api /run/devlend/ca.sock disk2 > /dev/null
 # The stress matrix over RDMA (54 cells: queue size 1024, up to 256 in flight per
 # queue, 4K to 1M, read/write/mixed): every cell keeps completing and verifies.
 if devlend stress --socket /run/devlend/rdma.sock --queue-size 1024 --cell-ms 1000 --stall-ms 5000 > /tmp/stress-rdma 2>&1; then echo "DEVLEND-RESULT stress=ok"; else echo "DEVLEND-RESULT stress=failed"; fi
@@ -134,6 +157,27 @@ fn rdma_on_soft_roce_in_a_guest() {
         Some(expected),
         "the lender's file holds what was written"
     );
+    // RDMA sessions record a latency for every request they answer.
+    let num = |k: &str| -> u64 {
+        out.result(k)
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(num("rdma_requests") > 0, "requests over RDMA counted");
+    assert_eq!(
+        num("rdma_latencies"),
+        num("rdma_requests"),
+        "a latency recorded for every request answered over RDMA"
+    );
+    // And the device's errors: the reads of the shrunk file failed, and were counted.
+    assert!(num("err_reads") > 0, "reads of the shrunk device over RDMA");
+    assert!(
+        num("err_errors") > 0 && num("err_errors") <= num("err_reads"),
+        "failed reads over RDMA counted as request errors: {} of {}",
+        num("err_errors"),
+        num("err_reads")
+    );
+    assert!(num("err_latencies") >= num("err_reads"));
     // The probe and the two queues' sessions at least: the I/O went over RDMA.
     let sessions: u32 = out
         .result("rdma_sessions")

@@ -17,6 +17,17 @@ use std::ptr::NonNull;
 use devlend_fabric::pci::MIRROR_PAGE;
 use vm_memory::VolatileSlice;
 
+/// A mirror's registration and the borrower's guest memory behind its range.
+#[cfg(feature = "rdma")]
+pub(crate) struct Remote {
+    /// The mirror, registered for local access (RDMA READ lands in it, WRITE reads it).
+    pub(crate) mr: devlend_fabric::rdma::verbs::Mr,
+    /// Borrower virtual address of the range's first byte.
+    pub(crate) addr: u64,
+    /// The borrower's memory region key.
+    pub(crate) rkey: u32,
+}
+
 /// One mapped range and its mirror.
 pub(crate) struct Mirror {
     /// First IOVA.
@@ -28,7 +39,7 @@ pub(crate) struct Mirror {
     /// Over RDMA: the mirror's registration and where the borrower's guest memory
     /// behind this range is (set by the RDMA session right after the map).
     #[cfg(feature = "rdma")]
-    pub(crate) remote: Option<super::rdma::Remote>,
+    pub(crate) remote: Option<Remote>,
 }
 
 // SAFETY: the mapping belongs to the Mirror alone and is accessed only through volatile

@@ -1,21 +1,27 @@
 //! Lending a PCIe function bound to `vfio-pci`: the function is opened once with
 //! `vfio-ioctls` (a VFIO container with the type1 IOMMU, its group, the device), and
-//! lent to one borrower at a time over a PCI session ([`session`]).
+//! lent to one borrower at a time over a PCI session (`session`).
 //!
 //! What the borrower reaches: the regions (BARs by `pread`/`pwrite` on the VFIO device,
-//! the config space through [`config::VirtConfig`]), reset, interrupts (VFIO eventfds
+//! the config space through `config::VirtConfig`), reset, interrupts (VFIO eventfds
 //! turned into [`devlend_fabric::pci::KIND_IRQ`] messages), and DMA: each DMA map of the
-//! borrower gets a [`mirror::Mirror`] mapped at the same IOVA in the function's IOMMU
-//! domain (VFIO_IOMMU_MAP_DMA).
+//! borrower gets a `mirror::Mirror` mapped at the same IOVA in the function's IOMMU
+//! domain (VFIO_IOMMU_MAP_DMA), or, for an NVMe controller, goes to the mediator
+//! (`nvme`).
+//!
+//! The layers, top down:
+//! - `session`: the message loop per transport (`tcp`, `rdma`);
+//! - `lending`: one lending's requests and checks, whatever the transport;
+//! - `nvme`: the NVMe mediator, which reaches guest memory through `guest`;
+//! - `config`, `mirror`, `irq`: the config space, the DMA mirrors, the interrupt
+//!   eventfds; here: the function itself (`PciFunction`).
 
 pub(crate) mod config;
-pub(crate) mod guest_access;
+pub(crate) mod guest;
+pub(crate) mod irq;
+pub(crate) mod lending;
 pub(crate) mod mirror;
 pub(crate) mod nvme;
-#[cfg(feature = "rdma")]
-pub(crate) mod rdma;
-#[cfg(feature = "rdma")]
-pub(crate) mod rdma_guest;
 pub(crate) mod session;
 
 use std::io;

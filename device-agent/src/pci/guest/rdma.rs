@@ -13,7 +13,7 @@ use devlend_fabric::pci::{Irq, Message, KIND_IRQ};
 use devlend_fabric::rdma::channel::{ChannelError, MsgChannel, RdmaOp};
 use devlend_fabric::rdma::verbs::Mr;
 
-use super::guest_access::{AccessCounters, GuestAccess, GuestError};
+use super::{AccessCounters, GuestAccess, GuestError};
 
 /// Bytes of the bounce buffer (1 MiB: a command moves at most 128 KiB).
 pub(crate) const BOUNCE_BYTES: usize = 1 << 20;

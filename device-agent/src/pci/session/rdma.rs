@@ -1,4 +1,4 @@
-//! One PCI session over RDMA: the same requests as over TCP ([`super::session`]), as
+//! One PCI session over RDMA: the same requests as over TCP (`tcp.rs`), as
 //! SEND/RECV messages, with the DMA mirror kept in sync one-sided.
 //!
 //! Each DMA map names, beside its IOVA range, the borrower's address and rkey of the
@@ -12,7 +12,7 @@
 //! A mediated function (coherence mode `nvme`) keeps no mirror: its DMA maps are only
 //! recorded with their remote address and rkey, BAR0's controller registers and
 //! doorbells go to the [`Mediator`], which reads and writes guest memory one-sided
-//! ([`super::rdma_guest::RdmaGuest`]), and the function's interrupts go to it too: it
+//! ([`crate::pci::guest::rdma::RdmaGuest`]), and the function's interrupts go to it too: it
 //! copies the completions, then sends the guest's interrupt.
 //!
 //! One thread does it all: it waits on the connection and on the function's interrupt
@@ -35,13 +35,15 @@ use devlend_fabric::rdma::verbs::{Connection, Mr};
 use devlend_fabric::WireError;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::guest_access::AccessCounters;
-use super::nvme::{Handled, Mediator};
-use super::rdma_guest::{Bounce, RdmaGuest, RemoteMap};
-use super::session::{invalid, Answer, IrqTable, Lending};
-use super::PciFunction;
 use crate::config::Coherence;
-use crate::engine::End;
+use crate::pci::guest::rdma::{Bounce, RdmaGuest, RemoteMap};
+use crate::pci::guest::AccessCounters;
+use crate::pci::irq::IrqTable;
+use crate::pci::lending::{invalid, Answer, Lending};
+use crate::pci::mirror::Remote;
+use crate::pci::nvme::{Handled, Mediator};
+use crate::pci::PciFunction;
+use crate::session::end::End;
 
 /// How often the session looks at its stop flag when nothing arrives.
 const STOP_CHECK: Duration = Duration::from_millis(200);
@@ -49,16 +51,6 @@ const STOP_CHECK: Duration = Duration::from_millis(200);
 /// mediator looks at every shadow completion queue (an interrupt can be lost while the
 /// borrower re-enables vectors), as over TCP.
 const MEDIATED_IDLE_LOOK: Duration = Duration::from_millis(10);
-
-/// A mirror's registration and the borrower's guest memory behind its range.
-pub(crate) struct Remote {
-    /// The mirror, registered for local access (RDMA READ lands in it, WRITE reads it).
-    pub(crate) mr: Mr,
-    /// Borrower virtual address of the range's first byte.
-    pub(crate) addr: u64,
-    /// The borrower's memory region key.
-    pub(crate) rkey: u32,
-}
 
 fn transport(e: ChannelError) -> End {
     match e {

@@ -1,11 +1,7 @@
-//! The lender's own access to the borrower's guest memory, for a mediated function
-//! (coherence mode `nvme`): reads that the borrower answers from its DMA maps, writes
-//! it applies in stream order, and interrupts sent after them.
-//!
-//! [`GuestAccess`] is what a mediator uses; [`TcpGuest`] implements it over the PCI
-//! session's TCP stream ([`KIND_MEM_READ`], [`KIND_MEM_WRITE`], [`KIND_IRQ`]). An RDMA
-//! implementation (one-sided READ and WRITE on the memory regions the borrower
-//! registers with its DMA maps) plugs in behind the same trait.
+//! Guest memory over the PCI session's TCP stream: [`TcpGuest`] (reads answered by the
+//! borrower from its DMA maps, writes it applies in stream order, interrupts after
+//! them), and [`TcpMediated`], the NVMe mediator of a TCP session with what it needs to
+//! build one.
 
 use std::io::Read;
 use std::sync::{Mutex, PoisonError};
@@ -18,59 +14,44 @@ use devlend_fabric::pci::{
 };
 use devlend_fabric::WireError;
 
-/// Why a guest memory access failed.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum GuestError {
-    /// The borrower refused the read (the range is not inside its DMA maps).
-    #[error("the borrower refused the guest memory read: {0}")]
-    Refused(String),
-    /// This access cannot read (the interrupt thread only writes).
-    #[error("guest memory cannot be read from this thread")]
-    NoRead,
-    /// The fabric failed.
-    #[error("fabric")]
-    Wire(#[source] WireError),
-    /// The borrower answered with something else than the reply expected.
-    #[error("protocol error: {0}")]
-    Protocol(String),
+use super::{AccessCounters, GuestAccess, GuestError};
+use crate::pci::irq::IrqTable;
+use crate::pci::nvme::Mediator;
+
+/// The mediator of a session in coherence mode `nvme`, and what it needs to reach guest
+/// memory over the session's stream.
+pub(crate) struct TcpMediated<'a> {
+    pub(crate) mediator: Mutex<Mediator>,
+    pub(crate) counters: Mutex<AccessCounters>,
+    /// Why the borrower broke the protocol during a guest memory read, if it did.
+    pub(crate) broken: Mutex<Option<String>>,
+    pub(crate) sock: &'a Stream,
+    pub(crate) writer: &'a Mutex<()>,
+    pub(crate) timeout: Duration,
 }
 
-/// Guest memory as the lender reaches it; IOVAs are the borrower's DMA addresses.
-pub(crate) trait GuestAccess {
-    /// Reads `buf.len()` bytes at `iova`.
-    ///
-    /// # Errors
-    /// [`GuestError`].
-    fn read(&mut self, iova: u64, buf: &mut [u8]) -> Result<(), GuestError>;
-
-    /// Writes each `(iova, bytes)` in order.
-    ///
-    /// # Errors
-    /// [`GuestError`].
-    fn write(&mut self, pages: &[(u64, &[u8])]) -> Result<(), GuestError>;
-
-    /// Raises the guest's interrupt `vector` (of whichever index the borrower enabled),
-    /// after every write made before it.
-    ///
-    /// # Errors
-    /// [`GuestError`].
-    fn interrupt(&mut self, vector: u32) -> Result<(), GuestError>;
-}
-
-/// Fabric traffic of the lender's guest memory accesses (messages and bytes, headers
-/// included), for `docs/performance.md`.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct AccessCounters {
-    /// Read requests sent and replies received.
-    pub(crate) reads: u64,
-    /// Bytes of read requests and replies.
-    pub(crate) read_bytes: u64,
-    /// Write messages sent.
-    pub(crate) writes: u64,
-    /// Bytes of write messages.
-    pub(crate) write_bytes: u64,
-    /// Interrupt messages sent.
-    pub(crate) irqs: u64,
+impl TcpMediated<'_> {
+    /// Runs `op` on the mediator with guest access from the request loop (`can_read`)
+    /// or the interrupt thread, which raises interrupts of the vectors in `table`.
+    pub(crate) fn with<T>(
+        &self,
+        table: &IrqTable,
+        can_read: bool,
+        op: impl FnOnce(&mut Mediator, &mut TcpGuest<'_>) -> T,
+    ) -> T {
+        let index_of = |v: u32| table.index_of(v);
+        let mut g = TcpGuest {
+            sock: self.sock,
+            writer: self.writer,
+            timeout: self.timeout,
+            can_read,
+            index_of: &index_of,
+            counters: &self.counters,
+            broken: &self.broken,
+        };
+        let mut m = self.mediator.lock().unwrap_or_else(PoisonError::into_inner);
+        op(&mut m, &mut g)
+    }
 }
 
 /// [`GuestAccess`] over the PCI session's TCP stream.

@@ -1,11 +1,12 @@
 //! A session's io_uring: device I/O, and the wait for the socket or a completion.
 //!
-//! Only the session's thread uses it.
+//! Only the session's thread uses it, through its [`super::DeviceIo`].
 
 use std::io;
+use std::os::fd::RawFd;
 use std::time::Duration;
 
-use io_uring::{squeue, types, IoUring};
+use io_uring::{opcode, squeue, types, IoUring};
 
 /// A session's ring.
 pub(crate) struct Ring {
@@ -47,6 +48,23 @@ impl Ring {
             }
             self.submit()?;
         }
+    }
+
+    /// Queues a one-shot poll of `fd` for `events`, completing with `user_data`.
+    ///
+    /// # Errors
+    /// Those of [`Ring::submit`] when the queue was full.
+    pub(crate) fn poll(
+        &mut self,
+        fd: RawFd,
+        events: libc::c_short,
+        user_data: u64,
+    ) -> io::Result<()> {
+        let entry = opcode::PollAdd::new(types::Fd(fd), events as u16 as u32)
+            .build()
+            .user_data(user_data);
+        // SAFETY: a poll refers to no memory; its user_data is a token, not a request.
+        unsafe { self.push(&entry) }
     }
 
     /// Hands every queued entry to the kernel. Retries on EINTR, and after a millisecond

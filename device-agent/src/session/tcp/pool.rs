@@ -1,11 +1,13 @@
-//! A session's budget of requests in flight, and its free list of request buffers.
+//! A TCP session's budget of requests in flight (its credit), and its free list of
+//! request buffers.
 //!
 //! The session takes a [`Request`] before it reads a request's data and starts its I/O,
-//! and gives it back once the response is written. When the budget is spent the session
-//! stops reading its socket until a request is given back: the borrower sees TCP
+//! and gives it back once the response is written. A borrower granted the budget as its
+//! credit never spends more; for one without credit, a spent budget stops the session
+//! reading its socket until a request is given back: the borrower sees TCP
 //! backpressure. Owned by the session's one thread: no lock.
 
-use crate::request::Request;
+use crate::io::Request;
 
 /// Largest buffer capacity in bytes kept for reuse; larger buffers are freed.
 const RETAIN_MAX_BUF: usize = 2 << 20;

@@ -1,6 +1,6 @@
-//! One block request as it moves through io_uring: which operation to issue next, and
-//! what a completion means (continue a short transfer, fall back, or finish with a
-//! status).
+//! One block request as it moves through the device-I/O layer: which operation to issue
+//! next (an io_uring entry, or the same as a plain system call), and what a completion
+//! means (continue a short transfer, fall back, or finish with a status); its response.
 
 use std::os::fd::RawFd;
 use std::sync::OnceLock;
@@ -25,8 +25,7 @@ fn zeroes() -> &'static [u8] {
 /// What the request has in flight (or, for [`Stage::Immediate`], its final status).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
-    /// No device I/O: answered with this status (carried by a NOP so that every response
-    /// leaves through the completion thread).
+    /// No device I/O: answered with this status.
     Immediate(Status),
     /// `read` into the buffer.
     Read,
@@ -92,7 +91,7 @@ pub(crate) fn check_framing(h: &RequestHeader) -> Result<usize, FramingError> {
 }
 
 /// Why a well-framed request is refused (answered with I/O error, no device I/O).
-fn refuse_reason(h: &RequestHeader, dev: &Device) -> Option<&'static str> {
+pub(crate) fn refuse_reason(h: &RequestHeader, dev: &Device) -> Option<&'static str> {
     let (bytes, max_sectors) = match h.op {
         Op::Flush => return (h.len != 0).then_some("flush with a non-zero length"),
         Op::Read | Op::Write => (u64::from(h.len), None),
@@ -131,9 +130,13 @@ pub(crate) enum Next {
 }
 
 /// A request and its data buffer. Boxed, and owned by the kernel (through `user_data`)
-/// while an operation is in flight; reused through the session's pool afterwards.
+/// while an operation is in flight; reused afterwards (a TCP session's pool, an RDMA
+/// session's I/O slots).
 #[derive(Debug)]
 pub(crate) struct Request {
+    /// The session's own mark, untouched here (an RDMA session's slot index).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) tag: usize,
     /// The borrower's id.
     pub(crate) id: u64,
     /// The operation.
@@ -180,6 +183,7 @@ impl Request {
     /// An empty request with no buffer.
     pub(crate) fn new() -> Request {
         Request {
+            tag: 0,
             id: 0,
             op: Op::Flush,
             stage: Stage::Immediate(Status::IoErr),
@@ -340,6 +344,11 @@ impl Request {
                 ret(unsafe { libc::pwrite(fd, zeroes().as_ptr().cast(), chunk, at) })
             }
         }
+    }
+
+    /// Bytes of the request's range on the device (the data length of a read or write).
+    pub(crate) fn range_len(&self) -> u64 {
+        self.len
     }
 
     /// Whether this is a read that is about to read its data from the device.

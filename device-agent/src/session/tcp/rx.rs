@@ -1,4 +1,4 @@
-//! The session's receive buffer: request frames read from the non-blocking socket,
+//! A TCP session's receive buffer: request frames read from the non-blocking socket,
 //! several headers (and small writes' data) per `recv`.
 
 use std::io;

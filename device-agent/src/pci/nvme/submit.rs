@@ -1,0 +1,397 @@
+//! Submission (§3.3): on a guest SQ tail doorbell, the new entries fetched from the
+//! guest's queue, checked ([`super::cmd`]), their data fetched when the controller will
+//! read it, their PRPs rewritten to bounce buffers, copied into the shadow SQ, and the
+//! controller's doorbell rung. A refused command is completed to the guest at once.
+
+use super::*;
+
+impl Mediator {
+    pub(super) fn sq_tail(
+        &mut self,
+        f: &PciFunction,
+        g: &mut dyn GuestAccess,
+        qid: u16,
+        tail: u16,
+    ) {
+        let Some(sq) = self.sqs.get(&qid) else {
+            tracing::info!(qid, "tail doorbell of a queue that does not exist; ignored");
+            return;
+        };
+        if tail >= sq.size {
+            tracing::info!(qid, tail, "SQ tail past the queue; ignored");
+            return;
+        }
+        let (guest, size, mut head) = (sq.guest, sq.size, sq.head);
+        if !self.inside(guest, (usize::from(size) * SQE) as u64) {
+            tracing::warn!(
+                qid,
+                "the guest's submission queue is no longer inside the DMA maps; doorbell ignored"
+            );
+            return;
+        }
+        // Fetch the new entries, in at most two runs (the queue wraps).
+        let n = (usize::from(tail) + usize::from(size) - usize::from(head)) % usize::from(size);
+        let mut raw = vec![0u8; n * SQE];
+        let mut got = 0;
+        while got < n {
+            let run = (usize::from(size) - usize::from(head)).min(n - got);
+            let iova = guest + (usize::from(head) * SQE) as u64;
+            if let Err(e) = g.read(iova, &mut raw[got * SQE..(got + run) * SQE]) {
+                tracing::warn!(qid, error = %devlend_fabric::error::chain(&e), "cannot fetch submission entries");
+                return;
+            }
+            got += run;
+            head = ((usize::from(head) + run) % usize::from(size)) as u16;
+        }
+        if let Some(sq) = self.sqs.get_mut(&qid) {
+            sq.head = tail;
+        }
+        for e in raw.chunks_exact(SQE) {
+            let mut sqe = [0u8; SQE];
+            sqe.copy_from_slice(e);
+            match self.prepare(g, qid, sqe) {
+                Ok(p) => {
+                    if let Some(sq) = self.sqs.get_mut(&qid) {
+                        sq.pending.push_back(p);
+                    }
+                }
+                Err(status) => {
+                    self.stats.refused += 1;
+                    tracing::info!(
+                        qid,
+                        opcode = sqe[0],
+                        sct = status.sct,
+                        sc = status.sc,
+                        "command refused"
+                    );
+                    self.complete_now(qid, &sqe, status);
+                }
+            }
+        }
+        self.submit_pending(f, qid);
+        self.flush_cq_for_sq(g, qid);
+    }
+
+    /// Checks one command and fetches what it needs from guest memory.
+    pub(super) fn prepare(
+        &mut self,
+        g: &mut dyn GuestAccess,
+        qid: u16,
+        sqe: [u8; SQE],
+    ) -> Result<Prepared, Status> {
+        let cid = le16(&sqe, 2);
+        if self.inflight.contains_key(&(qid, cid))
+            || self
+                .sqs
+                .get(&qid)
+                .is_some_and(|s| s.pending.iter().any(|p| le16(&p.sqe, 2) == cid))
+        {
+            return Err(CID_CONFLICT);
+        }
+        cmd::check_common(&sqe, qid != 0)?;
+        let t = if qid == 0 {
+            cmd::admin_transfer(&sqe)?
+        } else {
+            cmd::io_transfer(&sqe, |ns| self.lba.get(&ns).copied())?
+        };
+        let post = if qid == 0 {
+            self.admin_post(&sqe)?
+        } else {
+            Post::None
+        };
+        let max = self.max_transfer();
+        let maps = &self.maps;
+        let inside = |iova: u64, len: u64| cmd::inside_maps(maps, iova, len);
+        let segs = cmd::prp_segments(
+            le64(&sqe, 24),
+            le64(&sqe, 32),
+            t.len,
+            max,
+            |iova, buf| g.read(iova, buf).map_err(|e| mem_err(&e)),
+            inside,
+        )?;
+        let mut data = Vec::new();
+        if t.dir == Dir::ToDevice {
+            data = vec![0u8; t.len];
+            let mut o = 0;
+            for &(iova, n) in &segs {
+                g.read(iova, &mut data[o..o + n]).map_err(|e| mem_err(&e))?;
+                o += n;
+            }
+        }
+        Ok(Prepared {
+            sqe,
+            dir: t.dir,
+            len: t.len,
+            segs,
+            data,
+            post,
+        })
+    }
+
+    pub(super) fn max_transfer(&self) -> usize {
+        match self.device_mdts {
+            0 => MAX_TRANSFER,
+            m => m.min(MAX_TRANSFER),
+        }
+    }
+
+    /// The queue side of an admin command: checks and shadows of queue creation and
+    /// deletion (§5.4 - §5.7), and what Identify needs afterwards.
+    pub(super) fn admin_post(&mut self, sqe: &[u8; SQE]) -> Result<Post, Status> {
+        let c10 = cdw(sqe, 10);
+        let c11 = cdw(sqe, 11);
+        let qid = (c10 & 0xffff) as u16;
+        let entries = (c10 >> 16) + 1;
+        let prp1 = le64(sqe, 24);
+        Ok(match sqe[0] {
+            admin::IDENTIFY => match c10 & 0xff {
+                0x00 => Post::IdentifyNamespace(le32(sqe, 4)),
+                0x01 => Post::IdentifyController,
+                _ => Post::None,
+            },
+            admin::CREATE_CQ | admin::CREATE_SQ => {
+                if qid == 0 || qid > MAX_QID {
+                    return Err(INVALID_QID);
+                }
+                let exists = if sqe[0] == admin::CREATE_CQ {
+                    self.cqs.contains_key(&qid)
+                } else {
+                    self.sqs.contains_key(&qid)
+                };
+                if exists {
+                    return Err(INVALID_QID);
+                }
+                if entries < 2 || entries > self.max_entries {
+                    return Err(INVALID_QSIZE);
+                }
+                // Physically contiguous (PC, CDW11 bit 0) and page-aligned only.
+                if c11 & 1 == 0 || !prp1.is_multiple_of(PAGE as u64) {
+                    return Err(INVALID_FIELD);
+                }
+                let es = if sqe[0] == admin::CREATE_CQ { CQE } else { SQE };
+                let bytes = entries as usize * es;
+                if !self.inside(prp1, bytes as u64) {
+                    return Err(DATA_TRANSFER_ERROR);
+                }
+                let shadow = self.alloc(bytes).map_err(|e| {
+                    tracing::warn!(error = %e, "cannot allocate a shadow queue");
+                    INTERNAL_ERROR
+                })?;
+                let entries = entries as u16;
+                if sqe[0] == admin::CREATE_CQ {
+                    // Interrupts enabled (IEN, bit 1) only: the mediator copies
+                    // completions when the controller interrupts.
+                    if c11 & 2 == 0 {
+                        return Err(INVALID_FIELD);
+                    }
+                    Post::CreateCq(
+                        qid,
+                        Box::new(new_cq(prp1, entries, (c11 >> 16) as u16, shadow)),
+                    )
+                } else {
+                    let cqid = (c11 >> 16) as u16;
+                    if cqid == 0 || !self.cqs.contains_key(&cqid) {
+                        return Err(CQ_INVALID);
+                    }
+                    Post::CreateSq(
+                        qid,
+                        Box::new(Sq {
+                            guest: prp1,
+                            size: entries,
+                            cqid,
+                            head: 0,
+                            shadow,
+                            sh_tail: 0,
+                            sh_head: 0,
+                            pending: VecDeque::new(),
+                        }),
+                    )
+                }
+            }
+            admin::DELETE_SQ => {
+                if qid == 0 || !self.sqs.contains_key(&qid) {
+                    return Err(INVALID_QID);
+                }
+                Post::DeleteSq(qid)
+            }
+            admin::DELETE_CQ => {
+                if qid == 0 || !self.cqs.contains_key(&qid) {
+                    return Err(INVALID_QID);
+                }
+                Post::DeleteCq(qid)
+            }
+            _ => Post::None,
+        })
+    }
+
+    /// Submits the pending commands of SQ `qid` that find a shadow slot and bounce
+    /// pages, then rings the controller's doorbell once.
+    pub(super) fn submit_pending(&mut self, f: &PciFunction, qid: u16) {
+        let stride = self.stride;
+        let (Some(sq), Some(arena)) = (self.sqs.get_mut(&qid), self.arena.as_mut()) else {
+            return;
+        };
+        let mut rung = false;
+        while let Some(p) = sq.pending.front() {
+            if (sq.sh_tail + 1) % sq.size == sq.sh_head {
+                break;
+            }
+            let data_pages = p.len.div_ceil(PAGE);
+            let pages = data_pages + usize::from(data_pages > 2);
+            let first = if pages > 0 {
+                match arena.alloc(pages) {
+                    Some(i) => Some(i),
+                    None => break,
+                }
+            } else {
+                None
+            };
+            let Some(mut p) = sq.pending.pop_front() else {
+                break;
+            };
+            let mut sqe = p.sqe;
+            match (&p.post, first) {
+                (Post::CreateSq(_, s), _) => {
+                    sqe[24..32].copy_from_slice(&s.shadow.iova.to_le_bytes())
+                }
+                (Post::CreateCq(_, c), _) => {
+                    sqe[24..32].copy_from_slice(&c.shadow.iova.to_le_bytes())
+                }
+                (_, Some(i)) => {
+                    let base = arena.iova(i);
+                    let prp2 = match data_pages {
+                        1 => 0,
+                        2 => base + PAGE as u64,
+                        n => {
+                            let list: Vec<u8> = (1..n)
+                                .flat_map(|k| (base + (k * PAGE) as u64).to_le_bytes())
+                                .collect();
+                            arena.buf.write(n * PAGE + i * PAGE, &list);
+                            arena.iova(i + n)
+                        }
+                    };
+                    sqe[24..32].copy_from_slice(&base.to_le_bytes());
+                    sqe[32..40].copy_from_slice(&prp2.to_le_bytes());
+                    if p.dir == Dir::ToDevice {
+                        arena.buf.write(i * PAGE, &p.data);
+                    }
+                }
+                (_, None) => {}
+            }
+            sq.shadow.write(usize::from(sq.sh_tail) * SQE, &sqe);
+            sq.sh_tail = (sq.sh_tail + 1) % sq.size;
+            rung = true;
+            self.stats.submitted += 1;
+            let cid = le16(&sqe, 2);
+            self.inflight.insert(
+                (qid, cid),
+                Inflight {
+                    bounce: first.map(|i| (i, pages)),
+                    dir: p.dir,
+                    len: p.len,
+                    segs: std::mem::take(&mut p.segs),
+                    post: p.post,
+                },
+            );
+        }
+        if rung {
+            let off = REG_DOORBELLS + 2 * u64::from(qid) * stride;
+            if let Err(e) = f.pwrite(0, off, &u32::from(sq.sh_tail).to_le_bytes()) {
+                tracing::warn!(qid, error = %e, "cannot ring the controller's SQ doorbell");
+            }
+        }
+    }
+
+    /// Completes a refused command to the guest's CQ (or its backlog).
+    pub(super) fn complete_now(&mut self, sqid: u16, sqe: &[u8; SQE], status: Status) {
+        let Some(sq) = self.sqs.get(&sqid) else {
+            return;
+        };
+        let (cqid, head) = (sq.cqid, sq.head);
+        let mut e = [0u8; CQE];
+        e[8..10].copy_from_slice(&head.to_le_bytes());
+        e[10..12].copy_from_slice(&sqid.to_le_bytes());
+        e[12..14].copy_from_slice(&sqe[2..4]);
+        e[14..16].copy_from_slice(&(status.field() << 1).to_le_bytes());
+        if let Some(cq) = self.cqs.get_mut(&cqid) {
+            cq.backlog.push_back(e);
+        }
+    }
+
+    pub(super) fn flush_cq_for_sq(&mut self, g: &mut dyn GuestAccess, sqid: u16) {
+        if let Some(cqid) = self.sqs.get(&sqid).map(|s| s.cqid) {
+            if let Err(e) = self.post_backlog(g, cqid, true) {
+                tracing::warn!(error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
+            }
+        }
+    }
+
+    /// Writes the backlog of CQ `cqid` to the guest's queue as far as it has room, then
+    /// raises its interrupt when anything was written and `irq`.
+    pub(super) fn post_backlog(
+        &mut self,
+        g: &mut dyn GuestAccess,
+        cqid: u16,
+        irq: bool,
+    ) -> Result<(), GuestError> {
+        let Some(cq) = self.cqs.get(&cqid) else {
+            return Ok(());
+        };
+        let (base, bytes) = (cq.guest, (usize::from(cq.size) * CQE) as u64);
+        if !self.inside(base, bytes) {
+            // Said only when completions are dropped, not at every idle look.
+            if !cq.backlog.is_empty() {
+                tracing::warn!(cqid, dropped = cq.backlog.len(), "the guest's completion queue is no longer inside the DMA maps; its completions are dropped");
+            }
+            if let Some(cq) = self.cqs.get_mut(&cqid) {
+                cq.backlog.clear();
+            }
+            return Ok(());
+        }
+        let Some(cq) = self.cqs.get_mut(&cqid) else {
+            return Ok(());
+        };
+        let mut out: Vec<(u64, [u8; CQE])> = Vec::new();
+        while !cq.full() {
+            let Some(mut e) = cq.backlog.pop_front() else {
+                break;
+            };
+            let st = le16(&e, 14) & !1 | u16::from(cq.phase);
+            e[14..16].copy_from_slice(&st.to_le_bytes());
+            out.push((cq.guest + (usize::from(cq.tail) * CQE) as u64, e));
+            cq.tail = (cq.tail + 1) % cq.size;
+            if cq.tail == 0 {
+                cq.phase = !cq.phase;
+            }
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.stats.completed += out.len() as u64;
+        let vector = cq.vector;
+        let pages: Vec<(u64, &[u8])> = out.iter().map(|(i, e)| (*i, &e[..])).collect();
+        g.write(&pages)?;
+        if irq {
+            g.interrupt(u32::from(vector))?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn cq_head(&mut self, g: &mut dyn GuestAccess, qid: u16, head: u16) {
+        let Some(cq) = self.cqs.get_mut(&qid) else {
+            tracing::info!(qid, "head doorbell of a queue that does not exist; ignored");
+            return;
+        };
+        if head >= cq.size {
+            tracing::info!(qid, head, "CQ head past the queue; ignored");
+            return;
+        }
+        cq.head = head;
+        if !cq.backlog.is_empty() {
+            if let Err(e) = self.post_backlog(g, qid, true) {
+                tracing::warn!(error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
+            }
+        }
+    }
+}

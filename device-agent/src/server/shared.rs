@@ -1,0 +1,356 @@
+//! The lender's state shared by its accept loops, its sessions and its handle: the
+//! devices lent (which a reload changes), the options, the count of active sessions,
+//! the registry of open connections (TCP and RDMA, so that shutdown or the end of a
+//! lease can stop them), and the lease guard and TLS configuration when set.
+//!
+//! The bottom of the session layer: sessions read it, nothing here knows a session.
+
+use std::collections::HashMap;
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+use std::time::Duration;
+
+use crate::config::check_unique;
+use crate::config::IoMode;
+use crate::device::Device;
+use crate::leases::{self, LeaseGuard};
+use crate::{DeviceSpec, DeviceStatsSnapshot, Error};
+
+/// Tunables of a lender beyond its devices and address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// How long a new connection may take to send its hello, and the lender to send its
+    /// reply (default 10 s).
+    pub handshake_timeout: Duration,
+    /// How long the rest of a request frame may take once its first byte arrived
+    /// (default 30 s); between frames there is no timeout. A peer that stalls inside a
+    /// frame for longer breaks the protocol and its session is closed.
+    pub frame_timeout: Duration,
+    /// Most sessions open at once, over all devices (default 256); the next hello is
+    /// answered `Busy`.
+    pub max_sessions: usize,
+    /// How sessions do device I/O (default: plain system calls for files in memory,
+    /// io_uring otherwise).
+    pub io: IoMode,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            handshake_timeout: Duration::from_secs(10),
+            frame_timeout: Duration::from_secs(30),
+            max_sessions: 256,
+            io: IoMode::Auto,
+        }
+    }
+}
+
+/// State shared by the accept loop, the sessions and the handle.
+pub(crate) struct Shared {
+    devices: RwLock<HashMap<String, Arc<Device>>>,
+    pub(crate) options: Options,
+    active: AtomicUsize,
+    registry: Mutex<Registry>,
+    /// Set when the lender serves leased devices only (attached to a pool).
+    pub(crate) leases: OnceLock<Arc<LeaseGuard>>,
+    /// Set when every connection must be TLS.
+    pub(crate) tls: OnceLock<devlend_fabric::tls::ServerTls>,
+}
+
+/// The open connections, TCP and RDMA, so that shutdown (or the end of a lease) can
+/// close them.
+#[derive(Default)]
+struct Registry {
+    closed: bool,
+    streams: HashMap<u64, Tracked>,
+}
+
+/// An open connection and the lease its session was admitted under.
+struct Tracked {
+    conn: Conn,
+    lease: Option<[u8; 16]>,
+    /// The session was told to stop (its lease ended).
+    stopping: bool,
+}
+
+/// How a tracked session is told to stop.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+enum Conn {
+    /// A TCP connection: shutting its read side down ends the session's reader.
+    Tcp(TcpStream),
+    /// An RDMA session: its thread checks this flag at least every 200 ms, answers
+    /// what it has started, then closes.
+    Rdma(Arc<AtomicBool>),
+}
+
+impl Conn {
+    fn stop(&self) {
+        match self {
+            Conn::Tcp(s) => {
+                let _ = s.shutdown(Shutdown::Read);
+            }
+            Conn::Rdma(flag) => flag.store(true, Ordering::Release),
+        }
+    }
+}
+
+/// A session counted among the lender's active sessions until dropped.
+pub(crate) struct ActiveSession<'a>(&'a AtomicUsize);
+
+impl Drop for ActiveSession<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Shared {
+    /// The state of a lender of `devices`, serving no session yet.
+    pub(super) fn new(devices: HashMap<String, Arc<Device>>, options: Options) -> Shared {
+        Shared {
+            devices: RwLock::new(devices),
+            options,
+            active: AtomicUsize::new(0),
+            registry: Mutex::new(Registry::default()),
+            leases: OnceLock::new(),
+            tls: OnceLock::new(),
+        }
+    }
+    pub(crate) fn device(&self, name: &str) -> Option<Arc<Device>> {
+        self.devices
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .cloned()
+    }
+
+    pub(super) fn all_devices(&self) -> Vec<Arc<Device>> {
+        let mut v: Vec<_> = self
+            .devices
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// Applies a new device list: new names are opened and lent, names no longer listed
+    /// stop being lent unless a borrower holds them (then they stay, with a warning), and
+    /// a changed spec counts as removed + added.
+    pub(super) fn reload(&self, specs: &[DeviceSpec]) -> Result<ReloadReport, Error> {
+        check_unique(specs)?;
+        let mut report = ReloadReport::default();
+        // Open the new devices before touching the map: a bad spec changes nothing.
+        let mut opened = Vec::new();
+        {
+            let current = self.devices.read().unwrap_or_else(PoisonError::into_inner);
+            for spec in specs {
+                let same = current
+                    .get(&spec.name)
+                    .is_some_and(|d| d.spec_matches(spec));
+                if !same {
+                    opened.push(Arc::new(Device::open(spec)?));
+                }
+            }
+        }
+        let mut map = self.devices.write().unwrap_or_else(PoisonError::into_inner);
+        let wanted: std::collections::HashSet<&str> =
+            specs.iter().map(|s| s.name.as_str()).collect();
+        let names: Vec<String> = map.keys().cloned().collect();
+        for name in names {
+            let replaced = opened.iter().any(|d| d.name == name);
+            if wanted.contains(name.as_str()) && !replaced {
+                continue;
+            }
+            let held = map.get(&name).is_some_and(|d| d.is_held());
+            if held {
+                tracing::warn!(device = %name, "device is attached by a borrower; it stays lent until detached");
+                report.kept_held.push(name.clone());
+                opened.retain(|d| d.name != name);
+            } else {
+                map.remove(&name);
+                report.removed.push(name);
+            }
+        }
+        for d in opened {
+            report.added.push(d.name.clone());
+            map.insert(d.name.clone(), d);
+        }
+        report.added.sort();
+        report.removed.sort();
+        Ok(report)
+    }
+
+    /// Counts one more active session, unless at [`Options::max_sessions`].
+    pub(crate) fn try_activate(&self) -> Option<ActiveSession<'_>> {
+        let max = self.options.max_sessions;
+        self.active
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| ActiveSession(&self.active))
+    }
+
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records an accepted connection; false once the lender is shutting down.
+    pub(super) fn register(&self, id: u64, sock: &TcpStream) -> bool {
+        let mut reg = self.registry();
+        if reg.closed {
+            return false;
+        }
+        match sock.try_clone() {
+            Ok(stream) => {
+                reg.streams.insert(
+                    id,
+                    Tracked {
+                        conn: Conn::Tcp(stream),
+                        lease: None,
+                        stopping: false,
+                    },
+                );
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot track a connection; closing it");
+                false
+            }
+        }
+    }
+
+    /// Records an RDMA session; returns the flag that tells it to stop, or `None` once
+    /// the lender is shutting down (the session must then close).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn register_rdma(&self, id: u64) -> Option<Arc<AtomicBool>> {
+        let mut reg = self.registry();
+        if reg.closed {
+            return None;
+        }
+        let flag = Arc::new(AtomicBool::new(false));
+        reg.streams.insert(
+            id,
+            Tracked {
+                conn: Conn::Rdma(Arc::clone(&flag)),
+                lease: None,
+                stopping: false,
+            },
+        );
+        Some(flag)
+    }
+
+    pub(crate) fn unregister(&self, id: u64) {
+        self.registry().streams.remove(&id);
+    }
+
+    /// Waits up to `timeout` until no RDMA session is open; returns how many still are.
+    pub(super) fn wait_rdma_sessions(&self, timeout: Duration) -> usize {
+        let until = std::time::Instant::now() + timeout;
+        loop {
+            let open = self
+                .registry()
+                .streams
+                .values()
+                .filter(|t| matches!(t.conn, Conn::Rdma(_)))
+                .count();
+            if open == 0 || std::time::Instant::now() >= until {
+                return open;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Records the lease that session `id` was admitted under.
+    pub(crate) fn set_session_lease(&self, id: u64, lease: [u8; 16]) {
+        if let Some(t) = self.registry().streams.get_mut(&id) {
+            t.lease = Some(lease);
+        }
+    }
+
+    /// Stops the sessions whose lease has ended: they answer their requests in flight,
+    /// then close. Returns how many were stopped.
+    pub(super) fn stop_ended_leases(&self, guard: &LeaseGuard, now_ms: u64) -> usize {
+        let mut reg = self.registry();
+        let mut n = 0;
+        for (id, t) in reg.streams.iter_mut() {
+            let Some(lease) = t.lease else { continue };
+            if t.stopping || guard.is_live(&lease, now_ms) {
+                continue;
+            }
+            tracing::info!(session = id, lease = %leases::hex(&lease), "lease ended: the session answers its requests in flight, then closes");
+            t.conn.stop();
+            t.stopping = true;
+            n += 1;
+        }
+        n
+    }
+
+    /// Stops accepting and shuts every connection down (their sessions then end).
+    /// Stops every session from reading new requests; each answers what it has in
+    /// flight, then closes.
+    pub(super) fn close(&self) {
+        let mut reg = self.registry();
+        reg.closed = true;
+        for t in reg.streams.values() {
+            t.conn.stop();
+        }
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.registry().closed
+    }
+
+    pub(super) fn stats(&self, device: &str) -> Option<DeviceStatsSnapshot> {
+        self.device(device).map(|d| d.stats.snapshot())
+    }
+}
+
+/// What a reload changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReloadReport {
+    /// Devices lent from now on.
+    pub added: Vec<String>,
+    /// Devices no longer lent.
+    pub removed: Vec<String>,
+    /// Devices to remove that stay lent because a borrower holds them.
+    pub kept_held: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::Lender;
+
+    #[test]
+    fn rdma_sessions_are_stopped_when_their_lease_ends_and_at_shutdown() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let img = dir.path().join("d0.img");
+        std::fs::write(&img, vec![0u8; 1 << 20]).expect("image");
+        let spec: DeviceSpec = format!("d0={}", img.display()).parse().expect("spec");
+        let lender = Lender::bind("127.0.0.1:0", vec![spec]).expect("bind");
+        let shared = Arc::clone(&lender.shared);
+        let leased = shared.register_rdma(1).expect("registered");
+        let direct = shared.register_rdma(2).expect("registered");
+        shared.set_session_lease(1, [7; 16]);
+        // The guard knows no live lease: lease 7 has ended; session 2 has none.
+        let guard = LeaseGuard::direct(Vec::new());
+        assert_eq!(shared.stop_ended_leases(&guard, leases::now_ms()), 1);
+        assert!(leased.load(Ordering::Acquire));
+        assert!(!direct.load(Ordering::Acquire));
+        // Told once only.
+        assert_eq!(shared.stop_ended_leases(&guard, leases::now_ms()), 0);
+        // Shutdown stops the others and admits no new session.
+        shared.close();
+        assert!(direct.load(Ordering::Acquire));
+        assert!(shared.register_rdma(3).is_none());
+        // Shutdown waits for the open ones to go.
+        assert_eq!(shared.wait_rdma_sessions(Duration::from_millis(50)), 2);
+        shared.unregister(1);
+        shared.unregister(2);
+        assert_eq!(shared.wait_rdma_sessions(Duration::from_millis(50)), 0);
+    }
+}

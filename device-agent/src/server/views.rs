@@ -1,0 +1,136 @@
+//! Read-only handles on a running lender, for the pool link and the metrics endpoint:
+//! the devices lent ([`InventoryView`]) and their counters ([`StatsView`]).
+
+use std::sync::Arc;
+
+use devlend_fabric::latency::LatencySnapshot;
+
+use super::shared::Shared;
+use crate::DeviceStatsSnapshot;
+
+/// A lent device as the pool sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LentDevice {
+    /// Device name.
+    pub name: String,
+    /// Lendable bytes (a multiple of 512); 0 for a network interface.
+    pub capacity_bytes: u64,
+    /// The pool's resource class: `BLOCK`, `NIC` for a network interface, or
+    /// `PCI_<VENDOR>_<DEVICE>` for a PCIe function.
+    pub resource_class: String,
+    /// Writes are refused.
+    pub read_only: bool,
+    /// Traits to register: `FABRIC_TCP`, `DISCARD`, `WRITE_ZEROES`, `READ_ONLY` as they
+    /// apply, then the configured ones; sorted, without repeats.
+    pub traits: Vec<String>,
+}
+
+/// A handle on the list of lent devices, which a reload can change.
+#[derive(Clone)]
+pub struct InventoryView(pub(super) Arc<Shared>);
+
+impl InventoryView {
+    /// The devices lent now, sorted by name.
+    pub fn devices(&self) -> Vec<LentDevice> {
+        self.0
+            .all_devices()
+            .iter()
+            .map(|d| {
+                let mut traits = vec!["FABRIC_TCP".to_owned()];
+                if d.info.max_discard_sectors > 0 && !d.read_only {
+                    traits.push("DISCARD".into());
+                }
+                if d.info.max_write_zeroes_sectors > 0 && !d.read_only {
+                    traits.push("WRITE_ZEROES".into());
+                }
+                if d.read_only {
+                    traits.push("READ_ONLY".into());
+                }
+                traits.extend(d.traits().iter().cloned());
+                traits.sort();
+                traits.dedup();
+                LentDevice {
+                    name: d.name.clone(),
+                    capacity_bytes: d.capacity_bytes,
+                    resource_class: match (&d.nic, &d.pci) {
+                        (Some(_), _) => "NIC".into(),
+                        (None, Some(f)) => f.resource_class(),
+                        (None, None) => "BLOCK".into(),
+                    },
+                    read_only: d.read_only,
+                    traits,
+                }
+            })
+            .collect()
+    }
+}
+
+/// The counters of every device of a running lender.
+#[derive(Clone)]
+pub struct StatsView(pub(super) Arc<Shared>);
+
+impl StatsView {
+    /// Each device's name and counters, by name.
+    pub fn all(&self) -> Vec<(String, DeviceStatsSnapshot)> {
+        self.0
+            .all_devices()
+            .iter()
+            .map(|d| (d.name.clone(), d.stats.snapshot()))
+            .collect()
+    }
+
+    /// Each device's name, counters and latency histogram (from receiving a request to
+    /// queueing its response), by name.
+    pub fn all_with_latency(&self) -> Vec<(String, DeviceStatsSnapshot, LatencySnapshot)> {
+        self.0
+            .all_devices()
+            .iter()
+            .map(|d| (d.name.clone(), d.stats.snapshot(), d.stats.latency()))
+            .collect()
+    }
+}
+
+/// A lent network interface's frame counters (since the lender started).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NicCounters {
+    /// Frames received on the interface and sent to the borrower.
+    pub rx_packets: u64,
+    /// Their bytes.
+    pub rx_bytes: u64,
+    /// Frames from the borrower sent on the interface.
+    pub tx_packets: u64,
+    /// Their bytes.
+    pub tx_bytes: u64,
+    /// Frames dropped either way (borrower too slow, too large, interface refused).
+    pub drops: u64,
+}
+
+impl StatsView {
+    /// Each lent interface's device name and frame counters, by name.
+    pub fn nics(&self) -> Vec<(String, NicCounters)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.0
+            .all_devices()
+            .iter()
+            .filter_map(|d| {
+                let s = &d.nic.as_ref()?.stats;
+                Some((
+                    d.name.clone(),
+                    NicCounters {
+                        rx_packets: s.rx_packets.load(Relaxed),
+                        rx_bytes: s.rx_bytes.load(Relaxed),
+                        tx_packets: s.tx_packets.load(Relaxed),
+                        tx_bytes: s.tx_bytes.load(Relaxed),
+                        drops: s.drops.load(Relaxed),
+                    },
+                ))
+            })
+            .collect()
+    }
+}
+
+impl std::fmt::Debug for StatsView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StatsView")
+    }
+}

@@ -1,0 +1,20 @@
+//! The session layer: one borrower connection, from its hello to its end, whatever its
+//! transport and whatever it lends.
+//!
+//! - [`admit`]: the checks of a hello that every transport shares (version, device,
+//!   lease, one borrower per device, the session limit);
+//! - [`tcp`]: a TCP (or TLS) connection: handshake, then the block engine
+//!   ([`tcp::engine`]), a NIC queue pair ([`crate::nic`]) or a PCI session
+//!   ([`crate::pci::session::tcp`]);
+//! - [`rdma`] (feature `rdma`): an rdma_cm connection: hello, then the block engine
+//!   over RDMA ([`rdma::block`]) or a PCI session ([`crate::pci::session::rdma`]);
+//! - [`end`]: how a session ended, for the log and the counters.
+//!
+//! Both block engines run their device I/O through [`crate::io`]: below this layer.
+//! Above it, the server (`server/`) accepts the connections and starts a session each.
+
+pub(crate) mod admit;
+pub(crate) mod end;
+#[cfg(feature = "rdma")]
+pub(crate) mod rdma;
+pub(crate) mod tcp;
