@@ -368,12 +368,16 @@ impl QueueEngine {
                 return Ok(used | self.flush_tx(queue, mem)?);
             }
             while let Some(chain) = queue.pop_descriptor_chain(mem.as_ref()) {
-                if chain.head_index() >= queue.size() {
-                    self.break_queue(format!(
-                        "head index {} in the avail ring, past the queue size {}",
-                        chain.head_index(),
-                        queue.size()
-                    ));
+                let head = chain.head_index();
+                // A chain that virtio-queue would walk truncated (a loop, a `next` or a
+                // buffer outside the table or memory, a bad indirect table) is a
+                // corrupt queue, as in the NIC's queues, not a malformed request.
+                if let Some(reason) = crate::virtq::head_violation(queue, head)
+                    .or_else(|| crate::virtq::chain_violation(queue, mem.as_ref(), head))
+                {
+                    // Not taken: GET_VRING_BASE names this chain as the next.
+                    queue.set_next_avail(queue.next_avail().wrapping_sub(1));
+                    self.break_queue(reason);
                     return Ok(used | self.flush_tx(queue, mem)?);
                 }
                 used |= self.take_chain(queue, mem, chain)?;
