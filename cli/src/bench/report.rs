@@ -25,7 +25,7 @@ pub struct RunReport {
     /// CPU seconds of all measured processes together.
     pub cpu_seconds: f64,
     /// CPU microseconds per completed request, all measured processes together
-    /// (null when nothing completed).
+    /// (null when nothing completed or no process was measured).
     pub cpu_us_per_io: Option<f64>,
     /// Largest peak RSS among the measured processes, in bytes.
     pub max_peak_rss_bytes: u64,
@@ -39,7 +39,9 @@ impl RunReport {
             target: target.to_owned(),
             workload: workload.clone(),
             cpu_seconds: cpu,
-            cpu_us_per_io: (m.figures.ios > 0).then(|| cpu * 1e6 / m.figures.ios as f64),
+            // Nothing measured (no --pid) is not zero CPU: null, printed as "-".
+            cpu_us_per_io: (m.figures.ios > 0 && !m.procs.is_empty())
+                .then(|| cpu * 1e6 / m.figures.ios as f64),
             max_peak_rss_bytes: m.procs.iter().map(|p| p.peak_rss_bytes).max().unwrap_or(0),
             figures: m.figures,
             procs: m.procs,
@@ -341,7 +343,11 @@ fn run_cols(r: &RunReport) -> Vec<String> {
         f(l.p99_us, 1),
         f(l.p999_us, 1),
         r.cpu_us_per_io.map_or_else(|| "-".into(), |v| f(v, 1)),
-        f(r.max_peak_rss_bytes as f64 / (1 << 20) as f64, 1),
+        if r.procs.is_empty() {
+            "-".into()
+        } else {
+            f(r.max_peak_rss_bytes as f64 / (1 << 20) as f64, 1)
+        },
     ]
 }
 
@@ -495,5 +501,26 @@ mod tests {
         assert_eq!(by("RSS of the devlend-agent").value, Some(8.0));
         let table = peers_table(&rep);
         assert!(table.contains("devlend/qsd-nbd-chain") && table.contains("[met]"));
+    }
+
+    /// A run with no server process measured (no --pid) has no CPU or RSS figure: it
+    /// says "-", not "0.0" (a newcomer read "-0.0 µs per I/O" as a measurement).
+    #[test]
+    fn a_run_without_measured_processes_prints_no_cpu_or_rss() {
+        let w = &Matrix::Quick.cells(Duration::from_secs(1), Duration::ZERO)[0];
+        let mut r = run("devlend", w, 3000.0, 40.0, 0.03, 8 << 20);
+        assert!(r.cpu_us_per_io.is_some());
+        let figures = std::mem::take(&mut r.figures);
+        let r = RunReport::new(
+            "devlend",
+            w,
+            Measured {
+                figures,
+                procs: Vec::new(),
+            },
+        );
+        assert_eq!(r.cpu_us_per_io, None);
+        let cols = run_cols(&r);
+        assert_eq!(&cols[5..], ["-", "-"]);
     }
 }
