@@ -147,14 +147,16 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         let mut msg = Vec::new();
         // The last send buffer: the session's messages start at the first.
         let slot = conn.send_slots() - 1;
+        // Counted before the reply leaves (a borrower with its reply sees the session).
+        dev.stats.session_opened();
         if reply.write_to(&mut msg).is_err()
             || conn.send_msg(slot, &msg, TAG_SEND | 0xffff).is_err()
         {
+            dev.stats.session_closed();
             devlend_fabric::limited!(warn, %peer, "cannot send the hello reply; closing");
             return;
         }
         devlend_fabric::limited!(info, %peer, device = %dev.name, "PCI session opened over RDMA");
-        dev.stats.session_opened();
         let end = crate::pci::session::rdma::serve(pci, conn, &stop);
         dev.stats.session_closed();
         match end {
@@ -190,16 +192,18 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         }
     };
     let mut reply = Vec::new();
+    // Counted before the reply leaves (a borrower with its reply sees the session).
+    dev.stats.session_opened();
     if HelloReply::ok(dev.info.clone())
         .write_to(&mut reply)
         .is_err()
         || conn.send_msg(IO_SLOTS, &reply, TAG_SEND | 0xffff).is_err()
     {
+        dev.stats.session_closed();
         devlend_fabric::limited!(warn, %peer, "cannot send the hello reply; closing");
         return;
     }
     devlend_fabric::limited!(info, %peer, device = %dev.name, queue = hello.queue_index, "RDMA session opened");
-    dev.stats.session_opened();
     let end = match io {
         SessionIo::Uring(io) => block::run(io, &dev, &mut conn, &mut slots, &stop),
         SessionIo::Inline(io) => block::run(io, &dev, &mut conn, &mut slots, &stop),

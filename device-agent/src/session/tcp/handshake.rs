@@ -143,7 +143,11 @@ pub(super) fn handshake<'s>(
             r
         }
     };
+    // Counted before the reply leaves, so that a borrower that has its reply sees the
+    // session in the lender's statistics (`serve` counts its end).
+    dev.stats.session_opened();
     if let Err(e) = reply.write_to(&mut &*sock) {
+        dev.stats.session_closed();
         devlend_fabric::limited!(warn, %peer, device = %dev.name, error = %e, "cannot send the hello reply");
         return None;
     }
@@ -151,6 +155,7 @@ pub(super) fn handshake<'s>(
         .set_read_timeout(None)
         .and_then(|()| sock.set_write_timeout(None))
     {
+        dev.stats.session_closed();
         devlend_fabric::limited!(warn, %peer, error = %e, "cannot clear the handshake timeout; closing");
         return None;
     }

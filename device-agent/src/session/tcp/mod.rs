@@ -41,8 +41,8 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
     else {
         return;
     };
+    // `handshake` counted the session open.
     let frame_timeout = shared.options.frame_timeout;
-    dev.stats.session_opened();
     let end = match (&dev.pci, lent, &dev.nic, io) {
         (Some(pci), Some(_lent), _, _) => {
             crate::pci::session::tcp::serve(pci, &sock, peer, frame_timeout)
