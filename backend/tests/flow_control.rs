@@ -191,7 +191,7 @@ fn answer(s: &mut TcpStream, held: &mut Vec<RequestHeader>) {
     for h in held.drain(..) {
         let r = ResponseHeader {
             status: Status::Ok,
-            len: 0,
+            len: devlend_fabric::Bytes(0),
             id: h.id,
         };
         s.write_all(&r.encode()).unwrap();
@@ -239,15 +239,15 @@ fn a_borrower_never_has_more_outstanding_than_the_credit_and_everything_complete
                 Err(e) => panic!("lender read: {e}"),
             }
             let h = RequestHeader::decode(&hb).unwrap();
-            assert_eq!(h.op, Op::Write);
-            let mut data = vec![0u8; h.len as usize];
+            assert_eq!(h.op(), Op::Write);
+            let mut data = vec![0u8; h.request.data_len().usize()];
             s.set_read_timeout(None).unwrap();
             s.read_exact(&mut data).unwrap();
             s.set_read_timeout(Some(Duration::from_millis(200)))
                 .unwrap();
             seen.requests += 1;
-            seen.sectors.push(h.sector);
-            bytes += h.len as usize;
+            seen.sectors.push(h.request.sector().0);
+            bytes += h.request.data_len().usize();
             held.push(h);
             seen.most_outstanding = seen.most_outstanding.max(held.len());
             seen.most_bytes = seen.most_bytes.max(bytes);

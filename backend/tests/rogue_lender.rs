@@ -56,12 +56,12 @@ fn rogue(misbehave: fn(&mut TcpStream, RequestHeader)) -> (String, JoinHandle<()
             } else {
                 let mut b = ResponseHeader {
                     status: Status::Ok,
-                    len: req.len,
+                    len: req.request.data_len(),
                     id: req.id,
                 }
                 .encode()
                 .to_vec();
-                b.extend(std::iter::repeat_n(0x77u8, req.len as usize));
+                b.extend(std::iter::repeat_n(0x77u8, req.request.data_len().usize()));
                 s.write_all(&b).unwrap();
                 std::thread::sleep(Duration::from_millis(200));
             }
@@ -147,7 +147,7 @@ fn unknown_response_opcode() {
     check(|s, req| {
         let mut b = ResponseHeader {
             status: Status::Ok,
-            len: 0,
+            len: devlend_fabric::Bytes(0),
             id: req.id,
         }
         .encode();
@@ -161,7 +161,7 @@ fn unknown_status() {
     check(|s, req| {
         let mut b = ResponseHeader {
             status: Status::Ok,
-            len: 0,
+            len: devlend_fabric::Bytes(0),
             id: req.id,
         }
         .encode();
@@ -175,7 +175,7 @@ fn response_for_an_id_not_in_flight() {
     check(|s, req| {
         let b = ResponseHeader {
             status: Status::Ok,
-            len: req.len,
+            len: req.request.data_len(),
             id: req.id ^ (1 << 40),
         }
         .encode();
@@ -188,12 +188,13 @@ fn read_response_of_the_wrong_length() {
     check(|s, req| {
         let b = ResponseHeader {
             status: Status::Ok,
-            len: req.len * 2,
+            len: devlend_fabric::Bytes(req.request.data_len().0 * 2),
             id: req.id,
         }
         .encode();
         s.write_all(&b).unwrap();
-        s.write_all(&vec![0u8; 2 * req.len as usize]).unwrap();
+        s.write_all(&vec![0u8; 2 * req.request.data_len().usize()])
+            .unwrap();
     });
 }
 
@@ -202,7 +203,7 @@ fn lender_closes_mid_payload() {
     check(|s, req| {
         let b = ResponseHeader {
             status: Status::Ok,
-            len: req.len,
+            len: req.request.data_len(),
             id: req.id,
         }
         .encode();

@@ -16,7 +16,9 @@ use devlend_device_agent::{
 use devlend_fabric::handshake::{DEV_DISCARD, DEV_READ_ONLY, DEV_WRITE_ZEROES};
 use devlend_fabric::tcp::{self, ConnectError};
 use devlend_fabric::wire::FLAG_UNMAP;
-use devlend_fabric::{Hello, HelloReply, HelloStatus, Op, RequestHeader, Status};
+use devlend_fabric::{
+    BlockRequest, Bytes, Hello, HelloReply, HelloStatus, Op, RequestHeader, Sector, Status,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -143,11 +145,11 @@ fn many_requests_in_flight_on_one_connection() {
     let mut frames = Vec::new();
     for i in 0..N {
         let h = RequestHeader {
-            op: Op::Write,
-            flags: 0,
-            len: 4096,
             id: i,
-            sector: slot(i),
+            request: BlockRequest::Write {
+                sector: Sector(slot(i)),
+                len: Bytes(4096),
+            },
         };
         frames.extend_from_slice(&h.encode());
         frames.extend_from_slice(&pattern(i));
@@ -168,11 +170,11 @@ fn many_requests_in_flight_on_one_connection() {
     let mut frames = Vec::new();
     for i in 0..N {
         let h = RequestHeader {
-            op: Op::Read,
-            flags: 0,
-            len: 4096,
             id: 1_000_000 + i,
-            sector: slot(i),
+            request: BlockRequest::Read {
+                sector: Sector(slot(i)),
+                len: Bytes(4096),
+            },
         };
         frames.extend_from_slice(&h.encode());
     }
@@ -358,7 +360,6 @@ fn out_of_range_requests_fail_without_io() {
         (Op::WriteZeroes, FLAG_UNMAP, cap, 1),
         (Op::WriteZeroes, 0, 0, MAX_WRITE_ZEROES_SECTORS + 1),
         (Op::WriteZeroes, 0, 0, u32::MAX),
-        (Op::Flush, 0, 0, 512),
     ];
     for &(op, flags, sector, len) in cases {
         let data = if op == Op::Write {
@@ -394,11 +395,11 @@ fn duplicate_ids_in_flight_are_answered() {
     for _ in 0..64 {
         c.send(
             &RequestHeader {
-                op: Op::Read,
-                flags: 0,
-                len: 4096,
                 id: 7,
-                sector: 0,
+                request: BlockRequest::Read {
+                    sector: Sector(0),
+                    len: Bytes(4096),
+                },
             },
             &[],
         );
@@ -469,6 +470,18 @@ fn malformed_input_closes_only_that_session() {
     let bad_flag = raw_header(Op::Read as u8, FLAG_UNMAP, 512, 1, 0);
     closes_only_that_session(&fx, &mut healthy, "flag on a read", &bad_flag, false);
 
+    // A flush has no range: a length or a sector in it breaks the protocol.
+    let flush_len = raw_header(Op::Flush as u8, 0, 512, 1, 0);
+    closes_only_that_session(&fx, &mut healthy, "flush with a length", &flush_len, false);
+    let flush_sector = raw_header(Op::Flush as u8, 0, 0, 1, 8);
+    closes_only_that_session(
+        &fx,
+        &mut healthy,
+        "flush with a sector",
+        &flush_sector,
+        false,
+    );
+
     let too_long = raw_header(Op::Read as u8, 0, MAX_TRANSFER_BYTES + 512, 1, 0);
     closes_only_that_session(
         &fx,
@@ -526,11 +539,11 @@ fn peer_closing_cleanly_is_not_a_protocol_error() {
         for i in 0..16 {
             c.send(
                 &RequestHeader {
-                    op: Op::Read,
-                    flags: 0,
-                    len: 65536,
                     id: i,
-                    sector: 0,
+                    request: BlockRequest::Read {
+                        sector: Sector(0),
+                        len: Bytes(65536),
+                    },
                 },
                 &[],
             );

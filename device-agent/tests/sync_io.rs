@@ -11,7 +11,7 @@ use std::net::Shutdown;
 use common::{recv_from, Fixture, Rng};
 use devlend_device_agent::{IoMode, Options, MAX_TRANSFER_BYTES};
 use devlend_fabric::wire::FLAG_UNMAP;
-use devlend_fabric::{Op, RequestHeader, Status};
+use devlend_fabric::{BlockRequest, Bytes, Op, RequestHeader, Sector, Status};
 
 const MIB: u64 = 1 << 20;
 
@@ -80,11 +80,11 @@ fn pipelined_requests_beyond_the_budget_are_all_answered() {
     let mut frames = Vec::new();
     for i in 0..N {
         let h = RequestHeader {
-            op: Op::Write,
-            flags: 0,
-            len: 4096,
             id: i,
-            sector: i * 8,
+            request: BlockRequest::Write {
+                sector: Sector(i * 8),
+                len: Bytes(4096),
+            },
         };
         frames.extend_from_slice(&h.encode());
         frames.extend_from_slice(&pattern(i));
@@ -93,11 +93,11 @@ fn pipelined_requests_beyond_the_budget_are_all_answered() {
         // Reads of 64 KiB and more are sent from the file; smaller ones from a buffer.
         let len = if i % 2 == 0 { 4096 } else { 65536 };
         let h = RequestHeader {
-            op: Op::Read,
-            flags: 0,
-            len,
             id: N + i,
-            sector: i * 8,
+            request: BlockRequest::Read {
+                sector: Sector(i * 8),
+                len: Bytes(len),
+            },
         };
         frames.extend_from_slice(&h.encode());
     }
@@ -147,11 +147,11 @@ fn a_half_closed_session_gets_its_large_reads_then_closes() {
     for i in 0..16 {
         c.send(
             &RequestHeader {
-                op: Op::Read,
-                flags: 0,
-                len: 1 << 20,
                 id: 100 + i,
-                sector: 0,
+                request: BlockRequest::Read {
+                    sector: Sector(0),
+                    len: Bytes(1 << 20),
+                },
             },
             &[],
         );

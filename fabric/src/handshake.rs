@@ -7,6 +7,7 @@
 
 use std::io::{Read, Write};
 
+use crate::codec;
 use crate::lease_token::MAX_TOKEN_LEN;
 use crate::{io_util::read_exact_or_eof, WireError, PROTOCOL_VERSION, SERIAL_LEN};
 
@@ -17,11 +18,65 @@ pub const MAX_NAME_LEN: usize = 255;
 /// Longest error message in a [`HelloReply`], in bytes.
 pub const MAX_MESSAGE_LEN: usize = 1024;
 
-const HELLO_FIXED_LEN: usize = 36;
-const REPLY_FIXED_LEN: usize = 68;
+/// Length of the fixed part of a [`Hello`], before the name and the token.
+pub const HELLO_FIXED_LEN: usize = 36;
+/// Length of the fixed part of a [`HelloReply`], before the credit and the message.
+pub const REPLY_FIXED_LEN: usize = 68;
 /// Length of the [`Credit`] that follows the fixed part of a reply granting
 /// [`FEATURE_CREDIT`].
 pub const CREDIT_LEN: usize = 8;
+
+crate::layout! {
+    /// The fixed part of a [`Hello`] as it is on the wire.
+    pub struct HelloFixed [HELLO_FIXED_LEN] {
+        /// [`MAGIC`].
+        pub magic: [u8; 4],
+        /// [`Hello::version`].
+        pub version: u16,
+        /// [`Hello::queue_index`].
+        pub queue_index: u16,
+        /// [`Hello::features`].
+        pub features: u64,
+        /// [`Hello::borrower`].
+        pub borrower: [u8; 16],
+        /// Bytes of device name that follow.
+        pub name_len: u16,
+        /// Bytes of lease token after the name.
+        pub token_len: u16,
+    }
+}
+
+crate::layout! {
+    /// The fixed part of a [`HelloReply`] as it is on the wire.
+    pub struct ReplyFixed [REPLY_FIXED_LEN] {
+        /// [`MAGIC`].
+        pub magic: [u8; 4],
+        /// [`HelloReply::version`].
+        pub version: u16,
+        /// [`HelloStatus`].
+        pub status: u16,
+        /// [`HelloReply::features`].
+        pub features: u64,
+        /// [`DeviceInfo::capacity_sectors`].
+        pub capacity_sectors: u64,
+        /// [`DeviceInfo::block_size`].
+        pub block_size: u32,
+        /// [`DeviceInfo::max_transfer`].
+        pub max_transfer: u32,
+        /// [`DeviceInfo::max_discard_sectors`].
+        pub max_discard_sectors: u32,
+        /// [`DeviceInfo::max_write_zeroes_sectors`].
+        pub max_write_zeroes_sectors: u32,
+        /// [`DeviceInfo::flags`].
+        pub flags: u32,
+        /// Bytes of message that follow (after the credit, if any).
+        pub msg_len: u16,
+        /// 0.
+        pub reserved: [u8; 2],
+        /// [`DeviceInfo::serial`].
+        pub serial: [u8; SERIAL_LEN],
+    }
+}
 
 /// [`DeviceInfo::flags`] bit: the device is read-only.
 pub const DEV_READ_ONLY: u32 = 1 << 0;
@@ -48,18 +103,21 @@ pub const DEV_PCI: u32 = 1 << 5;
 /// then end a session that goes beyond it. Granted for block devices.
 pub const FEATURE_CREDIT: u64 = 1 << 3;
 
-/// How much a borrower may have outstanding on one session: requests sent whose
-/// responses it has not received whole. The lender sizes its buffers for this and keeps
-/// reading the session while the borrower stays within it, so neither end ever waits
-/// for the other to read (`docs/protocol.md`, flow control).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Credit {
-    /// Most requests outstanding (≥ 1).
-    pub requests: u32,
-    /// Most bytes of read and write data outstanding (the `len` of READ and WRITE
-    /// requests; other requests count 0). One request of any length is allowed when
-    /// nothing else is outstanding.
-    pub bytes: u32,
+crate::layout! {
+    /// How much a borrower may have outstanding on one session: requests sent whose
+    /// responses it has not received whole. The lender sizes its buffers for this and keeps
+    /// reading the session while the borrower stays within it, so neither end ever waits
+    /// for the other to read (`docs/protocol.md`, flow control).
+    ///
+    /// Layout (8 bytes): `requests: u32, bytes: u32`.
+    pub struct Credit [CREDIT_LEN] {
+        /// Most requests outstanding (≥ 1).
+        pub requests: u32,
+        /// Most bytes of read and write data outstanding (the `len` of READ and WRITE
+        /// requests; other requests count 0). One request of any length is allowed when
+        /// nothing else is outstanding.
+        pub bytes: u32,
+    }
 }
 
 impl Credit {
@@ -139,13 +197,16 @@ impl Hello {
             });
         }
         let mut b = Vec::with_capacity(HELLO_FIXED_LEN + name.len() + self.token.len());
-        b.extend_from_slice(&MAGIC);
-        b.extend_from_slice(&self.version.to_le_bytes());
-        b.extend_from_slice(&self.queue_index.to_le_bytes());
-        b.extend_from_slice(&self.features.to_le_bytes());
-        b.extend_from_slice(&self.borrower);
-        b.extend_from_slice(&(name.len() as u16).to_le_bytes());
-        b.extend_from_slice(&(self.token.len() as u16).to_le_bytes());
+        let fixed = HelloFixed {
+            magic: MAGIC,
+            version: self.version,
+            queue_index: self.queue_index,
+            features: self.features,
+            borrower: self.borrower,
+            name_len: name.len() as u16,
+            token_len: self.token.len() as u16,
+        };
+        fixed.push(&mut b);
         b.extend_from_slice(name);
         b.extend_from_slice(&self.token);
         w.write_all(&b)?;
@@ -164,17 +225,12 @@ impl Hello {
     pub fn read_from(r: &mut impl Read) -> Result<Self, WireError> {
         let mut b = [0u8; HELLO_FIXED_LEN];
         read_exact_or_eof(r, &mut b)?;
-        let magic = [b[0], b[1], b[2], b[3]];
-        if magic != MAGIC {
-            return Err(WireError::BadMagic(magic));
+        let f = HelloFixed::decode(&b);
+        if f.magic != MAGIC {
+            return Err(WireError::BadMagic(f.magic));
         }
-        let version = u16::from_le_bytes([b[4], b[5]]);
-        let queue_index = u16::from_le_bytes([b[6], b[7]]);
-        let features = u64::from_le_bytes(b[8..16].try_into().unwrap_or_default());
-        let mut borrower = [0u8; 16];
-        borrower.copy_from_slice(&b[16..32]);
-        let name_len = u16::from_le_bytes([b[32], b[33]]) as usize;
-        let token_len = u16::from_le_bytes([b[34], b[35]]) as usize;
+        let name_len = usize::from(f.name_len);
+        let token_len = usize::from(f.token_len);
         if token_len > MAX_TOKEN_LEN {
             return Err(WireError::TooLong {
                 what: "lease token",
@@ -205,10 +261,10 @@ impl Hello {
         let device =
             String::from_utf8(name).map_err(|_| WireError::Invalid("device name is not UTF-8"))?;
         Ok(Hello {
-            version,
-            queue_index,
-            features,
-            borrower,
+            version: f.version,
+            queue_index: f.queue_index,
+            features: f.features,
+            borrower: f.borrower,
             device,
             token,
         })
@@ -389,27 +445,29 @@ impl HelloReply {
     pub fn write_to(&self, w: &mut impl Write) -> Result<(), WireError> {
         let msg = &self.message.as_bytes()[..self.message.len().min(MAX_MESSAGE_LEN)];
         let d = &self.device;
-        let mut b = Vec::with_capacity(REPLY_FIXED_LEN + msg.len());
-        b.extend_from_slice(&MAGIC);
-        b.extend_from_slice(&self.version.to_le_bytes());
-        b.extend_from_slice(&(self.status as u16).to_le_bytes());
+        let mut b = Vec::with_capacity(REPLY_FIXED_LEN + CREDIT_LEN + msg.len());
         let features = match self.credit {
             Some(_) => self.features | FEATURE_CREDIT,
             None => self.features & !FEATURE_CREDIT,
         };
-        b.extend_from_slice(&features.to_le_bytes());
-        b.extend_from_slice(&d.capacity_sectors.to_le_bytes());
-        b.extend_from_slice(&d.block_size.to_le_bytes());
-        b.extend_from_slice(&d.max_transfer.to_le_bytes());
-        b.extend_from_slice(&d.max_discard_sectors.to_le_bytes());
-        b.extend_from_slice(&d.max_write_zeroes_sectors.to_le_bytes());
-        b.extend_from_slice(&d.flags.to_le_bytes());
-        b.extend_from_slice(&(msg.len() as u16).to_le_bytes());
-        b.extend_from_slice(&[0, 0]);
-        b.extend_from_slice(&d.serial);
+        let fixed = ReplyFixed {
+            magic: MAGIC,
+            version: self.version,
+            status: self.status as u16,
+            features,
+            capacity_sectors: d.capacity_sectors,
+            block_size: d.block_size,
+            max_transfer: d.max_transfer,
+            max_discard_sectors: d.max_discard_sectors,
+            max_write_zeroes_sectors: d.max_write_zeroes_sectors,
+            flags: d.flags,
+            msg_len: msg.len() as u16,
+            reserved: [0; 2],
+            serial: d.serial,
+        };
+        fixed.push(&mut b);
         if let Some(c) = self.credit {
-            b.extend_from_slice(&c.requests.to_le_bytes());
-            b.extend_from_slice(&c.bytes.to_le_bytes());
+            c.push(&mut b);
         }
         b.extend_from_slice(msg);
         w.write_all(&b)?;
@@ -425,18 +483,13 @@ impl HelloReply {
     pub fn read_from(r: &mut impl Read) -> Result<Self, WireError> {
         let mut b = [0u8; REPLY_FIXED_LEN];
         read_exact_or_eof(r, &mut b)?;
-        let magic = [b[0], b[1], b[2], b[3]];
-        if magic != MAGIC {
-            return Err(WireError::BadMagic(magic));
+        let f = ReplyFixed::decode(&b);
+        if f.magic != MAGIC {
+            return Err(WireError::BadMagic(f.magic));
         }
-        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
-        let version = u16::from_le_bytes([b[4], b[5]]);
-        let status = HelloStatus::from_u16(u16::from_le_bytes([b[6], b[7]]))?;
-        let msg_len = u16::from_le_bytes([b[44], b[45]]) as usize;
-        if b[46] != 0 || b[47] != 0 {
-            return Err(WireError::Invalid("reserved bytes of hello reply"));
-        }
+        let status = HelloStatus::from_u16(f.status)?;
+        let msg_len = usize::from(f.msg_len);
+        codec::reserved(&f.reserved, "reserved bytes of hello reply")?;
         if msg_len > MAX_MESSAGE_LEN {
             return Err(WireError::TooLong {
                 what: "hello reply message",
@@ -444,16 +497,11 @@ impl HelloReply {
                 limit: MAX_MESSAGE_LEN as u64,
             });
         }
-        let mut serial = [0u8; SERIAL_LEN];
-        serial.copy_from_slice(&b[48..68]);
-        let features = u64_at(8);
+        let features = f.features;
         let credit = if features & FEATURE_CREDIT != 0 {
             let mut c = [0u8; CREDIT_LEN];
             read_exact_or_eof(r, &mut c)?;
-            let credit = Credit {
-                requests: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-                bytes: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
-            };
+            let credit = Credit::decode(&c);
             if credit.requests == 0 {
                 return Err(WireError::Invalid("credit of 0 requests"));
             }
@@ -462,13 +510,13 @@ impl HelloReply {
             None
         };
         let device = DeviceInfo {
-            capacity_sectors: u64_at(16),
-            block_size: u32_at(24),
-            max_transfer: u32_at(28),
-            max_discard_sectors: u32_at(32),
-            max_write_zeroes_sectors: u32_at(36),
-            flags: u32_at(40),
-            serial,
+            capacity_sectors: f.capacity_sectors,
+            block_size: f.block_size,
+            max_transfer: f.max_transfer,
+            max_discard_sectors: f.max_discard_sectors,
+            max_write_zeroes_sectors: f.max_write_zeroes_sectors,
+            flags: f.flags,
+            serial: f.serial,
         };
         let mut msg = vec![0u8; msg_len];
         read_exact_or_eof(r, &mut msg)?;
@@ -478,7 +526,7 @@ impl HelloReply {
             return Err(WireError::Invalid("block size"));
         }
         Ok(HelloReply {
-            version,
+            version: f.version,
             status,
             features,
             device,

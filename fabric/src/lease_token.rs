@@ -15,6 +15,8 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 
+use crate::codec::{self, CodecError, Reader};
+
 /// The clock tokens are read against: milliseconds since the Unix epoch (0 if the
 /// clock is before it).
 pub fn now_ms() -> u64 {
@@ -33,6 +35,17 @@ pub const MAX_TOKEN_LEN: usize = 1024;
 /// Longest text field (provider, device, consumer), in bytes.
 pub const MAX_FIELD_LEN: usize = 255;
 const SIGNATURE_LEN: usize = 64;
+/// Bytes of the claims before the text fields.
+const CLAIMS_HEAD_LEN: usize = 25;
+
+crate::layout! {
+    /// The claims' fixed part, before the text fields.
+    struct ClaimsHead [CLAIMS_HEAD_LEN] {
+        version: u8,
+        lease_id: [u8; 16],
+        expires_at_ms: u64,
+    }
+}
 
 /// Why a token was not issued or not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -243,64 +256,59 @@ fn put_field(b: &mut Vec<u8>, name: &'static str, v: &str) -> Result<(), TokenEr
     if v.len() > MAX_FIELD_LEN {
         return Err(TokenError::FieldTooLong(name));
     }
-    b.extend_from_slice(&(v.len() as u16).to_le_bytes());
+    codec::push(b, v.len() as u16);
     b.extend_from_slice(v.as_bytes());
     Ok(())
 }
 
 fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     let mut b = Vec::with_capacity(64 + c.provider.len() + c.device.len() + c.consumer.len());
-    b.push(TOKEN_VERSION);
-    b.extend_from_slice(&c.lease_id);
-    b.extend_from_slice(&c.expires_at_ms.to_le_bytes());
+    let head = ClaimsHead {
+        version: TOKEN_VERSION,
+        lease_id: c.lease_id,
+        expires_at_ms: c.expires_at_ms,
+    };
+    head.push(&mut b);
     put_field(&mut b, "provider", &c.provider)?;
     put_field(&mut b, "device", &c.device)?;
     put_field(&mut b, "consumer", &c.consumer)?;
     Ok(b)
 }
 
-struct Cursor<'a>(&'a [u8]);
-
-impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], TokenError> {
-        if self.0.len() < n {
-            return Err(TokenError::Malformed("truncated"));
-        }
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        Ok(head)
-    }
-
-    fn field(&mut self) -> Result<String, TokenError> {
-        let len = self.take(2)?;
-        let len = u16::from_le_bytes([len[0], len[1]]) as usize;
-        if len > MAX_FIELD_LEN {
-            return Err(TokenError::Malformed("field too long"));
-        }
-        String::from_utf8(self.take(len)?.to_vec())
-            .map_err(|_| TokenError::Malformed("field is not UTF-8"))
+impl From<CodecError> for TokenError {
+    fn from(e: CodecError) -> Self {
+        TokenError::Malformed(match e {
+            CodecError::Short { .. } => "truncated",
+            CodecError::NotZero(what) => what,
+            CodecError::Trailing { .. } => "trailing bytes",
+        })
     }
 }
 
+/// A text field: `len: u16`, then `len` bytes of UTF-8.
+fn field(r: &mut Reader<'_>) -> Result<String, TokenError> {
+    let len = usize::from(r.u16()?);
+    if len > MAX_FIELD_LEN {
+        return Err(TokenError::Malformed("field too long"));
+    }
+    String::from_utf8(r.bytes(len)?.to_vec())
+        .map_err(|_| TokenError::Malformed("field is not UTF-8"))
+}
+
 fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
-    let mut c = Cursor(body);
-    if c.take(1)?[0] != TOKEN_VERSION {
+    if body.first().is_some_and(|&v| v != TOKEN_VERSION) {
         return Err(TokenError::Malformed("unknown token version"));
     }
-    let mut lease_id = [0u8; 16];
-    lease_id.copy_from_slice(c.take(16)?);
-    let mut exp = [0u8; 8];
-    exp.copy_from_slice(c.take(8)?);
+    let mut r = Reader::new(body);
+    let head = ClaimsHead::read(&mut r)?;
     let claims = LeaseClaims {
-        lease_id,
-        expires_at_ms: u64::from_le_bytes(exp),
-        provider: c.field()?,
-        device: c.field()?,
-        consumer: c.field()?,
+        lease_id: head.lease_id,
+        expires_at_ms: head.expires_at_ms,
+        provider: field(&mut r)?,
+        device: field(&mut r)?,
+        consumer: field(&mut r)?,
     };
-    if !c.0.is_empty() {
-        return Err(TokenError::Malformed("trailing bytes"));
-    }
+    r.finish()?;
     Ok(claims)
 }
 

@@ -4,13 +4,16 @@
 //! One connection carries one virtqueue. It starts with a handshake ([`handshake`]) and
 //! then carries block requests and their responses ([`wire`]), many in flight at once,
 //! completed in any order. The byte layout is specified in `docs/protocol.md`; the
-//! constants and codecs here are the single source of truth for it.
+//! constants and codecs here are the single source of truth for it. Every format is
+//! declared and encoded with one checked little-endian codec ([`codec`]); the units of a
+//! block request (bytes, 512-byte sectors) are types of their own ([`units`]).
 //!
 //! Transports: [`tcp`] (the default), optionally inside TLS 1.3 ([`tls`], bridged to the
 //! engines through [`conn::Stream`]). RDMA comes behind a cargo feature.
 //!
 //! [`reconnect`] says when a borrower tries a lost session again, and when it stops.
 
+pub mod codec;
 pub mod conn;
 pub mod error;
 pub mod handshake;
@@ -25,11 +28,13 @@ pub mod reconnect;
 pub mod relay;
 pub mod tcp;
 pub mod tls;
+pub mod units;
 pub mod wire;
 
 pub use error::WireError;
 pub use handshake::{Credit, DeviceInfo, Hello, HelloReply, HelloStatus, FEATURE_CREDIT};
-pub use wire::{Op, RequestHeader, ResponseHeader, Status};
+pub use units::{Bytes, Sector, Sectors, UnitError};
+pub use wire::{BlockRequest, Op, RequestHeader, ResponseHeader, Status};
 
 /// Protocol version spoken by this build (the handshake's `version` field).
 pub const PROTOCOL_VERSION: u16 = 1;

@@ -5,6 +5,7 @@
 //! len: u32` followed by `len` bytes. Both ends write many messages per write. Layouts
 //! are in `docs/protocol.md`.
 
+use crate::codec::{self, Reader};
 use crate::WireError;
 
 /// [`crate::Hello::features`] bit: the borrower can be lent a NIC (frame messages). A
@@ -72,6 +73,26 @@ pub const LINK_LEN: usize = 16;
 /// [`LinkState`] flag: the link is up (carrier).
 pub const LINK_UP: u32 = 1 << 0;
 
+crate::layout! {
+    /// The header of every frame message.
+    struct NetHeader [NET_HEADER_LEN] {
+        kind: u8,
+        flags: u8,
+        reserved: [u8; 2],
+        len: u32,
+    }
+}
+
+crate::layout! {
+    /// The payload of a [`KIND_LINK`] message.
+    struct LinkPayload [LINK_LEN] {
+        flags: u32,
+        mtu: u32,
+        mac: [u8; 6],
+        reserved: [u8; 2],
+    }
+}
+
 /// The lent interface as the lender sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct LinkState {
@@ -87,70 +108,62 @@ impl LinkState {
     /// Appends the message (header and payload) to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&header(KIND_LINK, LINK_LEN as u32));
-        out.extend_from_slice(&(if self.up { LINK_UP } else { 0 }).to_le_bytes());
-        out.extend_from_slice(&self.mtu.to_le_bytes());
-        out.extend_from_slice(&self.mac);
-        out.extend_from_slice(&[0, 0]);
+        LinkPayload {
+            flags: if self.up { LINK_UP } else { 0 },
+            mtu: self.mtu,
+            mac: self.mac,
+            reserved: [0; 2],
+        }
+        .push(out);
     }
 
     fn decode(p: &[u8]) -> Result<Self, WireError> {
-        let flags = u32::from_le_bytes([p[0], p[1], p[2], p[3]]);
-        if flags & !LINK_UP != 0 || p[14] != 0 || p[15] != 0 {
-            return Err(WireError::Invalid("reserved bits of a link message"));
+        let mut r = Reader::new(p);
+        let l = LinkPayload::read(&mut r)?;
+        r.finish()?;
+        const WHAT: &str = "reserved bits of a link message";
+        if l.flags & !LINK_UP != 0 {
+            return Err(WireError::Invalid(WHAT));
         }
-        let mut mac = [0u8; 6];
-        mac.copy_from_slice(&p[8..14]);
+        codec::reserved(&l.reserved, WHAT)?;
         Ok(LinkState {
-            up: flags & LINK_UP != 0,
-            mtu: u32::from_le_bytes([p[4], p[5], p[6], p[7]]),
-            mac,
+            up: l.flags & LINK_UP != 0,
+            mtu: l.mtu,
+            mac: l.mac,
         })
     }
 }
 
-/// What is left to the lender for one frame: the first 10 bytes of virtio 1.2's
-/// `struct virtio_net_hdr` (§5.1.6), little-endian, which is also the header of an
-/// AF_PACKET socket with `PACKET_VNET_HDR` on a little-endian host.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Offload {
-    /// [`OFFLOAD_NEEDS_CSUM`] or 0.
-    pub flags: u8,
-    /// [`GSO_NONE`], [`GSO_TCPV4`] or [`GSO_TCPV6`], optionally with [`GSO_ECN`].
-    pub gso_type: u8,
-    /// Bytes of headers (Ethernet to TCP) a segment repeats; a hint.
-    pub hdr_len: u16,
-    /// Payload bytes per segment (the MSS) when segmenting.
-    pub gso_size: u16,
-    /// Byte offset in the frame where checksumming starts.
-    pub csum_start: u16,
-    /// Offset after `csum_start` where the 16-bit checksum is stored.
-    pub csum_offset: u16,
+crate::layout! {
+    /// What is left to the lender for one frame: the first 10 bytes of virtio 1.2's
+    /// `struct virtio_net_hdr` (§5.1.6), little-endian, which is also the header of an
+    /// AF_PACKET socket with `PACKET_VNET_HDR` on a little-endian host.
+    #[derive(Default)]
+    pub struct Offload [OFFLOAD_LEN] {
+        /// [`OFFLOAD_NEEDS_CSUM`] or 0.
+        pub flags: u8,
+        /// [`GSO_NONE`], [`GSO_TCPV4`] or [`GSO_TCPV6`], optionally with [`GSO_ECN`].
+        pub gso_type: u8,
+        /// Bytes of headers (Ethernet to TCP) a segment repeats; a hint.
+        pub hdr_len: u16,
+        /// Payload bytes per segment (the MSS) when segmenting.
+        pub gso_size: u16,
+        /// Byte offset in the frame where checksumming starts.
+        pub csum_start: u16,
+        /// Offset after `csum_start` where the 16-bit checksum is stored.
+        pub csum_offset: u16,
+    }
 }
 
 impl Offload {
     /// Parses the 10 bytes `b` (virtio_net_hdr layout).
     pub fn from_bytes(b: &[u8; OFFLOAD_LEN]) -> Self {
-        let u = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
-        Offload {
-            flags: b[0],
-            gso_type: b[1],
-            hdr_len: u(2),
-            gso_size: u(4),
-            csum_start: u(6),
-            csum_offset: u(8),
-        }
+        Self::decode(b)
     }
 
     /// The 10 bytes of the header.
     pub fn to_bytes(&self) -> [u8; OFFLOAD_LEN] {
-        let mut b = [0u8; OFFLOAD_LEN];
-        b[0] = self.flags;
-        b[1] = self.gso_type;
-        b[2..4].copy_from_slice(&self.hdr_len.to_le_bytes());
-        b[4..6].copy_from_slice(&self.gso_size.to_le_bytes());
-        b[6..8].copy_from_slice(&self.csum_start.to_le_bytes());
-        b[8..10].copy_from_slice(&self.csum_offset.to_le_bytes());
-        b
+        self.encode()
     }
 
     /// Whether a guest that takes `accept` ([`KIND_OFFLOADS`] bits) takes this frame:
@@ -220,14 +233,19 @@ pub fn encode_offload_frame(offload: &Offload, frame: &[u8], out: &mut Vec<u8>) 
         KIND_FRAME_OFFLOAD,
         (OFFLOAD_LEN + frame.len()) as u32,
     ));
-    out.extend_from_slice(&offload.to_bytes());
+    offload.push(out);
     out.extend_from_slice(frame);
 }
 
 /// The header of a message of `kind` with `len` payload bytes.
 pub fn header(kind: u8, len: u32) -> [u8; NET_HEADER_LEN] {
-    let l = len.to_le_bytes();
-    [kind, 0, 0, 0, l[0], l[1], l[2], l[3]]
+    NetHeader {
+        kind,
+        flags: 0,
+        reserved: [0; 2],
+        len,
+    }
+    .encode()
 }
 
 /// Appends a [`KIND_FRAME`] message carrying `frame` to `out`.
@@ -254,7 +272,7 @@ pub enum NetMessage<'a> {
 /// Appends a [`KIND_OFFLOADS`] message (`RX_*` bits) to `out`.
 pub fn encode_offloads(bits: u32, out: &mut Vec<u8>) {
     out.extend_from_slice(&header(KIND_OFFLOADS, OFFLOADS_LEN as u32));
-    out.extend_from_slice(&bits.to_le_bytes());
+    codec::push(out, bits);
 }
 
 /// Decodes the first message of `buf`: `Ok(None)` when `buf` holds only part of it
@@ -265,14 +283,17 @@ pub fn encode_offloads(bits: u32, out: &mut Vec<u8>) {
 /// [`WireError::TooLong`] / [`WireError::Invalid`] for a length out of range. Every
 /// length is checked before anything is read past the header.
 pub fn decode(buf: &[u8]) -> Result<Option<(NetMessage<'_>, usize)>, WireError> {
-    if buf.len() < NET_HEADER_LEN {
+    let mut r = Reader::new(buf);
+    let Ok(h) = NetHeader::read(&mut r) else {
         return Ok(None);
+    };
+    const WHAT: &str = "reserved bytes of a frame message";
+    if h.flags != 0 {
+        return Err(WireError::Invalid(WHAT));
     }
-    if buf[1] != 0 || buf[2] != 0 || buf[3] != 0 {
-        return Err(WireError::Invalid("reserved bytes of a frame message"));
-    }
-    let len = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
-    match buf[0] {
+    codec::reserved(&h.reserved, WHAT)?;
+    let len = h.len as usize;
+    match h.kind {
         KIND_FRAME => {
             if len > MAX_FRAME_LEN {
                 return Err(WireError::TooLong {
@@ -309,23 +330,21 @@ pub fn decode(buf: &[u8]) -> Result<Option<(NetMessage<'_>, usize)>, WireError> 
         }
         _ => return Err(WireError::Invalid("frame message kind")),
     }
-    let total = NET_HEADER_LEN + len;
-    if buf.len() < total {
+    let Ok(payload) = r.bytes(len) else {
         return Ok(None);
-    }
-    let payload = &buf[NET_HEADER_LEN..total];
-    let msg = match buf[0] {
+    };
+    let total = r.position();
+    let mut p = Reader::new(payload);
+    let msg = match h.kind {
         KIND_FRAME => NetMessage::Frame(payload),
         KIND_FRAME_OFFLOAD => {
-            let (h, frame) = payload.split_at(OFFLOAD_LEN);
-            let mut b = [0u8; OFFLOAD_LEN];
-            b.copy_from_slice(h);
-            let o = Offload::from_bytes(&b);
+            let o = Offload::read(&mut p)?;
+            let frame = p.rest();
             o.validate(frame.len(), true)?;
             NetMessage::OffloadFrame(o, frame)
         }
         KIND_OFFLOADS => {
-            let bits = u32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
+            let bits = p.u32()?;
             if bits & !(RX_CSUM | RX_TSO4 | RX_TSO6 | RX_ECN) != 0 {
                 return Err(WireError::Invalid("unknown offload bits"));
             }

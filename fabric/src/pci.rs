@@ -17,6 +17,7 @@
 
 use std::io::{Read, Write};
 
+use crate::codec::{self, Field, Reader, Writer};
 use crate::io_util::read_exact_or_eof;
 use crate::WireError;
 
@@ -80,6 +81,17 @@ pub const KIND_MEM_READ: u8 = 0x49;
 pub const KIND_MEM_WRITE: u8 = 0x4a;
 /// Lender to borrower, unsolicited: the function raised an interrupt ([`Irq`]).
 pub const KIND_IRQ: u8 = 0x50;
+
+crate::layout! {
+    /// The header of every message.
+    struct Header [PCI_HEADER_LEN] {
+        kind: u8,
+        status: u8,
+        flags: u8,
+        reserved: [u8; 1],
+        len: u32,
+    }
+}
 
 /// Why the lender refused a request (the reply's `status`); the payload says more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,13 +171,17 @@ impl Message {
     /// (e.g. a registered RDMA send buffer); `None` when `out` is shorter.
     pub fn encode_into(&self, out: &mut [u8]) -> Option<usize> {
         let n = self.encoded_len();
-        let out = out.get_mut(..n)?;
-        out[0] = self.kind;
-        out[1] = self.status as u8;
-        out[2] = self.flags;
-        out[3] = 0;
-        out[4..8].copy_from_slice(&(self.payload.len() as u32).to_le_bytes());
-        out[PCI_HEADER_LEN..].copy_from_slice(&self.payload);
+        let mut w = Writer::new(out.get_mut(..n)?);
+        Header {
+            kind: self.kind,
+            status: self.status as u8,
+            flags: self.flags,
+            reserved: [0],
+            len: self.payload.len() as u32,
+        }
+        .write(&mut w)
+        .ok()?;
+        w.put_bytes(&self.payload).ok()?;
         Some(n)
     }
 
@@ -200,20 +216,23 @@ impl Message {
     /// [`WireError::Invalid`] (unknown kind, flags, reserved byte),
     /// [`WireError::UnknownStatus`], [`WireError::TooLong`], [`WireError::Io`].
     pub fn read_from(r: &mut impl Read) -> Result<Self, WireError> {
-        let mut h = [0u8; PCI_HEADER_LEN];
-        read_exact_or_eof(r, &mut h)?;
-        let kind = h[0];
+        let mut b = [0u8; PCI_HEADER_LEN];
+        read_exact_or_eof(r, &mut b)?;
+        let h = Header::decode(&b);
+        let kind = h.kind;
         if !matches!(kind & !REPLY, KIND_INFO..=KIND_MEM_WRITE) && kind != KIND_IRQ {
             return Err(WireError::Invalid("PCI message kind"));
         }
-        let status = PciStatus::from_u8(h[1])?;
-        if h[2] & !FLAG_MORE != 0 || h[3] != 0 {
-            return Err(WireError::Invalid("PCI message flags or reserved byte"));
+        let status = PciStatus::from_u8(h.status)?;
+        const WHAT: &str = "PCI message flags or reserved byte";
+        if h.flags & !FLAG_MORE != 0 {
+            return Err(WireError::Invalid(WHAT));
         }
+        codec::reserved(&h.reserved, WHAT)?;
         if kind & REPLY == 0 && status != PciStatus::Ok {
             return Err(WireError::Invalid("status in a PCI request"));
         }
-        let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+        let len = h.len as usize;
         if len > MAX_PAYLOAD {
             return Err(WireError::TooLong {
                 what: "PCI message payload",
@@ -232,27 +251,42 @@ impl Message {
         Ok(Message {
             kind,
             status,
-            flags: h[2],
+            flags: h.flags,
             payload,
         })
     }
 }
 
-fn u32_at(p: &[u8], o: usize) -> u32 {
-    u32::from_le_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]])
+/// A payload that must be exactly one `T`; `what` names it in the error.
+fn exact<T: Field>(p: &[u8], what: &'static str) -> Result<T, WireError> {
+    codec::exact(p).map_err(|_| WireError::Invalid(what))
 }
 
-fn u64_at(p: &[u8], o: usize) -> u64 {
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&p[o..o + 8]);
-    u64::from_le_bytes(b)
+crate::layout! {
+    /// The fixed part of a [`PciInfo`].
+    struct InfoHead [16] {
+        num_regions: u32,
+        num_irqs: u32,
+        flags: u32,
+        reserved: [u8; 4],
+    }
 }
 
-fn exact(p: &[u8], len: usize, what: &'static str) -> Result<(), WireError> {
-    if p.len() == len {
-        Ok(())
-    } else {
-        Err(WireError::Invalid(what))
+crate::layout! {
+    /// One region of a [`PciInfo`].
+    struct RegionEntry [16] {
+        size: u64,
+        flags: u32,
+        reserved: [u8; 4],
+    }
+}
+
+crate::layout! {
+    /// An IOVA and a length: a [`Range`], the head of a [`Page`], a [`MemRead`].
+    struct RangeEntry [16] {
+        iova: u64,
+        len: u32,
+        reserved: [u8; 4],
     }
 }
 
@@ -265,13 +299,16 @@ pub struct RegionInfo {
     pub flags: u32,
 }
 
-/// An interrupt index as the lender reports it (VFIO_DEVICE_GET_IRQ_INFO).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct IrqInfo {
-    /// Number of vectors (0: not supported).
-    pub count: u32,
-    /// VFIO_IRQ_INFO_* flags (EVENTFD 1, MASKABLE 2, AUTOMASKED 4, NORESIZE 8).
-    pub flags: u32,
+crate::layout! {
+    /// An interrupt index as the lender reports it (VFIO_DEVICE_GET_IRQ_INFO); 8 bytes
+    /// in a [`PciInfo`].
+    #[derive(Default)]
+    pub struct IrqInfo [8] {
+        /// Number of vectors (0: not supported).
+        pub count: u32,
+        /// VFIO_IRQ_INFO_* flags (EVENTFD 1, MASKABLE 2, AUTOMASKED 4, NORESIZE 8).
+        pub flags: u32,
+    }
 }
 
 /// The reply to [`KIND_INFO`].
@@ -299,19 +336,26 @@ pub const INFO_MEDIATED: u32 = 1 << 1;
 impl PciInfo {
     /// Encodes the payload.
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::new();
-        b.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
-        b.extend_from_slice(&(self.irqs.len() as u32).to_le_bytes());
-        b.extend_from_slice(&self.flags.to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes());
+        let mut b = Vec::with_capacity(
+            InfoHead::LEN + self.regions.len() * RegionEntry::LEN + self.irqs.len() * IrqInfo::LEN,
+        );
+        InfoHead {
+            num_regions: self.regions.len() as u32,
+            num_irqs: self.irqs.len() as u32,
+            flags: self.flags,
+            reserved: [0; 4],
+        }
+        .push(&mut b);
         for r in &self.regions {
-            b.extend_from_slice(&r.size.to_le_bytes());
-            b.extend_from_slice(&r.flags.to_le_bytes());
-            b.extend_from_slice(&0u32.to_le_bytes());
+            RegionEntry {
+                size: r.size,
+                flags: r.flags,
+                reserved: [0; 4],
+            }
+            .push(&mut b);
         }
         for i in &self.irqs {
-            b.extend_from_slice(&i.count.to_le_bytes());
-            b.extend_from_slice(&i.flags.to_le_bytes());
+            i.push(&mut b);
         }
         b
     }
@@ -322,44 +366,38 @@ impl PciInfo {
     /// [`WireError::Invalid`] for counts over the limits, a length that does not match
     /// them, unknown flags or reserved fields that are not zero.
     pub fn decode(p: &[u8]) -> Result<Self, WireError> {
-        if p.len() < 16 {
-            return Err(WireError::Invalid("PCI info length"));
-        }
-        let (nr, ni, flags) = (u32_at(p, 0), u32_at(p, 4), u32_at(p, 8));
+        let mut r = Reader::new(p);
+        let head: InfoHead = r.get().map_err(|_| WireError::Invalid("PCI info length"))?;
+        let (nr, ni) = (head.num_regions, head.num_irqs);
         if nr > MAX_REGIONS || ni > MAX_IRQS {
             return Err(WireError::Invalid("PCI info counts"));
         }
-        if flags & !(INFO_RESET | INFO_MEDIATED) != 0 || u32_at(p, 12) != 0 {
-            return Err(WireError::Invalid("PCI info flags"));
+        const FLAGS: &str = "PCI info flags";
+        if head.flags & !(INFO_RESET | INFO_MEDIATED) != 0 {
+            return Err(WireError::Invalid(FLAGS));
         }
-        exact(
-            p,
-            16 + nr as usize * 16 + ni as usize * 8,
-            "PCI info length",
-        )?;
-        let mut regions = Vec::new();
-        for i in 0..nr as usize {
-            let o = 16 + i * 16;
-            let r = RegionInfo {
-                size: u64_at(p, o),
-                flags: u32_at(p, o + 8),
-            };
-            if r.flags & !3 != 0 || u32_at(p, o + 12) != 0 {
-                return Err(WireError::Invalid("PCI region flags"));
+        codec::reserved(&head.reserved, FLAGS)?;
+        if r.remaining() != nr as usize * RegionEntry::LEN + ni as usize * IrqInfo::LEN {
+            return Err(WireError::Invalid("PCI info length"));
+        }
+        let mut regions = Vec::with_capacity(nr as usize);
+        for _ in 0..nr {
+            let e: RegionEntry = r.get()?;
+            const REGION: &str = "PCI region flags";
+            if e.flags & !3 != 0 {
+                return Err(WireError::Invalid(REGION));
             }
-            regions.push(r);
+            codec::reserved(&e.reserved, REGION)?;
+            regions.push(RegionInfo {
+                size: e.size,
+                flags: e.flags,
+            });
         }
-        let base = 16 + nr as usize * 16;
-        let irqs = (0..ni as usize)
-            .map(|i| IrqInfo {
-                count: u32_at(p, base + i * 8),
-                flags: u32_at(p, base + i * 8 + 4),
-            })
-            .collect();
+        let irqs = (0..ni).map(|_| r.get()).collect::<Result<_, _>>()?;
         Ok(PciInfo {
             regions,
             irqs,
-            flags,
+            flags: head.flags,
         })
     }
 }
@@ -377,13 +415,25 @@ pub struct Access {
     pub offset: u64,
 }
 
+crate::layout! {
+    /// The head of an [`Access`] payload.
+    struct AccessHead [16] {
+        region: u32,
+        len: u32,
+        offset: u64,
+    }
+}
+
 impl Access {
     /// Encodes the 16-byte head (append a write's data after it).
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(16 + self.len as usize);
-        b.extend_from_slice(&self.region.to_le_bytes());
-        b.extend_from_slice(&self.len.to_le_bytes());
-        b.extend_from_slice(&self.offset.to_le_bytes());
+        let mut b = Vec::with_capacity(AccessHead::LEN + self.len as usize);
+        AccessHead {
+            region: self.region,
+            len: self.len,
+            offset: self.offset,
+        }
+        .push(&mut b);
         b
     }
 
@@ -394,20 +444,22 @@ impl Access {
     /// [`WireError::Invalid`] for a payload of the wrong length or a `len` of 0 or over
     /// [`MAX_ACCESS`].
     pub fn decode(p: &[u8], write: bool) -> Result<(Self, &[u8]), WireError> {
-        if p.len() < 16 {
-            return Err(WireError::Invalid("region access length"));
-        }
-        let a = Access {
-            region: u32_at(p, 0),
-            len: u32_at(p, 4),
-            offset: u64_at(p, 8),
-        };
-        if a.len == 0 || a.len > MAX_ACCESS {
+        const LENGTH: &str = "region access length";
+        let mut r = Reader::new(p);
+        let h: AccessHead = r.get().map_err(|_| WireError::Invalid(LENGTH))?;
+        if h.len == 0 || h.len > MAX_ACCESS {
             return Err(WireError::Invalid("region access size"));
         }
-        let data_len = if write { a.len as usize } else { 0 };
-        exact(p, 16 + data_len, "region access length")?;
-        Ok((a, &p[16..]))
+        let data_len = if write { h.len as usize } else { 0 };
+        if r.remaining() != data_len {
+            return Err(WireError::Invalid(LENGTH));
+        }
+        let a = Access {
+            region: h.region,
+            len: h.len,
+            offset: h.offset,
+        };
+        Ok((a, r.rest()))
     }
 }
 
@@ -436,14 +488,25 @@ pub struct IrqSet {
     pub count: u32,
 }
 
+crate::layout! {
+    /// An [`IrqSet`] payload.
+    struct IrqSetRaw [12] {
+        index: u32,
+        action: u32,
+        count: u32,
+    }
+}
+
 impl IrqSet {
     /// Encodes the payload.
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(12);
-        b.extend_from_slice(&self.index.to_le_bytes());
-        b.extend_from_slice(&(self.action as u32).to_le_bytes());
-        b.extend_from_slice(&self.count.to_le_bytes());
-        b
+        IrqSetRaw {
+            index: self.index,
+            action: self.action as u32,
+            count: self.count,
+        }
+        .encode()
+        .to_vec()
     }
 
     /// Decodes the payload.
@@ -452,19 +515,19 @@ impl IrqSet {
     /// [`WireError::Invalid`] for a wrong length, an unknown action, or a count that
     /// does not fit the action.
     pub fn decode(p: &[u8]) -> Result<Self, WireError> {
-        exact(p, 12, "interrupt set length")?;
-        let action = match u32_at(p, 4) {
+        let raw: IrqSetRaw = exact(p, "interrupt set length")?;
+        let action = match raw.action {
             0 => IrqAction::Disable,
             1 => IrqAction::Enable,
             2 => IrqAction::Unmask,
             _ => return Err(WireError::Invalid("interrupt action")),
         };
-        let count = u32_at(p, 8);
+        let count = raw.count;
         if (action == IrqAction::Enable) != (count > 0) {
             return Err(WireError::Invalid("interrupt vector count"));
         }
         Ok(IrqSet {
-            index: u32_at(p, 0),
+            index: raw.index,
             action,
             count,
         })
@@ -482,25 +545,36 @@ pub struct DmaRange {
     pub size: u64,
 }
 
+crate::layout! {
+    /// A [`DmaRange`] payload.
+    struct DmaRangeRaw [16] {
+        iova: u64,
+        size: u64,
+    }
+}
+
+crate::layout! {
+    /// A [`RemoteDmaRange`] payload.
+    struct RemoteDmaRaw [32] {
+        range: DmaRangeRaw,
+        addr: u64,
+        rkey: u32,
+        reserved: [u8; 4],
+    }
+}
+
 impl DmaRange {
-    /// Encodes the payload.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(16);
-        b.extend_from_slice(&self.iova.to_le_bytes());
-        b.extend_from_slice(&self.size.to_le_bytes());
-        b
+    fn raw(&self) -> DmaRangeRaw {
+        DmaRangeRaw {
+            iova: self.iova,
+            size: self.size,
+        }
     }
 
-    /// Decodes the payload.
-    ///
-    /// # Errors
-    /// [`WireError::Invalid`] for a wrong length, a size of 0, a range that is not
-    /// page-aligned or that wraps around.
-    pub fn decode(p: &[u8]) -> Result<Self, WireError> {
-        exact(p, 16, "DMA range length")?;
+    fn check(raw: DmaRangeRaw) -> Result<Self, WireError> {
         let r = DmaRange {
-            iova: u64_at(p, 0),
-            size: u64_at(p, 8),
+            iova: raw.iova,
+            size: raw.size,
         };
         if r.size == 0
             || !r.iova.is_multiple_of(MIRROR_PAGE)
@@ -510,6 +584,20 @@ impl DmaRange {
             return Err(WireError::Invalid("DMA range"));
         }
         Ok(r)
+    }
+
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        self.raw().encode().to_vec()
+    }
+
+    /// Decodes the payload.
+    ///
+    /// # Errors
+    /// [`WireError::Invalid`] for a wrong length, a size of 0, a range that is not
+    /// page-aligned or that wraps around.
+    pub fn decode(p: &[u8]) -> Result<Self, WireError> {
+        Self::check(exact(p, "DMA range length")?)
     }
 }
 
@@ -533,11 +621,14 @@ pub struct RemoteDmaRange {
 impl RemoteDmaRange {
     /// Encodes the payload.
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = self.range.encode();
-        b.extend_from_slice(&self.addr.to_le_bytes());
-        b.extend_from_slice(&self.rkey.to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes());
-        b
+        RemoteDmaRaw {
+            range: self.range.raw(),
+            addr: self.addr,
+            rkey: self.rkey,
+            reserved: [0; 4],
+        }
+        .encode()
+        .to_vec()
     }
 
     /// Decodes the payload.
@@ -546,16 +637,17 @@ impl RemoteDmaRange {
     /// [`WireError::Invalid`] for a wrong length, a bad [`DmaRange`], a reserved field
     /// that is not zero, or an address range that wraps around.
     pub fn decode(p: &[u8]) -> Result<Self, WireError> {
-        exact(p, 32, "RDMA DMA range length")?;
-        let range = DmaRange::decode(&p[..16])?;
-        let addr = u64_at(p, 16);
-        if u32_at(p, 28) != 0 || addr.checked_add(range.size).is_none() {
-            return Err(WireError::Invalid("RDMA DMA range"));
+        let raw: RemoteDmaRaw = exact(p, "RDMA DMA range length")?;
+        let range = DmaRange::check(raw.range)?;
+        const WHAT: &str = "RDMA DMA range";
+        codec::reserved(&raw.reserved, WHAT)?;
+        if raw.addr.checked_add(range.size).is_none() {
+            return Err(WireError::Invalid(WHAT));
         }
         Ok(RemoteDmaRange {
             range,
-            addr,
-            rkey: u32_at(p, 24),
+            addr: raw.addr,
+            rkey: raw.rkey,
         })
     }
 }
@@ -583,14 +675,23 @@ pub const RDMA_MAX_ACCESS: u32 = 1024;
 pub const RDMA_MAX_RANGES: usize = (RDMA_MAX_MESSAGE - PCI_HEADER_LEN) / 16;
 
 // The largest range list, and the largest access with its header, fit one message.
-const _: () = assert!(PCI_HEADER_LEN + RDMA_MAX_RANGES * 16 <= RDMA_MAX_MESSAGE);
-const _: () = assert!(PCI_HEADER_LEN + 16 + RDMA_MAX_ACCESS as usize <= RDMA_MAX_MESSAGE);
+const _: () = assert!(PCI_HEADER_LEN + RDMA_MAX_RANGES * RangeEntry::LEN <= RDMA_MAX_MESSAGE);
+const _: () =
+    assert!(PCI_HEADER_LEN + AccessHead::LEN + RDMA_MAX_ACCESS as usize <= RDMA_MAX_MESSAGE);
+
+impl RangeEntry {
+    fn new(iova: u64, len: u32) -> Self {
+        RangeEntry {
+            iova,
+            len,
+            reserved: [0; 4],
+        }
+    }
+}
 
 /// Appends one [`Range`] to a payload.
 pub fn encode_range(r: Range, out: &mut Vec<u8>) {
-    out.extend_from_slice(&r.iova.to_le_bytes());
-    out.extend_from_slice(&r.len.to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    RangeEntry::new(r.iova, r.len).push(out);
 }
 
 /// Splits a payload into its [`Range`]s.
@@ -600,21 +701,25 @@ pub fn encode_range(r: Range, out: &mut Vec<u8>) {
 /// [`RDMA_MAX_RANGES`] entries, an empty range, a reserved field that is not zero, or a
 /// range that wraps the IOVA space.
 pub fn decode_ranges(p: &[u8]) -> Result<Vec<Range>, WireError> {
-    if !p.len().is_multiple_of(16) || p.len() / 16 > RDMA_MAX_RANGES {
+    if !p.len().is_multiple_of(RangeEntry::LEN) || p.len() / RangeEntry::LEN > RDMA_MAX_RANGES {
         return Err(WireError::Invalid("range list length"));
     }
-    p.chunks_exact(16)
-        .map(|e| {
-            let r = Range {
-                iova: u64_at(e, 0),
-                len: u32_at(e, 8),
-            };
-            if r.len == 0 || u32_at(e, 12) != 0 || r.iova.checked_add(u64::from(r.len)).is_none() {
-                return Err(WireError::Invalid("range"));
-            }
-            Ok(r)
-        })
-        .collect()
+    let mut r = Reader::new(p);
+    let mut ranges = Vec::with_capacity(p.len() / RangeEntry::LEN);
+    while !r.is_empty() {
+        let e: RangeEntry = r.get()?;
+        if e.len == 0
+            || codec::reserved(&e.reserved, "range").is_err()
+            || e.iova.checked_add(u64::from(e.len)).is_none()
+        {
+            return Err(WireError::Invalid("range"));
+        }
+        ranges.push(Range {
+            iova: e.iova,
+            len: e.len,
+        });
+    }
+    Ok(ranges)
 }
 
 /// One page of mirrored memory in a push or a pull.
@@ -630,15 +735,13 @@ pub struct Page<'a> {
 
 /// Appends one [`Page`] to a push or pull payload.
 pub fn encode_page(iova: u64, data: &[u8], out: &mut Vec<u8>) {
-    out.extend_from_slice(&iova.to_le_bytes());
-    out.extend_from_slice(&(data.len() as u32).to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    RangeEntry::new(iova, data.len() as u32).push(out);
     out.extend_from_slice(data);
 }
 
 /// Bytes one page of `len` bytes takes in a payload.
 pub const fn page_cost(len: usize) -> usize {
-    16 + len
+    RangeEntry::LEN + len
 }
 
 /// Splits a push or pull payload into its pages.
@@ -646,25 +749,22 @@ pub const fn page_cost(len: usize) -> usize {
 /// # Errors
 /// [`WireError::Invalid`] for a truncated page, a reserved field that is not zero, an
 /// empty page, or one that wraps the IOVA space.
-pub fn decode_pages(mut p: &[u8]) -> Result<Vec<Page<'_>>, WireError> {
+pub fn decode_pages(p: &[u8]) -> Result<Vec<Page<'_>>, WireError> {
+    let mut r = Reader::new(p);
     let mut pages = Vec::new();
-    while !p.is_empty() {
-        if p.len() < 16 {
-            return Err(WireError::Invalid("mirror page header"));
+    while !r.is_empty() {
+        let h: RangeEntry = r
+            .get()
+            .map_err(|_| WireError::Invalid("mirror page header"))?;
+        let bad = || WireError::Invalid("mirror page");
+        if h.len == 0 || codec::reserved(&h.reserved, "mirror page").is_err() {
+            return Err(bad());
         }
-        let iova = u64_at(p, 0);
-        let len = u32_at(p, 8) as usize;
-        if u32_at(p, 12) != 0 || len == 0 || p.len() < 16 + len {
-            return Err(WireError::Invalid("mirror page"));
-        }
-        if iova.checked_add(len as u64).is_none() {
+        let data = r.bytes(h.len as usize).map_err(|_| bad())?;
+        if h.iova.checked_add(u64::from(h.len)).is_none() {
             return Err(WireError::Invalid("mirror page IOVA"));
         }
-        pages.push(Page {
-            iova,
-            data: &p[16..16 + len],
-        });
-        p = &p[16 + len..];
+        pages.push(Page { iova: h.iova, data });
     }
     Ok(pages)
 }
@@ -683,11 +783,7 @@ pub struct MemRead {
 impl MemRead {
     /// Encodes the payload.
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(16);
-        b.extend_from_slice(&self.iova.to_le_bytes());
-        b.extend_from_slice(&self.len.to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes());
-        b
+        RangeEntry::new(self.iova, self.len).encode().to_vec()
     }
 
     /// Decodes the payload.
@@ -696,12 +792,12 @@ impl MemRead {
     /// [`WireError::Invalid`] for a wrong length, a reserved field that is not zero, a
     /// `len` of 0 or over [`MAX_ACCESS`], or a range that wraps the IOVA space.
     pub fn decode(p: &[u8]) -> Result<Self, WireError> {
-        exact(p, 16, "guest memory read length")?;
+        let e: RangeEntry = exact(p, "guest memory read length")?;
         let r = MemRead {
-            iova: u64_at(p, 0),
-            len: u32_at(p, 8),
+            iova: e.iova,
+            len: e.len,
         };
-        if u32_at(p, 12) != 0
+        if codec::reserved(&e.reserved, "guest memory read").is_err()
             || r.len == 0
             || r.len > MAX_ACCESS
             || r.iova.checked_add(u64::from(r.len)).is_none()
@@ -723,13 +819,23 @@ pub struct Irq {
     pub vector: u32,
 }
 
+crate::layout! {
+    /// An [`Irq`] payload.
+    struct IrqRaw [8] {
+        index: u32,
+        vector: u32,
+    }
+}
+
 impl Irq {
     /// Encodes the payload.
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(8);
-        b.extend_from_slice(&self.index.to_le_bytes());
-        b.extend_from_slice(&self.vector.to_le_bytes());
-        b
+        IrqRaw {
+            index: self.index,
+            vector: self.vector,
+        }
+        .encode()
+        .to_vec()
     }
 
     /// Decodes the payload.
@@ -737,10 +843,10 @@ impl Irq {
     /// # Errors
     /// [`WireError::Invalid`] for a wrong length.
     pub fn decode(p: &[u8]) -> Result<Self, WireError> {
-        exact(p, 8, "interrupt message length")?;
+        let raw: IrqRaw = exact(p, "interrupt message length")?;
         Ok(Irq {
-            index: u32_at(p, 0),
-            vector: u32_at(p, 4),
+            index: raw.index,
+            vector: raw.vector,
         })
     }
 }

@@ -10,7 +10,8 @@
 
 use std::io;
 
-use crate::wire::{Op, RequestHeader, REQUEST_HEADER_LEN};
+use crate::codec::{self, Reader, Writer};
+use crate::wire::{RequestHeader, REQUEST_HEADER_LEN};
 use crate::WireError;
 
 #[cfg(feature = "rdma")]
@@ -34,16 +35,28 @@ pub const MAX_HANDSHAKE_MSG: usize = 2048;
 /// has more in flight than the lender has receive buffers posted.
 pub const RECV_DEPTH: usize = 1024;
 
-/// One range of the borrower's registered memory that the lender reads or writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Segment {
-    /// Remote (borrower host virtual) address.
-    pub addr: u64,
-    /// The memory region's rkey.
-    pub rkey: u32,
-    /// Bytes.
-    pub len: u32,
+crate::layout! {
+    /// One range of the borrower's registered memory that the lender reads or writes
+    /// (16 bytes on the wire).
+    pub struct Segment [SEGMENT_LEN] {
+        /// Remote (borrower host virtual) address.
+        pub addr: u64,
+        /// The memory region's rkey.
+        pub rkey: u32,
+        /// Bytes.
+        pub len: u32,
+    }
 }
+
+crate::layout! {
+    /// What comes between the request header and the segments.
+    struct SegmentList [SEGMENT_LIST_HEADER_LEN] {
+        count: u16,
+        reserved: [u8; 6],
+    }
+}
+
+const _: () = assert!(MAX_SEGMENTS <= u16::MAX as usize);
 
 /// Why the RDMA transport cannot be used, or a session on it failed.
 #[derive(Debug, thiserror::Error)]
@@ -121,28 +134,31 @@ pub const fn compiled() -> bool {
 
 /// Encodes a request message into `out` (at least [`MAX_REQUEST_MSG`] bytes): the
 /// 24-byte header (as [`RequestHeader::encode`] gives it), the segment count, the
-/// segments (at most [`MAX_SEGMENTS`]; the caller checks). Returns its length.
+/// segments (at most [`MAX_SEGMENTS`]; the caller checks). Returns its length, or 0
+/// (and writes nothing) when `out` is too short for it.
 pub fn encode_request(
     header: &[u8; REQUEST_HEADER_LEN],
     segs: &[Segment],
     out: &mut [u8],
 ) -> usize {
-    let n = segs.len().min(MAX_SEGMENTS);
-    if out.len() < REQUEST_HEADER_LEN + SEGMENT_LIST_HEADER_LEN + n * SEGMENT_LEN {
+    let segs = &segs[..segs.len().min(MAX_SEGMENTS)];
+    if out.len() < REQUEST_HEADER_LEN + SEGMENT_LIST_HEADER_LEN + segs.len() * SEGMENT_LEN {
         return 0;
     }
-    out[..REQUEST_HEADER_LEN].copy_from_slice(header);
-    let mut at = REQUEST_HEADER_LEN;
-    out[at..at + SEGMENT_LIST_HEADER_LEN].fill(0);
-    out[at..at + 2].copy_from_slice(&(n as u16).to_le_bytes());
-    at += SEGMENT_LIST_HEADER_LEN;
-    for s in &segs[..n] {
-        out[at..at + 8].copy_from_slice(&s.addr.to_le_bytes());
-        out[at + 8..at + 12].copy_from_slice(&s.rkey.to_le_bytes());
-        out[at + 12..at + 16].copy_from_slice(&s.len.to_le_bytes());
-        at += SEGMENT_LEN;
+    let mut w = Writer::new(out);
+    let put = |w: &mut Writer<'_>| -> Result<(), codec::CodecError> {
+        w.put_bytes(header)?;
+        SegmentList {
+            count: segs.len() as u16,
+            reserved: [0; 6],
+        }
+        .write(w)?;
+        segs.iter().try_for_each(|s| s.write(w))
+    };
+    match put(&mut w) {
+        Ok(()) => w.position(),
+        Err(_) => 0,
     }
-    at
 }
 
 /// Decodes and checks a request message: the header as over TCP, then a segment list
@@ -161,14 +177,11 @@ pub fn decode_request(msg: &[u8], segs: &mut Vec<Segment>) -> Result<RequestHead
             want: fixed,
         });
     }
-    let mut hdr = [0u8; REQUEST_HEADER_LEN];
-    hdr.copy_from_slice(&msg[..REQUEST_HEADER_LEN]);
-    let h = RequestHeader::decode(&hdr)?;
-    let list = &msg[REQUEST_HEADER_LEN..fixed];
-    let n = usize::from(u16::from_le_bytes([list[0], list[1]]));
-    if list[2..].iter().any(|&b| b != 0) {
-        return Err(WireError::Invalid("segment list reserved bytes"));
-    }
+    let mut r = Reader::new(msg);
+    let h = RequestHeader::decode(&r.array()?)?;
+    let list = SegmentList::read(&mut r)?;
+    codec::reserved(&list.reserved, "segment list reserved bytes")?;
+    let n = usize::from(list.count);
     if n > MAX_SEGMENTS {
         return Err(WireError::TooLong {
             what: "segment count",
@@ -176,20 +189,14 @@ pub fn decode_request(msg: &[u8], segs: &mut Vec<Segment>) -> Result<RequestHead
             limit: MAX_SEGMENTS as u64,
         });
     }
-    if msg.len() != fixed + n * SEGMENT_LEN {
+    if r.remaining() != n * SEGMENT_LEN {
         return Err(WireError::Invalid(
             "message length does not match its segment count",
         ));
     }
     let mut total = 0u64;
-    for raw in msg[fixed..].chunks_exact(SEGMENT_LEN) {
-        let u64_at = |i: usize| u64::from_le_bytes(raw[i..i + 8].try_into().unwrap_or([0; 8]));
-        let u32_at = |i: usize| u32::from_le_bytes(raw[i..i + 4].try_into().unwrap_or([0; 4]));
-        let s = Segment {
-            addr: u64_at(0),
-            rkey: u32_at(8),
-            len: u32_at(12),
-        };
+    for _ in 0..n {
+        let s = Segment::read(&mut r)?;
         if s.len == 0 {
             return Err(WireError::Invalid("empty segment"));
         }
@@ -199,11 +206,8 @@ pub fn decode_request(msg: &[u8], segs: &mut Vec<Segment>) -> Result<RequestHead
         total += u64::from(s.len);
         segs.push(s);
     }
-    let want = match h.op {
-        Op::Read | Op::Write => u64::from(h.len),
-        _ => 0,
-    };
-    if matches!(h.op, Op::Read | Op::Write) && n == 0 && want > 0 {
+    let want = h.request.data_len().u64();
+    if want > 0 && n == 0 {
         return Err(WireError::Invalid("a read or write without segments"));
     }
     if total != want {
@@ -217,15 +221,22 @@ pub fn decode_request(msg: &[u8], segs: &mut Vec<Segment>) -> Result<RequestHead
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{BlockRequest, Bytes, Op, Sector};
 
     fn hdr(op: Op, len: u32) -> RequestHeader {
-        RequestHeader {
-            op,
-            flags: 0,
-            len,
-            id: 7,
-            sector: 3,
-        }
+        let sector = Sector(3);
+        let request = match op {
+            Op::Read => BlockRequest::Read {
+                sector,
+                len: Bytes(len),
+            },
+            Op::Write => BlockRequest::Write {
+                sector,
+                len: Bytes(len),
+            },
+            _ => BlockRequest::Flush,
+        };
+        RequestHeader { id: 7, request }
     }
 
     fn enc(h: RequestHeader) -> [u8; REQUEST_HEADER_LEN] {
@@ -250,7 +261,7 @@ mod tests {
         let n = encode_request(&enc(hdr(Op::Write, 1536)), &segs, &mut buf);
         let mut out = Vec::new();
         let h = decode_request(&buf[..n], &mut out).expect("valid");
-        assert_eq!(h.len, 1536);
+        assert_eq!(h.request.data_len(), Bytes(1536));
         assert_eq!(out, segs);
         // Lengths that do not add up, a cut message, a flush with segments.
         let n2 = encode_request(&enc(hdr(Op::Write, 2048)), &segs, &mut buf);

@@ -15,6 +15,7 @@
 
 use std::io::{Read, Write};
 
+use crate::codec;
 use crate::io_util::read_exact_or_eof;
 use crate::WireError;
 
@@ -32,6 +33,28 @@ pub const MAX_RELAY_NAME: usize = 64;
 pub const MAX_RELAY_MESSAGE: usize = 1024;
 /// Hop budget a borrower gives a session: gateways it may cross before it is refused.
 pub const DEFAULT_TTL: u8 = 8;
+
+crate::layout! {
+    /// The fixed part of a [`RelayRequest`].
+    struct RequestFixed [REQUEST_FIXED_LEN] {
+        magic: [u8; 4],
+        version: u8,
+        ttl: u8,
+        cluster_len: u8,
+        lender_len: u8,
+        reserved: [u8; 4],
+    }
+}
+
+crate::layout! {
+    /// The fixed part of a [`RelayReply`].
+    struct ReplyFixed [REPLY_FIXED_LEN] {
+        magic: [u8; 4],
+        version: u8,
+        status: u8,
+        msg_len: u16,
+    }
+}
 
 /// Whether `s` is a valid cluster or lender name: 1..=64 bytes of ASCII letters, digits,
 /// `-`, `_`, `.` (no `/`, which separates the parts of a device address).
@@ -95,12 +118,15 @@ impl RelayRequest {
             return Err(WireError::Invalid("relay lender name"));
         }
         let mut b = Vec::with_capacity(REQUEST_FIXED_LEN + self.cluster.len() + self.lender.len());
-        b.extend_from_slice(&RELAY_MAGIC);
-        b.push(RELAY_VERSION);
-        b.push(self.ttl);
-        b.push(self.cluster.len() as u8);
-        b.push(self.lender.len() as u8);
-        b.extend_from_slice(&[0; 4]);
+        RequestFixed {
+            magic: RELAY_MAGIC,
+            version: RELAY_VERSION,
+            ttl: self.ttl,
+            cluster_len: self.cluster.len() as u8,
+            lender_len: self.lender.len() as u8,
+            reserved: [0; 4],
+        }
+        .push(&mut b);
         b.extend_from_slice(self.cluster.as_bytes());
         b.extend_from_slice(self.lender.as_bytes());
         Ok(b)
@@ -112,17 +138,15 @@ impl RelayRequest {
     /// [`WireError::BadMagic`], [`WireError::UnsupportedVersion`],
     /// [`WireError::Invalid`] (reserved bytes, an empty name), [`WireError::TooLong`].
     pub fn decode_prefix(b: &[u8; REQUEST_FIXED_LEN]) -> Result<RequestPrefix, WireError> {
-        let magic = [b[0], b[1], b[2], b[3]];
-        if magic != RELAY_MAGIC {
-            return Err(WireError::BadMagic(magic));
+        let f = RequestFixed::decode(b);
+        if f.magic != RELAY_MAGIC {
+            return Err(WireError::BadMagic(f.magic));
         }
-        if b[4] != RELAY_VERSION {
-            return Err(WireError::UnsupportedVersion(u16::from(b[4])));
+        if f.version != RELAY_VERSION {
+            return Err(WireError::UnsupportedVersion(u16::from(f.version)));
         }
-        if b[8..12] != [0; 4] {
-            return Err(WireError::Invalid("reserved bytes of relay request"));
-        }
-        let (cluster_len, lender_len) = (b[6] as usize, b[7] as usize);
+        codec::reserved(&f.reserved, "reserved bytes of relay request")?;
+        let (cluster_len, lender_len) = (usize::from(f.cluster_len), usize::from(f.lender_len));
         for (what, len) in [
             ("relay cluster name", cluster_len),
             ("relay lender name", lender_len),
@@ -139,7 +163,7 @@ impl RelayRequest {
             }
         }
         Ok(RequestPrefix {
-            ttl: b[5],
+            ttl: f.ttl,
             cluster_len,
             lender_len,
         })
@@ -276,10 +300,13 @@ impl RelayReply {
     pub fn encode(&self) -> Vec<u8> {
         let msg = &self.message.as_bytes()[..self.message.len().min(MAX_RELAY_MESSAGE)];
         let mut b = Vec::with_capacity(REPLY_FIXED_LEN + msg.len());
-        b.extend_from_slice(&RELAY_MAGIC);
-        b.push(RELAY_VERSION);
-        b.push(self.status as u8);
-        b.extend_from_slice(&(msg.len() as u16).to_le_bytes());
+        ReplyFixed {
+            magic: RELAY_MAGIC,
+            version: RELAY_VERSION,
+            status: self.status as u8,
+            msg_len: msg.len() as u16,
+        }
+        .push(&mut b);
         b.extend_from_slice(msg);
         b
     }
@@ -293,15 +320,15 @@ impl RelayReply {
     pub fn read_from(r: &mut impl Read) -> Result<Self, WireError> {
         let mut b = [0u8; REPLY_FIXED_LEN];
         read_exact_or_eof(r, &mut b)?;
-        let magic = [b[0], b[1], b[2], b[3]];
-        if magic != RELAY_MAGIC {
-            return Err(WireError::BadMagic(magic));
+        let f = ReplyFixed::decode(&b);
+        if f.magic != RELAY_MAGIC {
+            return Err(WireError::BadMagic(f.magic));
         }
-        if b[4] != RELAY_VERSION {
-            return Err(WireError::UnsupportedVersion(u16::from(b[4])));
+        if f.version != RELAY_VERSION {
+            return Err(WireError::UnsupportedVersion(u16::from(f.version)));
         }
-        let status = RelayStatus::from_u8(b[5])?;
-        let len = u16::from_le_bytes([b[6], b[7]]) as usize;
+        let status = RelayStatus::from_u8(f.status)?;
+        let len = usize::from(f.msg_len);
         if len > MAX_RELAY_MESSAGE {
             return Err(WireError::TooLong {
                 what: "relay reply message",

@@ -1,10 +1,17 @@
 //! Block request and response headers (after the handshake).
 //!
 //! Every integer is little-endian. A request is a [`RequestHeader`] (24 bytes), followed
-//! for [`Op::Write`] by exactly `len` bytes of data. A response is a [`ResponseHeader`]
-//! (16 bytes), followed for a successful [`Op::Read`] by exactly the `len` bytes the
-//! request asked for. Responses carry the request's `id` and may come in any order.
+//! for [`BlockRequest::Write`] by exactly its `len` bytes of data. A response is a
+//! [`ResponseHeader`] (16 bytes), followed for a successful [`BlockRequest::Read`] by
+//! exactly the `len` bytes the request asked for. Responses carry the request's `id` and
+//! may come in any order.
+//!
+//! The header's `len` field counts bytes for a read or a write and 512-byte sectors for
+//! a discard or a write-zeroes: [`BlockRequest`] carries it as [`Bytes`] or [`Sectors`],
+//! decided by the operation, so that no caller reads one as the other.
 
+use crate::codec;
+use crate::units::{Bytes, Sector, Sectors, UnitError};
 use crate::WireError;
 
 /// Size in bytes of an encoded [`RequestHeader`].
@@ -77,86 +84,257 @@ impl Status {
     }
 }
 
-/// Header of a block request.
+crate::layout! {
+    /// A request header as it is on the wire, before its fields are checked and typed
+    /// ([`RequestHeader::decode`]).
+    pub struct RawRequest [REQUEST_HEADER_LEN] {
+        /// [`Op`].
+        pub op: u8,
+        /// [`FLAG_UNMAP`] for write-zeroes, else 0.
+        pub flags: u8,
+        /// 0.
+        pub reserved: [u8; 2],
+        /// Bytes (read/write) or sectors (discard/write-zeroes); 0 for flush.
+        pub len: u32,
+        /// The request id.
+        pub id: u64,
+        /// First sector; 0 for flush.
+        pub sector: u64,
+    }
+}
+
+crate::layout! {
+    /// A response header as it is on the wire, before its fields are checked.
+    pub struct RawResponse [RESPONSE_HEADER_LEN] {
+        /// [`OP_RESPONSE`].
+        pub op: u8,
+        /// [`Status`].
+        pub status: u8,
+        /// 0.
+        pub reserved: [u8; 2],
+        /// Bytes of data that follow.
+        pub len: u32,
+        /// The id of the request completed.
+        pub id: u64,
+    }
+}
+
+/// A block request: the operation and its range, each length in its unit.
 ///
-/// Layout (24 bytes): `op: u8, flags: u8, reserved: u16 = 0, len: u32, id: u64,
-/// sector: u64`. `len` counts bytes for [`Op::Read`] and [`Op::Write`] and 512-byte
-/// sectors for [`Op::Discard`] and [`Op::WriteZeroes`]; it is 0 for [`Op::Flush`].
+/// A read or a write moves [`Bytes`] (a multiple of 512; the lender checks its
+/// `max_transfer`); a discard or a write-zeroes covers [`Sectors`]; every range starts
+/// at a [`Sector`]. A flush has neither.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockRequest {
+    /// Read `len` bytes at `sector` (virtio VIRTIO_BLK_T_IN).
+    Read {
+        /// First sector.
+        sector: Sector,
+        /// Bytes to read.
+        len: Bytes,
+    },
+    /// Write the `len` bytes that follow the header at `sector` (VIRTIO_BLK_T_OUT).
+    Write {
+        /// First sector.
+        sector: Sector,
+        /// Bytes to write.
+        len: Bytes,
+    },
+    /// Make every completed write durable (VIRTIO_BLK_T_FLUSH).
+    Flush,
+    /// Deallocate `sectors` at `sector` (VIRTIO_BLK_T_DISCARD).
+    Discard {
+        /// First sector.
+        sector: Sector,
+        /// Sectors to deallocate.
+        sectors: Sectors,
+    },
+    /// Zero `sectors` at `sector`, deallocating them if `unmap`
+    /// (VIRTIO_BLK_T_WRITE_ZEROES).
+    WriteZeroes {
+        /// First sector.
+        sector: Sector,
+        /// Sectors to zero.
+        sectors: Sectors,
+        /// The lender may deallocate the range ([`FLAG_UNMAP`]).
+        unmap: bool,
+    },
+}
+
+impl BlockRequest {
+    /// The operation.
+    #[inline]
+    pub const fn op(&self) -> Op {
+        match self {
+            BlockRequest::Read { .. } => Op::Read,
+            BlockRequest::Write { .. } => Op::Write,
+            BlockRequest::Flush => Op::Flush,
+            BlockRequest::Discard { .. } => Op::Discard,
+            BlockRequest::WriteZeroes { .. } => Op::WriteZeroes,
+        }
+    }
+
+    /// The first sector of the range (sector 0 for a flush).
+    #[inline]
+    pub const fn sector(&self) -> Sector {
+        match *self {
+            BlockRequest::Read { sector, .. }
+            | BlockRequest::Write { sector, .. }
+            | BlockRequest::Discard { sector, .. }
+            | BlockRequest::WriteZeroes { sector, .. } => sector,
+            BlockRequest::Flush => Sector(0),
+        }
+    }
+
+    /// The bytes of data the request moves on the wire: after the header of a write,
+    /// after the response of a successful read; 0 for every other operation.
+    #[inline]
+    pub const fn data_len(&self) -> Bytes {
+        match *self {
+            BlockRequest::Read { len, .. } | BlockRequest::Write { len, .. } => len,
+            _ => Bytes::ZERO,
+        }
+    }
+
+    /// The length of the device range in bytes (0 for a flush).
+    #[inline]
+    pub const fn range_len(&self) -> u64 {
+        match *self {
+            BlockRequest::Read { len, .. } | BlockRequest::Write { len, .. } => len.u64(),
+            BlockRequest::Discard { sectors, .. } | BlockRequest::WriteZeroes { sectors, .. } => {
+                sectors.bytes_u64()
+            }
+            BlockRequest::Flush => 0,
+        }
+    }
+
+    /// The device range in bytes, `sector × 512 .. sector × 512 + range_len` (empty at
+    /// 0 for a flush).
+    ///
+    /// # Errors
+    /// [`UnitError::Overflow`] when its start or end does not fit in a `u64`: such a
+    /// range is beyond any device.
+    #[inline]
+    pub const fn byte_range(&self) -> Result<std::ops::Range<u64>, UnitError> {
+        self.sector().byte_range(self.range_len())
+    }
+}
+
+/// Header of a block request: its id and the [`BlockRequest`].
+///
+/// Layout (24 bytes, [`RawRequest`]): `op: u8, flags: u8, reserved: u16 = 0, len: u32,
+/// id: u64, sector: u64`. `len` counts bytes for [`Op::Read`] and [`Op::Write`] and
+/// 512-byte sectors for [`Op::Discard`] and [`Op::WriteZeroes`]; `len` and `sector` are
+/// 0 for [`Op::Flush`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestHeader {
-    /// The operation.
-    pub op: Op,
-    /// [`FLAG_UNMAP`] for write-zeroes; every other bit must be 0.
-    pub flags: u8,
-    /// Bytes (read/write) or sectors (discard/write-zeroes).
-    pub len: u32,
     /// The borrower's request id, echoed in the response; unique among requests in flight.
     pub id: u64,
-    /// First 512-byte sector addressed.
-    pub sector: u64,
+    /// What to do.
+    pub request: BlockRequest,
 }
 
 impl RequestHeader {
+    /// The operation.
+    #[inline]
+    pub const fn op(&self) -> Op {
+        self.request.op()
+    }
+
     /// Encodes into the 24-byte wire layout.
+    #[inline]
     pub fn encode(&self) -> [u8; REQUEST_HEADER_LEN] {
-        let mut b = [0u8; REQUEST_HEADER_LEN];
-        b[0] = self.op as u8;
-        b[1] = self.flags;
-        b[4..8].copy_from_slice(&self.len.to_le_bytes());
-        b[8..16].copy_from_slice(&self.id.to_le_bytes());
-        b[16..24].copy_from_slice(&self.sector.to_le_bytes());
-        b
+        let (len, flags) = match self.request {
+            BlockRequest::Read { len, .. } | BlockRequest::Write { len, .. } => (len.0, 0),
+            BlockRequest::Flush => (0, 0),
+            BlockRequest::Discard { sectors, .. } => (sectors.0, 0),
+            BlockRequest::WriteZeroes { sectors, unmap, .. } => {
+                (sectors.0, if unmap { FLAG_UNMAP } else { 0 })
+            }
+        };
+        RawRequest {
+            op: self.op() as u8,
+            flags,
+            reserved: [0; 2],
+            len,
+            id: self.id,
+            sector: self.request.sector().0,
+        }
+        .encode()
     }
 
     /// Decodes the 24-byte wire layout.
     ///
     /// # Errors
-    /// [`WireError::UnknownOp`]; [`WireError::Invalid`] when reserved bits are set or a
-    /// flag does not belong to the operation.
+    /// [`WireError::UnknownOp`]; [`WireError::Invalid`] when reserved bits are set, a
+    /// flag does not belong to the operation, or a flush has a sector or a length.
+    #[inline]
     pub fn decode(b: &[u8; REQUEST_HEADER_LEN]) -> Result<Self, WireError> {
-        let op = Op::from_u8(b[0])?;
-        let flags = b[1];
-        if b[2] != 0 || b[3] != 0 {
-            return Err(WireError::Invalid("reserved bytes of a request header"));
-        }
+        let raw = RawRequest::decode(b);
+        let op = Op::from_u8(raw.op)?;
+        codec::reserved(&raw.reserved, "reserved bytes of a request header")?;
         let allowed = if op == Op::WriteZeroes { FLAG_UNMAP } else { 0 };
-        if flags & !allowed != 0 {
+        if raw.flags & !allowed != 0 {
             return Err(WireError::Invalid("request flags"));
         }
+        let sector = Sector(raw.sector);
+        let request = match op {
+            Op::Read => BlockRequest::Read {
+                sector,
+                len: Bytes(raw.len),
+            },
+            Op::Write => BlockRequest::Write {
+                sector,
+                len: Bytes(raw.len),
+            },
+            Op::Flush if raw.len != 0 || raw.sector != 0 => {
+                return Err(WireError::Invalid("a flush with a sector or a length"))
+            }
+            Op::Flush => BlockRequest::Flush,
+            Op::Discard => BlockRequest::Discard {
+                sector,
+                sectors: Sectors(raw.len),
+            },
+            Op::WriteZeroes => BlockRequest::WriteZeroes {
+                sector,
+                sectors: Sectors(raw.len),
+                unmap: raw.flags & FLAG_UNMAP != 0,
+            },
+        };
         Ok(RequestHeader {
-            op,
-            flags,
-            len: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
-            id: u64::from_le_bytes(b[8..16].try_into().unwrap_or_default()),
-            sector: u64::from_le_bytes(b[16..24].try_into().unwrap_or_default()),
+            id: raw.id,
+            request,
         })
     }
 }
 
 /// Header of a response.
 ///
-/// Layout (16 bytes): `op: u8 = 0x80, status: u8, reserved: u16 = 0, len: u32, id: u64`.
-/// `len` is the number of data bytes that follow: the request's `len` for a successful
-/// read, else 0.
+/// Layout (16 bytes, [`RawResponse`]): `op: u8 = 0x80, status: u8, reserved: u16 = 0,
+/// len: u32, id: u64`. `len` is the number of data bytes that follow: the request's
+/// `len` for a successful read, else 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResponseHeader {
     /// Outcome of the request.
     pub status: Status,
     /// Bytes of data that follow the header.
-    pub len: u32,
+    pub len: Bytes,
     /// The id of the request this completes.
     pub id: u64,
 }
 
 impl ResponseHeader {
     /// Encodes into the 16-byte wire layout.
+    #[inline]
     pub fn encode(&self) -> [u8; RESPONSE_HEADER_LEN] {
-        let mut b = [0u8; RESPONSE_HEADER_LEN];
-        b[0] = OP_RESPONSE;
-        b[1] = self.status as u8;
-        b[4..8].copy_from_slice(&self.len.to_le_bytes());
-        b[8..16].copy_from_slice(&self.id.to_le_bytes());
-        b
+        RawResponse {
+            op: OP_RESPONSE,
+            status: self.status as u8,
+            reserved: [0; 2],
+            len: self.len.0,
+            id: self.id,
+        }
+        .encode()
     }
 
     /// Decodes the 16-byte wire layout.
@@ -164,18 +342,18 @@ impl ResponseHeader {
     /// # Errors
     /// [`WireError::UnknownOp`] if the opcode is not a response, [`WireError::UnknownStatus`],
     /// [`WireError::Invalid`] for non-zero reserved bytes.
+    #[inline]
     pub fn decode(b: &[u8; RESPONSE_HEADER_LEN]) -> Result<Self, WireError> {
-        if b[0] != OP_RESPONSE {
-            return Err(WireError::UnknownOp(b[0]));
+        let raw = RawResponse::decode(b);
+        if raw.op != OP_RESPONSE {
+            return Err(WireError::UnknownOp(raw.op));
         }
-        let status = Status::from_u8(b[1])?;
-        if b[2] != 0 || b[3] != 0 {
-            return Err(WireError::Invalid("reserved bytes of a response header"));
-        }
+        let status = Status::from_u8(raw.status)?;
+        codec::reserved(&raw.reserved, "reserved bytes of a response header")?;
         Ok(ResponseHeader {
             status,
-            len: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
-            id: u64::from_le_bytes(b[8..16].try_into().unwrap_or_default()),
+            len: Bytes(raw.len),
+            id: raw.id,
         })
     }
 }
@@ -183,27 +361,90 @@ impl ResponseHeader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn request() -> impl Strategy<Value = BlockRequest> {
+        let sector = any::<u64>().prop_map(Sector);
+        prop_oneof![
+            (sector.clone(), any::<u32>()).prop_map(|(sector, n)| BlockRequest::Read {
+                sector,
+                len: Bytes(n)
+            }),
+            (sector.clone(), any::<u32>()).prop_map(|(sector, n)| BlockRequest::Write {
+                sector,
+                len: Bytes(n)
+            }),
+            Just(BlockRequest::Flush),
+            (sector.clone(), any::<u32>()).prop_map(|(sector, n)| BlockRequest::Discard {
+                sector,
+                sectors: Sectors(n)
+            }),
+            (sector, any::<u32>(), any::<bool>()).prop_map(|(sector, n, unmap)| {
+                BlockRequest::WriteZeroes {
+                    sector,
+                    sectors: Sectors(n),
+                    unmap,
+                }
+            }),
+        ]
+    }
 
     #[test]
     fn request_round_trips() {
         let h = RequestHeader {
-            op: Op::WriteZeroes,
-            flags: FLAG_UNMAP,
-            len: 77,
             id: u64::MAX - 3,
-            sector: 1 << 40,
+            request: BlockRequest::WriteZeroes {
+                sector: Sector(1 << 40),
+                sectors: Sectors(77),
+                unmap: true,
+            },
         };
         assert_eq!(RequestHeader::decode(&h.encode()).unwrap(), h);
     }
 
     #[test]
-    fn request_rejects_unknown_op_flags_and_reserved() {
-        let h = RequestHeader {
-            op: Op::Read,
+    fn the_op_decides_the_unit_of_len() {
+        let mut b = RawRequest {
+            op: Op::Read as u8,
             flags: 0,
-            len: 512,
+            reserved: [0; 2],
+            len: 1024,
             id: 1,
-            sector: 0,
+            sector: 2,
+        };
+        let read = RequestHeader::decode(&b.encode()).unwrap().request;
+        assert_eq!(read.data_len(), Bytes(1024));
+        assert_eq!(read.range_len(), 1024);
+        assert_eq!(read.byte_range(), Ok(1024..2048));
+        b.op = Op::Discard as u8;
+        let discard = RequestHeader::decode(&b.encode()).unwrap().request;
+        assert_eq!(
+            discard,
+            BlockRequest::Discard {
+                sector: Sector(2),
+                sectors: Sectors(1024)
+            }
+        );
+        assert_eq!(discard.data_len(), Bytes::ZERO, "no data on the wire");
+        assert_eq!(discard.range_len(), 1024 * 512);
+        assert_eq!(discard.byte_range(), Ok(1024..1024 + 512 * 1024));
+        b.sector = u64::MAX / 2;
+        let far = RequestHeader::decode(&b.encode()).unwrap().request;
+        assert!(
+            far.byte_range().is_err(),
+            "an overflow is an error, not a wrap"
+        );
+        assert_eq!(BlockRequest::Flush.byte_range(), Ok(0..0));
+    }
+
+    #[test]
+    fn request_rejects_unknown_op_flags_reserved_and_a_flush_with_a_range() {
+        let h = RequestHeader {
+            id: 1,
+            request: BlockRequest::Read {
+                sector: Sector(0),
+                len: Bytes(512),
+            },
         };
         let mut b = h.encode();
         b[0] = 9;
@@ -223,13 +464,27 @@ mod tests {
             RequestHeader::decode(&b),
             Err(WireError::Invalid(_))
         ));
+        for (len, sector) in [(512, 0), (0, 8)] {
+            let raw = RawRequest {
+                op: Op::Flush as u8,
+                flags: 0,
+                reserved: [0; 2],
+                len,
+                id: 1,
+                sector,
+            };
+            assert!(matches!(
+                RequestHeader::decode(&raw.encode()),
+                Err(WireError::Invalid(_))
+            ));
+        }
     }
 
     #[test]
     fn response_round_trips_and_rejects_garbage() {
         let h = ResponseHeader {
             status: Status::Unsupp,
-            len: 4096,
+            len: Bytes(4096),
             id: 42,
         };
         assert_eq!(ResponseHeader::decode(&h.encode()).unwrap(), h);
@@ -245,5 +500,40 @@ mod tests {
             ResponseHeader::decode(&b),
             Err(WireError::UnknownOp(1))
         ));
+        let mut b = h.encode();
+        b[2] = 1;
+        assert!(matches!(
+            ResponseHeader::decode(&b),
+            Err(WireError::Invalid(_))
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn every_request_round_trips(id: u64, request in request()) {
+            let h = RequestHeader { id, request };
+            prop_assert_eq!(RequestHeader::decode(&h.encode()).unwrap(), h);
+        }
+
+        #[test]
+        fn every_response_round_trips(status in 0u8..3, len: u32, id: u64) {
+            let h = ResponseHeader { status: Status::from_u8(status).unwrap(), len: Bytes(len), id };
+            prop_assert_eq!(ResponseHeader::decode(&h.encode()).unwrap(), h);
+        }
+
+        /// Any 24 bytes: an error, or a header that encodes back to exactly them.
+        #[test]
+        fn arbitrary_request_bytes_decode_canonically(b: [u8; REQUEST_HEADER_LEN]) {
+            if let Ok(h) = RequestHeader::decode(&b) {
+                prop_assert_eq!(h.encode(), b);
+            }
+        }
+
+        #[test]
+        fn arbitrary_response_bytes_decode_canonically(b: [u8; RESPONSE_HEADER_LEN]) {
+            if let Ok(h) = ResponseHeader::decode(&b) {
+                prop_assert_eq!(h.encode(), b);
+            }
+        }
     }
 }

@@ -23,7 +23,7 @@ use devlend_backend::blk::request::{parse, Scratch};
 use devlend_backend::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
 use devlend_backend::blk::{DeviceLimits, Disposition, Parsed, Request};
 use devlend_backend::guest::{GuestMemory, HostIov};
-use devlend_fabric::SERIAL_LEN;
+use devlend_fabric::{Sector, Sectors, SERIAL_LEN};
 use libfuzzer_sys::fuzz_target;
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
@@ -232,7 +232,14 @@ fn check(
             assert!(iovs.is_empty(), "iovecs for a completed request");
         }
         Disposition::Submit(req) => match req {
-            Request::Read { sector, len } | Request::Write { sector, len } => {
+            Request::Read {
+                sector: Sector(sector),
+                len: devlend_fabric::Bytes(len),
+            }
+            | Request::Write {
+                sector: Sector(sector),
+                len: devlend_fabric::Bytes(len),
+            } => {
                 let write = matches!(req, Request::Write { .. });
                 assert!(!(write && limits.read_only), "write to a read-only device");
                 assert!(len > 0 && len % 512 == 0, "{req:?}");
@@ -250,9 +257,14 @@ fn check(
                 iovs_inside(!write);
             }
             Request::Flush => assert!(iovs.is_empty()),
-            Request::Discard { sector, sectors }
+            Request::Discard {
+                sector: Sector(sector),
+                sectors: Sectors(sectors),
+            }
             | Request::WriteZeroes {
-                sector, sectors, ..
+                sector: Sector(sector),
+                sectors: Sectors(sectors),
+                ..
             } => {
                 let max = if matches!(req, Request::Discard { .. }) {
                     limits.max_discard_sectors

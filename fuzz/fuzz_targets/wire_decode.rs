@@ -46,8 +46,7 @@ mod mux_frame;
 
 /// The fixed pool key the tokens are checked with.
 const SEED: [u8; 32] = [0x5e; 32];
-/// Fixed length of a [`HelloReply`] before its message.
-const REPLY_FIXED_LEN: usize = 68;
+use devlend_fabric::handshake::REPLY_FIXED_LEN;
 /// Offset of the reply's `msg_len: u16`.
 const REPLY_MSG_LEN_AT: usize = 44;
 
@@ -309,8 +308,8 @@ fn rdma_request(data: &[u8]) {
         return;
     };
     let total: u64 = segs.iter().map(|s| u64::from(s.len)).sum();
-    match h.op {
-        Op::Read | Op::Write => assert_eq!(total, u64::from(h.len), "{h:?} {segs:?}"),
+    match h.op() {
+        Op::Read | Op::Write => assert_eq!(total, h.request.data_len().u64(), "{h:?} {segs:?}"),
         _ => assert!(segs.is_empty(), "{h:?} with segments {segs:?}"),
     }
     let mut out = vec![0u8; rdma::MAX_REQUEST_MSG];

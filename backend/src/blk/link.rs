@@ -21,7 +21,7 @@ use std::time::Instant;
 use devlend_fabric::wire::{
     RequestHeader, ResponseHeader, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
-use devlend_fabric::{Credit, Op, Status};
+use devlend_fabric::{BlockRequest, Credit, Op, Status};
 
 use crate::blk::complete::Completer;
 use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
@@ -126,13 +126,11 @@ pub(crate) fn next_request(
 ) -> Option<(u16, [u8; REQUEST_HEADER_LEN], usize)> {
     let head = table.next_to_send(now)?;
     let slot = table.slot(head);
-    let op = slot.op.unwrap_or(Op::Flush);
+    let request = slot.req.unwrap_or(BlockRequest::Flush);
+    let op = request.op();
     let header = RequestHeader {
-        op,
-        flags: slot.flags,
-        len: slot.len,
         id: slot.id,
-        sector: slot.sector,
+        request,
     }
     .encode();
     let data = if op == Op::Write {
@@ -170,8 +168,8 @@ pub(crate) fn check_response(
     } else {
         0
     };
-    if h.len != want {
-        return Err(FabricFault::BadLength { got: h.len, want });
+    if h.len.0 != want {
+        return Err(FabricFault::BadLength { got: h.len.0, want });
     }
     Ok(Response {
         head: (h.id & 0xffff) as u16,

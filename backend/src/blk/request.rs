@@ -20,42 +20,11 @@ pub use crate::blk::spec::DeviceLimits;
 use crate::blk::spec::*;
 use crate::guest::{gather, GuestMemory, HostIov};
 
-/// A request to send to the lender.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Request {
-    /// Read `len` bytes at `sector` into the data iovecs.
-    Read {
-        /// First sector.
-        sector: u64,
-        /// Bytes, a multiple of 512.
-        len: u32,
-    },
-    /// Write `len` bytes from the data iovecs at `sector`.
-    Write {
-        /// First sector.
-        sector: u64,
-        /// Bytes, a multiple of 512.
-        len: u32,
-    },
-    /// Flush the lender's volatile cache.
-    Flush,
-    /// Discard `sectors` sectors at `sector`.
-    Discard {
-        /// First sector.
-        sector: u64,
-        /// Count of 512-byte sectors (≥ 1).
-        sectors: u32,
-    },
-    /// Zero `sectors` sectors at `sector`, deallocating them if `unmap`.
-    WriteZeroes {
-        /// First sector.
-        sector: u64,
-        /// Count of 512-byte sectors (≥ 1).
-        sectors: u32,
-        /// VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP was set.
-        unmap: bool,
-    },
-}
+/// A request to send to the lender: the fabric's typed block request (lengths in
+/// [`devlend_fabric::Bytes`] for reads and writes, [`devlend_fabric::Sectors`] for
+/// discards and write-zeroes).
+pub use devlend_fabric::BlockRequest as Request;
+use devlend_fabric::{Sector, Sectors};
 
 /// What to do with a parsed chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -310,7 +279,10 @@ fn classify(
             if !gather_stream(mem, w, 0, in_len, iovs) {
                 return ioerr();
             }
-            Disposition::Submit(Request::Read { sector, len })
+            Disposition::Submit(Request::Read {
+                sector: Sector(sector),
+                len: devlend_fabric::Bytes(len),
+            })
         }
         T_OUT => {
             if limits.read_only {
@@ -328,7 +300,10 @@ fn classify(
             if !gather_stream(mem, r, OUTHDR_LEN as u64, out_len, iovs) {
                 return ioerr();
             }
-            Disposition::Submit(Request::Write { sector, len })
+            Disposition::Submit(Request::Write {
+                sector: Sector(sector),
+                len: devlend_fabric::Bytes(len),
+            })
         }
         T_FLUSH => Disposition::Submit(Request::Flush),
         T_GET_ID => {
@@ -406,11 +381,14 @@ fn segment(
         };
     }
     Disposition::Submit(if discard {
-        Request::Discard { sector, sectors }
+        Request::Discard {
+            sector: Sector(sector),
+            sectors: Sectors(sectors),
+        }
     } else {
         Request::WriteZeroes {
-            sector,
-            sectors,
+            sector: Sector(sector),
+            sectors: Sectors(sectors),
             unmap: flags & FLAG_UNMAP != 0,
         }
     })

@@ -365,13 +365,13 @@ mod tests {
     use crate::blk::table::NewRequest;
     use crate::guest::{gather, GuestMemory, GuestMemoryRef};
     use devlend_fabric::wire::{RequestHeader, ResponseHeader, REQUEST_HEADER_LEN};
-    use devlend_fabric::{Op, Status};
+    use devlend_fabric::{BlockRequest, Bytes, Op, Sector, Status};
     use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
     use std::sync::Arc;
     use virtio_queue::mock::MockSplitQueue;
     use virtio_queue::{Queue, QueueT};
-    use vm_memory::{Bytes, GuestAddress};
+    use vm_memory::{Bytes as _, GuestAddress};
 
     /// Guest buffer of the request in slot `head` (its data, then its status byte).
     fn buf(head: u16) -> GuestAddress {
@@ -394,11 +394,14 @@ mod tests {
             len as usize - half,
             &mut iovs
         ));
+        let (sector, bytes) = (Sector(u64::from(head)), Bytes(len));
+        let req = match op {
+            Op::Read => BlockRequest::Read { sector, len: bytes },
+            Op::Write => BlockRequest::Write { sector, len: bytes },
+            _ => BlockRequest::Flush,
+        };
         let req = NewRequest {
-            op,
-            len,
-            sector: u64::from(head),
-            flags: 0,
+            req,
             status_addr: status_of(head),
         };
         t.insert(head, req, &mut iovs, Arc::clone(mem));
@@ -413,7 +416,7 @@ mod tests {
         };
         let mut b = ResponseHeader {
             status,
-            len,
+            len: Bytes(len),
             id: slot.id,
         }
         .encode()
@@ -460,7 +463,8 @@ mod tests {
                 let h =
                     RequestHeader::decode(wire[at..at + REQUEST_HEADER_LEN].try_into().unwrap())
                         .unwrap();
-                assert_eq!((h.op, h.len, h.id & 0xffff), (op, len, u64::from(head)));
+                let got = (h.op(), h.request.data_len(), h.id & 0xffff);
+                assert_eq!(got, (op, Bytes(len), u64::from(head)));
                 at += REQUEST_HEADER_LEN;
                 if op == Op::Write {
                     assert!(wire[at..at + len as usize].iter().all(|&b| b == 0xab));
@@ -546,7 +550,7 @@ mod tests {
         let long = |t: &RequestTable| {
             let mut r = ResponseHeader {
                 status: Status::Ok,
-                len: 1024,
+                len: Bytes(1024),
                 id: t.slot(2).id,
             }
             .encode()

@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use devlend_fabric::{Credit, Op};
+use devlend_fabric::{BlockRequest, Credit, Op};
 use vm_memory::GuestAddress;
 
 use crate::blk::inflight::InflightQueue;
@@ -31,10 +31,10 @@ pub(crate) struct Slot {
     pub(crate) busy: bool,
     pub(crate) id: u64,
     pub(crate) op: Option<Op>,
-    /// READ/WRITE: data bytes; DISCARD/WRITE_ZEROES: sectors; FLUSH: 0 (as on the wire).
+    /// Data bytes of a READ or a WRITE; 0 for the other operations.
     pub(crate) len: u32,
-    pub(crate) sector: u64,
-    pub(crate) flags: u8,
+    /// The request as it goes on the wire (`op` and `len` are taken from it).
+    pub(crate) req: Option<BlockRequest>,
     pub(crate) status_addr: GuestAddress,
     /// The request's guest buffers, one per host mapping they span.
     pub(crate) iovs: Vec<HostIov>,
@@ -64,10 +64,7 @@ impl Slot {
 /// What a new request is, as the fabric carries it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct NewRequest {
-    pub(crate) op: Op,
-    pub(crate) len: u32,
-    pub(crate) sector: u64,
-    pub(crate) flags: u8,
+    pub(crate) req: BlockRequest,
     pub(crate) status_addr: GuestAddress,
 }
 
@@ -145,10 +142,10 @@ impl RequestTable {
         let slot = &mut self.slots[usize::from(head)];
         slot.busy = true;
         slot.id = id;
-        slot.op = Some(req.op);
-        slot.len = req.len;
-        slot.sector = req.sector;
-        slot.flags = req.flags;
+        let op = req.req.op();
+        slot.op = Some(op);
+        slot.len = req.req.data_len().0;
+        slot.req = Some(req.req);
         slot.status_addr = req.status_addr;
         std::mem::swap(&mut slot.iovs, iovs);
         slot.mem = Some(mem);
@@ -157,7 +154,7 @@ impl RequestTable {
         slot.outstanding = false;
         self.inflight += 1;
         self.heads_xor ^= head;
-        if req.op == Op::Read {
+        if op == Op::Read {
             self.reads += 1;
         }
         self.waiting.push_back((head, id));
@@ -374,11 +371,14 @@ mod tests {
     }
 
     fn req(op: Op, len: u32, sector: u64) -> NewRequest {
+        let (sector, len) = (devlend_fabric::Sector(sector), devlend_fabric::Bytes(len));
+        let req = match op {
+            Op::Read => BlockRequest::Read { sector, len },
+            Op::Write => BlockRequest::Write { sector, len },
+            _ => BlockRequest::Flush,
+        };
         NewRequest {
-            op,
-            len,
-            sector,
-            flags: 0,
+            req,
             status_addr: GuestAddress(0),
         }
     }

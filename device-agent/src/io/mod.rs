@@ -159,8 +159,8 @@ fn watch_token(user_data: u64) -> Option<u64> {
 /// is complete: answered with its immediate status).
 fn prepare(dev: &Device, req: &mut Request, h: &RequestHeader) -> bool {
     if let Some(reason) = req.start(h, dev) {
-        tracing::debug!(device = %dev.name, id = h.id, op = ?h.op, sector = h.sector,
-            len = h.len, reason, "request refused");
+        tracing::debug!(device = %dev.name, id = h.id, request = ?h.request, reason,
+            "request refused");
     }
     if req.touches_device() {
         return true;

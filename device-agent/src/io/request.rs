@@ -5,8 +5,8 @@
 use std::os::fd::RawFd;
 use std::sync::OnceLock;
 
-use devlend_fabric::wire::{FLAG_UNMAP, RESPONSE_HEADER_LEN};
-use devlend_fabric::{Op, RequestHeader, ResponseHeader, Status, SECTOR_SIZE};
+use devlend_fabric::wire::RESPONSE_HEADER_LEN;
+use devlend_fabric::{BlockRequest, Bytes, Op, RequestHeader, ResponseHeader, Status};
 use io_uring::{opcode, squeue, types};
 
 use crate::device::Device;
@@ -70,52 +70,42 @@ pub(crate) enum FramingError {
 /// Returns the bytes of buffer the request needs (its data length for a read or write,
 /// else 0).
 pub(crate) fn check_framing(h: &RequestHeader) -> Result<usize, FramingError> {
-    match h.op {
-        Op::Read | Op::Write => {
-            if h.len > MAX_TRANSFER_BYTES {
-                Err(FramingError::TooLong {
-                    op: h.op,
-                    len: h.len,
-                })
-            } else if u64::from(h.len) % SECTOR_SIZE != 0 {
-                Err(FramingError::Unaligned {
-                    op: h.op,
-                    len: h.len,
-                })
+    match h.request {
+        BlockRequest::Read { len, .. } | BlockRequest::Write { len, .. } => {
+            let (op, len) = (h.op(), len.0);
+            if len > MAX_TRANSFER_BYTES {
+                Err(FramingError::TooLong { op, len })
+            } else if !Bytes(len).is_whole_sectors() {
+                Err(FramingError::Unaligned { op, len })
             } else {
-                Ok(h.len as usize)
+                Ok(len as usize)
             }
         }
-        Op::Flush | Op::Discard | Op::WriteZeroes => Ok(0),
+        BlockRequest::Flush | BlockRequest::Discard { .. } | BlockRequest::WriteZeroes { .. } => {
+            Ok(0)
+        }
     }
 }
 
 /// Why a well-framed request is refused (answered with I/O error, no device I/O).
-pub(crate) fn refuse_reason(h: &RequestHeader, dev: &Device) -> Option<&'static str> {
-    let (bytes, max_sectors) = match h.op {
-        Op::Flush => return (h.len != 0).then_some("flush with a non-zero length"),
-        Op::Read | Op::Write => (u64::from(h.len), None),
-        Op::Discard => (u64::from(h.len) * SECTOR_SIZE, Some(MAX_DISCARD_SECTORS)),
-        Op::WriteZeroes => (
-            u64::from(h.len) * SECTOR_SIZE,
-            Some(MAX_WRITE_ZEROES_SECTORS),
-        ),
+pub(crate) fn refuse_reason(r: &BlockRequest, dev: &Device) -> Option<&'static str> {
+    let limit = match *r {
+        BlockRequest::Flush => return None,
+        BlockRequest::Read { .. } | BlockRequest::Write { .. } => None,
+        BlockRequest::Discard { sectors, .. } => Some((sectors, MAX_DISCARD_SECTORS)),
+        BlockRequest::WriteZeroes { sectors, .. } => Some((sectors, MAX_WRITE_ZEROES_SECTORS)),
     };
-    if h.op != Op::Read && dev.read_only {
+    if r.op() != Op::Read && dev.read_only {
         return Some("device is read-only");
     }
-    if bytes == 0 {
+    if r.range_len() == 0 {
         return Some("zero length");
     }
-    if max_sectors.is_some_and(|max| h.len > max) {
+    if limit.is_some_and(|(sectors, max)| sectors.0 > max) {
         return Some("length beyond the advertised limit");
     }
-    let end = h
-        .sector
-        .checked_mul(SECTOR_SIZE)
-        .and_then(|off| off.checked_add(bytes));
-    match end {
-        Some(end) if end <= dev.capacity_bytes => None,
+    match r.byte_range() {
+        Ok(range) if range.end <= dev.capacity_bytes => None,
         _ => Some("range beyond the capacity"),
     }
 }
@@ -215,34 +205,29 @@ impl Request {
     /// errors; returns the reason for those.
     pub(crate) fn start(&mut self, h: &RequestHeader, dev: &Device) -> Option<&'static str> {
         self.id = h.id;
-        self.op = h.op;
+        self.op = h.op();
         self.received = Some(std::time::Instant::now());
         self.from_file = false;
         self.done = 0;
         self.errno = 0;
         self.status = Status::Ok;
-        self.offset = h.sector.wrapping_mul(SECTOR_SIZE);
-        self.len = match h.op {
-            Op::Read | Op::Write => u64::from(h.len),
-            Op::Flush => 0,
-            Op::Discard | Op::WriteZeroes => u64::from(h.len) * SECTOR_SIZE,
-        };
-        let mut reason = refuse_reason(h, dev);
-        if reason.is_none()
-            && matches!(h.op, Op::Read | Op::Write)
-            && self.buf.len() < h.len as usize
-        {
+        let mut reason = refuse_reason(&h.request, dev);
+        // A range that overflows is refused above: it does no I/O.
+        let range = h.request.byte_range().unwrap_or(0..0);
+        self.offset = range.start;
+        self.len = range.end - range.start;
+        if reason.is_none() && self.buf.len() < h.request.data_len().usize() {
             // The session sizes the buffer before; never index past it.
             reason = Some("internal: data buffer too small");
         }
-        self.stage = match (reason, h.op) {
+        self.stage = match (reason, h.request) {
             (Some(_), _) => Stage::Immediate(Status::IoErr),
-            (None, Op::Read) => Stage::Read,
-            (None, Op::Write) => Stage::Write,
-            (None, Op::Flush) => Stage::Flush,
-            (None, Op::Discard) => Stage::Discard,
-            (None, Op::WriteZeroes) if h.flags & FLAG_UNMAP != 0 => Stage::ZeroPunch,
-            (None, Op::WriteZeroes) => Stage::ZeroRange,
+            (None, BlockRequest::Read { .. }) => Stage::Read,
+            (None, BlockRequest::Write { .. }) => Stage::Write,
+            (None, BlockRequest::Flush) => Stage::Flush,
+            (None, BlockRequest::Discard { .. }) => Stage::Discard,
+            (None, BlockRequest::WriteZeroes { unmap: true, .. }) => Stage::ZeroPunch,
+            (None, BlockRequest::WriteZeroes { unmap: false, .. }) => Stage::ZeroRange,
         };
         reason
     }
@@ -415,7 +400,7 @@ impl Request {
         let len = self.response_data_len() as u32;
         self.resp = ResponseHeader {
             status: self.status,
-            len,
+            len: Bytes(len),
             id: self.id,
         }
         .encode();
@@ -459,13 +444,23 @@ mod tests {
     use super::*;
 
     fn hdr(op: Op, len: u32) -> RequestHeader {
-        RequestHeader {
-            op,
-            flags: 0,
-            len,
-            id: 1,
-            sector: 0,
-        }
+        let sector = devlend_fabric::Sector(0);
+        let request = match op {
+            Op::Read => BlockRequest::Read {
+                sector,
+                len: Bytes(len),
+            },
+            Op::Write => BlockRequest::Write {
+                sector,
+                len: Bytes(len),
+            },
+            Op::Discard => BlockRequest::Discard {
+                sector,
+                sectors: devlend_fabric::Sectors(len),
+            },
+            _ => BlockRequest::Flush,
+        };
+        RequestHeader { id: 1, request }
     }
 
     #[test]

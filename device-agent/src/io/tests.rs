@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use devlend_fabric::{Op, RequestHeader, Status};
+use devlend_fabric::{BlockRequest, Bytes, Op, RequestHeader, Sector, Status};
 
 use super::request::ResponseData;
 use super::*;
@@ -17,24 +17,24 @@ fn device(dir: &tempfile::TempDir, bytes: usize) -> Arc<Device> {
     Arc::new(Device::open(&spec).expect("open"))
 }
 
+/// A read or a write of `len` bytes at `sector`, its id the sector.
 fn header(op: Op, sector: u64, len: u32) -> RequestHeader {
+    let (at, len) = (Sector(sector), Bytes(len));
+    let request = match op {
+        Op::Read => BlockRequest::Read { sector: at, len },
+        Op::Write => BlockRequest::Write { sector: at, len },
+        _ => panic!("only reads and writes here"),
+    };
     RequestHeader {
-        op,
-        flags: 0,
-        len,
         id: sector,
-        sector,
+        request,
     }
 }
 
 /// Runs one request to its end; returns it done.
 fn run(io: &mut impl DeviceIo, h: RequestHeader, data: &[u8]) -> Box<Request> {
     let mut req = Box::new(Request::new());
-    let n = if matches!(h.op, Op::Read | Op::Write) {
-        h.len as usize
-    } else {
-        0
-    };
+    let n = h.request.data_len().usize();
     req.buffer(n)[..data.len()].copy_from_slice(data);
     let mut events = Vec::new();
     io.start(req, &h, &mut events);

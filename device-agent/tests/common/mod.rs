@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use devlend_device_agent::{DeviceSpec, Lender, LenderHandle, Options};
-use devlend_fabric::wire::{REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
+use devlend_fabric::wire::{RawRequest, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
 use devlend_fabric::{tcp, DeviceInfo, Op, RequestHeader, ResponseHeader, Status};
 
 /// How long a test waits for any one answer before failing instead of hanging.
@@ -129,7 +129,8 @@ impl Client {
         recv_from(&mut self.sock)
     }
 
-    /// Sends one request and waits for its response.
+    /// Sends one request, its fields as on the wire (whatever they are), and waits for
+    /// its response.
     pub fn call(
         &mut self,
         op: Op,
@@ -139,16 +140,9 @@ impl Client {
         data: &[u8],
     ) -> (Status, Vec<u8>) {
         let id = self.id();
-        self.send(
-            &RequestHeader {
-                op,
-                flags,
-                len,
-                id,
-                sector,
-            },
-            data,
-        );
+        let mut frame = raw_header(op as u8, flags, len, id, sector).to_vec();
+        frame.extend_from_slice(data);
+        self.sock.write_all(&frame).expect("send request");
         let (r, d) = self.recv();
         assert_eq!(r.id, id, "response to another request");
         (r.status, d)
@@ -185,24 +179,22 @@ pub fn recv_from(r: &mut impl Read) -> (ResponseHeader, Vec<u8>) {
     let mut h = [0u8; RESPONSE_HEADER_LEN];
     r.read_exact(&mut h).expect("response header");
     let h = ResponseHeader::decode(&h).expect("valid response header");
-    let mut data = vec![0u8; h.len as usize];
+    let mut data = vec![0u8; h.len.usize()];
     r.read_exact(&mut data).expect("response data");
     (h, data)
 }
 
 /// A raw request header (for malformed ones).
 pub fn raw_header(op: u8, flags: u8, len: u32, id: u64, sector: u64) -> [u8; REQUEST_HEADER_LEN] {
-    let mut b = RequestHeader {
-        op: Op::Read,
-        flags: 0,
+    RawRequest {
+        op,
+        flags,
+        reserved: [0; 2],
         len,
         id,
         sector,
     }
-    .encode();
-    b[0] = op;
-    b[1] = flags;
-    b
+    .encode()
 }
 
 /// Deterministic pseudo-random numbers (xorshift64*).

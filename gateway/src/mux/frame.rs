@@ -4,8 +4,10 @@
 //! This file uses nothing but `std` and `devlend_fabric`: the fuzz target `wire_decode`
 //! (`fuzz/`) compiles it by path, so that the gateway's decoders are fuzzed without
 //! building the gateway's runtime. A decoder's error is the reason of the protocol
-//! violation, for [`super::MuxError::Protocol`].
+//! violation, for [`super::MuxError::Protocol`]. The layouts are declared with the
+//! fabric's codec (`devlend_fabric::layout!`).
 
+use devlend_fabric::codec::{self, Reader};
 use devlend_fabric::relay::{MAX_RELAY_NAME, REQUEST_FIXED_LEN};
 
 /// Size of a frame header in bytes.
@@ -31,6 +33,28 @@ pub(crate) const HELLO_MAGIC: [u8; 4] = *b"DLMX";
 pub(crate) const HELLO_FIXED: usize = 12;
 pub(crate) const MAX_OPEN: usize = REQUEST_FIXED_LEN + 2 * MAX_RELAY_NAME;
 
+devlend_fabric::layout! {
+    /// A frame header as it is on the wire.
+    struct RawHeader [FRAME_HEADER_LEN] {
+        kind: u8,
+        /// Flags (none defined) and reserved bytes: 0.
+        reserved: [u8; 3],
+        stream: u32,
+        len: u32,
+    }
+}
+
+devlend_fabric::layout! {
+    /// The fixed part of a HELLO's payload.
+    struct HelloFixed [HELLO_FIXED] {
+        magic: [u8; 4],
+        version: u8,
+        name_len: u8,
+        reserved: [u8; 2],
+        window: u32,
+    }
+}
+
 /// A decoded frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Header {
@@ -40,11 +64,13 @@ pub(crate) struct Header {
 }
 
 pub(crate) fn encode_header(kind: u8, stream: u32, len: u32) -> [u8; FRAME_HEADER_LEN] {
-    let mut b = [0u8; FRAME_HEADER_LEN];
-    b[0] = kind;
-    b[4..8].copy_from_slice(&stream.to_le_bytes());
-    b[8..12].copy_from_slice(&len.to_le_bytes());
-    b
+    RawHeader {
+        kind,
+        reserved: [0; 3],
+        stream,
+        len,
+    }
+    .encode()
 }
 
 /// Validates a header: kind, reserved bytes, and the length bounds of its kind.
@@ -52,13 +78,14 @@ pub(crate) fn encode_header(kind: u8, stream: u32, len: u32) -> [u8; FRAME_HEADE
 /// # Errors
 /// Why the header breaks the framing rules.
 pub(crate) fn decode_header(b: &[u8; FRAME_HEADER_LEN]) -> Result<Header, String> {
-    if b[1] != 0 || b[2] != 0 || b[3] != 0 {
+    let raw = RawHeader::decode(b);
+    if codec::reserved(&raw.reserved, "").is_err() {
         return Err("non-zero flags or reserved bytes in a frame header".into());
     }
     let h = Header {
-        kind: b[0],
-        stream: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
-        len: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+        kind: raw.kind,
+        stream: raw.stream,
+        len: raw.len,
     };
     let len = h.len as usize;
     let ok = match h.kind {
@@ -99,11 +126,14 @@ impl LinkHello {
             0,
             (HELLO_FIXED + name.len()) as u32,
         ));
-        b.extend_from_slice(&HELLO_MAGIC);
-        b.push(1);
-        b.push(name.len() as u8);
-        b.extend_from_slice(&[0, 0]);
-        b.extend_from_slice(&self.window.to_le_bytes());
+        HelloFixed {
+            magic: HELLO_MAGIC,
+            version: 1,
+            name_len: name.len() as u8,
+            reserved: [0; 2],
+            window: self.window,
+        }
+        .push(&mut b);
         b.extend_from_slice(name);
         b
     }
@@ -114,24 +144,25 @@ impl LinkHello {
     /// Why the HELLO is refused.
     pub(crate) fn decode(p: &[u8]) -> Result<LinkHello, String> {
         let bad = |m: &str| Err(m.to_owned());
-        if p.len() < HELLO_FIXED || p[..4] != HELLO_MAGIC {
-            return bad("the link HELLO has a bad magic: not a devlend gateway");
-        }
-        if p[4] != 1 {
+        let mut r = Reader::new(p);
+        let f = match HelloFixed::read(&mut r) {
+            Ok(f) if f.magic == HELLO_MAGIC => f,
+            _ => return bad("the link HELLO has a bad magic: not a devlend gateway"),
+        };
+        if f.version != 1 {
             return bad("the link HELLO has an unsupported version");
         }
-        if p[6] != 0 || p[7] != 0 {
+        if codec::reserved(&f.reserved, "").is_err() {
             return bad("the link HELLO has non-zero reserved bytes");
         }
-        let name_len = p[5] as usize;
-        if p.len() != HELLO_FIXED + name_len {
+        if r.remaining() != usize::from(f.name_len) {
             return bad("the link HELLO's cluster name length does not match");
         }
-        let window = u32::from_le_bytes([p[8], p[9], p[10], p[11]]);
+        let window = f.window;
         if window < MIN_WINDOW {
             return bad("the link HELLO grants a window below 64 KiB");
         }
-        let cluster = std::str::from_utf8(&p[HELLO_FIXED..])
+        let cluster = std::str::from_utf8(r.rest())
             .ok()
             .filter(|c| devlend_fabric::relay::valid_name(c))
             .ok_or_else(|| "the link HELLO's cluster name is invalid".to_owned())?;
@@ -171,5 +202,46 @@ mod tests {
         let mut bad = hello.clone();
         bad[FRAME_HEADER_LEN] = b'X';
         assert!(LinkHello::decode(&bad[FRAME_HEADER_LEN..]).is_err());
+    }
+
+    /// Captured from the encoder before it was ported to the fabric's codec (commit
+    /// d0c6a3b): the bytes on the wire do not change.
+    #[test]
+    fn golden_vectors() {
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        let data = encode_header(KIND_DATA, 0x0102_0304, 0x0506_0708);
+        assert_eq!(hex(&data), "030000000403020108070605");
+        assert!(decode_header(&data).is_err(), "beyond MAX_DATA");
+        let data = encode_header(KIND_DATA, 0x0102_0304, 0x0001_0203);
+        assert_eq!(hex(&data), "030000000403020103020100");
+        assert_eq!(
+            decode_header(&data),
+            Ok(Header {
+                kind: KIND_DATA,
+                stream: 0x0102_0304,
+                len: 0x0001_0203
+            })
+        );
+        let fin = encode_header(KIND_FIN, 7, 0);
+        assert_eq!(hex(&fin), "050000000700000000000000");
+        assert_eq!(
+            decode_header(&fin).map(|h| (h.kind, h.stream)),
+            Ok((KIND_FIN, 7))
+        );
+        let hello = LinkHello {
+            cluster: "site-a".into(),
+            window: 0x0102_0304,
+        };
+        let b = hello.encode();
+        assert_eq!(
+            hex(&b),
+            "010000000000000012000000444c4d580106000004030201736974652d61"
+        );
+        let h = decode_header(b[..FRAME_HEADER_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(
+            (h.kind, h.len as usize),
+            (KIND_HELLO, b.len() - FRAME_HEADER_LEN)
+        );
+        assert_eq!(LinkHello::decode(&b[FRAME_HEADER_LEN..]), Ok(hello));
     }
 }

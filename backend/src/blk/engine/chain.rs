@@ -7,14 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use devlend_fabric::ratelimit::RateLimit;
-use devlend_fabric::wire::FLAG_UNMAP;
-use devlend_fabric::Op;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::Bytes;
 
 use super::QueueEngine;
 use crate::blk::complete::Completer;
-use crate::blk::request::{parse, Disposition, Request};
+use crate::blk::request::{parse, Disposition};
 use crate::blk::resubmit::ResubmitRing;
 use crate::blk::spec::S_OK;
 use crate::blk::table::NewRequest;
@@ -81,7 +79,7 @@ impl QueueEngine {
             &mut self.iov_tmp,
         );
         let head = parsed.head;
-        let (op, len, sector, flags) = match parsed.disposition {
+        let req = match parsed.disposition {
             Disposition::NoStatus => {
                 Completer::new(queue, mem, &self.stats, self.index).put_used(
                     &mut self.table,
@@ -118,28 +116,10 @@ impl QueueEngine {
                 }
                 return Ok(false);
             }
-            Disposition::Submit(req) => match req {
-                Request::Read { sector, len } => (Op::Read, len, sector, 0),
-                Request::Write { sector, len } => (Op::Write, len, sector, 0),
-                Request::Flush => (Op::Flush, 0, 0, 0),
-                Request::Discard { sector, sectors } => (Op::Discard, sectors, sector, 0),
-                Request::WriteZeroes {
-                    sector,
-                    sectors,
-                    unmap,
-                } => (
-                    Op::WriteZeroes,
-                    sectors,
-                    sector,
-                    if unmap { FLAG_UNMAP } else { 0 },
-                ),
-            },
+            Disposition::Submit(req) => req,
         };
         let new = NewRequest {
-            op,
-            len,
-            sector,
-            flags,
+            req,
             status_addr: parsed.status_addr,
         };
         self.table

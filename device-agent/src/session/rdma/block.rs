@@ -25,7 +25,7 @@ use std::time::Duration;
 use devlend_fabric::rdma::verbs::{Completion, Connection, Mr, RECV_BIT};
 use devlend_fabric::rdma::{decode_request, RdmaError, Segment};
 use devlend_fabric::wire::RequestHeader;
-use devlend_fabric::Op;
+use devlend_fabric::{BlockRequest, Op};
 
 use crate::device::Device;
 use crate::io::request::{check_framing, refuse_reason, ResponseData};
@@ -81,11 +81,8 @@ impl Slot {
             mr,
             req: Some(req),
             header: RequestHeader {
-                op: Op::Flush,
-                flags: 0,
-                len: 0,
                 id: 0,
-                sector: 0,
+                request: BlockRequest::Flush,
             },
             segs: Vec::new(),
             busy: false,
@@ -251,7 +248,7 @@ impl<I: DeviceIo> Session<'_, I> {
                 devlend_fabric::rdma::RECV_DEPTH
             )));
         }
-        self.dev.stats.request(h.op);
+        self.dev.stats.request(h.op());
         self.backlog.push_back((h, std::mem::take(segs)));
         Ok(())
     }
@@ -264,7 +261,7 @@ impl<I: DeviceIo> Session<'_, I> {
         slot.busy = true;
         slot.header = h;
         slot.segs = segs;
-        if h.op == Op::Write && refuse_reason(&h, self.dev).is_none() {
+        if h.op() == Op::Write && refuse_reason(&h.request, self.dev).is_none() {
             let base = slot.mr.addr();
             let mut at = 0u64;
             let n = slot.segs.len();

@@ -228,9 +228,9 @@ impl<I: DeviceIo> Session<'_, I> {
             return Ok(None);
         };
         self.rx.consume(REQUEST_HEADER_LEN);
-        self.dev.stats.request(h.op);
+        self.dev.stats.request(h.op());
         req.buffer(need);
-        if h.op == Op::Write && need > 0 {
+        if h.op() == Op::Write && need > 0 {
             self.frame_since.get_or_insert_with(Instant::now);
             self.state = Rx::Data {
                 req,
