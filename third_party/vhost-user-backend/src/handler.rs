@@ -1156,7 +1156,7 @@ mod tests {
         assert_eq!(mem.memory().num_regions(), 1);
 
         // One page too long, or starting past the end, or overflowing.
-        for (size, offset) in [(0x11000, 0), (0x1000, 0x10000), (0x1000, u64::MAX & !0xfff)] {
+        for (size, offset) in [(0x11000, 0), (0x1000, 0x10000), (0x1000, !0xfff)] {
             let bad = VhostUserMemoryRegion::new(0x100000, size, 0x7000_0000, offset);
             assert!(handler
                 .set_mem_table(&[bad], vec![memfd(0x10000)], None)
