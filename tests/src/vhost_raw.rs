@@ -508,8 +508,21 @@ impl GuestRam {
     /// # Errors
     /// The memfd cannot be created, sized or mapped.
     pub fn new(gpa: u64, len: usize) -> Result<Self> {
+        Self::with_flags(gpa, len, libc::MFD_CLOEXEC)
+    }
+
+    /// As [`Self::new`], in a memfd made with MFD_ALLOW_SEALING (QEMU's
+    /// `memory-backend-memfd`), which a backend can seal against shrinking.
+    ///
+    /// # Errors
+    /// The memfd cannot be created, sized or mapped.
+    pub fn sealable(gpa: u64, len: usize) -> Result<Self> {
+        Self::with_flags(gpa, len, libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+    }
+
+    fn with_flags(gpa: u64, len: usize, flags: libc::c_uint) -> Result<Self> {
         // SAFETY: a NUL-terminated name and valid flags.
-        let raw = unsafe { libc::memfd_create(c"devlend-test-ram".as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe { libc::memfd_create(c"devlend-test-ram".as_ptr(), flags) };
         if raw < 0 {
             return Err(std::io::Error::last_os_error().into());
         }

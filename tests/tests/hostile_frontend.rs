@@ -6,7 +6,7 @@
 //! afterwards, its log grows by a few KiB at most, and a second attachment of the same
 //! agent keeps serving verified I/O (libblkio) throughout.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -14,7 +14,7 @@ use devlend_cli::blk_client::{BlkClient, BlkOp};
 use devlend_tests::agents::{sparse_file, Borrower, Lender};
 use devlend_tests::vhost_raw::{
     proto, req, vring_state, GuestRam, RawFrontend, Region, SplitRing, DESC_NEXT, DESC_WRITE,
-    F_PROTOCOL_FEATURES, F_VERSION_1,
+    F_PROTOCOL_FEATURES, F_VERSION_1, VERSION,
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -735,4 +735,166 @@ fn a_malformed_chain_stops_only_that_queue() {
         q0.start(&mut fe, &ram);
     }
     q0.read_ok(&ram);
+}
+
+/// A frontend that truncates the inflight buffer under the agent (GET_INFLIGHT_FD,
+/// SET_INFLIGHT_FD, ftruncate 0) made the next request a SIGBUS that killed the whole
+/// agent. The buffer the agent returns is now sealed against resizing, and a buffer
+/// that cannot be sealed against shrinking is refused: the truncation fails (EPERM),
+/// the queue goes on serving and so does the other attachment.
+#[test]
+fn an_inflight_buffer_cannot_be_shrunk_under_the_agent() {
+    let mut rig = rig();
+    let ram = ram();
+    let mut fe = RawFrontend::connect(&rig.sock).unwrap();
+    fe.negotiate(0, proto::MQ | proto::CONFIG | proto::INFLIGHT_SHMFD)
+        .unwrap();
+    assert_eq!(fe.set_mem_table(&[ram.region()], &[ram.fd()]).unwrap(), 0);
+    let log = rig.log_len();
+    let mut ask = Vec::new();
+    ask.extend_from_slice(&0u64.to_ne_bytes());
+    ask.extend_from_slice(&0u64.to_ne_bytes());
+    ask.extend_from_slice(&2u16.to_ne_bytes());
+    ask.extend_from_slice(&QUEUE_SIZE.to_ne_bytes());
+    ask.extend_from_slice(&[0; 4]);
+    fe.send(req::GET_INFLIGHT_FD, VERSION, &ask, &[]).unwrap();
+    let (reply, fds) = fe.recv_with_fds().unwrap();
+    assert_eq!(reply.request, req::GET_INFLIGHT_FD);
+    let buffer = fds.into_iter().next().expect("GET_INFLIGHT_FD sent no fd");
+    let size = u64::from_ne_bytes(reply.payload[..8].try_into().unwrap());
+
+    // A buffer that cannot be sealed against shrinking is refused; the session goes on.
+    // SAFETY: a NUL-terminated name and valid flags.
+    let raw = unsafe { libc::memfd_create(c"unsealable".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(raw >= 0);
+    // SAFETY: a fresh fd that nothing else owns.
+    let unsealable = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+    // SAFETY: ftruncate of our own memfd.
+    assert_eq!(unsafe { libc::ftruncate(raw, size as libc::off_t) }, 0);
+    assert_ne!(
+        fe.ack(
+            req::SET_INFLIGHT_FD,
+            &reply.payload,
+            &[unsealable.as_raw_fd()]
+        )
+        .unwrap(),
+        0,
+        "an inflight buffer that can shrink was taken"
+    );
+    alive(&mut fe);
+
+    assert_eq!(
+        fe.ack(req::SET_INFLIGHT_FD, &reply.payload, &[buffer.as_raw_fd()])
+            .unwrap(),
+        0
+    );
+    let mut q0 = Queue::new(0);
+    let mut q1 = Queue::new(1);
+    q0.start(&mut fe, &ram);
+    q1.start(&mut fe, &ram);
+    q0.read_ok(&ram);
+    // SAFETY: ftruncate of an fd the test owns.
+    let truncated = unsafe { libc::ftruncate(buffer.as_raw_fd(), 0) };
+    let errno = std::io::Error::last_os_error().raw_os_error();
+    q1.read_ok(&ram);
+    q0.read_ok(&ram);
+    rig.borrower.proc.check_alive().unwrap();
+    assert_eq!(
+        (truncated, errno),
+        (-1, Some(libc::EPERM)),
+        "the inflight buffer could be truncated"
+    );
+    alive(&mut fe);
+    rig.check_cost(log, "inflight buffer truncated");
+}
+
+/// Guest RAM in a memfd made with MFD_ALLOW_SEALING (as QEMU's memory-backend-memfd
+/// makes it, less its seals): the agent seals it against shrinking when it takes the
+/// memory table, so a frontend's later ftruncate fails (EPERM) instead of turning the
+/// agent's next access into a SIGBUS.
+#[test]
+fn sealable_guest_ram_is_sealed_against_shrinking() {
+    let mut rig = rig();
+    let ram = GuestRam::sealable(0, RAM_LEN).unwrap();
+    let mut fe = rig.session(&ram);
+    let log = rig.log_len();
+    let mut q = Queue::new(0);
+    q.start(&mut fe, &ram);
+    q.read_ok(&ram);
+    // SAFETY: ftruncate of an fd the test owns.
+    let truncated = unsafe { libc::ftruncate(ram.fd(), 0) };
+    let errno = std::io::Error::last_os_error().raw_os_error();
+    assert_eq!(
+        (truncated, errno),
+        (-1, Some(libc::EPERM)),
+        "guest RAM could be truncated under the agent"
+    );
+    q.read_ok(&ram);
+    alive(&mut fe);
+    rig.check_cost(log, "guest RAM truncated");
+}
+
+/// A call fd the agent cannot write to without blocking (a blocking pipe filled to
+/// capacity, a blocking eventfd at its maximum count) wedged the queue worker in
+/// write(): GET_VRING_BASE was never answered and detach waited on the VMM. Signalling
+/// fds are now non-blocking on receipt and a signal that cannot be written is dropped:
+/// the READs complete, GET_VRING_BASE is answered within the drain deadline, and the
+/// other attachment serves.
+#[test]
+fn a_call_fd_that_would_block_does_not_wedge_the_queue() {
+    let mut rig = rig();
+    let ram = ram();
+    let mut fe = rig.session(&ram);
+    let log = rig.log_len();
+    // Queue 0: a blocking pipe, full.
+    let mut pipe = [0; 2];
+    // SAFETY: pipe2 into a 2-int array.
+    let made = unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) };
+    assert_eq!(made, 0);
+    // SAFETY: fresh fds that nothing else owns.
+    let (_rd, wr) = unsafe {
+        (
+            std::os::fd::OwnedFd::from_raw_fd(pipe[0]),
+            std::os::fd::OwnedFd::from_raw_fd(pipe[1]),
+        )
+    };
+    let w = wr.as_raw_fd();
+    // SAFETY: fcntl with integer arguments and writes from a live buffer, on our fds.
+    unsafe {
+        libc::fcntl(w, libc::F_SETFL, libc::O_NONBLOCK);
+        let chunk = [0u8; 4096];
+        while libc::write(w, chunk.as_ptr().cast(), chunk.len()) > 0 {}
+        // Writes of up to PIPE_BUF bytes are all or nothing: fill the last bytes one by one.
+        while libc::write(w, chunk.as_ptr().cast(), 1) > 0 {}
+        libc::fcntl(w, libc::F_SETFL, 0);
+    }
+    // Queue 1: a blocking eventfd one below its maximum count.
+    let full = EventFd::new(0).unwrap();
+    full.write(0xffff_ffff_ffff_fffe).unwrap();
+
+    let mut q0 = Queue::new(0);
+    let mut q1 = Queue::new(1);
+    q0.start(&mut fe, &ram);
+    q1.start(&mut fe, &ram);
+    assert_eq!(fe.set_vring_fd(req::SET_VRING_CALL, 0, Some(w)).unwrap(), 0);
+    assert_eq!(
+        fe.set_vring_fd(req::SET_VRING_CALL, 1, Some(full.as_raw_fd()))
+            .unwrap(),
+        0
+    );
+    q0.read_ok(&ram);
+    q1.read_ok(&ram);
+    q0.read_ok(&ram);
+    fe.set_timeout(Duration::from_secs(5)).unwrap();
+    let start = Instant::now();
+    for (i, done) in [(0, 2), (1, 1)] {
+        let base = fe
+            .get_vring_base(i)
+            .unwrap_or_else(|e| panic!("GET_VRING_BASE {i} unanswered: {e:#}"));
+        assert_eq!(base, done);
+    }
+    eprintln!("GET_VRING_BASE answered in {:?}", start.elapsed());
+    fe.set_timeout(Duration::from_secs(10)).unwrap();
+    alive(&mut fe);
+    rig.check_cost(log, "call fds that would block");
 }

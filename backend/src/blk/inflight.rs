@@ -88,6 +88,41 @@ fn check_shape(num_queues: u16, queue_size: u16) -> io::Result<usize> {
     Ok(usize::from(num_queues) * queue_region_len(queue_size))
 }
 
+/// Adds `seals` to `file` (fcntl F_ADD_SEALS).
+fn add_seals(file: &File, seals: libc::c_int) -> io::Result<()> {
+    // SAFETY: fcntl on an fd `file` owns, with integer arguments only.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Makes sure `file` cannot shrink: it carries F_SEAL_SHRINK already, or takes it now.
+fn seal_shrink(file: &File) -> io::Result<()> {
+    // SAFETY: fcntl on an fd `file` owns, with integer arguments only.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals >= 0 && seals & libc::F_SEAL_SHRINK != 0 {
+        return Ok(());
+    }
+    let why = if seals < 0 {
+        io::Error::last_os_error()
+    } else {
+        match add_seals(file, libc::F_SEAL_SHRINK) {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        }
+    };
+    Err(io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!(
+            "inflight buffer file cannot be sealed against shrinking ({why}): a frontend \
+             could truncate it under the mapping; only a sealable memfd (such as the one \
+             GET_INFLIGHT_FD returns) is taken"
+        ),
+    ))
+}
+
 impl InflightRegion {
     /// GET_INFLIGHT_FD: a new, zeroed buffer for `num_queues` queues of `queue_size`
     /// descriptors, in a memfd. Returns the reply's description (size in bytes, offset 0)
@@ -101,13 +136,24 @@ impl InflightRegion {
     ) -> io::Result<(Arc<Self>, VhostUserInflight, File)> {
         let len = check_shape(num_queues, queue_size)?;
         // SAFETY: the name is a NUL-terminated string; the flags are valid.
-        let fd = unsafe { libc::memfd_create(c"devlend-inflight".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"devlend-inflight".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: fd is a new descriptor that nothing else owns.
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(len as u64)?;
+        // The frontend keeps this fd: sealed, it can neither shrink it under the mapping
+        // (the next access would be a SIGBUS, fatal to the whole agent) nor unseal it.
+        add_seals(
+            &file,
+            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+        )?;
         let region = Self::map(&file, 0, len, num_queues, queue_size)?;
         let msg = VhostUserInflight::new(len as u64, 0, num_queues, queue_size);
         Ok((region, msg, file))
@@ -116,9 +162,16 @@ impl InflightRegion {
     /// SET_INFLIGHT_FD: maps the buffer the frontend kept (one this backend, or an earlier
     /// one, returned from GET_INFLIGHT_FD).
     ///
+    /// The file must be sealed against shrinking, or take the seal now (a memfd made with
+    /// MFD_ALLOW_SEALING and not F_SEAL_SEAL-ed): a frontend that truncated it under the
+    /// mapping would turn the next request into a SIGBUS that kills the agent. Buffers
+    /// made by GET_INFLIGHT_FD are sealed; any other file is refused, and the frontend
+    /// can ask for a new buffer.
+    ///
     /// # Errors
     /// A shape outside [`LIMITS`], a size too small for it, an offset that is not
-    /// page-aligned (`InvalidInput`), or the mapping failed.
+    /// page-aligned (`InvalidInput`), a file that cannot be sealed against shrinking
+    /// (`PermissionDenied`), or the mapping failed.
     pub fn open(msg: &VhostUserInflight, file: &File) -> io::Result<Arc<Self>> {
         let need = check_shape(msg.num_queues, msg.queue_size)?;
         if msg.mmap_size < need as u64 {
@@ -136,6 +189,7 @@ impl InflightRegion {
                     msg.mmap_offset
                 ))
             })?;
+        seal_shrink(file)?;
         let size = file.metadata()?.len();
         if msg
             .mmap_offset
@@ -392,6 +446,41 @@ mod tests {
         let mut past = msg;
         past.mmap_offset = 4096;
         assert!(InflightRegion::open(&past, &file).is_err());
+    }
+
+    fn memfd(flags: libc::c_uint, len: u64) -> File {
+        // SAFETY: a NUL-terminated name and valid flags.
+        let fd = unsafe { libc::memfd_create(c"test-inflight".as_ptr(), flags) };
+        assert!(fd >= 0, "memfd_create");
+        // SAFETY: a new descriptor that nothing else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(len).expect("set_len");
+        file
+    }
+
+    #[test]
+    fn the_buffer_returned_cannot_be_resized() {
+        let (_, msg, file) = region(1, 64);
+        let err = file.set_len(0).expect_err("shrink refused");
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM));
+        assert!(file.set_len(msg.mmap_size * 2).is_err());
+        // SAFETY: fcntl with integer arguments on an fd the test owns.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        assert_ne!(seals & libc::F_SEAL_SEAL, 0);
+    }
+
+    #[test]
+    fn a_frontend_file_must_be_sealed_against_shrinking() {
+        let (_, msg, _) = region(1, 64);
+        // A memfd that cannot be sealed is refused.
+        let plain = memfd(libc::MFD_CLOEXEC, msg.mmap_size);
+        let err = InflightRegion::open(&msg, &plain).expect_err("unsealable refused");
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        // A sealable one takes the seal, and can then no longer shrink.
+        let sealable = memfd(libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING, msg.mmap_size);
+        InflightRegion::open(&msg, &sealable).expect("sealable taken");
+        let err = sealable.set_len(0).expect_err("sealed");
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM));
     }
 
     #[test]

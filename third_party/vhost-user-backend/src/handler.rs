@@ -411,6 +411,7 @@ where
 
         for (region, file) in ctx.iter().zip(files) {
             check_file_covers(&file, region.mmap_offset, region.memory_size)?;
+            seal_shrink(&file);
             let guest_region = GuestRegionMmap::new(
                 region.mmap_region(file)?,
                 GuestAddress(region.guest_phys_addr),
@@ -734,6 +735,7 @@ where
         }
 
         check_file_covers(&file, region.mmap_offset, region.memory_size)?;
+        seal_shrink(&file);
         let guest_region = Arc::new(
             GuestRegionMmap::new(
                 region.mmap_region(file)?,
@@ -994,6 +996,57 @@ fn check_file_covers(file: &File, offset: u64, size: u64) -> VhostUserResult<()>
     }
 }
 
+/// devlend patch: a memory region's file must not shrink under the mapping either. A
+/// front-end that `ftruncate`s it after the table was taken makes the next access a
+/// SIGBUS, which kills the whole back-end. Seals the file against shrinking
+/// (`F_ADD_SEALS F_SEAL_SHRINK`) unless it is sealed already (QEMU's
+/// `memory-backend-memfd` seals by default); that works for a memfd made with
+/// `MFD_ALLOW_SEALING` and not yet `F_SEAL_SEAL`-ed. A file that cannot be sealed (a
+/// plain file, hugetlbfs, an unsealable memfd) is still taken, as front-ends use them
+/// legitimately, with a warning at most once a minute: a front-end that shrinks it can
+/// crash the back-end. Returns whether the file is sealed against shrinking.
+fn seal_shrink(file: &File) -> bool {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST_WARNING: AtomicU64 = AtomicU64::new(0);
+
+    let meta = match file.metadata() {
+        Ok(meta) => meta,
+        Err(_) => return false,
+    };
+    if !meta.file_type().is_file() {
+        // A character device (DAX, /dev/zero) has no size to shrink.
+        return true;
+    }
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on an fd `file` owns, with integer arguments only.
+    let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+    if seals >= 0 && seals & libc::F_SEAL_SHRINK != 0 {
+        return true;
+    }
+    // SAFETY: as above.
+    if seals >= 0 && unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0 {
+        return true;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = LAST_WARNING.load(Ordering::Relaxed);
+    if (last == 0 || now.saturating_sub(last) >= 60)
+        && LAST_WARNING
+            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        warn!(
+            "a guest memory region's file ({} bytes) cannot be sealed against shrinking \
+             (not a memfd made with MFD_ALLOW_SEALING, or already F_SEAL_SEAL-ed): a \
+             front-end that truncates it can crash this back-end (SIGBUS); logged at most \
+             once a minute",
+            meta.len()
+        );
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1103,7 +1156,7 @@ mod tests {
         assert_eq!(mem.memory().num_regions(), 1);
 
         // One page too long, or starting past the end, or overflowing.
-        for (size, offset) in [(0x11000, 0), (0x1000, 0x10000), (0x1000, u64::MAX & !0xfff)] {
+        for (size, offset) in [(0x11000, 0), (0x1000, 0x10000), (0x1000, !0xfff)] {
             let bad = VhostUserMemoryRegion::new(0x100000, size, 0x7000_0000, offset);
             assert!(handler
                 .set_mem_table(&[bad], vec![memfd(0x10000)], None)

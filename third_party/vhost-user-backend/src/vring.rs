@@ -8,7 +8,7 @@
 use std::fs::File;
 use std::io;
 use std::ops::{Deref, DerefMut};
-use std::os::unix::io::{FromRawFd, IntoRawFd};
+use std::os::unix::io::{AsRawFd, FromRawFd, IntoRawFd};
 use std::result::Result;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -153,10 +153,9 @@ impl<M: GuestAddressSpace> VringState<M> {
 
     /// Notify the vhost-user frontend that used descriptors have been put into the used queue.
     pub fn signal_used_queue(&self) -> io::Result<()> {
-        if let Some(call) = self.call.as_ref() {
-            call.notify()
-        } else {
-            Ok(())
+        match self.call.as_ref() {
+            Some(call) => signalled(call.notify()),
+            None => Ok(()),
         }
     }
 
@@ -257,6 +256,8 @@ impl<M: GuestAddressSpace> VringState<M> {
 
     /// Set `EventFd` for call.
     fn set_call(&mut self, file: Option<File>) {
+        // devlend patch: the back-end must never block on a front-end's fd.
+        let file = file.map(set_nonblocking);
         // SAFETY: see comment in set_kick()
         self.call = file.map(|f| unsafe { EventNotifier::from_raw_fd(f.into_raw_fd()) });
     }
@@ -268,6 +269,8 @@ impl<M: GuestAddressSpace> VringState<M> {
 
     /// Set `EventFd` for err.
     fn set_err(&mut self, file: Option<File>) {
+        // devlend patch: as in set_call().
+        let file = file.map(set_nonblocking);
         // SAFETY: see comment in set_kick()
         self.err = file.map(|f| unsafe { EventNotifier::from_raw_fd(f.into_raw_fd()) });
     }
@@ -276,9 +279,36 @@ impl<M: GuestAddressSpace> VringState<M> {
     /// the error eventfd of SET_VRING_ERR, if one was given (devlend patch).
     pub fn signal_err(&self) -> io::Result<()> {
         match &self.err {
-            Some(err) => err.notify(),
+            Some(err) => signalled(err.notify()),
             None => Ok(()),
         }
+    }
+}
+
+/// devlend patch: makes a signalling fd the front-end gave (SET_VRING_CALL,
+/// SET_VRING_ERR) non-blocking. A blocking eventfd at its maximum count, or a full
+/// blocking pipe, would otherwise block the vring worker in `write` for as long as the
+/// front-end wishes: GET_VRING_BASE would never be answered and the device never stop.
+/// QEMU's eventfds are `EFD_NONBLOCK` already. An fd whose flags cannot be read or set
+/// is kept as it is (a write to it then fails, or it was not a pipe or eventfd at all).
+fn set_nonblocking(file: File) -> File {
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on an fd `file` owns, with integer arguments only.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags >= 0 && flags & libc::O_NONBLOCK == 0 {
+        // SAFETY: as above.
+        unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) };
+    }
+    file
+}
+
+/// devlend patch: a signal that cannot be written now (`EAGAIN`: the eventfd's counter
+/// is at its maximum, the pipe is full) is dropped: the counter is non-zero, or the pipe
+/// holds bytes, so the front-end will be woken anyway.
+fn signalled(result: io::Result<()>) -> io::Result<()> {
+    match result {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+        other => other,
     }
 }
 
