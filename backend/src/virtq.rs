@@ -11,6 +11,9 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
+
+use devlend_fabric::ratelimit::RateLimit;
 
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
@@ -188,13 +191,18 @@ impl BrokenQueue {
         if self.reason.is_some() {
             return;
         }
-        devlend_fabric::limited!(
-            warn,
-            attachment = %self.attachment,
-            queue = self.queue,
-            %reason,
-            "the driver broke this virtqueue; it is stopped until the frontend re-initializes it",
-        );
+        // A frontend that re-initializes the queue and lets it break again, in a loop,
+        // reaches this as often as it likes: 5 lines, then one per 10 s.
+        static BROKE: RateLimit = RateLimit::new(5, Duration::from_secs(10));
+        if let Some(suppressed) = BROKE.check() {
+            tracing::warn!(
+                attachment = %self.attachment,
+                queue = self.queue,
+                %reason,
+                suppressed,
+                "the driver broke this virtqueue; it is stopped until the frontend re-initializes it (logged at most 5 times every 10 s)",
+            );
+        }
         self.reason = Some(reason);
         self.newly = true;
     }
@@ -219,13 +227,16 @@ impl BrokenQueue {
     /// broke it is gone with its next initialization.
     pub fn reset(&mut self) {
         if let Some(was) = self.reason.take() {
-            devlend_fabric::limited!(
-                info,
-                attachment = %self.attachment,
-                queue = self.queue,
-                %was,
-                "virtqueue stopped by the frontend; it is served again once re-initialized",
-            );
+            static RESET: RateLimit = RateLimit::new(5, Duration::from_secs(10));
+            if let Some(suppressed) = RESET.check() {
+                tracing::info!(
+                    attachment = %self.attachment,
+                    queue = self.queue,
+                    %was,
+                    suppressed,
+                    "virtqueue stopped by the frontend; it is served again once re-initialized (logged at most 5 times every 10 s)",
+                );
+            }
         }
         self.newly = false;
     }

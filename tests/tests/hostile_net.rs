@@ -424,3 +424,35 @@ fn a_looping_chain_stops_the_queue_and_a_bad_frame_does_not() {
     rig.q[1].raw.start(&mut rig.fe, &rig.ram, base).unwrap();
     rig.tx_ok(1);
 }
+
+/// A frontend that breaks a transmitq (avail index jump), stops it (GET_VRING_BASE)
+/// and re-initializes it, a thousand times: the agent's log grows by a few KiB at most
+/// (the broken-queue warning and the reset line are rate-limited per call site), and
+/// the queue then works again.
+#[test]
+fn a_break_and_reset_loop_does_not_flood_the_log() {
+    let mut rig = rig(3, "hf");
+    let log = rig.log_len();
+    for cycle in 0..1000 {
+        let ring = rig.q[1].raw.ring;
+        let idx = ring.avail_idx(&rig.ram);
+        ring.set_avail_idx(&rig.ram, idx.wrapping_add(40000));
+        rig.q[1].raw.kick();
+        assert!(
+            rig.q[1].raw.err_signalled(Duration::from_secs(2)),
+            "cycle {cycle}: the error eventfd was not signalled within 2 s"
+        );
+        ring.set_avail_idx(&rig.ram, idx);
+        rig.reinit(1);
+    }
+    let text = rig.borrower.proc.log();
+    let grown = text.len().saturating_sub(log);
+    eprintln!("1000 break/reset cycles: log +{grown} bytes");
+    assert!(
+        grown <= 2 * LOG_BUDGET,
+        "the break/reset loop grew the log by {grown} bytes"
+    );
+    let after = rig.log_len();
+    rig.check_cost(after, "break/reset loop");
+    rig.tx_ok(1);
+}

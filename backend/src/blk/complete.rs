@@ -7,6 +7,7 @@
 //! notify the guest.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use virtio_queue::{Queue, QueueT};
 use vm_memory::Bytes;
@@ -15,6 +16,7 @@ use crate::blk::spec::S_OK;
 use crate::blk::stats::QueueStats;
 use crate::blk::table::RequestTable;
 use crate::guest::{GuestMemory, GuestMemoryRef};
+use devlend_fabric::ratelimit::RateLimit;
 use devlend_fabric::Op;
 
 /// Completes one queue's requests into its used ring.
@@ -75,7 +77,21 @@ impl<'a> Completer<'a> {
         head: u16,
         status: u8,
     ) -> Result<(), virtio_queue::Error> {
-        let done = table.remove(head);
+        let Some(done) = table.remove(head) else {
+            // Nothing in flight in that slot (completed already): the used ring and the
+            // counts are left alone.
+            static STALE: RateLimit = RateLimit::new(5, Duration::from_secs(10));
+            if let Some(suppressed) = STALE.check() {
+                tracing::warn!(
+                    queue = self.index,
+                    head,
+                    stale = table.stale_removes(),
+                    suppressed,
+                    "completion for a head with no request in flight ignored (logged at most every 10 s)",
+                );
+            }
+            return Ok(());
+        };
         let data = if status == S_OK && done.op == Op::Read {
             done.len
         } else {

@@ -34,6 +34,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use devlend_fabric::ratelimit::RateLimit;
 use devlend_fabric::reconnect::{Policy, Reconnector};
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::{Credit, HelloReply};
@@ -306,13 +307,19 @@ impl QueueEngine {
         if self.broken.is_some() {
             return;
         }
-        tracing::warn!(
-            attachment = %self.name,
-            queue = self.index,
-            %reason,
-            inflight = self.table.inflight(),
-            "the driver broke this virtqueue; it is stopped until the frontend re-initializes it",
-        );
+        // A frontend that re-initializes the queue and lets it break again, in a loop,
+        // reaches this as often as it likes: rate-limited, with what was left out.
+        static BROKE: RateLimit = RateLimit::new(5, Duration::from_secs(10));
+        if let Some(suppressed) = BROKE.check() {
+            tracing::warn!(
+                attachment = %self.name,
+                queue = self.index,
+                %reason,
+                inflight = self.table.inflight(),
+                suppressed,
+                "the driver broke this virtqueue; it is stopped until the frontend re-initializes it (logged at most 5 times every 10 s)",
+            );
+        }
         self.broken = Some(reason);
         self.newly_broken = true;
     }
@@ -331,12 +338,16 @@ impl QueueEngine {
     /// its next initialization.
     pub fn reset_broken(&mut self) {
         if let Some(reason) = self.broken.take() {
-            tracing::info!(
-                attachment = %self.name,
-                queue = self.index,
-                was = %reason,
-                "virtqueue stopped by the frontend; it is served again once re-initialized",
-            );
+            static RESET: RateLimit = RateLimit::new(5, Duration::from_secs(10));
+            if let Some(suppressed) = RESET.check() {
+                tracing::info!(
+                    attachment = %self.name,
+                    queue = self.index,
+                    was = %reason,
+                    suppressed,
+                    "virtqueue stopped by the frontend; it is served again once re-initialized (logged at most 5 times every 10 s)",
+                );
+            }
         }
         self.newly_broken = false;
     }

@@ -267,8 +267,10 @@ impl StreamLink {
                         self.rx = Rx::Payload { head, got };
                         return Ok(());
                     }
-                    done.complete(table, head, S_OK)?;
+                    // Back to headers first: a failed completion must not leave this
+                    // response to be completed again by the next receive.
                     self.rx = Rx::Header { got: 0 };
+                    done.complete(table, head, S_OK)?;
                     if n == 0 {
                         return Ok(());
                     }

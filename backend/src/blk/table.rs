@@ -96,6 +96,8 @@ pub(crate) struct RequestTable {
     out_bytes: usize,
     /// This queue's part of the inflight buffer, when the frontend gave one.
     log: Option<InflightQueue>,
+    /// Removes of a head with no request in flight, ignored ([`Self::remove`]).
+    stale: u64,
 }
 
 impl Default for RequestTable {
@@ -111,12 +113,15 @@ impl Default for RequestTable {
             out_requests: 0,
             out_bytes: 0,
             log: None,
+            stale: 0,
         }
     }
 }
 
 impl RequestTable {
-    /// Makes room for heads below `size` (the queue's size).
+    /// Makes room for heads below `size` (the queue's size). Slots are never dropped:
+    /// a smaller size (the frontend resized a stopped ring) leaves every slot, and the
+    /// request in flight in it, where it is.
     pub(crate) fn fit(&mut self, size: u16) {
         if self.slots.len() < usize::from(size) {
             self.slots.resize_with(usize::from(size), Slot::default);
@@ -207,9 +212,14 @@ impl RequestTable {
         !self.waiting.is_empty()
     }
 
-    /// Frees the slot of `head`, giving its credit back; returns what it held.
-    pub(crate) fn remove(&mut self, head: u16) -> Removed {
-        let slot = &mut self.slots[usize::from(head)];
+    /// Frees the slot of `head`, giving its credit back; returns what it held. A head
+    /// with no request in flight (no slot, or a free one: removed already) is left
+    /// alone and `None` returned, so that the counts cannot be taken down twice.
+    pub(crate) fn remove(&mut self, head: u16) -> Option<Removed> {
+        let Some(slot) = self.slots.get_mut(usize::from(head)).filter(|s| s.busy) else {
+            self.stale += 1;
+            return None;
+        };
         let op = slot.op.unwrap_or(Op::Flush);
         if slot.outstanding {
             slot.outstanding = false;
@@ -222,13 +232,13 @@ impl RequestTable {
         if op == Op::Read {
             self.reads -= 1;
         }
-        Removed {
+        Some(Removed {
             op,
             len: slot.len,
             status_addr: slot.status_addr,
             mem: slot.mem.take(),
             sent: slot.sent.take(),
-        }
+        })
     }
 
     /// A new session, with its credit: nothing is outstanding on it yet.
@@ -290,6 +300,11 @@ impl RequestTable {
             .iter()
             .filter(|s| s.busy)
             .filter_map(|s| s.mem.as_ref())
+    }
+
+    /// Removes ignored so far because their head had no request in flight.
+    pub(crate) fn stale_removes(&self) -> u64 {
+        self.stale
     }
 
     /// Requests in flight (waiting or outstanding).
@@ -574,6 +589,53 @@ mod tests {
         // sees the used index moved and drops it.
         t.returning(2);
         assert_eq!(after_restart(&msg, &file, 1), [5]);
+    }
+
+    #[test]
+    fn removing_a_free_or_missing_slot_is_ignored_and_counted() {
+        let mut t = RequestTable::default();
+        t.fit(16);
+        t.new_session(Credit {
+            requests: 8,
+            bytes: 1 << 20,
+        });
+        add(&mut t, 2, Op::Read, 4096);
+        add(&mut t, 5, Op::Write, 512);
+        let now = Instant::now();
+        while t.next_to_send(now).is_some() {}
+        assert!(t.remove(2).is_some());
+        assert!(t.remove(2).is_none(), "removed already");
+        assert!(t.remove(3).is_none(), "never in flight");
+        assert!(t.remove(200).is_none(), "no such slot");
+        assert_eq!(t.stale_removes(), 3);
+        assert_eq!(t.inflight(), 1);
+        assert_eq!(t.reads(), 0);
+        assert_eq!(t.only_head(), Some(5));
+        // The credit came back once: seven more requests may go, not eight.
+        for h in [0, 1, 2, 3, 4, 6, 7, 8, 9] {
+            add(&mut t, h, Op::Flush, 0);
+        }
+        let sent = std::iter::from_fn(|| t.next_to_send(now)).count();
+        assert_eq!(sent, 7);
+        assert!(t.remove(5).is_some());
+        assert!(t.remove(5).is_none());
+        assert_eq!(t.inflight(), 9);
+    }
+
+    #[test]
+    fn a_smaller_size_keeps_every_slot_in_flight() {
+        let mut t = RequestTable::default();
+        t.fit(64);
+        let id = add(&mut t, 60, Op::Read, 4096);
+        t.fit(2);
+        assert!(
+            t.lookup(id).is_some(),
+            "the request in flight keeps its slot"
+        );
+        assert!(!t.is_free(60));
+        assert_eq!(t.busy_heads(), [60]);
+        assert!(t.remove(60).is_some());
+        assert_eq!(t.inflight(), 0);
     }
 
     #[test]

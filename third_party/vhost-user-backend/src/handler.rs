@@ -474,6 +474,14 @@ where
             );
             return Err(VhostUserError::InvalidParam);
         }
+        // devlend patch: the spec has SET_VRING_NUM for a stopped ring only. On a started
+        // one (kicked, not yet stopped by GET_VRING_BASE) the back-end may have chains of
+        // the old size in flight, which a smaller size would send to used-ring slots and
+        // heads that no longer exist. Refused with an error ack; the session goes on.
+        if vring.get_ref().get_queue().ready() {
+            log::debug!("vring {index}: SET_VRING_NUM {num} on a started ring refused");
+            return Err(VhostUserError::InvalidParam);
+        }
         vring.set_queue_size(num as u16);
         Ok(())
     }
