@@ -228,9 +228,17 @@ impl Queue {
         }
     }
 
-    /// Lays out a 4 KiB READ of sector 0 (header, data, status descriptors) and offers
-    /// it, without kicking; returns its head.
+    /// Lays out a 4 KiB READ of sector 0 and offers it, without kicking; returns its head.
     fn offer_read(&mut self, ram: &GuestRam) -> u16 {
+        let head = self.lay_out_read(ram);
+        self.ring.offer(ram, head);
+        head
+    }
+
+    /// Lays out a 4 KiB READ of sector 0 (header, data, status descriptors) without
+    /// offering it (a test may corrupt it first: once offered, the worker may take it at
+    /// any moment); returns its head.
+    fn lay_out_read(&mut self, ram: &GuestRam) -> u16 {
         let head = self.next;
         self.next = (self.next + 3) % (QUEUE_SIZE - QUEUE_SIZE % 3);
         let base = (1 + u64::from(self.index)) * MIB + u64::from(head / 3) * 0x2000;
@@ -245,7 +253,6 @@ impl Queue {
         r.set_desc(ram, head, hdr, 16, DESC_NEXT, head + 1);
         r.set_desc(ram, head + 1, data, 4096, DESC_NEXT | DESC_WRITE, head + 2);
         r.set_desc(ram, head + 2, status, 1, DESC_WRITE, 0);
-        r.offer(ram, head);
         head
     }
 
@@ -668,7 +675,8 @@ fn a_malformed_chain_stops_only_that_queue() {
         let log = rig.log_len();
         let taken = q0.ring.avail_idx(&ram);
         let used = q0.ring.used_idx(&ram);
-        let head = q0.offer_read(&ram);
+        // Corrupted before it is offered: the worker may take an offered chain at once.
+        let head = q0.lay_out_read(&ram);
         let base = (1 + u64::from(q0.index)) * MIB + u64::from(head / 3) * 0x2000;
         let r = q0.ring;
         match bad {
@@ -696,12 +704,15 @@ fn a_malformed_chain_stops_only_that_queue() {
                 DESC_NEXT | DESC_WRITE,
                 head + 2,
             ),
-            BadChain::HeadPastQueue => {
-                // The slot offer_read filled now names a head past the table.
-                let slot = u64::from(taken % QUEUE_SIZE);
-                ram.write(r.avail + 4 + 2 * slot, &(QUEUE_SIZE + 1).to_le_bytes());
-            }
+            BadChain::HeadPastQueue => {}
         }
+        r.offer(
+            &ram,
+            match bad {
+                BadChain::HeadPastQueue => QUEUE_SIZE + 1,
+                _ => head,
+            },
+        );
         q0.kick.write(1).unwrap();
         let mut pfd = libc::pollfd {
             fd: q0.err.as_raw_fd(),
@@ -973,13 +984,9 @@ fn a_break_and_reset_loop_does_not_flood_the_log() {
     let log = rig.log_len();
     for cycle in 0..2000 {
         let taken = q0.ring.avail_idx(&ram);
-        q0.offer_read(&ram);
-        // The avail slot just filled now names a head past the table.
-        let slot = u64::from(taken % QUEUE_SIZE);
-        ram.write(
-            q0.ring.avail + 4 + 2 * slot,
-            &(QUEUE_SIZE + 1).to_le_bytes(),
-        );
+        // A head past the table, offered as it is (an offered valid chain could be taken
+        // by the worker before a corruption written after it).
+        q0.ring.offer(&ram, QUEUE_SIZE + 1);
         q0.kick.write(1).unwrap();
         let mut pfd = libc::pollfd {
             fd: q0.err.as_raw_fd(),
