@@ -189,7 +189,8 @@ impl<'a> Vq<'a> {
         }
     }
 
-    fn run(&mut self, rig: &mut Rig, chain: &[D]) -> u32 {
+    /// Lays `chain` out in the next descriptors and offers it; returns its head.
+    fn place(&mut self, chain: &[D]) -> u16 {
         let base = self.next_desc;
         let descs: Vec<RawDescriptor> = chain
             .iter()
@@ -204,6 +205,11 @@ impl<'a> Vq<'a> {
             .collect();
         self.mock.add_desc_chains(&descs, base).unwrap();
         self.next_desc += chain.len() as u16;
+        base
+    }
+
+    fn run(&mut self, rig: &mut Rig, chain: &[D]) -> u32 {
+        let base = self.place(chain);
         rig.put(STATUS, &[0xff]);
         let mem = rig.mem.clone();
         rig.engine.process_avail(&mut self.queue, &mem).unwrap();
@@ -224,20 +230,7 @@ impl<'a> Vq<'a> {
     /// completing it or sending anything, and leave it untaken. Then the driver's
     /// re-initialization, as GET_VRING_BASE and SET_VRING_BASE past the chain do it.
     fn run_broken(&mut self, rig: &mut Rig, chain: &[D], why: &str) {
-        let base = self.next_desc;
-        let descs: Vec<RawDescriptor> = chain
-            .iter()
-            .enumerate()
-            .map(|(i, &(addr, len, write))| {
-                let mut flags = if write { VRING_DESC_F_WRITE as u16 } else { 0 };
-                if i + 1 < chain.len() {
-                    flags |= VRING_DESC_F_NEXT as u16;
-                }
-                RawDescriptor::from(Descriptor::new(addr, len, flags, base + i as u16 + 1))
-            })
-            .collect();
-        self.mock.add_desc_chains(&descs, base).unwrap();
-        self.next_desc += chain.len() as u16;
+        let base = self.place(chain);
         let mem = rig.mem.clone();
         let taken = self.queue.next_avail();
         rig.engine.process_avail(&mut self.queue, &mem).unwrap();
