@@ -230,7 +230,7 @@ impl<'a> Vq<'a> {
     /// completing it or sending anything, and leave it untaken. Then the driver's
     /// re-initialization, as GET_VRING_BASE and SET_VRING_BASE past the chain do it.
     fn run_broken(&mut self, rig: &mut Rig, chain: &[D], why: &str) {
-        let base = self.place(chain);
+        self.place(chain);
         let mem = rig.mem.clone();
         let taken = self.queue.next_avail();
         rig.engine.process_avail(&mut self.queue, &mem).unwrap();
