@@ -1040,9 +1040,14 @@ impl<'w> Run<'w> {
         let size = 1u16 << (sz % 9);
         let w = self.w;
         let r = ring(q, size);
+        show!("  setup q{q} size {size} base {base} fl {fl:#x}");
         if fl & 1 == 0 {
             w.ram.write(r.desc, &[0u8; 0x4000]);
             r.set_avail_idx(&w.ram, base);
+            // Published to the backend's current epoch whatever it answers next: if
+            // SET_VRING_BASE is refused or the session is gone, a live worker may take
+            // chains up to `base`.
+            self.published(q, base);
             r.set_used_idx(
                 &w.ram,
                 if fl & 2 != 0 {
@@ -1595,6 +1600,9 @@ impl<'w> Run<'w> {
         let r = ring(q, size);
         r.clear_avail(&w.ram);
         r.set_avail_idx(&w.ram, base);
+        // As in setup_queue: published to the current epoch until a SET_VRING_BASE is
+        // taken (after a closed session, the old queue's worker may still serve it).
+        self.published(q, base);
         self.q[q].next_desc = 0;
         if self
             .send(msg(req::SET_VRING_BASE, &state(i, u32::from(base)), &[]))
