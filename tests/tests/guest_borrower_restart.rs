@@ -19,17 +19,25 @@ const DISK_BYTES: u64 = 64 << 20;
 /// Chunks of 256 KiB the guest writes, each then read back and compared.
 const CHUNKS: usize = 160;
 
+/// The guest's workload goes on at least this long after it starts, whatever the
+/// machine's speed: longer than the host's four restarts take (each a sleep of at most
+/// 1.5 s, a kill, a restart and the resubmission, a few seconds in all).
+const MIN_SECONDS: u64 = 45;
+
 /// Four writers at once, each over its own quarter of the region, so that several
 /// requests are in flight and complete out of order (a lost or doubled one then shows):
 /// each writes random 256 KiB chunks with O_DIRECT and reads each back, also with
-/// O_DIRECT, and compares.
+/// O_DIRECT, and compares. Sized by time as well as by bytes: each writer goes over its
+/// quarter at least once and on for MIN_SECONDS (wrapping around its quarter), so that
+/// the host's restarts land in the workload on a fast machine as on a slow one.
 const SCRIPT: &str = r#"
 devlend-wait-for /dev/vda 30
 echo "DEVLEND-RESULT workload=started"
+t0=$(date +%s)
 worker() {
   j=0; bad=0
-  while [ $j -lt PER ]; do
-    i=$(( $1 + j ))
+  while [ $j -lt PER ] || [ $(( $(date +%s) - t0 )) -lt MIN_SECONDS ]; do
+    i=$(( $1 + j % PER ))
     dd if=/dev/urandom of=/tmp/c$1 bs=256k count=1 2>/dev/null
     if ! dd if=/tmp/c$1 of=/dev/vda bs=256k seek=$i oflag=direct 2>/tmp/err$1; then
       echo "write $i failed: $(cat /tmp/err$1)"; bad=$((bad+1))
@@ -86,6 +94,7 @@ fn a_guest_rides_out_borrower_kills_and_a_stop() -> Result<()> {
     assert!(dir.path().join("api.state.json").exists(), "no state file");
 
     let script = SCRIPT
+        .replace("MIN_SECONDS", &MIN_SECONDS.to_string())
         .replace("CHUNKS", &CHUNKS.to_string())
         .replace("PER", &(CHUNKS / 4).to_string());
     let guest = Guest::builder()
@@ -98,7 +107,7 @@ fn a_guest_rides_out_borrower_kills_and_a_stop() -> Result<()> {
     for k in 0..4 {
         std::thread::sleep(Duration::from_millis(rng.random_range(300..1500)));
         if guest.console().contains("phase1=done") {
-            bail!("the workload ended before restart {k}: make it longer");
+            bail!("the workload ended before restart {k}: raise MIN_SECONDS");
         }
         if k < 3 {
             // Hold the lender still so that requests are surely in flight when the
