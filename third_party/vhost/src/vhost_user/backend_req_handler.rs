@@ -387,6 +387,8 @@ pub struct BackendReqHandler<S: VhostUserBackendReqHandler> {
     reply_ack_enabled: bool,
     // devlend patch: SET_OWNER has been received (and RESET_OWNER has not since)
     owned: bool,
+    // devlend patch: a reply to the request being handled has been sent
+    replied: std::cell::Cell<bool>,
     // postcopy state reached through the POSTCOPY_* requests
     #[cfg(feature = "postcopy")]
     postcopy_state: PostcopyState,
@@ -408,6 +410,7 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             acked_protocol_features: 0,
             reply_ack_enabled: false,
             owned: false,
+            replied: std::cell::Cell::new(false),
             #[cfg(feature = "postcopy")]
             postcopy_state: PostcopyState::Inactive,
             error: None,
@@ -460,6 +463,20 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             }
             Ok(FrontendReq::GET_SHARED_OBJECT) => self.send_reply_message(hdr, &VhostUserEmpty),
             Ok(code) if !has_reply_body(code) => self.send_ack_message(hdr, Err(err)),
+            // devlend patch: a request code this back-end does not know has no reply of
+            // its own that it could know of; a front-end that asked for an ack gets a
+            // failed one (spec "REPLY_ACK": the reply's request code is the request's).
+            Err(_) if self.reply_ack_enabled && hdr.is_need_reply() => {
+                self.check_state()?;
+                let mut reply = *hdr;
+                reply.set_reply(true);
+                reply.set_need_reply(false);
+                reply.set_size(mem::size_of::<VhostUserU64>() as u32);
+                self.replied.set(true);
+                self.main_sock
+                    .send_message(&reply, &VhostUserU64::new(1), None)?;
+                Ok(())
+            }
             _ => Err(err),
         }
     }
@@ -527,8 +544,8 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
         // . recv optional message body and payload according size field in
         //   message header
         // . validate message body and optional payload
-        let (hdr, files) = self.main_sock.recv_header()?;
-        self.check_attached_files(&hdr, &files)?;
+        // devlend patch: the header's code and flags are checked once the body is read.
+        let (hdr, files) = self.main_sock.recv_header_framed()?;
 
         let (size, buf) = match hdr.get_size() {
             0 => (0, vec![0u8; 0]),
@@ -549,6 +566,34 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             }
         }
 
+        // devlend patch: the whole message has been read, so the stream is still framed
+        // whatever its body holds. A request refused before any reply went out (a body
+        // of the wrong size, a value out of range, fds it does not take, an unknown
+        // code) gets the error reply its form allows, and the session goes on where the
+        // front-end could be told; errors of the socket itself still end it.
+        self.replied.set(false);
+        if !hdr.is_valid() {
+            drop(files);
+            return self.send_error_reply(&hdr, Error::InvalidMessage);
+        }
+        if let Err(e) = self.check_attached_files(&hdr, &files) {
+            drop(files);
+            return self.send_error_reply(&hdr, e);
+        }
+        match self.dispatch_request(&hdr, size, &buf, files) {
+            Err(e) if !self.replied.get() && is_request_error(&e) => self.send_error_reply(&hdr, e),
+            res => res,
+        }
+    }
+
+    fn dispatch_request(
+        &mut self,
+        hdr: &VhostUserMsgHeader<FrontendReq>,
+        size: usize,
+        buf: &[u8],
+        files: Option<Vec<File>>,
+    ) -> Result<()> {
+        let hdr = *hdr;
         match hdr.get_code() {
             Ok(FrontendReq::SET_OWNER) => {
                 self.check_request_size(&hdr, size, 0)?;
@@ -1338,6 +1383,7 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             return Err(Error::InvalidParam);
         }
         self.check_state()?;
+        self.replied.set(true);
         Ok(VhostUserMsgHeader::new(
             req.get_code()?,
             VhostUserHeaderFlag::REPLY.bits(),
@@ -1423,6 +1469,22 @@ fn allowed_without_owner(code: FrontendReq) -> bool {
 
 // devlend patch: the requests answered with a reply of their own, for which REPLY_ACK
 // changes nothing (the spec's "Communication" and REPLY_ACK sections).
+// devlend patch: an error that says the request was wrong (refused before any reply
+// went out), as opposed to one of the socket or the connection's state.
+fn is_request_error(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::InvalidParam
+            | Error::InvalidOperation(_)
+            | Error::InactiveFeature(_)
+            | Error::InactiveOperation(_)
+            | Error::InvalidMessage
+            | Error::IncorrectFds
+            | Error::ReqHandlerError(_)
+            | Error::FeatureMismatch
+    )
+}
+
 fn has_reply_body(code: FrontendReq) -> bool {
     matches!(
         code,
@@ -1678,6 +1740,77 @@ mod tests {
             ack_of(&mut handler, &mut ep, num, &state(0, 100), &[], None),
             0
         );
+    }
+
+    // devlend: a request whose body has the wrong size, one carrying fds it does not
+    // take, and one of a code the back-end does not know were read whole, so the stream
+    // is still framed: each gets a failed REPLY_ACK and the session goes on. Before the
+    // change each closed the connection (handle_request returned the error).
+    #[test]
+    fn test_malformed_requests_get_error_ack_without_closing() {
+        let (mut handler, mut ep) = ready_handler(VhostUserProtocolFeatures::empty());
+        let num = FrontendReq::SET_VRING_NUM;
+        // A SET_VRING_NUM 4 bytes short, and 4 bytes long.
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, num, &VhostUserEmpty, &[0u8; 4], None),
+            1
+        );
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, num, &state(0, 128), &[0u8; 4], None),
+            1
+        );
+        // A SET_VRING_ADDR with a body of the wrong size.
+        let addr = FrontendReq::SET_VRING_ADDR;
+        assert_eq!(ack_of(&mut handler, &mut ep, addr, &state(0, 0), &[], None), 1);
+        // A SET_VRING_NUM that carries an fd: refused, and the fd closed.
+        let (fd_end, peer) = UnixStream::pair().unwrap();
+        assert_eq!(
+            ack_of(
+                &mut handler,
+                &mut ep,
+                num,
+                &state(0, 128),
+                &[],
+                Some(&[fd_end.as_raw_fd()])
+            ),
+            1
+        );
+        drop(fd_end);
+        let mut b = [0u8; 1];
+        assert_eq!(
+            std::io::Read::read(&mut &peer, &mut b).unwrap(),
+            0,
+            "the fd sent with a request that takes none is closed"
+        );
+        // An unknown request code, asking for an ack.
+        let mut unknown = VhostUserMsgHeader::new(
+            FrontendReq::SET_VRING_NUM,
+            VhostUserHeaderFlag::NEED_REPLY.bits(),
+            8,
+        );
+        unknown.set_raw_code(0x0fff);
+        ep.send_message(&unknown, &VhostUserU64::new(0), None)
+            .unwrap();
+        handler.handle_request().unwrap();
+        // The reply names the unknown code: read it without the code check.
+        let (reply, _) = ep.recv_header_framed().unwrap();
+        assert!(reply.is_reply());
+        assert_eq!(reply.raw_code(), 0x0fff);
+        assert_eq!(reply.get_size(), 8);
+        let (n, ack) = ep.recv_data(8).unwrap();
+        assert_eq!(n, 8);
+        assert_eq!(u64::from_le_bytes(ack[..8].try_into().unwrap()), 1);
+        // The session goes on.
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, num, &state(0, 128), &[], None),
+            0
+        );
+        // Without REPLY_ACK there is no way to say it: the connection is closed.
+        handler.reply_ack_enabled = false;
+        let hdr = VhostUserMsgHeader::new(num, 0, 4);
+        ep.send_message_with_payload(&hdr, &VhostUserEmpty, &[0u8; 4], None)
+            .unwrap();
+        assert!(handler.handle_request().is_err());
     }
 
     // Send GET_CONFIG; the handler must keep the session; return the reply's size field

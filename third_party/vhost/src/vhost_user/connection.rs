@@ -593,6 +593,34 @@ impl<H: MsgHeader> Endpoint<H> {
     }
 }
 
+// devlend patch: a back-end reads a request's header, then its body, before it judges
+// the request, so that a request it refuses (an unknown code, reserved flags) can be
+// answered and the stream stays framed.
+impl<R: Req> Endpoint<VhostUserMsgHeader<R>> {
+    /// Receives a request header as [`Endpoint::recv_header`] does, but checks only what
+    /// the framing needs (the version, and a size the body can be read with); the code
+    /// and the flags are the caller's to check, once the body is read.
+    pub fn recv_header_framed(&mut self) -> Result<(VhostUserMsgHeader<R>, Option<Vec<File>>)> {
+        let mut hdr = VhostUserMsgHeader::<R>::default();
+        let mut iovs = [iovec {
+            iov_base: (&mut hdr as *mut VhostUserMsgHeader<R>) as *mut c_void,
+            iov_len: mem::size_of::<VhostUserMsgHeader<R>>(),
+        }];
+        // SAFETY: Safe because we own hdr and it's ByteValued.
+        let (bytes, files) = unsafe { self.recv_into_iovec_all(&mut iovs[..])? };
+
+        if bytes == 0 {
+            return Err(Error::Disconnected);
+        } else if bytes != mem::size_of::<VhostUserMsgHeader<R>>() {
+            return Err(Error::PartialMessage);
+        } else if hdr.get_version() != 0x1 || hdr.get_size() as usize > MAX_MSG_SIZE {
+            return Err(Error::InvalidMessage);
+        }
+
+        Ok((hdr, files))
+    }
+}
+
 impl<H: MsgHeader> AsRawFd for Endpoint<H> {
     fn as_raw_fd(&self) -> RawFd {
         self.sock.as_raw_fd()

@@ -272,6 +272,18 @@ impl<R: Req> PartialEq for VhostUserMsgHeader<R> {
 }
 
 impl<R: Req> VhostUserMsgHeader<R> {
+    // devlend patch: the request code as sent, known to `R` or not (tests send and
+    // check codes that no `R` names).
+    #[cfg(test)]
+    pub(super) fn raw_code(&self) -> u32 {
+        self.request
+    }
+
+    #[cfg(test)]
+    pub(super) fn set_raw_code(&mut self, request: u32) {
+        self.request = request;
+    }
+
     /// Create a new instance of `VhostUserMsgHeader`.
     pub fn new(request: R, flags: u32, size: u32) -> Self {
         // Default to protocol version 1
