@@ -580,6 +580,15 @@ where
             .vrings
             .get(index as usize)
             .ok_or(VhostUserError::InvalidParam)?;
+        // devlend patch: the worker polls the kick fd and reads it as an eventfd. A
+        // socket or pipe whose other end is gone stays readable for ever (the worker
+        // would spin), and a regular file cannot be polled at all: only an eventfd is
+        // taken (spec "SET_VRING_KICK": "an eventfd").
+        if let Some(f) = &file {
+            if !is_eventfd(f) {
+                return Err(VhostUserError::InvalidParam);
+            }
+        }
 
         // SAFETY: EventFd requires that it has sole ownership of its fd. So
         // does File, so this is safe.
@@ -1235,4 +1244,12 @@ mod tests {
             }
         }
     }
+}
+
+/// devlend patch: whether `file` is an eventfd (its /proc/self/fd link names the
+/// eventfd anonymous inode).
+fn is_eventfd(file: &File) -> bool {
+    std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map(|p| p.as_os_str() == "anon_inode:[eventfd]")
+        .unwrap_or(false)
 }
