@@ -488,7 +488,9 @@ fn serve(
     shared: Arc<Shared>,
 ) {
     let name = format!("devlend-blk-{}", config.lender.device);
+    let budget = crate::budget::for_attachment();
     while wait_for_client(&listener, &wake, &shared) {
+        crate::budget::charge_connect(&budget, &shared.stop);
         let backend = Arc::new(
             BlkBackend::new(
                 Arc::from(config.id.as_str()),
@@ -509,6 +511,7 @@ fn serve(
                 continue;
             }
         };
+        daemon.set_message_budget(budget.clone());
         backend.attach_handlers(&daemon.get_epoll_handlers());
         set_current(&shared, Some((backend.clone(), None)));
         if let Err(e) = daemon.start(&mut listener) {

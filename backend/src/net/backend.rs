@@ -332,7 +332,9 @@ pub fn serve(
     connected: &AtomicBool,
 ) {
     let name = format!("devlend-net-{}", target.device);
+    let budget = crate::budget::for_attachment();
     while wait(&listener) {
+        crate::budget::charge_connect(&budget, stop);
         let backend =
             match NetBackend::new(Arc::from(id), target, pairs, link, offload, stats.clone()) {
                 Ok(b) => Arc::new(b),
@@ -351,6 +353,7 @@ pub fn serve(
                 continue;
             }
         };
+        daemon.set_message_budget(budget.clone());
         backend.attach_handlers(&daemon.get_epoll_handlers());
         if let Err(e) = daemon.start(&mut listener) {
             devlend_fabric::limited!(warn, attachment = %id, error = %e, "vhost-user connection failed to start");

@@ -28,6 +28,9 @@ pub use self::backend::{VhostUserBackend, VhostUserBackendMut};
 mod event_loop;
 pub use self::event_loop::VringEpollHandler;
 
+mod budget;
+pub use self::budget::MessageBudget;
+
 mod handler;
 pub use self::handler::VhostUserHandlerError;
 
@@ -123,6 +126,9 @@ pub struct VhostUserDaemon<T: VhostUserBackend> {
     handler: Arc<Mutex<VhostUserHandler<T>>>,
     main_thread: Option<thread::JoinHandle<Result<()>>>,
     conn_state: Option<Arc<ConnectionState>>,
+    // devlend patch: the front-end messages this daemon handles per second, shared by
+    // its connections (a front-end that reconnects does not get a fresh burst).
+    budget: Option<MessageBudget>,
 }
 
 impl<T> VhostUserDaemon<T>
@@ -150,7 +156,17 @@ where
             handler,
             main_thread: None,
             conn_state: None,
+            budget: None,
         })
+    }
+
+    /// devlend patch: bounds the front-end messages this daemon handles by `budget`
+    /// (which other daemons may share). Past it the connection thread sleeps before it reads the
+    /// next message, so a front-end flooding valid requests costs a bounded share of a
+    /// core. Applies to connections started after the call. Without it (the default)
+    /// messages are handled as fast as they come.
+    pub fn set_message_budget(&mut self, budget: MessageBudget) {
+        self.budget = Some(budget);
     }
 
     fn reset_connection_state(&mut self) {
@@ -174,10 +190,14 @@ where
         });
 
         let thread_state = state.clone();
+        let budget = self.budget.clone();
         let handle = thread::Builder::new()
             .name(self.name.clone())
             .spawn(move || {
                 let result = loop {
+                    if let Some(budget) = &budget {
+                        budget.wait(1, &thread_state.shutdown_requested);
+                    }
                     if let Err(e) = handler.handle_request().map_err(Error::HandleRequest) {
                         break Err(e);
                     }
@@ -326,6 +346,7 @@ impl<T: VhostUserBackend> Drop for VhostUserDaemon<T> {
         }
     }
 }
+
 
 #[cfg(test)]
 mod tests {
