@@ -15,4 +15,5 @@ pub mod guest;
 pub mod net;
 pub mod pci;
 mod shared_map;
+pub mod sigbus;
 pub mod virtq;

@@ -54,6 +54,9 @@ pub struct BlkBackend {
     exit_fds: Mutex<Vec<(EventNotifier, RawFd)>>,
     stopping: AtomicBool,
     poll: Duration,
+    /// The guest memory's host ranges, guarded against truncation by the VMM (the
+    /// queues stay stopped from a fault there until a new memory table comes).
+    memory_guard: crate::sigbus::MemoryGuard,
 }
 
 /// Longest busy-poll in one event handler call: the locks of the queue are then let go.
@@ -94,6 +97,7 @@ impl BlkBackend {
             exit_fds: Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
             poll: Duration::ZERO,
+            memory_guard: crate::sigbus::MemoryGuard::default(),
         }
     }
 
@@ -312,6 +316,7 @@ impl VhostUserBackend for BlkBackend {
         // hold the map they were parsed against. Over RDMA each queue registers the new
         // regions now and drops what nobody uses any more.
         let map = mem.memory().into_inner();
+        self.memory_guard.set_memory(&map);
         for cell in &self.queues {
             lock(cell).engine.memory_changed(&map);
         }
@@ -395,6 +400,9 @@ impl VhostUserBackend for BlkBackend {
         let queue = state.get_queue_mut();
         if used && queue.needs_notification(mem.as_ref()).unwrap_or(true) {
             state.signal_used_queue()?;
+        }
+        if self.memory_guard.lost() {
+            cell.engine.break_queue(crate::sigbus::LOST.into());
         }
         if cell.engine.take_newly_broken() {
             // virtio 1.2 §2.1.2: the device needs a reset. vhost-user's way to say so is

@@ -47,6 +47,8 @@ pub struct NetBackend {
     exit_fds: Mutex<Vec<(EventNotifier, RawFd)>>,
     acked: std::sync::atomic::AtomicU64,
     offload: bool,
+    /// The guest memory's host ranges, guarded against truncation by the VMM.
+    memory_guard: crate::sigbus::MemoryGuard,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -83,6 +85,7 @@ impl NetBackend {
             exit_fds: Mutex::new(Vec::new()),
             acked: std::sync::atomic::AtomicU64::new(0),
             offload,
+            memory_guard: crate::sigbus::MemoryGuard::default(),
         })
     }
 
@@ -198,7 +201,8 @@ impl VhostUserBackend for NetBackend {
         config_slice(&self.config, offset, size)
     }
 
-    fn update_memory(&self, _mem: GuestMemoryAtomic<GuestMemory>) -> io::Result<()> {
+    fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemory>) -> io::Result<()> {
+        self.memory_guard.set_memory(&mem.memory());
         Ok(())
     }
 
@@ -279,6 +283,11 @@ impl VhostUserBackend for NetBackend {
         } else if device_event == 1 && tx_ready {
             let r = cell.engine.on_tx(txs.get_queue_mut(), &mem);
             tx_used |= cell.engine.ring_result(PairQueue::Tx, r);
+        }
+        if self.memory_guard.lost() {
+            for q in [PairQueue::Rx, PairQueue::Tx] {
+                cell.engine.break_queue(q, crate::sigbus::LOST.into());
+            }
         }
         // A used ring that cannot be read for its event index: signal (the guest's
         // loss, not the worker's).
