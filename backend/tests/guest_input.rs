@@ -1,6 +1,10 @@
 //! Guest input that must get the right answer (virtio 1.2 §2.7, §5.2.6), driven through
 //! the real queue engine on `virtio_queue::mock::MockSplitQueue` against a real lender
 //! (the device agent, in process) over TCP loopback.
+//!
+//! Why this file is over 600 lines: a test file: its 13 tests share one harness (the `Rig`,
+//! with its in-process lender and queue engine, and the `Vq` that places chains on the mock
+//! queue, about 210 lines) that splitting would have to export.
 
 use std::path::PathBuf;
 use std::sync::Arc;

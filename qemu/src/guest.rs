@@ -28,6 +28,12 @@
 //!
 //! Set `DEVLEND_TEST_VERBOSE=1` to echo the console of every guest to the
 //! test's stderr as it arrives, each line prefixed with the guest's name.
+//!
+//! Why this file is over 600 lines: it holds a guest's whole life: the image
+//! (`GuestImage`), the builder (`GuestBuilder`, about 320 lines, mostly option setters),
+//! the running guest with its console readers, and the initramfs writer (`write_initrd`,
+//! `CpioWriter`). The image and the initramfs writer could move to modules of their own,
+//! and are left here for now.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

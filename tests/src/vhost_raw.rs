@@ -6,6 +6,13 @@
 //! Wire format (QEMU `docs/interop/vhost-user.rst`): a header of request `u32`, flags
 //! `u32` (version 0x1, REPLY 0x4, NEED_REPLY 0x8) and payload size `u32`, then the
 //! payload; file descriptors ride along in `SCM_RIGHTS`. Values are native-endian.
+//!
+//! Why this file is over 600 lines: it is the whole raw frontend: the message client
+//! (`RawFrontend`, a method per request, about 400 lines), the guest memory it owns
+//! (`GuestRam`) and the rings and queues it lays out there (`SplitRing`, `RawQueue`), and
+//! the fuzz target `vhost_sequence` compiles this one file in by `#[path]`. The guest
+//! memory and rings could move to a module of their own (which that fuzz target would then
+//! include too), and are left here for now.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

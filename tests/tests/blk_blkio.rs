@@ -1,5 +1,12 @@
 //! End to end with real processes: a lender and a borrower on loopback, driven through
 //! the vhost-user socket by the `blkio` crate's virtio-blk-vhost-user frontend.
+//!
+//! Why this file is over 600 lines: a test file: its nine end-to-end tests share one small
+//! rig (`Setup`: a lender and a borrower process, and a `blkio` client on the attachment).
+//! The two tests that drive the `devlend` command line
+//! (`cli_attach_prints_qemu_and_libvirt_and_detach_removes_the_socket` and
+//! `socket_paths_never_destroy_files`, about 270 lines) could move to their own file, and
+//! are left here for now.
 
 use std::fs;
 use std::os::unix::fs::MetadataExt;

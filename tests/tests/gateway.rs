@@ -9,6 +9,13 @@
 //! The gateways' link goes through a delaying relay in the test process (10 ms each
 //! way when on: 20 ms RTT). The blkio frontend drives the borrowed disk. Tests run one
 //! at a time (they share the two cores with the throughput measurement).
+//!
+//! Why this file is over 600 lines: a test file: its eight tests are end-to-end scenarios,
+//! one at a time under one lock (`SERIAL`), most on the two-gateway topology (`Topo`, in
+//! `devlend_tests::gateways`). The log-flood test
+//! (`a_flood_of_malformed_peers_gets_a_bounded_log`, about 165 lines with its helpers),
+//! which starts its own gateway without that topology, could move to its own file, and is
+//! left here for now.
 
 use std::path::Path;
 use std::process::Command;

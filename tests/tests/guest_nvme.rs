@@ -22,6 +22,11 @@
 //! - then on the raw fabric: a borrower that refuses the lender's read of a command's
 //!   data gets that command failed (Data Transfer Error), one that sends a guest memory
 //!   message itself ends its session, and the function, quiesced, works for the next.
+//!
+//! Why this file is over 600 lines: a test file with one test, so that every check runs on
+//! one boot of the lender's QEMU TCG guest (the test waits up to 240 s for it to listen):
+//! `scenario` (about 420 lines) as a userspace NVMe driver, then `fabric` on the raw fabric
+//! (with `Raw` and `FakeGuest`, about 200 lines).
 
 use devlend_tests::shared_libraries as libs;
 use std::path::{Path, PathBuf};

@@ -19,6 +19,11 @@
 //! only); a second borrower is refused while the first holds the function; a borrower
 //! that disconnects mid-DMA leaves the lender able to lend the function again, which
 //! then computes and copies correctly for the next borrower.
+//!
+//! Why this file is over 600 lines: a test file with one test, so that every check runs on
+//! one boot of the lender's QEMU TCG guest (the test waits up to 240 s for it to listen):
+//! the e1000e checks (about 120 lines), then `scenario` (about 330 lines) with edu, the bad
+//! requests, a second borrower and a borrower that leaves mid-DMA.
 
 use devlend_tests::shared_libraries as libs;
 use std::io::{Read, Write};

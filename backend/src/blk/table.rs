@@ -15,6 +15,10 @@
 //!   the used ring ([`RequestTable::returned`]). A request is marked for as long as it
 //!   has a slot, across lost sessions too; a restarted backend finds the marks in pop
 //!   order, the order the table resends in.
+//!
+//! Why this file is over 600 lines: about 270 of its lines (from `#[cfg(test)]` on) are
+//! unit tests of the table's ids, its credit order, its resends after a lost session and
+//! its inflight marks; the table itself, one type, is under 380 lines.
 
 use std::collections::VecDeque;
 use std::time::Instant;
