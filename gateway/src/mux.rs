@@ -851,17 +851,8 @@ mod tests {
     #[tokio::test]
     async fn random_input_is_refused_without_panics() {
         use rand::{Rng, SeedableRng};
-        // DEVLEND_SEED replays a failed run's seed.
-        let seed = std::env::var("DEVLEND_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos() as u64)
-                    .unwrap_or(1)
-            });
-        eprintln!("seed {seed} (DEVLEND_SEED={seed} replays it)");
+        // DEVLEND_TEST_SEED replays a failed run's seed.
+        let seed = devlend_tests::test_seed();
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for _ in 0..20_000 {
             let mut h = [0u8; FRAME_HEADER_LEN];
