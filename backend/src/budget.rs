@@ -8,6 +8,8 @@
 //! reset a device with many queues, the connection's thread sleeps before it reads the
 //! next message, and the VMM's writes wait in the socket buffer in turn.
 
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::AtomicBool;
 
 use vhost_user_backend::MessageBudget;
@@ -22,9 +24,11 @@ pub const BURST: u32 = 2048;
 /// a core without a budget), so at most some 3 % of a core.
 pub const PER_SECOND: u32 = 500;
 
-/// What a new connection to the socket costs in messages: accepting it sets up a
-/// backend (a fabric session per queue), so a VMM that connects and closes in a loop is
-/// slowed as one that floods messages is.
+/// What a new connection to the socket costs in messages: serving it sets up a backend
+/// (a fabric session per queue), so a VMM that connects in a loop is slowed as one that
+/// floods messages is. A connection whose peer has gone by its turn costs nothing
+/// ([`admit_connection`]): a flood of connections closed at once is drained at accept
+/// speed and does not keep the next VMM waiting.
 pub const CONNECT_COST: u32 = 64;
 
 /// A fresh budget for one attachment.
@@ -32,8 +36,43 @@ pub fn for_attachment() -> MessageBudget {
     MessageBudget::new(BURST, PER_SECOND)
 }
 
-/// Draws a new connection's cost from `budget`, sleeping until it is there (or `stop`
-/// is set).
-pub fn charge_connect(budget: &MessageBudget, stop: &AtomicBool) {
-    budget.wait(CONNECT_COST, stop);
+/// Whether to serve `stream`, a connection just accepted: waits until `budget` holds a
+/// connection's cost, then takes it if the peer is still there. False (nothing taken)
+/// for a peer that has gone, or once `stop` is set.
+pub fn admit_connection(budget: &MessageBudget, stream: &UnixStream, stop: &AtomicBool) -> bool {
+    budget.admit(CONNECT_COST, stop, || peer_is_there(stream))
+}
+
+/// Whether the other end of `stream` is still connected (it has not closed or shut its
+/// writing side down).
+fn peer_is_there(stream: &UnixStream) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for the duration of the call; no wait.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n >= 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_that_left_is_not_admitted_and_costs_nothing() {
+        let budget = MessageBudget::new(BURST, PER_SECOND);
+        let stop = AtomicBool::new(false);
+        for _ in 0..1000 {
+            let (a, b) = UnixStream::pair().unwrap();
+            drop(b);
+            assert!(!admit_connection(&budget, &a, &stop));
+        }
+        let (a, _b) = UnixStream::pair().unwrap();
+        let t = std::time::Instant::now();
+        assert!(admit_connection(&budget, &a, &stop));
+        assert!(t.elapsed() < std::time::Duration::from_millis(50));
+        assert_eq!(budget.throttled(), 0);
+    }
 }

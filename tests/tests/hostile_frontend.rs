@@ -1161,3 +1161,42 @@ fn a_flood_of_valid_messages_costs_a_bounded_share_of_a_core() {
     q0.read_ok(&ram);
     alive(&mut fe);
 }
+
+/// A frontend that connects and closes at once, in a loop, for 3 s (thousands of
+/// connections): the next VMM is answered at once, and the agent stays near idle. A
+/// new-user trial found the socket locked out for 9 minutes after such a flood when each
+/// queued connection was charged the message budget's connection cost even though its
+/// peer had gone; a connection is now admitted only if its peer is still there by its
+/// turn, and one that left costs nothing.
+#[test]
+fn a_flood_of_connections_closed_at_once_does_not_lock_the_socket_out() {
+    let mut rig = rig();
+    let log = rig.log_len();
+    let t0 = Instant::now();
+    let mut n = 0u32;
+    while t0.elapsed() < Duration::from_secs(3) {
+        drop(std::os::unix::net::UnixStream::connect(&rig.sock).unwrap());
+        n += 1;
+    }
+    let t = Instant::now();
+    let mut fe = RawFrontend::connect(&rig.sock).unwrap();
+    fe.set_timeout(Duration::from_secs(30)).unwrap();
+    alive(&mut fe);
+    eprintln!(
+        "{n} connections closed at once; the next one answered after {:?}",
+        t.elapsed()
+    );
+    assert!(n > 500, "the flood did not get going: {n}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "the socket answered a new frontend only after {:?}",
+        t.elapsed()
+    );
+    drop(fe);
+    let ram = ram();
+    let mut fe = rig.session(&ram);
+    let mut q0 = Queue::new(0);
+    q0.start(&mut fe, &ram);
+    q0.read_ok(&ram);
+    rig.check_cost(log, "a connect-and-close flood");
+}

@@ -479,8 +479,21 @@ fn wait_for_client(listener: &Listener, wake: &EventFd, shared: &Shared) -> bool
     }
 }
 
+/// Accepts the frontend connection `wait_for_client` saw pending: `None` if it went
+/// away before (or the accept failed, logged under a rate limit).
+pub(crate) fn accept(listener: &Listener, id: &str) -> Option<std::os::unix::net::UnixStream> {
+    match listener.accept() {
+        Ok(stream) => stream,
+        Err(e) => {
+            devlend_fabric::limited!(warn, attachment = %id, error = %e, "cannot accept a vhost-user connection");
+            std::thread::sleep(Duration::from_millis(100));
+            None
+        }
+    }
+}
+
 fn serve(
-    mut listener: Listener,
+    listener: Listener,
     wake: EventFd,
     config: AttachmentConfig,
     limits: Arc<DeviceLimits>,
@@ -490,7 +503,12 @@ fn serve(
     let name = format!("devlend-blk-{}", config.lender.device);
     let budget = crate::budget::for_attachment();
     while wait_for_client(&listener, &wake, &shared) {
-        crate::budget::charge_connect(&budget, &shared.stop);
+        let Some(stream) = accept(&listener, &config.id) else {
+            continue;
+        };
+        if !crate::budget::admit_connection(&budget, &stream, &shared.stop) {
+            continue;
+        }
         let backend = Arc::new(
             BlkBackend::new(
                 Arc::from(config.id.as_str()),
@@ -514,7 +532,7 @@ fn serve(
         daemon.set_message_budget(budget.clone());
         backend.attach_handlers(&daemon.get_epoll_handlers());
         set_current(&shared, Some((backend.clone(), None)));
-        if let Err(e) = daemon.start(&mut listener) {
+        if let Err(e) = daemon.start_stream(stream) {
             devlend_fabric::limited!(warn, attachment = %config.id, error = %e, "vhost-user connection failed to start");
         } else {
             set_current(&shared, Some((backend.clone(), daemon.shutdown_handle())));

@@ -328,7 +328,7 @@ impl VhostUserBackend for NetBackend {
 /// and disconnection.
 #[allow(clippy::too_many_arguments)]
 pub fn serve(
-    mut listener: Listener,
+    listener: Listener,
     id: &str,
     target: &LenderTarget,
     pairs: u16,
@@ -343,7 +343,12 @@ pub fn serve(
     let name = format!("devlend-net-{}", target.device);
     let budget = crate::budget::for_attachment();
     while wait(&listener) {
-        crate::budget::charge_connect(&budget, stop);
+        let Some(stream) = crate::blk::attachment::accept(&listener, id) else {
+            continue;
+        };
+        if !crate::budget::admit_connection(&budget, &stream, stop) {
+            continue;
+        }
         let backend =
             match NetBackend::new(Arc::from(id), target, pairs, link, offload, stats.clone()) {
                 Ok(b) => Arc::new(b),
@@ -364,7 +369,7 @@ pub fn serve(
         };
         daemon.set_message_budget(budget.clone());
         backend.attach_handlers(&daemon.get_epoll_handlers());
-        if let Err(e) = daemon.start(&mut listener) {
+        if let Err(e) = daemon.start_stream(stream) {
             devlend_fabric::limited!(warn, attachment = %id, error = %e, "vhost-user connection failed to start");
         } else {
             current(daemon.shutdown_handle());

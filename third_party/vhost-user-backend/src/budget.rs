@@ -46,6 +46,39 @@ impl MessageBudget {
         }
     }
 
+    /// Waits until the budget holds `cost` (without running into debt), then takes it
+    /// if `still_wanted()` says so and returns true; returns false, having taken
+    /// nothing, if it does not or once `stop` is set. For work that may no longer be
+    /// needed once its turn comes (a connection whose peer left while it waited).
+    pub fn admit(&self, cost: u32, stop: &AtomicBool, still_wanted: impl Fn() -> bool) -> bool {
+        let cost = f64::from(cost);
+        let mut waited = false;
+        loop {
+            if stop.load(Ordering::Acquire) {
+                return false;
+            }
+            let wait = match self.bucket.lock() {
+                Ok(mut b) => {
+                    b.refill(Instant::now());
+                    if b.tokens >= cost.min(b.burst) {
+                        if !still_wanted() {
+                            return false;
+                        }
+                        b.tokens -= cost;
+                        if waited {
+                            b.throttled += 1;
+                        }
+                        return true;
+                    }
+                    (cost.min(b.burst) - b.tokens) / b.rate
+                }
+                Err(_) => return still_wanted(),
+            };
+            waited = true;
+            thread::sleep(Duration::from_secs_f64(wait).min(Duration::from_millis(20)));
+        }
+    }
+
     /// How many draws had to wait, since the budget was made.
     pub fn throttled(&self) -> u64 {
         self.bucket.lock().map_or(0, |b| b.throttled)
@@ -76,10 +109,15 @@ impl Bucket {
     }
 
     /// Takes `cost` tokens: `None` if they were there, else how long until they are.
-    fn take(&mut self, cost: u32, now: Instant) -> Option<Duration> {
+    /// Adds what the time since the last count earned, up to the burst.
+    fn refill(&mut self, now: Instant) {
         let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
         self.last = now;
         self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+    }
+
+    fn take(&mut self, cost: u32, now: Instant) -> Option<Duration> {
+        self.refill(now);
         let cost = f64::from(cost);
         self.tokens -= cost;
         if self.tokens >= 0.0 {
@@ -117,6 +155,25 @@ mod tests {
         // A draw of several waits for all of them.
         let w = b.take(10, later).unwrap();
         assert!((w.as_secs_f64() - 0.11).abs() < 1e-9, "{w:?}");
+    }
+
+    #[test]
+    fn admit_takes_nothing_for_work_no_longer_wanted() {
+        let budget = MessageBudget::new(100, 1000);
+        let stop = AtomicBool::new(false);
+        // Unwanted work costs nothing, however much of it there is.
+        for _ in 0..10_000 {
+            assert!(!budget.admit(64, &stop, || false));
+        }
+        let t = Instant::now();
+        assert!(budget.admit(64, &stop, || true));
+        assert!(t.elapsed() < Duration::from_millis(20), "{:?}", t.elapsed());
+        // The next one waits for its tokens (28 more, at 1000 a second), no debt.
+        assert!(budget.admit(64, &stop, || true));
+        assert!(t.elapsed() >= Duration::from_millis(25), "{:?}", t.elapsed());
+        assert_eq!(budget.throttled(), 1);
+        stop.store(true, Ordering::Release);
+        assert!(!budget.admit(64, &stop, || true));
     }
 
     #[test]

@@ -1056,8 +1056,9 @@ fn seal_shrink(file: &File) -> bool {
         warn!(
             "a guest memory region's file ({} bytes) cannot be sealed against shrinking \
              (not a memfd made with MFD_ALLOW_SEALING, or already F_SEAL_SEAL-ed): a \
-             front-end that truncates it can crash this back-end (SIGBUS); logged at most \
-             once a minute",
+             front-end that truncates it makes the back-end's next access to it a SIGBUS \
+             (a back-end without a SIGBUS handler for guest memory dies of it); logged at \
+             most once a minute",
             meta.len()
         );
     }

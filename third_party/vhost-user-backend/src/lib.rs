@@ -213,6 +213,15 @@ where
         Ok(())
     }
 
+    /// devlend patch: runs the dedicated thread on a connection the caller accepted
+    /// itself (from a [`Listener`] it polls), so that it can look at the connection
+    /// first (for instance drop one whose peer has already gone) before the back-end
+    /// does any work for it.
+    pub fn start_stream(&mut self, stream: UnixStream) -> Result<()> {
+        let handler = BackendReqHandler::from_stream(stream, self.handler.clone());
+        self.start_daemon(handler)
+    }
+
     /// Connect to the vhost-user socket and run a dedicated thread handling
     /// all requests coming through this socket. This runs in an infinite loop
     /// that should be terminating once the other end of the socket (the VMM)
