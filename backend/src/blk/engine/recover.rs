@@ -48,7 +48,8 @@ impl QueueEngine {
         mem: &GuestMemoryRef,
         fault: FabricFault,
     ) -> Result<bool, virtio_queue::Error> {
-        tracing::warn!(
+        devlend_fabric::limited!(
+            warn,
             attachment = %self.name,
             queue = self.index,
             lender = %self.target.addr,
@@ -84,7 +85,8 @@ impl QueueEngine {
             Ok(()) => {
                 self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
                 self.failure_logged = None;
-                tracing::info!(
+                devlend_fabric::limited!(
+                    info,
                     attachment = %self.name,
                     queue = self.index,
                     lender = %self.target.addr,
@@ -200,7 +202,8 @@ impl QueueEngine {
     ) -> Result<bool, virtio_queue::Error> {
         let mut done = Completer::new(queue, mem, &self.stats, self.index).fabric_failures();
         for head in self.table.count_resends(MAX_RESENDS) {
-            tracing::error!(
+            devlend_fabric::limited!(
+                error,
                 attachment = %self.name,
                 queue = self.index,
                 head,
@@ -218,7 +221,8 @@ impl QueueEngine {
         let n = self.table.requeue_all() as u64;
         self.stats.resent.fetch_add(n, Ordering::Relaxed);
         if n > 0 {
-            tracing::info!(
+            devlend_fabric::limited!(
+                info,
                 attachment = %self.name,
                 queue = self.index,
                 requests = n,
