@@ -11,7 +11,9 @@
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
+use vhost::vhost_user::Listener;
 use vhost_user_backend::MessageBudget;
 
 /// Messages a VMM may send at once, from an idle budget. QEMU sets up a 16-queue device
@@ -34,6 +36,27 @@ pub const CONNECT_COST: u32 = 64;
 /// A fresh budget for one attachment.
 pub fn for_attachment() -> MessageBudget {
     MessageBudget::new(BURST, PER_SECOND)
+}
+
+/// Accepts the connection pending on `listener` (a disk's or a NIC's vhost-user socket,
+/// attachment `id`) and returns it if [`admit_connection`] admits it: `None` if it went
+/// away before it was accepted or before its turn, or the accept failed (logged under a
+/// rate limit).
+pub fn accept_admitted(
+    listener: &Listener,
+    budget: &MessageBudget,
+    stop: &AtomicBool,
+    id: &str,
+) -> Option<UnixStream> {
+    let stream = match listener.accept() {
+        Ok(stream) => stream?,
+        Err(e) => {
+            devlend_fabric::limited!(warn, attachment = %id, error = %e, "cannot accept a vhost-user connection");
+            std::thread::sleep(Duration::from_millis(100));
+            return None;
+        }
+    };
+    admit_connection(budget, &stream, stop).then_some(stream)
 }
 
 /// Whether to serve `stream`, a connection just accepted: waits until `budget` holds a

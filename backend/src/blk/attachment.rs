@@ -479,19 +479,6 @@ fn wait_for_client(listener: &Listener, wake: &EventFd, shared: &Shared) -> bool
     }
 }
 
-/// Accepts the frontend connection `wait_for_client` saw pending: `None` if it went
-/// away before (or the accept failed, logged under a rate limit).
-pub(crate) fn accept(listener: &Listener, id: &str) -> Option<std::os::unix::net::UnixStream> {
-    match listener.accept() {
-        Ok(stream) => stream,
-        Err(e) => {
-            devlend_fabric::limited!(warn, attachment = %id, error = %e, "cannot accept a vhost-user connection");
-            std::thread::sleep(Duration::from_millis(100));
-            None
-        }
-    }
-}
-
 fn serve(
     listener: Listener,
     wake: EventFd,
@@ -503,12 +490,11 @@ fn serve(
     let name = format!("devlend-blk-{}", config.lender.device);
     let budget = crate::budget::for_attachment();
     while wait_for_client(&listener, &wake, &shared) {
-        let Some(stream) = accept(&listener, &config.id) else {
+        let Some(stream) =
+            crate::budget::accept_admitted(&listener, &budget, &shared.stop, &config.id)
+        else {
             continue;
         };
-        if !crate::budget::admit_connection(&budget, &stream, &shared.stop) {
-            continue;
-        }
         let backend = Arc::new(
             BlkBackend::new(
                 Arc::from(config.id.as_str()),

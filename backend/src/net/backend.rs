@@ -343,12 +343,9 @@ pub fn serve(
     let name = format!("devlend-net-{}", target.device);
     let budget = crate::budget::for_attachment();
     while wait(&listener) {
-        let Some(stream) = crate::blk::attachment::accept(&listener, id) else {
+        let Some(stream) = crate::budget::accept_admitted(&listener, &budget, stop, id) else {
             continue;
         };
-        if !crate::budget::admit_connection(&budget, &stream, stop) {
-            continue;
-        }
         let backend =
             match NetBackend::new(Arc::from(id), target, pairs, link, offload, stats.clone()) {
                 Ok(b) => Arc::new(b),
