@@ -17,6 +17,7 @@ pub mod codec;
 pub mod conn;
 pub mod error;
 pub mod handshake;
+pub mod identity;
 pub mod io_util;
 pub mod latency;
 pub mod lease_token;
