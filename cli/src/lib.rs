@@ -19,6 +19,7 @@ pub mod gateway_cmd;
 pub mod output;
 pub mod pattern;
 pub mod placement;
+pub mod pool_auth;
 pub mod pool_cmd;
 pub mod stress;
 pub mod verify;

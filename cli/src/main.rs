@@ -32,6 +32,8 @@ struct Cli {
     command: Cmd,
 }
 
+// Parsed once per run: the size of its largest variant (`attach`) costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Attach a device lent by a device agent on a new socket (vhost-user-blk, or
@@ -69,6 +71,11 @@ enum Cmd {
         /// Device pool URL.
         #[arg(long, env = "DEVLEND_POOL", default_value = "http://127.0.0.1:7400")]
         pool: String,
+        /// With --class: the key the lease request is signed with (this compute host's
+        /// enrolled key) [default: the compute agent's,
+        /// /var/lib/devlend/compute-agent/identity.key, if it exists].
+        #[arg(long = "pool-key", env = "DEVLEND_POOL_KEY", value_name = "FILE")]
+        pool_key: Option<PathBuf>,
         /// vhost-user socket to create (a relative path is taken from the current
         /// directory).
         #[arg(long)]
@@ -192,10 +199,10 @@ enum Cmd {
         #[command(subcommand)]
         cmd: devlend_cli::gateway_cmd::GatewayCmd,
     },
-    /// The device pool: run it, list its devices, leases and providers.
+    /// The device pool: run it, list its devices, leases and providers, enroll keys.
     Pool {
         #[command(subcommand)]
-        cmd: devlend_cli::pool_cmd::PoolCmd,
+        cmd: Box<devlend_cli::pool_cmd::PoolCmd>,
     },
     /// Verified I/O through a vhost-user-blk socket, for tests: random writes on every
     /// queue read back and compared, flush, discard, write-zeroes; writes what the
@@ -358,6 +365,7 @@ fn run(cli: Cli) -> Result<()> {
             vm,
             lease_ttl,
             pool,
+            pool_key,
             socket,
             queues,
             queue_size,
@@ -395,8 +403,13 @@ fn run(cli: Cli) -> Result<()> {
                     if !(1..=16).contains(&queues) || reconnect_deadline_s > 3600 {
                         bail!("--queues must be 1..=16 and --reconnect-deadline at most 3600 s");
                     }
-                    let c = placement::claim(
+                    let key = devlend_cli::pool_auth::PoolKey { file: pool_key };
+                    let client = key.client(
                         &pool,
+                        std::path::Path::new(devlend_cli::pool_auth::COMPUTE_KEY_FILE),
+                    )?;
+                    let c = placement::claim(
+                        client,
                         &placement::Wanted {
                             class,
                             min_capacity_bytes: min_capacity,
@@ -728,7 +741,7 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
-        Cmd::Pool { cmd } => devlend_cli::pool_cmd::run(cmd)?,
+        Cmd::Pool { cmd } => devlend_cli::pool_cmd::run(*cmd)?,
         Cmd::Gateway { cmd } => devlend_cli::gateway_cmd::run(cmd)?,
         Cmd::Demo {
             size,

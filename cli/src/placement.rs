@@ -33,13 +33,13 @@ pub struct Claimed {
     pub lease: LeaseRef,
 }
 
-/// Places and leases a device at the pool at `pool_url`.
+/// Places and leases a device at the pool `client` talks to (signed with its key).
 ///
 /// # Errors
 /// The pool is unreachable, or nothing matches: the message is the pool's reason (no
 /// device of that class, all leased, none with those traits, ...).
-pub fn claim(pool_url: &str, w: &Wanted) -> Result<Claimed> {
-    let client = PoolClient::new(pool_url)?;
+pub fn claim(client: PoolClient, w: &Wanted) -> Result<Claimed> {
+    let pool_url = client.base_url().as_str().trim_end_matches('/').to_owned();
     let grant = client
         .create_lease(&LeaseRequest {
             consumer: w.vm.clone(),

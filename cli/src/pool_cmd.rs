@@ -7,8 +7,11 @@ use anyhow::{Context, Result};
 use clap::Subcommand;
 use devlend_daemon::logging::{self, LogFormat};
 use devlend_pool::api::{Device, DeviceQuery, DeviceState, Lease, LeaseFilter, Provider};
+use devlend_pool::auth::AuthMode;
 use devlend_pool::server::{DEFAULT_DATA_DIR, DEFAULT_LISTEN};
-use devlend_pool::{PoolClient, PoolServer, ServerConfig};
+use devlend_pool::{PoolServer, ServerConfig};
+
+use crate::pool_auth::{default_admin_key, PoolKey};
 
 use crate::bench::options::parse_size;
 use crate::output::human_bytes;
@@ -37,6 +40,45 @@ pub enum PoolCmd {
         /// Log format on stderr.
         #[arg(long, value_enum, default_value_t = LogFormat::Human)]
         log_format: LogFormat,
+        /// The admin key file, made (0600) at first start (default: DATA_DIR/admin.key).
+        #[arg(long)]
+        admin_key_file: Option<PathBuf>,
+        /// Pin a lender's key to its provider name at its first registration, when no
+        /// key holds that name yet (trust on first use), instead of requiring enrollment.
+        #[arg(long)]
+        trust_first_use: bool,
+        /// INSECURE, for a lab: no authentication at all. Anyone who reaches the API can
+        /// register lenders (and so redirect borrowers), lease and release anything.
+        #[arg(long)]
+        insecure_open_api: bool,
+    },
+    /// Enroll a key (admin): print a one-time join token for a lender or compute host,
+    /// or pin a public key at once (--public-key). Re-enrolling a name rotates its key.
+    Enroll(crate::pool_auth::Enroll),
+    /// Redeem a join token: enroll this host's key (made if it does not exist yet).
+    Join(crate::pool_auth::Join),
+    /// List enrolled keys (admin).
+    Principals {
+        /// Pool URL.
+        #[arg(long, env = "DEVLEND_POOL", default_value = DEFAULT_POOL_URL)]
+        pool: String,
+        /// The admin key.
+        #[command(flatten)]
+        key: PoolKey,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke an enrolled key (admin): its requests are refused from now on.
+    Revoke {
+        /// Pool URL.
+        #[arg(long, env = "DEVLEND_POOL", default_value = DEFAULT_POOL_URL)]
+        pool: String,
+        /// The public key to revoke.
+        public_key: String,
+        /// The admin key.
+        #[command(flatten)]
+        key: PoolKey,
     },
     /// List devices: ID, provider, name, class, capacity, traits, state, lease.
     Devices {
@@ -55,6 +97,9 @@ pub enum PoolCmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// The key requests are signed with.
+        #[command(flatten)]
+        key: PoolKey,
     },
     /// List leases (the live ones; --all for every lease the pool remembers).
     Leases {
@@ -67,6 +112,9 @@ pub enum PoolCmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// The key requests are signed with.
+        #[command(flatten)]
+        key: PoolKey,
     },
     /// List providers (device servers): address, transports, availability, devices.
     Providers {
@@ -76,6 +124,9 @@ pub enum PoolCmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// The key requests are signed with.
+        #[command(flatten)]
+        key: PoolKey,
     },
 }
 
@@ -91,6 +142,9 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             data_dir,
             log_level,
             log_format,
+            admin_key_file,
+            trust_first_use,
+            insecure_open_api,
         } => {
             // Logs the URL, the signing key and the database backend at start.
             logging::init(&log_level, log_format)?;
@@ -98,6 +152,12 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 listen,
                 database,
                 data_dir,
+                auth: if insecure_open_api {
+                    AuthMode::Open
+                } else {
+                    AuthMode::Signed { trust_first_use }
+                },
+                admin_key_file,
             })
             .context("cannot start the pool")?;
             server.wait_for_signal();
@@ -109,42 +169,67 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             traits,
             min_capacity,
             json,
+            key,
         } => {
-            let devices = client(&pool)?.devices(&DeviceQuery {
-                class,
-                traits,
-                min_capacity,
-            })?;
+            let devices = key
+                .client(&pool, &default_admin_key())?
+                .devices(&DeviceQuery {
+                    class,
+                    traits,
+                    min_capacity,
+                })?;
             if json {
                 return print_json(&devices);
             }
             print!("{}", devices_table(&devices));
         }
-        PoolCmd::Leases { pool, all, json } => {
+        PoolCmd::Leases {
+            pool,
+            all,
+            json,
+            key,
+        } => {
             let filter = if all {
                 LeaseFilter::All
             } else {
                 LeaseFilter::Active
             };
-            let leases = client(&pool)?.leases(filter)?;
+            let leases = key.client(&pool, &default_admin_key())?.leases(filter)?;
             if json {
                 return print_json(&leases);
             }
             print!("{}", leases_table(&leases, now_ms()));
         }
-        PoolCmd::Providers { pool, json } => {
-            let providers = client(&pool)?.providers()?;
+        PoolCmd::Providers { pool, json, key } => {
+            let providers = key.client(&pool, &default_admin_key())?.providers()?;
             if json {
                 return print_json(&providers);
             }
             print!("{}", providers_table(&providers, now_ms()));
         }
+        PoolCmd::Enroll(e) => crate::pool_auth::enroll(&e)?,
+        PoolCmd::Join(j) => crate::pool_auth::join(&j)?,
+        PoolCmd::Principals { pool, key, json } => {
+            let all = key.client(&pool, &default_admin_key())?.principals()?;
+            if json {
+                return print_json(&all);
+            }
+            for p in &all {
+                println!("{}", crate::pool_auth::principal_line(p));
+            }
+        }
+        PoolCmd::Revoke {
+            pool,
+            public_key,
+            key,
+        } => {
+            let p = key
+                .client(&pool, &default_admin_key())?
+                .revoke(&public_key)?;
+            println!("revoked {}", crate::pool_auth::principal_line(&p));
+        }
     }
     Ok(())
-}
-
-fn client(url: &str) -> Result<PoolClient> {
-    PoolClient::new(url).with_context(|| format!("pool URL {url:?}"))
 }
 
 fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {

@@ -10,6 +10,8 @@ use crate::DEFAULT_API_SOCKET;
 
 /// The name of this daemon's config file: `/etc/devlend/compute-agent.toml`.
 pub const DAEMON: &str = "compute-agent";
+/// Where the compute agent keeps its pool key by default.
+pub const DEFAULT_POOL_KEY_FILE: &str = "/var/lib/devlend/compute-agent/identity.key";
 
 /// Serves devices lent by device agents to VMs: block devices as vhost-user-blk sockets,
 /// NICs as vhost-user-net, PCIe functions as vfio-user.
@@ -40,6 +42,11 @@ pub struct Cli {
     /// only such borrowers.
     #[arg(long, value_name = "FILE")]
     pub auth_key_file: Option<PathBuf>,
+    /// The key this compute host signs its pool requests with (leases: bind, renew,
+    /// release); made (0600) at first start [default:
+    /// /var/lib/devlend/compute-agent/identity.key]. Enroll it with `devlend pool join`.
+    #[arg(long, value_name = "FILE")]
+    pub pool_key_file: Option<PathBuf>,
     /// Where attachments are saved, to be served again when the agent restarts
     /// (`none`: not saved; a shutdown then detaches everything) [default: beside the API
     /// socket, e.g. /run/devlend/compute-agent.state.json].
@@ -80,6 +87,8 @@ pub struct FileConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Key file for direct-mode authentication.
     pub auth_key_file: Option<PathBuf>,
+    /// Key file for pool requests.
+    pub pool_key_file: Option<PathBuf>,
     /// State file path, or `none`.
     pub state_file: Option<PathBuf>,
     /// CA certificates trusted for lenders (PEM).
@@ -108,6 +117,9 @@ pub struct Config {
     /// Key file for direct-mode authentication, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub auth_key_file: Option<PathBuf>,
+    /// Key file pool requests are signed with; `None`: [`DEFAULT_POOL_KEY_FILE`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool_key_file: Option<PathBuf>,
     /// Where attachments are saved for a restart; `None`: not saved (`none`).
     #[serde(serialize_with = "state_file_text")]
     pub state_file: Option<PathBuf>,
@@ -161,6 +173,10 @@ impl Config {
                 .auth_key_file
                 .clone()
                 .or_else(|| file.auth_key_file.clone()),
+            pool_key_file: cli
+                .pool_key_file
+                .clone()
+                .or_else(|| file.pool_key_file.clone()),
             state_file: match cli.state_file.clone().or_else(|| file.state_file.clone()) {
                 Some(p) if p.as_os_str() == "none" => None,
                 Some(p) => Some(p),

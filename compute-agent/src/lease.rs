@@ -11,7 +11,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use devlend_fabric::lease_token::LeaseToken;
+use devlend_fabric::lease_token::{LeaseToken, TokenSigner};
 use devlend_pool::api::{Lease, LeaseState};
 use devlend_pool::client::{ClientError, PoolClient};
 use uuid::Uuid;
@@ -40,6 +40,21 @@ pub enum LeaseError {
     Pool(#[source] ClientError),
 }
 
+/// A client of the pool at `url`, signing with `identity` when there is one.
+///
+/// # Errors
+/// [`ClientError::BadUrl`].
+pub fn pool_client(
+    url: &str,
+    identity: Option<Arc<TokenSigner>>,
+) -> Result<PoolClient, ClientError> {
+    let c = PoolClient::new(url)?;
+    Ok(match identity {
+        Some(k) => c.with_identity(k),
+        None => c,
+    })
+}
+
 /// A lease checked with the pool, ready for its attachment to start.
 #[derive(Debug)]
 pub struct CheckedLease {
@@ -55,8 +70,11 @@ impl CheckedLease {
     /// # Errors
     /// [`LeaseError::Bad`] for a bad URL, id or token; [`LeaseError::Ended`];
     /// [`LeaseError::Pool`].
-    pub fn check(r: &LeaseRef) -> Result<CheckedLease, LeaseError> {
-        let client = PoolClient::new(&r.pool).map_err(|e| LeaseError::Bad(e.to_string()))?;
+    pub fn check(
+        r: &LeaseRef,
+        identity: Option<Arc<TokenSigner>>,
+    ) -> Result<CheckedLease, LeaseError> {
+        let client = pool_client(&r.pool, identity).map_err(|e| LeaseError::Bad(e.to_string()))?;
         let token = LeaseToken::from_text(&r.token)
             .map_err(|e| LeaseError::Bad(e.to_string()))?
             .as_bytes()

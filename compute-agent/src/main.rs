@@ -39,6 +39,24 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         tracing::info!(public_key = %signer.public_key().to_text(), "direct attachments authenticate with this key");
         registry.set_signer(signer);
     }
+    // The pool key: a configured file must be usable; the default one is made when the
+    // agent may write its state directory (an agent run without root for direct mode
+    // only goes on without one, and says so).
+    let key_path = config.pool_key_file.clone().unwrap_or_else(|| {
+        std::path::PathBuf::from(devlend_compute_agent::config::DEFAULT_POOL_KEY_FILE)
+    });
+    match devlend_fabric::identity::load_or_create(&key_path) {
+        Ok((key, made)) => {
+            if made {
+                tracing::info!(path = %key_path.display(), key = %key.public_key().to_text(), "made this compute host's pool key: enroll it with `devlend pool join`");
+            }
+            registry.set_pool_identity(std::sync::Arc::new(key));
+        }
+        Err(e) if config.pool_key_file.is_none() => {
+            tracing::warn!(error = %devlend_fabric::error::chain(&e), "no pool key: leases from a pool that requires signed requests will be refused");
+        }
+        Err(e) => return Err(anyhow::anyhow!("{}", devlend_fabric::error::chain(&e))),
+    }
     let state_err = |e: devlend_compute_agent::state::StateError| {
         anyhow::anyhow!("{}", devlend_fabric::error::chain(&e))
     };

@@ -116,6 +116,8 @@ pub struct Registry {
     rates: crate::rates::RateTracker,
     /// Signs the tokens of direct (lease-less) attachments, when configured.
     signer: Option<devlend_fabric::lease_token::TokenSigner>,
+    /// Signs this compute host's pool requests (lease bind, renew, release).
+    pool_identity: Option<std::sync::Arc<devlend_fabric::lease_token::TokenSigner>>,
     /// Where the attachments are saved after each change, to be restored at start.
     state: Option<PathBuf>,
     /// Saved attachments not served again yet (their lender unreachable so far): kept
@@ -280,6 +282,15 @@ struct Restoring {
 }
 
 impl Registry {
+    /// Signs this compute host's pool requests with `key` (its role at the pool:
+    /// compute, named by its host name).
+    pub fn set_pool_identity(
+        &mut self,
+        key: std::sync::Arc<devlend_fabric::lease_token::TokenSigner>,
+    ) {
+        self.pool_identity = Some(key);
+    }
+
     /// Authenticates direct attachments: each gets a token signed with `signer`
     /// (claims: its borrower identity, the device, an empty provider, a 10-year expiry),
     /// which a lender given the public key (`--auth-key`) checks.
@@ -414,7 +425,8 @@ impl Registry {
         let checked = match &req.lease {
             None => None,
             Some(r) => {
-                let c = CheckedLease::check(r).map_err(RegistryError::Lease)?;
+                let c = CheckedLease::check(r, self.pool_identity.clone())
+                    .map_err(RegistryError::Lease)?;
                 if c.device() != req.device || c.lender() != req.lender {
                     return Err(RegistryError::BadRequest(format!(
                         "lease {} is for device {:?} at {}, not {:?} at {}",
@@ -762,7 +774,9 @@ impl Registry {
         let _ = self.save_state(&entries);
         drop(entries);
         if let Some(l) = &r.saved.request.lease {
-            match devlend_pool::client::PoolClient::new(&l.pool).map(|c| c.release_current(l.id)) {
+            match crate::lease::pool_client(&l.pool, self.pool_identity.clone())
+                .map(|c| c.release_current(l.id))
+            {
                 Ok(Ok(_)) => tracing::info!(id = %r.saved.id, lease = %l.id, "lease released"),
                 Ok(Err(e)) => {
                     tracing::warn!(id = %r.saved.id, lease = %l.id, error = %e, "cannot release the lease; it lapses at its expiry")

@@ -94,7 +94,26 @@ impl PoolSession {
                 )));
             }
         }
-        tracing::info!(url = %config.url, provider = %provider, key = %public.to_text(), "device pool reached; serving leased devices only");
+        let key_path = config.key_path();
+        let (key, made) =
+            devlend_fabric::identity::load_or_create(&key_path).map_err(Error::PoolKey)?;
+        let identity = key.public_key().to_text();
+        if made {
+            tracing::info!(path = %key_path.display(), key = %identity, "made this lender's pool key");
+        }
+        let client = client.with_identity(Arc::new(key));
+        if let Some(token) = &config.join_token {
+            let p = client
+                .join(token)
+                .map_err(|e| err(format!("cannot redeem the join token: {}", chain(&e))))?;
+            if p.role != devlend_pool::api::Role::Lender || p.name != provider {
+                return Err(err(format!(
+                    "the join token enrolled this key as {} {:?}, not as lender {provider:?}",
+                    p.role, p.name
+                )));
+            }
+        }
+        tracing::info!(url = %config.url, provider = %provider, key = %public.to_text(), identity = %identity, "device pool reached; serving leased devices only");
         Ok(PoolSession {
             client,
             config: config.clone(),

@@ -88,6 +88,14 @@ pub mod codes {
     pub const PROVIDERS_UNAVAILABLE: &str = "providers_unavailable";
     /// The storage failed (not the client's fault).
     pub const INTERNAL: &str = "internal";
+    /// 401: the request is not signed, or its signature, time or nonce does not hold.
+    pub const UNAUTHENTICATED: &str = "unauthenticated";
+    /// 403: the signing key is not enrolled with the pool.
+    pub const UNKNOWN_KEY: &str = "unknown_key";
+    /// 403: the key is enrolled, but its role or name does not allow this request.
+    pub const FORBIDDEN: &str = "forbidden";
+    /// 403: the join token is unknown, used or expired.
+    pub const BAD_JOIN_TOKEN: &str = "bad_join_token";
 }
 
 /// `GET /v1/signing-key`: the key lenders verify lease tokens with.
@@ -385,4 +393,103 @@ impl LeaseFilter {
             LeaseFilter::All => "all",
         }
     }
+}
+
+/// What an enrolled key may do at the pool (see `docs/security.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub enum Role {
+    /// Everything, and enrollment.
+    Admin,
+    /// A lender: register and heartbeat the provider of its own name.
+    Lender,
+    /// A compute host: lease, bind, renew and release leases for its own host name.
+    Compute,
+}
+
+impl Role {
+    /// The name used in JSON, the database and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Admin => "admin",
+            Role::Lender => "lender",
+            Role::Compute => "compute",
+        }
+    }
+
+    /// Parses [`Role::as_str`]'s form.
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "admin" => Some(Role::Admin),
+            "lender" => Some(Role::Lender),
+            "compute" => Some(Role::Compute),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An enrolled key: who it is and what it may do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct Principal {
+    /// The Ed25519 public key, unpadded base64url.
+    pub public_key: String,
+    /// Its role.
+    pub role: Role,
+    /// The provider name (lender), the compute host name (compute), or a label (admin).
+    pub name: String,
+    /// When it was enrolled, ms since the epoch.
+    pub created_ms: u64,
+}
+
+/// `POST /v1/principals` (admin): pin `public_key` to a role and name at once, or,
+/// without `public_key`, issue a one-time join token that pins the key which redeems it
+/// (`POST /v1/join`). Either replaces the key that role and name had: that is how a key
+/// is rotated.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct EnrollRequest {
+    /// The role.
+    pub role: Role,
+    /// Provider name (lender) or compute host name (compute), 1..=255 bytes.
+    pub name: String,
+    /// The key to pin now (unpadded base64url); absent: issue a join token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key: Option<String>,
+    /// How long the join token stays valid, in ms (60000..=604800000, default 3600000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+}
+
+/// Answer of `POST /v1/principals`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct Enrollment {
+    /// The principal pinned now (when the request gave a key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub principal: Option<Principal>,
+    /// The one-time join token (when the request gave no key); shown once, the pool
+    /// keeps only its hash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_token: Option<String>,
+    /// The join token's expiry, ms since the epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_ms: Option<u64>,
+}
+
+/// `POST /v1/join`, signed with the key to enroll: redeems a join token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct JoinRequest {
+    /// The token `devlend pool enroll` printed.
+    pub token: String,
 }

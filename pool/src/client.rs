@@ -10,10 +10,16 @@ use reqwest::{Method, StatusCode, Url};
 use serde::de::DeserializeOwned;
 use uuid::Uuid;
 
+use std::sync::Arc;
+
+use devlend_fabric::lease_token::TokenSigner;
+
 use crate::api::{
-    Device, DeviceQuery, EmptyBody, ErrorBody, GenerationBody, Lease, LeaseFilter, LeaseGrant,
-    LeaseRequest, Provider, ProviderHeartbeat, RegisterProvider, SigningKey,
+    Device, DeviceQuery, EmptyBody, EnrollRequest, Enrollment, ErrorBody, GenerationBody,
+    JoinRequest, Lease, LeaseFilter, LeaseGrant, LeaseRequest, Principal, Provider,
+    ProviderHeartbeat, RegisterProvider, SigningKey,
 };
+use crate::auth::request::{self, SignatureError};
 
 /// Seconds a request may take before it fails with [`ClientError::Transport`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -46,6 +52,9 @@ pub enum ClientError {
         /// The pool's message.
         message: String,
     },
+    /// The request could not be signed (no randomness for its nonce).
+    #[error("cannot sign the pool request")]
+    Sign(#[source] SignatureError),
     /// The answer's body was not what the endpoint documents.
     #[error("pool answered {status} with an unexpected body: {detail}")]
     Decode {
@@ -79,6 +88,7 @@ impl ClientError {
 pub struct PoolClient {
     base: Url,
     http: Client,
+    identity: Option<Arc<TokenSigner>>,
 }
 
 impl PoolClient {
@@ -116,7 +126,23 @@ impl PoolClient {
                 url: base_url.to_string(),
                 source,
             })?;
-        Ok(PoolClient { base, http })
+        Ok(PoolClient {
+            base,
+            http,
+            identity: None,
+        })
+    }
+
+    /// The same client, signing every request with `key` (see
+    /// [`crate::auth::request`]): what a pool that is not `--insecure-open-api` needs.
+    pub fn with_identity(mut self, key: Arc<TokenSigner>) -> Self {
+        self.identity = Some(key);
+        self
+    }
+
+    /// The key requests are signed with, if any.
+    pub fn identity(&self) -> Option<&TokenSigner> {
+        self.identity.as_deref()
     }
 
     /// The base URL.
@@ -279,6 +305,50 @@ impl PoolClient {
         )
     }
 
+    /// `POST /v1/join`: enrolls this client's key with a join token.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 403 `bad_join_token`, 401 without an identity.
+    pub fn join(&self, token: &str) -> Result<Principal, ClientError> {
+        self.call(
+            Method::POST,
+            &["v1", "join"],
+            &[],
+            Some(&JoinRequest {
+                token: token.to_string(),
+            }),
+        )
+    }
+
+    /// `POST /v1/principals` (admin): pins a key, or issues a join token.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 403 for a caller that is not an admin.
+    pub fn enroll(&self, body: &EnrollRequest) -> Result<Enrollment, ClientError> {
+        self.call(Method::POST, &["v1", "principals"], &[], Some(body))
+    }
+
+    /// `GET /v1/principals` (admin): every enrolled key.
+    ///
+    /// # Errors
+    /// [`ClientError`] as for every call.
+    pub fn principals(&self) -> Result<Vec<Principal>, ClientError> {
+        self.call(Method::GET, &["v1", "principals"], &[], None::<&EmptyBody>)
+    }
+
+    /// `DELETE /v1/principals/{key}` (admin): revokes a key.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 404 `unknown_key`.
+    pub fn revoke(&self, public_key: &str) -> Result<Principal, ClientError> {
+        self.call(
+            Method::DELETE,
+            &["v1", "principals", public_key],
+            &[],
+            None::<&EmptyBody>,
+        )
+    }
+
     fn url(&self, segments: &[&str], query: &[(&str, String)]) -> Url {
         let mut url = self.base.clone();
         if let Ok(mut p) = url.path_segments_mut() {
@@ -301,9 +371,33 @@ impl PoolClient {
         body: Option<&B>,
     ) -> Result<T, ClientError> {
         let url = self.url(segments, query);
-        let mut req: RequestBuilder = self.http.request(method, url.clone());
-        if let Some(b) = body {
-            req = req.json(b);
+        let bytes = match body {
+            Some(b) => serde_json::to_vec(b).map_err(|e| ClientError::Decode {
+                status: 0,
+                detail: format!("cannot encode the request: {e}"),
+            })?,
+            None => Vec::new(),
+        };
+        let mut req: RequestBuilder = self.http.request(method.clone(), url.clone());
+        if let Some(key) = &self.identity {
+            let target = match url.query() {
+                Some(q) => format!("{}?{q}", url.path()),
+                None => url.path().to_string(),
+            };
+            let value = request::sign(
+                key,
+                method.as_str(),
+                &target,
+                devlend_fabric::lease_token::now_ms(),
+                &bytes,
+            )
+            .map_err(ClientError::Sign)?;
+            req = req.header(reqwest::header::AUTHORIZATION, value);
+        }
+        if body.is_some() {
+            req = req
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(bytes);
         }
         let transport = |source| ClientError::Transport {
             url: url.to_string(),

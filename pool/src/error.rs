@@ -37,6 +37,9 @@ pub enum Error {
     /// The configuration is unusable (database URL, ...).
     #[error("{0}")]
     Config(String),
+    /// The pool's admin key file is unusable.
+    #[error("admin key")]
+    Identity(#[from] devlend_fabric::identity::IdentityError),
     /// The metrics text could not be encoded.
     #[error("cannot encode the metrics")]
     Metrics(#[source] std::fmt::Error),

@@ -13,6 +13,8 @@
 
 pub mod api;
 #[cfg(feature = "client")]
+pub mod auth;
+#[cfg(feature = "client")]
 pub mod client;
 
 #[cfg(feature = "server")]

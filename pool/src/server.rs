@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use devlend_fabric::lease_token::PublicKey;
 use tokio::net::TcpListener;
 
+use crate::auth::AuthMode;
 use crate::error::{Error, Result};
 use crate::service::PoolService;
 
@@ -17,6 +18,8 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:7400";
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/devlend/pool";
 /// File name of the SQLite database in the data directory.
 pub const DATABASE_FILE: &str = "pool.db";
+/// File name of the admin key in the data directory.
+pub const ADMIN_KEY_FILE: &str = "admin.key";
 
 /// Where the pool listens and keeps its data.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,9 +30,14 @@ pub struct ServerConfig {
     /// `postgres://USER[:PASSWORD]@HOST[:PORT]/DB`. None: SQLite at
     /// `data_dir/pool.db`.
     pub database: Option<String>,
-    /// Directory for the SQLite database when `database` is None; created (mode 0700)
-    /// at first start.
+    /// Directory for the SQLite database when `database` is None, and for the admin
+    /// key; created (mode 0700) at first start.
     pub data_dir: PathBuf,
+    /// How requests are authenticated.
+    pub auth: AuthMode,
+    /// The admin key file, made at first start when missing (default:
+    /// `data_dir/admin.key`). Unused in [`AuthMode::Open`].
+    pub admin_key_file: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -40,11 +48,22 @@ impl Default for ServerConfig {
                 .expect("the default listen address parses"),
             database: None,
             data_dir: PathBuf::from(DEFAULT_DATA_DIR),
+            auth: AuthMode::Signed {
+                trust_first_use: false,
+            },
+            admin_key_file: None,
         }
     }
 }
 
 impl ServerConfig {
+    /// The admin key file: `admin_key_file`, or `data_dir/admin.key`.
+    pub fn admin_key_path(&self) -> PathBuf {
+        self.admin_key_file
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join(ADMIN_KEY_FILE))
+    }
+
     /// The database URL to connect to: `database`, with `?mode=rwc` added to a SQLite
     /// file URL without options (so the file is created), or the data directory's
     /// `pool.db`, creating the directory (0700) and the file (0600).
@@ -105,7 +124,24 @@ impl ServerConfig {
 /// [`PoolServer::start`] share.
 async fn prepare(config: &ServerConfig) -> Result<(PoolService, TcpListener)> {
     let url = config.database_url()?;
-    let service = PoolService::open(&url).await?;
+    let service = PoolService::open(&url).await?.with_auth(config.auth);
+    match config.auth {
+        AuthMode::Open => tracing::warn!(
+            "INSECURE: --insecure-open-api: the pool API is open to anyone who reaches {}: \
+             anyone can register lenders, redirect borrowers and release leases",
+            config.listen
+        ),
+        AuthMode::Signed { trust_first_use } => {
+            let path = config.admin_key_path();
+            let key = service.bootstrap_admin(&path).await?;
+            tracing::info!(
+                admin_key_file = %path.display(),
+                admin_key = %key.to_text(),
+                trust_first_use,
+                "requests must be signed by enrolled keys"
+            );
+        }
+    }
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| Error::io(format!("cannot listen on {}", config.listen), e))?;
@@ -117,10 +153,13 @@ async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    axum::serve(listener, crate::http::router(service))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| Error::io("the HTTP server failed", e))
+    axum::serve(
+        listener,
+        crate::http::router(service).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+    .map_err(|e| Error::io("the HTTP server failed", e))
 }
 
 /// Resolves at SIGINT (Ctrl-C) or SIGTERM.

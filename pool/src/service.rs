@@ -11,6 +11,7 @@ use crate::api::{
     codes, Device, DeviceQuery, Lease, LeaseFilter, LeaseGrant, LeaseRequest, Provider,
     ProviderHeartbeat, RegisterProvider, SigningKey, DEFAULT_LEASE_TTL_MS,
 };
+use crate::auth::{AuthMode, Gate};
 use crate::error::{Error, Result};
 use crate::placement::{self, Want};
 use crate::store::leases::NewLease;
@@ -26,6 +27,7 @@ const PLACEMENT_ROUNDS: usize = 3;
 pub struct PoolService {
     store: Store,
     signer: Arc<TokenSigner>,
+    gate: Gate,
 }
 
 impl PoolService {
@@ -36,7 +38,24 @@ impl PoolService {
     pub async fn open(url: &str) -> Result<Self> {
         let store = Store::open(url).await?;
         let signer = Arc::new(tokens::load_signer(&store).await?);
-        Ok(PoolService { store, signer })
+        Ok(PoolService {
+            store,
+            signer,
+            gate: Gate::new(AuthMode::Signed {
+                trust_first_use: false,
+            }),
+        })
+    }
+
+    /// The same service with requests authenticated as `mode` says.
+    pub fn with_auth(mut self, mode: AuthMode) -> Self {
+        self.gate = Gate::new(mode);
+        self
+    }
+
+    /// The authentication gate.
+    pub fn gate(&self) -> &Gate {
+        &self.gate
     }
 
     /// The store.

@@ -91,7 +91,7 @@ fn send_oversized(url: &str, path: &str, len: usize) -> (u16, serde_json::Value)
 }
 
 fn bad_requests_get_4xx_with_a_message(backend: Backend) {
-    let pool = support::start(backend);
+    let pool = support::start_with(backend, devlend_pool::auth::AuthMode::Open);
     let p = register(
         &pool.client,
         "lender-a",
@@ -212,6 +212,10 @@ fn openapi_lists_every_route() {
         ("post", "/v1/leases/{id}/bind"),
         ("post", "/v1/leases/{id}/release"),
         ("post", "/v1/leases/{id}/heartbeat"),
+        ("get", "/v1/principals"),
+        ("post", "/v1/principals"),
+        ("delete", "/v1/principals/{key}"),
+        ("post", "/v1/join"),
     ];
     let paths = doc["paths"].as_object().unwrap();
     let listed: usize = paths.values().map(|p| p.as_object().unwrap().len()).sum();
@@ -231,7 +235,8 @@ fn openapi_lists_every_route() {
         // Every route is actually served (not 404/405).
         let concrete = path
             .replace("{name}", "lender-a")
-            .replace("{id}", "00000000-0000-4000-8000-000000000000");
+            .replace("{id}", "00000000-0000-4000-8000-000000000000")
+            .replace("{key}", "AAAA");
         let m = Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
         let (status, json) = send(&pool.url(), m, &concrete, Some("{}"));
         assert!(
@@ -239,7 +244,20 @@ fn openapi_lists_every_route() {
             "{method} {path}: {status} {json}"
         );
     }
+    // The security scheme is described, and the public routes say they need none.
+    assert!(
+        doc["components"]["securitySchemes"]["devlend_ed25519"].is_object(),
+        "no security scheme: {}",
+        doc["components"]
+    );
+    assert_eq!(doc["security"][0]["devlend_ed25519"], serde_json::json!([]));
+    assert_eq!(
+        doc["paths"]["/v1/signing-key"]["get"]["security"],
+        serde_json::json!([{}])
+    );
     for schema in [
+        "Principal",
+        "EnrollRequest",
         "Lease",
         "LeaseGrant",
         "Device",
@@ -264,10 +282,16 @@ fn data_dir_and_memory_databases() {
         listen: "127.0.0.1:0".parse().unwrap(),
         database: None,
         data_dir: data_dir.clone(),
+        ..Default::default()
     };
     let first = devlend_pool::PoolServer::start(config.clone()).unwrap();
     let key = first.public_key();
-    let client = devlend_pool::PoolClient::new(&first.url()).unwrap();
+    // The admin key is made in the data directory at first start, 0600.
+    let admin =
+        std::sync::Arc::new(devlend_fabric::identity::load(&data_dir.join("admin.key")).unwrap());
+    let client = devlend_pool::PoolClient::new(&first.url())
+        .unwrap()
+        .with_identity(admin.clone());
     register(
         &client,
         "lender-a",
@@ -288,13 +312,16 @@ fn data_dir_and_memory_databases() {
     // A restart keeps the inventory and the key.
     let again = devlend_pool::PoolServer::start(config).unwrap();
     assert_eq!(again.public_key(), key);
-    let client = devlend_pool::PoolClient::new(&again.url()).unwrap();
+    let client = devlend_pool::PoolClient::new(&again.url())
+        .unwrap()
+        .with_identity(admin);
     assert_eq!(client.providers().unwrap()[0].devices.len(), 1);
 
     // In memory: one connection, same behaviour.
     let mem = devlend_pool::PoolServer::start(devlend_pool::ServerConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         database: Some("sqlite::memory:".into()),
+        auth: devlend_pool::auth::AuthMode::Open,
         ..Default::default()
     })
     .unwrap();

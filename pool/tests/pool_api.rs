@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use devlend_fabric::lease_token::{LeaseToken, PublicKey};
 use devlend_pool::api::{DeviceQuery, DeviceState, LeaseFilter, LeaseRequest, LeaseState};
-use devlend_pool::{ClientError, PoolClient};
+use devlend_pool::ClientError;
 use support::{device, register, Backend, GIB};
 
 /// Runs each named test function on both backends: `NAME::sqlite`, `NAME::postgres`.
@@ -70,15 +70,13 @@ fn two_borrowers_race_for_the_last_device(backend: Backend) {
             device("eth0", "NIC", 0, &["FABRIC_TCP"]),
         ],
     );
-    let url = pool.url();
     for round in 0..50 {
         let barrier = Arc::new(Barrier::new(2));
         let handles: Vec<_> = (0..2)
             .map(|i| {
                 let barrier = barrier.clone();
-                let url = url.clone();
+                let client = pool.client.clone();
                 std::thread::spawn(move || {
-                    let client = PoolClient::new(&url).unwrap();
                     let req = placement(&format!("vm-{i}"), "BLOCK", 5 * GIB, &["FABRIC_TCP"]);
                     barrier.wait();
                     client.create_lease(&req)
@@ -310,11 +308,9 @@ fn two_servers_on_one_database_share_the_key(backend: Backend) {
         let database = database.clone();
         std::thread::spawn(move || support::start_on(&database))
     };
-    let b = support::start_on(&database);
-    let a = a.join().unwrap();
+    let (b, cb) = support::start_on(&database);
+    let (a, ca) = a.join().unwrap();
     assert_eq!(a.public_key(), b.public_key());
-    let ca = PoolClient::new(&a.url()).unwrap();
-    let cb = PoolClient::new(&b.url()).unwrap();
     register(
         &ca,
         "lender-a",
@@ -333,7 +329,7 @@ fn two_servers_on_one_database_share_the_key(backend: Backend) {
     );
     drop(a);
     // A restart keeps the key.
-    let c = support::start_on(&database);
+    let (c, _) = support::start_on(&database);
     assert_eq!(c.public_key(), b.public_key());
 }
 

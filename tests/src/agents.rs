@@ -272,6 +272,8 @@ pub struct Pool {
     pub proc: Proc,
     /// Its base URL.
     pub url: String,
+    /// The admin key file it made at its start.
+    pub admin_key: PathBuf,
 }
 
 impl Pool {
@@ -296,7 +298,33 @@ impl Pool {
         Ok(Pool {
             proc,
             url: format!("http://{addr}"),
+            admin_key: data.join("admin.key"),
         })
+    }
+
+    /// A client that signs with the pool's admin key.
+    ///
+    /// # Errors
+    /// The key file cannot be read.
+    pub fn admin(&self) -> Result<devlend_pool::PoolClient> {
+        let key = devlend_fabric::identity::load(&self.admin_key)?;
+        Ok(devlend_pool::PoolClient::new(&self.url)?.with_identity(std::sync::Arc::new(key)))
+    }
+
+    /// Makes the key file `key` (if it does not exist) and enrolls it as `role` `name`,
+    /// as `devlend pool enroll --public-key` does.
+    ///
+    /// # Errors
+    /// The key cannot be made or the pool refuses.
+    pub fn enroll(&self, role: devlend_pool::api::Role, name: &str, key: &Path) -> Result<()> {
+        let (k, _) = devlend_fabric::identity::load_or_create(key)?;
+        self.admin()?.enroll(&devlend_pool::api::EnrollRequest {
+            role,
+            name: name.to_owned(),
+            public_key: Some(k.public_key().to_text()),
+            ttl_ms: None,
+        })?;
+        Ok(())
     }
 }
 
@@ -315,6 +343,12 @@ impl Borrower {
     /// It cannot start or exits.
     pub fn start(dir: &Path) -> Result<Self> {
         Self::start_with(dir, &[])
+    }
+
+    /// The pool key a borrower started in `dir` signs with (made at its start):
+    /// `DIR/compute.key`. Give it to `devlend attach --class` as `--pool-key`.
+    pub fn pool_key(dir: &Path) -> PathBuf {
+        dir.join("compute.key")
     }
 
     /// As [`Self::start`], with more arguments (e.g. `--auth-key-file F`).
@@ -343,6 +377,11 @@ impl Borrower {
     pub fn start_in(dir: &Path, netns: Option<&str>, name: &str, extra: &[String]) -> Result<Self> {
         let api = dir.join("api.sock");
         let mut args = vec!["--api".to_owned(), api.display().to_string()];
+        if !extra.iter().any(|a| a == "--pool-key-file") {
+            // Each test's compute host has its own pool key (see [`Borrower::pool_key`]).
+            args.push("--pool-key-file".into());
+            args.push(Self::pool_key(dir).display().to_string());
+        }
         args.extend(extra.iter().cloned());
         let mut proc = spawn_in(netns, name, &bin("devlend-compute-agent")?, &args, dir)?;
         let probe = api.clone();

@@ -12,7 +12,7 @@ use devlend_fabric::lease_token::{LeaseToken, TokenSigner};
 use devlend_fabric::tcp::{connect_as, ConnectError};
 use devlend_fabric::{Hello, HelloStatus};
 use devlend_pool::api::{
-    DeviceQuery, DeviceState, LeaseFilter, LeaseGrant, LeaseRequest, LeaseState,
+    DeviceQuery, DeviceState, LeaseFilter, LeaseGrant, LeaseRequest, LeaseState, Role,
 };
 use devlend_pool::client::PoolClient;
 use devlend_tests::agents::{free_port, sparse_file, Borrower, Lender, Pool};
@@ -34,7 +34,15 @@ struct Rig {
 fn rig() -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let pool = Pool::start(dir.path()).unwrap();
-    let client = PoolClient::new(&pool.url).unwrap();
+    let client = pool.admin().unwrap();
+    let lender_key = dir.path().join("lender.key");
+    pool.enroll(Role::Lender, PROVIDER, &lender_key).unwrap();
+    pool.enroll(
+        Role::Compute,
+        &devlend_daemon::host_name(),
+        &Borrower::pool_key(dir.path()),
+    )
+    .unwrap();
     for (name, size) in [("disk0", 64 * MIB), ("disk1", 16 * MIB)] {
         sparse_file(&dir.path().join(format!("{name}.img")), size).unwrap();
     }
@@ -48,6 +56,7 @@ fn rig() -> Rig {
 url = "{url}"
 provider = "{PROVIDER}"
 heartbeat_interval_ms = {HEARTBEAT_MS}
+key_file = "{key}"
 
 [[device]]
 name = "disk0"
@@ -59,7 +68,8 @@ name = "disk1"
 path = "{d}/disk1.img"
 "#,
             url = pool.url,
-            d = dir.path().display()
+            d = dir.path().display(),
+            key = lender_key.display()
         ),
     )
     .unwrap();
@@ -199,10 +209,13 @@ fn write_read(c: &mut BlkClient, seed: u8) -> Vec<i32> {
 
 fn attach_by_class(b: &Borrower, r: &Rig, sock: &Path, extra: &[&str]) -> std::process::Output {
     let s = sock.display().to_string();
+    let key = Borrower::pool_key(r.dir.path()).display().to_string();
     let mut args = vec![
         "attach",
         "--pool",
         &r.pool.url,
+        "--pool-key",
+        &key,
         "--class",
         "BLOCK",
         "--vm",
@@ -557,4 +570,164 @@ fn a_compute_agent_restart_keeps_the_attachment_and_its_lease() {
         serde_json::json!([]),
         "detached attachments are not restored"
     );
+}
+
+/// Runs `program args`, killed after 60 s; its exit status and stderr.
+fn run_to_exit(program: &Path, args: &[String]) -> (std::process::ExitStatus, String) {
+    let mut child = std::process::Command::new(program)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return (status, err);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{} {args:?} still runs after 60 s", program.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The finding of issue 23: a second lender that claims the real lender's provider name
+/// (with a key of its own) used to replace its address in the pool, so that new leases
+/// sent borrowers to it. Its registration is refused now, it does not start, the real
+/// lender's address stays, and the pool logs the refusal with the rogue's address.
+#[test]
+fn a_rogue_lender_under_the_real_ones_name_is_refused() {
+    let r = rig();
+    let rogue_disk = r.dir.path().join("rogue.img");
+    sparse_file(&rogue_disk, 64 * MIB).unwrap();
+    let rogue_addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let (status, err) = run_to_exit(
+        &devlend_tests::agents::bin("devlend-device-agent").unwrap(),
+        &[
+            "--listen".into(),
+            rogue_addr.clone(),
+            "--device".into(),
+            format!("disk0={}", rogue_disk.display()),
+            "--pool".into(),
+            r.pool.url.clone(),
+            "--provider".into(),
+            PROVIDER.into(),
+            "--pool-key-file".into(),
+            r.dir.path().join("rogue.key").display().to_string(),
+        ],
+    );
+    assert!(!status.success(), "the rogue lender started:\n{err}");
+    assert!(
+        err.contains("refuses this lender's registration") && err.contains("not enrolled"),
+        "{err}"
+    );
+    let providers = r.client.providers().unwrap();
+    assert_eq!(providers.len(), 1);
+    assert_eq!(providers[0].fabric_address, r.lender.addr);
+    let g = r.lease("disk0", 10_000);
+    assert_eq!(g.lease.fabric_address, r.lender.addr);
+    let log = r.pool.proc.log();
+    assert!(
+        log.contains("pool request refused") && log.contains("peer=127.0.0.1:"),
+        "{log}"
+    );
+    // The pool API without a signature: refused.
+    let anon = PoolClient::new(&r.pool.url).unwrap();
+    let e = anon.providers().unwrap_err();
+    assert_eq!(e.status(), Some(401), "{e}");
+}
+
+/// Enrollment as an operator does it: `devlend pool enroll` prints a join token, the
+/// lender redeems it at its first start (`--pool-join-token`), and restarts with the
+/// same flags (the token spent) keep working.
+#[test]
+fn a_lender_joins_with_a_token_and_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Pool::start(dir.path()).unwrap();
+    let devlend = devlend_tests::agents::bin("devlend").unwrap();
+    let admin_key = pool.admin_key.display().to_string();
+    let out = std::process::Command::new(&devlend)
+        .args([
+            "pool",
+            "enroll",
+            "--pool",
+            &pool.url,
+            "--pool-key",
+            &admin_key,
+        ])
+        .args(["--role", "lender", "--name", "store7"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let token = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert!(token.starts_with("dlj_"), "{token}");
+    let disk = dir.path().join("d.img");
+    sparse_file(&disk, 16 * MIB).unwrap();
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let args = [
+        "--pool".to_owned(),
+        pool.url.clone(),
+        "--provider".into(),
+        "store7".into(),
+        "--pool-key-file".into(),
+        dir.path().join("store7.key").display().to_string(),
+        "--pool-join-token".into(),
+        token,
+    ];
+    let devices = [format!("disk0={}", disk.display())];
+    for round in 0..2 {
+        let mut lender = Lender::start_with(dir.path(), &addr, &devices, &args).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let out = std::process::Command::new(&devlend)
+                .args([
+                    "pool",
+                    "providers",
+                    "--pool",
+                    &pool.url,
+                    "--pool-key",
+                    &admin_key,
+                ])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            if text.contains("store7") && text.contains(&addr) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: not registered: {text}{}\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                lender.proc.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        lender.proc.kill_hard();
+    }
+    let out = std::process::Command::new(&devlend)
+        .args([
+            "pool",
+            "principals",
+            "--pool",
+            &pool.url,
+            "--pool-key",
+            &admin_key,
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("lender") && text.contains("store7"), "{text}");
 }

@@ -5,9 +5,11 @@ use std::fs::File;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use devlend_pool::api::{EnrollRequest, Role};
 
 use crate::api_client::ApiClient;
 use crate::output::human_bytes;
@@ -146,6 +148,8 @@ pub struct Rig {
     pub client: ApiClient,
     /// The embedded pool's URL.
     pub pool_url: String,
+    /// The compute host's enrolled key, which leases are asked for with.
+    compute_id: Arc<devlend_fabric::lease_token::TokenSigner>,
     // Dropped after the client: borrower first, then lender, then the pool.
     _borrower: Daemon,
     _lender: Daemon,
@@ -194,9 +198,39 @@ impl Rig {
             listen: "127.0.0.1:0".parse()?,
             database: None,
             data_dir: dir.join("pool"),
+            ..Default::default()
         })
         .context("cannot start the embedded device pool")?;
         let pool_url = pool.url();
+        // The pool's admin enrolls the lender's and the compute host's keys, as an
+        // operator does with `devlend pool enroll --public-key`.
+        let admin_key = dir.join("pool").join(devlend_pool::server::ADMIN_KEY_FILE);
+        let admin = devlend_pool::PoolClient::new(&pool_url)?
+            .with_identity(Arc::new(devlend_fabric::identity::load(&admin_key)?));
+        let lender_key = dir.join("lender.key");
+        let compute_key = dir.join("compute.key");
+        let (lender_id, _) = devlend_fabric::identity::load_or_create(&lender_key)?;
+        let (compute_id, _) = devlend_fabric::identity::load_or_create(&compute_key)?;
+        let compute_id = Arc::new(compute_id);
+        for (role, name, key) in [
+            (
+                Role::Lender,
+                "demo-lender".to_string(),
+                lender_id.public_key(),
+            ),
+            (
+                Role::Compute,
+                devlend_daemon::host_name(),
+                compute_id.public_key(),
+            ),
+        ] {
+            admin.enroll(&EnrollRequest {
+                role,
+                name,
+                public_key: Some(key.to_text()),
+                ttl_ms: None,
+            })?;
+        }
         step(
             progress,
             &format!(
@@ -222,13 +256,14 @@ impl Rig {
                 pool_url.clone(),
                 "--provider".into(),
                 "demo-lender".into(),
+                "--pool-key-file".into(),
+                lender_key.display().to_string(),
             ],
             &dir,
         )?;
         lender.wait_until("the lender", || TcpStream::connect(&lender_addr).is_ok())?;
-        let pool_client = devlend_pool::PoolClient::new(&pool_url)?;
         lender.wait_until("the lender's registration", || {
-            pool_client
+            admin
                 .devices(&devlend_pool::api::DeviceQuery::default())
                 .is_ok_and(|d| !d.is_empty())
         })?;
@@ -244,7 +279,12 @@ impl Rig {
         let mut borrower = Daemon::spawn(
             "compute-agent",
             &borrower_bin,
-            &["--api".into(), api.display().to_string()],
+            &[
+                "--api".into(),
+                api.display().to_string(),
+                "--pool-key-file".into(),
+                compute_key.display().to_string(),
+            ],
             &dir,
         )?;
         let client = ApiClient::new(&api)?;
@@ -255,6 +295,7 @@ impl Rig {
             lender_addr,
             client,
             pool_url,
+            compute_id,
             _borrower: borrower,
             _lender: lender,
             _pool: pool,
@@ -268,8 +309,10 @@ impl Rig {
     /// # Errors
     /// The pool refuses (nothing matches) or cannot be reached.
     pub fn lease(&self, vm: &str, min_bytes: u64, progress: bool) -> Result<Claimed> {
+        let client = devlend_pool::PoolClient::new(&self.pool_url)?
+            .with_identity(Arc::clone(&self.compute_id));
         let c = placement::claim(
-            &self.pool_url,
+            client,
             &Wanted {
                 class: "BLOCK".into(),
                 min_capacity_bytes: min_bytes,

@@ -73,6 +73,14 @@ pub struct Cli {
     /// listen address, which must then not be a wildcard].
     #[arg(long, value_name = "HOST:PORT")]
     pub advertise: Option<String>,
+    /// The key this lender signs its pool requests with (overrides `[pool] key_file`);
+    /// made (0600) at first start [default: /var/lib/devlend/device-agent/identity.key].
+    #[arg(long, value_name = "FILE")]
+    pub pool_key_file: Option<PathBuf>,
+    /// A one-time join token from `devlend pool enroll --role lender` that enrolls this
+    /// lender's key at start (overrides `[pool] join_token`).
+    #[arg(long, value_name = "TOKEN")]
+    pub pool_join_token: Option<String>,
     /// Direct mode with authentication: serve only borrowers whose tokens verify with
     /// this public key (from `devlend keygen`); repeatable. Adds to `auth_keys`.
     #[arg(long = "auth-key", value_name = "PUBLIC_KEY")]
@@ -111,6 +119,26 @@ pub struct PoolConfig {
     /// if the pool presents another. Default: trust the key the pool presents at start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub public_key: Option<String>,
+    /// The key this lender signs its pool requests with; made (0600, directory 0700) at
+    /// first start. Default: [`DEFAULT_POOL_KEY_FILE`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<PathBuf>,
+    /// A one-time join token (`devlend pool enroll --role lender --name PROVIDER`) that
+    /// enrolls the key at start. Harmless once used: an enrolled key is not asked again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_token: Option<String>,
+}
+
+/// Where the lender keeps its pool key by default.
+pub const DEFAULT_POOL_KEY_FILE: &str = "/var/lib/devlend/device-agent/identity.key";
+
+impl PoolConfig {
+    /// The key file: `key_file`, or [`DEFAULT_POOL_KEY_FILE`].
+    pub fn key_path(&self) -> PathBuf {
+        self.key_file
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_POOL_KEY_FILE))
+    }
 }
 
 fn default_heartbeat_ms() -> u64 {
@@ -272,10 +300,18 @@ impl Config {
                     advertise: None,
                     heartbeat_interval_ms: default_heartbeat_ms(),
                     public_key: None,
+                    key_file: None,
+                    join_token: None,
                 })
             });
         }
         if let Some(p) = pool.as_mut() {
+            if cli.pool_key_file.is_some() {
+                p.key_file = cli.pool_key_file.clone();
+            }
+            if cli.pool_join_token.is_some() {
+                p.join_token = cli.pool_join_token.clone();
+            }
             if cli.provider.is_some() {
                 p.provider = cli.provider.clone();
             }
@@ -306,9 +342,15 @@ impl Config {
                 }
                 p.advertise = Some(listen.clone());
             }
-        } else if cli.provider.is_some() || cli.advertise.is_some() {
+        } else if cli.provider.is_some()
+            || cli.advertise.is_some()
+            || cli.pool_key_file.is_some()
+            || cli.pool_join_token.is_some()
+        {
             return Err(Error::BadPool(
-                "--provider and --advertise need a pool (--pool URL or [pool] url)".into(),
+                "--provider, --advertise, --pool-key-file and --pool-join-token need a pool \
+                 (--pool URL or [pool] url)"
+                    .into(),
             ));
         }
         let mut auth_keys = file.auth_keys;

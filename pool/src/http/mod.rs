@@ -3,9 +3,10 @@
 pub mod error;
 pub mod metrics;
 pub mod openapi;
+pub mod principals;
 pub mod routes;
 
-use axum::routing::{get, post, put};
+use axum::routing::{delete, get, post, put};
 use axum::Router;
 
 use crate::service::PoolService;
@@ -31,8 +32,18 @@ pub fn router(service: PoolService) -> Router {
         .route("/v1/leases/{id}/bind", post(routes::bind))
         .route("/v1/leases/{id}/release", post(routes::release))
         .route("/v1/leases/{id}/heartbeat", post(routes::lease_heartbeat))
+        .route(
+            "/v1/principals",
+            get(principals::principals).post(principals::enroll),
+        )
+        .route("/v1/principals/{key}", delete(principals::revoke))
+        .route("/v1/join", post(principals::join))
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            service.clone(),
+            crate::auth::gate::authenticate,
+        ))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(service)
 }

@@ -3,13 +3,14 @@
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
-use axum::Json;
+use axum::{Extension, Json};
 
 use super::error::{parse_uuid, ApiJson, OptionalJson};
 use crate::api::{
     codes, Device, DeviceQuery, EmptyBody, ErrorBody, GenerationBody, Lease, LeaseFilter,
     LeaseGrant, LeaseRequest, Provider, ProviderHeartbeat, RegisterProvider, SigningKey,
 };
+use crate::auth::Caller;
 use crate::error::Error;
 use crate::service::PoolService;
 
@@ -37,8 +38,15 @@ fn query_pairs(q: &Option<String>, allowed: &[&str]) -> Result<Vec<(String, Stri
     Ok(pairs)
 }
 
+/// Refuses a caller that is not the lease's compute host (or an admin).
+async fn own_lease(s: &PoolService, caller: &Caller, id: uuid::Uuid) -> Result<(), Error> {
+    caller.require_enrolled()?;
+    let lease = s.lease(id).await?;
+    caller.require_compute_host(&lease.compute_host)
+}
+
 /// The key lease tokens are signed with.
-#[utoipa::path(get, path = "/v1/signing-key", tag = "pool",
+#[utoipa::path(get, path = "/v1/signing-key", tag = "pool", security(()),
     responses((status = 200, body = SigningKey)))]
 pub async fn signing_key(State(s): State<PoolService>) -> Json<SigningKey> {
     Json(s.signing_key())
@@ -56,10 +64,14 @@ pub async fn signing_key(State(s): State<PoolService>) -> Json<SigningKey> {
     ))]
 pub async fn register_provider(
     State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
     name: Result<Path<String>, PathRejection>,
     ApiJson(body): ApiJson<RegisterProvider>,
 ) -> Answer<Provider> {
-    Ok(Json(s.register(&segment(name)?, &body).await?))
+    let name = segment(name)?;
+    let caller = s.trust_on_first_use(caller, &name).await?;
+    caller.require_provider(&name)?;
+    Ok(Json(s.register(&name, &body).await?))
 }
 
 /// A lender's heartbeat: keeps it available and returns its live leases.
@@ -72,16 +84,23 @@ pub async fn register_provider(
     ))]
 pub async fn provider_heartbeat(
     State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
     name: Result<Path<String>, PathRejection>,
     OptionalJson(_): OptionalJson<EmptyBody>,
 ) -> Answer<ProviderHeartbeat> {
-    Ok(Json(s.provider_heartbeat(&segment(name)?).await?))
+    let name = segment(name)?;
+    caller.require_provider(&name)?;
+    Ok(Json(s.provider_heartbeat(&name).await?))
 }
 
 /// Every provider with its devices.
 #[utoipa::path(get, path = "/v1/providers", tag = "providers",
     responses((status = 200, body = Vec<Provider>)))]
-pub async fn providers(State(s): State<PoolService>) -> Answer<Vec<Provider>> {
+pub async fn providers(
+    State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
+) -> Answer<Vec<Provider>> {
+    caller.require_enrolled()?;
     Ok(Json(s.providers().await?))
 }
 
@@ -97,7 +116,12 @@ pub async fn providers(State(s): State<PoolService>) -> Answer<Vec<Provider>> {
         (status = 400, body = ErrorBody, description = "Unknown or malformed parameter"),
         (status = 422, body = ErrorBody, description = "Bad class or trait syntax"),
     ))]
-pub async fn devices(State(s): State<PoolService>, RawQuery(q): RawQuery) -> Answer<Vec<Device>> {
+pub async fn devices(
+    State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
+    RawQuery(q): RawQuery,
+) -> Answer<Vec<Device>> {
+    caller.require_enrolled()?;
     let mut query = DeviceQuery::default();
     for (k, v) in query_pairs(&q, &["class", "trait", "min_capacity"])? {
         match k.as_str() {
@@ -129,8 +153,10 @@ pub async fn devices(State(s): State<PoolService>, RawQuery(q): RawQuery) -> Ans
     ))]
 pub async fn create_lease(
     State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
     ApiJson(body): ApiJson<LeaseRequest>,
 ) -> Result<(StatusCode, Json<LeaseGrant>), Error> {
+    caller.require_compute_host(&body.compute_host)?;
     Ok((StatusCode::CREATED, Json(s.create_lease(&body).await?)))
 }
 
@@ -141,7 +167,12 @@ pub async fn create_lease(
         (status = 200, body = Vec<Lease>),
         (status = 400, body = ErrorBody, description = "Unknown or malformed parameter"),
     ))]
-pub async fn leases(State(s): State<PoolService>, RawQuery(q): RawQuery) -> Answer<Vec<Lease>> {
+pub async fn leases(
+    State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
+    RawQuery(q): RawQuery,
+) -> Answer<Vec<Lease>> {
+    caller.require_enrolled()?;
     let mut filter = LeaseFilter::Active;
     for (_, v) in query_pairs(&q, &["state"])? {
         filter = match v.as_str() {
@@ -155,7 +186,9 @@ pub async fn leases(State(s): State<PoolService>, RawQuery(q): RawQuery) -> Answ
             }
         };
     }
-    Ok(Json(s.leases(filter).await?))
+    let mut leases = s.leases(filter).await?;
+    leases.retain(|l| caller.sees_lease(&l.compute_host, &l.provider));
+    Ok(Json(leases))
 }
 
 /// One lease.
@@ -168,10 +201,16 @@ pub async fn leases(State(s): State<PoolService>, RawQuery(q): RawQuery) -> Answ
     ))]
 pub async fn lease(
     State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
     id: Result<Path<String>, PathRejection>,
 ) -> Answer<Lease> {
     let id = parse_uuid("lease id", &segment(id)?)?;
-    Ok(Json(s.lease(id).await?))
+    caller.require_enrolled()?;
+    let lease = s.lease(id).await?;
+    if !caller.sees_lease(&lease.compute_host, &lease.provider) {
+        caller.require_compute_host(&lease.compute_host)?;
+    }
+    Ok(Json(lease))
 }
 
 /// claimed -> bound, at the generation read.
@@ -185,10 +224,12 @@ pub async fn lease(
     ))]
 pub async fn bind(
     State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
     id: Result<Path<String>, PathRejection>,
     ApiJson(body): ApiJson<GenerationBody>,
 ) -> Answer<Lease> {
     let id = parse_uuid("lease id", &segment(id)?)?;
+    own_lease(&s, &caller, id).await?;
     Ok(Json(s.bind(id, body.generation).await?))
 }
 
@@ -203,10 +244,12 @@ pub async fn bind(
     ))]
 pub async fn release(
     State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
     id: Result<Path<String>, PathRejection>,
     ApiJson(body): ApiJson<GenerationBody>,
 ) -> Answer<Lease> {
     let id = parse_uuid("lease id", &segment(id)?)?;
+    own_lease(&s, &caller, id).await?;
     Ok(Json(s.release(id, body.generation).await?))
 }
 
@@ -221,9 +264,11 @@ pub async fn release(
     ))]
 pub async fn lease_heartbeat(
     State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
     id: Result<Path<String>, PathRejection>,
     OptionalJson(_): OptionalJson<EmptyBody>,
 ) -> Answer<Lease> {
     let id = parse_uuid("lease id", &segment(id)?)?;
+    own_lease(&s, &caller, id).await?;
     Ok(Json(s.renew(id).await?))
 }

@@ -11,6 +11,7 @@
 //! - `signing_seed` (here): the pool's Ed25519 key seed, created once.
 
 pub mod leases;
+pub mod principals;
 pub mod providers;
 
 use std::borrow::Cow;
@@ -25,8 +26,14 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 
 /// The schema migrations, embedded (files under `pool/migrations/`).
-const MIGRATIONS: &[(i64, &str, &str)] =
-    &[(1, "pool", include_str!("../../migrations/0001_pool.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "pool", include_str!("../../migrations/0001_pool.sql")),
+    (
+        2,
+        "principals",
+        include_str!("../../migrations/0002_principals.sql"),
+    ),
+];
 
 /// Which database a [`Store`] runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -14,10 +14,12 @@
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use devlend_pool::api::{DeviceSpec, Provider, RegisterProvider};
+use devlend_fabric::lease_token::TokenSigner;
+use devlend_pool::api::{DeviceSpec, EnrollRequest, Provider, RegisterProvider, Role};
+use devlend_pool::auth::AuthMode;
 use devlend_pool::{PoolClient, PoolServer, ServerConfig};
 use sqlx::Connection;
 
@@ -31,10 +33,14 @@ pub enum Backend {
 /// A pool server for one test, with a client and its database.
 pub struct TestPool {
     pub server: PoolServer,
+    /// A client signing as the pool's admin (unsigned for an open pool).
     pub client: PoolClient,
     /// The database URL, for a second server on the same database.
     pub database: String,
+    /// The admin key file.
+    pub admin_key: PathBuf,
     _dir: Option<tempfile::TempDir>,
+    _keys: tempfile::TempDir,
 }
 
 impl TestPool {
@@ -43,27 +49,83 @@ impl TestPool {
     }
 }
 
-/// Starts a pool on a fresh database of `backend`.
+/// Starts a pool on a fresh database of `backend`; its client signs as the admin.
 pub fn start(backend: Backend) -> TestPool {
+    start_with(
+        backend,
+        AuthMode::Signed {
+            trust_first_use: false,
+        },
+    )
+}
+
+/// As [`start`], authenticating as `auth` says.
+pub fn start_with(backend: Backend, auth: AuthMode) -> TestPool {
     let (database, dir) = fresh_database(backend);
-    let server = start_on(&database);
-    let client = PoolClient::new(&server.url()).expect("client");
+    let keys = tempfile::tempdir().expect("tempdir");
+    let admin_key = keys.path().join("admin.key");
+    let server = start_on_with(&database, auth, &admin_key);
+    let mut client = PoolClient::new(&server.url()).expect("client");
+    if auth != AuthMode::Open {
+        client = client.with_identity(Arc::new(
+            devlend_fabric::identity::load(&admin_key).expect("admin key"),
+        ));
+    }
     TestPool {
         server,
         client,
         database,
+        admin_key,
         _dir: dir,
+        _keys: keys,
     }
 }
 
-/// Starts another pool server on `database`, on a free port.
-pub fn start_on(database: &str) -> PoolServer {
+/// Starts another pool server on `database`, on a free port, with its own admin key,
+/// and a client of it that signs with that key.
+pub fn start_on(database: &str) -> (PoolServer, PoolClient) {
+    let keys = tempfile::tempdir().expect("tempdir");
+    let path = keys.path().join("admin.key");
+    let server = start_on_with(
+        database,
+        AuthMode::Signed {
+            trust_first_use: false,
+        },
+        &path,
+    );
+    let key = devlend_fabric::identity::load(&path).expect("admin key");
+    let client = PoolClient::new(&server.url())
+        .expect("client")
+        .with_identity(Arc::new(key));
+    (server, client)
+}
+
+/// Starts a pool server on `database` with `auth`, its admin key at `admin_key`.
+pub fn start_on_with(database: &str, auth: AuthMode, admin_key: &std::path::Path) -> PoolServer {
     PoolServer::start(ServerConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         database: Some(database.to_string()),
         data_dir: PathBuf::from("/nonexistent"),
+        auth,
+        admin_key_file: Some(admin_key.to_path_buf()),
     })
     .expect("pool server starts")
+}
+
+/// A client of `pool` signing with a new key enrolled as `role` `name`.
+pub fn enrolled(pool: &TestPool, role: Role, name: &str) -> PoolClient {
+    let key = TokenSigner::generate().expect("key");
+    pool.client
+        .enroll(&EnrollRequest {
+            role,
+            name: name.into(),
+            public_key: Some(key.public_key().to_text()),
+            ttl_ms: None,
+        })
+        .expect("enroll");
+    PoolClient::new(&pool.url())
+        .expect("client")
+        .with_identity(Arc::new(key))
 }
 
 /// A fresh, empty database URL (and the directory holding it, for SQLite).
