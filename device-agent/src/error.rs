@@ -166,6 +166,21 @@ pub enum Error {
     /// The pool settings are inconsistent.
     #[error("pool settings: {0}")]
     BadPool(String),
+    /// No borrower would be authenticated (no pool, no auth keys, no required client
+    /// certificates) on an address that other hosts can reach, and `--insecure` was not
+    /// given.
+    #[error(
+        "refusing to lend without authentication on {addr}, which is not a loopback address: \
+         any host that reaches it could open the devices. Authenticate borrowers with a key \
+         (`devlend keygen --out FILE` prints the public key for --auth-key; the compute agent \
+         signs with --auth-key-file FILE), or register with a device pool (--pool URL), or \
+         require TLS client certificates (--tls-client-ca); or, on a lab network you trust, \
+         pass --insecure (`insecure = true` in the config file)"
+    )]
+    Unauthenticated {
+        /// The listen address as given.
+        addr: String,
+    },
     /// The TLS settings are inconsistent (e.g. a certificate without its key).
     #[error("TLS settings: {0}")]
     BadTls(String),

@@ -25,6 +25,7 @@
 pub mod config;
 mod device;
 pub mod error;
+pub mod exposure;
 mod io;
 pub mod leases;
 pub mod metrics;

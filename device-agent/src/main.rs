@@ -4,6 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use devlend_device_agent::exposure::{allow_unauthenticated, Unauthenticated};
 use devlend_device_agent::metrics::DeviceMetrics;
 use devlend_device_agent::pool_link::{PoolLink, PoolSession, STARTUP_WAIT};
 use devlend_device_agent::{Cli, Config, Lender};
@@ -46,6 +47,13 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
         _ => None,
     };
     let client_certs = tls.as_ref().is_some_and(|(_, t)| t.requires_client_cert());
+    // Before binding (TCP, and RDMA on the same address): a lender that authenticates
+    // no borrower serves beyond loopback only with --insecure.
+    let unauthenticated = if config.pool.is_none() && config.auth_keys.is_empty() && !client_certs {
+        Some(allow_unauthenticated(&config.listen, config.insecure)?)
+    } else {
+        None
+    };
     let options = devlend_device_agent::Options {
         io: config.io_mode,
         ..Default::default()
@@ -91,7 +99,13 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
             None
         }
         None => {
-            tracing::warn!("no device pool and no auth key: direct mode, any borrower that reaches the port can attach an idle device (unauthenticated)");
+            match unauthenticated {
+                Some(Unauthenticated::Insecure) => tracing::warn!(
+                    listen = %config.listen,
+                    "--insecure: no device pool and no auth key on an address beyond loopback: direct mode, any host that reaches the port can attach an idle device (unauthenticated)"
+                ),
+                _ => tracing::warn!("no device pool and no auth key: direct mode, any borrower that reaches the port can attach an idle device (unauthenticated)"),
+            }
             None
         }
     };

@@ -98,7 +98,13 @@ fn main() -> Result<()> {
 
     let addr = format!("{}:{}", fabric.ns_ip, free_port()?);
     let device = format!("nic0=net:{},mac=52:54:00:00:00:01", lan.lent_if);
-    let _lender = Lender::start_in(dir.path(), Some(&fabric.name), &addr, &[device], &[])?;
+    let _lender = Lender::start_in(
+        dir.path(),
+        Some(&fabric.name),
+        &addr,
+        &[device],
+        &["--insecure".to_owned()],
+    )?;
     let borrower = Borrower::start(dir.path())?;
     let sock = dir.path().join("nic0.sock");
     borrower.attach(&addr, "nic0", &sock, 1)?;

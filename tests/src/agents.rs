@@ -231,6 +231,10 @@ impl Lender {
 
     /// As [`Self::start_with`], inside network namespace `netns` when given.
     ///
+    /// On an address beyond loopback (a namespace's address, a wildcard) a lender with
+    /// no pool, no `--auth-key` and no `--tls-client-ca` needs `--insecure` in `extra`,
+    /// or it refuses to start.
+    ///
     /// # Errors
     /// It cannot start or exits.
     pub fn start_in(

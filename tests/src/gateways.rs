@@ -175,6 +175,8 @@ impl Topo {
                     format!("disk0={}", img.display()),
                     "--metrics-listen".into(),
                     format!("0.0.0.0:{METRICS_PORT}"),
+                    // Borrowers are not authenticated (TLS, if any, is server-side only).
+                    "--insecure".into(),
                 ],
                 if lender_tls {
                     certs.lender_args(false)

@@ -206,7 +206,7 @@ fn remote_rig(
         Some(&ns.name),
         &addr,
         &[format!("disk0={}", img.display())],
-        &[],
+        &["--insecure".to_owned()],
     )
     .unwrap();
     let borrower = Borrower::start(dir.path()).unwrap();

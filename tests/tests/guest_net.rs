@@ -117,7 +117,7 @@ fn a_guest_uses_a_lent_nic() -> Result<()> {
         Some(&fabric.name),
         &addr,
         std::slice::from_ref(&device),
-        &[],
+        &["--insecure".to_owned()],
     )?;
     let borrower = Borrower::start(dir.path())?;
     let sock = dir.path().join("nic0.sock");
@@ -176,7 +176,13 @@ fn a_guest_uses_a_lent_nic() -> Result<()> {
         Duration::from_secs(30),
     )?;
     let during = borrower.cli_json(&["status"])?;
-    let _lender = Lender::start_in(dir.path(), Some(&fabric.name), &addr, &[device], &[])?;
+    let _lender = Lender::start_in(
+        dir.path(),
+        Some(&fabric.name),
+        &addr,
+        &[device],
+        &["--insecure".to_owned()],
+    )?;
 
     let out = guest.wait_done(Duration::from_secs(120))?;
     out.check_success()?;

@@ -156,7 +156,11 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
         Some(&fabric.name),
         &addr,
         std::slice::from_ref(&device),
-        &["--metrics-listen".to_owned(), metrics.clone()],
+        &[
+            "--insecure".to_owned(),
+            "--metrics-listen".to_owned(),
+            metrics.clone(),
+        ],
     )?;
     let mut borrower = Borrower::start(dir.path())?;
     let script = SCRIPT
@@ -195,7 +199,13 @@ fn a_nic_plugged_live_carries_two_queue_pairs_and_follows_the_lender() -> Result
     let lent = scrape_metrics(&metrics)?;
     lender.proc.kill_hard();
     wait_phase(&guest, "link-down", Duration::from_secs(90))?;
-    let _lender = Lender::start_in(dir.path(), Some(&fabric.name), &addr, &[device], &[])?;
+    let _lender = Lender::start_in(
+        dir.path(),
+        Some(&fabric.name),
+        &addr,
+        &[device],
+        &["--insecure".to_owned()],
+    )?;
     wait_phase(&guest, "resumed", Duration::from_secs(120))?;
     let after = borrower.cli_json(&["status"])?;
     // SIGTERM keeps the attachment (and the VM's device) in the state file; the next

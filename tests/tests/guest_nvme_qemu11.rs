@@ -42,7 +42,7 @@ for d in /sys/bus/pci/devices/*; do
 done
 echo vfio-pci > /sys/bus/pci/devices/$BDF/driver_override
 echo $BDF > /sys/bus/pci/drivers_probe
-devlend-device-agent --listen 0.0.0.0:7700 --device ssd0=pci:$BDF --log-level info 2>&1 | sed 's/^/lender: /' &
+devlend-device-agent --listen 0.0.0.0:7700 --insecure --device ssd0=pci:$BDF --log-level info 2>&1 | sed 's/^/lender: /' &
 sleep 100000
 "#;
 

@@ -42,7 +42,7 @@ truncate -s 64M /srv/disk1.img
 truncate -s 64M /srv/disk2.img
 metric() { grep "^$1" /tmp/metrics | awk '{s+=$2} END {print s+0}'; }
 lender() {
-  devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --io-mode $1 --device disk0=/srv/disk.img --device disk1=/srv/disk1.img --device disk2=/srv/disk2.img --metrics-listen 127.0.0.1:9100 --log-level info >> /tmp/lender.log 2>&1 &
+  devlend-device-agent --listen 10.9.0.1:7700 --insecure --transport rdma --io-mode $1 --device disk0=/srv/disk.img --device disk1=/srv/disk1.img --device disk2=/srv/disk2.img --metrics-listen 127.0.0.1:9100 --log-level info >> /tmp/lender.log 2>&1 &
   LPID=$!
 }
 # The first lender does its device I/O through io_uring (on tmpfs files too), the one

@@ -75,7 +75,7 @@ done
 echo vfio-pci > /sys/bus/pci/devices/$NIC/driver_override
 echo $NIC > /sys/bus/pci/drivers_probe
 ls /dev/vfio
-devlend-device-agent --listen 0.0.0.0:7700 --device edu=pci:$BDF --device nic0=pci:$NIC --log-level info 2>&1 | sed 's/^/lender: /' &
+devlend-device-agent --listen 0.0.0.0:7700 --insecure --device edu=pci:$BDF --device nic0=pci:$NIC --log-level info 2>&1 | sed 's/^/lender: /' &
 sleep 100000
 "#;
 

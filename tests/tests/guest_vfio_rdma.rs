@@ -60,7 +60,7 @@ done
 echo vfio-pci > /sys/bus/pci/devices/$NVME/driver_override
 echo $NVME > /sys/bus/pci/drivers_probe
 mkdir -p /run/devlend
-devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --device edu=pci:$BDF --device ssd0=pci:$NVME --log-level info >> /tmp/lender.log 2>&1 &
+devlend-device-agent --listen 10.9.0.1:7700 --insecure --transport rdma --device edu=pci:$BDF --device ssd0=pci:$NVME --log-level info >> /tmp/lender.log 2>&1 &
 LPID=$!
 devlend-compute-agent --api /run/devlend/ca.sock --log-level info > /tmp/ca.log 2>&1 &
 devlend-wait-for /run/devlend/ca.sock 30
@@ -92,7 +92,7 @@ devlend --api /run/devlend/ca.sock status --json > /tmp/status.json
 if grep -q -E '"lender_lost": ?true' /tmp/status.json; then echo "DEVLEND-RESULT lost_shown=yes"; else echo "DEVLEND-RESULT lost_shown=no"; cat /tmp/status.json; fi
 devlend --api /run/devlend/ca.sock status | grep -q lender-lost && echo "DEVLEND-RESULT lost_table=yes"
 # A lender that requires TLS lends no PCIe function over RDMA (RDMA has no TLS).
-devlend-device-agent --listen 10.9.0.1:7700 --transport rdma --device edu=pci:$BDF --tls-cert /certs/lender.crt --tls-key /certs/lender.key --log-level info >> /tmp/lender-tls.log 2>&1 &
+devlend-device-agent --listen 10.9.0.1:7700 --insecure --transport rdma --device edu=pci:$BDF --tls-cert /certs/lender.crt --tls-key /certs/lender.key --log-level info >> /tmp/lender-tls.log 2>&1 &
 LPID=$!
 sleep 2
 if attach tls > /tmp/attach-tls.out 2>&1; then echo "DEVLEND-RESULT tls_rdma=attached"; else echo "DEVLEND-RESULT tls_rdma=refused"; sed 's/^/tls: /' /tmp/attach-tls.out; fi

@@ -166,7 +166,14 @@ fn rig(n: u8, tag: &str) -> Rig {
     .unwrap();
     let addr = format!("{}:{}", fabric.ns_ip, free_port().unwrap());
     let device = format!("nic0=net:{},mac={mac}", lan.lent_if);
-    let lender = Lender::start_in(dir.path(), Some(&fabric.name), &addr, &[device], &[]).unwrap();
+    let lender = Lender::start_in(
+        dir.path(),
+        Some(&fabric.name),
+        &addr,
+        &[device],
+        &["--insecure".to_owned()],
+    )
+    .unwrap();
     let borrower = Borrower::start(dir.path()).unwrap();
     let sock = dir.path().join("nic0.sock");
     let info = borrower.attach(&addr, "nic0", &sock, 2).unwrap();

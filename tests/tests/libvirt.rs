@@ -154,7 +154,13 @@ fn printed_xml_boots_a_libvirt_domain_and_plugs_live() -> Result<()> {
         format!("disk1={},serial={HOT_SERIAL}", disk1.display()),
         format!("nic0=net:{},mac={MAC}", lan.lent_if),
     ];
-    let lender = Lender::start_in(dir.path(), Some(&fabric.name), &addr, &devices, &[])?;
+    let lender = Lender::start_in(
+        dir.path(),
+        Some(&fabric.name),
+        &addr,
+        &devices,
+        &["--insecure".to_owned()],
+    )?;
     let borrower = Borrower::start(dir.path())?;
     let sock = |n: &str| dir.path().join(format!("{n}.sock")).display().to_string();
     let (s0, s1, sn) = (sock("disk0"), sock("disk1"), sock("nic0"));

@@ -98,7 +98,7 @@ fn a_lent_nic_closes_bad_sessions_and_serves_the_next() -> Result<()> {
         Some(&fabric.name),
         &addr,
         std::slice::from_ref(&device),
-        &[],
+        &["--insecure".to_owned()],
     )?;
 
     // A good session: the LINK message first, then a frame out to the peer.

@@ -97,6 +97,12 @@ pub struct Cli {
     /// (mutual TLS); needs `--tls-cert`.
     #[arg(long, value_name = "FILE")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Serve borrowers without authentication (no pool, no --auth-key, no
+    /// --tls-client-ca) on an address other hosts can reach: anyone who reaches the port
+    /// can open the devices. For a lab network you trust; without it such a lender
+    /// refuses to start (on loopback it is not needed). In the file: `insecure = true`.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 /// The `[pool]` table: register with a device pool and enforce its leases.
@@ -161,6 +167,8 @@ struct FileConfig {
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_client_ca: Option<PathBuf>,
+    #[serde(default)]
+    insecure: bool,
     #[serde(default, rename = "device")]
     devices: Vec<DeviceSpec>,
 }
@@ -243,6 +251,10 @@ pub struct Config {
     /// TLS: require client certificates signed by this CA (PEM).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Serve without authentication beyond loopback (`--insecure`): see
+    /// [`crate::exposure::allow_unauthenticated`].
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
     /// Devices to lend, with distinct names (file devices first, in file order).
     #[serde(rename = "device")]
     pub devices: Vec<DeviceSpec>,
@@ -383,6 +395,7 @@ impl Config {
             tls_cert,
             tls_key,
             tls_client_ca,
+            insecure: cli.insecure || file.insecure,
             listen,
             transport: cli.transport.unwrap_or_default(),
             log_level: cli
@@ -491,6 +504,30 @@ mod tests {
         let c = Config::from_cli(&cli).unwrap();
         assert_eq!(c.io_mode, IoMode::Auto);
         assert!(!c.to_toml().contains("io_mode"));
+    }
+
+    #[test]
+    fn insecure_comes_from_file_or_flag_and_prints_back() {
+        let f = write_config(
+            "listen = \"0.0.0.0:7700\"\ninsecure = true\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+        );
+        let path = f.path().to_str().unwrap();
+        let c = Config::from_cli(&Cli::parse_from(["x", "--config", path])).unwrap();
+        assert!(c.insecure);
+        assert!(c.to_toml().contains("insecure = true"), "{}", c.to_toml());
+        let cli = Cli::parse_from(["x", "--listen", "0.0.0.0:1", "--device", "d=/x"]);
+        let c = Config::from_cli(&cli).unwrap();
+        assert!(!c.insecure);
+        assert!(!c.to_toml().contains("insecure"), "{}", c.to_toml());
+        let cli = Cli::parse_from([
+            "x",
+            "--listen",
+            "0.0.0.0:1",
+            "--device",
+            "d=/x",
+            "--insecure",
+        ]);
+        assert!(Config::from_cli(&cli).unwrap().insecure);
     }
 
     #[test]
