@@ -2,6 +2,7 @@
 //! re-registration, join tokens, key rotation and revocation, replays and stale times,
 //! and trust on first use. On SQLite and on PostgreSQL.
 
+#[macro_use]
 mod support;
 
 use std::sync::Arc;
@@ -13,21 +14,6 @@ use devlend_pool::auth::AuthMode;
 use devlend_pool::{ClientError, PoolClient};
 use reqwest::blocking::Client;
 use support::{device, enrolled, Backend, TestPool, GIB};
-
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[test]
-            fn sqlite() {
-                super::$name(super::Backend::Sqlite)
-            }
-            #[test]
-            fn postgres() {
-                super::$name(super::Backend::Postgres)
-            }
-        }
-    )*};
-}
 
 on_both_backends!(
     every_route_refuses_the_callers_it_must,

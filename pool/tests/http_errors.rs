@@ -1,27 +1,13 @@
 //! Bad requests get a 4xx with the JSON error shape, never a 500; the OpenAPI document
 //! covers every route.
 
+#[macro_use]
 mod support;
 
 use devlend_pool::api::LeaseRequest;
 use reqwest::blocking::Client;
 use reqwest::Method;
 use support::{device, register, Backend, GIB};
-
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[test]
-            fn sqlite() {
-                super::$name(super::Backend::Sqlite)
-            }
-            #[test]
-            fn postgres() {
-                super::$name(super::Backend::Postgres)
-            }
-        }
-    )*};
-}
 
 on_both_backends!(bad_requests_get_4xx_with_a_message);
 

@@ -1,5 +1,6 @@
 //! The pool over real HTTP, each behaviour on SQLite and on PostgreSQL.
 
+#[macro_use]
 mod support;
 
 use std::sync::{Arc, Barrier};
@@ -9,22 +10,6 @@ use devlend_fabric::lease_token::{LeaseToken, PublicKey};
 use devlend_pool::api::{DeviceQuery, DeviceState, LeaseFilter, LeaseRequest, LeaseState};
 use devlend_pool::ClientError;
 use support::{device, register, Backend, GIB};
-
-/// Runs each named test function on both backends: `NAME::sqlite`, `NAME::postgres`.
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[test]
-            fn sqlite() {
-                super::$name(super::Backend::Sqlite)
-            }
-            #[test]
-            fn postgres() {
-                super::$name(super::Backend::Postgres)
-            }
-        }
-    )*};
-}
 
 on_both_backends!(
     two_borrowers_race_for_the_last_device,

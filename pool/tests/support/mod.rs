@@ -23,6 +23,23 @@ use devlend_pool::auth::AuthMode;
 use devlend_pool::{PoolClient, PoolServer, ServerConfig};
 use sqlx::Connection;
 
+/// Runs each named test function on both backends: `NAME::sqlite`, `NAME::postgres`.
+/// The test file brings `Backend` into scope and declares `#[macro_use] mod support;`.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn sqlite() {
+                super::$name(super::Backend::Sqlite)
+            }
+            #[test]
+            fn postgres() {
+                super::$name(super::Backend::Postgres)
+            }
+        }
+    )*};
+}
+
 /// The database a test runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
