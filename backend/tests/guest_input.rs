@@ -80,6 +80,7 @@ impl Rig {
             tls: None,
             transport: Default::default(),
             relay: None,
+            lender_key: None,
         };
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();

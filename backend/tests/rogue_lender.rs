@@ -123,6 +123,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
             tls: None,
             transport: Default::default(),
             relay: None,
+            lender_key: None,
         },
         limits,
         stats.clone(),

@@ -607,6 +607,7 @@ fn borrower(lender: &str, path: &Path) {
         tls: None,
         timeout: Duration::from_secs(5),
         transport: Transport::Tcp,
+        lender_key: None,
     };
     let mut b = PciBorrower::connect(&target).unwrap();
     let server = b.listen(path).unwrap();

@@ -106,6 +106,10 @@ enum Cmd {
         /// part of the lender address].
         #[arg(long, value_name = "NAME", requires = "tls")]
         tls_server_name: Option<String>,
+        /// The lender's public key (as it logs it at start): each session must prove it,
+        /// or it is refused (direct mode; with --class the lease names the key).
+        #[arg(long, value_name = "KEY")]
+        lender_key: Option<String>,
         /// Fabric transport of the queues' sessions: tcp (default) or rdma (rdma_cm, one
         /// RC queue pair per queue, or for --kind pci the function's one session with
         /// the DMA mirror moved by RDMA READ/WRITE; the lender must run with
@@ -373,6 +377,7 @@ fn run(cli: Cli) -> Result<()> {
             reconnect_deadline_s,
             tls,
             tls_server_name,
+            lender_key,
             transport,
             id,
             kind,
@@ -457,6 +462,7 @@ fn run(cli: Cli) -> Result<()> {
                     (None, None) => None,
                 },
                 lease,
+                lender_key,
                 tls,
                 tls_server_name,
                 transport: if rdma {

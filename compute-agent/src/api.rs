@@ -54,6 +54,12 @@ pub struct AttachRequest {
     /// one, the lender must be in direct mode.
     #[serde(default)]
     pub lease: Option<LeaseRef>,
+    /// The lender's Ed25519 public key (unpadded base64url, as `devlend-device-agent`
+    /// logs it at start): every session must prove it, or it is refused before any
+    /// request (the guest's I/O waits, up to the reconnect deadline). With a lease whose
+    /// token names the lender's key, that key is used and this must match it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lender_key: Option<String>,
     /// Open the fabric sessions inside TLS 1.3, verifying the lender's certificate
     /// against the compute agent's `tls_ca` (which must be configured); default false.
     /// Recommended when traffic leaves a rack.

@@ -459,6 +459,7 @@ impl Registry {
                     provider: String::new(),
                     device: resolved.device.clone(),
                     consumer: id.to_owned(),
+                    provider_key: None,
                 };
                 let token = signer
                     .sign(&claims)
@@ -467,6 +468,7 @@ impl Registry {
             }
             (None, None, None) => (new_borrower_id(), Vec::new()),
         };
+        let lender_key = expected_lender_key(req.lender_key.as_deref(), &token)?;
         let mut attachment = Attachment::start(AttachmentConfig {
             id: id.to_owned(),
             socket: req.socket.clone(),
@@ -477,6 +479,7 @@ impl Registry {
                 borrower,
                 token: token.clone(),
                 tls,
+                lender_key,
                 transport: match req.transport {
                     crate::api::FabricTransport::Tcp => {
                         devlend_backend::blk::engine::Transport::Tcp
@@ -1027,9 +1030,75 @@ fn unplug(p: &VmmPlug, timeout: Duration) -> Result<(), VmmError> {
     }
 }
 
+/// The key the lender must prove: the one the lease token names, or the one the attach
+/// request gives (they must agree when both are there).
+fn expected_lender_key(
+    given: Option<&str>,
+    token: &[u8],
+) -> Result<Option<devlend_fabric::lease_token::PublicKey>, RegistryError> {
+    use devlend_fabric::lease_token::{LeaseToken, PublicKey};
+    let given = given
+        .map(PublicKey::from_text)
+        .transpose()
+        .map_err(|e| RegistryError::BadRequest(format!("lender_key: {e}")))?;
+    let named = if token.is_empty() {
+        None
+    } else {
+        LeaseToken::from_bytes(token.to_vec())
+            .claims_unverified()
+            .ok()
+            .and_then(|c| c.provider_key)
+            .and_then(|k| PublicKey::from_bytes(&k).ok())
+    };
+    match (given, named) {
+        (Some(g), Some(n)) if g != n => Err(RegistryError::BadRequest(format!(
+            "lender_key {} is not the key the lease names, {}",
+            g.to_text(),
+            n.to_text()
+        ))),
+        (g, n) => Ok(n.or(g)),
+    }
+}
+
 #[cfg(test)]
 mod resolve_tests {
     use super::*;
+
+    #[test]
+    fn the_lender_key_comes_from_the_token_or_the_request_and_they_must_agree() {
+        use devlend_fabric::lease_token::{LeaseClaims, TokenSigner};
+        let pool = TokenSigner::from_seed([1; 32]);
+        let lender = TokenSigner::from_seed([2; 32]).public_key();
+        let other = TokenSigner::from_seed([3; 32]).public_key();
+        let token = |key: Option<[u8; 32]>| {
+            pool.sign(&LeaseClaims {
+                lease_id: [4; 16],
+                expires_at_ms: 1,
+                provider: "p".into(),
+                device: "d".into(),
+                consumer: "c".into(),
+                provider_key: key,
+            })
+            .unwrap()
+            .as_bytes()
+            .to_vec()
+        };
+        let keyed = token(Some(lender.to_bytes()));
+        assert_eq!(expected_lender_key(None, &[]).unwrap(), None);
+        assert_eq!(expected_lender_key(None, &keyed).unwrap(), Some(lender));
+        assert_eq!(expected_lender_key(None, &token(None)).unwrap(), None);
+        let given = lender.to_text();
+        assert_eq!(
+            expected_lender_key(Some(&given), &[]).unwrap(),
+            Some(lender)
+        );
+        assert_eq!(
+            expected_lender_key(Some(&given), &keyed).unwrap(),
+            Some(lender)
+        );
+        assert!(expected_lender_key(Some(&other.to_text()), &keyed).is_err());
+        assert!(expected_lender_key(Some("nope"), &[]).is_err());
+    }
 
     #[test]
     fn addresses_resolve_direct_or_through_the_gateway() {

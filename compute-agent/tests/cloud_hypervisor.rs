@@ -1069,6 +1069,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
             api: ch.socket.clone(),
         }),
         lease: None,
+        lender_key: None,
         tls: false,
         tls_server_name: None,
         transport: Default::default(),

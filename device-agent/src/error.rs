@@ -195,8 +195,8 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
-    /// The key this lender signs its pool requests with cannot be read or made.
-    #[error("pool key")]
+    /// This lender's key (`key_file`) cannot be read or made.
+    #[error("the lender's key")]
     PoolKey(#[source] devlend_fabric::identity::IdentityError),
     /// A PCIe function could not be opened through VFIO.
     #[error("cannot lend PCIe function {bdf} as device {device:?}")]

@@ -231,6 +231,7 @@ mod tests {
             provider: provider.into(),
             device: device.into(),
             consumer: "vm".into(),
+            provider_key: None,
         };
         let mut h = Hello::new(device, 0);
         h.borrower = [9; 16];

@@ -58,7 +58,14 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
         io: config.io_mode,
         ..Default::default()
     };
+    // The lender's own key: it proves who the lender is to borrowers that ask, and signs
+    // its pool requests.
+    let key = config.load_key()?;
     let lender = Lender::bind_with(&config.listen, config.devices, options)?;
+    if let Some(k) = &key {
+        tracing::info!(key = %k.public_key().to_text(), "this lender's key: borrowers verify it with --lender-key or through the pool's lease");
+        lender.prove_with(std::sync::Arc::clone(k));
+    }
     if let Some((cert, tls)) = tls {
         tracing::info!(
             cert = %cert.display(),
@@ -75,7 +82,14 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     }
     let pool = match &config.pool {
         Some(p) => {
-            let session = PoolSession::connect(p, STARTUP_WAIT)?;
+            let key = key.clone().ok_or_else(|| {
+                devlend_device_agent::Error::BadPool(format!(
+                    "no key to sign pool requests with: give key_file (--key-file), or let the \
+                     agent write {}",
+                    devlend_device_agent::config::DEFAULT_KEY_FILE
+                ))
+            })?;
+            let session = PoolSession::connect(p, STARTUP_WAIT, key)?;
             lender.require_leases(session.guard());
             Some(session)
         }

@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use devlend_fabric::error::chain;
-use devlend_fabric::lease_token::PublicKey;
+use devlend_fabric::lease_token::{PublicKey, TokenSigner};
 use devlend_pool::api::{DeviceSpec as PoolDevice, RegisterProvider};
 use devlend_pool::client::{ClientError, PoolClient};
 
@@ -41,13 +41,18 @@ pub struct PoolSession {
 
 impl PoolSession {
     /// Fetches the pool's public key, retrying for up to `wait` while the pool is
-    /// unreachable, and checks it against the pinned key if one is configured.
+    /// unreachable, and checks it against the pinned key if one is configured; then
+    /// signs with `own_key` (the lender's key) and redeems the join token, if any.
     ///
     /// # Errors
     /// [`Error::Pool`] for a bad URL, a pool that stays unreachable, a malformed key, or
     /// a key that differs from the pinned one; [`Error::BadPool`] when the provider or
     /// advertise address is missing.
-    pub fn connect(config: &PoolConfig, wait: Duration) -> Result<PoolSession, Error> {
+    pub fn connect(
+        config: &PoolConfig,
+        wait: Duration,
+        own_key: Arc<TokenSigner>,
+    ) -> Result<PoolSession, Error> {
         let err = |reason: String| Error::Pool {
             url: config.url.clone(),
             reason,
@@ -94,14 +99,8 @@ impl PoolSession {
                 )));
             }
         }
-        let key_path = config.key_path();
-        let (key, made) =
-            devlend_fabric::identity::load_or_create(&key_path).map_err(Error::PoolKey)?;
-        let identity = key.public_key().to_text();
-        if made {
-            tracing::info!(path = %key_path.display(), key = %identity, "made this lender's pool key");
-        }
-        let client = client.with_identity(Arc::new(key));
+        let identity = own_key.public_key().to_text();
+        let client = client.with_identity(own_key);
         if let Some(token) = &config.join_token {
             let p = client
                 .join(token)

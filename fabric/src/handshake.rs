@@ -2,8 +2,9 @@
 //!
 //! The borrower sends a [`Hello`]: protocol version, device name, queue index, features.
 //! The lender answers with a [`HelloReply`]: a [`HelloStatus`] and, when the status is
-//! [`HelloStatus::Ok`], the [`DeviceInfo`] (capacity, limits, read-only, serial). Every
-//! integer is little-endian; layouts are in `docs/protocol.md`.
+//! [`HelloStatus::Ok`], the [`DeviceInfo`] (capacity, limits, read-only, serial). A hello
+//! may carry a challenge that the lender signs in its reply ([`crate::lender_proof`]).
+//! Every integer is little-endian; layouts are in `docs/protocol.md`.
 //!
 //! Why this file is over 600 lines: the last 134 lines (from `#[cfg(test)]` on) are
 //! round-trip and refusal tests of the two messages; the rest is the two messages with the
@@ -13,6 +14,7 @@ use std::io::{Read, Write};
 
 use crate::codec;
 use crate::lease_token::MAX_TOKEN_LEN;
+use crate::lender_proof::{LenderProof, CHALLENGE_LEN, FEATURE_LENDER_PROOF, PROOF_LEN};
 use crate::{io_util::read_exact_or_eof, WireError, PROTOCOL_VERSION, SERIAL_LEN};
 
 /// The 4 bytes that start both handshake messages.
@@ -146,7 +148,8 @@ impl Credit {
 /// Layout: `magic: [u8;4] = "DVLD", version: u16, queue_index: u16, features: u64,
 /// borrower: [u8; 16], name_len: u16, token_len: u16`, then `name_len` bytes of UTF-8
 /// device name, then `token_len` bytes of lease token (0 in direct mode; at most
-/// [`MAX_TOKEN_LEN`](crate::lease_token::MAX_TOKEN_LEN)).
+/// [`MAX_TOKEN_LEN`](crate::lease_token::MAX_TOKEN_LEN)), then with
+/// [`FEATURE_LENDER_PROOF`] the 32-byte challenge.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Protocol version the borrower speaks.
@@ -164,6 +167,9 @@ pub struct Hello {
     /// The pool's lease token in binary form ([`crate::lease_token`]); empty in direct
     /// mode. A lender attached to a pool refuses a hello without a valid one.
     pub token: Vec<u8>,
+    /// A challenge the lender must sign ([`crate::lender_proof`]); sent after the token,
+    /// with [`FEATURE_LENDER_PROOF`] in `features`, exactly when present.
+    pub challenge: Option<[u8; CHALLENGE_LEN]>,
 }
 
 impl Hello {
@@ -176,6 +182,7 @@ impl Hello {
             borrower: [0; 16],
             device: device.to_owned(),
             token: Vec::new(),
+            challenge: None,
         }
     }
 
@@ -200,12 +207,17 @@ impl Hello {
                 limit: MAX_TOKEN_LEN as u64,
             });
         }
-        let mut b = Vec::with_capacity(HELLO_FIXED_LEN + name.len() + self.token.len());
+        let mut b =
+            Vec::with_capacity(HELLO_FIXED_LEN + name.len() + self.token.len() + CHALLENGE_LEN);
+        let features = match self.challenge {
+            Some(_) => self.features | FEATURE_LENDER_PROOF,
+            None => self.features & !FEATURE_LENDER_PROOF,
+        };
         let fixed = HelloFixed {
             magic: MAGIC,
             version: self.version,
             queue_index: self.queue_index,
-            features: self.features,
+            features,
             borrower: self.borrower,
             name_len: name.len() as u16,
             token_len: self.token.len() as u16,
@@ -213,6 +225,9 @@ impl Hello {
         fixed.push(&mut b);
         b.extend_from_slice(name);
         b.extend_from_slice(&self.token);
+        if let Some(c) = &self.challenge {
+            b.extend_from_slice(c);
+        }
         w.write_all(&b)?;
         Ok(())
     }
@@ -252,14 +267,25 @@ impl Hello {
         if name_len == 0 {
             return Err(WireError::Invalid("empty device name"));
         }
-        let mut rest = vec![0u8; name_len + token_len];
+        let challenge_len = if f.features & FEATURE_LENDER_PROOF != 0 {
+            CHALLENGE_LEN
+        } else {
+            0
+        };
+        let mut rest = vec![0u8; name_len + token_len + challenge_len];
         read_exact_or_eof(r, &mut rest).map_err(|e| match e {
             WireError::Closed => WireError::Truncated {
                 got: HELLO_FIXED_LEN,
-                want: HELLO_FIXED_LEN + name_len + token_len,
+                want: HELLO_FIXED_LEN + name_len + token_len + challenge_len,
             },
             e => e,
         })?;
+        let challenge = (challenge_len != 0).then(|| {
+            let mut c = [0u8; CHALLENGE_LEN];
+            c.copy_from_slice(&rest[name_len + token_len..]);
+            c
+        });
+        rest.truncate(name_len + token_len);
         let token = rest.split_off(name_len);
         let name = rest;
         let device =
@@ -271,6 +297,7 @@ impl Hello {
             borrower: f.borrower,
             device,
             token,
+            challenge,
         })
     }
 }
@@ -391,7 +418,8 @@ impl DeviceInfo {
 /// The lender's answer to a [`Hello`].
 ///
 /// Layout (68 bytes, then with [`FEATURE_CREDIT`] in `features` the 8-byte credit
-/// `requests: u32, bytes: u32`, then `msg_len` bytes of UTF-8 message): `magic: [u8;4],
+/// `requests: u32, bytes: u32`, then with [`FEATURE_LENDER_PROOF`] the 96-byte proof
+/// `key: [u8; 32], signature: [u8; 64]`, then `msg_len` bytes of UTF-8 message): `magic: [u8;4],
 /// version: u16, status: u16, features: u64, capacity_sectors: u64, block_size: u32,
 /// max_transfer: u32, max_discard_sectors: u32, max_write_zeroes_sectors: u32, flags: u32,
 /// msg_len: u16, reserved: u16 = 0, serial: [u8; 20]`.
@@ -408,6 +436,9 @@ pub struct HelloReply {
     /// The session's credit, sent when [`FEATURE_CREDIT`] is granted (`features` has
     /// the bit exactly when this is `Some`).
     pub credit: Option<Credit>,
+    /// The lender's answer to the hello's challenge ([`crate::lender_proof`]), after the
+    /// credit, with [`FEATURE_LENDER_PROOF`] in `features` exactly when present.
+    pub proof: Option<LenderProof>,
     /// Why the session was refused (empty on success), at most [`MAX_MESSAGE_LEN`] bytes.
     pub message: String,
 }
@@ -421,6 +452,7 @@ impl HelloReply {
             features: 0,
             device,
             credit: None,
+            proof: None,
             message: String::new(),
         }
     }
@@ -438,6 +470,7 @@ impl HelloReply {
             features: 0,
             device: DeviceInfo::default(),
             credit: None,
+            proof: None,
             message: message[..end].to_owned(),
         }
     }
@@ -453,6 +486,10 @@ impl HelloReply {
         let features = match self.credit {
             Some(_) => self.features | FEATURE_CREDIT,
             None => self.features & !FEATURE_CREDIT,
+        };
+        let features = match self.proof {
+            Some(_) => features | FEATURE_LENDER_PROOF,
+            None => features & !FEATURE_LENDER_PROOF,
         };
         let fixed = ReplyFixed {
             magic: MAGIC,
@@ -472,6 +509,9 @@ impl HelloReply {
         fixed.push(&mut b);
         if let Some(c) = self.credit {
             c.push(&mut b);
+        }
+        if let Some(p) = &self.proof {
+            b.extend_from_slice(&p.to_bytes());
         }
         b.extend_from_slice(msg);
         w.write_all(&b)?;
@@ -513,6 +553,13 @@ impl HelloReply {
         } else {
             None
         };
+        let proof = if features & FEATURE_LENDER_PROOF != 0 {
+            let mut p = [0u8; PROOF_LEN];
+            read_exact_or_eof(r, &mut p)?;
+            Some(LenderProof::from_bytes(&p)?)
+        } else {
+            None
+        };
         let device = DeviceInfo {
             capacity_sectors: f.capacity_sectors,
             block_size: f.block_size,
@@ -535,6 +582,7 @@ impl HelloReply {
             features,
             device,
             credit,
+            proof,
             message: String::from_utf8_lossy(&msg).into_owned(),
         })
     }
@@ -630,6 +678,47 @@ mod tests {
         assert_eq!(back, r);
         assert!(back.device.is_net());
         assert_eq!(back.device.link(), link);
+    }
+
+    #[test]
+    fn a_challenge_and_its_proof_round_trip() {
+        let key = crate::lease_token::TokenSigner::from_seed([5; 32]);
+        let mut h = Hello::new("disk0", 3);
+        h.borrower = [1; 16];
+        h.token = vec![9; 40];
+        h.challenge = Some([0xab; CHALLENGE_LEN]);
+        let mut buf = Vec::new();
+        h.write_to(&mut buf).unwrap();
+        assert_eq!(buf.len(), HELLO_FIXED_LEN + 5 + 40 + CHALLENGE_LEN);
+        let back = Hello::read_from(&mut buf.as_slice()).unwrap();
+        assert_eq!(back.challenge, h.challenge);
+        assert_eq!(back.features & FEATURE_LENDER_PROOF, FEATURE_LENDER_PROOF);
+        assert_eq!(back.token, h.token);
+        // A hello cut inside its challenge is refused.
+        assert!(Hello::read_from(&mut &buf[..buf.len() - 1]).is_err());
+
+        let mut r = HelloReply::ok(DeviceInfo {
+            block_size: 512,
+            ..DeviceInfo::default()
+        });
+        r.credit = Some(Credit {
+            requests: 8,
+            bytes: 1 << 20,
+        });
+        r.proof = LenderProof::answer(&key, &back);
+        let mut buf = Vec::new();
+        r.write_to(&mut buf).unwrap();
+        assert_eq!(buf.len(), REPLY_FIXED_LEN + CREDIT_LEN + PROOF_LEN);
+        let got = HelloReply::read_from(&mut buf.as_slice()).unwrap();
+        assert_eq!((&got.proof, got.credit), (&r.proof, r.credit));
+        assert_eq!(got.features, FEATURE_CREDIT | FEATURE_LENDER_PROOF);
+        LenderProof::check(got.proof.as_ref(), &h, &key.public_key()).unwrap();
+        // A reply without a proof does not claim one.
+        r.proof = None;
+        let mut buf = Vec::new();
+        r.write_to(&mut buf).unwrap();
+        let got = HelloReply::read_from(&mut buf.as_slice()).unwrap();
+        assert_eq!(got.features & FEATURE_LENDER_PROOF, 0);
     }
 
     #[test]

@@ -6,9 +6,12 @@
 //! provider, borrower identity = lease id) and the clock.
 //!
 //! Binary layout (all integers little-endian):
-//! `version: u8 = 1, lease_id: [u8; 16], expires_at_ms: u64, provider_len: u16, provider,
-//! device_len: u16, device, consumer_len: u16, consumer, signature: [u8; 64]`. The
-//! signature covers [`SIGNING_CONTEXT`] followed by every byte before it. Text form
+//! `version: u8 = 1 or 2, lease_id: [u8; 16], expires_at_ms: u64, provider_len: u16,
+//! provider, device_len: u16, device, consumer_len: u16, consumer`, in version 2 then
+//! `provider_key: [u8; 32]` (the lender's public key, which the borrower makes the lender
+//! prove in the handshake, [`crate::lender_proof`]), then `signature: [u8; 64]`. A token
+//! without a provider key is version 1, byte for byte as before. The signature covers
+//! [`SIGNING_CONTEXT`] followed by every byte before it. Text form
 //! (JSON, command lines): unpadded base64url of the binary form.
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -26,8 +29,10 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Token layout version.
+/// Token layout version without a provider key.
 pub const TOKEN_VERSION: u8 = 1;
+/// Token layout version with the provider's key.
+pub const TOKEN_VERSION_KEYED: u8 = 2;
 /// Domain separation prefix of every signed message.
 pub const SIGNING_CONTEXT: &[u8] = b"devlend-lease-token-v1\0";
 /// Longest token accepted, in bytes of binary form (fits the hello's `token_len: u16`).
@@ -82,6 +87,9 @@ pub struct LeaseClaims {
     pub device: String,
     /// The consumer the lease was granted to (a VM id).
     pub consumer: String,
+    /// The lender's public key as the pool enrolled it (version 2 tokens); the borrower
+    /// makes the lender prove it holds it.
+    pub provider_key: Option<[u8; 32]>,
 }
 
 /// A signed token in binary form.
@@ -120,6 +128,21 @@ impl LeaseToken {
     /// The binary form.
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
+    }
+
+    /// The claims, without checking the signature: what the borrower reads from the
+    /// token it was given (the lender's key, [`LeaseClaims::provider_key`]). Whoever
+    /// grants a session checks the signature with [`PublicKey::verify`].
+    ///
+    /// # Errors
+    /// [`TokenError::Malformed`].
+    pub fn claims_unverified(&self) -> Result<LeaseClaims, TokenError> {
+        let split = self
+            .0
+            .len()
+            .checked_sub(SIGNATURE_LEN)
+            .ok_or(TokenError::Malformed("shorter than a signature"))?;
+        decode_claims(&self.0[..split])
     }
 }
 
@@ -234,6 +257,21 @@ impl PublicKey {
         URL_SAFE_NO_PAD.encode(self.0.as_bytes())
     }
 
+    /// The 32 key bytes.
+    pub fn to_bytes(&self) -> [u8; 32] {
+        self.0.to_bytes()
+    }
+
+    /// A key from its 32 bytes.
+    ///
+    /// # Errors
+    /// [`TokenError::BadKey`] when they are not a valid point.
+    pub fn from_bytes(bytes: &[u8; 32]) -> Result<Self, TokenError> {
+        VerifyingKey::from_bytes(bytes)
+            .map(PublicKey)
+            .map_err(|_| TokenError::BadKey("not an Ed25519 public key"))
+    }
+
     /// Checks a signature made by [`TokenSigner::sign_message`] with the same
     /// `context`.
     ///
@@ -293,7 +331,11 @@ fn put_field(b: &mut Vec<u8>, name: &'static str, v: &str) -> Result<(), TokenEr
 fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     let mut b = Vec::with_capacity(64 + c.provider.len() + c.device.len() + c.consumer.len());
     let head = ClaimsHead {
-        version: TOKEN_VERSION,
+        version: if c.provider_key.is_some() {
+            TOKEN_VERSION_KEYED
+        } else {
+            TOKEN_VERSION
+        },
         lease_id: c.lease_id,
         expires_at_ms: c.expires_at_ms,
     };
@@ -301,6 +343,9 @@ fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     put_field(&mut b, "provider", &c.provider)?;
     put_field(&mut b, "device", &c.device)?;
     put_field(&mut b, "consumer", &c.consumer)?;
+    if let Some(k) = &c.provider_key {
+        b.extend_from_slice(k);
+    }
     Ok(b)
 }
 
@@ -325,7 +370,10 @@ fn field(r: &mut Reader<'_>) -> Result<String, TokenError> {
 }
 
 fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
-    if body.first().is_some_and(|&v| v != TOKEN_VERSION) {
+    if body
+        .first()
+        .is_some_and(|&v| v != TOKEN_VERSION && v != TOKEN_VERSION_KEYED)
+    {
         return Err(TokenError::Malformed("unknown token version"));
     }
     let mut r = Reader::new(body);
@@ -336,6 +384,11 @@ fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
         provider: field(&mut r)?,
         device: field(&mut r)?,
         consumer: field(&mut r)?,
+        provider_key: if head.version == TOKEN_VERSION_KEYED {
+            Some(r.array::<32>()?)
+        } else {
+            None
+        },
     };
     r.finish()?;
     Ok(claims)
@@ -352,6 +405,7 @@ mod tests {
             provider: "lender-a".into(),
             device: "disk0".into(),
             consumer: "vm-1".into(),
+            provider_key: None,
         }
     }
 
@@ -389,6 +443,23 @@ mod tests {
         let tsig: [u8; 64] = tsig.try_into().unwrap();
         assert!(key.verify_message(SIGNING_CONTEXT, body, &tsig).is_ok());
         assert!(key.verify_message(b"ctx-a\0", body, &tsig).is_err());
+    }
+
+    #[test]
+    fn a_keyed_token_is_version_2_and_carries_the_key() {
+        let signer = TokenSigner::from_seed([6; 32]);
+        let mut c = claims();
+        c.provider_key = Some([0x42; 32]);
+        let token = signer.sign(&c).unwrap();
+        assert_eq!(token.as_bytes()[0], TOKEN_VERSION_KEYED);
+        assert_eq!(signer.public_key().verify(&token).unwrap(), c);
+        assert_eq!(
+            token.claims_unverified().unwrap().provider_key,
+            Some([0x42; 32])
+        );
+        let plain = signer.sign(&claims()).unwrap();
+        assert_eq!(plain.as_bytes()[0], TOKEN_VERSION);
+        assert_eq!(plain.as_bytes().len() + 32, token.as_bytes().len());
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod identity;
 pub mod io_util;
 pub mod latency;
 pub mod lease_token;
+pub mod lender_proof;
 pub mod net;
 pub mod pci;
 pub mod ratelimit;

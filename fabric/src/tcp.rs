@@ -34,6 +34,18 @@ pub enum ConnectError {
         #[source]
         source: io::Error,
     },
+    /// The machine that answered at `addr` did not prove the lender's key: another
+    /// lender, or one that cannot prove (`crate::lender_proof`). Not permanent: the real
+    /// lender may come back at that address, so a borrower keeps trying until its
+    /// deadline.
+    #[error("the lender at {addr} is not the one expected")]
+    WrongLender {
+        /// The address as given.
+        addr: String,
+        /// Why.
+        #[source]
+        source: crate::lender_proof::ProofError,
+    },
     /// The handshake failed on the wire.
     #[error("handshake with lender at {addr} failed")]
     Handshake {

@@ -187,11 +187,11 @@ fn handshake() {
         serial,
     };
     let mut r = HelloReply::ok(dev.clone());
-    r.features = 0x10;
+    r.features = 0x100;
     reply_round_trip(
         "reply",
         &r,
-        "44564c440100000010000000000000001817161514131211001000000000100004030201\
+        "44564c440100000000010000000000001817161514131211001000000000100004030201\
          080706050600000000000000534e303100000000000000000000000000000000",
     );
     let mut r = HelloReply::ok(dev);
@@ -222,6 +222,7 @@ fn lease_token() {
         provider: "lender-a".into(),
         device: "disk0".into(),
         consumer: "vm-1".into(),
+        provider_key: None,
     };
     let signer = TokenSigner::from_seed([0x5e; 32]);
     let t = signer.sign(&claims).unwrap();

@@ -146,7 +146,7 @@ impl PoolService {
             Some(id) => self.lease_by_id(req, id, &new).await?,
             None => self.lease_by_placement(req, &new).await?,
         };
-        let token = tokens::sign(&self.signer, &lease)?;
+        let token = tokens::sign(&self.signer, &self.store, &lease).await?;
         Ok(LeaseGrant {
             lease,
             token: token.to_text(),

@@ -6,7 +6,7 @@
 
 use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, PublicKey, TokenSigner};
 
-use crate::api::Lease;
+use crate::api::{Lease, Role};
 use crate::error::Result;
 use crate::store::Store;
 
@@ -22,24 +22,32 @@ pub async fn load_signer(store: &Store) -> Result<TokenSigner> {
     Ok(TokenSigner::from_seed(seed))
 }
 
-/// The claims of `lease`'s token: lease id bytes, expiry, provider, device, consumer.
-pub fn claims(lease: &Lease) -> LeaseClaims {
+/// The claims of `lease`'s token: lease id bytes, expiry, provider, device, consumer,
+/// and the key enrolled for the provider (a version 2 token), if any.
+pub fn claims(lease: &Lease, provider_key: Option<&PublicKey>) -> LeaseClaims {
     LeaseClaims {
         lease_id: *lease.id.as_bytes(),
         expires_at_ms: lease.expires_at_ms,
         provider: lease.provider.clone(),
         device: lease.device.clone(),
         consumer: lease.consumer.clone(),
+        provider_key: provider_key.map(PublicKey::to_bytes),
     }
 }
 
-/// Signs `lease` into a token.
+/// Signs `lease` into a token, binding the provider's enrolled key when it has one: the
+/// borrower then makes the lender prove that key in the handshake.
 ///
 /// # Errors
 /// [`crate::error::Error::Token`] when a field is too long for the token (names are
-/// validated to fit, so this does not happen for leases the pool made).
-pub fn sign(signer: &TokenSigner, lease: &Lease) -> Result<LeaseToken> {
-    Ok(signer.sign(&claims(lease))?)
+/// validated to fit, so this does not happen for leases the pool made);
+/// [`crate::error::Error::Database`].
+pub async fn sign(signer: &TokenSigner, store: &Store, lease: &Lease) -> Result<LeaseToken> {
+    let key = store
+        .principal_by_name(Role::Lender, &lease.provider)
+        .await?
+        .and_then(|p| PublicKey::from_text(&p.public_key).ok());
+    Ok(signer.sign(&claims(lease, key.as_ref()))?)
 }
 
 /// The text form of `key` as `GET /v1/signing-key` gives it.

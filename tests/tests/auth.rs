@@ -110,3 +110,91 @@ fn only_a_borrower_holding_the_key_gets_a_session() {
     let f = std::fs::read(&img).unwrap();
     assert!(f[8192..12288].iter().all(|&b| b == 0x5a));
 }
+
+/// Both ways in direct mode (issue 23): the lender proves its own key to a borrower
+/// that names it (`devlend attach --lender-key`); a borrower that expects another key
+/// refuses the lender, and nothing is attached.
+#[test]
+fn a_borrower_given_the_lenders_key_refuses_any_other_lender() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk0.img");
+    sparse_file(&img, 16 * MIB).unwrap();
+    let good = dir.path().join("good.key");
+    let public = String::from_utf8(keygen(&good).stdout)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let lender_key = dir.path().join("lender.key");
+    let lender_public = String::from_utf8(keygen(&lender_key).stdout)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let stranger = String::from_utf8(keygen(&dir.path().join("x.key")).stdout)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let lender = Lender::start_with(
+        dir.path(),
+        &format!("127.0.0.1:{}", devlend_tests::agents::free_port().unwrap()),
+        &[format!("disk0={}", img.display())],
+        &[
+            "--auth-key".into(),
+            public,
+            "--key-file".into(),
+            lender_key.display().to_string(),
+        ],
+    )
+    .unwrap();
+    assert!(
+        lender.proc.log().contains(&lender_public),
+        "the lender does not log its key:\n{}",
+        lender.proc.log()
+    );
+    let b = borrower(dir.path(), "b", Some(&good));
+    let attach_expecting = |key: &str, sock: &Path| {
+        b.cli(&[
+            "attach",
+            "--lender",
+            &lender.addr,
+            "--lender-key",
+            key,
+            "--device",
+            "disk0",
+            "--reconnect-deadline",
+            "2",
+            "--socket",
+            &sock.display().to_string(),
+            "--json",
+        ])
+        .unwrap()
+    };
+    let wrong = dir.path().join("wrong.sock");
+    let out = attach_expecting(&stranger, &wrong);
+    assert!(
+        !out.status.success(),
+        "attached to a lender with another key"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("another lender answered"), "{err}");
+    assert!(!wrong.exists());
+
+    let sock = dir.path().join("good.sock");
+    let out = attach_expecting(&lender_public, &sock);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut c = BlkClient::connect(&sock, 1, MIB as usize).unwrap();
+    let r = c
+        .run(
+            0,
+            &[BlkOp::Read {
+                offset: 0,
+                buf: 0,
+                len: 4096,
+            }],
+        )
+        .unwrap();
+    assert_eq!(r, vec![0]);
+}

@@ -126,6 +126,7 @@ fn connect(port: u16) -> PciBorrower {
         tls: None,
         timeout: Duration::from_secs(10),
         transport: devlend_backend::blk::engine::Transport::Tcp,
+        lender_key: None,
     };
     let until = Instant::now() + Duration::from_secs(60);
     loop {
@@ -643,6 +644,7 @@ impl Raw {
             tls: None,
             timeout: Duration::from_secs(10),
             transport: devlend_backend::blk::engine::Transport::Tcp,
+            lender_key: None,
         };
         let until = Instant::now() + Duration::from_secs(60);
         let (link, info, irqs) = loop {

@@ -134,6 +134,7 @@ fn target(port: u16, id: u8) -> LinkTarget {
         tls: None,
         timeout: Duration::from_secs(10),
         transport: devlend_backend::blk::engine::Transport::Tcp,
+        lender_key: None,
     }
 }
 

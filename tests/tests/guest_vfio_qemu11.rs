@@ -178,6 +178,7 @@ fn qemu11_guest_uses_a_lent_edu_through_vfio_user() {
                 tls: None,
                 timeout: Duration::from_secs(10),
                 transport: devlend_backend::blk::engine::Transport::Tcp,
+                lender_key: None,
             };
             let until = Instant::now() + Duration::from_secs(30);
             let borrower = loop {

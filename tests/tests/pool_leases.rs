@@ -52,11 +52,11 @@ fn rig() -> Rig {
         &config,
         format!(
             r#"listen = "{addr}"
+key_file = "{key}"
 [pool]
 url = "{url}"
 provider = "{PROVIDER}"
 heartbeat_interval_ms = {HEARTBEAT_MS}
-key_file = "{key}"
 
 [[device]]
 name = "disk0"
@@ -340,6 +340,7 @@ fn the_lender_admits_only_the_right_token() {
             provider: PROVIDER.into(),
             device: "disk0".into(),
             consumer: "vm-test".into(),
+            provider_key: None,
         })
         .unwrap();
     let m = denied(
@@ -621,7 +622,7 @@ fn a_rogue_lender_under_the_real_ones_name_is_refused() {
             r.pool.url.clone(),
             "--provider".into(),
             PROVIDER.into(),
-            "--pool-key-file".into(),
+            "--key-file".into(),
             r.dir.path().join("rogue.key").display().to_string(),
         ],
     );
@@ -682,7 +683,7 @@ fn a_lender_joins_with_a_token_and_restarts() {
         pool.url.clone(),
         "--provider".into(),
         "store7".into(),
-        "--pool-key-file".into(),
+        "--key-file".into(),
         dir.path().join("store7.key").display().to_string(),
         "--pool-join-token".into(),
         token,
@@ -730,4 +731,68 @@ fn a_lender_joins_with_a_token_and_restarts() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("lender") && text.contains("store7"), "{text}");
+}
+
+/// Issue 23: a machine that takes the lender's address (its own key, a disk of zeros
+/// under the same device name, no pool) never serves the borrower. The lease token names
+/// the enrolled lender's key, the borrower asks every session to prove it, and the
+/// rogue cannot: the guest's read waits, and completes with the data written before
+/// once the real lender is back. Without the proof the rogue served the read (zeros).
+#[test]
+fn a_rogue_lender_at_the_lenders_address_never_serves_the_borrower() {
+    let mut r = rig();
+    let b = Borrower::start(r.dir.path()).unwrap();
+    let sock = r.sock("a");
+    let out = attach_by_class(&b, &r, &sock, &["--min-capacity", "32M"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut c = BlkClient::connect(&sock, 1, 4 * MIB as usize).unwrap();
+    assert_eq!(write_read(&mut c, 77), vec![0, 0]);
+    let want = c.buffer()[..65536].to_vec();
+
+    r.lender.proc.kill_hard();
+    let rogue_disk = r.dir.path().join("rogue.img");
+    sparse_file(&rogue_disk, 64 * MIB).unwrap();
+    let addr = r.lender.addr.clone();
+    let mut rogue = Lender::start_with(
+        r.dir.path(),
+        &addr,
+        &[format!("disk0={}", rogue_disk.display())],
+        &[
+            "--key-file".into(),
+            r.dir.path().join("rogue.key").display().to_string(),
+        ],
+    )
+    .unwrap();
+    let mut ios = c.queue_ios();
+    let q = &mut ios[0];
+    q.submit(
+        &BlkOp::Read {
+            offset: 4096,
+            buf: 131072,
+            len: 65536,
+        },
+        7,
+    )
+    .unwrap();
+    let mut done = Vec::new();
+    let early = q.complete(1, Duration::from_secs(4), &mut done);
+    assert!(
+        early.is_err() && done.is_empty(),
+        "the read completed while only the rogue answered: {done:?}"
+    );
+    let log = b.proc.log();
+    assert!(log.contains("another lender answered"), "{log}");
+
+    rogue.proc.kill_hard();
+    r.restart_lender();
+    q.complete(1, Duration::from_secs(30), &mut done).unwrap();
+    assert_eq!(done, vec![(7, 0)]);
+    assert!(
+        q.buffer()[131072..131072 + 65536] == want[..],
+        "the read did not return the data written before the rogue came"
+    );
 }

@@ -253,6 +253,7 @@ impl Attachment {
             tls: config.lender.tls.clone(),
             timeout: Duration::from_secs(10),
             transport: config.lender.transport,
+            lender_key: config.lender.lender_key,
         };
         // A function just given back by this compute agent (a detach, then an attach at
         // once) may still be quiescing on the lender, which answers busy meanwhile.

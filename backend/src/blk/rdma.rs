@@ -72,6 +72,7 @@ impl RdmaLink {
                 message: reply.message,
             });
         }
+        target.check_lender(&hello, &reply)?;
         Ok((
             RdmaLink {
                 conn,

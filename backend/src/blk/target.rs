@@ -22,6 +22,11 @@ pub struct LenderTarget {
     /// A lender in another cluster: `addr` is then the local cluster gateway, asked to
     /// relay every session to this route (TCP only); `None`: `addr` is the lender.
     pub relay: Option<devlend_fabric::relay::Route>,
+    /// The lender's public key: every session's hello carries a fresh challenge, and a
+    /// session whose lender does not prove this key is refused before any request is
+    /// sent ([`devlend_fabric::lender_proof`]). `None`: the lender is not verified
+    /// (unless TLS verifies it).
+    pub lender_key: Option<devlend_fabric::lease_token::PublicKey>,
 }
 
 /// The transport of a queue's fabric session.
@@ -47,6 +52,7 @@ impl LenderTarget {
             tls: None,
             transport: Transport::Tcp,
             relay: None,
+            lender_key: None,
         }
     }
 
@@ -62,12 +68,35 @@ impl LenderTarget {
         (devlend_fabric::conn::Stream, devlend_fabric::HelloReply),
         devlend_fabric::tcp::ConnectError,
     > {
-        devlend_fabric::tcp::open_via(
+        let (stream, reply) = devlend_fabric::tcp::open_via(
             &self.addr,
             self.relay.as_ref(),
             hello,
             CONNECT_TIMEOUT,
             self.tls.as_ref(),
+        )?;
+        self.check_lender(hello, &reply)?;
+        Ok((stream, reply))
+    }
+
+    /// Checks that the lender that answered `hello` proved [`LenderTarget::lender_key`]
+    /// (nothing to check without one).
+    ///
+    /// # Errors
+    /// [`devlend_fabric::tcp::ConnectError::WrongLender`].
+    pub fn check_lender(
+        &self,
+        hello: &devlend_fabric::Hello,
+        reply: &devlend_fabric::HelloReply,
+    ) -> Result<(), devlend_fabric::tcp::ConnectError> {
+        let Some(key) = &self.lender_key else {
+            return Ok(());
+        };
+        devlend_fabric::lender_proof::LenderProof::check(reply.proof.as_ref(), hello, key).map_err(
+            |source| devlend_fabric::tcp::ConnectError::WrongLender {
+                addr: self.addr.clone(),
+                source,
+            },
         )
     }
 
@@ -81,6 +110,11 @@ impl LenderTarget {
             | devlend_fabric::FEATURE_CREDIT;
         h.borrower = self.borrower;
         h.token.clone_from(&self.token);
+        if self.lender_key.is_some() {
+            // Without randomness there is no challenge: the lender's proof is then
+            // missing and the session refused (see `check_lender`), never unchecked.
+            h.challenge = devlend_fabric::lender_proof::challenge().ok();
+        }
         h
     }
 }

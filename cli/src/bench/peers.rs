@@ -201,6 +201,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         reconnect_deadline_s: 30,
         vmm: None,
         lease: None,
+        lender_key: None,
         tls: false,
         tls_server_name: None,
         transport: Default::default(),

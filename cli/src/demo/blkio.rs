@@ -46,6 +46,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         reconnect_deadline_s: 30,
         vmm: None,
         lease: Some(claimed.lease.clone()),
+        lender_key: None,
         tls: false,
         tls_server_name: None,
         transport: Default::default(),

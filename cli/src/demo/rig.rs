@@ -256,7 +256,7 @@ impl Rig {
                 pool_url.clone(),
                 "--provider".into(),
                 "demo-lender".into(),
-                "--pool-key-file".into(),
+                "--key-file".into(),
                 lender_key.display().to_string(),
             ],
             &dir,

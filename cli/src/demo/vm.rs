@@ -165,6 +165,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
             qmp: guest.qmp_socket().to_owned(),
         }),
         lease: Some(claimed.lease.clone()),
+        lender_key: None,
         tls: false,
         tls_server_name: None,
         transport: Default::default(),

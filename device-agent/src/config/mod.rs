@@ -9,6 +9,8 @@ mod spec;
 
 use std::path::{Path, PathBuf};
 
+use devlend_fabric::lease_token::TokenSigner;
+
 use devlend_daemon::logging::LogFormat;
 use serde::{Deserialize, Serialize};
 
@@ -73,10 +75,11 @@ pub struct Cli {
     /// listen address, which must then not be a wildcard].
     #[arg(long, value_name = "HOST:PORT")]
     pub advertise: Option<String>,
-    /// The key this lender signs its pool requests with (overrides `[pool] key_file`);
-    /// made (0600) at first start [default: /var/lib/devlend/device-agent/identity.key].
+    /// This lender's own key (overrides `key_file`): it signs the lender's pool requests
+    /// and proves the lender's identity in every handshake that asks; made (0600) at
+    /// first start [default: /var/lib/devlend/device-agent/identity.key].
     #[arg(long, value_name = "FILE")]
-    pub pool_key_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
     /// A one-time join token from `devlend pool enroll --role lender` that enrolls this
     /// lender's key at start (overrides `[pool] join_token`).
     #[arg(long, value_name = "TOKEN")]
@@ -125,27 +128,14 @@ pub struct PoolConfig {
     /// if the pool presents another. Default: trust the key the pool presents at start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub public_key: Option<String>,
-    /// The key this lender signs its pool requests with; made (0600, directory 0700) at
-    /// first start. Default: [`DEFAULT_POOL_KEY_FILE`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key_file: Option<PathBuf>,
     /// A one-time join token (`devlend pool enroll --role lender --name PROVIDER`) that
     /// enrolls the key at start. Harmless once used: an enrolled key is not asked again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub join_token: Option<String>,
 }
 
-/// Where the lender keeps its pool key by default.
-pub const DEFAULT_POOL_KEY_FILE: &str = "/var/lib/devlend/device-agent/identity.key";
-
-impl PoolConfig {
-    /// The key file: `key_file`, or [`DEFAULT_POOL_KEY_FILE`].
-    pub fn key_path(&self) -> PathBuf {
-        self.key_file
-            .clone()
-            .unwrap_or_else(|| PathBuf::from(DEFAULT_POOL_KEY_FILE))
-    }
-}
+/// Where the lender keeps its own key by default.
+pub const DEFAULT_KEY_FILE: &str = "/var/lib/devlend/device-agent/identity.key";
 
 fn default_heartbeat_ms() -> u64 {
     2000
@@ -167,6 +157,7 @@ struct FileConfig {
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_client_ca: Option<PathBuf>,
+    key_file: Option<PathBuf>,
     #[serde(default)]
     insecure: bool,
     #[serde(default, rename = "device")]
@@ -251,6 +242,10 @@ pub struct Config {
     /// TLS: require client certificates signed by this CA (PEM).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_client_ca: Option<PathBuf>,
+    /// This lender's own key file, if configured (`None`: [`DEFAULT_KEY_FILE`], made
+    /// when it can be; see [`Config::key_path`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<PathBuf>,
     /// Serve without authentication beyond loopback (`--insecure`): see
     /// [`crate::exposure::allow_unauthenticated`].
     #[serde(skip_serializing_if = "std::ops::Not::not")]
@@ -261,6 +256,37 @@ pub struct Config {
 }
 
 impl Config {
+    /// This lender's key file: `key_file`, or [`DEFAULT_KEY_FILE`].
+    pub fn key_path(&self) -> PathBuf {
+        self.key_file
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_KEY_FILE))
+    }
+
+    /// Reads or makes this lender's key. A configured `key_file` must be usable; the
+    /// default one is made when the agent may write its state directory, and otherwise
+    /// the lender goes on without a key (it then cannot prove itself to borrowers that
+    /// ask, nor sign pool requests), with a warning.
+    ///
+    /// # Errors
+    /// [`Error::PoolKey`] for a configured key file that cannot be read or made.
+    pub fn load_key(&self) -> Result<Option<std::sync::Arc<TokenSigner>>, Error> {
+        let path = self.key_path();
+        match devlend_fabric::identity::load_or_create(&path) {
+            Ok((key, made)) => {
+                if made {
+                    tracing::info!(path = %path.display(), key = %key.public_key().to_text(), "made this lender's key");
+                }
+                Ok(Some(std::sync::Arc::new(key)))
+            }
+            Err(e) if self.key_file.is_none() => {
+                tracing::warn!(error = %devlend_fabric::error::chain(&e), "no key: this lender cannot prove who it is to borrowers, nor sign pool requests");
+                Ok(None)
+            }
+            Err(e) => Err(Error::PoolKey(e)),
+        }
+    }
+
     /// The configuration as TOML, as `--print-config` shows it (a valid config file).
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the configuration: {e}\n"))
@@ -312,15 +338,11 @@ impl Config {
                     advertise: None,
                     heartbeat_interval_ms: default_heartbeat_ms(),
                     public_key: None,
-                    key_file: None,
                     join_token: None,
                 })
             });
         }
         if let Some(p) = pool.as_mut() {
-            if cli.pool_key_file.is_some() {
-                p.key_file = cli.pool_key_file.clone();
-            }
             if cli.pool_join_token.is_some() {
                 p.join_token = cli.pool_join_token.clone();
             }
@@ -354,14 +376,11 @@ impl Config {
                 }
                 p.advertise = Some(listen.clone());
             }
-        } else if cli.provider.is_some()
-            || cli.advertise.is_some()
-            || cli.pool_key_file.is_some()
-            || cli.pool_join_token.is_some()
+        } else if cli.provider.is_some() || cli.advertise.is_some() || cli.pool_join_token.is_some()
         {
             return Err(Error::BadPool(
-                "--provider, --advertise, --pool-key-file and --pool-join-token need a pool \
-                 (--pool URL or [pool] url)"
+                "--provider, --advertise and --pool-join-token need a pool (--pool URL or \
+                 [pool] url)"
                     .into(),
             ));
         }
@@ -395,6 +414,7 @@ impl Config {
             tls_cert,
             tls_key,
             tls_client_ca,
+            key_file: cli.key_file.clone().or(file.key_file),
             insecure: cli.insecure || file.insecure,
             listen,
             transport: cli.transport.unwrap_or_default(),

@@ -138,6 +138,14 @@ impl Lender {
         }
     }
 
+    /// Proves this lender's identity with `key` to every borrower that asks (a
+    /// challenge in its hello, `devlend_fabric::lender_proof`).
+    pub fn prove_with(&self, key: std::sync::Arc<devlend_fabric::lease_token::TokenSigner>) {
+        if self.shared.identity.set(key).is_err() {
+            tracing::warn!("the lender's key was already set; keeping the first");
+        }
+    }
+
     /// Also serves RDMA sessions: listens with rdma_cm on `addr` (an `IP:PORT` of an
     /// RDMA device's interface) and serves each connection on its own thread, until
     /// the lender shuts down. The TCP listener stays (holding sessions, TCP borrowers).

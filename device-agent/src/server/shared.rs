@@ -17,6 +17,17 @@ use crate::device::Device;
 use crate::leases::{self, LeaseGuard};
 use crate::{DeviceSpec, DeviceStatsSnapshot, Error};
 
+impl Shared {
+    /// The proof for `hello`'s challenge, when it asks for one and this lender has a
+    /// key (without a key, the borrower that asked refuses the session).
+    pub(crate) fn proof(
+        &self,
+        hello: &devlend_fabric::Hello,
+    ) -> Option<devlend_fabric::lender_proof::LenderProof> {
+        devlend_fabric::lender_proof::LenderProof::answer(self.identity.get()?, hello)
+    }
+}
+
 /// Tunables of a lender beyond its devices and address.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Options {
@@ -56,6 +67,9 @@ pub(crate) struct Shared {
     pub(crate) leases: OnceLock<Arc<LeaseGuard>>,
     /// Set when every connection must be TLS.
     pub(crate) tls: OnceLock<devlend_fabric::tls::ServerTls>,
+    /// This lender's key, which answers the challenges of borrowers that ask it to prove
+    /// who it is ([`devlend_fabric::lender_proof`]).
+    pub(crate) identity: OnceLock<Arc<devlend_fabric::lease_token::TokenSigner>>,
 }
 
 /// The open connections, TCP and RDMA, so that shutdown (or the end of a lease) can
@@ -114,6 +128,7 @@ impl Shared {
             registry: Mutex::new(Registry::default()),
             leases: OnceLock::new(),
             tls: OnceLock::new(),
+            identity: OnceLock::new(),
         }
     }
     pub(crate) fn device(&self, name: &str) -> Option<Arc<Device>> {

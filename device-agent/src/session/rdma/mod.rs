@@ -144,6 +144,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     if let (Some(pci), Some(_lent)) = (&dev.pci, lent) {
         let mut reply = HelloReply::ok(dev.info.clone());
         reply.features = devlend_fabric::pci::FEATURE_PCI;
+        reply.proof = shared.proof(&hello);
         let mut msg = Vec::new();
         // The last send buffer: the session's messages start at the first.
         let slot = conn.send_slots() - 1;
@@ -194,9 +195,9 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     let mut reply = Vec::new();
     // Counted before the reply leaves (a borrower with its reply sees the session).
     dev.stats.session_opened();
-    if HelloReply::ok(dev.info.clone())
-        .write_to(&mut reply)
-        .is_err()
+    let mut answer = HelloReply::ok(dev.info.clone());
+    answer.proof = shared.proof(&hello);
+    if answer.write_to(&mut reply).is_err()
         || conn.send_msg(IO_SLOTS, &reply, TAG_SEND | 0xffff).is_err()
     {
         dev.stats.session_closed();

@@ -119,7 +119,7 @@ pub(super) fn handshake<'s>(
         },
         None => None,
     };
-    let reply = match &dev.nic {
+    let mut reply = match &dev.nic {
         None if dev.pci.is_some() => {
             let mut r = HelloReply::ok(dev.info.clone());
             r.features = FEATURE_PCI;
@@ -143,6 +143,7 @@ pub(super) fn handshake<'s>(
             r
         }
     };
+    reply.proof = shared.proof(&hello);
     // Counted before the reply leaves, so that a borrower that has its reply sees the
     // session in the lender's statistics (`serve` counts its end).
     dev.stats.session_opened();
