@@ -17,3 +17,15 @@ CREATE TABLE join_tokens (
     name TEXT NOT NULL,
     expires_ms BIGINT NOT NULL
 );
+
+-- Nonces of the signed requests that change something (not GET), until their
+-- signatures expire: a captured request cannot be replayed after a restart of the pool
+-- or to another pool instance on the same database.
+CREATE TABLE request_nonces (
+    public_key TEXT NOT NULL,
+    nonce TEXT NOT NULL,
+    expires_ms BIGINT NOT NULL,
+    PRIMARY KEY (public_key, nonce)
+);
+
+CREATE INDEX request_nonces_expiry ON request_nonces (expires_ms);

@@ -96,6 +96,10 @@ pub mod codes {
     pub const FORBIDDEN: &str = "forbidden";
     /// 403: the join token is unknown, used or expired.
     pub const BAD_JOIN_TOKEN: &str = "bad_join_token";
+    /// 429: this key sent too many requests within the signature window.
+    pub const TOO_MANY_REQUESTS: &str = "too_many_requests";
+    /// 409: the key is already enrolled with another role or name.
+    pub const ALREADY_ENROLLED: &str = "already_enrolled";
 }
 
 /// `GET /v1/signing-key`: the key lenders verify lease tokens with.

@@ -22,6 +22,8 @@ on_both_backends!(
     rotation_and_revocation_end_the_old_key,
     replays_and_stale_times_are_refused,
     trust_on_first_use_pins_the_first_key_only,
+    restarts_keep_revocations_and_refuse_replays,
+    an_enrolled_key_cannot_join_as_another,
 );
 
 fn status<T: std::fmt::Debug>(r: Result<T, ClientError>) -> u16 {
@@ -281,10 +283,121 @@ fn trust_on_first_use_pins_the_first_key_only(backend: Backend) {
         "10.0.0.9:7700"
     );
     first.provider_heartbeat("store9").unwrap();
+    // A provider registered before enrollment is not taken by the first key that comes.
+    pool.client
+        .register_provider("legacy", &registration("10.0.0.8:7700"))
+        .unwrap();
+    let r = stranger(&pool).register_provider("legacy", &registration("6.6.6.6:7700"));
+    assert_eq!(status(r), 403);
     // Trust on first use is for lenders' registrations only.
     assert_eq!(status(second.create_lease(&lease_for("h"))), 403);
     // Without it, an unenrolled key registers nothing.
     let strict = support::start(backend);
     let r = stranger(&strict).register_provider("store9", &registration("10.0.0.9:7700"));
+    assert_eq!(status(r), 403);
+}
+
+/// Found by a trial: a revoked admin key came back at the next start (the pool enrolled
+/// its key file again), and a captured request could be replayed after a restart (the
+/// nonces were in memory only).
+fn restarts_keep_revocations_and_refuse_replays(backend: Backend) {
+    let TestPool {
+        server,
+        client: old_admin,
+        database,
+        admin_key,
+        dir,
+        keys,
+    } = support::start(backend);
+    let url = server.url();
+    let ops2_key = Arc::new(TokenSigner::generate().unwrap());
+    old_admin
+        .enroll(&EnrollRequest {
+            role: Role::Admin,
+            name: "ops2".into(),
+            public_key: Some(ops2_key.public_key().to_text()),
+            ttl_ms: None,
+        })
+        .unwrap();
+    let ops2 = PoolClient::new(&url)
+        .unwrap()
+        .with_identity(Arc::clone(&ops2_key));
+    // A request that changes something, by a key that stays enrolled, captured as sent.
+    let body = br#"{"role":"compute","name":"h9"}"#;
+    let now = devlend_fabric::lease_token::now_ms();
+    let h = request::sign(&ops2_key, "POST", "/v1/principals", now, body).unwrap();
+    let key =
+        TokenSigner::from_seed_text(std::fs::read_to_string(&admin_key).unwrap().trim()).unwrap();
+    let send = |base: &str| {
+        Client::new()
+            .post(format!("{base}/v1/principals"))
+            .header("authorization", &h)
+            .header("content-type", "application/json")
+            .body(body.to_vec())
+            .send()
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    assert_eq!(send(&url), 201);
+    let old_key = old_admin.identity().unwrap().public_key().to_text();
+    ops2.revoke(&old_key).unwrap();
+    server.stop();
+    let again = support::start_on_with(
+        &database,
+        AuthMode::Signed {
+            trust_first_use: false,
+        },
+        &admin_key,
+    );
+    let url = again.url();
+    let old_admin = PoolClient::new(&url).unwrap().with_identity(Arc::new(key));
+    assert_eq!(
+        status(old_admin.principals()),
+        403,
+        "the revoked admin key is back"
+    );
+    assert_eq!(
+        send(&url),
+        401,
+        "a request replayed after a restart was accepted"
+    );
+    drop((dir, keys));
+}
+
+/// Found by a trial: an admin key that redeemed a compute host's join token became that
+/// compute host (and lost its admin rights).
+fn an_enrolled_key_cannot_join_as_another(backend: Backend) {
+    let pool = support::start(backend);
+    let token = pool
+        .client
+        .enroll(&EnrollRequest {
+            role: Role::Compute,
+            name: "h12".into(),
+            public_key: None,
+            ttl_ms: None,
+        })
+        .unwrap()
+        .join_token
+        .unwrap();
+    let e = pool.client.join(&token).unwrap_err();
+    assert_eq!(
+        (e.status(), e.code()),
+        (Some(409), Some("already_enrolled"))
+    );
+    pool.client.principals().unwrap();
+    // The token is not spent: a new key redeems it.
+    let fresh = stranger(&pool);
+    assert_eq!(fresh.join(&token).unwrap().name, "h12");
+    // An unenrolled key learns nothing of the body's validation (no trust on first use).
+    let r = stranger(&pool).register_provider(
+        "x",
+        &devlend_pool::api::RegisterProvider {
+            fabric_address: "not an address".into(),
+            transports: vec![],
+            heartbeat_ttl_ms: 1,
+            devices: vec![],
+        },
+    );
     assert_eq!(status(r), 403);
 }

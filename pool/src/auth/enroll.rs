@@ -98,6 +98,20 @@ impl PoolService {
                 })
             }
         };
+        if let Caller::Principal(p) = caller {
+            if let Some(grant) = self.store().peek_join_token(&token_hash(token)).await? {
+                if (grant.role, grant.name.as_str()) != (p.role, p.name.as_str()) {
+                    return Err(Error::conflict(
+                        codes::ALREADY_ENROLLED,
+                        format!(
+                            "this key is enrolled as {} {:?}; a join token for {} {:?} needs a \
+                             new key (or revoke this one first)",
+                            p.role, p.name, grant.role, grant.name
+                        ),
+                    ));
+                }
+            }
+        }
         match self.store().redeem_join_token(&token_hash(token)).await? {
             Some(grant) => {
                 let p = self.store().pin(&key, grant.role, &grant.name).await?;
@@ -135,6 +149,11 @@ impl PoolService {
         if validate::name("provider name", provider).is_err() {
             return Ok(caller);
         }
+        // A provider registered before enrollment (or by an admin) is not free: only an
+        // admin can give its name a key.
+        if self.store().provider(provider, now_ms()).await?.is_some() {
+            return Ok(caller);
+        }
         match self
             .store()
             .pin_if_free(key, Role::Lender, provider)
@@ -163,11 +182,19 @@ impl PoolService {
             devlend_daemon::host_name(),
             text.get(..8).unwrap_or(&text)
         );
-        if self.store().principal(&key.to_text()).await?.is_none() {
+        // Enrolled when made, and on a database without any admin (a new database for
+        // an old key file). A key an admin revoked stays revoked across restarts.
+        let no_admin = !self
+            .store()
+            .principals()
+            .await?
+            .iter()
+            .any(|p| p.role == Role::Admin);
+        if made || no_admin {
             self.store().pin(&key.to_text(), Role::Admin, &name).await?;
-        }
-        if made {
-            tracing::info!(path = %path.display(), key = %key.to_text(), "admin key made");
+            tracing::info!(path = %path.display(), key = %key.to_text(), "admin key enrolled");
+        } else if self.store().principal(&key.to_text()).await?.is_none() {
+            tracing::warn!(path = %path.display(), key = %key.to_text(), "the admin key file holds a key that is not enrolled (revoked?): it has no rights");
         }
         Ok(key)
     }

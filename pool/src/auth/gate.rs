@@ -35,15 +35,29 @@ pub enum AuthMode {
     Open,
 }
 
-/// Most nonces remembered; past that, signed requests are refused (503) until old ones
-/// expire. Only enrolled keys' requests are remembered.
-const MAX_NONCES: usize = 200_000;
+/// Most nonces remembered per enrolled key within the time window (a request every
+/// 12 ms for 10 minutes); past that, that key's requests are refused with 429 until its
+/// old ones expire. Other keys are not affected.
+const MAX_NONCES_PER_KEY: usize = 50_000;
 
-/// The gate's state: its mode and the nonces seen within the time window.
+/// The gate's state: its mode and the nonces seen within the time window, per key (the
+/// nonces of requests that change something are also kept in the database).
 #[derive(Debug, Clone)]
 pub struct Gate {
     mode: AuthMode,
-    nonces: Arc<Mutex<HashMap<[u8; 16], u64>>>,
+    nonces: Arc<Mutex<NonceTable>>,
+}
+
+/// Per key, the nonces seen and until when they can pass the time check.
+type NonceTable = HashMap<String, HashMap<[u8; 16], u64>>;
+
+/// Why a nonce was not taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NonceRefusal {
+    /// Seen before: a replay.
+    Seen,
+    /// This key has [`MAX_NONCES_PER_KEY`] requests in the window.
+    TooMany,
 }
 
 /// The routes anyone may `GET`: the API's description, the metrics, and the public key
@@ -66,17 +80,41 @@ impl Gate {
         self.mode
     }
 
-    /// Records `nonce` until it can no longer pass the time check; false if it was seen.
-    fn fresh_nonce(&self, nonce: [u8; 16], now: u64) -> Result<bool, ()> {
-        let mut seen = self.nonces.lock().unwrap_or_else(PoisonError::into_inner);
-        if seen.len() >= MAX_NONCES / 2 {
+    /// Records `key`'s `nonce` (of a request signed at `ts_ms`) until the request can
+    /// no longer pass the time check.
+    fn take_nonce(
+        &self,
+        key: &str,
+        nonce: [u8; 16],
+        ts_ms: u64,
+        now: u64,
+    ) -> Result<(), NonceRefusal> {
+        let mut all = self.nonces.lock().unwrap_or_else(PoisonError::into_inner);
+        let seen = all.entry(key.to_string()).or_default();
+        if seen.len() >= MAX_NONCES_PER_KEY / 2 {
             seen.retain(|_, until| *until > now);
         }
-        if seen.len() >= MAX_NONCES {
-            return Err(());
+        if seen.contains_key(&nonce) {
+            return Err(NonceRefusal::Seen);
         }
-        Ok(seen.insert(nonce, now + 2 * MAX_SKEW_MS).is_none())
+        if seen.len() >= MAX_NONCES_PER_KEY {
+            return Err(NonceRefusal::TooMany);
+        }
+        seen.insert(nonce, ts_ms.saturating_add(MAX_SKEW_MS));
+        Ok(())
     }
+}
+
+/// What a key that is not enrolled may ask: to redeem a join token, and under trust on
+/// first use to register a provider.
+fn unenrolled_may_call(mode: AuthMode, method: &str, path: &str) -> bool {
+    path == "/v1/join"
+        || (mode
+            == AuthMode::Signed {
+                trust_first_use: true,
+            }
+            && method == "PUT"
+            && path.starts_with("/v1/providers/"))
 }
 
 fn refuse(status: StatusCode, code: &str, message: String) -> Response {
@@ -122,6 +160,36 @@ pub async fn authenticate(State(s): State<PoolService>, req: Request, next: Next
             )
         }
         Some(Ok(value)) => {
+            let now = u64::try_from(now_ms()).unwrap_or(0);
+            let unauthenticated = |message: String, who: &str| {
+                log_refusal(
+                    refuse(StatusCode::UNAUTHORIZED, codes::UNAUTHENTICATED, message),
+                    &peer,
+                    &method,
+                    &target,
+                    who,
+                )
+            };
+            // Header, time and key first: nothing of the body is read for a request that
+            // cannot be accepted whatever its body.
+            let signed = match SignedRequest::parse(&value) {
+                Ok(r) => r,
+                Err(e) => return unauthenticated(e.to_string(), "-"),
+            };
+            let key = signed.key.to_text();
+            let principal = match s.store().principal(&key).await {
+                Ok(p) => p,
+                Err(e) => return axum::response::IntoResponse::into_response(e),
+            };
+            let path = req.uri().path();
+            let public = method == "GET" && PUBLIC.contains(&path);
+            if principal.is_none() && !public && !unenrolled_may_call(gate.mode(), &method, path) {
+                if let Err(e) = (Caller::Unenrolled { key: key.clone() }).require_enrolled() {
+                    let resp = axum::response::IntoResponse::into_response(e);
+                    let who = format!("unenrolled key {key}");
+                    return log_refusal(resp, &peer, &method, &target, &who);
+                }
+            }
             let (parts, body) = req.into_parts();
             let bytes = match axum::body::to_bytes(body, crate::http::MAX_BODY_BYTES).await {
                 Ok(b) => b,
@@ -133,36 +201,29 @@ pub async fn authenticate(State(s): State<PoolService>, req: Request, next: Next
                     )
                 }
             };
-            let now = u64::try_from(now_ms()).unwrap_or(0);
-            let signed = SignedRequest::parse(&value)
-                .and_then(|r| r.verify(&method, &target, &bytes, now).map(|()| r));
-            let signed = match signed {
-                Ok(r) => r,
-                Err(e) => {
-                    return log_refusal(
-                        refuse(
-                            StatusCode::UNAUTHORIZED,
-                            codes::UNAUTHENTICATED,
-                            e.to_string(),
-                        ),
-                        &peer,
-                        &method,
-                        &target,
-                        "-",
-                    )
-                }
-            };
-            let key = signed.key.to_text();
-            let caller = match s.store().principal(&key).await {
-                Ok(Some(p)) => {
-                    match gate.fresh_nonce(signed.nonce, now) {
-                        Ok(true) => {}
-                        Ok(false) => {
+            if let Err(e) = signed.verify(&method, &target, &bytes, now) {
+                return unauthenticated(e.to_string(), &key);
+            }
+            let caller = match principal {
+                Some(p) => {
+                    match gate.take_nonce(&key, signed.nonce, signed.ts_ms, now) {
+                        Ok(()) => {}
+                        Err(NonceRefusal::Seen) => {
+                            return unauthenticated(
+                                "this request was seen before (nonce reused)".into(),
+                                &key,
+                            )
+                        }
+                        Err(NonceRefusal::TooMany) => {
                             return log_refusal(
                                 refuse(
-                                    StatusCode::UNAUTHORIZED,
-                                    codes::UNAUTHENTICATED,
-                                    "this request was seen before (nonce reused)".into(),
+                                    StatusCode::TOO_MANY_REQUESTS,
+                                    codes::TOO_MANY_REQUESTS,
+                                    format!(
+                                        "this key sent more than {MAX_NONCES_PER_KEY} requests \
+                                         in {} minutes; slow down",
+                                        2 * MAX_SKEW_MS / 60_000
+                                    ),
                                 ),
                                 &peer,
                                 &method,
@@ -170,18 +231,25 @@ pub async fn authenticate(State(s): State<PoolService>, req: Request, next: Next
                                 &key,
                             )
                         }
-                        Err(()) => {
-                            return refuse(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                codes::INTERNAL,
-                                "too many signed requests in the last minutes; retry".into(),
-                            )
+                    }
+                    // A request that changes something is remembered in the database too,
+                    // across restarts and pool instances.
+                    if method != "GET" {
+                        let expires = signed.ts_ms.saturating_add(MAX_SKEW_MS);
+                        match s.store().record_nonce(&key, &signed.nonce, expires).await {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                return unauthenticated(
+                                    "this request was seen before (nonce reused)".into(),
+                                    &key,
+                                )
+                            }
+                            Err(e) => return axum::response::IntoResponse::into_response(e),
                         }
                     }
                     Caller::Principal(p)
                 }
-                Ok(None) => Caller::Unenrolled { key },
-                Err(e) => return axum::response::IntoResponse::into_response(e),
+                None => Caller::Unenrolled { key },
             };
             (caller, Request::from_parts(parts, Body::from(bytes)))
         }
@@ -193,9 +261,7 @@ pub async fn authenticate(State(s): State<PoolService>, req: Request, next: Next
     let early = match &caller {
         Caller::Anonymous if !public => caller.require_enrolled().err(),
         Caller::Unenrolled { .. }
-            if !public
-                && path != "/v1/join"
-                && !(method == "PUT" && path.starts_with("/v1/providers/")) =>
+            if !public && !unenrolled_may_call(gate.mode(), &method, path) =>
         {
             caller.require_enrolled().err()
         }
@@ -218,7 +284,10 @@ pub async fn authenticate(State(s): State<PoolService>, req: Request, next: Next
 
 fn log_refusal(resp: Response, peer: &str, method: &str, target: &str, who: &str) -> Response {
     let status = resp.status();
-    if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
+    if status == StatusCode::UNAUTHORIZED
+        || status == StatusCode::FORBIDDEN
+        || status == StatusCode::TOO_MANY_REQUESTS
+    {
         if let Some(suppressed) = REFUSED.check() {
             tracing::warn!(
                 status = status.as_u16(),
@@ -238,12 +307,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_nonce_passes_once() {
+    fn a_nonce_passes_once_and_a_busy_key_does_not_block_the_others() {
         let g = Gate::new(AuthMode::Signed {
             trust_first_use: false,
         });
-        assert_eq!(g.fresh_nonce([1; 16], 1000), Ok(true));
-        assert_eq!(g.fresh_nonce([1; 16], 2000), Ok(false));
-        assert_eq!(g.fresh_nonce([2; 16], 2000), Ok(true));
+        assert_eq!(g.take_nonce("a", [1; 16], 1000, 1000), Ok(()));
+        assert_eq!(
+            g.take_nonce("a", [1; 16], 1000, 2000),
+            Err(NonceRefusal::Seen)
+        );
+        assert_eq!(g.take_nonce("b", [1; 16], 1000, 2000), Ok(()));
+        for i in 0..MAX_NONCES_PER_KEY as u64 {
+            let mut n = [0u8; 16];
+            n[..8].copy_from_slice(&i.to_le_bytes());
+            n[15] = 9;
+            let _ = g.take_nonce("flood", n, 3000, 3000);
+        }
+        assert_eq!(
+            g.take_nonce("flood", [7; 16], 3000, 3000),
+            Err(NonceRefusal::TooMany)
+        );
+        assert_eq!(g.take_nonce("b", [2; 16], 3000, 3000), Ok(()));
+        // Once the window has passed, the flooding key's nonces are dropped.
+        let later = 3000 + MAX_SKEW_MS + 1;
+        assert_eq!(g.take_nonce("flood", [7; 16], later, later), Ok(()));
     }
 }

@@ -137,6 +137,38 @@ impl Store {
         Ok(None)
     }
 
+    /// Records the nonce of a signed request that changes something, until
+    /// `expires_ms`; false if this key used it before (a replay, perhaps to another
+    /// pool instance or before a restart). Expired nonces are dropped now and then.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn record_nonce(
+        &self,
+        public_key: &str,
+        nonce: &[u8; 16],
+        expires_ms: u64,
+    ) -> Result<bool> {
+        if nonce[0] == 0 {
+            sqlx::query("DELETE FROM request_nonces WHERE expires_ms <= $1")
+                .bind(now_ms())
+                .execute(self.pool())
+                .await?;
+        }
+        let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+        Ok(sqlx::query(
+            "INSERT INTO request_nonces (public_key, nonce, expires_ms) VALUES ($1, $2, $3) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(public_key)
+        .bind(hex)
+        .bind(super::db_i64(expires_ms))
+        .execute(self.pool())
+        .await?
+        .rows_affected()
+            == 1)
+    }
+
     /// Removes the key; true if it was enrolled.
     ///
     /// # Errors
@@ -177,6 +209,27 @@ impl Store {
         .execute(self.pool())
         .await?;
         Ok(())
+    }
+
+    /// What the live join token with this hash is for, without redeeming it.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn peek_join_token(&self, token_hash: &str) -> Result<Option<JoinGrant>> {
+        let row = sqlx::query(
+            "SELECT role, name FROM join_tokens WHERE token_hash = $1 AND expires_ms > $2",
+        )
+        .bind(token_hash)
+        .bind(now_ms())
+        .fetch_optional(self.pool())
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let role: String = row.try_get("role")?;
+        Ok(Some(JoinGrant {
+            role: Role::parse(&role)
+                .ok_or_else(|| Error::Config(format!("stored join token has role {role:?}")))?,
+            name: row.try_get("name")?,
+        }))
     }
 
     /// Redeems the join token with this hash: deletes it and answers what it was for,

@@ -56,8 +56,10 @@ pub struct TestPool {
     pub database: String,
     /// The admin key file.
     pub admin_key: PathBuf,
-    _dir: Option<tempfile::TempDir>,
-    _keys: tempfile::TempDir,
+    /// The SQLite database's directory (kept while the pool lives).
+    pub dir: Option<tempfile::TempDir>,
+    /// The admin key's directory (kept while the pool lives).
+    pub keys: tempfile::TempDir,
 }
 
 impl TestPool {
@@ -93,8 +95,8 @@ pub fn start_with(backend: Backend, auth: AuthMode) -> TestPool {
         client,
         database,
         admin_key,
-        _dir: dir,
-        _keys: keys,
+        dir,
+        keys,
     }
 }
 
