@@ -186,6 +186,38 @@ impl Hello {
         }
     }
 
+    /// Asks the lender to prove who it is: a fresh challenge (none if the system has no
+    /// randomness: the lender's proof is then missing and [`Hello::check_proof`]
+    /// refuses the session, never passes it unchecked).
+    pub fn ask_proof(&mut self) {
+        self.challenge = crate::lender_proof::challenge().ok();
+    }
+
+    /// The lender's proof of this hello's challenge, signed with `key`; `None` when the
+    /// hello asks for none.
+    pub fn prove(&self, key: &crate::lease_token::TokenSigner) -> Option<LenderProof> {
+        let c = self.challenge.as_ref()?;
+        let m = crate::lender_proof::message(c, &self.borrower, self.queue_index, &self.device);
+        Some(LenderProof::sign(key, &m))
+    }
+
+    /// Checks the lender's `proof` of this hello's challenge against `expected`.
+    ///
+    /// # Errors
+    /// [`crate::lender_proof::ProofError`]; `BadSignature` when this hello asked for no
+    /// proof.
+    pub fn check_proof(
+        &self,
+        proof: Option<&LenderProof>,
+        expected: &crate::lease_token::PublicKey,
+    ) -> Result<(), crate::lender_proof::ProofError> {
+        let Some(c) = self.challenge.as_ref() else {
+            return Err(crate::lender_proof::ProofError::BadSignature);
+        };
+        let m = crate::lender_proof::message(c, &self.borrower, self.queue_index, &self.device);
+        LenderProof::check(proof, &m, expected)
+    }
+
     /// Writes the message in one `write_all`.
     ///
     /// # Errors
@@ -705,14 +737,17 @@ mod tests {
             requests: 8,
             bytes: 1 << 20,
         });
-        r.proof = LenderProof::answer(&key, &back);
+        r.proof = back.prove(&key);
         let mut buf = Vec::new();
         r.write_to(&mut buf).unwrap();
         assert_eq!(buf.len(), REPLY_FIXED_LEN + CREDIT_LEN + PROOF_LEN);
         let got = HelloReply::read_from(&mut buf.as_slice()).unwrap();
         assert_eq!((&got.proof, got.credit), (&r.proof, r.credit));
         assert_eq!(got.features, FEATURE_CREDIT | FEATURE_LENDER_PROOF);
-        LenderProof::check(got.proof.as_ref(), &h, &key.public_key()).unwrap();
+        h.check_proof(got.proof.as_ref(), &key.public_key())
+            .unwrap();
+        // No challenge: no proof.
+        assert_eq!(Hello::new("disk0", 0).prove(&key), None);
         // A reply without a proof does not claim one.
         r.proof = None;
         let mut buf = Vec::new();

@@ -9,7 +9,6 @@
 //! session) before it sends a request, so another machine that answers at the lender's
 //! address cannot serve it, with or without TLS (`docs/protocol.md`, `docs/security.md`).
 
-use crate::handshake::Hello;
 use crate::lease_token::{PublicKey, TokenSigner};
 
 /// [`Hello::features`] bit: the hello carries a challenge and the borrower wants the
@@ -53,12 +52,19 @@ pub struct LenderProof {
     pub signature: [u8; 64],
 }
 
-fn message(challenge: &[u8; CHALLENGE_LEN], hello: &Hello) -> Vec<u8> {
-    let mut m = Vec::with_capacity(CHALLENGE_LEN + 18 + hello.device.len());
+/// What the lender signs for a session: the challenge, the borrower identity, the queue
+/// index (LE) and the device name, as the hello carries them.
+pub fn message(
+    challenge: &[u8; CHALLENGE_LEN],
+    borrower: &[u8; 16],
+    queue_index: u16,
+    device: &str,
+) -> Vec<u8> {
+    let mut m = Vec::with_capacity(CHALLENGE_LEN + 18 + device.len());
     m.extend_from_slice(challenge);
-    m.extend_from_slice(&hello.borrower);
-    m.extend_from_slice(&hello.queue_index.to_le_bytes());
-    m.extend_from_slice(hello.device.as_bytes());
+    m.extend_from_slice(borrower);
+    m.extend_from_slice(&queue_index.to_le_bytes());
+    m.extend_from_slice(device.as_bytes());
     m
 }
 
@@ -73,23 +79,22 @@ pub fn challenge() -> Result<[u8; CHALLENGE_LEN], getrandom::Error> {
 }
 
 impl LenderProof {
-    /// The proof for `hello`, signed with `key`; `None` when the hello asks for none.
-    pub fn answer(key: &TokenSigner, hello: &Hello) -> Option<LenderProof> {
-        let c = hello.challenge.as_ref()?;
-        Some(LenderProof {
+    /// Signs a session's [`message`] with `key`.
+    pub fn sign(key: &TokenSigner, message: &[u8]) -> LenderProof {
+        LenderProof {
             key: key.public_key(),
-            signature: key.sign_message(CONTEXT, &message(c, hello)),
-        })
+            signature: key.sign_message(CONTEXT, message),
+        }
     }
 
-    /// Checks a reply's proof for `hello` (which carries the challenge) against the key
-    /// the borrower expects.
+    /// Checks a reply's proof of a session's [`message`] against the key the borrower
+    /// expects (`proof` is `None` when the lender gave none).
     ///
     /// # Errors
     /// [`ProofError`].
     pub fn check(
         proof: Option<&LenderProof>,
-        hello: &Hello,
+        message: &[u8],
         expected: &PublicKey,
     ) -> Result<(), ProofError> {
         let Some(p) = proof else {
@@ -103,9 +108,8 @@ impl LenderProof {
                 got: p.key.to_text(),
             });
         }
-        let c = hello.challenge.as_ref().ok_or(ProofError::BadSignature)?;
         p.key
-            .verify_message(CONTEXT, &message(c, hello), &p.signature)
+            .verify_message(CONTEXT, message, &p.signature)
             .map_err(|_| ProofError::BadSignature)
     }
 
@@ -138,47 +142,41 @@ impl LenderProof {
 mod tests {
     use super::*;
 
-    fn hello() -> Hello {
-        let mut h = Hello::new("disk0", 1);
-        h.borrower = [7; 16];
-        h.challenge = Some(challenge().unwrap());
-        h
-    }
-
     #[test]
     fn only_the_expected_key_proving_this_session_passes() {
         let lender = TokenSigner::from_seed([1; 32]);
         let rogue = TokenSigner::from_seed([2; 32]);
-        let h = hello();
-        let p = LenderProof::answer(&lender, &h).unwrap();
+        let c = challenge().unwrap();
+        let m = message(&c, &[7; 16], 1, "disk0");
+        let p = LenderProof::sign(&lender, &m);
         let key = lender.public_key();
-        assert_eq!(LenderProof::check(Some(&p), &h, &key), Ok(()));
+        assert_eq!(LenderProof::check(Some(&p), &m, &key), Ok(()));
         // A rogue signs with its own key: the key is not the one expected.
-        let r = LenderProof::answer(&rogue, &h).unwrap();
+        let r = LenderProof::sign(&rogue, &m);
         assert!(matches!(
-            LenderProof::check(Some(&r), &h, &key),
+            LenderProof::check(Some(&r), &m, &key),
             Err(ProofError::WrongKey { .. })
         ));
         // A rogue that replays the real lender's proof of another session.
-        let other = hello();
+        let other = message(&challenge().unwrap(), &[7; 16], 1, "disk0");
         assert_eq!(
             LenderProof::check(Some(&p), &other, &key),
             Err(ProofError::BadSignature)
         );
-        // A proof for another device or queue.
-        let mut h2 = h.clone();
-        h2.queue_index = 2;
-        assert_eq!(
-            LenderProof::check(Some(&p), &h2, &key),
-            Err(ProofError::BadSignature)
-        );
+        // A proof for another queue or device.
+        for m2 in [
+            message(&c, &[7; 16], 2, "disk0"),
+            message(&c, &[7; 16], 1, "disk1"),
+        ] {
+            assert_eq!(
+                LenderProof::check(Some(&p), &m2, &key),
+                Err(ProofError::BadSignature)
+            );
+        }
         assert!(matches!(
-            LenderProof::check(None, &h, &key),
+            LenderProof::check(None, &m, &key),
             Err(ProofError::Missing { .. })
         ));
-        let back = LenderProof::from_bytes(&p.to_bytes()).unwrap();
-        assert_eq!(back, p);
-        // No challenge: no proof.
-        assert_eq!(LenderProof::answer(&lender, &Hello::new("disk0", 0)), None);
+        assert_eq!(LenderProof::from_bytes(&p.to_bytes()).unwrap(), p);
     }
 }

@@ -319,6 +319,29 @@ fn exchange_hello(
     Ok(reply)
 }
 
+/// Checks that the lender at `addr` that answered `hello` with `reply` proved the key
+/// `expected` (nothing to check without one): the borrower's side of
+/// [`crate::lender_proof`], for every kind of session.
+///
+/// # Errors
+/// [`ConnectError::WrongLender`].
+pub fn check_lender(
+    addr: &str,
+    expected: Option<&crate::lease_token::PublicKey>,
+    hello: &Hello,
+    reply: &HelloReply,
+) -> Result<(), ConnectError> {
+    let Some(key) = expected else {
+        return Ok(());
+    };
+    hello
+        .check_proof(reply.proof.as_ref(), key)
+        .map_err(|source| ConnectError::WrongLender {
+            addr: addr.to_owned(),
+            source,
+        })
+}
+
 fn clear_timeouts(addr: &str, stream: &TcpStream) -> Result<(), ConnectError> {
     let hs = |e| ConnectError::Handshake {
         addr: addr.to_owned(),

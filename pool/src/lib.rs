@@ -18,6 +18,8 @@ pub mod auth;
 pub mod client;
 
 #[cfg(feature = "server")]
+pub mod enroll;
+#[cfg(feature = "server")]
 pub mod error;
 #[cfg(feature = "server")]
 pub mod http;

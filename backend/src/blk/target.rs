@@ -89,15 +89,7 @@ impl LenderTarget {
         hello: &devlend_fabric::Hello,
         reply: &devlend_fabric::HelloReply,
     ) -> Result<(), devlend_fabric::tcp::ConnectError> {
-        let Some(key) = &self.lender_key else {
-            return Ok(());
-        };
-        devlend_fabric::lender_proof::LenderProof::check(reply.proof.as_ref(), hello, key).map_err(
-            |source| devlend_fabric::tcp::ConnectError::WrongLender {
-                addr: self.addr.clone(),
-                source,
-            },
-        )
+        devlend_fabric::tcp::check_lender(&self.addr, self.lender_key.as_ref(), hello, reply)
     }
 
     /// The hello for virtqueue `queue_index`.
@@ -111,9 +103,7 @@ impl LenderTarget {
         h.borrower = self.borrower;
         h.token.clone_from(&self.token);
         if self.lender_key.is_some() {
-            // Without randomness there is no challenge: the lender's proof is then
-            // missing and the session refused (see `check_lender`), never unchecked.
-            h.challenge = devlend_fabric::lender_proof::challenge().ok();
+            h.ask_proof();
         }
         h
     }

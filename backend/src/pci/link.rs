@@ -37,7 +37,7 @@ use devlend_fabric::pci::{
 };
 use devlend_fabric::tcp::{self, ConnectError};
 use devlend_fabric::tls::TlsTarget;
-use devlend_fabric::{Hello, HelloReply, WireError};
+use devlend_fabric::{Hello, WireError};
 
 /// Why a request to the lender failed.
 #[derive(Debug, thiserror::Error)]
@@ -142,21 +142,6 @@ pub struct LinkTarget {
     pub lender_key: Option<devlend_fabric::lease_token::PublicKey>,
 }
 
-impl LinkTarget {
-    /// Checks the lender's proof in `reply` against [`LinkTarget::lender_key`].
-    fn check_lender(&self, hello: &Hello, reply: &HelloReply) -> Result<(), ConnectError> {
-        let Some(key) = &self.lender_key else {
-            return Ok(());
-        };
-        devlend_fabric::lender_proof::LenderProof::check(reply.proof.as_ref(), hello, key).map_err(
-            |source| ConnectError::WrongLender {
-                addr: self.lender.clone(),
-                source,
-            },
-        )
-    }
-}
-
 /// The session's connection.
 enum Wire {
     Stream(Stream),
@@ -223,7 +208,7 @@ impl Link {
         hello.borrower = t.borrower;
         hello.token = t.token.clone();
         if t.lender_key.is_some() {
-            hello.challenge = devlend_fabric::lender_proof::challenge().ok();
+            hello.ask_proof();
         }
         let bad = |what: &'static str| ConnectError::Handshake {
             addr: t.lender.clone(),
@@ -241,7 +226,7 @@ impl Link {
         let wire = match t.transport {
             crate::blk::engine::Transport::Tcp => {
                 let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
-                t.check_lender(&hello, &reply)?;
+                tcp::check_lender(&t.lender, t.lender_key.as_ref(), &hello, &reply)?;
                 if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
                     return Err(bad("the lender's device is not a PCIe function"));
                 }
@@ -456,7 +441,7 @@ fn rdma_connect(t: &LinkTarget, hello: &Hello) -> Result<Arc<RdmaWire>, ConnectE
             message: reply.message,
         });
     }
-    t.check_lender(hello, &reply)?;
+    tcp::check_lender(&t.lender, t.lender_key.as_ref(), hello, &reply)?;
     if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
         return Err(ConnectError::Handshake {
             addr: t.lender.clone(),

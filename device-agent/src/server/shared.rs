@@ -24,7 +24,7 @@ impl Shared {
         &self,
         hello: &devlend_fabric::Hello,
     ) -> Option<devlend_fabric::lender_proof::LenderProof> {
-        devlend_fabric::lender_proof::LenderProof::answer(self.identity.get()?, hello)
+        hello.prove(self.identity.get()?)
     }
 }
 

@@ -109,8 +109,9 @@ impl Caller {
         }
     }
 
-    /// Whether this caller sees every lease (admin, open mode); otherwise only those of
-    /// its own compute host or provider ([`Caller::sees_lease`]).
+    /// Whether this caller may see a lease of `compute_host` served by `provider`: an
+    /// admin (or open mode) sees every lease, a compute host its own, a lender those of
+    /// its provider.
     pub fn sees_lease(&self, compute_host: &str, provider: &str) -> bool {
         match self {
             Caller::Open => true,

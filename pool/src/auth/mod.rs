@@ -10,15 +10,14 @@
 //!
 //! - [`request`]: the signature format, used by the client too;
 //! - [`caller`]: what a request's signer may do, checked by each route;
-//! - [`gate`]: the middleware that verifies signatures, times and nonces, and logs
-//!   refusals with the peer's address (rate-limited).
+//! - [`gate`]: the mode, the nonces seen per key, which routes are public; the HTTP
+//!   middleware that applies them is `crate::http::authenticate`. Enrollment (pinning
+//!   keys, join tokens) is `crate::enroll`, beside the service's other operations.
 
 pub mod request;
 
 #[cfg(feature = "server")]
 pub mod caller;
-#[cfg(feature = "server")]
-pub mod enroll;
 #[cfg(feature = "server")]
 pub mod gate;
 

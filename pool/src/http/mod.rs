@@ -1,5 +1,6 @@
 //! The HTTP API (axum): routes, JSON errors, the OpenAPI document.
 
+pub mod authenticate;
 pub mod error;
 pub mod metrics;
 pub mod openapi;
@@ -42,7 +43,7 @@ pub fn router(service: PoolService) -> Router {
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             service.clone(),
-            crate::auth::gate::authenticate,
+            authenticate::authenticate,
         ))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(service)

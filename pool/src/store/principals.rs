@@ -23,6 +23,15 @@ fn principal(row: &AnyRow) -> Result<Principal> {
     })
 }
 
+fn grant(row: &AnyRow) -> Result<JoinGrant> {
+    let role: String = row.try_get("role")?;
+    Ok(JoinGrant {
+        role: Role::parse(&role)
+            .ok_or_else(|| Error::Config(format!("stored join token has role {role:?}")))?,
+        name: row.try_get("name")?,
+    })
+}
+
 /// What a redeemed join token was for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JoinGrant {
@@ -223,13 +232,7 @@ impl Store {
         .bind(now_ms())
         .fetch_optional(self.pool())
         .await?;
-        let Some(row) = row else { return Ok(None) };
-        let role: String = row.try_get("role")?;
-        Ok(Some(JoinGrant {
-            role: Role::parse(&role)
-                .ok_or_else(|| Error::Config(format!("stored join token has role {role:?}")))?,
-            name: row.try_get("name")?,
-        }))
+        row.as_ref().map(grant).transpose()
     }
 
     /// Redeems the join token with this hash: deletes it and answers what it was for,
@@ -246,12 +249,6 @@ impl Store {
         .bind(now_ms())
         .fetch_optional(self.pool())
         .await?;
-        let Some(row) = row else { return Ok(None) };
-        let role: String = row.try_get("role")?;
-        Ok(Some(JoinGrant {
-            role: Role::parse(&role)
-                .ok_or_else(|| Error::Config(format!("stored join token has role {role:?}")))?,
-            name: row.try_get("name")?,
-        }))
+        row.as_ref().map(grant).transpose()
     }
 }

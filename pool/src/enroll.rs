@@ -8,8 +8,8 @@ use base64::Engine;
 use devlend_fabric::lease_token::PublicKey;
 use sha2::{Digest, Sha256};
 
-use super::{AuthMode, Caller};
 use crate::api::{codes, EnrollRequest, Enrollment, Principal, Role};
+use crate::auth::{AuthMode, Caller};
 use crate::error::{Error, Result};
 use crate::service::PoolService;
 use crate::store::now_ms;
