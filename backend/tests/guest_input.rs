@@ -68,6 +68,8 @@ impl Rig {
             read_only,
             serial: Some("SERIAL-0123456789ABC".into()),
             traits: Vec::new(),
+            qos: Default::default(),
+            store: None,
         };
         let lender = Lender::bind("127.0.0.1:0", vec![spec.clone()])
             .unwrap()

@@ -21,5 +21,6 @@ pub mod pattern;
 pub mod placement;
 pub mod pool_auth;
 pub mod pool_cmd;
+pub mod qos_args;
 pub mod stress;
 pub mod verify;

@@ -68,6 +68,9 @@ enum Cmd {
         /// third while attached.
         #[arg(long, default_value_t = 30, requires = "class")]
         lease_ttl: u64,
+        /// With --class: limits on the lease, enforced by the lender.
+        #[command(flatten)]
+        limits: devlend_cli::qos_args::QosArgs,
         /// Device pool URL.
         #[arg(long, env = "DEVLEND_POOL", default_value = "http://127.0.0.1:7400")]
         pool: String,
@@ -368,6 +371,7 @@ fn run(cli: Cli) -> Result<()> {
             numa_node,
             vm,
             lease_ttl,
+            limits,
             pool,
             pool_key,
             socket,
@@ -422,6 +426,7 @@ fn run(cli: Cli) -> Result<()> {
                             numa_node,
                             vm: vm.unwrap_or_default(),
                             ttl_ms: lease_ttl.saturating_mul(1000),
+                            qos: limits.to_qos()?,
                         },
                     )?;
                     if !json {

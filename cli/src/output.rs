@@ -158,6 +158,12 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
         out.push_str(&nic_table(&nics));
     }
     for a in list {
+        if let Some(q) = &a.limits {
+            out.push_str(&format!(
+                "{}: lease limits {q} (enforced by the lender)\n",
+                a.id
+            ));
+        }
         if let Some(why) = &a.restoring {
             out.push_str(&format!(
                 "{}: saved before a restart, not served yet (retrying): {why}\n",

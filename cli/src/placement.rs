@@ -21,6 +21,8 @@ pub struct Wanted {
     pub vm: String,
     /// Lease time to live in milliseconds; the compute agent renews it every third.
     pub ttl_ms: u64,
+    /// Limits on the lease, enforced by the lender.
+    pub qos: Option<devlend_fabric::qos::Qos>,
 }
 
 /// A lease granted for an attach, to release if the attach fails.
@@ -51,6 +53,7 @@ pub fn claim(client: PoolClient, w: &Wanted) -> Result<Claimed> {
             numa_node: w.numa_node,
             device_id: None,
             generation: None,
+            qos: w.qos,
         })
         .with_context(|| format!("no lease from the pool at {pool_url}"))?;
     let lease = LeaseRef {

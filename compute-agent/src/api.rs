@@ -299,6 +299,10 @@ pub struct AttachmentInfo {
     /// The pool lease it holds the device under, if any.
     #[serde(default)]
     pub lease: Option<uuid::Uuid>,
+    /// The limits its lease grants (the lender enforces them, with its own; flat form
+    /// as in the pool's `qos`, `docs/qos.md`). Absent: none from the lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<devlend_fabric::qos::Qos>,
     /// The pool answered a renewal that the lease has ended: the device is no longer
     /// this attachment's (detach it).
     #[serde(default)]

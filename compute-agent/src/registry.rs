@@ -216,6 +216,7 @@ fn info(e: &Entry) -> AttachmentInfo {
         connected: e.attachment.connected(),
         vmm: e.plug.clone(),
         lease: e.lease.as_ref().map(LeaseKeeper::id),
+        limits: lease_limits(e.request.lease.as_ref()),
         lease_ended: e.lease.as_ref().is_some_and(LeaseKeeper::ended),
         lender_lost: e.attachment.lender_lost(),
         rates: None,
@@ -232,6 +233,12 @@ fn info(e: &Entry) -> AttachmentInfo {
             pairs: n.pairs.into_iter().map(Into::into).collect(),
         }),
     }
+}
+
+/// The limits a lease's token carries (the lender enforces them, with its own).
+fn lease_limits(lease: Option<&crate::api::LeaseRef>) -> Option<devlend_fabric::qos::Qos> {
+    let token = devlend_fabric::lease_token::LeaseToken::from_text(&lease?.token).ok()?;
+    token.claims_unverified().ok()?.qos
 }
 
 /// What `status` shows of a saved attachment not served again yet.
@@ -251,6 +258,7 @@ fn restoring_info(r: &Restoring) -> AttachmentInfo {
         connected: false,
         vmm: r.saved.plug.clone(),
         lease: q.lease.as_ref().map(|l| l.id),
+        limits: lease_limits(q.lease.as_ref()),
         lease_ended: false,
         lender_lost: false,
         rates: None,
@@ -460,6 +468,7 @@ impl Registry {
                     device: resolved.device.clone(),
                     consumer: id.to_owned(),
                     provider_key: None,
+                    qos: None,
                 };
                 let token = signer
                     .sign(&claims)
@@ -1078,6 +1087,7 @@ mod resolve_tests {
                 device: "d".into(),
                 consumer: "c".into(),
                 provider_key: key,
+                qos: None,
             })
             .unwrap()
             .as_bytes()

@@ -1049,6 +1049,8 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         read_only: false,
         serial: None,
         traits: Vec::new(),
+        qos: Default::default(),
+        store: None,
     };
     let lender = Lender::bind("127.0.0.1:0", vec![spec])
         .expect("bind")

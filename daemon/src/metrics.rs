@@ -147,6 +147,24 @@ pub fn counter(
     Ok(())
 }
 
+/// Encodes a counter family of fractional values (seconds, ...).
+///
+/// # Errors
+/// Encoding errors (a broken writer).
+pub fn counter_f64(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(Labels, f64)],
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, v) in series {
+        m.encode_family(labels)?
+            .encode_counter::<Labels, f64, f64>(v, None)?;
+    }
+    Ok(())
+}
+
 /// Encodes a gauge family.
 ///
 /// # Errors
@@ -156,6 +174,23 @@ pub fn gauge(
     name: &str,
     help: &str,
     series: &[(Labels, i64)],
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in series {
+        m.encode_family(labels)?.encode_gauge(v)?;
+    }
+    Ok(())
+}
+
+/// Encodes a gauge family of fractional values.
+///
+/// # Errors
+/// Encoding errors.
+pub fn gauge_f64(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(Labels, f64)],
 ) -> Result<(), std::fmt::Error> {
     let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
     for (labels, v) in series {

@@ -7,10 +7,14 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use devlend_fabric::qos::Qos;
 
 use devlend_fabric::handshake::{DEV_DISCARD, DEV_READ_ONLY, DEV_WRITE_ZEROES};
 use devlend_fabric::{DeviceInfo, SECTOR_SIZE};
 
+use crate::qos::{Group, Store};
 use crate::stats::DeviceStats;
 use crate::{DeviceSpec, Error, MAX_DISCARD_SECTORS, MAX_TRANSFER_BYTES, MAX_WRITE_ZEROES_SECTORS};
 
@@ -41,16 +45,36 @@ pub(crate) struct Device {
     pub(crate) nic: Option<crate::nic::Nic>,
     /// For a PCIe function: the function (regions, interrupts, DMA; not block requests).
     pub(crate) pci: Option<Arc<crate::pci::PciFunction>>,
-    /// The borrower that holds the device, and how many of its sessions are open.
-    holder: Mutex<Option<([u8; 16], usize)>>,
+    /// The borrower that holds the device, how many of its sessions are open, and the
+    /// limits they share.
+    holder: Mutex<Option<Holder>>,
+    /// The limits anonymous sessions share (direct mode without authentication), while
+    /// any is open.
+    anonymous: Mutex<std::sync::Weak<Group>>,
     /// The spec it was opened from.
     spec: DeviceSpec,
+}
+
+/// Who holds a device.
+#[derive(Debug)]
+struct Holder {
+    borrower: [u8; 16],
+    sessions: usize,
+    group: Arc<Group>,
 }
 
 /// A session's share of a device's ownership; released on drop.
 pub(crate) struct Claim {
     device: Arc<Device>,
     borrower: [u8; 16],
+    group: Arc<Group>,
+}
+
+impl Claim {
+    /// The limits the holder's sessions share.
+    pub(crate) fn group(&self) -> &Arc<Group> {
+        &self.group
+    }
 }
 
 impl Drop for Claim {
@@ -59,10 +83,10 @@ impl Drop for Claim {
             return;
         }
         let mut h = self.device.holder.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((id, n)) = h.as_mut() {
-            if *id == self.borrower {
-                *n -= 1;
-                if *n == 0 {
+        if let Some(holder) = h.as_mut() {
+            if holder.borrower == self.borrower {
+                holder.sessions -= 1;
+                if holder.sessions == 0 {
                     *h = None;
                 }
             }
@@ -93,24 +117,80 @@ impl Device {
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn held_by(&self, borrower: [u8; 16]) -> bool {
         let h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
-        borrower != [0; 16] && h.as_ref().is_some_and(|(id, _)| *id == borrower)
+        borrower != [0; 16] && h.as_ref().is_some_and(|x| x.borrower == borrower)
+    }
+
+    /// The limits configured for the device.
+    pub(crate) fn qos(&self) -> &Qos {
+        &self.spec.qos
+    }
+
+    /// The name of the backing store the device sits on, if configured.
+    pub(crate) fn store_name(&self) -> Option<&str> {
+        self.spec.store.as_deref()
+    }
+
+    /// The limits its holder's sessions share now, if it is held (or anonymous
+    /// sessions are open).
+    pub(crate) fn current_group(&self) -> Option<Arc<Group>> {
+        let h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
+        match h.as_ref() {
+            Some(x) => Some(Arc::clone(&x.group)),
+            None => self
+                .anonymous
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .upgrade(),
+        }
     }
 
     /// Lets a session of `borrower` use the device: a device is lent to one borrower at
     /// a time, for as long as it has a session open. An anonymous borrower (all zero)
     /// gets a session only while nobody holds the device, and does not hold it. Returns
     /// the id of the holder on refusal.
-    pub(crate) fn claim(self: &Arc<Self>, borrower: [u8; 16]) -> Result<Claim, [u8; 16]> {
+    ///
+    /// The holder's first session sets the limits all its sessions share: the device's
+    /// own and `lease` (its lease token's), the tighter of each, and the device's
+    /// `store`. Anonymous sessions share one group of the device's own limits.
+    pub(crate) fn claim(
+        self: &Arc<Self>,
+        borrower: [u8; 16],
+        lease: Option<&Qos>,
+        store: Option<Arc<Store>>,
+    ) -> Result<Claim, [u8; 16]> {
         let mut h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
-        match h.as_mut() {
-            Some((id, _)) if *id != borrower => return Err(*id),
-            Some((_, n)) => *n += 1,
-            None if borrower != [0; 16] => *h = Some((borrower, 1)),
-            None => {}
-        }
+        let group = match h.as_mut() {
+            Some(x) if x.borrower != borrower => return Err(x.borrower),
+            Some(x) => {
+                x.sessions += 1;
+                Arc::clone(&x.group)
+            }
+            None if borrower != [0; 16] => {
+                let qos = lease.map_or(self.spec.qos, |l| self.spec.qos.tighter(l));
+                let group = Arc::new(Group::new(qos, store, Instant::now()));
+                *h = Some(Holder {
+                    borrower,
+                    sessions: 1,
+                    group: Arc::clone(&group),
+                });
+                group
+            }
+            None => {
+                let mut anon = self.anonymous.lock().unwrap_or_else(|p| p.into_inner());
+                match anon.upgrade() {
+                    Some(g) => g,
+                    None => {
+                        let g = Arc::new(Group::new(self.spec.qos, store, Instant::now()));
+                        *anon = Arc::downgrade(&g);
+                        g
+                    }
+                }
+            }
+        };
         Ok(Claim {
             device: Arc::clone(self),
             borrower,
+            group,
         })
     }
 
@@ -209,6 +289,7 @@ impl Device {
             nic: None,
             pci: None,
             holder: Mutex::new(None),
+            anonymous: Mutex::new(std::sync::Weak::new()),
             spec: spec.clone(),
         })
     }
@@ -237,6 +318,7 @@ impl Device {
             nic: Some(nic),
             pci: None,
             holder: Mutex::new(None),
+            anonymous: Mutex::new(std::sync::Weak::new()),
             spec: spec.clone(),
         })
     }
@@ -269,6 +351,7 @@ impl Device {
             nic: None,
             pci: Some(Arc::new(f)),
             holder: Mutex::new(None),
+            anonymous: Mutex::new(std::sync::Weak::new()),
             spec: spec.clone(),
         })
     }
@@ -340,6 +423,8 @@ mod tests {
             read_only: ro,
             serial: None,
             traits: Vec::new(),
+            qos: Default::default(),
+            store: None,
         }
     }
 

@@ -59,6 +59,15 @@ struct Tracked {
     ended: bool,
 }
 
+/// A session's lease, as its token gave it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admitted {
+    /// The lease id.
+    pub lease: [u8; 16],
+    /// The lease's limits, if its token carries any.
+    pub qos: Option<devlend_fabric::qos::Qos>,
+}
+
 /// The lease checks of one lender.
 #[derive(Debug)]
 pub struct LeaseGuard {
@@ -102,18 +111,18 @@ impl LeaseGuard {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Checks the token of `hello` at `now_ms`. Returns the lease id, or the refusal:
+    /// Checks the token of `hello` at `now_ms`. Returns the lease, or the refusal:
     /// `Busy` (retry) for a token past its own expiry whose lease the pool has not
     /// listed yet (a renewal may be on its way: a lender that just restarted), `Denied`
     /// for everything else.
-    pub fn admit(&self, hello: &Hello, now_ms: u64) -> Result<[u8; 16], (HelloStatus, String)> {
+    pub fn admit(&self, hello: &Hello, now_ms: u64) -> Result<Admitted, (HelloStatus, String)> {
         self.check(hello, now_ms).map_err(|r| match r {
             Check::Unconfirmed(m) => (HelloStatus::Busy, m),
             Check::Refused(m) => (HelloStatus::Denied, m),
         })
     }
 
-    fn check(&self, hello: &Hello, now_ms: u64) -> Result<[u8; 16], Check> {
+    fn check(&self, hello: &Hello, now_ms: u64) -> Result<Admitted, Check> {
         if hello.token.is_empty() {
             return Err(Check::Refused(
                 "the hello carries no lease token: this lender serves only borrowers with a pool lease or a key it trusts".into(),
@@ -168,7 +177,10 @@ impl LeaseGuard {
                 ))
             });
         }
-        Ok(claims.lease_id)
+        Ok(Admitted {
+            lease: claims.lease_id,
+            qos: claims.qos,
+        })
     }
 
     /// Whether the lease may still be served at `now_ms`.
@@ -232,6 +244,7 @@ mod tests {
             device: device.into(),
             consumer: "vm".into(),
             provider_key: None,
+            qos: None,
         };
         let mut h = Hello::new(device, 0);
         h.borrower = [9; 16];

@@ -32,16 +32,18 @@ pub mod metrics;
 mod nic;
 pub mod pci;
 pub mod pool_link;
+mod qos;
 mod server;
 mod session;
 pub mod stats;
 
 pub use config::IoMode;
-pub use config::{Cli, Config, DeviceSpec};
+pub use config::{Cli, Config, DeviceSpec, StoreSpec};
 pub use error::Error;
 pub use leases::LeaseGuard;
 pub use server::{
-    InventoryView, Lender, LenderHandle, LentDevice, NicCounters, Options, ReloadReport, StatsView,
+    DeviceQos, InventoryView, Lender, LenderHandle, LentDevice, NicCounters, Options, ReloadReport,
+    StatsView,
 };
 pub use stats::DeviceStatsSnapshot;
 

@@ -56,6 +56,7 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     };
     let options = devlend_device_agent::Options {
         io: config.io_mode,
+        stores: config.stores.clone(),
         ..Default::default()
     };
     // The lender's own key: it proves who the lender is to borrowers that ask, and signs

@@ -9,9 +9,15 @@
 //! Per lent network interface: `devlend_nic_packets_total{dir}` and
 //! `devlend_nic_bytes_total{dir}` (`rx`: from the interface to the borrower, `tx`: the
 //! other way), `devlend_nic_drops_total`.
+//! Limits (`docs/qos.md`): `devlend_device_qos_limit{lane}` (the rate in force, per
+//! second: the holder's while held, else the device's own),
+//! `devlend_device_throttled_total` (requests or frames held back),
+//! `devlend_device_throttle_wait_seconds_total`, `devlend_device_throttle_queued` (held
+//! now), `devlend_device_store_share{store}` (the holder's share of its store, 0..=1).
 
 use devlend_daemon::metrics::{
-    counter, gauge, histogram, Collector, DescriptorEncoder, HistogramSeries, Labels,
+    counter, counter_f64, gauge, gauge_f64, histogram, Collector, DescriptorEncoder,
+    HistogramSeries, Labels,
 };
 use devlend_fabric::latency::BOUNDS_US;
 
@@ -44,6 +50,11 @@ struct Families {
     nic_packets: Vec<(Labels, u64)>,
     nic_bytes: Vec<(Labels, u64)>,
     nic_drops: Vec<(Labels, u64)>,
+    qos_limit: Vec<(Labels, i64)>,
+    throttled: Vec<(Labels, u64)>,
+    throttle_wait: Vec<(Labels, f64)>,
+    throttle_queued: Vec<(Labels, i64)>,
+    store_share: Vec<(Labels, f64)>,
 }
 
 impl Collector for DeviceMetrics {
@@ -70,6 +81,11 @@ impl Collector for DeviceMetrics {
             f.opened.push((l(&name, &[]), s.sessions_opened));
             f.ops.push((l(&name, &[]), s.device_ops));
             f.inflight.push((l(&name, &[]), s.in_flight as i64));
+            f.throttled.push((l(&name, &[]), s.throttled));
+            f.throttle_wait
+                .push((l(&name, &[]), s.throttle_wait_us as f64 / 1e6));
+            f.throttle_queued
+                .push((l(&name, &[]), s.throttle_queued as i64));
             f.latency.push(HistogramSeries {
                 labels: l(&name, &[]),
                 sum: lat.sum_ns as f64 / 1e9,
@@ -86,6 +102,19 @@ impl Collector for DeviceMetrics {
             f.nic_bytes.push((l(&name, &[("dir", "rx")]), n.rx_bytes));
             f.nic_bytes.push((l(&name, &[("dir", "tx")]), n.tx_bytes));
             f.nic_drops.push((l(&name, &[]), n.drops));
+        }
+        for (name, q) in self.0.qos() {
+            for (lane, lane_name) in devlend_fabric::qos::LANES {
+                if let Some(limit) = q.limits.get(lane) {
+                    f.qos_limit.push((
+                        l(&name, &[("lane", lane_name)]),
+                        i64::try_from(limit.per_sec).unwrap_or(i64::MAX),
+                    ));
+                }
+            }
+            if let (Some(store), Some(share)) = (&q.store, q.share) {
+                f.store_share.push((l(&name, &[("store", store)]), share));
+            }
         }
         let e = &mut enc;
         counter(
@@ -148,6 +177,36 @@ impl Collector for DeviceMetrics {
             "devlend_nic_drops",
             "Frames a lent interface dropped, either way.",
             &f.nic_drops,
+        )?;
+        gauge(
+            e,
+            "devlend_device_qos_limit",
+            "Rate limit in force, per second, by lane (iops_*: operations, bps_*: bytes, tx_/rx_pps: frames, tx_/rx_bps: bytes).",
+            &f.qos_limit,
+        )?;
+        counter(
+            e,
+            "devlend_device_throttled",
+            "Requests or frames held back by the holder's limits.",
+            &f.throttled,
+        )?;
+        counter_f64(
+            e,
+            "devlend_device_throttle_wait_seconds",
+            "Time throttled requests waited, all together.",
+            &f.throttle_wait,
+        )?;
+        gauge(
+            e,
+            "devlend_device_throttle_queued",
+            "Requests held back by the holder's limits now.",
+            &f.throttle_queued,
+        )?;
+        gauge_f64(
+            e,
+            "devlend_device_store_share",
+            "The holder's share of its backing store's capacity (weight over the busy borrowers' weights).",
+            &f.store_share,
         )?;
         Ok(())
     }

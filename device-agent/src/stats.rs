@@ -38,6 +38,13 @@ pub struct DeviceStatsSnapshot {
     pub protocol_errors: u64,
     /// Requests received and not yet answered.
     pub in_flight: u64,
+    /// Requests (or NIC frames) held back by the holder's limits before they ran
+    /// (`docs/qos.md`).
+    pub throttled: u64,
+    /// Microseconds the throttled requests waited, all together.
+    pub throttle_wait_us: u64,
+    /// Requests held back now.
+    pub throttle_queued: u64,
 }
 
 impl DeviceStatsSnapshot {
@@ -63,6 +70,9 @@ pub(crate) struct DeviceStats {
     request_errors: AtomicU64,
     protocol_errors: AtomicU64,
     answered: AtomicU64,
+    throttled: AtomicU64,
+    throttle_wait_us: AtomicU64,
+    throttle_released: AtomicU64,
     latency: LatencyHistogram,
 }
 
@@ -120,6 +130,23 @@ impl DeviceStats {
         self.protocol_errors.fetch_add(1, Relaxed);
     }
 
+    /// Counts a request held back by its holder's limits.
+    pub(crate) fn throttle_held(&self) {
+        self.throttled.fetch_add(1, Relaxed);
+    }
+
+    /// Counts a held request released after `waited`.
+    pub(crate) fn throttle_released(&self, waited: std::time::Duration) {
+        self.throttle_wait_us
+            .fetch_add(waited.as_micros() as u64, Relaxed);
+        self.throttle_released.fetch_add(1, Relaxed);
+    }
+
+    /// Counts a held request dropped with its session (never started).
+    pub(crate) fn throttle_dropped(&self) {
+        self.throttle_released.fetch_add(1, Relaxed);
+    }
+
     pub(crate) fn snapshot(&self) -> DeviceStatsSnapshot {
         DeviceStatsSnapshot {
             sessions_opened: self.sessions_opened.load(Relaxed),
@@ -142,6 +169,12 @@ impl DeviceStats {
                     + self.write_zeroes.load(Relaxed);
                 received.saturating_sub(self.answered.load(Relaxed))
             },
+            throttled: self.throttled.load(Relaxed),
+            throttle_wait_us: self.throttle_wait_us.load(Relaxed),
+            throttle_queued: self
+                .throttled
+                .load(Relaxed)
+                .saturating_sub(self.throttle_released.load(Relaxed)),
         }
     }
 }

@@ -29,6 +29,8 @@ fn lends_a_block_device() {
         read_only: false,
         serial: None,
         traits: Vec::new(),
+        qos: Default::default(),
+        store: None,
     };
     let lender = Lender::bind("127.0.0.1:0", vec![spec])
         .expect("lend the device")

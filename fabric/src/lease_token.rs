@@ -6,11 +6,14 @@
 //! provider, borrower identity = lease id) and the clock.
 //!
 //! Binary layout (all integers little-endian):
-//! `version: u8 = 1 or 2, lease_id: [u8; 16], expires_at_ms: u64, provider_len: u16,
+//! `version: u8 = 1, 2 or 3, lease_id: [u8; 16], expires_at_ms: u64, provider_len: u16,
 //! provider, device_len: u16, device, consumer_len: u16, consumer`, in version 2 then
 //! `provider_key: [u8; 32]` (the lender's public key, which the borrower makes the lender
-//! prove in the handshake, [`crate::lender_proof`]), then `signature: [u8; 64]`. A token
-//! without a provider key is version 1, byte for byte as before. The signature covers
+//! prove in the handshake, [`crate::lender_proof`]); in version 3 instead `flags: u8`
+//! (bit 0: a provider key follows, bit 1: limits follow; other bits 0), then the
+//! provider key if bit 0, then the lease's limits ([`crate::qos`], wire form) if bit 1;
+//! then `signature: [u8; 64]`. A token without limits is version 1 or 2, byte for byte
+//! as before; one without a provider key either is version 1. The signature covers
 //! [`SIGNING_CONTEXT`] followed by every byte before it. Text form
 //! (JSON, command lines): unpadded base64url of the binary form.
 
@@ -19,6 +22,7 @@ use base64::Engine;
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 
 use crate::codec::{self, CodecError, Reader};
+use crate::qos::Qos;
 
 /// The clock tokens are read against: milliseconds since the Unix epoch (0 if the
 /// clock is before it).
@@ -33,6 +37,13 @@ pub fn now_ms() -> u64 {
 pub const TOKEN_VERSION: u8 = 1;
 /// Token layout version with the provider's key.
 pub const TOKEN_VERSION_KEYED: u8 = 2;
+/// Token layout version with flags: the provider's key and the lease's limits, each
+/// optional.
+pub const TOKEN_VERSION_FLAGGED: u8 = 3;
+/// Version 3 flag: the provider's key follows.
+const FLAG_PROVIDER_KEY: u8 = 1;
+/// Version 3 flag: the lease's limits follow.
+const FLAG_QOS: u8 = 2;
 /// Domain separation prefix of every signed message.
 pub const SIGNING_CONTEXT: &[u8] = b"devlend-lease-token-v1\0";
 /// Longest token accepted, in bytes of binary form (fits the hello's `token_len: u16`).
@@ -90,6 +101,9 @@ pub struct LeaseClaims {
     /// The lender's public key as the pool enrolled it (version 2 tokens); the borrower
     /// makes the lender prove it holds it.
     pub provider_key: Option<[u8; 32]>,
+    /// The lease's limits (version 3 tokens), which the lender enforces together with
+    /// its own ([`Qos::tighter`]).
+    pub qos: Option<Qos>,
 }
 
 /// A signed token in binary form.
@@ -330,12 +344,13 @@ fn put_field(b: &mut Vec<u8>, name: &'static str, v: &str) -> Result<(), TokenEr
 
 fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     let mut b = Vec::with_capacity(64 + c.provider.len() + c.device.len() + c.consumer.len());
+    let version = match (c.qos.is_some(), c.provider_key.is_some()) {
+        (true, _) => TOKEN_VERSION_FLAGGED,
+        (false, true) => TOKEN_VERSION_KEYED,
+        (false, false) => TOKEN_VERSION,
+    };
     let head = ClaimsHead {
-        version: if c.provider_key.is_some() {
-            TOKEN_VERSION_KEYED
-        } else {
-            TOKEN_VERSION
-        },
+        version,
         lease_id: c.lease_id,
         expires_at_ms: c.expires_at_ms,
     };
@@ -343,8 +358,18 @@ fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     put_field(&mut b, "provider", &c.provider)?;
     put_field(&mut b, "device", &c.device)?;
     put_field(&mut b, "consumer", &c.consumer)?;
+    if version == TOKEN_VERSION_FLAGGED {
+        let mut flags = FLAG_QOS;
+        if c.provider_key.is_some() {
+            flags |= FLAG_PROVIDER_KEY;
+        }
+        codec::push(&mut b, flags);
+    }
     if let Some(k) = &c.provider_key {
         b.extend_from_slice(k);
+    }
+    if let Some(q) = &c.qos {
+        q.encode(&mut b);
     }
     Ok(b)
 }
@@ -370,25 +395,45 @@ fn field(r: &mut Reader<'_>) -> Result<String, TokenError> {
 }
 
 fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
-    if body
-        .first()
-        .is_some_and(|&v| v != TOKEN_VERSION && v != TOKEN_VERSION_KEYED)
-    {
+    if body.first().is_some_and(|&v| {
+        v != TOKEN_VERSION && v != TOKEN_VERSION_KEYED && v != TOKEN_VERSION_FLAGGED
+    }) {
         return Err(TokenError::Malformed("unknown token version"));
     }
     let mut r = Reader::new(body);
     let head = ClaimsHead::read(&mut r)?;
+    let provider = field(&mut r)?;
+    let device = field(&mut r)?;
+    let consumer = field(&mut r)?;
+    let flags = match head.version {
+        TOKEN_VERSION => 0,
+        TOKEN_VERSION_KEYED => FLAG_PROVIDER_KEY,
+        _ => {
+            let f = r.u8()?;
+            if f & !(FLAG_PROVIDER_KEY | FLAG_QOS) != 0 {
+                return Err(TokenError::Malformed("unknown token flags"));
+            }
+            f
+        }
+    };
+    let provider_key = if flags & FLAG_PROVIDER_KEY != 0 {
+        Some(r.array::<32>()?)
+    } else {
+        None
+    };
+    let qos = if flags & FLAG_QOS != 0 {
+        Some(Qos::decode(&mut r).map_err(|e| TokenError::Malformed(e.0))?)
+    } else {
+        None
+    };
     let claims = LeaseClaims {
         lease_id: head.lease_id,
         expires_at_ms: head.expires_at_ms,
-        provider: field(&mut r)?,
-        device: field(&mut r)?,
-        consumer: field(&mut r)?,
-        provider_key: if head.version == TOKEN_VERSION_KEYED {
-            Some(r.array::<32>()?)
-        } else {
-            None
-        },
+        provider,
+        device,
+        consumer,
+        provider_key,
+        qos,
     };
     r.finish()?;
     Ok(claims)
@@ -406,6 +451,7 @@ mod tests {
             device: "disk0".into(),
             consumer: "vm-1".into(),
             provider_key: None,
+            qos: None,
         }
     }
 
@@ -460,6 +506,28 @@ mod tests {
         let plain = signer.sign(&claims()).unwrap();
         assert_eq!(plain.as_bytes()[0], TOKEN_VERSION);
         assert_eq!(plain.as_bytes().len() + 32, token.as_bytes().len());
+    }
+
+    #[test]
+    fn a_token_with_limits_is_version_3_and_every_altered_byte_is_refused() {
+        use crate::qos::Lane;
+        let signer = TokenSigner::from_seed([8; 32]);
+        for key in [None, Some([0x42; 32])] {
+            let mut c = claims();
+            c.provider_key = key;
+            c.qos = Some(Qos::default().with(Lane::IopsRead, 2000, 0).with_weight(3));
+            let token = signer.sign(&c).unwrap();
+            assert_eq!(token.as_bytes()[0], TOKEN_VERSION_FLAGGED);
+            assert_eq!(signer.public_key().verify(&token).unwrap(), c);
+            assert_eq!(token.claims_unverified().unwrap(), c);
+            // A borrower that lifts its limit (or drops it) breaks the signature.
+            for i in 0..token.as_bytes().len() {
+                let mut b = token.as_bytes().to_vec();
+                b[i] ^= 0x01;
+                let r = signer.public_key().verify(&LeaseToken::from_bytes(b));
+                assert!(r.is_err(), "byte {i} altered yet accepted");
+            }
+        }
     }
 
     #[test]

@@ -24,6 +24,7 @@ pub mod lease_token;
 pub mod lender_proof;
 pub mod net;
 pub mod pci;
+pub mod qos;
 pub mod ratelimit;
 pub mod rdma;
 pub mod reconnect;

@@ -223,6 +223,7 @@ fn lease_token() {
         device: "disk0".into(),
         consumer: "vm-1".into(),
         provider_key: None,
+        qos: None,
     };
     let signer = TokenSigner::from_seed([0x5e; 32]);
     let t = signer.sign(&claims).unwrap();

@@ -270,6 +270,8 @@ impl World {
             read_only: false,
             serial: Some("FUZZ-VHOST-SEQUENCE".into()),
             traits: Vec::new(),
+            qos: Default::default(),
+            store: None,
         };
         let lender = Lender::bind("127.0.0.1:0", vec![spec])
             .expect("lender")

@@ -308,6 +308,16 @@ pub struct LeaseRequest {
     /// By id: the device generation read (required with `device_id`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generation: Option<u64>,
+    /// Limits the lender enforces on the lease's sessions, signed into its token
+    /// (`docs/qos.md`): flat keys `iops_total`, `iops_read`, `iops_write` (operations
+    /// a second), `bps_total`, `bps_read`, `bps_write` (bytes a second), `tx_pps`,
+    /// `rx_pps`, `tx_bps`, `rx_bps` (a lent NIC's frames and bytes a second, as the
+    /// guest sees them), each with an optional `<key>_burst` (bucket size, default a
+    /// tenth of a second's worth), and `weight` (1..=10000, share of a backing store).
+    /// Rates are at least 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "server", schema(value_type = Option<Object>))]
+    pub qos: Option<devlend_fabric::qos::Qos>,
 }
 
 /// A lease: one device held by one consumer on one compute host until `expires_at_ms`.
@@ -338,6 +348,10 @@ pub struct Lease {
     pub ttl_ms: u64,
     /// Incremented by every state change (bind, release, expiry); not by renewals.
     pub generation: u64,
+    /// The limits granted, as in [`LeaseRequest::qos`]; absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "server", schema(value_type = Option<Object>))]
+    pub qos: Option<devlend_fabric::qos::Qos>,
 }
 
 /// `POST /v1/leases` answer: the lease and its signed token.

@@ -141,6 +141,9 @@ impl PoolService {
             consumer: &req.consumer,
             compute_host: &req.compute_host,
             ttl_ms: i64::try_from(ttl).unwrap_or(i64::MAX),
+            // Checked when the body was read (`Qos`'s own deserializer); no limit at all
+            // is no QoS.
+            qos: req.qos.filter(|q| !q.is_empty()),
         };
         let lease = match req.device_id {
             Some(id) => self.lease_by_id(req, id, &new).await?,

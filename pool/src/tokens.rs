@@ -32,6 +32,7 @@ pub fn claims(lease: &Lease, provider_key: Option<&PublicKey>) -> LeaseClaims {
         device: lease.device.clone(),
         consumer: lease.consumer.clone(),
         provider_key: provider_key.map(PublicKey::to_bytes),
+        qos: lease.qos,
     }
 }
 

@@ -18,6 +18,7 @@ on_both_backends!(
     renewal_keeps_a_lease_alive,
     silent_provider_drops_out_of_placement,
     token_verifies_and_carries_the_claims,
+    a_leases_limits_are_kept_and_signed_into_its_token,
     two_servers_on_one_database_share_the_key,
     placement_explains_why_nothing_fits,
     registration_updates_the_inventory,
@@ -487,4 +488,44 @@ fn devices_filter(backend: Backend) {
         min_capacity: Some(10 * GIB),
     };
     assert_eq!(names(q), ["b"]);
+}
+
+fn a_leases_limits_are_kept_and_signed_into_its_token(backend: Backend) {
+    use devlend_fabric::qos::{Lane, Qos};
+    let pool = support::start(backend);
+    register(
+        &pool.client,
+        "lender-a",
+        60_000,
+        vec![device("disk0", "BLOCK", GIB, &["FABRIC_TCP"])],
+    );
+    let qos = Qos::default()
+        .with(Lane::IopsRead, 2000, 100)
+        .with(Lane::BpsTotal, 50 << 20, 0)
+        .with_weight(3);
+    let grant = pool
+        .client
+        .create_lease(&LeaseRequest {
+            qos: Some(qos),
+            ..placement("vm-q", "BLOCK", 0, &[])
+        })
+        .unwrap();
+    assert_eq!(grant.lease.qos, Some(qos));
+    // Read back from the database, and in the token the pool signed.
+    let listed = pool.client.leases(LeaseFilter::Active).unwrap();
+    assert_eq!(listed[0].qos, Some(qos));
+    let key = PublicKey::from_text(&pool.client.signing_key().unwrap().public_key).unwrap();
+    let claims = key
+        .verify(&LeaseToken::from_text(&grant.token).unwrap())
+        .unwrap();
+    assert_eq!(claims.qos, Some(qos));
+    // A lease without limits keeps a token of the earlier layouts.
+    pool.client.release_current(grant.lease.id).unwrap();
+    let plain = pool
+        .client
+        .create_lease(&placement("vm-p", "BLOCK", 0, &[]))
+        .unwrap();
+    assert_eq!(plain.lease.qos, None);
+    let token = LeaseToken::from_text(&plain.token).unwrap();
+    assert!(token.as_bytes()[0] < 3, "version {}", token.as_bytes()[0]);
 }

@@ -199,3 +199,70 @@ fn a_lent_nic_closes_bad_sessions_and_serves_the_next() -> Result<()> {
     lender.proc.check_alive()?;
     Ok(())
 }
+
+/// The interface counter `key=N` of the lender's last "frames stopped" line.
+fn last_count(log: &str, key: &str) -> Option<u64> {
+    let line = log.lines().rev().find(|l| l.contains("frames stopped"))?;
+    let at = line.find(&format!("{key}="))? + key.len() + 1;
+    line[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A lender's own NIC limit (`tx_pps=200,tx_pps_burst=20`): a borrower that sends 1000
+/// frames a second for 2 s gets about 20 + 2 × 200 of them onto the wire; the rest
+/// are dropped and counted, and the session stays up (a policer, docs/qos.md).
+#[test]
+fn a_lent_nic_polices_the_frames_a_borrower_sends_beyond_its_limit() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let fabric = Netns::new(2)?;
+    let tag = format!("nq{}", std::process::id() % 100_000);
+    let lan = PeerLan::new(&tag, &fabric.name, "10.78.1.2/24", 1500)?;
+    let addr = format!("{}:{}", fabric.ns_ip, free_port()?);
+    let device = format!("nic0=net:{},tx_pps=200,tx_pps_burst=20", lan.lent_if);
+    let lender = Lender::start_in(
+        dir.path(),
+        Some(&fabric.name),
+        &addr,
+        std::slice::from_ref(&device),
+        &["--insecure".to_owned()],
+    )?;
+    let mut s = session(&addr, 1);
+    let start = Instant::now();
+    let mut sent = 0u64;
+    while start.elapsed() < Duration::from_secs(2) {
+        // 10 frames every 10 ms.
+        let mut out = Vec::new();
+        for _ in 0..10 {
+            encode_frame(&frame(), &mut out);
+        }
+        s.write_all(&out)?;
+        sent += 10;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let secs = start.elapsed().as_secs_f64();
+    drop(s);
+    let until = Instant::now() + Duration::from_secs(10);
+    let (passed, drops) = loop {
+        let log = lender.proc.log();
+        if let (Some(p), Some(d)) = (last_count(&log, "tx_packets"), last_count(&log, "drops")) {
+            break (p, d);
+        }
+        assert!(Instant::now() < until, "no counters logged:\n{log}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let want = 20.0 + 200.0 * secs;
+    eprintln!("sent {sent} in {secs:.2} s, {passed} passed (about {want:.0}), {drops} dropped");
+    assert!(
+        (passed as f64 - want).abs() <= want * 0.15,
+        "{passed} frames passed, the limit allows about {want:.0}"
+    );
+    assert_eq!(
+        passed + drops,
+        sent,
+        "every frame either passed or was dropped"
+    );
+    Ok(())
+}

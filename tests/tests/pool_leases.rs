@@ -341,6 +341,7 @@ fn the_lender_admits_only_the_right_token() {
             device: "disk0".into(),
             consumer: "vm-test".into(),
             provider_key: None,
+            qos: None,
         })
         .unwrap();
     let m = denied(

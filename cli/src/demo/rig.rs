@@ -320,6 +320,7 @@ impl Rig {
                 numa_node: None,
                 vm: vm.into(),
                 ttl_ms: 30_000,
+                qos: None,
             },
         )?;
         step(

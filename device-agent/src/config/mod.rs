@@ -6,6 +6,7 @@
 //! flags, a device name may appear once.
 
 mod spec;
+mod store;
 
 use std::path::{Path, PathBuf};
 
@@ -16,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 pub(crate) use self::spec::check_unique;
 pub use self::spec::{parse_mac, valid_bdf, Coherence, DeviceSpec};
+pub use self::store::StoreSpec;
 use crate::Error;
 
 /// The command line of `devlend-device-agent`.
@@ -47,6 +49,11 @@ pub struct Cli {
         value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B] | NAME=net:IFNAME[,mac=M] | NAME=pci:BDF[,coherence=nvme|mirror]"
     )]
     pub devices: Vec<DeviceSpec>,
+    /// A backing store that devices share (`store=NAME` in a device), with the capacity
+    /// its borrowers divide by weight: `NAME:bps_total=N,iops_total=N,...` (bytes per
+    /// second, operations per second); repeatable. Replaces a `[[store]]` of that name.
+    #[arg(long = "store", value_name = "NAME:KEY=N[,KEY=N...]")]
+    pub stores: Vec<StoreSpec>,
     /// TOML config file with `listen`, `log_level`, `log_format`, `metrics_listen` and
     /// `[[device]]` tables; default /etc/devlend/device-agent.toml when it exists.
     #[arg(long, value_name = "FILE")]
@@ -162,6 +169,8 @@ struct FileConfig {
     insecure: bool,
     #[serde(default, rename = "device")]
     devices: Vec<DeviceSpec>,
+    #[serde(default, rename = "store")]
+    stores: Vec<StoreSpec>,
 }
 
 /// The fabric transport a lender serves.
@@ -250,6 +259,9 @@ pub struct Config {
     /// [`crate::exposure::allow_unauthenticated`].
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub insecure: bool,
+    /// Backing stores that devices share, with their capacities.
+    #[serde(rename = "store", skip_serializing_if = "Vec::is_empty")]
+    pub stores: Vec<StoreSpec>,
     /// Devices to lend, with distinct names (file devices first, in file order).
     #[serde(rename = "device")]
     pub devices: Vec<DeviceSpec>,
@@ -395,6 +407,13 @@ impl Config {
                 "auth keys are for direct mode: with a pool, borrowers present lease tokens".into(),
             ));
         }
+        let mut stores: Vec<StoreSpec> = file
+            .stores
+            .into_iter()
+            .filter(|s| !cli.stores.iter().any(|f| f.name == s.name))
+            .collect();
+        stores.extend(cli.stores.iter().cloned());
+        self::store::check_stores(&stores, &devices)?;
         let tls_cert = cli.tls_cert.clone().or(file.tls_cert);
         let tls_key = cli.tls_key.clone().or(file.tls_key);
         let tls_client_ca = cli.tls_client_ca.clone().or(file.tls_client_ca);
@@ -426,6 +445,7 @@ impl Config {
             log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
             metrics_listen: cli.metrics_listen.or(file.metrics_listen),
             io_mode: cli.io_mode.or(file.io_mode).unwrap_or_default(),
+            stores,
             devices,
         })
     }

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use devlend_fabric::handshake::MAX_NAME_LEN;
+use devlend_fabric::qos::{Lane, Qos, LANES};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, MAX_SERIAL_LEN};
@@ -52,6 +53,16 @@ pub struct DeviceSpec {
     /// `SSD`), besides those the lender derives (`FABRIC_TCP`, `DISCARD`, `READ_ONLY`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub traits: Vec<String>,
+    /// Limits on whoever borrows it (file: a `[device.qos]` table; flag:
+    /// `iops_read=N`, `bps_write=N`, `weight=N`, ... as options), enforced together
+    /// with the lease's, the tighter of each (`docs/qos.md`). Block devices take the
+    /// `iops_*`/`bps_*` limits, interfaces the `tx_*`/`rx_*` ones.
+    #[serde(default, skip_serializing_if = "Qos::is_empty")]
+    pub qos: Qos,
+    /// The backing store it shares with other devices (a `[[store]]` name): its
+    /// borrowers divide the store's capacity by weight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
 }
 
 /// How a lent PCIe function's DMA is kept coherent with the borrower's guest memory
@@ -163,6 +174,9 @@ impl DeviceSpec {
             if self.read_only || self.serial.is_some() || self.mac.is_some() {
                 return bad_name("ro, serial and mac do not apply to a PCIe function");
             }
+            if !self.qos.is_empty() || self.store.is_some() {
+                return bad_name("limits and stores do not apply to a PCIe function");
+            }
             return Ok(());
         }
         if self.coherence.is_some() {
@@ -189,6 +203,31 @@ impl DeviceSpec {
                 Some(m) if m[0] & 1 == 0 && m != [0; 6] => {}
                 _ => return bad_name("mac is not a unicast aa:bb:cc:dd:ee:ff address"),
             }
+        }
+        self.qos.validate().map_err(|e| Error::BadSpec {
+            spec: self.name.clone(),
+            reason: e.to_string(),
+        })?;
+        let net_lane = |l: Lane| l >= Lane::TxPps;
+        if let Some((lane, _)) = LANES
+            .iter()
+            .find(|(l, _)| self.qos.get(*l).is_some() && net_lane(*l) != self.is_net())
+        {
+            return Err(Error::BadSpec {
+                spec: self.name.clone(),
+                reason: format!(
+                    "limit {} does not apply to a {}",
+                    lane.name(),
+                    if self.is_net() {
+                        "network interface"
+                    } else {
+                        "block device"
+                    }
+                ),
+            });
+        }
+        if self.store.is_some() && self.is_net() {
+            return bad_name("a network interface has no backing store");
         }
         for t in &self.traits {
             let ok = !t.is_empty()
@@ -253,7 +292,10 @@ impl FromStr for DeviceSpec {
             read_only: false,
             serial: None,
             traits: Vec::new(),
+            qos: Qos::default(),
+            store: None,
         };
+        let mut bursts = Vec::new();
         for opt in parts {
             match opt {
                 "ro" => spec.read_only = true,
@@ -276,17 +318,60 @@ impl FromStr for DeviceSpec {
                     spec.traits
                         .extend(opt["traits=".len()..].split('+').map(str::to_owned));
                 }
-                "" => return Err(bad("empty option".into())),
-                _ => {
-                    return Err(bad(format!(
-                        "unknown option {opt:?} (expected ro, serial=S, traits=A+B or coherence=nvme|mirror)"
-                    )))
+                _ if opt.starts_with("store=") => {
+                    spec.store = Some(opt["store=".len()..].to_owned());
                 }
+                "" => return Err(bad("empty option".into())),
+                _ => match qos_option(&mut spec.qos, &mut bursts, opt) {
+                    Some(r) => r.map_err(bad)?,
+                    None => {
+                        return Err(bad(format!(
+                            "unknown option {opt:?} (expected ro, serial=S, traits=A+B, store=NAME, coherence=nvme|mirror, or a limit such as iops_read=N)"
+                        )))
+                    }
+                },
             }
         }
+        for (lane, n) in bursts {
+            let Some(limit) = spec.qos.limits[lane.index()].as_mut() else {
+                return Err(bad(format!(
+                    "{}_burst without {}",
+                    lane.name(),
+                    lane.name()
+                )));
+            };
+            limit.burst = n;
+        }
+        spec.qos.validate().map_err(|e| bad(e.to_string()))?;
         spec.validate()?;
         Ok(spec)
     }
+}
+
+/// Applies a limit option `KEY=N` of a device flag (`iops_read=2000`,
+/// `iops_read_burst=400`, `weight=3`, ...) to `q`. `None` when `opt` is not one; an
+/// error for one whose number does not parse.
+pub(super) fn qos_option(
+    q: &mut Qos,
+    bursts: &mut Vec<(Lane, u64)>,
+    opt: &str,
+) -> Option<Result<(), String>> {
+    let (key, value) = opt.split_once('=')?;
+    let lane = |name: &str| LANES.iter().find(|(_, n)| *n == name).map(|(l, _)| *l);
+    let (target, burst) = match (key, key.strip_suffix("_burst")) {
+        ("weight", _) => (None, false),
+        (_, Some(base)) => (Some(lane(base)?), true),
+        (k, None) => (Some(lane(k)?), false),
+    };
+    let Ok(n) = value.parse::<u64>() else {
+        return Some(Err(format!("{key}: {value:?} is not a whole number")));
+    };
+    match (target, burst) {
+        (None, _) => q.weight = Some(u32::try_from(n).unwrap_or(u32::MAX)),
+        (Some(l), true) => bursts.push((l, n)),
+        (Some(l), false) => *q = q.with(l, n, 0),
+    }
+    Some(Ok(()))
 }
 
 /// Refuses two devices of the same name, and two devices lending one network

@@ -27,6 +27,7 @@
 pub(crate) mod inline;
 pub(crate) mod request;
 pub(crate) mod ring;
+pub(crate) mod throttled;
 pub(crate) mod uring;
 
 use std::io;
@@ -41,6 +42,7 @@ use crate::device::Device;
 
 pub(crate) use self::inline::Inline;
 pub(crate) use self::request::Request;
+pub(crate) use self::throttled::Throttled;
 pub(crate) use self::uring::Uring;
 
 /// What a [`DeviceIo`] has for its session.
@@ -91,8 +93,13 @@ pub(crate) trait DeviceIo {
     /// The ring failed.
     fn wait(&mut self, timeout: Option<Duration>) -> io::Result<()>;
 
-    /// Requests handed to the kernel and not yet reaped.
+    /// Requests handed to the kernel and not yet reaped (and, under limits, those held
+    /// back: [`Throttled`]).
     fn in_flight(&self) -> usize;
+
+    /// Whether [`DeviceIo::wait`] honours its timeout (`IORING_FEAT_EXT_ARG`, Linux
+    /// 5.11).
+    fn timed_waits(&self) -> bool;
 
     /// Sends `len` bytes of the device at byte `offset` to the socket `to` without
     /// blocking (`sendfile`): the data of a read that [`DeviceIo::start`] finished

@@ -83,6 +83,11 @@ impl Ring {
         }
     }
 
+    /// Whether [`Ring::wait`] honours its timeout.
+    pub(crate) fn timed_waits(&self) -> bool {
+        self.ext_arg
+    }
+
     /// Submits queued entries and waits for at least one completion, at most `timeout`
     /// (when the kernel supports timed waits; else without limit). Returns early (with
     /// no completion) on a timeout, EINTR, EAGAIN and EBUSY; the caller reaps and

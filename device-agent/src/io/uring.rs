@@ -151,4 +151,8 @@ impl DeviceIo for Uring {
     fn send_file(&mut self, to: RawFd, offset: u64, len: usize) -> io::Result<usize> {
         super::send_file(to, self.fd, offset, len)
     }
+
+    fn timed_waits(&self) -> bool {
+        self.ring.timed_waits()
+    }
 }

@@ -5,6 +5,11 @@
 //! Nothing here blocks on the borrower: the fabric socket is non-blocking, frames for
 //! the borrower are queued up to [`OUT_LIMIT`] bytes and dropped (counted) beyond, and
 //! the fabric socket is always read, so the borrower never waits on the lender either.
+//!
+//! Under limits (`tx_*`/`rx_*`, `docs/qos.md`) the session polices: a frame either way
+//! that its holder's buckets cannot pay for is dropped and counted (`throttled`, and
+//! the interface's drops), as a switch's ingress policer does; TCP in the guest backs
+//! off to the rate.
 
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
@@ -17,7 +22,32 @@ use devlend_fabric::net::{self, NetMessage};
 
 use super::rx::{Rx, RxBatch};
 use super::{Nic, BATCH, VNET_HDR_LEN};
+use crate::qos::{Cost, Group};
 use crate::session::end::End;
+use crate::stats::DeviceStats;
+
+/// A session's policer: its holder's limits, and the device's counters.
+pub(crate) struct Police<'a> {
+    /// The holder's limits (`None`, or a group that limits nothing: no policing).
+    pub(crate) group: Option<std::sync::Arc<Group>>,
+    /// Where dropped frames are counted.
+    pub(crate) stats: &'a DeviceStats,
+}
+
+impl Police<'_> {
+    /// Whether a frame of `len` bytes the guest sends (`tx`) or receives may pass.
+    fn pass(&self, tx: bool, len: usize) -> bool {
+        let Some(g) = &self.group else {
+            return true;
+        };
+        if g.take(&Cost::frame(tx, len as u64), Instant::now()).is_ok() {
+            return true;
+        }
+        self.stats.throttle_held();
+        self.stats.throttle_dropped();
+        false
+    }
+}
 
 /// Most bytes of frames queued for a borrower that does not keep up; frames beyond are
 /// dropped and counted.
@@ -47,8 +77,10 @@ pub(crate) fn serve(
     queue: u16,
     offload: bool,
     frame_timeout: Duration,
+    mut police: Police<'_>,
 ) -> End {
-    let end = pump(nic, sock, peer, queue, offload, frame_timeout);
+    police.group = police.group.filter(|g| !g.is_unlimited());
+    let end = pump(nic, sock, peer, queue, offload, frame_timeout, police);
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let s = &nic.stats;
     tracing::info!(
@@ -72,6 +104,7 @@ fn pump(
     queue: u16,
     offload: bool,
     frame_timeout: Duration,
+    police: Police<'_>,
 ) -> End {
     let bound = nic.refresh_ifindex();
     let pkt = match nic.open_socket() {
@@ -95,6 +128,7 @@ fn pump(
         rx: RxBatch::new(link.mtu, offload),
         offload,
         accept: 0,
+        police,
     };
     devlend_fabric::limited!(info, %peer, interface = %nic.ifname, queue, mtu = link.mtu, up = link.up, "frames flowing");
     let mut last_link = Instant::now();
@@ -190,6 +224,7 @@ struct Session<'a> {
     frames: Vec<(Option<[u8; VNET_HDR_LEN]>, usize, usize)>,
     out: Vec<u8>,
     rx: RxBatch,
+    police: Police<'a>,
 }
 
 impl Session<'_> {
@@ -212,7 +247,11 @@ impl Session<'_> {
             loop {
                 match net::decode(&self.inbuf[at..self.have]) {
                     Ok(Some((NetMessage::Frame(f), len))) => {
-                        frames.push((None, at + net::NET_HEADER_LEN, f.len()));
+                        if self.police.pass(true, f.len()) {
+                            frames.push((None, at + net::NET_HEADER_LEN, f.len()));
+                        } else {
+                            self.nic.stats.drops.fetch_add(1, Ordering::Relaxed);
+                        }
                         at += len;
                     }
                     Ok(Some((NetMessage::OffloadFrame(o, f), len))) => {
@@ -226,7 +265,11 @@ impl Session<'_> {
                             return Some(End::Protocol(e.to_string()));
                         }
                         let off = at + net::NET_HEADER_LEN + net::OFFLOAD_LEN;
-                        frames.push((Some(o.to_bytes()), off, f.len()));
+                        if self.police.pass(true, f.len()) {
+                            frames.push((Some(o.to_bytes()), off, f.len()));
+                        } else {
+                            self.nic.stats.drops.fetch_add(1, Ordering::Relaxed);
+                        }
                         at += len;
                     }
                     Ok(Some((NetMessage::Offloads(bits), len))) => {
@@ -333,6 +376,7 @@ impl Session<'_> {
                     }
                 };
                 if self.out.len() + frame.len() + net::NET_HEADER_LEN + net::OFFLOAD_LEN > OUT_LIMIT
+                    || !self.police.pass(false, frame.len())
                 {
                     s.drops.fetch_add(1, Ordering::Relaxed);
                     continue;

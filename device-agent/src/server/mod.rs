@@ -20,7 +20,7 @@ use devlend_fabric::DeviceInfo;
 
 use self::shared::Shared;
 pub use self::shared::{Options, ReloadReport};
-pub use self::views::{InventoryView, LentDevice, NicCounters, StatsView};
+pub use self::views::{DeviceQos, InventoryView, LentDevice, NicCounters, StatsView};
 use crate::config::check_unique;
 use crate::device::Device;
 use crate::leases::{self, LeaseGuard};

@@ -44,6 +44,9 @@ pub struct Options {
     /// How sessions do device I/O (default: plain system calls for files in memory,
     /// io_uring otherwise).
     pub io: IoMode,
+    /// Backing stores that devices share (`store` in a device), with the capacity their
+    /// borrowers divide by weight (default none). Read at start: a reload keeps them.
+    pub stores: Vec<crate::config::StoreSpec>,
 }
 
 impl Default for Options {
@@ -53,6 +56,7 @@ impl Default for Options {
             frame_timeout: Duration::from_secs(30),
             max_sessions: 256,
             io: IoMode::Auto,
+            stores: Vec::new(),
         }
     }
 }
@@ -70,6 +74,8 @@ pub(crate) struct Shared {
     /// This lender's key, which answers the challenges of borrowers that ask it to prove
     /// who it is ([`devlend_fabric::lender_proof`]).
     pub(crate) identity: OnceLock<Arc<devlend_fabric::lease_token::TokenSigner>>,
+    /// The backing stores of [`Options::stores`], by name.
+    stores: HashMap<String, Arc<crate::qos::Store>>,
 }
 
 /// The open connections, TCP and RDMA, so that shutdown (or the end of a lease) can
@@ -121,7 +127,16 @@ impl Drop for ActiveSession<'_> {
 impl Shared {
     /// The state of a lender of `devices`, serving no session yet.
     pub(super) fn new(devices: HashMap<String, Arc<Device>>, options: Options) -> Shared {
+        let stores = options
+            .stores
+            .iter()
+            .map(|s| {
+                let store = crate::qos::Store::new(s.capacity);
+                (s.name.clone(), Arc::new(store))
+            })
+            .collect();
         Shared {
+            stores,
             devices: RwLock::new(devices),
             options,
             active: AtomicUsize::new(0),
@@ -131,6 +146,11 @@ impl Shared {
             identity: OnceLock::new(),
         }
     }
+    /// The backing store `dev` sits on, if it names one that is configured.
+    pub(crate) fn store_of(&self, dev: &Device) -> Option<Arc<crate::qos::Store>> {
+        self.stores.get(dev.store_name()?).cloned()
+    }
+
     pub(crate) fn device(&self, name: &str) -> Option<Arc<Device>> {
         self.devices
             .read()

@@ -129,6 +129,43 @@ impl StatsView {
     }
 }
 
+/// The limits a device is under now (`docs/qos.md`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceQos {
+    /// While a borrower holds the device: its limits, the device's and its lease's, the
+    /// tighter of each. Otherwise the device's own.
+    pub limits: devlend_fabric::qos::Qos,
+    /// Whether a borrower (or anonymous sessions) holds it.
+    pub held: bool,
+    /// The backing store it shares, if any.
+    pub store: Option<String>,
+    /// The holder's share of the store's capacity now (0..=1), while held.
+    pub share: Option<f64>,
+}
+
+impl StatsView {
+    /// Each device's name and limits, by name.
+    pub fn qos(&self) -> Vec<(String, DeviceQos)> {
+        self.0
+            .all_devices()
+            .iter()
+            .map(|d| {
+                let group = d.current_group();
+                let q = DeviceQos {
+                    limits: group.as_ref().map_or(*d.qos(), |g| g.qos),
+                    held: group.is_some(),
+                    store: d.store_name().map(str::to_owned),
+                    share: group
+                        .as_ref()
+                        .filter(|g| g.store().is_some())
+                        .map(|g| g.share()),
+                };
+                (d.name.clone(), q)
+            })
+            .collect()
+    }
+}
+
 impl std::fmt::Debug for StatsView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("StatsView")

@@ -52,16 +52,20 @@ pub(crate) fn admit<'s>(
             ),
         ));
     }
+    let mut lease_qos = None;
     if let Some(guard) = shared.leases.get() {
         match guard.admit(hello, crate::leases::now_ms()) {
-            Ok(lease) => shared.set_session_lease(id, lease),
+            Ok(admitted) => {
+                shared.set_session_lease(id, admitted.lease);
+                lease_qos = admitted.qos;
+            }
             Err((status, reason)) => {
                 devlend_fabric::limited!(warn, %peer, device = %hello.device, %reason, "lease check failed");
                 return Err((status, reason));
             }
         }
     }
-    let claim = match dev.claim(hello.borrower) {
+    let claim = match dev.claim(hello.borrower, lease_qos.as_ref(), shared.store_of(&dev)) {
         Ok(c) => c,
         Err(holder) => {
             return Err((

@@ -53,6 +53,8 @@ impl Fixture {
                     read_only: ro,
                     serial: None,
                     traits: Vec::new(),
+                    qos: Default::default(),
+                    store: None,
                 }
             })
             .collect();

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 
 const LEASE_SELECT: &str = "SELECT id, device_id, device_name, provider_name, \
     fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
-    generation FROM leases";
+    generation, qos FROM leases";
 
 fn lease_from_row(r: &AnyRow, now: i64) -> Result<Lease> {
     let state: String = r.try_get("state")?;
@@ -43,6 +43,13 @@ fn lease_from_row(r: &AnyRow, now: i64) -> Result<Lease> {
         expires_at_ms: get_u64(r, "expires_at_ms")?,
         ttl_ms: get_u64(r, "ttl_ms")?,
         generation: get_u64(r, "generation")?,
+        qos: match r.try_get::<Option<String>, _>("qos")? {
+            Some(text) => Some(
+                serde_json::from_str(&text)
+                    .map_err(|e| Error::Database(sqlx::Error::Decode(Box::new(e))))?,
+            ),
+            None => None,
+        },
     })
 }
 
@@ -55,6 +62,8 @@ pub struct NewLease<'a> {
     pub compute_host: &'a str,
     /// Time to live, ms.
     pub ttl_ms: i64,
+    /// The limits granted (none: unlimited).
+    pub qos: Option<devlend_fabric::qos::Qos>,
 }
 
 impl Store {
@@ -116,7 +125,7 @@ impl Store {
         sqlx::query(
             "INSERT INTO leases (id, device_id, device_name, provider_id, provider_name, \
              fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
-             generation) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'claimed', $9, $10, $11, 1)",
+             generation, qos) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'claimed', $9, $10, $11, 1, $12)",
         )
         .bind(id.to_string())
         .bind(dev.id.to_string())
@@ -129,6 +138,11 @@ impl Store {
         .bind(now)
         .bind(now.saturating_add(new.ttl_ms))
         .bind(new.ttl_ms)
+        .bind(
+            new.qos
+                .as_ref()
+                .and_then(|q| serde_json::to_string(q).ok()),
+        )
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;

@@ -33,6 +33,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "principals",
         include_str!("../../migrations/0002_principals.sql"),
     ),
+    (
+        3,
+        "lease_qos",
+        include_str!("../../migrations/0003_lease_qos.sql"),
+    ),
 ];
 
 /// Which database a [`Store`] runs on.

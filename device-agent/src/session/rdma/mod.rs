@@ -18,7 +18,7 @@ use devlend_fabric::rdma::verbs::{lender_shape, Incoming, Listener};
 use devlend_fabric::{Hello, HelloReply};
 
 use self::block::{End, Slot, IO_SLOTS, RING_ENTRIES, TAG_SEND};
-use crate::io::SessionIo;
+use crate::io::{SessionIo, Throttled};
 use crate::server::shared::Shared;
 use crate::session::admit::admit;
 
@@ -118,7 +118,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         };
         Ok((dev, a, c, lent))
     });
-    let (dev, _active, _claim, lent) = match admitted {
+    let (dev, _active, claim, lent) = match admitted {
         Ok(x) => x,
         Err((status, message)) => {
             devlend_fabric::limited!(info, %peer, device = %hello.device, ?status, reason = %message, "session refused");
@@ -205,9 +205,16 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         return;
     }
     devlend_fabric::limited!(info, %peer, device = %dev.name, queue = hello.queue_index, "RDMA session opened");
+    let group = Some(Arc::clone(claim.group()));
     let end = match io {
-        SessionIo::Uring(io) => block::run(io, &dev, &mut conn, &mut slots, &stop),
-        SessionIo::Inline(io) => block::run(io, &dev, &mut conn, &mut slots, &stop),
+        SessionIo::Uring(io) => {
+            let io = Throttled::new(io, group, Arc::clone(&dev));
+            block::run(io, &dev, &mut conn, &mut slots, &stop)
+        }
+        SessionIo::Inline(io) => {
+            let io = Throttled::new(io, group, Arc::clone(&dev));
+            block::run(io, &dev, &mut conn, &mut slots, &stop)
+        }
     };
     dev.stats.session_closed();
     match end {

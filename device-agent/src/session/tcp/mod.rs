@@ -18,7 +18,7 @@ use devlend_fabric::FEATURE_CREDIT;
 
 use self::handshake::{accept_tls, handshake, CONTROL_QUEUE};
 use crate::device::Device;
-use crate::io::SessionIo;
+use crate::io::{SessionIo, Throttled};
 use crate::server::shared::Shared;
 use crate::session::end::End;
 
@@ -37,7 +37,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             None => return,
         },
     };
-    let Some((dev, io, _active, _claim, queue, lent, granted)) = handshake(shared, &sock, peer, id)
+    let Some((dev, io, _active, claim, queue, lent, granted)) = handshake(shared, &sock, peer, id)
     else {
         return;
     };
@@ -50,14 +50,25 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
         (_, _, Some(_), _) if queue == CONTROL_QUEUE => crate::nic::pump::hold(&sock),
         (_, _, Some(nic), _) => {
             let offload = granted & FEATURE_NET_OFFLOAD != 0;
-            crate::nic::pump::serve(nic, &sock, peer, queue, offload, frame_timeout)
+            let police = crate::nic::pump::Police {
+                group: Some(std::sync::Arc::clone(claim.group())),
+                stats: &dev.stats,
+            };
+            crate::nic::pump::serve(nic, &sock, peer, queue, offload, frame_timeout, police)
         }
         (_, _, None, Some(io)) => {
             let credit = granted & FEATURE_CREDIT != 0;
             tracing::debug!(%peer, id, "session serving");
+            let group = Some(std::sync::Arc::clone(claim.group()));
             match io {
-                SessionIo::Uring(io) => engine::run(io, &dev, &sock, peer, frame_timeout, credit),
-                SessionIo::Inline(io) => engine::run(io, &dev, &sock, peer, frame_timeout, credit),
+                SessionIo::Uring(io) => {
+                    let io = Throttled::new(io, group, std::sync::Arc::clone(&dev));
+                    engine::run(io, &dev, &sock, peer, frame_timeout, credit)
+                }
+                SessionIo::Inline(io) => {
+                    let io = Throttled::new(io, group, std::sync::Arc::clone(&dev));
+                    engine::run(io, &dev, &sock, peer, frame_timeout, credit)
+                }
             }
         }
         // The handshake sets up a block device's I/O and takes a PCIe function: not

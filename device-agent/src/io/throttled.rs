@@ -1,0 +1,149 @@
+//! A session's device I/O under its holder's limits: a [`DeviceIo`] that holds back the
+//! requests its [`Group`]'s buckets cannot pay for yet, in arrival order, and starts
+//! them when they can. A held request is never failed; it counts as in flight, so the
+//! session neither ends nor reads beyond its credit while it waits.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use devlend_fabric::{BlockRequest, RequestHeader};
+
+use super::{DeviceIo, Event, Request};
+use crate::device::Device;
+use crate::qos::{Cost, Group};
+
+/// A request waiting for its holder's buckets.
+struct Held {
+    req: Box<Request>,
+    header: RequestHeader,
+    since: Instant,
+}
+
+/// `I` under the limits of a [`Group`] (or as it is, without one).
+pub(crate) struct Throttled<I> {
+    inner: I,
+    group: Option<Arc<Group>>,
+    dev: Arc<Device>,
+    held: VecDeque<Held>,
+}
+
+/// What a request draws from its holder's buckets.
+fn cost(h: &RequestHeader) -> Cost {
+    let bytes = match h.request {
+        BlockRequest::Read { len, .. } | BlockRequest::Write { len, .. } => u64::from(len.0),
+        _ => 0,
+    };
+    Cost::block(h.op(), bytes)
+}
+
+impl<I: DeviceIo> Throttled<I> {
+    /// `inner` under `group`'s limits (`None`, or a group that limits nothing: as it
+    /// is).
+    pub(crate) fn new(inner: I, group: Option<Arc<Group>>, dev: Arc<Device>) -> Self {
+        Throttled {
+            inner,
+            group: group.filter(|g| !g.is_unlimited()),
+            dev,
+            held: VecDeque::new(),
+        }
+    }
+
+    /// Starts the held requests the buckets now pay for, oldest first; how long until
+    /// the next one can go, if one is left.
+    fn release(&mut self, out: &mut Vec<Event>) -> Option<Duration> {
+        let group = self.group.as_ref()?;
+        let now = Instant::now();
+        while let Some(front) = self.held.front() {
+            if let Err(wait) = group.take(&cost(&front.header), now) {
+                return Some(wait);
+            }
+            if let Some(h) = self.held.pop_front() {
+                self.dev
+                    .stats
+                    .throttle_released(now.saturating_duration_since(h.since));
+                self.inner.start(h.req, &h.header, out);
+            }
+        }
+        None
+    }
+}
+
+impl<I: DeviceIo> DeviceIo for Throttled<I> {
+    fn start(&mut self, req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
+        let Some(group) = &self.group else {
+            return self.inner.start(req, h, out);
+        };
+        let now = Instant::now();
+        if self.held.is_empty() && group.take(&cost(h), now).is_ok() {
+            return self.inner.start(req, h, out);
+        }
+        self.dev.stats.throttle_held();
+        self.held.push_back(Held {
+            req,
+            header: *h,
+            since: now,
+        });
+    }
+
+    fn submit(&mut self) -> io::Result<()> {
+        self.inner.submit()
+    }
+
+    fn reap(&mut self, out: &mut Vec<Event>) {
+        self.inner.reap(out);
+        if !self.held.is_empty() {
+            self.release(out);
+        }
+    }
+
+    fn watch(&mut self, fd: RawFd, events: libc::c_short, token: u64) -> io::Result<()> {
+        self.inner.watch(fd, events, token)
+    }
+
+    fn wait(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        let due = match (&self.group, self.held.front()) {
+            (Some(g), Some(front)) => match g.take_probe(&cost(&front.header)) {
+                Duration::ZERO => return Ok(()),
+                d => Some(d),
+            },
+            _ => None,
+        };
+        let timeout = match (timeout, due) {
+            (Some(t), Some(d)) => Some(t.min(d)),
+            (t, d) => t.or(d),
+        };
+        match (due, self.inner.timed_waits()) {
+            // Without timed waits the ring would sleep past the release time.
+            (Some(d), false) if self.inner.in_flight() == 0 => {
+                std::thread::sleep(d.min(timeout.unwrap_or(d)));
+                Ok(())
+            }
+            _ => self.inner.wait(timeout),
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight() + self.held.len()
+    }
+
+    fn send_file(&mut self, to: RawFd, offset: u64, len: usize) -> io::Result<usize> {
+        self.inner.send_file(to, offset, len)
+    }
+
+    fn timed_waits(&self) -> bool {
+        self.inner.timed_waits()
+    }
+}
+
+impl<I> Drop for Throttled<I> {
+    fn drop(&mut self) {
+        // A session that ends with requests held (its ring broke) leaves them
+        // unanswered: they no longer wait.
+        for _ in self.held.drain(..) {
+            self.dev.stats.throttle_dropped();
+        }
+    }
+}
