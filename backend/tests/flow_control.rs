@@ -193,6 +193,7 @@ fn answer(s: &mut TcpStream, held: &mut Vec<RequestHeader>) {
             status: Status::Ok,
             len: devlend_fabric::Bytes(0),
             id: h.id,
+            throttled: false,
         };
         s.write_all(&r.encode()).unwrap();
     }

@@ -58,6 +58,7 @@ fn rogue(misbehave: fn(&mut TcpStream, RequestHeader)) -> (String, JoinHandle<()
                     status: Status::Ok,
                     len: req.request.data_len(),
                     id: req.id,
+                    throttled: false,
                 }
                 .encode()
                 .to_vec();
@@ -150,6 +151,7 @@ fn unknown_response_opcode() {
             status: Status::Ok,
             len: devlend_fabric::Bytes(0),
             id: req.id,
+            throttled: false,
         }
         .encode();
         b[0] = 0x42;
@@ -164,6 +166,7 @@ fn unknown_status() {
             status: Status::Ok,
             len: devlend_fabric::Bytes(0),
             id: req.id,
+            throttled: false,
         }
         .encode();
         b[1] = 9;
@@ -178,6 +181,7 @@ fn response_for_an_id_not_in_flight() {
             status: Status::Ok,
             len: req.request.data_len(),
             id: req.id ^ (1 << 40),
+            throttled: false,
         }
         .encode();
         s.write_all(&b).unwrap();
@@ -191,6 +195,7 @@ fn read_response_of_the_wrong_length() {
             status: Status::Ok,
             len: devlend_fabric::Bytes(req.request.data_len().0 * 2),
             id: req.id,
+            throttled: false,
         }
         .encode();
         s.write_all(&b).unwrap();
@@ -206,6 +211,7 @@ fn lender_closes_mid_payload() {
             status: Status::Ok,
             len: req.request.data_len(),
             id: req.id,
+            throttled: false,
         }
         .encode();
         s.write_all(&b).unwrap();

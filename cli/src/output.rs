@@ -158,11 +158,17 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
         out.push_str(&nic_table(&nics));
     }
     for a in list {
-        if let Some(q) = &a.limits {
-            out.push_str(&format!(
-                "{}: lease limits {q} (enforced by the lender)\n",
+        let throttled = a.rates.as_ref().map_or(0.0, |r| r.throttled_per_s);
+        match (&a.limits, throttled > 0.0) {
+            (Some(q), _) => out.push_str(&format!(
+                "{}: lease limits {q} (enforced by the lender); throttled now: {throttled:.0} requests/s\n",
                 a.id
-            ));
+            )),
+            (None, true) => out.push_str(&format!(
+                "{}: the lender's limits throttle {throttled:.0} requests/s\n",
+                a.id
+            )),
+            (None, false) => {}
         }
         if let Some(why) = &a.restoring {
             out.push_str(&format!(

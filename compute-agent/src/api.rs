@@ -217,6 +217,10 @@ pub struct IoCounters {
     /// restart (they were in flight when the previous process ended).
     #[serde(default)]
     pub resubmitted: u64,
+    /// Requests the lender held back for the lease's limits before running them
+    /// (`docs/qos.md`).
+    #[serde(default)]
+    pub throttled: u64,
     /// Requests in flight now.
     pub inflight: u64,
     /// Requests completed by the lender, per virtqueue.
@@ -257,6 +261,7 @@ impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
             reconnects: s.reconnects,
             resent: s.resent,
             resubmitted: s.resubmitted,
+            throttled: s.throttled,
             inflight: s.inflight,
             per_queue: s.per_queue,
             latency: Latency {
@@ -413,6 +418,9 @@ pub struct Rates {
     pub write_mb_s: f64,
     /// 99th percentile completion latency (upper bucket bound), microseconds.
     pub p99_us: Option<u64>,
+    /// Requests per second that the lender held back for the lease's limits.
+    #[serde(default)]
+    pub throttled_per_s: f64,
 }
 
 /// An error answer.

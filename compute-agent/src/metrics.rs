@@ -5,7 +5,8 @@
 //! `devlend_attachment_request_duration_seconds` (histogram),
 //! `devlend_attachment_requests_in_flight`, `devlend_attachment_errors_total{kind}`
 //! (`invalid`, `lender`, `fabric`), `devlend_attachment_reconnects_total`,
-//! `devlend_attachment_resent_total`,
+//! `devlend_attachment_resent_total`, `devlend_attachment_throttled_total` (requests
+//! the lender held back for the lease's limits),
 //! `devlend_attachment_frontend_connected`; and `devlend_attachments`.
 
 use std::sync::Arc;
@@ -55,6 +56,7 @@ impl Collector for AttachmentMetrics {
         let mut inflight = Vec::new();
         let mut reconnects = Vec::new();
         let mut resent = Vec::new();
+        let mut throttled = Vec::new();
         let mut connected = Vec::new();
         let mut lat = Vec::new();
         for a in &all {
@@ -80,6 +82,7 @@ impl Collector for AttachmentMetrics {
             inflight.push((labels(a, &[]), c.inflight as i64));
             reconnects.push((labels(a, &[]), c.reconnects));
             resent.push((labels(a, &[]), c.resent));
+            throttled.push((labels(a, &[]), c.throttled));
             connected.push((labels(a, &[]), i64::from(a.connected)));
             lat.push(HistogramSeries {
                 labels: labels(a, &[]),
@@ -129,6 +132,12 @@ impl Collector for AttachmentMetrics {
             "devlend_attachment_resent",
             "Requests sent again on a new fabric session after theirs was lost.",
             &resent,
+        )?;
+        counter(
+            &mut enc,
+            "devlend_attachment_throttled",
+            "Requests the lender held back for the lease's limits.",
+            &throttled,
         )?;
         gauge(
             &mut enc,

@@ -82,6 +82,7 @@ impl RateTracker {
             read_mb_s: b.bytes_read.saturating_sub(a.bytes_read) as f64 / secs / 1e6,
             write_mb_s: b.bytes_written.saturating_sub(a.bytes_written) as f64 / secs / 1e6,
             p99_us: lat.quantile_upper_us(0.99),
+            throttled_per_s: b.throttled.saturating_sub(a.throttled) as f64 / secs,
         })
     }
 }

@@ -13,7 +13,9 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 pub use prometheus_client::collector::Collector;
-pub use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+pub use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeMetric,
+};
 pub use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
@@ -129,68 +131,34 @@ pub fn serve(addr: SocketAddr, collector: impl Collector) -> Result<MetricsServe
 /// Labels of one series.
 pub type Labels = Vec<(String, String)>;
 
-/// Encodes a counter family: `name` gets `_total` appended by the encoder.
+/// Encodes a counter family (`u64` counts, or `f64` for seconds and the like): `name`
+/// gets `_total` appended by the encoder.
 ///
 /// # Errors
 /// Encoding errors (a broken writer).
-pub fn counter(
+pub fn counter<V: EncodeCounterValue>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    series: &[(Labels, u64)],
+    series: &[(Labels, V)],
 ) -> Result<(), std::fmt::Error> {
     let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
     for (labels, v) in series {
         m.encode_family(labels)?
-            .encode_counter::<Labels, u64, f64>(v, None)?;
+            .encode_counter::<Labels, V, f64>(v, None)?;
     }
     Ok(())
 }
 
-/// Encodes a counter family of fractional values (seconds, ...).
-///
-/// # Errors
-/// Encoding errors (a broken writer).
-pub fn counter_f64(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    series: &[(Labels, f64)],
-) -> Result<(), std::fmt::Error> {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-    for (labels, v) in series {
-        m.encode_family(labels)?
-            .encode_counter::<Labels, f64, f64>(v, None)?;
-    }
-    Ok(())
-}
-
-/// Encodes a gauge family.
+/// Encodes a gauge family (`i64`, or `f64` for fractions).
 ///
 /// # Errors
 /// Encoding errors.
-pub fn gauge(
+pub fn gauge<V: EncodeGaugeValue>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    series: &[(Labels, i64)],
-) -> Result<(), std::fmt::Error> {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (labels, v) in series {
-        m.encode_family(labels)?.encode_gauge(v)?;
-    }
-    Ok(())
-}
-
-/// Encodes a gauge family of fractional values.
-///
-/// # Errors
-/// Encoding errors.
-pub fn gauge_f64(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    series: &[(Labels, f64)],
+    series: &[(Labels, V)],
 ) -> Result<(), std::fmt::Error> {
     let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
     for (labels, v) in series {

@@ -16,8 +16,7 @@
 //! now), `devlend_device_store_share{store}` (the holder's share of its store, 0..=1).
 
 use devlend_daemon::metrics::{
-    counter, counter_f64, gauge, gauge_f64, histogram, Collector, DescriptorEncoder,
-    HistogramSeries, Labels,
+    counter, gauge, histogram, Collector, DescriptorEncoder, HistogramSeries, Labels,
 };
 use devlend_fabric::latency::BOUNDS_US;
 
@@ -190,7 +189,7 @@ impl Collector for DeviceMetrics {
             "Requests or frames held back by the holder's limits.",
             &f.throttled,
         )?;
-        counter_f64(
+        counter(
             e,
             "devlend_device_throttle_wait_seconds",
             "Time throttled requests waited, all together.",
@@ -202,7 +201,7 @@ impl Collector for DeviceMetrics {
             "Requests held back by the holder's limits now.",
             &f.throttle_queued,
         )?;
-        gauge_f64(
+        gauge(
             e,
             "devlend_device_store_share",
             "The holder's share of its backing store's capacity (weight over the busy borrowers' weights).",

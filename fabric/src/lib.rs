@@ -37,7 +37,10 @@ pub mod wire;
 pub use error::WireError;
 pub use handshake::{Credit, DeviceInfo, Hello, HelloReply, HelloStatus, FEATURE_CREDIT};
 pub use units::{Bytes, Sector, Sectors, UnitError};
-pub use wire::{BlockRequest, Op, RequestHeader, ResponseHeader, Status};
+pub use wire::{
+    BlockRequest, Op, RequestHeader, ResponseHeader, Status, FEATURE_THROTTLE_NOTE,
+    RESPONSE_THROTTLED,
+};
 
 /// Protocol version spoken by this build (the handshake's `version` field).
 pub const PROTOCOL_VERSION: u16 = 1;

@@ -110,8 +110,10 @@ crate::layout! {
         pub op: u8,
         /// [`Status`].
         pub status: u8,
+        /// Bit 0: [`RESPONSE_THROTTLED`]; other bits 0.
+        pub flags: u8,
         /// 0.
-        pub reserved: [u8; 2],
+        pub reserved: u8,
         /// Bytes of data that follow.
         pub len: u32,
         /// The id of the request completed.
@@ -310,9 +312,11 @@ impl RequestHeader {
 
 /// Header of a response.
 ///
-/// Layout (16 bytes, [`RawResponse`]): `op: u8 = 0x80, status: u8, reserved: u16 = 0,
-/// len: u32, id: u64`. `len` is the number of data bytes that follow: the request's
-/// `len` for a successful read, else 0.
+/// Layout (16 bytes, [`RawResponse`]): `op: u8 = 0x80, status: u8, flags: u8,
+/// reserved: u8 = 0, len: u32, id: u64`. `len` is the number of data bytes that follow:
+/// the request's `len` for a successful read, else 0. `flags` bit 0
+/// ([`RESPONSE_THROTTLED`]) is set only for a borrower granted
+/// [`FEATURE_THROTTLE_NOTE`]; other bits are 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResponseHeader {
     /// Outcome of the request.
@@ -321,7 +325,16 @@ pub struct ResponseHeader {
     pub len: Bytes,
     /// The id of the request this completes.
     pub id: u64,
+    /// The request waited on the lender for its holder's limits (`docs/qos.md`).
+    pub throttled: bool,
 }
+
+/// Response flag: the request waited on the lender for its holder's limits.
+pub const RESPONSE_THROTTLED: u8 = 1;
+
+/// [`crate::Hello::features`] bit 5: the borrower reads [`RESPONSE_THROTTLED`]; a
+/// lender that sets it grants the bit in its reply, and only then sets the flag.
+pub const FEATURE_THROTTLE_NOTE: u64 = 1 << 5;
 
 impl ResponseHeader {
     /// Encodes into the 16-byte wire layout.
@@ -330,7 +343,12 @@ impl ResponseHeader {
         RawResponse {
             op: OP_RESPONSE,
             status: self.status as u8,
-            reserved: [0; 2],
+            flags: if self.throttled {
+                RESPONSE_THROTTLED
+            } else {
+                0
+            },
+            reserved: 0,
             len: self.len.0,
             id: self.id,
         }
@@ -341,7 +359,7 @@ impl ResponseHeader {
     ///
     /// # Errors
     /// [`WireError::UnknownOp`] if the opcode is not a response, [`WireError::UnknownStatus`],
-    /// [`WireError::Invalid`] for non-zero reserved bytes.
+    /// [`WireError::Invalid`] for an unknown flag or a non-zero reserved byte.
     #[inline]
     pub fn decode(b: &[u8; RESPONSE_HEADER_LEN]) -> Result<Self, WireError> {
         let raw = RawResponse::decode(b);
@@ -349,11 +367,15 @@ impl ResponseHeader {
             return Err(WireError::UnknownOp(raw.op));
         }
         let status = Status::from_u8(raw.status)?;
-        codec::reserved(&raw.reserved, "reserved bytes of a response header")?;
+        codec::reserved(
+            &[raw.flags & !RESPONSE_THROTTLED, raw.reserved],
+            "reserved bits of a response header",
+        )?;
         Ok(ResponseHeader {
             status,
             len: Bytes(raw.len),
             id: raw.id,
+            throttled: raw.flags & RESPONSE_THROTTLED != 0,
         })
     }
 }
@@ -486,8 +508,23 @@ mod tests {
             status: Status::Unsupp,
             len: Bytes(4096),
             id: 42,
+            throttled: false,
         };
         assert_eq!(ResponseHeader::decode(&h.encode()).unwrap(), h);
+        let t = ResponseHeader {
+            throttled: true,
+            ..h
+        };
+        assert_eq!(t.encode()[2], RESPONSE_THROTTLED);
+        assert_eq!(ResponseHeader::decode(&t.encode()).unwrap(), t);
+        for (byte, v) in [(2, 2u8), (2, 0x81), (3, 1)] {
+            let mut b = h.encode();
+            b[byte] = v;
+            assert!(
+                matches!(ResponseHeader::decode(&b), Err(WireError::Invalid(_))),
+                "{byte} {v}"
+            );
+        }
         let mut b = h.encode();
         b[1] = 7;
         assert!(matches!(
@@ -500,12 +537,6 @@ mod tests {
             ResponseHeader::decode(&b),
             Err(WireError::UnknownOp(1))
         ));
-        let mut b = h.encode();
-        b[2] = 1;
-        assert!(matches!(
-            ResponseHeader::decode(&b),
-            Err(WireError::Invalid(_))
-        ));
     }
 
     proptest! {
@@ -516,8 +547,8 @@ mod tests {
         }
 
         #[test]
-        fn every_response_round_trips(status in 0u8..3, len: u32, id: u64) {
-            let h = ResponseHeader { status: Status::from_u8(status).unwrap(), len: Bytes(len), id };
+        fn every_response_round_trips(status in 0u8..3, len: u32, id: u64, throttled: bool) {
+            let h = ResponseHeader { status: Status::from_u8(status).unwrap(), len: Bytes(len), id, throttled };
             prop_assert_eq!(ResponseHeader::decode(&h.encode()).unwrap(), h);
         }
 

@@ -133,6 +133,7 @@ fn block_response_headers() {
             status,
             len: Bytes(len),
             id,
+            throttled: false,
         };
         let b = h.encode();
         same("response", &b, golden);

@@ -40,9 +40,10 @@ mkdir -p /run/devlend /srv
 truncate -s 64M /srv/disk.img
 truncate -s 64M /srv/disk1.img
 truncate -s 64M /srv/disk2.img
+truncate -s 64M /srv/disk3.img
 metric() { grep "^$1" /tmp/metrics | awk '{s+=$2} END {print s+0}'; }
 lender() {
-  devlend-device-agent --listen 10.9.0.1:7700 --insecure --transport rdma --io-mode $1 --device disk0=/srv/disk.img --device disk1=/srv/disk1.img --device disk2=/srv/disk2.img --metrics-listen 127.0.0.1:9100 --log-level info >> /tmp/lender.log 2>&1 &
+  devlend-device-agent --listen 10.9.0.1:7700 --insecure --transport rdma --io-mode $1 --device disk0=/srv/disk.img --device disk1=/srv/disk1.img --device disk2=/srv/disk2.img --device disk3=/srv/disk3.img,iops_read=500 --metrics-listen 127.0.0.1:9100 --log-level info >> /tmp/lender.log 2>&1 &
   LPID=$!
 }
 # The first lender does its device I/O through io_uring (on tmpfs files too), the one
@@ -87,6 +88,13 @@ echo "DEVLEND-RESULT err_reads=$(metric 'devlend_device_requests_total{device="d
 echo "DEVLEND-RESULT err_errors=$(metric 'devlend_device_errors_total{device="disk2",kind="request"}')"
 echo "DEVLEND-RESULT err_latencies=$(metric 'devlend_device_request_duration_seconds_count{device="disk2"}')"
 devlend detach --api /run/devlend/ca.sock disk2 > /dev/null
+# The lender's limits hold over RDMA too: disk3 allows 500 reads a second, for both
+# queues together, and a throttled request waits, it does not fail.
+devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk3 --socket /run/devlend/qos.sock --queues 2 --transport rdma > /dev/null
+devlend bench --socket /run/devlend/qos.sock --rw randread --bs 4K --iodepth 16 --queues 2 --runtime 3 --ramp 1 --json > /tmp/bench-qos 2>&1 || sed 's/^/bench-qos: /' /tmp/bench-qos
+echo "DEVLEND-RESULT qos_iops=$(grep -o '"iops": *[0-9.]*' /tmp/bench-qos | head -1 | tr -dc '0-9.')"
+echo "DEVLEND-RESULT qos_errors=$(grep -o '"errors": *[0-9]*' /tmp/bench-qos | head -1 | tr -dc '0-9')"
+devlend detach --api /run/devlend/ca.sock disk3 > /dev/null
 # The stress matrix over RDMA (54 cells: queue size 1024, up to 256 in flight per
 # queue, 4K to 1M, read/write/mixed): every cell keeps completing and verifies.
 if devlend stress --socket /run/devlend/rdma.sock --queue-size 1024 --cell-ms 1000 --stall-ms 5000 > /tmp/stress-rdma 2>&1; then echo "DEVLEND-RESULT stress=ok"; else echo "DEVLEND-RESULT stress=failed"; fi
@@ -205,6 +213,20 @@ fn rdma_on_soft_roce_in_a_guest() {
         out.result("fault_lender"),
         Some(expected),
         "the lender's file holds every acknowledged write across its restart"
+    );
+    // The lender's limit held over RDMA, with no failed request.
+    let qos_iops: f64 = out
+        .result("qos_iops")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(
+        (450.0..=550.0).contains(&qos_iops),
+        "reads over RDMA under a 500 IOPS limit: {qos_iops}"
+    );
+    assert_eq!(
+        out.result("qos_errors").map(str::trim),
+        Some("0"),
+        "throttled RDMA reads failed"
     );
     // Deep load over RDMA never stalled.
     assert_eq!(

@@ -85,21 +85,30 @@ fn frame() -> Vec<u8> {
     f
 }
 
-#[test]
-fn a_lent_nic_closes_bad_sessions_and_serves_the_next() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let fabric = Netns::new(1)?;
-    let tag = format!("np{}", std::process::id() % 100_000);
-    let lan = PeerLan::new(&tag, &fabric.name, "10.78.0.2/24", 1500)?;
+/// A lender in fabric namespace `n` lending `nic0`, one end of a veth pair whose other
+/// end is a peer host (10.78.n.2/24) in its own namespace; `options` follow the
+/// interface in the device flag (e.g. `,tx_pps=200`).
+fn lent_nic(dir: &std::path::Path, n: u8, options: &str) -> Result<(Netns, PeerLan, Lender)> {
+    let fabric = Netns::new(n)?;
+    let tag = format!("n{n}{}", std::process::id() % 100_000);
+    let lan = PeerLan::new(&tag, &fabric.name, &format!("10.78.{n}.2/24"), 1500)?;
     let addr = format!("{}:{}", fabric.ns_ip, free_port()?);
-    let device = format!("nic0=net:{}", lan.lent_if);
-    let mut lender = Lender::start_in(
-        dir.path(),
+    let device = format!("nic0=net:{}{options}", lan.lent_if);
+    let lender = Lender::start_in(
+        dir,
         Some(&fabric.name),
         &addr,
         std::slice::from_ref(&device),
         &["--insecure".to_owned()],
     )?;
+    Ok((fabric, lan, lender))
+}
+
+#[test]
+fn a_lent_nic_closes_bad_sessions_and_serves_the_next() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (_fabric, lan, mut lender) = lent_nic(dir.path(), 1, "")?;
+    let addr = lender.addr.clone();
 
     // A good session: the LINK message first, then a frame out to the peer.
     let mut good = session(&addr, 1);
@@ -217,18 +226,8 @@ fn last_count(log: &str, key: &str) -> Option<u64> {
 #[test]
 fn a_lent_nic_polices_the_frames_a_borrower_sends_beyond_its_limit() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let fabric = Netns::new(2)?;
-    let tag = format!("nq{}", std::process::id() % 100_000);
-    let lan = PeerLan::new(&tag, &fabric.name, "10.78.1.2/24", 1500)?;
-    let addr = format!("{}:{}", fabric.ns_ip, free_port()?);
-    let device = format!("nic0=net:{},tx_pps=200,tx_pps_burst=20", lan.lent_if);
-    let lender = Lender::start_in(
-        dir.path(),
-        Some(&fabric.name),
-        &addr,
-        std::slice::from_ref(&device),
-        &["--insecure".to_owned()],
-    )?;
+    let (_fabric, _lan, lender) = lent_nic(dir.path(), 2, ",tx_pps=200,tx_pps_burst=20")?;
+    let addr = lender.addr.clone();
     let mut s = session(&addr, 1);
     let start = Instant::now();
     let mut sent = 0u64;

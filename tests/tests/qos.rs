@@ -226,7 +226,18 @@ fn an_iops_limit_and_a_bandwidth_limit_hold_within_ten_percent_without_errors() 
         "{text}"
     );
 
-    let f = figures(bench(&sock, "randread", "4K", 6)?)?;
+    let running = bench(&sock, "randread", "4K", 6)?;
+    // While it runs, the borrower shows the throttling the lender reports in its
+    // responses.
+    std::thread::sleep(Duration::from_secs(4));
+    let status = r.borrower.cli_json(&["status"])?;
+    let now = status[0]["rates"]["throttled_per_s"]
+        .as_f64()
+        .unwrap_or(0.0);
+    ensure!(now > 1000.0, "throttled now {now}: {status}");
+    let text = String::from_utf8(r.borrower.cli(&["status"])?.stdout)?;
+    ensure!(text.contains("; throttled now: "), "{text}");
+    let f = figures(running)?;
     within(
         "4K QD32 random reads under 2000 IOPS",
         f["iops"].as_f64().unwrap_or(0.0),
@@ -243,6 +254,13 @@ fn an_iops_limit_and_a_bandwidth_limit_hold_within_ten_percent_without_errors() 
     );
     let throttled = metric(&m, "devlend_device_throttled_total{device=\"solo\"}").unwrap_or(0.0);
     ensure!(throttled > 1000.0, "throttled {throttled}:\n{m}");
+    // Every request the lender held back, the borrower was told of.
+    let status = r.borrower.cli_json(&["status"])?;
+    let counted = status[0]["counters"]["throttled"].as_u64().unwrap_or(0);
+    ensure!(
+        counted as f64 == throttled,
+        "the borrower counted {counted} throttled responses, the lender held back {throttled}"
+    );
     ensure!(
         metric(
             &m,

@@ -71,6 +71,12 @@ impl<'a> Completer<'a> {
     ///
     /// # Errors
     /// The used ring is not in guest memory.
+    /// Counts a response the lender marked throttled (it waited for the lease's
+    /// limits).
+    pub(crate) fn throttled(&self) {
+        self.stats.throttled.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn complete(
         &mut self,
         table: &mut RequestTable,

@@ -150,6 +150,8 @@ pub(crate) struct Response {
     pub(crate) status: u8,
     /// Bytes of read data that come with it (on a stream, after the header).
     pub(crate) data: u32,
+    /// It waited on the lender for the lease's limits.
+    pub(crate) throttled: bool,
 }
 
 /// Decodes a response header and checks it: a request in flight with that id, and the
@@ -179,6 +181,7 @@ pub(crate) fn check_response(
             Status::Unsupp => S_UNSUPP,
         },
         data: want,
+        throttled: h.throttled,
     })
 }
 

@@ -256,9 +256,12 @@ impl Link for RdmaLink {
         let polled = self.poll(&mut responses);
         let mut outcome = Ok(());
         for raw in &responses {
-            if let Err(fault) =
-                check_response(table, raw).and_then(|r| Ok(done.complete(table, r.head, r.status)?))
-            {
+            if let Err(fault) = check_response(table, raw).and_then(|r| {
+                if r.throttled {
+                    done.throttled();
+                }
+                Ok(done.complete(table, r.head, r.status)?)
+            }) {
                 outcome = Err(fault);
                 break;
             }

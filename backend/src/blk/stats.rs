@@ -25,6 +25,7 @@ pub struct QueueStats {
     pub(crate) reconnects: AtomicU64,
     pub(crate) resent: AtomicU64,
     pub(crate) resubmitted: AtomicU64,
+    pub(crate) throttled: AtomicU64,
     pub(crate) inflight: AtomicI64,
     pub(crate) per_queue: Vec<AtomicU64>,
     pub(crate) latency: LatencyHistogram,
@@ -65,6 +66,9 @@ pub struct StatsSnapshot {
     /// Requests resubmitted from the inflight buffer, left in flight by an earlier
     /// backend (a compute agent restart).
     pub resubmitted: u64,
+    /// Requests the lender held back for the lease's limits before it ran them
+    /// (`docs/qos.md`).
+    pub throttled: u64,
     /// Requests in flight to the lender now.
     pub inflight: u64,
     /// Requests completed by the lender, per virtqueue.
@@ -101,6 +105,7 @@ impl QueueStats {
             reconnects: g(&self.reconnects),
             resent: g(&self.resent),
             resubmitted: g(&self.resubmitted),
+            throttled: g(&self.throttled),
             inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
             per_queue: self.per_queue.iter().map(g).collect(),
             latency: self.latency.snapshot(),

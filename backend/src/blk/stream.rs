@@ -324,6 +324,9 @@ impl StreamLink {
         raw: &[u8; RESPONSE_HEADER_LEN],
     ) -> Result<(), FabricFault> {
         let r = check_response(table, raw)?;
+        if r.throttled {
+            done.throttled();
+        }
         if r.data > 0 {
             self.rx = Rx::Payload {
                 head: r.head,
@@ -420,6 +423,7 @@ mod tests {
             status,
             len: Bytes(len),
             id: slot.id,
+            throttled: false,
         }
         .encode()
         .to_vec();
@@ -554,6 +558,7 @@ mod tests {
                 status: Status::Ok,
                 len: Bytes(1024),
                 id: t.slot(2).id,
+                throttled: false,
             }
             .encode()
             .to_vec();

@@ -99,7 +99,8 @@ impl LenderTarget {
         // them only for one.
         h.features = devlend_fabric::net::FEATURE_NET
             | devlend_fabric::net::FEATURE_NET_OFFLOAD
-            | devlend_fabric::FEATURE_CREDIT;
+            | devlend_fabric::FEATURE_CREDIT
+            | devlend_fabric::FEATURE_THROTTLE_NOTE;
         h.borrower = self.borrower;
         h.token.clone_from(&self.token);
         if self.lender_key.is_some() {

@@ -332,20 +332,25 @@ impl FromStr for DeviceSpec {
                 },
             }
         }
-        for (lane, n) in bursts {
-            let Some(limit) = spec.qos.limits[lane.index()].as_mut() else {
-                return Err(bad(format!(
-                    "{}_burst without {}",
-                    lane.name(),
-                    lane.name()
-                )));
-            };
-            limit.burst = n;
-        }
-        spec.qos.validate().map_err(|e| bad(e.to_string()))?;
+        apply_bursts(&mut spec.qos, bursts).map_err(bad)?;
         spec.validate()?;
         Ok(spec)
     }
+}
+
+/// Sets the bucket sizes of `bursts` (from [`qos_option`]) on their lanes, after all
+/// the options were read, and checks the result.
+///
+/// # Errors
+/// A burst whose lane has no rate, a rate of 0, a weight out of range.
+pub(super) fn apply_bursts(q: &mut Qos, bursts: Vec<(Lane, u64)>) -> Result<(), String> {
+    for (lane, n) in bursts {
+        match q.limits[lane.index()].as_mut() {
+            Some(l) => l.burst = n,
+            None => return Err(format!("{}_burst without {}", lane.name(), lane.name())),
+        }
+    }
+    q.validate().map_err(|e| e.to_string())
 }
 
 /// Applies a limit option `KEY=N` of a device flag (`iops_read=2000`,

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use devlend_fabric::qos::{Lane, Qos};
 use serde::{Deserialize, Serialize};
 
-use super::spec::qos_option;
+use super::spec::{apply_bursts, qos_option};
 use crate::{DeviceSpec, Error};
 
 /// A backing store and its capacity.
@@ -87,18 +87,7 @@ impl FromStr for StoreSpec {
                 None => return Err(bad(format!("unknown capacity {opt:?}"))),
             }
         }
-        for (lane, n) in bursts {
-            match capacity.limits[lane.index()].as_mut() {
-                Some(l) => l.burst = n,
-                None => {
-                    return Err(bad(format!(
-                        "{}_burst without {}",
-                        lane.name(),
-                        lane.name()
-                    )))
-                }
-            }
-        }
+        apply_bursts(&mut capacity, bursts).map_err(bad)?;
         let spec = StoreSpec {
             name: name.to_owned(),
             capacity,

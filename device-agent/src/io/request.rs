@@ -153,6 +153,9 @@ pub(crate) struct Request {
     /// A read whose data is sent straight from the file (`sendfile`) rather than read
     /// into `buf` first.
     from_file: bool,
+    /// It waited for its holder's limits, and its borrower reads that
+    /// (`RESPONSE_THROTTLED`); set by [`super::Throttled`] for every request.
+    pub(crate) throttled: bool,
 }
 
 /// Where a response's data comes from.
@@ -187,6 +190,7 @@ impl Request {
             resp: [0; RESPONSE_HEADER_LEN],
             received: None,
             from_file: false,
+            throttled: false,
         }
     }
 
@@ -402,6 +406,7 @@ impl Request {
             status: self.status,
             len: Bytes(len),
             id: self.id,
+            throttled: self.throttled,
         }
         .encode();
     }

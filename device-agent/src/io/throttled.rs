@@ -28,6 +28,9 @@ pub(crate) struct Throttled<I> {
     group: Option<Arc<Group>>,
     dev: Arc<Device>,
     held: VecDeque<Held>,
+    /// The borrower reads `RESPONSE_THROTTLED` (it was granted
+    /// `FEATURE_THROTTLE_NOTE`): mark the responses of held requests.
+    note: bool,
 }
 
 /// What a request draws from its holder's buckets.
@@ -41,13 +44,14 @@ fn cost(h: &RequestHeader) -> Cost {
 
 impl<I: DeviceIo> Throttled<I> {
     /// `inner` under `group`'s limits (`None`, or a group that limits nothing: as it
-    /// is).
-    pub(crate) fn new(inner: I, group: Option<Arc<Group>>, dev: Arc<Device>) -> Self {
+    /// is). `note`: mark the responses of the requests held back.
+    pub(crate) fn new(inner: I, group: Option<Arc<Group>>, dev: Arc<Device>, note: bool) -> Self {
         Throttled {
             inner,
             group: group.filter(|g| !g.is_unlimited()),
             dev,
             held: VecDeque::new(),
+            note,
         }
     }
 
@@ -72,7 +76,8 @@ impl<I: DeviceIo> Throttled<I> {
 }
 
 impl<I: DeviceIo> DeviceIo for Throttled<I> {
-    fn start(&mut self, req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
+    fn start(&mut self, mut req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
+        req.throttled = false;
         let Some(group) = &self.group else {
             return self.inner.start(req, h, out);
         };
@@ -80,6 +85,7 @@ impl<I: DeviceIo> DeviceIo for Throttled<I> {
         if self.held.is_empty() && group.take(&cost(h), now).is_ok() {
             return self.inner.start(req, h, out);
         }
+        req.throttled = self.note;
         self.dev.stats.throttle_held();
         self.held.push_back(Held {
             req,

@@ -197,6 +197,9 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     dev.stats.session_opened();
     let mut answer = HelloReply::ok(dev.info.clone());
     answer.proof = shared.proof(&hello);
+    // A borrower that reads the throttle flag of responses gets it.
+    answer.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;
+    let note = answer.features != 0;
     if answer.write_to(&mut reply).is_err()
         || conn.send_msg(IO_SLOTS, &reply, TAG_SEND | 0xffff).is_err()
     {
@@ -208,11 +211,11 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     let group = Some(Arc::clone(claim.group()));
     let end = match io {
         SessionIo::Uring(io) => {
-            let io = Throttled::new(io, group, Arc::clone(&dev));
+            let io = Throttled::new(io, group, Arc::clone(&dev), note);
             block::run(io, &dev, &mut conn, &mut slots, &stop)
         }
         SessionIo::Inline(io) => {
-            let io = Throttled::new(io, group, Arc::clone(&dev));
+            let io = Throttled::new(io, group, Arc::clone(&dev), note);
             block::run(io, &dev, &mut conn, &mut slots, &stop)
         }
     };

@@ -140,6 +140,8 @@ pub(super) fn handshake<'s>(
             if hello.features & FEATURE_CREDIT != 0 {
                 r.credit = Some(session_credit());
             }
+            // A borrower that reads the throttle flag of responses gets it.
+            r.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;
             r
         }
     };

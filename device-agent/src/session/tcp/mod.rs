@@ -14,7 +14,7 @@ use std::net::{SocketAddr, TcpStream};
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::net::FEATURE_NET_OFFLOAD;
-use devlend_fabric::FEATURE_CREDIT;
+use devlend_fabric::{FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
 
 use self::handshake::{accept_tls, handshake, CONTROL_QUEUE};
 use crate::device::Device;
@@ -60,13 +60,14 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             let credit = granted & FEATURE_CREDIT != 0;
             tracing::debug!(%peer, id, "session serving");
             let group = Some(std::sync::Arc::clone(claim.group()));
+            let note = granted & FEATURE_THROTTLE_NOTE != 0;
             match io {
                 SessionIo::Uring(io) => {
-                    let io = Throttled::new(io, group, std::sync::Arc::clone(&dev));
+                    let io = Throttled::new(io, group, std::sync::Arc::clone(&dev), note);
                     engine::run(io, &dev, &sock, peer, frame_timeout, credit)
                 }
                 SessionIo::Inline(io) => {
-                    let io = Throttled::new(io, group, std::sync::Arc::clone(&dev));
+                    let io = Throttled::new(io, group, std::sync::Arc::clone(&dev), note);
                     engine::run(io, &dev, &sock, peer, frame_timeout, credit)
                 }
             }
