@@ -396,6 +396,11 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 std::env::current_dir()?.join(socket)
             };
+            if class.is_none() && limits.to_qos()?.is_some() {
+                bail!(
+                    "--max-iops, --max-bps, --weight and --qos are a lease's limits: they need --class (a pool lease); in direct mode the lender sets limits on its device (docs/qos.md)"
+                );
+            }
             let api = ApiClient::new(&cli.api)?;
             let (lender, device, claimed) = match (lender, device, class) {
                 (Some(l), Some(d), _) => (l, d, None),

@@ -142,9 +142,16 @@ impl DeviceStats {
         self.throttle_released.fetch_add(1, Relaxed);
     }
 
-    /// Counts a held request dropped with its session (never started).
+    /// Counts a NIC frame dropped by its holder's limits.
     pub(crate) fn throttle_dropped(&self) {
         self.throttle_released.fetch_add(1, Relaxed);
+    }
+
+    /// Counts a held request given up with its session: never started, never
+    /// answered (no longer in flight).
+    pub(crate) fn throttle_cancelled(&self) {
+        self.throttle_released.fetch_add(1, Relaxed);
+        self.answered.fetch_add(1, Relaxed);
     }
 
     pub(crate) fn snapshot(&self) -> DeviceStatsSnapshot {

@@ -441,3 +441,85 @@ fn two_borrowers_with_weights_1_and_3_share_their_store_about_1_to_3() -> Result
     );
     Ok(())
 }
+
+/// Requests a lender holds for the limits are dropped when their session ends: never
+/// run later (a write the borrower was told failed, or sends again elsewhere, must not
+/// land), and the device is free for the next borrower at once.
+#[test]
+fn requests_held_for_the_limits_end_with_their_session() -> Result<()> {
+    use devlend_fabric::{BlockRequest, Bytes, HelloStatus, RequestHeader, Sector};
+    use std::io::Write;
+    let dir = tempfile::tempdir()?;
+    let img = dir.path().join("d.img");
+    sparse_file(&img, 16 * MIB)?;
+    let addr = format!("127.0.0.1:{}", free_port()?);
+    let metrics = format!("127.0.0.1:{}", free_port()?);
+    let lender = Lender::start_with(
+        dir.path(),
+        &addr,
+        &[format!(
+            "d={},iops_write=1,iops_write_burst=1",
+            img.display()
+        )],
+        &["--metrics-listen".into(), metrics.clone()],
+    )?;
+    let scrape = |name: &str| -> Result<f64> {
+        let mut s = std::net::TcpStream::connect(&metrics)?;
+        s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {metrics}\r\n\r\n").as_bytes())?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        metric(&out, &format!("{name}{{device=\"d\"}}")).with_context(|| out.clone())
+    };
+    let mut h = Hello::new("d", 0);
+    h.borrower = [7; 16];
+    let (mut s, reply) = connect_as(&addr, &h, Duration::from_secs(5))?;
+    ensure!(reply.status == HelloStatus::Ok, "{reply:?}");
+    let data = vec![0xab_u8; 4096];
+    for i in 0..20u64 {
+        let req = RequestHeader {
+            id: i + 1,
+            request: BlockRequest::Write {
+                sector: Sector(i * 8),
+                len: Bytes(4096),
+            },
+        };
+        s.write_all(&req.encode())?;
+        s.write_all(&data)?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while scrape("devlend_device_throttle_queued")? < 15.0 {
+        ensure!(Instant::now() < deadline, "the writes were not held");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The borrower goes away with 15 or more writes held.
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while scrape("devlend_device_throttle_queued")? > 0.0 {
+        ensure!(
+            Instant::now() < deadline,
+            "held writes outlive their session:\n{}",
+            lender.proc.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The device is free for another borrower now, not after the held writes drain.
+    let mut other = Hello::new("d", 0);
+    other.borrower = [8; 16];
+    let (_s2, reply) = connect_as(&addr, &other, Duration::from_secs(5))?;
+    ensure!(
+        reply.status == HelloStatus::Ok,
+        "the next borrower: {reply:?}"
+    );
+    // And the dropped writes never land.
+    std::thread::sleep(Duration::from_secs(3));
+    let file = std::fs::read(&img)?;
+    let landed = file[..20 * 4096]
+        .chunks(4096)
+        .filter(|c| c[0] == 0xab)
+        .count();
+    ensure!(
+        landed <= 5,
+        "{landed} of 20 writes landed after their session ended"
+    );
+    Ok(())
+}

@@ -43,10 +43,12 @@ pub struct Cli {
     pub io_mode: Option<IoMode>,
     /// A device to lend; repeatable: a block device or file (PATH), a network interface
     /// (`net:IFNAME`), or a PCIe function bound to vfio-pci (`pci:DDDD:BB:DD.F`, with
-    /// its coherence mode). Replaces a config-file device of the same name.
+    /// its coherence mode). Limits (docs/qos.md): `iops_read=N`, `bps_write=N` (bytes a
+    /// second), `tx_pps=N`, ..., `KEY_burst=N`, `weight=N`. Replaces a config-file device
+    /// of the same name.
     #[arg(
         long = "device",
-        value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B] | NAME=net:IFNAME[,mac=M] | NAME=pci:BDF[,coherence=nvme|mirror]"
+        value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B][,store=S][,LIMIT=N...] | NAME=net:IFNAME[,mac=M][,LIMIT=N...] | NAME=pci:BDF[,coherence=nvme|mirror]"
     )]
     pub devices: Vec<DeviceSpec>,
     /// A backing store that devices share (`store=NAME` in a device), with the capacity

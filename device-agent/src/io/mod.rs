@@ -101,6 +101,16 @@ pub(crate) trait DeviceIo {
     /// 5.11).
     fn timed_waits(&self) -> bool;
 
+    /// Gives back the requests held for the holder's limits and not started
+    /// ([`Throttled`]): the session is ending and will not answer them. They never
+    /// reached the device, so the borrower may send them again elsewhere without a
+    /// second write landing. Nothing for an I/O without limits.
+    // The boxes are the session's own allocations, reused from request to request.
+    #[allow(clippy::vec_box)]
+    fn cancel_held(&mut self, out: &mut Vec<Box<Request>>) {
+        let _ = out;
+    }
+
     /// Sends `len` bytes of the device at byte `offset` to the socket `to` without
     /// blocking (`sendfile`): the data of a read that [`DeviceIo::start`] finished
     /// without reading ([`request::ResponseData::File`]). Returns the bytes sent.

@@ -142,6 +142,14 @@ impl<I: DeviceIo> DeviceIo for Throttled<I> {
     fn timed_waits(&self) -> bool {
         self.inner.timed_waits()
     }
+
+    #[allow(clippy::vec_box)]
+    fn cancel_held(&mut self, out: &mut Vec<Box<Request>>) {
+        for h in self.held.drain(..) {
+            self.dev.stats.throttle_cancelled();
+            out.push(h.req);
+        }
+    }
 }
 
 impl<I> Drop for Throttled<I> {
@@ -149,7 +157,7 @@ impl<I> Drop for Throttled<I> {
         // A session that ends with requests held (its ring broke) leaves them
         // unanswered: they no longer wait.
         for _ in self.held.drain(..) {
-            self.dev.stats.throttle_dropped();
+            self.dev.stats.throttle_cancelled();
         }
     }
 }

@@ -5,9 +5,10 @@ use std::time::{Duration, Instant};
 use devlend_fabric::qos::{Lane, Qos, LANES, LANE_COUNT};
 use devlend_fabric::Op;
 
-/// The shortest wait a bucket in debt asks for: below it, rounding would make a
-/// throttled session spin.
-const MIN_WAIT: Duration = Duration::from_micros(50);
+/// The shortest wait a bucket in debt asks for: a throttled session wakes at most
+/// about a thousand times a second and starts what accrued meanwhile, rather than
+/// waking for each request (the rate is the same: the tokens accrue either way).
+const MIN_WAIT: Duration = Duration::from_millis(1);
 
 /// What one request or frame draws from each lane (0: that lane is not drawn from).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use devlend_fabric::qos::{Qos, DEFAULT_WEIGHT};
 use super::bucket::{Buckets, Cost};
 
 /// A borrower is busy on a store (counts in the division of its capacity) for this
-/// long after its last request.
+/// long after its last request, and for as long as a request of it waits.
 pub(crate) const BUSY_WINDOW: Duration = Duration::from_millis(300);
 
 /// How often a borrower's share of its store is computed again.
@@ -32,7 +32,10 @@ pub(crate) struct Store {
 #[derive(Debug, Clone, Copy)]
 struct Member {
     weight: u32,
+    /// Its last request.
     last: Instant,
+    /// A request of it waits for its buckets until then: busy however long that is.
+    waits_until: Instant,
 }
 
 impl Store {
@@ -51,8 +54,22 @@ impl Store {
 
     fn join(&self, weight: u32, now: Instant) -> u64 {
         let id = self.next_id.fetch_add(1, Relaxed);
-        self.members().insert(id, Member { weight, last: now });
+        self.members().insert(
+            id,
+            Member {
+                weight,
+                last: now,
+                waits_until: now,
+            },
+        );
         id
+    }
+
+    /// Member `id` has a request waiting until `until`.
+    fn waiting(&self, id: u64, until: Instant) {
+        if let Some(me) = self.members().get_mut(&id) {
+            me.waits_until = me.waits_until.max(until);
+        }
     }
 
     fn leave(&self, id: u64) {
@@ -70,7 +87,7 @@ impl Store {
         let mine = f64::from(me.weight);
         let busy: f64 = m
             .values()
-            .filter(|o| now.saturating_duration_since(o.last) <= BUSY_WINDOW)
+            .filter(|o| now.saturating_duration_since(o.last) <= BUSY_WINDOW || o.waits_until > now)
             .map(|o| f64::from(o.weight))
             .sum();
         if busy > 0.0 {
@@ -173,6 +190,11 @@ impl Group {
         let mut st = self.state();
         let wait = self.due(&mut st, cost, now);
         if !wait.is_zero() {
+            if let Some((store, id)) = &self.store {
+                // Busy while it waits, even when that is longer than the busy window
+                // (a 1 MiB request on a slow share): its share is not given away.
+                store.waiting(*id, now + wait);
+            }
             return Err(wait);
         }
         st.own.charge(cost);
@@ -239,6 +261,40 @@ mod tests {
         assert!((a.share() - 1.0).abs() < 1e-9);
         drop(b);
         assert_eq!(store.members().len(), 1);
+    }
+
+    /// Requests whose wait is longer than the busy window (1 MiB at 1 MiB/s) keep
+    /// their group busy: the shares stay 1:3 and the store is not overdrawn.
+    #[test]
+    fn a_group_waiting_longer_than_the_busy_window_keeps_its_share() {
+        let t0 = Instant::now();
+        let store = Arc::new(Store::new(Qos::default().with(Lane::BpsRead, 4 << 20, 0)));
+        let a = Group::new(Qos::default().with_weight(1), Some(Arc::clone(&store)), t0);
+        let b = Group::new(Qos::default().with_weight(3), Some(Arc::clone(&store)), t0);
+        let cost = Cost::block(Op::Read, 1 << 20);
+        let (mut na, mut nb) = (0u64, 0u64);
+        let (mut ta, mut tb) = (t0, t0);
+        let end = t0 + Duration::from_secs(30);
+        while ta < end || tb < end {
+            // Each asks again only when its last wait is over, as a session does.
+            if ta <= tb {
+                match a.take(&cost, ta) {
+                    Ok(()) => na += 1,
+                    Err(w) => ta += w,
+                }
+            } else {
+                match b.take(&cost, tb) {
+                    Ok(()) => nb += 1,
+                    Err(w) => tb += w,
+                }
+            }
+        }
+        let ratio = nb as f64 / na as f64;
+        assert!((2.6..=3.4).contains(&ratio), "{na} {nb}");
+        assert!(
+            na + nb <= 4 * 30 + 4,
+            "the store was overdrawn: {na} + {nb} MiB in 30 s"
+        );
     }
 
     #[test]

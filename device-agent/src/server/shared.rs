@@ -176,6 +176,17 @@ impl Shared {
     /// a changed spec counts as removed + added.
     pub(super) fn reload(&self, specs: &[DeviceSpec]) -> Result<ReloadReport, Error> {
         check_unique(specs)?;
+        // Stores are read at start: a device may name only one of those.
+        if let Some((spec, store)) = specs.iter().find_map(|s| {
+            Some((s, s.store.as_ref()?)).filter(|(_, st)| !self.stores.contains_key(*st))
+        }) {
+            return Err(Error::BadSpec {
+                spec: spec.name.clone(),
+                reason: format!(
+                    "store {store:?} was not configured when the lender started; stores are read at start only (restart the lender)"
+                ),
+            });
+        }
         let mut report = ReloadReport::default();
         // Open the new devices before touching the map: a bad spec changes nothing.
         let mut opened = Vec::new();

@@ -205,6 +205,9 @@ impl<I: DeviceIo> Session<'_, I> {
             }
             if !stopping && stop.load(Ordering::Acquire) {
                 stopping = true;
+                // Requests held for the limits are not run: the borrower sends them
+                // again on its next session.
+                self.cancel_held();
             }
             if stopping
                 && self.backlog.is_empty()
@@ -349,10 +352,24 @@ impl<I: DeviceIo> Session<'_, I> {
         self.conn.send_msg(s, &resp, TAG_SEND | s as u64)
     }
 
+    /// Gives the requests held for the limits back to their slots, unanswered.
+    fn cancel_held(&mut self) {
+        let mut held = Vec::new();
+        self.io.cancel_held(&mut held);
+        for req in held {
+            let s = req.tag;
+            if let Some(slot) = self.slots.get_mut(s) {
+                slot.req = Some(req);
+                slot.busy = false;
+            }
+        }
+    }
+
     /// Waits for the device I/O in flight to come back (its buffers are the slots'),
     /// unanswered: the session is ending. Gives up on a failing ring (those requests
     /// stay leaked with the kernel).
     fn drain(&mut self) {
+        self.cancel_held();
         let mut events = std::mem::take(&mut self.events);
         loop {
             for ev in events.drain(..) {

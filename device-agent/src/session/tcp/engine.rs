@@ -176,6 +176,13 @@ impl<I: DeviceIo> Session<'_, I> {
         if let Rx::Data { req, .. } = std::mem::replace(&mut self.state, Rx::Header) {
             self.pool.release(req);
         }
+        // Requests still held for the limits are not run for a borrower that is gone
+        // or being stopped: it sends them again on its next session.
+        let mut held = Vec::new();
+        self.io.cancel_held(&mut held);
+        for req in held {
+            self.pool.release(req);
+        }
         if self.end.is_none() {
             self.end = Some(end);
         }
