@@ -195,14 +195,56 @@ pub fn histogram(
 ) -> Result<(), std::fmt::Error> {
     let mut m = enc.encode_descriptor(name, help, None, MetricType::Histogram)?;
     for s in series {
-        let mut cum = 0u64;
-        let mut buckets: Vec<(f64, u64)> = Vec::with_capacity(s.buckets.len());
-        for (i, n) in s.buckets.iter().enumerate() {
-            cum += n;
-            buckets.push((s.bounds.get(i).copied().unwrap_or(f64::INFINITY), cum));
-        }
+        // Per-bucket counts: the text encoder accumulates them itself (giving them
+        // cumulative counted every sample many times over).
+        let buckets: Vec<(f64, u64)> = s
+            .buckets
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (s.bounds.get(i).copied().unwrap_or(f64::INFINITY), *n))
+            .collect();
         m.encode_family(&s.labels)?
             .encode_histogram::<Labels>(s.sum, s.count, &buckets, None)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct One;
+
+    impl Collector for One {
+        fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+            histogram(
+                &mut enc,
+                "t_seconds",
+                "test",
+                &[HistogramSeries {
+                    labels: vec![],
+                    sum: 1.0,
+                    count: 6,
+                    bounds: vec![0.1, 0.2],
+                    buckets: vec![1, 2, 3],
+                }],
+            )
+        }
+    }
+
+    /// Buckets come out cumulative once: 1, 1 + 2, and +Inf equal to the count.
+    #[test]
+    fn histogram_buckets_are_cumulative_and_end_at_the_count() {
+        let text = render(One).unwrap();
+        let bucket = |le: &str| {
+            text.lines()
+                .find(|l| l.starts_with("t_seconds_bucket") && l.contains(&format!("le=\"{le}\"")))
+                .and_then(|l| l.rsplit(' ').next())
+                .map(str::to_owned)
+        };
+        assert_eq!(bucket("0.1").as_deref(), Some("1"), "{text}");
+        assert_eq!(bucket("0.2").as_deref(), Some("3"), "{text}");
+        assert_eq!(bucket("+Inf").as_deref(), Some("6"), "{text}");
+    }
 }
