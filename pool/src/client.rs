@@ -28,6 +28,10 @@ use crate::auth::request::{self, SignatureError};
 /// Seconds a request may take before it fails with [`ClientError::Transport`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long an idle connection to the pool is kept for reuse: under the pool's
+/// header timeout (`listen::DEFAULT_HEADER_TIMEOUT`, 10 s), after which it closes it.
+const IDLE_REUSE: Duration = Duration::from_secs(4);
+
 /// Why a pool request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -204,6 +208,9 @@ impl PoolClient {
         let http = Client::builder()
             .tls_backend_preconfigured(tls)
             .https_only(https)
+            // The pool closes a connection idle for its header timeout (10 s by
+            // default): never reuse one that may be closing.
+            .pool_idle_timeout(IDLE_REUSE)
             .timeout(timeout)
             .build()
             .map_err(|source| ClientError::Transport {

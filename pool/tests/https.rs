@@ -288,6 +288,16 @@ fn a_silent_client_is_dropped_after_the_timeout_while_others_are_served() {
     let took = closed_within(&mut silent, Duration::from_secs(5))
         .expect("a plain-HTTP client that sends nothing is dropped");
     assert!(took < Duration::from_secs(3), "dropped after {took:?}");
+    // A kept-alive connection that sends no next request is dropped the same way.
+    let mut kept = TcpStream::connect(plain.server.addr()).unwrap();
+    kept.write_all(b"GET /v1/signing-key HTTP/1.1\r\nHost: pool\r\n\r\n")
+        .unwrap();
+    let mut head = [0u8; 12];
+    kept.read_exact(&mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    let took = closed_within(&mut kept, Duration::from_secs(5))
+        .expect("an idle kept-alive connection is dropped");
+    assert!(took < Duration::from_secs(3), "dropped after {took:?}");
 }
 
 #[test]

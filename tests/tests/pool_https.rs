@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use devlend_pool::api::{DeviceQuery, DeviceState, LeaseFilter, LeaseState, Role};
-use devlend_tests::agents::{free_port, sparse_file, Borrower, Lender, Pool};
+use devlend_tests::agents::{bin, free_port, sparse_file, Borrower, Lender, Pool};
 use devlend_tests::certs::Certs;
 
 const MIB: u64 = 1 << 20;
@@ -60,6 +60,30 @@ path = "{d}/disk0.img"
         ),
     )
     .unwrap();
+    // With another CA than the pool's, the lender stops at start and says why.
+    let mut wrong = std::process::Command::new(bin("devlend-device-agent").unwrap())
+        .args(["--config", &config.display().to_string()])
+        .args(["--pool-ca", &certs.path("other-ca.crt")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = wrong.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            wrong.kill().unwrap();
+            panic!("a lender that cannot verify the pool did not stop");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut wrong.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success());
+    assert!(stderr.contains("not signed by a trusted CA"), "{stderr}");
+
     let lender = Lender::start_with(
         d,
         &addr,
