@@ -19,7 +19,7 @@ impl ApiClient {
     /// # Errors
     /// The HTTP client could not be built.
     pub fn new(socket: &Path) -> Result<Self> {
-        let http = Client::builder()
+        let http = devlend_pool::https::http_only_builder()
             .unix_socket(socket)
             .timeout(Duration::from_secs(120))
             .build()

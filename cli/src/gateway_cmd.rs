@@ -25,7 +25,7 @@ pub enum GatewayCmd {
 /// The gateway cannot be reached, or answers something else than a status.
 pub fn fetch(control: &str) -> Result<Status> {
     let url = format!("http://{control}/v1/status");
-    reqwest::blocking::Client::builder()
+    devlend_pool::https::http_only_builder()
         .timeout(std::time::Duration::from_secs(5))
         .build()?
         .get(&url)

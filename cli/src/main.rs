@@ -79,6 +79,10 @@ enum Cmd {
         /// /var/lib/devlend/compute-agent/identity.key, if it exists].
         #[arg(long = "pool-key", env = "DEVLEND_POOL_KEY", value_name = "FILE")]
         pool_key: Option<PathBuf>,
+        /// With --class: CA certificates (PEM) the certificate of an https:// pool must
+        /// chain to [default: the system's trust store].
+        #[arg(long = "pool-ca", env = "DEVLEND_POOL_CA", value_name = "FILE")]
+        pool_ca: Option<PathBuf>,
         /// vhost-user socket to create (a relative path is taken from the current
         /// directory).
         #[arg(long)]
@@ -374,6 +378,7 @@ fn run(cli: Cli) -> Result<()> {
             limits,
             pool,
             pool_key,
+            pool_ca,
             socket,
             queues,
             queue_size,
@@ -417,7 +422,10 @@ fn run(cli: Cli) -> Result<()> {
                     if !(1..=16).contains(&queues) || reconnect_deadline_s > 3600 {
                         bail!("--queues must be 1..=16 and --reconnect-deadline at most 3600 s");
                     }
-                    let key = devlend_cli::pool_auth::PoolKey { file: pool_key };
+                    let key = devlend_cli::pool_auth::PoolKey {
+                        file: pool_key,
+                        ca: pool_ca,
+                    };
                     let client = key.client(
                         &pool,
                         std::path::Path::new(devlend_cli::pool_auth::COMPUTE_KEY_FILE),

@@ -19,7 +19,8 @@ pub fn default_admin_key() -> PathBuf {
     Path::new(DEFAULT_DATA_DIR).join(ADMIN_KEY_FILE)
 }
 
-/// `--pool-key`: the key file pool requests are signed with.
+/// `--pool-key`: the key file pool requests are signed with; `--pool-ca`: the CA an
+/// `https://` pool's certificate is verified against.
 #[derive(Debug, Clone, Args)]
 pub struct PoolKey {
     /// Key file that signs pool requests (from `devlend keygen`, or made by the agent or
@@ -27,16 +28,21 @@ pub struct PoolKey {
     /// absent (a pool run with --insecure-open-api).
     #[arg(long = "pool-key", env = "DEVLEND_POOL_KEY", value_name = "FILE")]
     pub file: Option<PathBuf>,
+    /// CA certificates (PEM) the certificate of an https:// pool must chain to.
+    /// Default: the system's trust store.
+    #[arg(long = "pool-ca", env = "DEVLEND_POOL_CA", value_name = "FILE")]
+    pub ca: Option<PathBuf>,
 }
 
 impl PoolKey {
     /// A client of `url` that signs with the key: the given file (which must exist), or
-    /// `default` when it exists.
+    /// `default` when it exists; trusting `--pool-ca` for HTTPS.
     ///
     /// # Errors
-    /// A bad URL, or a key file that cannot be read.
+    /// A bad URL, a CA file or key file that cannot be read.
     pub fn client(&self, url: &str, default: &Path) -> Result<PoolClient> {
-        let client = PoolClient::new(url).with_context(|| format!("pool URL {url:?}"))?;
+        let client = PoolClient::with_ca(url, self.ca.as_deref())
+            .with_context(|| format!("pool URL {url:?}"))?;
         let path = match &self.file {
             Some(p) => p.clone(),
             None if default.exists() => default.to_path_buf(),
@@ -83,6 +89,10 @@ pub struct Join {
     /// compute agent's key.
     #[arg(long, default_value = COMPUTE_KEY_FILE)]
     pub key: PathBuf,
+    /// CA certificates (PEM) the certificate of an https:// pool must chain to.
+    /// Default: the system's trust store.
+    #[arg(long = "pool-ca", env = "DEVLEND_POOL_CA", value_name = "FILE")]
+    pub pool_ca: Option<PathBuf>,
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {
@@ -127,7 +137,7 @@ pub fn join(j: &Join) -> Result<()> {
     if made {
         eprintln!("made key {}", j.key.display());
     }
-    let client = PoolClient::new(&j.pool)
+    let client = PoolClient::with_ca(&j.pool, j.pool_ca.as_deref())
         .with_context(|| format!("pool URL {:?}", j.pool))?
         .with_identity(Arc::new(key));
     let p = client.join(&j.token)?;

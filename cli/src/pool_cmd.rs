@@ -8,6 +8,7 @@ use clap::Subcommand;
 use devlend_daemon::logging::{self, LogFormat};
 use devlend_pool::api::{Device, DeviceQuery, DeviceState, Lease, LeaseFilter, Provider};
 use devlend_pool::auth::AuthMode;
+use devlend_pool::listen::{Limits, TlsFiles};
 use devlend_pool::server::{DEFAULT_DATA_DIR, DEFAULT_LISTEN};
 use devlend_pool::{PoolServer, ServerConfig};
 
@@ -24,9 +25,22 @@ pub const DEFAULT_POOL_URL: &str = "http://127.0.0.1:7400";
 pub enum PoolCmd {
     /// Run the device pool (REST API; SQLite in the data directory, or PostgreSQL).
     Serve {
-        /// HTTP listen address.
+        /// Listen address (HTTP, or HTTPS with --tls-cert and --tls-key).
         #[arg(long, default_value = DEFAULT_LISTEN)]
         listen: SocketAddr,
+        /// Serve HTTPS (TLS 1.3 or 1.2) with this certificate chain (PEM, leaf first).
+        #[arg(long, requires = "tls_key", value_name = "FILE")]
+        tls_cert: Option<PathBuf>,
+        /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+        #[arg(long, requires = "tls_cert", value_name = "FILE")]
+        tls_key: Option<PathBuf>,
+        /// Seconds a connection may take for its TLS handshake, and for each request's
+        /// headers, before it is closed.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+        header_timeout_secs: u64,
+        /// Connections served at once; more are closed at accept.
+        #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+        max_connections: u64,
         /// Database URL: sqlite:///PATH, sqlite::memory: or postgres://USER@HOST/DB
         /// (default: SQLite in --data-dir).
         #[arg(long)]
@@ -138,6 +152,10 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
     match cmd {
         PoolCmd::Serve {
             listen,
+            tls_cert,
+            tls_key,
+            header_timeout_secs,
+            max_connections,
             database,
             data_dir,
             log_level,
@@ -148,8 +166,17 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
         } => {
             // Logs the URL, the signing key and the database backend at start.
             logging::init(&log_level, log_format)?;
+            let tls = match (tls_cert, tls_key) {
+                (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+                _ => None,
+            };
             let server = PoolServer::start(ServerConfig {
                 listen,
+                tls,
+                limits: Limits {
+                    header_timeout: std::time::Duration::from_secs(header_timeout_secs),
+                    max_connections: usize::try_from(max_connections).unwrap_or(usize::MAX),
+                },
                 database,
                 data_dir,
                 auth: if insecure_open_api {

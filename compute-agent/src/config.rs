@@ -47,6 +47,10 @@ pub struct Cli {
     /// /var/lib/devlend/compute-agent/identity.key]. Enroll it with `devlend pool join`.
     #[arg(long, value_name = "FILE")]
     pub pool_key_file: Option<PathBuf>,
+    /// CA certificates (PEM) the certificate of an https:// pool must chain to, for
+    /// lease bind, renewal and release [default: the system's trust store].
+    #[arg(long = "pool-ca", value_name = "FILE")]
+    pub pool_ca_file: Option<PathBuf>,
     /// Where attachments are saved, to be served again when the agent restarts
     /// (`none`: not saved; a shutdown then detaches everything) [default: beside the API
     /// socket, e.g. /run/devlend/compute-agent.state.json].
@@ -89,6 +93,8 @@ pub struct FileConfig {
     pub auth_key_file: Option<PathBuf>,
     /// Key file for pool requests.
     pub pool_key_file: Option<PathBuf>,
+    /// CA certificates for `https://` pools (PEM).
+    pub pool_ca_file: Option<PathBuf>,
     /// State file path, or `none`.
     pub state_file: Option<PathBuf>,
     /// CA certificates trusted for lenders (PEM).
@@ -120,6 +126,9 @@ pub struct Config {
     /// Key file pool requests are signed with; `None`: [`DEFAULT_POOL_KEY_FILE`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool_key_file: Option<PathBuf>,
+    /// CA certificates for `https://` pools (PEM); `None`: the system's trust store.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool_ca_file: Option<PathBuf>,
     /// Where attachments are saved for a restart; `None`: not saved (`none`).
     #[serde(serialize_with = "state_file_text")]
     pub state_file: Option<PathBuf>,
@@ -177,6 +186,10 @@ impl Config {
                 .pool_key_file
                 .clone()
                 .or_else(|| file.pool_key_file.clone()),
+            pool_ca_file: cli
+                .pool_ca_file
+                .clone()
+                .or_else(|| file.pool_ca_file.clone()),
             state_file: match cli.state_file.clone().or_else(|| file.state_file.clone()) {
                 Some(p) if p.as_os_str() == "none" => None,
                 Some(p) => Some(p),

@@ -6,6 +6,7 @@
 //! lender ends the attachment's sessions. A renewal answered `lease_ended` stops the
 //! renewals and is logged as an error: the attachment has lost its device.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -40,17 +41,26 @@ pub enum LeaseError {
     Pool(#[source] ClientError),
 }
 
-/// A client of the pool at `url`, signing with `identity` when there is one.
+/// How this compute host reaches pools: the key its requests are signed with, and the
+/// CA an `https://` pool's certificate must chain to (`pool_ca_file`; without one, the
+/// system's trust store).
+#[derive(Debug, Clone, Default)]
+pub struct PoolAccess {
+    /// Signs pool requests (lease bind, renew, release).
+    pub identity: Option<Arc<TokenSigner>>,
+    /// CA certificates (PEM) for `https://` pools.
+    pub ca_file: Option<PathBuf>,
+}
+
+/// A client of the pool at `url`, signing with the identity when there is one and
+/// trusting the CA file for HTTPS.
 ///
 /// # Errors
-/// [`ClientError::BadUrl`].
-pub fn pool_client(
-    url: &str,
-    identity: Option<Arc<TokenSigner>>,
-) -> Result<PoolClient, ClientError> {
-    let c = PoolClient::new(url)?;
-    Ok(match identity {
-        Some(k) => c.with_identity(k),
+/// [`ClientError::BadUrl`], [`ClientError::CaWithoutHttps`], [`ClientError::Https`].
+pub fn pool_client(url: &str, access: &PoolAccess) -> Result<PoolClient, ClientError> {
+    let c = PoolClient::with_ca(url, access.ca_file.as_deref())?;
+    Ok(match &access.identity {
+        Some(k) => c.with_identity(Arc::clone(k)),
         None => c,
     })
 }
@@ -70,11 +80,13 @@ impl CheckedLease {
     /// # Errors
     /// [`LeaseError::Bad`] for a bad URL, id or token; [`LeaseError::Ended`];
     /// [`LeaseError::Pool`].
-    pub fn check(
-        r: &LeaseRef,
-        identity: Option<Arc<TokenSigner>>,
-    ) -> Result<CheckedLease, LeaseError> {
-        let client = pool_client(&r.pool, identity).map_err(|e| LeaseError::Bad(e.to_string()))?;
+    pub fn check(r: &LeaseRef, access: &PoolAccess) -> Result<CheckedLease, LeaseError> {
+        let client = pool_client(&r.pool, access).map_err(|e| match e {
+            ClientError::BadUrl { .. } | ClientError::CaWithoutHttps { .. } => {
+                LeaseError::Bad(e.to_string())
+            }
+            e => LeaseError::Pool(e),
+        })?;
         let token = LeaseToken::from_text(&r.token)
             .map_err(|e| LeaseError::Bad(e.to_string()))?
             .as_bytes()

@@ -57,6 +57,12 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         }
         Err(e) => return Err(anyhow::anyhow!("{}", devlend_fabric::error::chain(&e))),
     }
+    if let Some(ca) = &config.pool_ca_file {
+        // Read now, so that a bad file stops the agent at start, not at the first lease.
+        devlend_pool::https::client_config(Some(ca))
+            .map_err(|e| anyhow::anyhow!("{}", devlend_fabric::error::chain(&e)))?;
+        registry.set_pool_ca(ca.clone());
+    }
     let state_err = |e: devlend_compute_agent::state::StateError| {
         anyhow::anyhow!("{}", devlend_fabric::error::chain(&e))
     };

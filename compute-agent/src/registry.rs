@@ -116,8 +116,9 @@ pub struct Registry {
     rates: crate::rates::RateTracker,
     /// Signs the tokens of direct (lease-less) attachments, when configured.
     signer: Option<devlend_fabric::lease_token::TokenSigner>,
-    /// Signs this compute host's pool requests (lease bind, renew, release).
-    pool_identity: Option<std::sync::Arc<devlend_fabric::lease_token::TokenSigner>>,
+    /// Signs this compute host's pool requests (lease bind, renew, release), and the
+    /// CA for `https://` pools.
+    pool: crate::lease::PoolAccess,
     /// Where the attachments are saved after each change, to be restored at start.
     state: Option<PathBuf>,
     /// Saved attachments not served again yet (their lender unreachable so far): kept
@@ -296,7 +297,13 @@ impl Registry {
         &mut self,
         key: std::sync::Arc<devlend_fabric::lease_token::TokenSigner>,
     ) {
-        self.pool_identity = Some(key);
+        self.pool.identity = Some(key);
+    }
+
+    /// Verifies the certificate of `https://` pools against the CA certificates in
+    /// `ca_file` (PEM) instead of the system's trust store.
+    pub fn set_pool_ca(&mut self, ca_file: PathBuf) {
+        self.pool.ca_file = Some(ca_file);
     }
 
     /// Authenticates direct attachments: each gets a token signed with `signer`
@@ -433,8 +440,7 @@ impl Registry {
         let checked = match &req.lease {
             None => None,
             Some(r) => {
-                let c = CheckedLease::check(r, self.pool_identity.clone())
-                    .map_err(RegistryError::Lease)?;
+                let c = CheckedLease::check(r, &self.pool).map_err(RegistryError::Lease)?;
                 if c.device() != req.device || c.lender() != req.lender {
                     return Err(RegistryError::BadRequest(format!(
                         "lease {} is for device {:?} at {}, not {:?} at {}",
@@ -786,9 +792,7 @@ impl Registry {
         let _ = self.save_state(&entries);
         drop(entries);
         if let Some(l) = &r.saved.request.lease {
-            match crate::lease::pool_client(&l.pool, self.pool_identity.clone())
-                .map(|c| c.release_current(l.id))
-            {
+            match crate::lease::pool_client(&l.pool, &self.pool).map(|c| c.release_current(l.id)) {
                 Ok(Ok(_)) => tracing::info!(id = %r.saved.id, lease = %l.id, "lease released"),
                 Ok(Err(e)) => {
                     tracing::warn!(id = %r.saved.id, lease = %l.id, error = %e, "cannot release the lease; it lapses at its expiry")

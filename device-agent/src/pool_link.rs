@@ -65,7 +65,8 @@ impl PoolSession {
             .advertise
             .clone()
             .ok_or_else(|| Error::BadPool("no advertise address".into()))?;
-        let client = PoolClient::new(&config.url).map_err(|e| err(e.to_string()))?;
+        let client = PoolClient::with_ca(&config.url, config.ca_file.as_deref())
+            .map_err(|e| err(chain(&e)))?;
         let deadline = Instant::now() + wait;
         let mut logged = false;
         let key = loop {

@@ -236,7 +236,12 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn load_certs(
+/// Reads a PEM certificate chain (leaf first) or a bundle of CA certificates from
+/// `path`; `what` names its content in errors. Also the loader of devlend-pool's HTTPS.
+///
+/// # Errors
+/// [`TlsConfigError::Pem`] (unreadable, bad PEM), [`TlsConfigError::Empty`].
+pub fn load_certs(
     path: &Path,
     what: &'static str,
 ) -> Result<Vec<CertificateDer<'static>>, TlsConfigError> {
@@ -258,7 +263,11 @@ fn load_certs(
     Ok(certs)
 }
 
-fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsConfigError> {
+/// Reads a PEM private key (PKCS#8, PKCS#1 or SEC1) from `path`.
+///
+/// # Errors
+/// [`TlsConfigError::Pem`], [`TlsConfigError::Empty`].
+pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsConfigError> {
     PrivateKeyDer::from_pem_file(path).map_err(|source| match source {
         rustls::pki_types::pem::Error::NoItemsFound => TlsConfigError::Empty {
             what: "private key",
@@ -272,7 +281,11 @@ fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsConfigError> {
     })
 }
 
-fn load_roots(path: &Path) -> Result<RootCertStore, TlsConfigError> {
+/// Reads trust anchors (PEM, one or more CA certificates) from `path`.
+///
+/// # Errors
+/// As [`load_certs`]; [`TlsConfigError::Anchor`] for a certificate that cannot anchor.
+pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsConfigError> {
     let mut roots = RootCertStore::empty();
     for c in load_certs(path, "CA certificates")? {
         roots.add(c).map_err(|source| TlsConfigError::Anchor {

@@ -1,8 +1,12 @@
 //! A blocking HTTP client of the pool, one method per endpoint.
 //!
+//! `http://` and `https://` pools; for HTTPS the pool's certificate is verified against
+//! a CA file ([`PoolClient::with_ca`]) or the system's trust store ([`crate::https`]).
+//!
 //! Built on `reqwest::blocking`: call it from plain threads, not from inside a tokio
 //! runtime (use `spawn_blocking` there).
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use reqwest::blocking::{Client, RequestBuilder, Response};
@@ -24,14 +28,51 @@ use crate::auth::request::{self, SignatureError};
 /// Seconds a request may take before it fails with [`ClientError::Transport`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long an idle connection to the pool is kept for reuse: under the pool's
+/// header timeout (`listen::DEFAULT_HEADER_TIMEOUT`, 10 s), after which it closes it.
+const IDLE_REUSE: Duration = Duration::from_secs(4);
+
 /// Why a pool request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The base URL is not an `http://HOST:PORT` URL (this build has no TLS).
-    #[error("bad pool URL {url:?}: expected http://HOST:PORT (https is not supported)")]
+    /// The base URL is not an `http://HOST:PORT` or `https://HOST:PORT` URL.
+    #[error("bad pool URL {url:?}: expected http://HOST:PORT or https://HOST:PORT")]
     BadUrl {
         /// The URL given.
         url: String,
+    },
+    /// A CA file was given for a pool at an `http://` URL, where it would protect
+    /// nothing.
+    #[error(
+        "a pool CA file ({}) was given, but the pool URL {url:?} is not https://",
+        ca_file.display()
+    )]
+    CaWithoutHttps {
+        /// The URL given.
+        url: String,
+        /// The CA file given.
+        ca_file: PathBuf,
+    },
+    /// The TLS configuration (CA file, system trust store) could not be made.
+    #[error("cannot set up HTTPS to the pool at {url}")]
+    Https {
+        /// The URL given.
+        url: String,
+        /// What failed.
+        #[source]
+        source: Box<crate::https::HttpsConfigError>,
+    },
+    /// The TLS handshake with the pool failed: its certificate does not verify, or it
+    /// does not speak TLS. Retrying does not help until a configuration changes.
+    #[error("TLS with the pool at {url} failed: {reason}")]
+    Tls {
+        /// The request's URL.
+        url: String,
+        /// What rustls said, explained.
+        reason: String,
+        /// The transport error.
+        #[source]
+        source: reqwest::Error,
     },
     /// The pool could not be reached, or did not answer in time.
     #[error("cannot reach the pool at {url}")]
@@ -95,12 +136,15 @@ impl PoolClient {
     /// A client of the pool at `base_url` (for example `http://127.0.0.1:7400`), with
     /// [`DEFAULT_TIMEOUT`].
     ///
+    /// An `https://` pool is verified against the system's trust store; see
+    /// [`PoolClient::with_ca`] for a CA file of its own.
+    ///
     /// # Errors
-    /// [`ClientError::BadUrl`] when `base_url` is not an `http://` URL (no TLS in this
-    /// build, so `https://` is refused too);
+    /// [`ClientError::BadUrl`] when `base_url` is not an `http://` or `https://` URL;
+    /// [`ClientError::Https`] when the system's trust store cannot be loaded;
     /// [`ClientError::Transport`] when the HTTP client cannot be built.
     pub fn new(base_url: &str) -> Result<Self, ClientError> {
-        Self::with_timeout(base_url, DEFAULT_TIMEOUT)
+        Self::connect(base_url, DEFAULT_TIMEOUT, None)
     }
 
     /// Like [`PoolClient::new`] with a request timeout.
@@ -108,18 +152,65 @@ impl PoolClient {
     /// # Errors
     /// As [`PoolClient::new`].
     pub fn with_timeout(base_url: &str, timeout: Duration) -> Result<Self, ClientError> {
+        Self::connect(base_url, timeout, None)
+    }
+
+    /// Like [`PoolClient::new`], trusting only the CA certificates in `ca_file` (PEM)
+    /// for an `https://` pool; `None` is [`PoolClient::new`].
+    ///
+    /// # Errors
+    /// As [`PoolClient::new`]; [`ClientError::Https`] when the CA file is unusable;
+    /// [`ClientError::CaWithoutHttps`] for a CA file with an `http://` URL.
+    pub fn with_ca(base_url: &str, ca_file: Option<&Path>) -> Result<Self, ClientError> {
+        Self::connect(base_url, DEFAULT_TIMEOUT, ca_file)
+    }
+
+    /// The general form: a request timeout and an optional CA file.
+    ///
+    /// # Errors
+    /// As [`PoolClient::with_ca`].
+    pub fn connect(
+        base_url: &str,
+        timeout: Duration,
+        ca_file: Option<&Path>,
+    ) -> Result<Self, ClientError> {
         let bad = || ClientError::BadUrl {
             url: base_url.to_string(),
         };
         let mut base = Url::parse(base_url).map_err(|_| bad())?;
-        if base.scheme() != "http" || base.cannot_be_a_base() || base.host().is_none() {
+        let https = match base.scheme() {
+            "http" => false,
+            "https" => true,
+            _ => return Err(bad()),
+        };
+        if base.cannot_be_a_base() || base.host().is_none() {
             return Err(bad());
         }
+        if let (false, Some(ca)) = (https, ca_file) {
+            return Err(ClientError::CaWithoutHttps {
+                url: base_url.to_string(),
+                ca_file: ca.to_owned(),
+            });
+        }
+        let tls = if https {
+            crate::https::client_config(ca_file)
+        } else {
+            crate::https::http_only_config()
+        }
+        .map_err(|source| ClientError::Https {
+            url: base_url.to_string(),
+            source: Box::new(source),
+        })?;
         if !base.path().ends_with('/') {
             let p = format!("{}/", base.path());
             base.set_path(&p);
         }
         let http = Client::builder()
+            .tls_backend_preconfigured(tls)
+            .https_only(https)
+            // The pool closes a connection idle for its header timeout (10 s by
+            // default): never reuse one that may be closing.
+            .pool_idle_timeout(IDLE_REUSE)
             .timeout(timeout)
             .build()
             .map_err(|source| ClientError::Transport {
@@ -399,9 +490,16 @@ impl PoolClient {
                 .header(reqwest::header::CONTENT_TYPE, "application/json")
                 .body(bytes);
         }
-        let transport = |source| ClientError::Transport {
-            url: url.to_string(),
-            source,
+        let transport = |source: reqwest::Error| match crate::https::tls_failure(&source) {
+            Some(reason) => ClientError::Tls {
+                url: url.to_string(),
+                reason,
+                source,
+            },
+            None => ClientError::Transport {
+                url: url.to_string(),
+                source,
+            },
         };
         let resp: Response = req.send().map_err(transport)?;
         let status = resp.status();

@@ -40,6 +40,9 @@ pub enum Error {
     /// The pool's admin key file is unusable.
     #[error("admin key")]
     Identity(#[from] devlend_fabric::identity::IdentityError),
+    /// The HTTPS certificate or key (`--tls-cert`, `--tls-key`) is unusable.
+    #[error("HTTPS certificate")]
+    Tls(#[from] devlend_fabric::tls::TlsConfigError),
     /// The metrics text could not be encoded.
     #[error("cannot encode the metrics")]
     Metrics(#[source] std::fmt::Error),

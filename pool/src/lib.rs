@@ -3,11 +3,12 @@
 //!
 //! Features:
 //! - `client`: [`api`] (the request and answer types) and [`client`] (a blocking HTTP
-//!   client). Light: serde and reqwest only. Lenders, borrowers and the CLI use this.
+//!   client, plain HTTP or HTTPS: [`https`]). Light: serde, reqwest and rustls. Lenders, borrowers and the CLI use this.
 //! - `server` (default, implies `client`): the service itself: [`store`] (sqlx over
 //!   SQLite or PostgreSQL, with migrations), [`placement`], [`tokens`] (the signing
 //!   key kept in the database), [`http`] (axum routes, JSON errors, OpenAPI),
-//!   [`server`] ([`serve`] and the embeddable [`PoolServer`]).
+//!   [`server`] ([`serve`] and the embeddable [`PoolServer`]), [`listen`] (the accept
+//!   loop: plain HTTP or HTTPS with rustls, connection limits).
 //!
 //! The model, every endpoint and the placement rule are in `docs/pool.md`.
 
@@ -16,6 +17,8 @@ pub mod api;
 pub mod auth;
 #[cfg(feature = "client")]
 pub mod client;
+#[cfg(feature = "client")]
+pub mod https;
 
 #[cfg(feature = "server")]
 pub mod enroll;
@@ -23,6 +26,8 @@ pub mod enroll;
 pub mod error;
 #[cfg(feature = "server")]
 pub mod http;
+#[cfg(feature = "server")]
+pub mod listen;
 #[cfg(feature = "server")]
 pub mod placement;
 #[cfg(feature = "server")]

@@ -8,8 +8,11 @@ use std::path::PathBuf;
 use devlend_fabric::lease_token::PublicKey;
 use tokio::net::TcpListener;
 
+use tokio_rustls::TlsAcceptor;
+
 use crate::auth::AuthMode;
 use crate::error::{Error, Result};
+use crate::listen::{Limits, TlsFiles};
 use crate::service::PoolService;
 
 /// Address the pool listens on by default.
@@ -26,6 +29,10 @@ pub const ADMIN_KEY_FILE: &str = "admin.key";
 pub struct ServerConfig {
     /// HTTP listen address (port 0: any free port).
     pub listen: SocketAddr,
+    /// HTTPS: serve TLS with this certificate and key; None: plain HTTP.
+    pub tls: Option<TlsFiles>,
+    /// Connection limits (handshake and header timeout, connections at once).
+    pub limits: Limits,
     /// Database URL: `sqlite:///PATH`, `sqlite::memory:`, or
     /// `postgres://USER[:PASSWORD]@HOST[:PORT]/DB`. None: SQLite at
     /// `data_dir/pool.db`.
@@ -46,6 +53,8 @@ impl Default for ServerConfig {
             listen: DEFAULT_LISTEN
                 .parse()
                 .expect("the default listen address parses"),
+            tls: None,
+            limits: Limits::default(),
             database: None,
             data_dir: PathBuf::from(DEFAULT_DATA_DIR),
             auth: AuthMode::Signed {
@@ -120,9 +129,42 @@ impl ServerConfig {
     }
 }
 
-/// Opens the database and binds the listener; the parts [`serve`] and
-/// [`PoolServer::start`] share.
-async fn prepare(config: &ServerConfig) -> Result<(PoolService, TcpListener)> {
+/// What [`prepare`] makes ready: the service, the bound listener, and the TLS
+/// acceptor for HTTPS.
+struct Prepared {
+    service: PoolService,
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    limits: Limits,
+}
+
+impl Prepared {
+    fn url(&self) -> Result<String> {
+        let addr = self
+            .listener
+            .local_addr()
+            .map_err(|e| Error::io("no local address", e))?;
+        Ok(format!(
+            "{}://{addr}",
+            crate::listen::scheme(self.tls.is_some())
+        ))
+    }
+
+    async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+        let router = crate::http::router(self.service);
+        crate::listen::run(router, self.listener, self.tls, self.limits, shutdown).await
+    }
+}
+
+/// Loads the TLS files, opens the database and binds the listener; the parts [`serve`]
+/// and [`PoolServer::start`] share. The certificate comes first: a bad one fails before
+/// the database is touched.
+async fn prepare(config: &ServerConfig) -> Result<Prepared> {
+    let tls = config
+        .tls
+        .as_ref()
+        .map(crate::listen::acceptor)
+        .transpose()?;
     let url = config.database_url()?;
     let service = PoolService::open(&url).await?.with_auth(config.auth);
     match config.auth {
@@ -145,21 +187,12 @@ async fn prepare(config: &ServerConfig) -> Result<(PoolService, TcpListener)> {
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| Error::io(format!("cannot listen on {}", config.listen), e))?;
-    Ok((service, listener))
-}
-
-async fn run(
-    service: PoolService,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<()> {
-    axum::serve(
+    Ok(Prepared {
+        service,
         listener,
-        crate::http::router(service).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
-    .map_err(|e| Error::io("the HTTP server failed", e))
+        tls,
+        limits: config.limits,
+    })
 }
 
 /// Resolves at SIGINT (Ctrl-C) or SIGTERM.
@@ -196,23 +229,23 @@ pub async fn serve_with_shutdown(
     config: ServerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let (service, listener) = prepare(&config).await?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| Error::io("no local address", e))?;
+    let p = prepare(&config).await?;
     tracing::info!(
-        url = %format!("http://{addr}"),
-        public_key = %service.public_key().to_text(),
-        backend = ?service.store().backend(),
+        url = %p.url()?,
+        public_key = %p.service.public_key().to_text(),
+        backend = ?p.service.store().backend(),
+        max_connections = p.limits.max_connections,
+        header_timeout_s = p.limits.header_timeout.as_secs_f64(),
         "pool serving"
     );
-    run(service, listener, shutdown).await
+    p.run(shutdown).await
 }
 
 /// A pool running on its own tokio runtime on a background thread; stops on drop.
 #[derive(Debug)]
 pub struct PoolServer {
     addr: SocketAddr,
+    url: String,
     public_key: PublicKey,
     handle: tokio::runtime::Handle,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
@@ -232,15 +265,17 @@ impl PoolServer {
             .enable_all()
             .build()
             .map_err(|e| Error::io("cannot start a tokio runtime", e))?;
-        let (service, listener) = rt.block_on(prepare(&config))?;
-        let addr = listener
+        let p = rt.block_on(prepare(&config))?;
+        let addr = p
+            .listener
             .local_addr()
             .map_err(|e| Error::io("no local address", e))?;
-        let public_key = service.public_key();
+        let url = p.url()?;
+        let public_key = p.service.public_key();
         tracing::info!(
-            url = %format!("http://{addr}"),
+            url = %url,
             public_key = %public_key.to_text(),
-            backend = ?service.store().backend(),
+            backend = ?p.service.store().backend(),
             "pool serving"
         );
         let handle = rt.handle().clone();
@@ -251,13 +286,14 @@ impl PoolServer {
                 let shutdown = async {
                     let _ = rx.await;
                 };
-                if let Err(e) = rt.block_on(run(service, listener, shutdown)) {
+                if let Err(e) = rt.block_on(p.run(shutdown)) {
                     tracing::error!(error = %e, "pool server stopped");
                 }
             })
             .map_err(|e| Error::io("cannot start the pool thread", e))?;
         Ok(PoolServer {
             addr,
+            url,
             public_key,
             handle,
             shutdown: Some(tx),
@@ -270,9 +306,9 @@ impl PoolServer {
         self.addr
     }
 
-    /// Its base URL, `http://ADDR`.
+    /// Its base URL, `http://ADDR`, or `https://ADDR` when serving TLS.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        self.url.clone()
     }
 
     /// The key its lease tokens are signed with.

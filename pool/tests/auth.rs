@@ -12,7 +12,6 @@ use devlend_pool::api::{DeviceQuery, EnrollRequest, LeaseRequest, Role};
 use devlend_pool::auth::request;
 use devlend_pool::auth::AuthMode;
 use devlend_pool::{ClientError, PoolClient};
-use reqwest::blocking::Client;
 use support::{device, enrolled, Backend, TestPool, GIB};
 
 on_both_backends!(
@@ -240,7 +239,7 @@ fn replays_and_stale_times_are_refused(backend: Backend) {
     let pool = support::start(backend);
     let key = TokenSigner::from_seed_text(std::fs::read_to_string(&pool.admin_key).unwrap().trim())
         .unwrap();
-    let http = Client::new();
+    let http = devlend_pool::https::http_only_builder().build().unwrap();
     let send = |auth: &str| {
         http.get(format!("{}/v1/providers", pool.url()))
             .header("authorization", auth)
@@ -329,7 +328,9 @@ fn restarts_keep_revocations_and_refuse_replays(backend: Backend) {
     let key =
         TokenSigner::from_seed_text(std::fs::read_to_string(&admin_key).unwrap().trim()).unwrap();
     let send = |base: &str| {
-        Client::new()
+        devlend_pool::https::http_only_builder()
+            .build()
+            .unwrap()
             .post(format!("{base}/v1/principals"))
             .header("authorization", &h)
             .header("content-type", "application/json")

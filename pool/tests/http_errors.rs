@@ -5,7 +5,6 @@
 mod support;
 
 use devlend_pool::api::LeaseRequest;
-use reqwest::blocking::Client;
 use reqwest::Method;
 use support::{device, register, Backend, GIB};
 
@@ -13,7 +12,10 @@ on_both_backends!(bad_requests_get_4xx_with_a_message);
 
 /// Sends a raw request; returns the status and the parsed JSON body.
 fn send(url: &str, method: Method, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
-    let mut req = Client::new().request(method, format!("{url}{path}"));
+    let mut req = devlend_pool::https::http_only_builder()
+        .build()
+        .unwrap()
+        .request(method, format!("{url}{path}"));
     if let Some(b) = body {
         req = req
             .header("content-type", "application/json")

@@ -278,6 +278,8 @@ pub struct Pool {
     pub url: String,
     /// The admin key file it made at its start.
     pub admin_key: PathBuf,
+    /// The CA its HTTPS certificate chains to, when it serves HTTPS.
+    pub ca: Option<PathBuf>,
 }
 
 impl Pool {
@@ -287,9 +289,22 @@ impl Pool {
     /// # Errors
     /// It cannot start or exits.
     pub fn start(dir: &Path) -> Result<Self> {
+        Self::start_inner(dir, None)
+    }
+
+    /// As [`Self::start`], serving HTTPS with the test certificate `lender.crt` of
+    /// `certs` (for 127.0.0.1); [`Self::admin`] then trusts `ca.crt`.
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn start_https(dir: &Path, certs: &crate::certs::Certs) -> Result<Self> {
+        Self::start_inner(dir, Some(certs))
+    }
+
+    fn start_inner(dir: &Path, certs: Option<&crate::certs::Certs>) -> Result<Self> {
         let addr = format!("127.0.0.1:{}", free_port()?);
         let data = dir.join("pool");
-        let args = vec![
+        let mut args = vec![
             "pool".to_owned(),
             "serve".into(),
             "--listen".into(),
@@ -297,12 +312,22 @@ impl Pool {
             "--data-dir".into(),
             data.display().to_string(),
         ];
+        if let Some(c) = certs {
+            args.extend([
+                "--tls-cert".into(),
+                c.path("lender.crt"),
+                "--tls-key".into(),
+                c.path("lender.key"),
+            ]);
+        }
         let mut proc = Proc::spawn("pool", &bin("devlend")?, &args, dir)?;
         proc.wait_ready("pool", || TcpStream::connect(&addr).is_ok())?;
+        let scheme = if certs.is_some() { "https" } else { "http" };
         Ok(Pool {
             proc,
-            url: format!("http://{addr}"),
+            url: format!("{scheme}://{addr}"),
             admin_key: data.join("admin.key"),
+            ca: certs.map(|c| PathBuf::from(c.path("ca.crt"))),
         })
     }
 
@@ -312,7 +337,10 @@ impl Pool {
     /// The key file cannot be read.
     pub fn admin(&self) -> Result<devlend_pool::PoolClient> {
         let key = devlend_fabric::identity::load(&self.admin_key)?;
-        Ok(devlend_pool::PoolClient::new(&self.url)?.with_identity(std::sync::Arc::new(key)))
+        Ok(
+            devlend_pool::PoolClient::with_ca(&self.url, self.ca.as_deref())?
+                .with_identity(std::sync::Arc::new(key)),
+        )
     }
 
     /// Makes the key file `key` (if it does not exist) and enrolls it as `role` `name`,

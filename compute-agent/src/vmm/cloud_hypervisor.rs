@@ -332,7 +332,7 @@ pub fn remove_device(api_socket: &Path, id: &str) -> Result<(), ChError> {
 
 /// Sends `PUT {API_BASE}/{operation}` with a JSON body; returns the status and body.
 fn put(api_socket: &Path, operation: &'static str, body: &Value) -> Result<(u16, String), ChError> {
-    let client = reqwest::blocking::Client::builder()
+    let client = devlend_pool::https::http_only_builder()
         .unix_socket(api_socket)
         .timeout(API_TIMEOUT)
         .connect_timeout(CONNECT_TIMEOUT)

@@ -93,6 +93,10 @@ pub struct Cli {
     /// lender's key at start (overrides `[pool] join_token`).
     #[arg(long, value_name = "TOKEN")]
     pub pool_join_token: Option<String>,
+    /// CA certificates (PEM) the certificate of an https:// pool must chain to
+    /// (overrides `[pool] ca_file`) [default: the system's trust store].
+    #[arg(long = "pool-ca", value_name = "FILE")]
+    pub pool_ca: Option<PathBuf>,
     /// Direct mode with authentication: serve only borrowers whose tokens verify with
     /// this public key (from `devlend keygen`); repeatable. Adds to `auth_keys`.
     #[arg(long = "auth-key", value_name = "PUBLIC_KEY")]
@@ -141,6 +145,10 @@ pub struct PoolConfig {
     /// enrolls the key at start. Harmless once used: an enrolled key is not asked again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub join_token: Option<String>,
+    /// CA certificates (PEM) an `https://` pool's certificate must chain to. Default:
+    /// the system's trust store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
 }
 
 /// Where the lender keeps its own key by default.
@@ -353,12 +361,16 @@ impl Config {
                     heartbeat_interval_ms: default_heartbeat_ms(),
                     public_key: None,
                     join_token: None,
+                    ca_file: None,
                 })
             });
         }
         if let Some(p) = pool.as_mut() {
             if cli.pool_join_token.is_some() {
                 p.join_token = cli.pool_join_token.clone();
+            }
+            if cli.pool_ca.is_some() {
+                p.ca_file = cli.pool_ca.clone();
             }
             if cli.provider.is_some() {
                 p.provider = cli.provider.clone();
@@ -390,11 +402,14 @@ impl Config {
                 }
                 p.advertise = Some(listen.clone());
             }
-        } else if cli.provider.is_some() || cli.advertise.is_some() || cli.pool_join_token.is_some()
+        } else if cli.provider.is_some()
+            || cli.advertise.is_some()
+            || cli.pool_join_token.is_some()
+            || cli.pool_ca.is_some()
         {
             return Err(Error::BadPool(
-                "--provider, --advertise and --pool-join-token need a pool (--pool URL or \
-                 [pool] url)"
+                "--provider, --advertise, --pool-join-token and --pool-ca need a pool \
+                 (--pool URL or [pool] url)"
                     .into(),
             ));
         }

@@ -127,6 +127,7 @@ pub fn start_on_with(database: &str, auth: AuthMode, admin_key: &std::path::Path
         data_dir: PathBuf::from("/nonexistent"),
         auth,
         admin_key_file: Some(admin_key.to_path_buf()),
+        ..Default::default()
     })
     .expect("pool server starts")
 }
