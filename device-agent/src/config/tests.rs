@@ -1,0 +1,227 @@
+//! Tests of the configuration: flags over the file, checks and their messages.
+use super::*;
+use clap::Parser;
+
+fn write_config(text: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), text).unwrap();
+    f
+}
+
+#[test]
+fn file_and_flags_merge() {
+    let f = write_config(
+        r#"
+        listen = "0.0.0.0:7700"
+        [[device]]
+        name = "disk0"
+        path = "/dev/nvme0n1"
+        read_only = false
+        serial = "SN0"
+        [[device]]
+        name = "disk1"
+        path = "/srv/disk1.img"
+        "#,
+    );
+    let cli = Cli::parse_from([
+        "x",
+        "--config",
+        f.path().to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:9",
+        "--device",
+        "disk1=/other.img,ro",
+        "--device",
+        "disk2=/two.img",
+    ]);
+    let c = Config::from_cli(&cli).unwrap();
+    assert_eq!(c.listen, "127.0.0.1:9");
+    let names: Vec<_> = c.devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, ["disk0", "disk1", "disk2"]);
+    assert_eq!(c.devices[0].serial.as_deref(), Some("SN0"));
+    assert_eq!(c.devices[1].path, PathBuf::from("/other.img"));
+    assert!(c.devices[1].read_only);
+}
+
+#[test]
+fn io_mode_comes_from_file_or_flag_and_prints_back() {
+    let f = write_config(
+        r#"
+        listen = "0.0.0.0:7700"
+        io_mode = "sync"
+        [[device]]
+        name = "disk0"
+        path = "/srv/disk0.img"
+        "#,
+    );
+    let path = f.path().to_str().unwrap();
+    let c = Config::from_cli(&Cli::parse_from(["x", "--config", path])).unwrap();
+    assert_eq!(c.io_mode, IoMode::Sync);
+    assert!(c.to_toml().contains("io_mode = \"sync\""));
+    let cli = Cli::parse_from(["x", "--config", path, "--io-mode", "uring"]);
+    assert_eq!(Config::from_cli(&cli).unwrap().io_mode, IoMode::Uring);
+    let cli = Cli::parse_from(["x", "--listen", "127.0.0.1:9", "--device", "d=/x"]);
+    let c = Config::from_cli(&cli).unwrap();
+    assert_eq!(c.io_mode, IoMode::Auto);
+    assert!(!c.to_toml().contains("io_mode"));
+}
+
+#[test]
+fn insecure_comes_from_file_or_flag_and_prints_back() {
+    let f = write_config(
+        "listen = \"0.0.0.0:7700\"\ninsecure = true\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+    );
+    let path = f.path().to_str().unwrap();
+    let c = Config::from_cli(&Cli::parse_from(["x", "--config", path])).unwrap();
+    assert!(c.insecure);
+    assert!(c.to_toml().contains("insecure = true"), "{}", c.to_toml());
+    let cli = Cli::parse_from(["x", "--listen", "0.0.0.0:1", "--device", "d=/x"]);
+    let c = Config::from_cli(&cli).unwrap();
+    assert!(!c.insecure);
+    assert!(!c.to_toml().contains("insecure"), "{}", c.to_toml());
+    let cli = Cli::parse_from([
+        "x",
+        "--listen",
+        "0.0.0.0:1",
+        "--device",
+        "d=/x",
+        "--insecure",
+    ]);
+    assert!(Config::from_cli(&cli).unwrap().insecure);
+}
+
+#[test]
+fn the_shipped_example_config_parses_with_and_without_its_commented_pool() {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../contrib/systemd/device-agent.toml.example");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let f = Config::parse_file(&path, &text).unwrap();
+    assert!(f.pool.is_none() && f.devices.len() == 2);
+    // Uncomment the [pool] table (not auth_keys: the two modes exclude each other).
+    let pool: String = text
+        .lines()
+        .map(|l| match l.strip_prefix("# ") {
+            Some(rest)
+                if rest.starts_with("[pool]")
+                    || ["url", "provider", "advertise", "heartbeat"]
+                        .iter()
+                        .any(|k| rest.starts_with(k)) =>
+            {
+                rest.to_owned()
+            }
+            _ => l.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let f = Config::parse_file(&path, &pool).unwrap();
+    let p = f.pool.expect("the [pool] table");
+    assert_eq!(p.url, "http://pool.example:7400");
+    assert_eq!(p.advertise.as_deref(), Some("devsrv-01:7700"));
+}
+
+#[test]
+fn file_refuses_unknown_keys_naming_file_and_key() {
+    let f = write_config(
+        "listen = \"[::]:1\"\n[[device]]\nname = \"d\"\npath = \"/x\"\nreadonly = true\n",
+    );
+    let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+    let err = Config::from_cli(&cli).unwrap_err();
+    let chain = format!("{:#}", anyhow::Error::from(err));
+    assert!(chain.contains(&f.path().display().to_string()), "{chain}");
+    assert!(chain.contains("readonly"), "{chain}");
+
+    let f = write_config("listen = \"[::]:1\"\nport = 3\n");
+    let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+    let chain = format!(
+        "{:#}",
+        anyhow::Error::from(Config::from_cli(&cli).unwrap_err())
+    );
+    assert!(chain.contains("port"), "{chain}");
+}
+
+#[test]
+fn tls_keys_come_from_file_or_flags_and_go_together() {
+    let f = write_config(
+        "listen = \"[::]:1\"\ntls_cert = \"/etc/l.crt\"\ntls_key = \"/etc/l.key\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+    );
+    let path = f.path().to_str().unwrap();
+    let c = Config::from_cli(&Cli::parse_from(["x", "--config", path])).unwrap();
+    assert_eq!(c.tls_cert, Some(PathBuf::from("/etc/l.crt")));
+    assert_eq!(c.tls_key, Some(PathBuf::from("/etc/l.key")));
+    assert!(
+        c.to_toml().contains("tls_cert = \"/etc/l.crt\""),
+        "{}",
+        c.to_toml()
+    );
+    let c = Config::from_cli(&Cli::parse_from([
+        "x",
+        "--config",
+        path,
+        "--tls-client-ca",
+        "/etc/ca.crt",
+    ]))
+    .unwrap();
+    assert_eq!(c.tls_client_ca, Some(PathBuf::from("/etc/ca.crt")));
+    // A key without its certificate, a client CA without a certificate: refused.
+    let f = write_config(
+        "listen = \"[::]:1\"\ntls_key = \"/etc/l.key\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+    );
+    let e = Config::from_cli(&Cli::parse_from([
+        "x",
+        "--config",
+        f.path().to_str().unwrap(),
+    ]))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("tls_cert and tls_key go together"), "{e}");
+    let e = Config::from_cli(&Cli::parse_from([
+        "x",
+        "--listen",
+        "[::]:1",
+        "--device",
+        "d=/x",
+        "--tls-client-ca",
+        "/etc/ca.crt",
+    ]))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("tls_client_ca needs tls_cert"), "{e}");
+}
+
+#[test]
+fn file_refuses_duplicates_and_long_serials() {
+    let f = write_config(
+        "listen = \"[::]:1\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n[[device]]\nname = \"d\"\npath = \"/y\"\n",
+    );
+    let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+    let chain = format!(
+        "{:#}",
+        anyhow::Error::from(Config::from_cli(&cli).unwrap_err())
+    );
+    assert!(chain.contains("\"d\" is given more than once"), "{chain}");
+
+    let f = write_config(
+        "listen = \"[::]:1\"\n[[device]]\nname = \"d9\"\npath = \"/x\"\nserial = \"123456789012345678901\"\n",
+    );
+    let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+    let chain = format!(
+        "{:#}",
+        anyhow::Error::from(Config::from_cli(&cli).unwrap_err())
+    );
+    assert!(
+        chain.contains("d9") && chain.contains("21 bytes"),
+        "{chain}"
+    );
+}
+
+#[test]
+fn flags_refuse_duplicates_and_need_listen_and_devices() {
+    let cli = Cli::parse_from([
+        "x", "--listen", "[::]:1", "--device", "a=/x", "--device", "a=/y",
+    ]);
+    assert!(matches!(Config::from_cli(&cli), Err(Error::DuplicateDevice(n)) if n == "a"));
+    let cli = Cli::parse_from(["x", "--device", "a=/x"]);
+    assert!(matches!(Config::from_cli(&cli), Err(Error::NoListen)));
+    let cli = Cli::parse_from(["x", "--listen", "[::]:1"]);
+    assert!(matches!(Config::from_cli(&cli), Err(Error::NoDevices)));
+}
