@@ -26,7 +26,8 @@ readonly MIN_MAJOR="${DEVLEND_QEMU_MIN_MAJOR:-10}"
 # provider and iproute2's `rdma` for the Soft-RoCE test guest.
 # debootstrap: the Debian 13 chroot with QEMU 11 (qemu/build-qemu11-root.sh).
 # libvirt and prometheus: tests/tests/libvirt.rs and tests/tests/prometheus.rs.
-readonly BASE_PACKAGES=(busybox-static cpio kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql libibverbs-dev librdmacm-dev clang libclang-dev ibverbs-providers rdma-core debootstrap syslinux syslinux-common mtools dosfstools libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients prometheus)
+# binutils: objcopy strips debug info from the binaries put in a test guest's initramfs.
+readonly BASE_PACKAGES=(busybox-static cpio binutils kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql libibverbs-dev librdmacm-dev clang libclang-dev ibverbs-providers rdma-core debootstrap syslinux syslinux-common mtools dosfstools libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients prometheus)
 readonly QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 readonly LOCK_FILE=/run/lock/devlend-install-deps.lock
 

@@ -1127,8 +1127,7 @@ fn write_initrd(base: &Path, builder: &GuestBuilder, out: &Path) -> Result<()> {
         let (contents, host_mode) = match &file.data {
             FileData::Bytes(bytes) => (bytes.clone(), 0o644),
             FileData::Host(host) => {
-                let contents =
-                    fs::read(host).with_context(|| format!("reading {}", host.display()))?;
+                let contents = without_debug_info(host)?;
                 let mode = fs::metadata(host)
                     .with_context(|| format!("reading {}", host.display()))?
                     .permissions()
@@ -1140,6 +1139,31 @@ fn write_initrd(base: &Path, builder: &GuestBuilder, out: &Path) -> Result<()> {
     }
     let data = cpio.finish()?;
     fs::write(out, data).with_context(|| format!("writing {}", out.display()))
+}
+
+/// The contents of host file `host`; for an ELF file, without its debug sections
+/// (`objcopy --strip-debug`, symbols kept): the release binaries carry hundreds of MB
+/// of debug info, which the guest unpacks into its RAM and would run out of room for.
+/// When objcopy is missing or fails, the file as it is.
+fn without_debug_info(host: &Path) -> Result<Vec<u8>> {
+    let contents = fs::read(host).with_context(|| format!("reading {}", host.display()))?;
+    if !contents.starts_with(b"\x7fELF") {
+        return Ok(contents);
+    }
+    let Ok(tmp) = tempfile::NamedTempFile::new() else {
+        return Ok(contents);
+    };
+    let stripped = std::process::Command::new("objcopy")
+        .arg("--strip-debug")
+        .arg(host)
+        .arg(tmp.path())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    match stripped.then(|| fs::read(tmp.path())) {
+        Some(Ok(small)) if !small.is_empty() => Ok(small),
+        _ => Ok(contents),
+    }
 }
 
 /// `/usr/bin/x` -> `usr/bin/x`; rejects empty paths and `..`.
