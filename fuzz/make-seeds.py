@@ -44,6 +44,12 @@ claims = b"\x01" + bytes([9] * 16) + struct.pack("<Q", 1_800_000_000_000)
 claims += field(b"lender-a") + field(b"disk0") + field(b"vm-1")
 put("wire_decode", "token-text", b"\x04" + base64.urlsafe_b64encode(claims + bytes(64)).rstrip(b"="))
 put("wire_decode", "token-claims", b"\x05" + claims)
+# Version 3: flags (bit 0 provider key, bit 1 limits), the key, then the limits: count,
+# (lane, per_sec u64, burst u64) in ascending lane order, weight u32.
+claims3 = b"\x03" + claims[1:] + b"\x03" + bytes([0x42] * 32)
+claims3 += b"\x02" + struct.pack("<BQQ", 2, 2000, 0) + struct.pack("<BQQ", 5, 50 << 20, 1 << 20)
+claims3 += struct.pack("<I", 3)
+put("wire_decode", "token-claims-v3-limits", b"\x05" + claims3)
 
 # --- blk_request: device byte, head, n, n descriptors, then memory writes.
 NEXT, WRITE, INDIRECT = 1, 2, 4

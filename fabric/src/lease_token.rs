@@ -10,8 +10,8 @@
 //! provider, device_len: u16, device, consumer_len: u16, consumer`, in version 2 then
 //! `provider_key: [u8; 32]` (the lender's public key, which the borrower makes the lender
 //! prove in the handshake, [`crate::lender_proof`]); in version 3 instead `flags: u8`
-//! (bit 0: a provider key follows, bit 1: limits follow; other bits 0), then the
-//! provider key if bit 0, then the lease's limits ([`crate::qos`], wire form) if bit 1;
+//! (bit 0: a provider key follows, bit 1: limits follow, always set; other bits 0),
+//! then the provider key if bit 0, then the lease's limits ([`crate::qos`], wire form);
 //! then `signature: [u8; 64]`. A token without limits is version 1 or 2, byte for byte
 //! as before; one without a provider key either is version 1. The signature covers
 //! [`SIGNING_CONTEXT`] followed by every byte before it. Text form
@@ -413,6 +413,10 @@ fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
             if f & !(FLAG_PROVIDER_KEY | FLAG_QOS) != 0 {
                 return Err(TokenError::Malformed("unknown token flags"));
             }
+            // One encoding per token: claims without limits are version 1 or 2.
+            if f & FLAG_QOS == 0 {
+                return Err(TokenError::Malformed("version 3 token without limits"));
+            }
             f
         }
     };
@@ -527,6 +531,28 @@ mod tests {
                 let r = signer.public_key().verify(&LeaseToken::from_bytes(b));
                 assert!(r.is_err(), "byte {i} altered yet accepted");
             }
+        }
+    }
+
+    #[test]
+    fn a_version_3_token_without_limits_is_refused() {
+        // Found by the wire_decode fuzz target: version 3 with flags 0 (or only the key
+        // bit) decoded, and re-encoded as version 1 or 2, so two byte strings meant one
+        // token.
+        for key in [None, Some([0x42; 32])] {
+            let mut c = claims();
+            c.provider_key = key;
+            let mut body = encode_claims(&c).unwrap();
+            body[0] = TOKEN_VERSION_FLAGGED;
+            let at = body.len() - key.map_or(0, |k| k.len());
+            body.insert(at, if key.is_some() { FLAG_PROVIDER_KEY } else { 0 });
+            assert_eq!(
+                decode_claims(&body),
+                Err(TokenError::Malformed("version 3 token without limits"))
+            );
+            body[at] |= FLAG_QOS;
+            Qos::default().with_weight(1).encode(&mut body);
+            assert!(decode_claims(&body).is_ok());
         }
     }
 
