@@ -123,6 +123,17 @@ enum Cmd {
         /// --transport rdma).
         #[arg(long, value_enum, default_value = "tcp", value_name = "tcp|rdma")]
         transport: CliTransport,
+        /// With --transport rdma, what of the guest's memory the lender can reach:
+        /// request (each request's buffers, for that request alone) or guest-memory
+        /// (all of the guest's RAM while a session is open; fewer verbs calls per
+        /// request, for a lender trusted as much as this host). docs/rdma.md.
+        #[arg(
+            long,
+            value_enum,
+            default_value = "request",
+            value_name = "request|guest-memory"
+        )]
+        rdma_exposure: CliRdmaExposure,
         /// Attachment id, also the device id in the VMM (default: the device name).
         #[arg(long)]
         id: Option<String>,
@@ -323,6 +334,13 @@ enum CliTransport {
     Rdma,
 }
 
+/// `devlend attach --rdma-exposure`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CliRdmaExposure {
+    Request,
+    GuestMemory,
+}
+
 /// `devlend attach --kind`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum CliKind {
@@ -388,6 +406,7 @@ fn run(cli: Cli) -> Result<()> {
             tls_server_name,
             lender_key,
             transport,
+            rdma_exposure,
             id,
             kind,
             qmp,
@@ -487,6 +506,12 @@ fn run(cli: Cli) -> Result<()> {
                     devlend_compute_agent::api::FabricTransport::Rdma
                 } else {
                     Default::default()
+                },
+                rdma_exposure: match rdma_exposure {
+                    CliRdmaExposure::Request => devlend_compute_agent::api::RdmaExposure::Request,
+                    CliRdmaExposure::GuestMemory => {
+                        devlend_compute_agent::api::RdmaExposure::GuestMemory
+                    }
                 },
                 kind: match kind {
                     CliKind::Device => devlend_compute_agent::api::AttachKind::Device,

@@ -73,6 +73,13 @@ pub struct AttachRequest {
     /// serve RDMA on the `lender` address; the holding session stays TCP).
     #[serde(default, skip_serializing_if = "FabricTransport::is_tcp")]
     pub transport: FabricTransport,
+    /// With `transport: rdma`, what of the guest's memory the lender can reach:
+    /// `request` (default: each request's buffers, registered for that request alone and
+    /// deregistered at its response) or `guest-memory` (all of the guest's RAM, registered
+    /// once, while a session is open: fewer verbs calls per request, for a lender trusted
+    /// as much as the host). See docs/rdma.md, "Exposure". Refused with `tcp`.
+    #[serde(default, skip_serializing_if = "RdmaExposure::is_request")]
+    pub rdma_exposure: RdmaExposure,
     /// What to serve: `device` (default: a block device on vhost-user-blk, or a NIC on
     /// vhost-user-net, as the lender says) or `pci` (a PCIe function on vfio-user;
     /// `queues`, `queue_size`, `poll_us`, `reconnect_deadline_s`, `vmm` and `transport`
@@ -108,6 +115,24 @@ pub enum FabricTransport {
     Tcp,
     /// RDMA: rdma_cm, one RC queue pair per virtqueue, data moved one-sided.
     Rdma,
+}
+
+/// What of the guest's memory a lender can reach over RDMA.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RdmaExposure {
+    /// Each request's buffers, for that request alone.
+    #[default]
+    Request,
+    /// All of the guest's RAM while a session is open.
+    GuestMemory,
+}
+
+impl RdmaExposure {
+    /// Whether this is the default, `request`.
+    pub fn is_request(&self) -> bool {
+        *self == RdmaExposure::Request
+    }
 }
 
 impl FabricTransport {

@@ -500,7 +500,14 @@ impl Registry {
                         devlend_backend::blk::engine::Transport::Tcp
                     }
                     crate::api::FabricTransport::Rdma => {
-                        devlend_backend::blk::engine::Transport::Rdma
+                        devlend_backend::blk::engine::Transport::Rdma(match req.rdma_exposure {
+                            crate::api::RdmaExposure::Request => {
+                                devlend_backend::blk::engine::RdmaExposure::Request
+                            }
+                            crate::api::RdmaExposure::GuestMemory => {
+                                devlend_backend::blk::engine::RdmaExposure::GuestMemory
+                            }
+                        })
                     }
                 },
             },
@@ -573,6 +580,11 @@ impl Registry {
                 "a PCIe function is not hot-plugged yet: start the VMM with the printed \
                  --user-device / vfio-user-pci argument"
                     .into(),
+            ));
+        }
+        if !req.rdma_exposure.is_request() && req.transport != crate::api::FabricTransport::Rdma {
+            return Err(RegistryError::BadRequest(
+                "rdma_exposure applies to transport rdma only".into(),
             ));
         }
         if req.kind == crate::api::AttachKind::Pci
@@ -1112,6 +1124,27 @@ mod resolve_tests {
         );
         assert!(expected_lender_key(Some(&other.to_text()), &keyed).is_err());
         assert!(expected_lender_key(Some("nope"), &[]).is_err());
+    }
+
+    #[test]
+    fn rdma_exposure_is_refused_without_rdma() {
+        let req = |v: serde_json::Value| -> AttachRequest { serde_json::from_value(v).unwrap() };
+        let base = serde_json::json!({
+            "lender": "127.0.0.1:1", "device": "d", "socket": "/nonexistent/devlend-test.sock",
+        });
+        // The default is request-bounded, and is not written out.
+        let plain = req(base.clone());
+        assert_eq!(plain.rdma_exposure, crate::api::RdmaExposure::Request);
+        assert!(serde_json::to_value(&plain)
+            .unwrap()
+            .get("rdma_exposure")
+            .is_none());
+        let mut v = base;
+        v["rdma_exposure"] = "guest-memory".into();
+        match Registry::default().attach(req(v)) {
+            Err(RegistryError::BadRequest(m)) => assert!(m.contains("rdma_exposure"), "{m}"),
+            other => panic!("guest-memory exposure over TCP: {:?}", other.map(|i| i.id)),
+        }
     }
 
     #[test]

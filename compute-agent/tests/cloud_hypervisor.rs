@@ -1075,6 +1075,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         tls: false,
         tls_server_name: None,
         transport: Default::default(),
+        rdma_exposure: Default::default(),
         kind: Default::default(),
     };
     let info = registry.attach(req("vm1-d")).expect("attach");

@@ -13,7 +13,11 @@
 //! that RDMA sessions record what TCP ones do: a latency for every request answered
 //! (after the verified run), and the device's errors (a third device whose file shrinks
 //! under the lender, so that its reads fail). The stress matrix (`stress.rs`)
-//! runs over RDMA too. Last, the lender's shutdown must
+//! runs over RDMA too. A rogue lender (`devlend-rogue-rdma-lender`) must be refused
+//! when it RDMA-reads guest memory outside the requests it was sent, or a request's
+//! buffer after answering it; with `--rdma-exposure guest-memory` both reads work, and
+//! the cost of per-request registration is measured against it in the same run.
+//! Last, the lender's shutdown must
 //! stop the RDMA sessions of the attachment still open.
 //! On the host (no RDMA device), `--transport rdma` must fail at once and say why.
 
@@ -99,9 +103,39 @@ devlend detach --api /run/devlend/ca.sock disk3 > /dev/null
 # queue, 4K to 1M, read/write/mixed): every cell keeps completing and verifies.
 if devlend stress --socket /run/devlend/rdma.sock --queue-size 1024 --cell-ms 1000 --stall-ms 5000 > /tmp/stress-rdma 2>&1; then echo "DEVLEND-RESULT stress=ok"; else echo "DEVLEND-RESULT stress=failed"; fi
 tail -n 4 /tmp/stress-rdma | sed 's/^/stress: /'
-devlend bench --socket /run/devlend/rdma.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-rdma 2>&1 || true
-tail -n 3 /tmp/bench-rdma | sed 's/^/DEVLEND-BENCH rdma: /'
+# The cost of registering each request's buffers (the default) against registering
+# guest memory once (--rdma-exposure guest-memory), in the same run.
+iops() { grep -o '"iops": *[0-9.]*' $1 | head -1 | tr -dc '0-9.'; }
+devlend bench --socket /run/devlend/rdma.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 --json > /tmp/bench-rdma 2>&1 || true
+echo "DEVLEND-RESULT iops_request=$(iops /tmp/bench-rdma)"
 devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
+devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 --socket /run/devlend/rdma-gm.sock --queues 2 --transport rdma --rdma-exposure guest-memory > /dev/null
+devlend bench --socket /run/devlend/rdma-gm.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 --json > /tmp/bench-rdma-gm 2>&1 || true
+echo "DEVLEND-RESULT iops_guest_memory=$(iops /tmp/bench-rdma-gm)"
+devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
+# What a lender can reach over RDMA. A rogue lender answers RDMA at 10.9.0.1:7701 (a
+# plain TCP lender there holds the device for the borrower): it reads guest memory
+# outside the requests it was sent, and a request's buffer again after answering it.
+truncate -s 64M /srv/disk4.img
+devlend-device-agent --listen 10.9.0.1:7701 --insecure --device disk4=/srv/disk4.img --log-level warn >> /tmp/lender2.log 2>&1 &
+sleep 1
+rogue() {
+  devlend-rogue-rdma-lender --listen 10.9.0.1:7701 --capacity 67108864 --tag $1 > /tmp/rogue-$1.out 2> /tmp/rogue-$1.log &
+  RPID=$!
+  sleep 1
+  devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7701 --device disk4 --socket /run/devlend/rogue-$1.sock --queues 1 --transport rdma $2 > /dev/null
+  devlend verify --socket /run/devlend/rogue-$1.sock --queues 1 --span 1M --rounds 1 --out /tmp/rogue-expected > /dev/null 2>&1 &
+  RVPID=$!
+  for i in $(seq 60); do kill -0 $RPID 2>/dev/null || break; sleep 1; done
+  kill $RPID 2>/dev/null || true
+  kill -9 $RVPID 2>/dev/null || true
+  wait $RVPID 2>/dev/null || true
+  cat /tmp/rogue-$1.out
+  sed "s/^/rogue: /" /tmp/rogue-$1.log
+  devlend detach --api /run/devlend/ca.sock disk4 > /dev/null
+}
+rogue bounded ""
+rogue whole "--rdma-exposure guest-memory"
 devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 --socket /run/devlend/tcp.sock --queues 2 > /dev/null
 devlend bench --socket /run/devlend/tcp.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-tcp 2>&1 || true
 tail -n 3 /tmp/bench-tcp | sed 's/^/DEVLEND-BENCH tcp: /'
@@ -131,7 +165,12 @@ fn rdma_on_soft_roce_in_a_guest() {
         "/etc/libibverbs.d/rxe.driver".to_string(),
         "/lib64/ld-linux-x86-64.so.2".to_string(),
     ];
-    for name in ["devlend", "devlend-device-agent", "devlend-compute-agent"] {
+    for name in [
+        "devlend",
+        "devlend-device-agent",
+        "devlend-compute-agent",
+        "devlend-rogue-rdma-lender",
+    ] {
         let p = bin(name);
         files.extend(libs(&p));
         b = b.host_file(format!("/bin/{name}"), p);
@@ -155,6 +194,7 @@ fn rdma_on_soft_roce_in_a_guest() {
             || l.contains("verify: ")
             || l.contains("stress: ")
             || l.contains("lender: ")
+            || l.contains("rogue: ")
     }) {
         eprintln!("{l}");
     }
@@ -214,11 +254,13 @@ fn rdma_on_soft_roce_in_a_guest() {
         Some(expected),
         "the lender's file holds every acknowledged write across its restart"
     );
+    let num_f = |k: &str| -> f64 {
+        out.result(k)
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
     // The lender's limit held over RDMA, with no failed request.
-    let qos_iops: f64 = out
-        .result("qos_iops")
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
+    let qos_iops = num_f("qos_iops");
     assert!(
         (450.0..=550.0).contains(&qos_iops),
         "reads over RDMA under a 500 IOPS limit: {qos_iops}"
@@ -233,6 +275,43 @@ fn rdma_on_soft_roce_in_a_guest() {
         out.result("stress"),
         Some("ok"),
         "the stress matrix over RDMA"
+    );
+    // A lender reaches a request's buffers only, and only until its response: by
+    // default an RDMA READ of guest memory outside the requests in flight, and one
+    // with a request's key after its response, are refused; with --rdma-exposure
+    // guest-memory both succeed (the whole-RAM mode is still there, and the probes can
+    // tell the two apart).
+    for (tag, want_refused) in [("bounded", true), ("whole", false)] {
+        assert_eq!(
+            out.result(&format!("{tag}_inside")),
+            Some("ok"),
+            "{tag}: the rogue lender reads a write's own buffer"
+        );
+        for probe in ["outside", "stale"] {
+            let got = out.result(&format!("{tag}_{probe}")).unwrap_or("missing");
+            if want_refused {
+                assert!(
+                    got.starts_with("refused"),
+                    "{tag}: a {probe} read by a rogue lender: {got}"
+                );
+            } else {
+                assert_eq!(
+                    got, "ok",
+                    "{tag}: a {probe} read with guest-memory exposure"
+                );
+            }
+        }
+    }
+    let iops_request = num_f("iops_request");
+    let iops_gm = num_f("iops_guest_memory");
+    eprintln!(
+        "4K randread QD16 over RDMA: {iops_request:.0} IOPS with per-request registration, \
+         {iops_gm:.0} with guest memory registered once (ratio {:.2})",
+        iops_request / iops_gm.max(1.0)
+    );
+    assert!(
+        iops_request > 0.0 && iops_gm > 0.0,
+        "both exposures served the benchmark"
     );
     // Shutdown stopped both queue sessions of the attachment in use.
     let stopped: u32 = out

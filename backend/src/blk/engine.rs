@@ -51,7 +51,9 @@ use crate::guest::{GuestMemoryRef, HostIov};
 
 pub use crate::blk::link::DisplayChain;
 pub use crate::blk::stats::{QueueStats, StatsSnapshot};
-pub use crate::blk::target::{new_borrower_id, LenderTarget, Transport, CONNECT_TIMEOUT};
+pub use crate::blk::target::{
+    new_borrower_id, LenderTarget, RdmaExposure, Transport, CONNECT_TIMEOUT,
+};
 
 /// The state of one virtqueue of one attachment.
 pub struct QueueEngine {
@@ -120,12 +122,12 @@ fn open_link(
             Ok((Box::new(link), reply))
         }
         #[cfg(feature = "rdma")]
-        Transport::Rdma => {
-            let (link, reply) = crate::blk::rdma::RdmaLink::connect(target, index)?;
+        Transport::Rdma(exposure) => {
+            let (link, reply) = crate::blk::rdma::RdmaLink::connect(target, index, exposure)?;
             Ok((Box::new(link), reply))
         }
         #[cfg(not(feature = "rdma"))]
-        Transport::Rdma => Err(ConnectError::Rdma {
+        Transport::Rdma(_) => Err(ConnectError::Rdma {
             addr: target.addr.clone(),
             source: devlend_fabric::rdma::RdmaError::NotCompiled,
         }),
@@ -140,7 +142,7 @@ fn open_link(
 pub fn probe_transport(target: &LenderTarget) -> Result<(), ConnectError> {
     match target.transport {
         Transport::Tcp => Ok(()),
-        Transport::Rdma => open_link(target, 0).map(drop),
+        Transport::Rdma(_) => open_link(target, 0).map(drop),
     }
 }
 

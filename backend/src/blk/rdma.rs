@@ -5,7 +5,15 @@
 //! lender moves the data one-sided and SENDs the response header, so a receive is
 //! headers only, each completing its request at once.
 //!
-//! **Memory-region lifetime** (the rule is in [`crate::blk::mr_cache`]): each guest
+//! **What the lender can reach** is the attachment's [`RdmaExposure`]. By default
+//! ([`RdmaExposure::Request`]) each buffer of a request is registered when the request
+//! is sent, for the lender alone and in the request's direction (it may write a read's
+//! buffers, read a write's), and deregistered when the response arrives, or when the
+//! head is sent again or the session goes: its rkey reaches that buffer and nothing
+//! else, and dies with the request.
+//!
+//! **Memory-region lifetime with [`RdmaExposure::GuestMemory`]** (the rule is in
+//! [`crate::blk::mr_cache`]): each guest
 //! memory region is one MR (local write, remote read, remote write) in this session's
 //! protection domain, registered when vhost-user hands over a map containing it
 //! ([`Link::memory_changed`], from `update_memory`) or, on a new session, when the
@@ -24,9 +32,9 @@ use crate::blk::link::{check_response, next_request, FabricFault, Link};
 use crate::blk::mr_cache::RegionCache;
 use crate::blk::spec::S_IOERR;
 use crate::blk::table::{RequestTable, Slot};
-use crate::blk::target::{LenderTarget, CONNECT_TIMEOUT};
+use crate::blk::target::{LenderTarget, RdmaExposure, CONNECT_TIMEOUT};
 use crate::guest::GuestMemoryRef;
-use devlend_fabric::rdma::verbs::{self, Completion, Connection, Mr, RECV_BIT};
+use devlend_fabric::rdma::verbs::{self, Completion, Connection, Mr, PeerAccess, RECV_BIT};
 use devlend_fabric::rdma::{encode_request, RdmaError, Segment, MAX_REQUEST_MSG, MAX_SEGMENTS};
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::wire::{REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
@@ -40,10 +48,23 @@ fn register(pd: &Arc<verbs::Pd>, ptr: *mut u8, len: usize) -> Result<Mr, RdmaErr
     unsafe { Mr::register(pd, ptr, len, true) }
 }
 
+/// The registrations of one request's buffers ([`RdmaExposure::Request`]).
+struct RequestRegs {
+    /// One per buffer (dropped before `_keep`: field order).
+    _mrs: Vec<Mr>,
+    /// The map the buffers were parsed with, so that they stay mapped while registered.
+    _keep: GuestMemoryRef,
+}
+
 /// One queue's RDMA connection. The connection (its QP) is dropped before the MRs.
 pub(crate) struct RdmaLink {
     conn: Connection,
+    exposure: RdmaExposure,
+    /// [`RdmaExposure::GuestMemory`]: the guest memory regions' registrations.
     regs: RegionCache<Mr>,
+    /// [`RdmaExposure::Request`]: the registrations of each head's request on this
+    /// session, indexed by head (at most the queue size).
+    per_request: Vec<Option<RequestRegs>>,
     segs: Vec<Segment>,
     done: Vec<Completion>,
     /// Response headers taken from receives, reused between calls.
@@ -55,6 +76,7 @@ impl RdmaLink {
     pub(crate) fn connect(
         target: &LenderTarget,
         index: u16,
+        exposure: RdmaExposure,
     ) -> Result<(RdmaLink, HelloReply), ConnectError> {
         let hello = target.hello(index);
         let (conn, reply) =
@@ -76,7 +98,9 @@ impl RdmaLink {
         Ok((
             RdmaLink {
                 conn,
+                exposure,
                 regs: RegionCache::new(),
+                per_request: Vec::new(),
                 segs: Vec::with_capacity(MAX_SEGMENTS),
                 done: Vec::new(),
                 responses: Vec::new(),
@@ -111,8 +135,10 @@ impl RdmaLink {
         current: &'a GuestMemoryRef,
         in_flight: impl Iterator<Item = &'a GuestMemoryRef>,
     ) -> Result<(), RdmaError> {
-        self.ensure(current)?;
-        self.prune(current, in_flight);
+        if self.exposure == RdmaExposure::GuestMemory {
+            self.ensure(current)?;
+            self.prune(current, in_flight);
+        }
         Ok(())
     }
 
@@ -144,22 +170,18 @@ impl RdmaLink {
         slot: &Slot,
     ) -> Result<bool, RdmaError> {
         self.segs.clear();
-        if matches!(slot.op, Some(Op::Read | Op::Write)) {
+        if let Some(op @ (Op::Read | Op::Write)) = slot.op {
             let Some(mem) = slot.mem.as_ref() else {
                 return Ok(false);
             };
-            self.ensure(mem)?;
-            let mut ok = slot.iovs.len() <= MAX_SEGMENTS;
-            for iov in slot.iovs.iter().take(MAX_SEGMENTS) {
-                match self.regs.lookup(iov.ptr as u64, iov.len as u64, Mr::rkey) {
-                    Some(rkey) => self.segs.push(Segment {
-                        addr: iov.ptr as u64,
-                        rkey,
-                        len: iov.len as u32,
-                    }),
-                    None => ok = false,
-                }
-            }
+            let ok = slot.iovs.len() <= MAX_SEGMENTS
+                && match self.exposure {
+                    RdmaExposure::Request => {
+                        self.register_request(head, op, slot, mem)?;
+                        true
+                    }
+                    RdmaExposure::GuestMemory => self.guest_memory_segments(slot, mem)?,
+                };
             if !ok {
                 tracing::warn!(
                     head,
@@ -174,6 +196,80 @@ impl RdmaLink {
         let n = encode_request(header, &self.segs, &mut buf[..MAX_REQUEST_MSG]);
         self.conn.post_send(i, n, u64::from(head))?;
         Ok(true)
+    }
+
+    /// [`RdmaExposure::Request`]: registers each buffer of the request at `head` for
+    /// the lender alone, in the request's direction, and describes them in `segs`. The
+    /// registrations of the head's previous request on this session go (its response
+    /// came, or it is sent again).
+    fn register_request(
+        &mut self,
+        head: u16,
+        op: Op,
+        slot: &Slot,
+        mem: &GuestMemoryRef,
+    ) -> Result<(), RdmaError> {
+        let i = usize::from(head);
+        if self.per_request.len() <= i {
+            self.per_request.resize_with(i + 1, || None);
+        }
+        self.per_request[i] = None;
+        // The lender writes a read's buffers, and reads a write's data.
+        let peer = if op == Op::Read {
+            PeerAccess::Write
+        } else {
+            PeerAccess::Read
+        };
+        let pd = Arc::clone(self.conn.pd());
+        let mut mrs = Vec::with_capacity(slot.iovs.len());
+        for iov in &slot.iovs {
+            // SAFETY: the iovec is a guest buffer inside a region of `mem` (the chain
+            // was parsed against it); `RequestRegs` keeps `mem`, dropped after the MRs
+            // (field order), so the range stays mapped while registered.
+            let mr = unsafe { Mr::register_for_peer(&pd, iov.ptr, iov.len, peer) }?;
+            self.segs.push(Segment {
+                addr: iov.ptr as u64,
+                rkey: mr.rkey(),
+                len: iov.len as u32,
+            });
+            mrs.push(mr);
+        }
+        self.per_request[i] = Some(RequestRegs {
+            _mrs: mrs,
+            _keep: mem.clone(),
+        });
+        Ok(())
+    }
+
+    /// [`RdmaExposure::GuestMemory`]: describes the request's buffers by the rkeys of
+    /// their guest memory regions (registered now if they are not yet). `false` when a
+    /// buffer is outside the registered regions.
+    fn guest_memory_segments(
+        &mut self,
+        slot: &Slot,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, RdmaError> {
+        self.ensure(mem)?;
+        let mut ok = true;
+        for iov in &slot.iovs {
+            match self.regs.lookup(iov.ptr as u64, iov.len as u64, Mr::rkey) {
+                Some(rkey) => self.segs.push(Segment {
+                    addr: iov.ptr as u64,
+                    rkey,
+                    len: iov.len as u32,
+                }),
+                None => ok = false,
+            }
+        }
+        Ok(ok)
+    }
+
+    /// The response for `head` arrived: the lender is done with its buffers, whose
+    /// registrations go ([`RdmaExposure::Request`]).
+    fn release_request(&mut self, head: u16) {
+        if let Some(r) = self.per_request.get_mut(usize::from(head)) {
+            *r = None;
+        }
     }
 
     /// Takes the response headers that arrived (their data is already in guest memory),
@@ -260,6 +356,7 @@ impl Link for RdmaLink {
                 if r.throttled {
                     done.throttled();
                 }
+                self.release_request(r.head);
                 Ok(done.complete(table, r.head, r.status)?)
             }) {
                 outcome = Err(fault);
@@ -269,7 +366,7 @@ impl Link for RdmaLink {
         responses.clear();
         self.responses = responses;
         // Registrations of regions only completed requests used go now.
-        if self.regs.has_stale() {
+        if self.exposure == RdmaExposure::GuestMemory && self.regs.has_stale() {
             self.prune(done.mem(), table.busy_mems());
         }
         outcome?;

@@ -36,8 +36,24 @@ pub enum Transport {
     #[default]
     Tcp,
     /// RDMA: requests carry (addr, rkey, len) of guest memory; the lender moves the
-    /// data one-sided.
-    Rdma,
+    /// data one-sided, within what the exposure lets it reach.
+    Rdma(RdmaExposure),
+}
+
+/// How much guest memory a lender can reach over RDMA (docs/rdma.md, "Exposure").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RdmaExposure {
+    /// Each request's buffers are registered for it alone, in its direction (the
+    /// lender may only write a read's buffers and only read a write's), when it is sent,
+    /// and deregistered when its response arrives: the lender reaches nothing else, and
+    /// nothing after the request.
+    #[default]
+    Request,
+    /// Every guest memory region is registered once, for remote read and write, for
+    /// the session's life: fewer verbs calls per request, but the lender can read and
+    /// write all of the guest's RAM while a session is open. For lenders trusted as
+    /// much as the host.
+    GuestMemory,
 }
 
 impl LenderTarget {

@@ -247,7 +247,7 @@ impl Link {
                 Wire::Stream(stream)
             }
             #[cfg(feature = "rdma")]
-            crate::blk::engine::Transport::Rdma => {
+            crate::blk::engine::Transport::Rdma(_) => {
                 drop(memory);
                 let wire = rdma_connect(t, &hello)?;
                 let reader = Arc::clone(&wire);
@@ -263,7 +263,7 @@ impl Link {
                 Wire::Rdma(wire)
             }
             #[cfg(not(feature = "rdma"))]
-            crate::blk::engine::Transport::Rdma => {
+            crate::blk::engine::Transport::Rdma(_) => {
                 drop(memory);
                 return Err(ConnectError::Rdma {
                     addr: t.lender.clone(),

@@ -205,6 +205,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         tls: false,
         tls_server_name: None,
         transport: Default::default(),
+        rdma_exposure: Default::default(),
         kind: Default::default(),
     })?;
     let attach = format!(

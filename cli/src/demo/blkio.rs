@@ -50,6 +50,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         tls: false,
         tls_server_name: None,
         transport: Default::default(),
+        rdma_exposure: Default::default(),
         kind: Default::default(),
     })?;
 

@@ -169,6 +169,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         tls: false,
         tls_server_name: None,
         transport: Default::default(),
+        rdma_exposure: Default::default(),
         kind: Default::default(),
     })?;
     guest.wait_for_line(

@@ -226,6 +226,15 @@ impl Drop for Pd {
     }
 }
 
+/// What a peer may do to a range registered with [`Mr::register_for_peer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerAccess {
+    /// RDMA READ it.
+    Read,
+    /// RDMA WRITE it.
+    Write,
+}
+
 /// A registered memory region; deregistered on drop.
 pub struct Mr {
     mr: *mut ibv_mr,
@@ -257,6 +266,38 @@ impl Mr {
         let mr = unsafe { ibv_reg_mr(pd.0, addr.cast(), len, access as i32) };
         if mr.is_null() {
             return Err(resources("a memory region"));
+        }
+        Ok(Mr {
+            mr,
+            _pd: pd.clone(),
+        })
+    }
+
+    /// Registers `len` bytes at `addr` in `pd` for the peer alone, in one direction:
+    /// [`PeerAccess::Read`] lets it RDMA READ the range (the data of a write request),
+    /// [`PeerAccess::Write`] lets it RDMA WRITE it (the buffers of a read request; the
+    /// verbs require local write beside remote write). Nothing outside the range is
+    /// reachable with its rkey, and the rkey dies when the MR is dropped.
+    ///
+    /// # Safety
+    /// As [`Mr::register`].
+    pub unsafe fn register_for_peer(
+        pd: &Arc<Pd>,
+        addr: *mut u8,
+        len: usize,
+        peer: PeerAccess,
+    ) -> Result<Mr, RdmaError> {
+        let access = match peer {
+            PeerAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            PeerAccess::Write => {
+                ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+                    | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+            }
+        };
+        // SAFETY: the range is mapped (caller's contract); pd is live.
+        let mr = unsafe { ibv_reg_mr(pd.0, addr.cast(), len, access as i32) };
+        if mr.is_null() {
+            return Err(resources("a memory region for one request"));
         }
         Ok(Mr {
             mr,
