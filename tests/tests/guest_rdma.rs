@@ -136,6 +136,29 @@ rogue() {
 }
 rogue bounded ""
 rogue whole "--rdma-exposure guest-memory"
+# The lender proves its key over RDMA as over TCP: an attach that asks for the real
+# lender's key works, and one sent to the rogue (no key; the holding session, over TCP,
+# is the real lender's) fails at attach, before any request.
+LKEY=$(grep "this lender's key" /tmp/lender.log | tail -n 1 | grep -o 'key=[A-Za-z0-9_-]*' | cut -d= -f2)
+echo "DEVLEND-RESULT lender_key_len=${#LKEY}"
+if devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 --socket /run/devlend/proof.sock --queues 1 --transport rdma --lender-key "$LKEY" > /dev/null 2>/tmp/proof-real.err; then
+  devlend bench --socket /run/devlend/proof.sock --rw randread --bs 4K --iodepth 4 --runtime 1 --ramp 0 --json > /tmp/bench-proof 2>&1 || true
+  echo "DEVLEND-RESULT proof_real_iops=$(iops /tmp/bench-proof)"
+  devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
+else
+  sed 's/^/proof: /' /tmp/proof-real.err
+fi
+devlend-rogue-rdma-lender --listen 10.9.0.1:7701 --tag proof > /dev/null 2>&1 &
+RPID=$!
+sleep 1
+if devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7701 --device disk4 --socket /run/devlend/proof-rogue.sock --queues 1 --transport rdma --lender-key "$LKEY" > /dev/null 2>/tmp/proof-rogue.err; then
+  echo "DEVLEND-RESULT proof_rogue=attached"
+  devlend detach --api /run/devlend/ca.sock disk4 > /dev/null
+else
+  echo "DEVLEND-RESULT proof_rogue=refused"
+  sed 's/^/proof: /' /tmp/proof-rogue.err
+fi
+kill $RPID 2>/dev/null || true
 devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 --socket /run/devlend/tcp.sock --queues 2 > /dev/null
 devlend bench --socket /run/devlend/tcp.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-tcp 2>&1 || true
 tail -n 3 /tmp/bench-tcp | sed 's/^/DEVLEND-BENCH tcp: /'
@@ -195,6 +218,7 @@ fn rdma_on_soft_roce_in_a_guest() {
             || l.contains("stress: ")
             || l.contains("lender: ")
             || l.contains("rogue: ")
+            || l.contains("proof: ")
     }) {
         eprintln!("{l}");
     }
@@ -302,6 +326,22 @@ fn rdma_on_soft_roce_in_a_guest() {
             }
         }
     }
+    // The lender's proof of its key holds over RDMA: the real lender passes, a lender
+    // at its address without its key is refused at attach, saying so.
+    assert_eq!(num("lender_key_len"), 43, "the lender logged its key");
+    assert!(
+        num_f("proof_real_iops") > 0.0,
+        "I/O over RDMA with the lender's key checked"
+    );
+    assert_eq!(
+        out.result("proof_rogue"),
+        Some("refused"),
+        "an RDMA lender that cannot prove the key"
+    );
+    assert!(
+        console.contains("is not the one expected") || console.contains("did not prove its key"),
+        "the refusal names the lender's key"
+    );
     let iops_request = num_f("iops_request");
     let iops_gm = num_f("iops_guest_memory");
     eprintln!(
