@@ -262,10 +262,25 @@ impl Mr {
             access |= ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
                 | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
         }
+        // SAFETY: the caller's contract.
+        unsafe { Self::register_access(pd, addr, len, access, "a memory region") }
+    }
+
+    /// `ibv_reg_mr` with `access`; `what` names the region in the error.
+    ///
+    /// # Safety
+    /// As [`Mr::register`].
+    unsafe fn register_access(
+        pd: &Arc<Pd>,
+        addr: *mut u8,
+        len: usize,
+        access: u32,
+        what: &'static str,
+    ) -> Result<Mr, RdmaError> {
         // SAFETY: the range is mapped (caller's contract); pd is live.
         let mr = unsafe { ibv_reg_mr(pd.0, addr.cast(), len, access as i32) };
         if mr.is_null() {
-            return Err(resources("a memory region"));
+            return Err(resources(what));
         }
         Ok(Mr {
             mr,
@@ -294,15 +309,8 @@ impl Mr {
                     | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
             }
         };
-        // SAFETY: the range is mapped (caller's contract); pd is live.
-        let mr = unsafe { ibv_reg_mr(pd.0, addr.cast(), len, access as i32) };
-        if mr.is_null() {
-            return Err(resources("a memory region for one request"));
-        }
-        Ok(Mr {
-            mr,
-            _pd: pd.clone(),
-        })
+        // SAFETY: the caller's contract.
+        unsafe { Self::register_access(pd, addr, len, access, "a memory region for one request") }
     }
 
     /// Start address.

@@ -200,20 +200,7 @@ fn session(
             let mut held = std::mem::take(&mut held).into_iter();
             if let Some((id, s)) = held.next() {
                 respond(&mut conn, id, 0)?;
-                std::thread::sleep(Duration::from_millis(300));
-                let r = read(
-                    &mut conn,
-                    &mr,
-                    s[0].addr,
-                    s[0].rkey,
-                    PROBE_LEN.min(s[0].len),
-                )?;
-                let refused = r != "ok";
-                found.stale = Some(r);
-                report(&a.tag, "stale", found.stale.as_deref());
-                if refused {
-                    return Err("the stale-key read was refused; the queue pair is gone".into());
-                }
+                stale_probe(&mut conn, &mr, s[0], &a.tag, found)?;
             }
             for (id, _) in held {
                 respond(&mut conn, id, 0)?;
@@ -238,16 +225,8 @@ fn session(
                     held.push((h.id, segs.clone()));
                 }
                 BlockRequest::Write { .. } if found.stale.is_none() => {
-                    let s = segs[0];
                     respond(&mut conn, h.id, 0)?;
-                    std::thread::sleep(Duration::from_millis(300));
-                    let r = read(&mut conn, &mr, s.addr, s.rkey, PROBE_LEN.min(s.len))?;
-                    let refused = r != "ok";
-                    found.stale = Some(r);
-                    report(&a.tag, "stale", found.stale.as_deref());
-                    if refused {
-                        return Err("the stale-key read was refused; the queue pair is gone".into());
-                    }
+                    stale_probe(&mut conn, &mr, segs[0], &a.tag, found)?;
                 }
                 BlockRequest::Write { .. } => respond(&mut conn, h.id, 0)?,
                 BlockRequest::Read { len, .. } => respond(&mut conn, h.id, len.0)?,
@@ -260,6 +239,27 @@ fn session(
         }
         wait_fd(conn.fd(), Duration::from_millis(50));
     }
+}
+
+/// After answering the request whose first buffer is `s`: waits 300 ms and reads the
+/// buffer again with its key. An error when the read was refused (the queue pair is
+/// then gone).
+fn stale_probe(
+    conn: &mut Connection,
+    mr: &Mr,
+    s: Segment,
+    tag: &str,
+    found: &mut Findings,
+) -> Result<(), String> {
+    std::thread::sleep(Duration::from_millis(300));
+    let r = read(conn, mr, s.addr, s.rkey, PROBE_LEN.min(s.len))?;
+    let refused = r != "ok";
+    found.stale = Some(r);
+    report(tag, "stale", found.stale.as_deref());
+    if refused {
+        return Err("the stale-key read was refused; the queue pair is gone".into());
+    }
+    Ok(())
 }
 
 /// An address 512 bytes long outside every held request's buffers: the first one found
