@@ -41,6 +41,13 @@ pub enum PoolCmd {
         /// Connections served at once; more are closed at accept.
         #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
         max_connections: u64,
+        /// Connections served at once from one IP address; more are closed at accept.
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+        max_connections_per_address: u64,
+        /// Seconds a request's body and its handling may take after its headers; then it
+        /// is answered 408 and its connection closed.
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+        request_timeout_secs: u64,
         /// Database URL: sqlite:///PATH, sqlite::memory: or postgres://USER@HOST/DB
         /// (default: SQLite in --data-dir).
         #[arg(long)]
@@ -156,6 +163,8 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             tls_key,
             header_timeout_secs,
             max_connections,
+            max_connections_per_address,
+            request_timeout_secs,
             database,
             data_dir,
             log_level,
@@ -176,6 +185,9 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 limits: Limits {
                     header_timeout: std::time::Duration::from_secs(header_timeout_secs),
                     max_connections: usize::try_from(max_connections).unwrap_or(usize::MAX),
+                    max_per_address: usize::try_from(max_connections_per_address)
+                        .unwrap_or(usize::MAX),
+                    request_timeout: std::time::Duration::from_secs(request_timeout_secs),
                 },
                 database,
                 data_dir,

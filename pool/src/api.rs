@@ -62,6 +62,9 @@ pub mod codes {
     pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
     /// The body is larger than the pool accepts.
     pub const TOO_LARGE: &str = "payload_too_large";
+    /// The request's body and handling took longer than the pool allows (408; the
+    /// connection is closed).
+    pub const REQUEST_TIMEOUT: &str = "request_timeout";
     /// The provider is not registered (a lender then registers again).
     pub const UNKNOWN_PROVIDER: &str = "unknown_provider";
     /// No lease with that id.

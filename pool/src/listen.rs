@@ -5,14 +5,20 @@
 //! Limits ([`Limits`]):
 //! - At most `max_connections` connections at once; one over that is closed at accept,
 //!   before any read (the refusal is logged, rate-limited).
+//! - At most `max_per_address` of them from one IP address; one over that is closed
+//!   at accept the same way, so that one client cannot take every slot.
 //! - The TLS handshake must complete within `header_timeout` of the accept, and each
 //!   request's headers must arrive within `header_timeout` of the connection being
 //!   ready for them (for a kept-alive connection: of the previous answer). A
 //!   connection that misses either is closed.
+//! - Each request, its body and its handling, must be done within `request_timeout`
+//!   of its headers; otherwise it is answered 408 and its connection closed (a client
+//!   that sends its body slowly holds a connection that long at most).
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::ConnectInfo;
@@ -33,6 +39,10 @@ use crate::error::Result;
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once by default.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Connections served at once from one IP address by default.
+pub const DEFAULT_MAX_PER_ADDRESS: usize = 64;
+/// How long a request's body and handling may take by default.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a stopping pool waits for requests in flight.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -52,6 +62,10 @@ pub struct Limits {
     pub header_timeout: Duration,
     /// Connections served at once; more are closed at accept.
     pub max_connections: usize,
+    /// Connections served at once from one IP address; more are closed at accept.
+    pub max_per_address: usize,
+    /// Time for a request's body and its handling, from its headers; then 408.
+    pub request_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -59,6 +73,53 @@ impl Default for Limits {
         Limits {
             header_timeout: DEFAULT_HEADER_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_per_address: DEFAULT_MAX_PER_ADDRESS,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+        }
+    }
+}
+
+/// Connections open per IP address.
+#[derive(Default)]
+struct PerAddress(Mutex<HashMap<IpAddr, usize>>);
+
+/// One connection counted against its address; uncounted on drop.
+struct AddressSlot {
+    table: Arc<PerAddress>,
+    ip: IpAddr,
+}
+
+impl PerAddress {
+    /// Counts a connection from `ip`, unless `max` are open already.
+    fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<AddressSlot> {
+        let mut t = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = t.entry(ip).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(AddressSlot {
+            table: Arc::clone(self),
+            ip,
+        })
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut t = self
+            .table
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = t.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                t.remove(&self.ip);
+            }
         }
     }
 }
@@ -101,6 +162,7 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let per_address = Arc::new(PerAddress::default());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
@@ -126,12 +188,23 @@ pub async fn run(
             drop(tcp);
             continue;
         };
+        let Some(address_slot) = per_address.take(peer.ip(), limits.max_per_address) else {
+            devlend_fabric::limited!(
+                warn,
+                %peer,
+                max_per_address = limits.max_per_address,
+                "pool: connection refused: too many connections from this address"
+            );
+            drop(tcp);
+            continue;
+        };
         let _ = tcp.set_nodelay(true);
         let router = router.clone();
         let tls = tls.clone();
         let watcher = graceful.watcher();
         tokio::spawn(async move {
             let _permit = permit;
+            let _address_slot = address_slot;
             match tls {
                 None => serve_connection(tcp, peer, router, limits, watcher).await,
                 Some(acceptor) => {
@@ -180,7 +253,23 @@ async fn serve_connection<S>(
     let svc = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
         req.extensions_mut().insert(ConnectInfo(peer));
         let mut router = router.clone();
-        async move { router.call(req).await }
+        async move {
+            let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+            match tokio::time::timeout(limits.request_timeout, router.call(req)).await {
+                Ok(answer) => answer,
+                Err(_) => {
+                    devlend_fabric::limited!(
+                        info,
+                        %peer,
+                        %method,
+                        %path,
+                        timeout_s = limits.request_timeout.as_secs_f64(),
+                        "pool: request not done in time (a slow body?); answered 408, connection closed"
+                    );
+                    Ok(request_timeout())
+                }
+            }
+        }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
@@ -198,6 +287,27 @@ async fn serve_connection<S>(
             devlend_fabric::limited!(debug, %peer, error = %e, "pool: connection ended");
         }
     }
+}
+
+/// 408, closing the connection (what is left of the body is not read).
+fn request_timeout() -> axum::response::Response {
+    let body = serde_json::to_vec(&crate::api::ErrorBody {
+        code: crate::api::codes::REQUEST_TIMEOUT.into(),
+        message: "the request (its body and handling) was not done in time".into(),
+    })
+    .unwrap_or_default();
+    let mut r = axum::response::Response::new(axum::body::Body::from(body));
+    *r.status_mut() = hyper::StatusCode::REQUEST_TIMEOUT;
+    let h = r.headers_mut();
+    h.insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    h.insert(
+        hyper::header::CONNECTION,
+        hyper::header::HeaderValue::from_static("close"),
+    );
+    r
 }
 
 /// `http` or `https`, for URLs in logs.

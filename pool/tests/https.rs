@@ -305,6 +305,7 @@ fn connections_over_the_cap_are_closed_at_once() {
     let limits = Limits {
         header_timeout: Duration::from_secs(30),
         max_connections: 2,
+        ..Limits::default()
     };
     let pool = start(Backend::Sqlite, true, limits);
     let addr = pool.server.addr();
@@ -321,4 +322,104 @@ fn connections_over_the_cap_are_closed_at_once() {
     admin(&pool, Some(&pool.ca))
         .signing_key()
         .expect("served after the holders left");
+}
+
+/// A plain-HTTP `GET /v1/signing-key` on `stream`: the status line's first 12 bytes.
+fn get_signing_key(stream: &mut TcpStream) -> std::io::Result<[u8; 12]> {
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(b"GET /v1/signing-key HTTP/1.1\r\nHost: pool\r\n\r\n")?;
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head)?;
+    Ok(head)
+}
+
+#[test]
+fn connections_over_the_per_address_cap_are_closed_while_other_addresses_are_served() {
+    let limits = Limits {
+        header_timeout: Duration::from_secs(30),
+        max_per_address: 2,
+        ..Limits::default()
+    };
+    let pool = start(Backend::Sqlite, false, limits);
+    let addr = pool.server.addr();
+    let held: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    // A third from the same address (127.0.0.1) is closed at once...
+    let mut third = TcpStream::connect(addr).unwrap();
+    let took = closed_within(&mut third, Duration::from_secs(3))
+        .expect("a connection over the per-address cap is closed");
+    assert!(took < Duration::from_secs(1), "closed after {took:?}");
+    // ...while one from another address (127.0.0.2) is served.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .unwrap();
+    let mut other = rt
+        .block_on(async {
+            let s = tokio::net::TcpSocket::new_v4()?;
+            s.bind("127.0.0.2:0".parse().unwrap())?;
+            s.connect(addr).await?.into_std()
+        })
+        .expect("a connection from 127.0.0.2");
+    other.set_nonblocking(false).unwrap();
+    assert_eq!(
+        &get_signing_key(&mut other).expect("served"),
+        b"HTTP/1.1 200"
+    );
+    drop(held);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut again = TcpStream::connect(addr).unwrap();
+    assert_eq!(
+        &get_signing_key(&mut again).expect("served after the holders left"),
+        b"HTTP/1.1 200"
+    );
+}
+
+#[test]
+fn a_request_whose_body_comes_too_slowly_is_answered_408_and_closed() {
+    let limits = Limits {
+        request_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let pool = start(Backend::Sqlite, false, limits);
+    // A request the pool would read the body of: signed by an enrolled key (the admin's),
+    // its time and nonce fresh; then only the body's first byte comes.
+    let key = devlend_fabric::identity::load(&pool.admin_key).expect("admin key");
+    let body = br#"{"resource_class":"BLOCK","min_capacity_bytes":1,"consumer":"slow"}"#;
+    let auth = devlend_pool::auth::request::sign(
+        &key,
+        "POST",
+        "/v1/leases",
+        devlend_fabric::lease_token::now_ms(),
+        body,
+    )
+    .unwrap();
+    let mut slow = TcpStream::connect(pool.server.addr()).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let t = Instant::now();
+    write!(
+        slow,
+        "POST /v1/leases HTTP/1.1\r\nHost: pool\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nAuthorization: {auth}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    slow.write_all(&body[..1]).unwrap();
+    let mut answer = Vec::new();
+    let _ = slow.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 408"),
+        "a slow body is answered 408: {answer:?}"
+    );
+    assert!(answer.contains("request_timeout"), "{answer}");
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "answered and closed after {:?}",
+        t.elapsed()
+    );
+    // A request sent whole is served as before.
+    let mut quick = TcpStream::connect(pool.server.addr()).unwrap();
+    assert_eq!(&get_signing_key(&mut quick).unwrap(), b"HTTP/1.1 200");
 }
