@@ -51,6 +51,12 @@ pub struct Cli {
     /// lease bind, renewal and release [default: the system's trust store].
     #[arg(long = "pool-ca", value_name = "FILE")]
     pub pool_ca_file: Option<PathBuf>,
+    /// The pool's signing key (unpadded base64url, as `GET /v1/signing-key` and the
+    /// pool's start log give it): every lease token must verify with it and match its
+    /// lease before it is used, so a changed answer on the way from the pool cannot name
+    /// another lender [default: tokens are taken as the pool's answer gives them].
+    #[arg(long, value_name = "KEY")]
+    pub pool_public_key: Option<String>,
     /// Where attachments are saved, to be served again when the agent restarts
     /// (`none`: not saved; a shutdown then detaches everything) [default: beside the API
     /// socket, e.g. /run/devlend/compute-agent.state.json].
@@ -95,6 +101,8 @@ pub struct FileConfig {
     pub pool_key_file: Option<PathBuf>,
     /// CA certificates for `https://` pools (PEM).
     pub pool_ca_file: Option<PathBuf>,
+    /// The pool's signing key that lease tokens must verify with.
+    pub pool_public_key: Option<String>,
     /// State file path, or `none`.
     pub state_file: Option<PathBuf>,
     /// CA certificates trusted for lenders (PEM).
@@ -129,6 +137,9 @@ pub struct Config {
     /// CA certificates for `https://` pools (PEM); `None`: the system's trust store.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool_ca_file: Option<PathBuf>,
+    /// The pool's signing key that lease tokens must verify with; `None`: not checked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool_public_key: Option<String>,
     /// Where attachments are saved for a restart; `None`: not saved (`none`).
     #[serde(serialize_with = "state_file_text")]
     pub state_file: Option<PathBuf>,
@@ -190,6 +201,10 @@ impl Config {
                 .pool_ca_file
                 .clone()
                 .or_else(|| file.pool_ca_file.clone()),
+            pool_public_key: cli
+                .pool_public_key
+                .clone()
+                .or_else(|| file.pool_public_key.clone()),
             state_file: match cli.state_file.clone().or_else(|| file.state_file.clone()) {
                 Some(p) if p.as_os_str() == "none" => None,
                 Some(p) => Some(p),

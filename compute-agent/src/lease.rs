@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use devlend_fabric::lease_token::{LeaseToken, TokenSigner};
+use devlend_fabric::lease_token::{LeaseToken, PublicKey, TokenSigner};
 use devlend_pool::api::{Lease, LeaseState};
 use devlend_pool::client::{ClientError, PoolClient};
 use uuid::Uuid;
@@ -50,6 +50,42 @@ pub struct PoolAccess {
     pub identity: Option<Arc<TokenSigner>>,
     /// CA certificates (PEM) for `https://` pools.
     pub ca_file: Option<PathBuf>,
+    /// The pool's signing key (`pool_public_key`): lease tokens must verify with it and
+    /// match their lease; `None`: tokens are taken as given.
+    pub pool_key: Option<PublicKey>,
+}
+
+/// Checks `token` against the pool's key and the lease it came with: the signature,
+/// and the lease id, device and provider it names.
+///
+/// # Errors
+/// [`LeaseError::Bad`] naming what does not hold.
+pub fn verify_token(token: &LeaseToken, key: &PublicKey, lease: &Lease) -> Result<(), LeaseError> {
+    let claims = key.verify(token).map_err(|e| {
+        LeaseError::Bad(format!(
+            "the lease token does not verify with the pool's key {} (pool_public_key): {e}",
+            key.to_text()
+        ))
+    })?;
+    let mismatch = |what: &str, got: &str, want: &str| {
+        LeaseError::Bad(format!(
+            "the lease token names {what} {got:?}, its lease {want:?}"
+        ))
+    };
+    if claims.lease_id != *lease.id.as_bytes() {
+        return Err(mismatch(
+            "lease",
+            &Uuid::from_bytes(claims.lease_id).to_string(),
+            &lease.id.to_string(),
+        ));
+    }
+    if claims.device != lease.device {
+        return Err(mismatch("device", &claims.device, &lease.device));
+    }
+    if claims.provider != lease.provider {
+        return Err(mismatch("lender", &claims.provider, &lease.provider));
+    }
+    Ok(())
 }
 
 /// A client of the pool at `url`, signing with the identity when there is one and
@@ -87,11 +123,12 @@ impl CheckedLease {
             }
             e => LeaseError::Pool(e),
         })?;
-        let token = LeaseToken::from_text(&r.token)
-            .map_err(|e| LeaseError::Bad(e.to_string()))?
-            .as_bytes()
-            .to_vec();
+        let token = LeaseToken::from_text(&r.token).map_err(|e| LeaseError::Bad(e.to_string()))?;
         let lease = client.lease(r.id).map_err(LeaseError::Pool)?;
+        if let Some(key) = &access.pool_key {
+            verify_token(&token, key, &lease)?;
+        }
+        let token = token.as_bytes().to_vec();
         if !lease.state.is_live() {
             return Err(LeaseError::Ended {
                 id: r.id,
@@ -258,5 +295,62 @@ impl LeaseKeeper {
 impl Drop for LeaseKeeper {
     fn drop(&mut self) {
         self.stop_renewing();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use devlend_fabric::lease_token::LeaseClaims;
+
+    fn lease() -> Lease {
+        Lease {
+            id: Uuid::from_bytes([7; 16]),
+            device_id: Uuid::from_bytes([8; 16]),
+            device: "disk0".into(),
+            provider: "devsrv".into(),
+            fabric_address: "10.0.0.2:7700".into(),
+            consumer: "vm1".into(),
+            compute_host: "computehost".into(),
+            state: LeaseState::Claimed,
+            created_ms: 1,
+            expires_at_ms: 2,
+            ttl_ms: 1,
+            generation: 1,
+            qos: None,
+        }
+    }
+
+    fn token(pool: &TokenSigner, edit: impl FnOnce(&mut LeaseClaims)) -> LeaseToken {
+        let mut c = LeaseClaims {
+            lease_id: [7; 16],
+            expires_at_ms: u64::MAX,
+            provider: "devsrv".into(),
+            device: "disk0".into(),
+            consumer: "vm1".into(),
+            provider_key: Some([0x42; 32]),
+            qos: None,
+        };
+        edit(&mut c);
+        pool.sign(&c).unwrap()
+    }
+
+    #[test]
+    fn a_token_must_verify_with_the_pinned_pool_key_and_match_its_lease() {
+        let pool = TokenSigner::from_seed([1; 32]);
+        let key = pool.public_key();
+        let l = lease();
+        assert!(verify_token(&token(&pool, |_| ()), &key, &l).is_ok());
+        // Signed by another key (a changed answer on the way from the pool).
+        let other = TokenSigner::from_seed([2; 32]);
+        let e = verify_token(&token(&other, |_| ()), &key, &l).unwrap_err();
+        assert!(e.to_string().contains("does not verify"), "{e}");
+        // The pool's token, but for another lease, device or lender.
+        let e = verify_token(&token(&pool, |c| c.lease_id = [9; 16]), &key, &l).unwrap_err();
+        assert!(e.to_string().contains("names lease"), "{e}");
+        let e = verify_token(&token(&pool, |c| c.device = "disk1".into()), &key, &l).unwrap_err();
+        assert!(e.to_string().contains("names device"), "{e}");
+        let e = verify_token(&token(&pool, |c| c.provider = "rogue".into()), &key, &l).unwrap_err();
+        assert!(e.to_string().contains("names lender"), "{e}");
     }
 }

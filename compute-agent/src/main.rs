@@ -57,6 +57,11 @@ fn run(cli: Cli, config: Config, log: devlend_daemon::logging::LogHandle) -> any
         }
         Err(e) => return Err(anyhow::anyhow!("{}", devlend_fabric::error::chain(&e))),
     }
+    if let Some(key) = &config.pool_public_key {
+        let key = devlend_fabric::lease_token::PublicKey::from_text(key)
+            .map_err(|e| anyhow::anyhow!("pool_public_key: {e}"))?;
+        registry.set_pool_key(key);
+    }
     if let Some(ca) = &config.pool_ca_file {
         // Read now, so that a bad file stops the agent at start, not at the first lease.
         devlend_pool::https::client_config(Some(ca))

@@ -300,6 +300,11 @@ impl Registry {
         self.pool.identity = Some(key);
     }
 
+    /// Lease tokens must verify with the pool's `key` (`pool_public_key`).
+    pub fn set_pool_key(&mut self, key: devlend_fabric::lease_token::PublicKey) {
+        self.pool.pool_key = Some(key);
+    }
+
     /// Verifies the certificate of `https://` pools against the CA certificates in
     /// `ca_file` (PEM) instead of the system's trust store.
     pub fn set_pool_ca(&mut self, ca_file: PathBuf) {

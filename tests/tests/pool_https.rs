@@ -106,9 +106,75 @@ path = "{d}/disk0.img"
         std::thread::sleep(Duration::from_millis(100));
     }
 
+    // A compute agent given another pool key than the pool's (pool_public_key) refuses
+    // the lease's token before using it, and says so; the CLI releases the lease.
+    let compute_key = Borrower::pool_key(d).display().to_string();
+    let sock = d.join("a.sock");
+    let s = sock.display().to_string();
+    let attach = |b: &Borrower| {
+        b.cli(&[
+            "attach",
+            "--pool",
+            &pool.url,
+            "--pool-ca",
+            &ca,
+            "--pool-key",
+            &compute_key,
+            "--class",
+            "BLOCK",
+            "--vm",
+            "vm-1",
+            "--lease-ttl",
+            "2",
+            "--socket",
+            &s,
+            "--json",
+        ])
+        .unwrap()
+    };
+    let pool_key = admin.signing_key().unwrap().public_key;
+    let wrong_key = devlend_fabric::lease_token::TokenSigner::from_seed([9; 32])
+        .public_key()
+        .to_text();
+    let w = Borrower::start_named(
+        d,
+        "compute-agent-wrong-pool-key",
+        &[
+            "--pool-ca".into(),
+            ca.clone(),
+            "--pool-public-key".into(),
+            wrong_key,
+        ],
+    )
+    .unwrap();
+    let out = attach(&w);
+    assert!(
+        !out.status.success(),
+        "attached with a token the pool key does not verify"
+    );
+    assert!(
+        text(&out.stderr).contains("does not verify with the pool's key"),
+        "{}",
+        text(&out.stderr)
+    );
+    drop(w);
+    assert!(
+        admin.leases(LeaseFilter::Active).unwrap().is_empty(),
+        "the refused lease was released"
+    );
+
     // The CLI: with --pool-ca it lists; without it, the system's trust store refuses
-    // the test CA, and says so.
-    let b = Borrower::start_with(d, &["--pool-ca".into(), ca.clone()]).unwrap();
+    // the test CA, and says so. This compute agent checks tokens with the pool's key.
+    let b = Borrower::start_with(
+        d,
+        &[
+            "--pool-ca".into(),
+            ca.clone(),
+            "--pool-public-key".into(),
+            pool_key,
+        ],
+    )
+    .unwrap();
     let admin_key = pool.admin_key.display().to_string();
     let out = b
         .cli(&[
@@ -148,29 +214,7 @@ path = "{d}/disk0.img"
 
     // attach --class: the CLI leases over HTTPS, the compute agent checks and binds the
     // lease, renews it past its 2 s TTL, and releases it at detach, all over HTTPS.
-    let sock = d.join("a.sock");
-    let s = sock.display().to_string();
-    let compute_key = Borrower::pool_key(d).display().to_string();
-    let out = b
-        .cli(&[
-            "attach",
-            "--pool",
-            &pool.url,
-            "--pool-ca",
-            &ca,
-            "--pool-key",
-            &compute_key,
-            "--class",
-            "BLOCK",
-            "--vm",
-            "vm-1",
-            "--lease-ttl",
-            "2",
-            "--socket",
-            &s,
-            "--json",
-        ])
-        .unwrap();
+    let out = attach(&b);
     assert!(
         out.status.success(),
         "{}\ncompute agent log:\n{}",
