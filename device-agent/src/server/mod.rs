@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use devlend_fabric::DeviceInfo;
 
-use self::shared::Shared;
 pub use self::shared::{Options, ReloadReport};
+use self::shared::{Registered, Shared};
 pub use self::views::{DeviceQos, InventoryView, LentDevice, NicCounters, StatsView};
 use crate::config::check_unique;
 use crate::device::Device;
@@ -218,6 +218,27 @@ impl Lender {
                 .map_err(Error::Thread)
         });
         let sweeper = sweeper.transpose()?;
+        // Connections whose TLS handshake and hello are not done in time are closed
+        // (the per-read timeout alone lets a peer send its hello a byte at a time).
+        let handshakes = {
+            let shared = Arc::clone(&self.shared);
+            std::thread::Builder::new()
+                .name("dl-handshake-sweep".into())
+                .spawn(move || {
+                    while !shared.is_closed() {
+                        let closed = shared.close_overdue_handshakes(std::time::Instant::now());
+                        if closed > 0 {
+                            devlend_fabric::limited!(
+                                info,
+                                closed,
+                                "connections closed: handshake not done in time"
+                            );
+                        }
+                        std::thread::sleep(Duration::from_millis(250));
+                    }
+                })
+                .map_err(Error::Thread)?
+        };
         let mut sessions: Vec<JoinHandle<()>> = Vec::new();
         let mut next_id: u64 = 0;
         let result = loop {
@@ -227,7 +248,7 @@ impl Lender {
                 Err(e) => match e.raw_os_error() {
                     Some(libc::EINTR | libc::ECONNABORTED | libc::EPROTO | libc::EPERM) => continue,
                     Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
-                        tracing::warn!(error = %e, "cannot accept a connection; retrying");
+                        devlend_fabric::limited!(warn, error = %e, "cannot accept a connection; retrying");
                         std::thread::sleep(Duration::from_millis(100));
                         continue;
                     }
@@ -236,11 +257,13 @@ impl Lender {
             };
             let id = next_id;
             next_id += 1;
-            if !self.shared.register(id, &sock) {
-                if self.shared.is_closed() {
-                    break Ok(());
+            match self.shared.register(id, &sock, peer.ip()) {
+                Registered::Yes => {}
+                Registered::Closed => break Ok(()),
+                Registered::Refused(why) => {
+                    devlend_fabric::limited!(warn, %peer, reason = why, "connection closed at accept");
+                    continue;
                 }
-                continue;
             }
             tracing::debug!(%peer, id, "connection accepted");
             let shared = Arc::clone(&self.shared);
@@ -253,7 +276,7 @@ impl Lender {
             match spawned {
                 Ok(h) => sessions.push(h),
                 Err(e) => {
-                    tracing::warn!(%peer, error = %e, "cannot start a session thread");
+                    devlend_fabric::limited!(warn, %peer, error = %e, "cannot start a session thread");
                     self.shared.unregister(id);
                 }
             }
@@ -269,6 +292,9 @@ impl Lender {
         if let Some(h) = sweeper {
             let _ = h.join();
         }
+        // The handshake sweeper ends with the lender (`is_closed`); not joined, so that
+        // an accept error that ends `run` early does not wait for it.
+        drop(handshakes);
         result
     }
 }

@@ -6,10 +6,10 @@
 //! The bottom of the session layer: sessions read it, nothing here knows a session.
 
 use std::collections::HashMap;
-use std::net::{Shutdown, TcpStream};
+use std::net::{IpAddr, Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::config::check_unique;
 use crate::config::IoMode;
@@ -92,6 +92,26 @@ struct Tracked {
     lease: Option<[u8; 16]>,
     /// The session was told to stop (its lease ended).
     stopping: bool,
+    /// While its TLS handshake and hello are not done: the peer's address, and when the
+    /// connection is closed if they are still not done.
+    handshake: Option<(IpAddr, Instant)>,
+}
+
+/// Connections in their handshake (TLS and hello) at once; more are closed at accept.
+pub const MAX_HANDSHAKES: usize = 128;
+/// Connections in their handshake at once from one IP address.
+pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 16;
+
+/// What [`Shared::register`] did with an accepted connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Registered {
+    /// Tracked: serve it.
+    Yes,
+    /// The lender is shutting down.
+    Closed,
+    /// Too many connections are in their handshake (from its address, or at all), or
+    /// it cannot be tracked: close it.
+    Refused(&'static str),
 }
 
 /// How a tracked session is told to stop.
@@ -244,11 +264,27 @@ impl Shared {
         self.registry.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records an accepted connection; false once the lender is shutting down.
-    pub(super) fn register(&self, id: u64, sock: &TcpStream) -> bool {
+    /// Records a connection accepted from `peer`, in its handshake until
+    /// [`Self::handshake_done`]: at most [`MAX_HANDSHAKES`] at once, and
+    /// [`MAX_HANDSHAKES_PER_ADDRESS`] from one address; one that is not done within the
+    /// handshake timeout of now is closed by [`Self::close_overdue_handshakes`].
+    pub(super) fn register(&self, id: u64, sock: &TcpStream, peer: IpAddr) -> Registered {
         let mut reg = self.registry();
         if reg.closed {
-            return false;
+            return Registered::Closed;
+        }
+        let (mut all, mut from_peer) = (0, 0);
+        for (ip, _) in reg.streams.values().filter_map(|t| t.handshake) {
+            all += 1;
+            from_peer += usize::from(ip == peer);
+        }
+        if all >= MAX_HANDSHAKES {
+            return Registered::Refused("too many connections in their handshake");
+        }
+        if from_peer >= MAX_HANDSHAKES_PER_ADDRESS {
+            return Registered::Refused(
+                "too many connections in their handshake from this address",
+            );
         }
         match sock.try_clone() {
             Ok(stream) => {
@@ -258,15 +294,36 @@ impl Shared {
                         conn: Conn::Tcp(stream),
                         lease: None,
                         stopping: false,
+                        handshake: Some((peer, Instant::now() + self.options.handshake_timeout)),
                     },
                 );
-                true
+                Registered::Yes
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot track a connection; closing it");
-                false
+            Err(_) => Registered::Refused("cannot track the connection (out of file descriptors?)"),
+        }
+    }
+
+    /// The connection's hello was answered: it no longer counts as in its handshake.
+    pub(crate) fn handshake_done(&self, id: u64) {
+        if let Some(t) = self.registry().streams.get_mut(&id) {
+            t.handshake = None;
+        }
+    }
+
+    /// Closes the connections whose TLS handshake and hello are not done by their
+    /// deadline (a peer that sends its hello a byte at a time); returns how many.
+    pub(super) fn close_overdue_handshakes(&self, now: Instant) -> usize {
+        let reg = self.registry();
+        let mut closed = 0;
+        for t in reg.streams.values() {
+            if let (Some((_, deadline)), Conn::Tcp(s)) = (t.handshake, &t.conn) {
+                if deadline <= now {
+                    let _ = s.shutdown(Shutdown::Both);
+                    closed += 1;
+                }
             }
         }
+        closed
     }
 
     /// Records an RDMA session; returns the flag that tells it to stop, or `None` once
@@ -284,6 +341,7 @@ impl Shared {
                 conn: Conn::Rdma(Arc::clone(&flag)),
                 lease: None,
                 stopping: false,
+                handshake: None,
             },
         );
         Some(flag)

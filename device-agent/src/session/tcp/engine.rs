@@ -4,7 +4,7 @@
 //! The thread loops over four steps, and sleeps only when none of them can progress:
 //!
 //! 1. **receive** ([`Session::receive`]): read request frames (several per `recv`,
-//!    [`super::rx`]), validate them, take a request from the session's [`Pool`] and
+//!    [`super::rx`]), validate them, take a request from the session's [`RequestBudget`] and
 //!    start their I/O ([`DeviceIo::start`]). A borrower granted the budget as its
 //!    credit (`FEATURE_CREDIT`) never goes beyond it, so the reading never stops (a
 //!    request beyond it ends the session); for one without credit a spent budget stops
@@ -29,7 +29,7 @@ use devlend_fabric::conn::Stream;
 use devlend_fabric::wire::REQUEST_HEADER_LEN;
 use devlend_fabric::{Op, RequestHeader};
 
-use super::pool::Pool;
+use super::budget::RequestBudget;
 use super::rx::{recv, Recv, RxBuf, READ_BUF};
 use super::tx::Tx;
 use crate::device::Device;
@@ -62,7 +62,7 @@ struct Session<'a, I: DeviceIo> {
     sock: &'a Stream,
     sock_fd: RawFd,
     io: I,
-    pool: Pool,
+    budget: RequestBudget,
     rx: RxBuf,
     state: Rx,
     /// When the frame being received started (its first byte arrived).
@@ -109,7 +109,7 @@ pub(crate) fn run<I: DeviceIo>(
         sock,
         sock_fd: sock.as_raw_fd(),
         io,
-        pool: Pool::new(MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES),
+        budget: RequestBudget::new(MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES),
         rx: RxBuf::new(),
         state: Rx::Header,
         frame_since: None,
@@ -174,14 +174,14 @@ impl<I: DeviceIo> Session<'_, I> {
         self.frame_since = None;
         self.drain_deadline = Some(Instant::now() + self.frame_timeout);
         if let Rx::Data { req, .. } = std::mem::replace(&mut self.state, Rx::Header) {
-            self.pool.release(req);
+            self.budget.release(req);
         }
         // Requests still held for the limits are not run for a borrower that is gone
         // or being stopped: it sends them again on its next session.
         let mut held = Vec::new();
         self.io.cancel_held(&mut held);
         for req in held {
-            self.pool.release(req);
+            self.budget.release(req);
         }
         if self.end.is_none() {
             self.end = Some(end);
@@ -224,7 +224,7 @@ impl<I: DeviceIo> Session<'_, I> {
         hb.copy_from_slice(&data[..REQUEST_HEADER_LEN]);
         let h = RequestHeader::decode(&hb).map_err(|e| End::Protocol(e.to_string()))?;
         let need = check_framing(&h).map_err(|e| End::Protocol(e.to_string()))?;
-        let Some(mut req) = self.pool.acquire(need) else {
+        let Some(mut req) = self.budget.acquire(need) else {
             if self.credit {
                 return Err(End::Protocol(format!(
                     "request {:#x} goes beyond the credit granted ({MAX_IN_FLIGHT} requests, {MAX_IN_FLIGHT_BYTES} bytes)",
@@ -356,7 +356,7 @@ impl<I: DeviceIo> Session<'_, I> {
                 Event::Lost(req, e) => {
                     tracing::error!(peer = %self.peer, device = %self.dev.name, error = %e,
                         "cannot run a request; closing the session");
-                    self.pool.release(req);
+                    self.budget.release(req);
                     lost.get_or_insert(e);
                 }
                 Event::Ready(WATCH_IN) => self.poll_in = false,
@@ -371,7 +371,7 @@ impl<I: DeviceIo> Session<'_, I> {
         if self.writable {
             self.tx.push(req);
         } else {
-            self.pool.release(req);
+            self.budget.release(req);
         }
     }
 
@@ -384,7 +384,7 @@ impl<I: DeviceIo> Session<'_, I> {
         }
         self.writable = false;
         let _ = self.sock.shutdown(Shutdown::Both);
-        self.tx.clear(&mut self.pool);
+        self.tx.clear(&mut self.budget);
         if self.reading {
             self.stop_reading(End::Socket(e));
         }
@@ -397,7 +397,7 @@ impl<I: DeviceIo> Session<'_, I> {
         while self.writable && !self.tx.is_empty() {
             match self
                 .tx
-                .send_some(self.sock_fd, &mut self.io, &mut self.pool)
+                .send_some(self.sock_fd, &mut self.io, &mut self.budget)
             {
                 Ok(Some(done)) => progress |= done,
                 Ok(None) => break,

@@ -3,9 +3,9 @@
 //! ([`crate::nic::pump`]) or a PCI session ([`crate::pci::session::tcp`]); then the
 //! bookkeeping.
 
+mod budget;
 pub(crate) mod engine;
 mod handshake;
-mod pool;
 mod rx;
 mod tx;
 
@@ -41,6 +41,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
     else {
         return;
     };
+    shared.handshake_done(id);
     // `handshake` counted the session open.
     let frame_timeout = shared.options.frame_timeout;
     let end = match (&dev.pci, lent, &dev.nic, io) {

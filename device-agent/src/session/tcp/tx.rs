@@ -1,7 +1,7 @@
 //! A TCP session's responses on their way out: the finished requests in order, written
 //! without blocking, many per `sendmsg`; a read whose data stays in a memory file sends
 //! its header with `sendmsg` (`MSG_MORE`) and its data with `sendfile`
-//! ([`DeviceIo::send_file`]). A response's request goes back to the pool once it left
+//! ([`DeviceIo::send_file`]). A response's request goes back to the request budget once it left
 //! whole.
 
 use std::collections::VecDeque;
@@ -10,7 +10,7 @@ use std::os::fd::RawFd;
 
 use devlend_fabric::wire::RESPONSE_HEADER_LEN;
 
-use super::pool::Pool;
+use super::budget::RequestBudget;
 use crate::io::request::ResponseData;
 use crate::io::{DeviceIo, Request};
 
@@ -46,9 +46,9 @@ impl Tx {
     }
 
     /// Drops every response (the socket failed), giving the requests back.
-    pub(super) fn clear(&mut self, pool: &mut Pool) {
+    pub(super) fn clear(&mut self, budget: &mut RequestBudget) {
         while let Some(r) = self.out.pop_front() {
-            pool.release(r);
+            budget.release(r);
         }
         self.sent = 0;
     }
@@ -62,7 +62,7 @@ impl Tx {
         &mut self,
         sock: RawFd,
         io: &mut I,
-        pool: &mut Pool,
+        budget: &mut RequestBudget,
     ) -> io::Result<Option<bool>> {
         // A response whose header is out and whose data comes from the file.
         if let Some(first) = self.out.front() {
@@ -70,7 +70,7 @@ impl Tx {
                 if self.sent >= RESPONSE_HEADER_LEN {
                     let done = self.sent - RESPONSE_HEADER_LEN;
                     return match io.send_file(sock, offset + done as u64, len - done) {
-                        Ok(n) => Ok(Some(self.advance(n, pool))),
+                        Ok(n) => Ok(Some(self.advance(n, budget))),
                         Err(e) => would_block(e),
                     };
                 }
@@ -125,7 +125,7 @@ impl Tx {
             // request in `out`, alive and untouched during the call.
             let n = unsafe { libc::sendmsg(sock, &msg, flags) };
             if n >= 0 {
-                return Ok(Some(self.advance(n as usize, pool)));
+                return Ok(Some(self.advance(n as usize, budget)));
             }
             let e = io::Error::last_os_error();
             if e.kind() != io::ErrorKind::Interrupted {
@@ -136,7 +136,7 @@ impl Tx {
 
     /// Accounts `n` bytes sent: releases the responses that left entirely. Returns
     /// whether one did.
-    fn advance(&mut self, mut n: usize, pool: &mut Pool) -> bool {
+    fn advance(&mut self, mut n: usize, budget: &mut RequestBudget) -> bool {
         let mut done = false;
         while let Some(r) = self.out.front() {
             let total = RESPONSE_HEADER_LEN
@@ -152,7 +152,7 @@ impl Tx {
             n -= left;
             self.sent = 0;
             if let Some(r) = self.out.pop_front() {
-                pool.release(r);
+                budget.release(r);
             }
             done = true;
         }

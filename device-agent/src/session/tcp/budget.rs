@@ -16,7 +16,7 @@ const RETAIN_MAX_TOTAL: usize = 32 << 20;
 
 /// The in-flight budget and the free list.
 #[derive(Debug)]
-pub(crate) struct Pool {
+pub(crate) struct RequestBudget {
     /// Boxed: a request's address is its `user_data` while in flight, and the box
     /// travels to the kernel and back without being reallocated.
     #[allow(clippy::vec_box)]
@@ -29,10 +29,10 @@ pub(crate) struct Pool {
     max_bytes: usize,
 }
 
-impl Pool {
-    /// A pool allowing `max_in_flight` requests and `max_bytes` of data in flight.
-    pub(crate) fn new(max_in_flight: usize, max_bytes: usize) -> Pool {
-        Pool {
+impl RequestBudget {
+    /// A budget allowing `max_in_flight` requests and `max_bytes` of data in flight.
+    pub(crate) fn new(max_in_flight: usize, max_bytes: usize) -> RequestBudget {
+        RequestBudget {
             free: Vec::new(),
             retained: 0,
             in_flight: 0,
@@ -89,7 +89,7 @@ mod tests {
 
     #[test]
     fn budget_counts_requests_and_bytes() {
-        let mut p = Pool::new(2, 1000);
+        let mut p = RequestBudget::new(2, 1000);
         let a = p.acquire(600).expect("first");
         assert!(p.acquire(600).is_none());
         let b = p.acquire(400).expect("second");
@@ -107,7 +107,7 @@ mod tests {
 
     #[test]
     fn large_buffers_are_not_retained() {
-        let mut p = Pool::new(4, usize::MAX);
+        let mut p = RequestBudget::new(4, usize::MAX);
         let mut a = p.acquire(0).expect("a");
         a.buffer(RETAIN_MAX_BUF + 512);
         p.release(a);
