@@ -168,7 +168,22 @@ impl CheckedLease {
                 .bind_lease(self.lease.id, self.lease.generation)
                 .map_err(LeaseError::Pool)?
         } else {
-            self.lease
+            // Already bound (an attachment served again after a restart): its last
+            // renewal may be most of a TTL ago, so renew now rather than a third of a TTL
+            // from now.
+            match self.client.lease_heartbeat(self.lease.id) {
+                Ok(l) => l,
+                Err(e) if e.code() == Some("lease_ended") => {
+                    return Err(LeaseError::Ended {
+                        id: self.lease.id,
+                        state: "ended",
+                    })
+                }
+                Err(e) => {
+                    tracing::warn!(attachment, lease = %self.lease.id, error = %e, "cannot renew the lease now; the renewal thread retries");
+                    self.lease
+                }
+            }
         };
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let ended = Arc::new(AtomicBool::new(false));

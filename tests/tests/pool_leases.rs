@@ -488,7 +488,7 @@ fn a_compute_agent_restart_keeps_the_attachment_and_its_lease() {
         &b,
         &r,
         &sock,
-        &["--lease-ttl", "2", "--min-capacity", "32M"],
+        &["--lease-ttl", "6", "--min-capacity", "32M"],
     );
     assert!(
         out.status.success(),
@@ -501,11 +501,19 @@ fn a_compute_agent_restart_keeps_the_attachment_and_its_lease() {
     assert_eq!(write_read(&mut c, 3), vec![0, 0]);
     drop(c);
 
-    // SIGKILL, then a restart within the lease's TTL (a lease left unrenewed for longer
-    // expires at the pool, as it should): the attachment is served again from the state
-    // file, under the same lease, which is renewed again past its TTL.
+    // SIGKILL just after a renewal, then a restart 4.5 s later, within the lease's 6 s
+    // TTL (a lease left unrenewed for longer expires at the pool, as it should): the
+    // attachment is served again from the state file, under the same lease, renewed at
+    // once. (Its renewals come every 2 s: the first one 2 s after the restore would
+    // come after the lease's expiry, as a trial saw with a 30 s TTL and a 13 s restart.)
+    let renewed = r.client.lease(lease_id).unwrap().expires_at_ms;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while r.client.lease(lease_id).unwrap().expires_at_ms == renewed {
+        assert!(Instant::now() < deadline, "the lease is not renewed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     b.proc.kill_hard();
-    std::thread::sleep(Duration::from_millis(1000));
+    std::thread::sleep(Duration::from_millis(4500));
     let b = Borrower::start_named(r.dir.path(), "compute-agent-2", &[]).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -521,7 +529,7 @@ fn a_compute_agent_restart_keeps_the_attachment_and_its_lease() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    std::thread::sleep(Duration::from_secs(6));
+    std::thread::sleep(Duration::from_secs(3));
     let l = r.client.lease(lease_id).unwrap();
     assert_eq!(l.state, LeaseState::Bound, "{l:?}");
     let mut c = BlkClient::connect(&sock, 1, 4 * MIB as usize).unwrap();
