@@ -425,6 +425,10 @@ fn run(cli: Cli) -> Result<()> {
                     "--max-iops, --max-bps, --weight and --qos are a lease's limits: they need --class (a pool lease); in direct mode the lender sets limits on its device (docs/qos.md)"
                 );
             }
+            // Checked before a lease is taken.
+            if rdma_exposure == CliRdmaExposure::GuestMemory && transport != CliTransport::Rdma {
+                bail!("--rdma-exposure guest-memory applies to --transport rdma only");
+            }
             let api = ApiClient::new(&cli.api)?;
             let (lender, device, claimed) = match (lender, device, class) {
                 (Some(l), Some(d), _) => (l, d, None),
