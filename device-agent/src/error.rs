@@ -166,6 +166,14 @@ pub enum Error {
     /// The pool settings are inconsistent.
     #[error("pool settings: {0}")]
     BadPool(String),
+    /// An `--auth-key` (or `auth_keys` entry) is not a public key.
+    #[error("auth key {key:?}: {reason}")]
+    BadAuthKey {
+        /// The key as given.
+        key: String,
+        /// Why it is not one.
+        reason: String,
+    },
     /// No borrower would be authenticated (no pool, no auth keys, no required client
     /// certificates) on an address that other hosts can reach, and `--insecure` was not
     /// given.

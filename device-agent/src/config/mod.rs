@@ -416,8 +416,12 @@ impl Config {
         let mut auth_keys = file.auth_keys;
         auth_keys.extend(cli.auth_keys.iter().cloned());
         for k in &auth_keys {
-            devlend_fabric::lease_token::PublicKey::from_text(k)
-                .map_err(|e| Error::BadPool(format!("auth key {k:?}: {e}")))?;
+            devlend_fabric::lease_token::PublicKey::from_text(k).map_err(|e| {
+                Error::BadAuthKey {
+                    key: k.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
         }
         if pool.is_some() && !auth_keys.is_empty() {
             return Err(Error::BadPool(

@@ -44,8 +44,9 @@ impl Caller {
                 status: 403,
                 code: codes::UNKNOWN_KEY,
                 message: format!(
-                    "key {key} is not enrolled: redeem a join token from \
-                     `devlend pool enroll` with `devlend pool join`"
+                    "key {key} is not enrolled (or was revoked): redeem a join token \
+                     from `devlend pool enroll` (a compute host with `devlend pool join`, \
+                     a lender with `--pool-join-token`)"
                 ),
             }),
         }
