@@ -17,7 +17,11 @@ pub struct Netns {
     pub ns_ip: String,
 }
 
-fn ip(args: &[&str]) -> Result<()> {
+/// Runs `ip ARGS` (iproute2); its stderr in the error when it fails.
+///
+/// # Errors
+/// `ip` is missing or fails.
+pub fn ip(args: &[&str]) -> Result<()> {
     let out = Command::new("ip")
         .args(args)
         .output()

@@ -118,20 +118,7 @@ struct Lan {
     names: Vec<String>,
 }
 
-fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .context("cannot run ip (iproute2)")?;
-    if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
+use devlend_tests::netns::ip;
 
 impl Lan {
     /// Namespaces `<tag>p` (10.0.0.1, on the bridge itself), `<tag>d` (10.0.0.3) and
