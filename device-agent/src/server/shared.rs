@@ -98,9 +98,9 @@ struct Tracked {
 }
 
 /// Connections in their handshake (TLS and hello) at once; more are closed at accept.
-pub const MAX_HANDSHAKES: usize = 128;
+pub const MAX_HANDSHAKES: usize = 256;
 /// Connections in their handshake at once from one IP address.
-pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 16;
+pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 64;
 
 /// What [`Shared::register`] did with an accepted connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
