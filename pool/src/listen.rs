@@ -254,7 +254,8 @@ async fn serve_connection<S>(
         req.extensions_mut().insert(ConnectInfo(peer));
         let mut router = router.clone();
         async move {
-            let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+            // Both cheap to clone (reference-counted): kept for the timeout's log line.
+            let (method, uri) = (req.method().clone(), req.uri().clone());
             match tokio::time::timeout(limits.request_timeout, router.call(req)).await {
                 Ok(answer) => answer,
                 Err(_) => {
@@ -262,7 +263,7 @@ async fn serve_connection<S>(
                         info,
                         %peer,
                         %method,
-                        %path,
+                        %uri,
                         timeout_s = limits.request_timeout.as_secs_f64(),
                         "pool: request not done in time (a slow body?); answered 408, connection closed"
                     );

@@ -48,12 +48,22 @@ fn register(pd: &Arc<verbs::Pd>, ptr: *mut u8, len: usize) -> Result<Mr, RdmaErr
     unsafe { Mr::register(pd, ptr, len, true) }
 }
 
-/// The registrations of one request's buffers ([`RdmaExposure::Request`]).
+/// The registrations of one head's request ([`RdmaExposure::Request`]); empty between
+/// requests, its vector kept so that a request costs no allocation.
+#[derive(Default)]
 struct RequestRegs {
-    /// One per buffer (dropped before `_keep`: field order).
-    _mrs: Vec<Mr>,
+    /// One per buffer (dropped before `keep`: field order).
+    mrs: Vec<Mr>,
     /// The map the buffers were parsed with, so that they stay mapped while registered.
-    _keep: GuestMemoryRef,
+    keep: Option<GuestMemoryRef>,
+}
+
+impl RequestRegs {
+    /// Deregisters the buffers, then lets the map go.
+    fn clear(&mut self) {
+        self.mrs.clear();
+        self.keep = None;
+    }
 }
 
 /// One queue's RDMA connection. The connection (its QP) is dropped before the MRs.
@@ -64,7 +74,7 @@ pub(crate) struct RdmaLink {
     regs: RegionCache<Mr>,
     /// [`RdmaExposure::Request`]: the registrations of each head's request on this
     /// session, indexed by head (at most the queue size).
-    per_request: Vec<Option<RequestRegs>>,
+    per_request: Vec<RequestRegs>,
     segs: Vec<Segment>,
     done: Vec<Completion>,
     /// Response headers taken from receives, reused between calls.
@@ -211,33 +221,31 @@ impl RdmaLink {
     ) -> Result<(), RdmaError> {
         let i = usize::from(head);
         if self.per_request.len() <= i {
-            self.per_request.resize_with(i + 1, || None);
+            self.per_request.resize_with(i + 1, RequestRegs::default);
         }
-        self.per_request[i] = None;
+        let regs = &mut self.per_request[i];
+        regs.clear();
+        regs.keep = Some(mem.clone());
         // The lender writes a read's buffers, and reads a write's data.
         let peer = if op == Op::Read {
             PeerAccess::Write
         } else {
             PeerAccess::Read
         };
-        let pd = Arc::clone(self.conn.pd());
-        let mut mrs = Vec::with_capacity(slot.iovs.len());
+        let pd = self.conn.pd();
         for iov in &slot.iovs {
             // SAFETY: the iovec is a guest buffer inside a region of `mem` (the chain
-            // was parsed against it); `RequestRegs` keeps `mem`, dropped after the MRs
-            // (field order), so the range stays mapped while registered.
-            let mr = unsafe { Mr::register_for_peer(&pd, iov.ptr, iov.len, peer) }?;
+            // was parsed against it); `regs.keep` holds `mem` until the MRs are dropped
+            // (`RequestRegs::clear`, and field order), so the range stays mapped while
+            // registered.
+            let mr = unsafe { Mr::register_for_peer(pd, iov.ptr, iov.len, peer) }?;
             self.segs.push(Segment {
                 addr: iov.ptr as u64,
                 rkey: mr.rkey(),
                 len: iov.len as u32,
             });
-            mrs.push(mr);
+            regs.mrs.push(mr);
         }
-        self.per_request[i] = Some(RequestRegs {
-            _mrs: mrs,
-            _keep: mem.clone(),
-        });
         Ok(())
     }
 
@@ -268,7 +276,7 @@ impl RdmaLink {
     /// registrations go ([`RdmaExposure::Request`]).
     fn release_request(&mut self, head: u16) {
         if let Some(r) = self.per_request.get_mut(usize::from(head)) {
-            *r = None;
+            r.clear();
         }
     }
 
