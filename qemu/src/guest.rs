@@ -29,11 +29,15 @@
 //! Set `DEVLEND_TEST_VERBOSE=1` to echo the console of every guest to the
 //! test's stderr as it arrives, each line prefixed with the guest's name.
 //!
+//! A running guest can be live-migrated: [`crate::migration`] starts the destination
+//! QEMU of a migration from it (same machine, kernel, initramfs, memory and devices,
+//! with `-incoming`), whose console is read like this one's.
+//!
 //! Why this file is over 600 lines: it holds a guest's whole life: the image
 //! (`GuestImage`), the builder (`GuestBuilder`, about 320 lines, mostly option setters),
 //! the running guest with its console readers, and the initramfs writer (`write_initrd`,
 //! `CpioWriter`). The image and the initramfs writer could move to modules of their own,
-//! and are left here for now.
+//! and are left here for now; what only migrations need is in [`crate::migration`].
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -235,6 +239,8 @@ pub struct GuestBuilder {
     /// Boot through the firmware from the first vhost-user-blk disk, whose backing file
     /// this is ([`GuestBuilder::firmware_boot_from`]).
     firmware_disk: Option<PathBuf>,
+    /// Network namespace QEMU runs in (`ip netns exec`), if any.
+    netns: Option<String>,
 }
 
 impl Default for GuestBuilder {
@@ -261,7 +267,27 @@ impl GuestBuilder {
             native_pcie_hotplug: false,
             allow_reset: false,
             firmware_disk: None,
+            netns: None,
         }
+    }
+
+    /// Runs QEMU inside network namespace `ns` (`ip netns exec NS qemu ...`), as on
+    /// another host; unix sockets (QMP, vhost-user) are reachable from any namespace.
+    /// Default: this process's namespace.
+    pub fn netns(mut self, ns: impl Into<String>) -> Self {
+        self.netns = Some(ns.into());
+        self
+    }
+
+    /// The QEMU arguments added with [`Self::arg`], [`Self::args`] and the disk setters,
+    /// in order (a migration's destination replaces some: [`crate::migration`]).
+    pub(crate) fn extra_args_mut(&mut self) -> &mut Vec<String> {
+        &mut self.extra_args
+    }
+
+    /// The guest's label ([`Self::name`]).
+    pub(crate) fn label(&self) -> &str {
+        &self.name
     }
 
     /// Boots through the firmware (SeaBIOS) from the first vhost-user-blk disk instead
@@ -549,6 +575,24 @@ pub struct BootFiles {
     pub cmdline: String,
 }
 
+/// A console line with the host's time of arrival ([`Guest::timed_console`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimedLine {
+    /// When the host read its end.
+    pub at: Instant,
+    /// The line, without its end.
+    pub text: String,
+}
+
+/// A guest's console with times ([`Guest::timed_console`]).
+#[derive(Debug, Clone, Default)]
+pub struct TimedConsole {
+    /// Complete lines, in order.
+    pub lines: Vec<TimedLine>,
+    /// Text after the last newline (empty if none).
+    pub unterminated: String,
+}
+
 /// One line of console output.
 #[derive(Debug, Clone)]
 struct Line {
@@ -564,6 +608,8 @@ struct ConsoleState {
     partial: String,
     /// QEMU closed its stdout (it exited).
     eof: bool,
+    /// The last of `lines` was not ended by a newline (QEMU exited after it).
+    eof_unterminated: bool,
     qemu_stderr: Vec<String>,
 }
 
@@ -632,6 +678,11 @@ pub struct Guest {
     qmp: PathBuf,
     root_ports: Vec<String>,
     exit_status: Option<ExitStatus>,
+    /// What QEMU was started from, for a migration's destination.
+    pub(crate) builder: GuestBuilder,
+    pub(crate) image: GuestImage,
+    /// This guest's initramfs (in `work_dir`).
+    pub(crate) initrd: PathBuf,
     // Last: removed after QEMU is gone.
     work_dir: tempfile::TempDir,
 }
@@ -669,14 +720,32 @@ impl Guest {
             )
             .context("writing the boot volume")?;
         }
+        Guest::launch(builder, image, work_dir, initrd, &[])
+    }
+
+    /// Starts QEMU for `builder` with the initramfs `initrd` already written (in
+    /// `work_dir`), `more` arguments last (e.g. `-incoming URI`), and the console readers.
+    pub(crate) fn launch(
+        builder: GuestBuilder,
+        image: GuestImage,
+        work_dir: tempfile::TempDir,
+        initrd: PathBuf,
+        more: &[String],
+    ) -> Result<Guest> {
         let qmp = work_dir.path().join("qmp.sock");
-        let args = builder.qemu_args(&image, &initrd, &qmp);
+        let mut args = builder.qemu_args(&image, &initrd, &qmp);
+        args.extend(more.iter().cloned());
         let qemu = qemu_binary();
         if verbose() {
             let _ = writeln!(
                 std::io::stderr(),
-                "[{}] {} {}",
+                "[{}] {}{} {}",
                 builder.name,
+                builder
+                    .netns
+                    .as_ref()
+                    .map(|ns| format!("ip netns exec {ns} "))
+                    .unwrap_or_default(),
                 qemu.display(),
                 args.iter()
                     .map(|a| shell_quote(a))
@@ -684,8 +753,17 @@ impl Guest {
                     .join(" ")
             );
         }
+        let mut command = match &builder.netns {
+            // `ip netns exec` enters the namespace and execs QEMU: the child is QEMU.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns.as_str()]).arg(&qemu);
+                c
+            }
+            None => Command::new(&qemu),
+        };
         let started = Instant::now();
-        let mut child = Command::new(&qemu)
+        let mut child = command
             .args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -723,7 +801,7 @@ impl Guest {
             return Err(e);
         }
         Ok(Guest {
-            name: builder.name,
+            name: builder.name.clone(),
             child,
             started,
             console,
@@ -732,8 +810,51 @@ impl Guest {
             qmp,
             root_ports: (1..=builder.root_ports).map(|i| format!("rp{i}")).collect(),
             exit_status: None,
+            builder,
+            image,
+            initrd,
             work_dir,
         })
+    }
+
+    /// The guest's label ([`GuestBuilder::name`]).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Console lines so far, each with the host's time of arrival, then any unfinished
+    /// last line (after QEMU exited too: the text after the last newline, say a line cut
+    /// by the end of a migration, which the destination's console then goes on with).
+    pub fn timed_console(&self) -> TimedConsole {
+        let state = self.console.lock();
+        let mut lines: Vec<TimedLine> = state
+            .lines
+            .iter()
+            .map(|l| TimedLine {
+                at: self.started + l.at,
+                text: l.text.clone(),
+            })
+            .collect();
+        let mut unterminated = state.partial.clone();
+        if state.eof_unterminated {
+            if let Some(last) = lines.pop() {
+                unterminated = last.text;
+            }
+        }
+        TimedConsole {
+            lines,
+            unterminated,
+        }
+    }
+
+    /// Waits up to `timeout` for QEMU to exit (after a QMP `quit`, say), and returns its
+    /// exit status; `None` if it still runs.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let status = self.reap(timeout);
+        if status.is_some() {
+            self.join_readers();
+        }
+        status
     }
 
     /// The QMP socket QEMU listens on (`-qmp unix:PATH,server=on,wait=off`).
@@ -1083,6 +1204,7 @@ fn spawn_console_reader(
                     at: started.elapsed(),
                     text,
                 });
+                state.eof_unterminated = true;
             }
             state.eof = true;
             drop(state);

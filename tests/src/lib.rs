@@ -11,6 +11,7 @@ pub mod edu;
 pub mod gateways;
 pub mod lan;
 pub mod libvirt;
+pub mod migration;
 pub mod netns;
 pub mod nvme;
 pub use devlend_qemu::guest;

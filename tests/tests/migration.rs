@@ -1,0 +1,828 @@
+//! Live migration of a running TCG guest between two compute hosts (network namespaces
+//! A and B joined by a veth link), A→B→A→B, each time to a new destination QEMU started
+//! with `-incoming`, while the guest's own virtio-blk driver writes a fresh chunk with
+//! O_DIRECT, reads it back and compares, printing a line per I/O: no I/O fails, every
+//! chunk verifies at the end, and the longest pause in the workload across each
+//! switch-over is measured (host time between two I/O lines) and printed.
+//!
+//! - `a_file_disk_guest_migrates_three_times`: the baseline, QEMU's own local `file`
+//!   disk (`cache=none`), the same image for every QEMU (shared storage).
+//! - With `devlend migrate` (issue "Live-migrate a running VM with lent disks and
+//!   NICs"; ignored until it lands, run with `--ignored`): a disk lent by a lender in a
+//!   third namespace, in direct mode with a key per compute host; the source agent hands
+//!   the device over (`migrate handover`), the destination's agent takes it
+//!   (`migrate prepare`), the source lets go (`migrate finish`). The same run measures
+//!   the baseline beside it; then the handover is refused to anyone else, and a
+//!   cancelled migration leaves the guest and its disk working on the source.
+//!
+//! Guest tests of this file run one at a time (a lock): the pauses are measured on a
+//! machine of 2 cores.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use devlend_tests::agents::{bin, sparse_file, spawn_in, wait_listening, Borrower, Proc};
+use devlend_tests::guest::{Guest, GuestOutcome};
+use devlend_tests::migration::{
+    self, cancel_migration, longest_pause, ms, qmp, query_migrate, run_state, set_bandwidth,
+    start_migration, wait_migration, Chain, Params, Pause, CHUNK_BYTES,
+};
+use devlend_tests::netns::{Netns, NsLink};
+use devlend_tests::sha256_hex;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const DISK_BYTES: u64 = 16 << 20;
+/// The workload's region: 64 chunks of 64 KiB.
+const CHUNKS: u32 = 64;
+/// Guest RAM: small, so that each migration copies little under TCG.
+const MEMORY_MIB: u32 = 256;
+/// Seconds of guest time the workload runs: long enough for three migrations (each a
+/// destination's start, a second or two of copy, a settling second) on a busy machine.
+const WORKLOAD_SECS: u32 = 40;
+/// Migrations per run: A→B→A→B.
+const MIGRATIONS: usize = 3;
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Compute hosts A and B, joined directly (the migration stream's path).
+struct Hosts {
+    ab: NsLink,
+    b: Netns,
+    a: Netns,
+}
+
+impl Hosts {
+    /// Namespaces `n` and `n + 1`, link `k`.
+    fn new(n: u8, k: u8) -> Result<Self> {
+        let a = Netns::new(n)?;
+        let b = Netns::new(n + 1)?;
+        let ab = NsLink::new(&a, &b, k)?;
+        Ok(Hosts { ab, b, a })
+    }
+
+    /// The namespace of host `to` (0: A, 1: B) and the URI its destination QEMU listens
+    /// on for migration `k`.
+    fn dest(&self, to: usize, k: usize) -> (&str, String) {
+        let port = 4600 + k;
+        if to == 0 {
+            (&self.a.name, format!("tcp:{}:{port}", self.ab.a_ip))
+        } else {
+            (&self.b.name, format!("tcp:{}:{port}", self.ab.b_ip))
+        }
+    }
+}
+
+/// The host (0: A, 1: B) migration `k` goes to: B, A, B, ...
+fn to_host(k: usize) -> usize {
+    (k + 1) % 2
+}
+
+fn label(k: usize) -> String {
+    let n = ["A", "B"];
+    format!("{}>{}", n[k % 2], n[to_host(k)])
+}
+
+/// Waits until the guest's workload has started and made some progress.
+fn wait_workload(chain: &Chain) -> Result<()> {
+    chain
+        .current
+        .wait_for_text("workload=started", Duration::from_secs(240))?;
+    chain
+        .current
+        .wait_for_text("DLIO r 3 ", Duration::from_secs(60))?;
+    Ok(())
+}
+
+/// What one run measured.
+struct Run {
+    variant: &'static str,
+    pauses: Vec<(String, Pause, migration::MigrationInfo)>,
+}
+
+impl Run {
+    fn print(&self) {
+        for (label, p, info) in &self.pauses {
+            println!(
+                "MIGRATION-PAUSE variant={} switch={label} pause_ms={} guest_clock_ms={} \
+                 typical_gap_ms={} qemu_downtime_ms={} qemu_total_ms={} ram_bytes={}",
+                self.variant,
+                ms(p.host),
+                ms(p.guest),
+                ms(p.typical),
+                info.downtime_ms.unwrap_or(0),
+                info.total_ms.unwrap_or(0),
+                info.ram_transferred.unwrap_or(0),
+            );
+        }
+    }
+
+    fn longest(&self) -> Duration {
+        self.pauses
+            .iter()
+            .map(|(_, p, _)| p.host)
+            .max()
+            .unwrap_or_default()
+    }
+}
+
+/// Runs the migrations of `chain` (whose workload is under way): for each, `dest`
+/// starts the destination QEMU (given the migration's number, its host and URI),
+/// then `done` runs after the switch (e.g. `devlend migrate finish`). At the end waits
+/// for the workload, checks it, and measures the pauses.
+fn migrate_chain(
+    variant: &'static str,
+    chain: &mut Chain,
+    hosts: &Hosts,
+    mut dest: impl FnMut(usize, &Guest, &str, &str) -> Result<Guest>,
+    mut done: impl FnMut(usize) -> Result<()>,
+) -> Result<(Run, GuestOutcome, String)> {
+    wait_workload(chain)?;
+    for k in 0..MIGRATIONS {
+        let (ns, uri) = hosts.dest(to_host(k), k);
+        let d = dest(k, &chain.current, ns, &uri)?;
+        let sw = chain.migrate(&label(k), d, &uri, Params::default(), MIGRATION_TIMEOUT)?;
+        eprintln!(
+            "[{variant}] {}: completed in {} ms (QEMU downtime {:?} ms)",
+            sw.label,
+            ms(sw.completed - sw.started),
+            sw.info.downtime_ms
+        );
+        done(k)?;
+        // The guest goes on in its new QEMU before the next migration.
+        let seen = chain.lines().len();
+        let end = Instant::now() + Duration::from_secs(30);
+        while !chain.lines()[seen..]
+            .iter()
+            .any(|l| l.text.contains("DLIO r "))
+        {
+            ensure!(
+                Instant::now() < end,
+                "{variant}: no I/O after {}:\n{}",
+                label(k),
+                chain.console()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(1000));
+    }
+    let last_switch = chain.switches.last().map(|s| s.completed);
+    let outcome = chain
+        .current
+        .wait_done(Duration::from_secs(240))
+        .with_context(|| format!("{variant}: the workload did not end"))?;
+    let console = chain.console();
+    outcome.check_success()?;
+    let lines = chain.lines();
+    let (ticks, errors) = migration::ticks(&lines)?;
+    ensure!(
+        errors.is_empty(),
+        "{variant}: the guest saw I/O errors: {errors:?}"
+    );
+    ensure!(
+        !console.contains("I/O error") && !console.contains("blk_update_request"),
+        "{variant}: the guest kernel logged I/O errors:\n{console}"
+    );
+    let r = |k: &str| outcome.result(k).unwrap_or("").to_owned();
+    ensure!(r("errors") == "0", "{variant}: errors={}", r("errors"));
+    ensure!(
+        r("verified") == r("written") && r("written") == CHUNKS.to_string(),
+        "{variant}: verified {} of {} chunks (want {CHUNKS})",
+        r("verified"),
+        r("written")
+    );
+    ensure!(
+        ticks.last().is_some_and(|t| Some(t.at) > last_switch),
+        "{variant}: the workload ended before the last migration: raise WORKLOAD_SECS"
+    );
+    let mut run = Run {
+        variant,
+        pauses: Vec::new(),
+    };
+    for sw in &chain.switches {
+        let p = longest_pause(
+            &ticks,
+            sw.started,
+            sw.completed + Duration::from_millis(1500),
+        )
+        .with_context(|| format!("{variant} {}", sw.label))?;
+        run.pauses.push((sw.label.clone(), p, sw.info.clone()));
+    }
+    eprintln!(
+        "[{variant}] {} I/Os ({} chunks verified), {} migrations",
+        r("ios"),
+        r("verified"),
+        chain.switches.len()
+    );
+    Ok((run, outcome, console))
+}
+
+/// The baseline: QEMU's own `file` disk, the same image for every QEMU.
+fn file_disk_run(dir: &Path, hosts: &Hosts) -> Result<Run> {
+    let img = dir.join("file-disk.img");
+    sparse_file(&img, DISK_BYTES)?;
+    let guest = Guest::builder()
+        .name("mig-file-A")
+        .memory_mib(MEMORY_MIB)
+        .netns(hosts.a.name.clone())
+        .script(migration::workload_script(WORKLOAD_SECS, CHUNKS))
+        .args([
+            "-drive".to_string(),
+            format!("file={},format=raw,if=none,id=d0,cache=none", img.display()),
+            "-device".into(),
+            "virtio-blk-pci,drive=d0,id=disk0".into(),
+        ])
+        .boot()?;
+    let mut chain = Chain::new(guest);
+    let (run, outcome, _) = migrate_chain(
+        "file",
+        &mut chain,
+        hosts,
+        |k, src, ns, uri| {
+            src.incoming(uri)
+                .name(format!("mig-file-{}", label(k)))
+                .netns(ns)
+                .start()
+        },
+        |_| Ok(()),
+    )?;
+    let file = std::fs::read(&img)?;
+    let region = (u64::from(CHUNKS) * CHUNK_BYTES) as usize;
+    assert_eq!(
+        outcome.result("region_sha256"),
+        Some(sha256_hex(&file[..region]).as_str()),
+        "the image does not hold what the guest wrote"
+    );
+    Ok(run)
+}
+
+#[test]
+fn a_file_disk_guest_migrates_three_times() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir()?;
+    let hosts = Hosts::new(0, 0)?;
+    let t = Instant::now();
+    let run = file_disk_run(dir.path(), &hosts)?;
+    run.print();
+    println!(
+        "baseline (QEMU file disk): longest pause {} ms over {} migrations, test {:.0} s",
+        ms(run.longest()),
+        run.pauses.len(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------
+// devlend: a lent disk, handed over between the compute agents of A and B.
+
+const LENDER_PORT: u16 = 7700;
+
+/// `devlend keygen --out PATH`; returns the public key.
+fn keygen(path: &Path) -> Result<String> {
+    let out = Command::new(bin("devlend")?)
+        .args(["keygen", "--out"])
+        .arg(path)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "keygen: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?.trim().to_owned())
+}
+
+/// Fails at once, saying why, when this build has no `devlend migrate`.
+fn require_migrate_command() -> Result<()> {
+    let out = Command::new(bin("devlend")?)
+        .args(["migrate", "--help"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "this build has no `devlend migrate` yet: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// A compute host: its namespace, agent and the lender's address from there.
+struct ComputeHost {
+    name: &'static str,
+    dir: PathBuf,
+    agent: Borrower,
+    lender: String,
+}
+
+impl ComputeHost {
+    fn start(
+        name: &'static str,
+        root: &Path,
+        ns: Option<&str>,
+        key: &Path,
+        lender: String,
+    ) -> Result<Self> {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir)?;
+        let agent = Borrower::start_in(
+            &dir,
+            ns,
+            &format!("compute-{name}"),
+            &["--auth-key-file".into(), key.display().to_string()],
+        )?;
+        Ok(ComputeHost {
+            name,
+            dir,
+            agent,
+            lender,
+        })
+    }
+
+    fn socket(&self, tag: &str) -> PathBuf {
+        self.dir.join(format!("disk0-{tag}.sock"))
+    }
+
+    /// `devlend ARGS... --json` on this host's agent; the output whether it succeeds.
+    fn try_cli(&self, args: &[&str]) -> Result<std::process::Output> {
+        let mut a = args.to_vec();
+        a.push("--json");
+        self.agent.cli(&a)
+    }
+
+    fn json(&self, args: &[&str]) -> Result<serde_json::Value> {
+        self.agent
+            .cli_json(args)
+            .with_context(|| format!("on {}: devlend {args:?}", self.name))
+    }
+
+    /// Ids of the attachments `devlend status` lists.
+    fn attachment_ids(&self) -> Result<Vec<String>> {
+        let s = self.json(&["status"])?;
+        Ok(s.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x["id"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+}
+
+/// The attachment id in an `attach` / `migrate prepare` answer (`id`, or
+/// `attachment.id`).
+fn attachment_id(v: &serde_json::Value) -> Result<String> {
+    v["id"]
+        .as_str()
+        .or_else(|| v["attachment"]["id"].as_str())
+        .map(str::to_owned)
+        .with_context(|| format!("no attachment id in {v}"))
+}
+
+/// Lender L (own namespace) and compute hosts A, B (their namespaces, each linked to L)
+/// and C (this namespace), each with a key the lender trusts.
+struct Lab {
+    hosts: Hosts,
+    _l: Netns,
+    _la: NsLink,
+    _lb: NsLink,
+    lender: Proc,
+    image: PathBuf,
+    a: ComputeHost,
+    b: ComputeHost,
+    c: ComputeHost,
+}
+
+impl Lab {
+    fn start(dir: &Path, n: u8, k: u8) -> Result<Self> {
+        let hosts = Hosts::new(n, k)?;
+        let l = Netns::new(n + 2)?;
+        let la = NsLink::new(&l, &hosts.a, k + 1)?;
+        let lb = NsLink::new(&l, &hosts.b, k + 2)?;
+        let image = dir.join("lent.img");
+        sparse_file(&image, DISK_BYTES)?;
+        let other = dir.join("other.img");
+        sparse_file(&other, DISK_BYTES)?;
+        let mut keys = Vec::new();
+        let mut args = vec![
+            "--listen".to_owned(),
+            format!("0.0.0.0:{LENDER_PORT}"),
+            "--device".into(),
+            format!("disk0={}", image.display()),
+            "--device".into(),
+            format!("disk1={}", other.display()),
+            "--key-file".into(),
+            dir.join("lender.key").display().to_string(),
+        ];
+        for name in ["a", "b", "c"] {
+            let key = dir.join(format!("{name}.key"));
+            args.push("--auth-key".into());
+            args.push(keygen(&key)?);
+            keys.push(key);
+        }
+        let mut lender = spawn_in(
+            Some(&l.name),
+            "device-agent",
+            &bin("devlend-device-agent")?,
+            &args,
+            dir,
+        )?;
+        wait_listening(&mut lender, &format!("{}:{LENDER_PORT}", l.ns_ip))?;
+        let a = ComputeHost::start(
+            "a",
+            dir,
+            Some(&hosts.a.name),
+            &keys[0],
+            format!("{}:{LENDER_PORT}", la.a_ip),
+        )?;
+        let b = ComputeHost::start(
+            "b",
+            dir,
+            Some(&hosts.b.name),
+            &keys[1],
+            format!("{}:{LENDER_PORT}", lb.a_ip),
+        )?;
+        let c = ComputeHost::start(
+            "c",
+            dir,
+            None,
+            &keys[2],
+            format!("{}:{LENDER_PORT}", l.ns_ip),
+        )?;
+        Ok(Lab {
+            hosts,
+            _l: l,
+            _la: la,
+            _lb: lb,
+            lender,
+            image,
+            a,
+            b,
+            c,
+        })
+    }
+
+    fn host(&self, i: usize) -> &ComputeHost {
+        if i == 0 {
+            &self.a
+        } else {
+            &self.b
+        }
+    }
+
+    /// Attaches disk0 on A and boots the workload guest there.
+    fn boot_on_a(&self, name: &str, secs: u32) -> Result<(String, PathBuf, Guest)> {
+        let sock = self.a.socket("boot");
+        let s = sock.display().to_string();
+        let v = self.a.json(&[
+            "attach",
+            "--lender",
+            &self.a.lender,
+            "--device",
+            "disk0",
+            "--socket",
+            &s,
+            "--queues",
+            "1",
+        ])?;
+        let id = attachment_id(&v)?;
+        let guest = Guest::builder()
+            .name(name)
+            .memory_mib(MEMORY_MIB)
+            .netns(self.hosts.a.name.clone())
+            .script(migration::workload_script(secs, CHUNKS))
+            .vhost_user_blk_with(&sock, Some(1000))
+            .boot()?;
+        Ok((id, sock, guest))
+    }
+
+    /// `migrate handover` of attachment `id` on host `from`: the token.
+    fn handover(&self, from: usize, id: &str) -> Result<String> {
+        let v = self.host(from).json(&["migrate", "handover", id])?;
+        v["handover_token"]
+            .as_str()
+            .map(str::to_owned)
+            .with_context(|| format!("no handover_token in {v}"))
+    }
+
+    /// `migrate prepare` on `on` with `token` for `device` at `sock`: the output.
+    fn prepare(
+        &self,
+        on: &ComputeHost,
+        token: &str,
+        device: &str,
+        sock: &Path,
+    ) -> Result<std::process::Output> {
+        let s = sock.display().to_string();
+        on.try_cli(&[
+            "migrate",
+            "prepare",
+            "--handover-token",
+            token,
+            "--lender",
+            &on.lender,
+            "--device",
+            device,
+            "--socket",
+            &s,
+            "--queues",
+            "1",
+        ])
+    }
+
+    /// The lender's image, the workload's region.
+    fn region_sha256(&self) -> Result<String> {
+        let file = std::fs::read(&self.image)?;
+        Ok(sha256_hex(
+            &file[..(u64::from(CHUNKS) * CHUNK_BYTES) as usize],
+        ))
+    }
+}
+
+fn ok_json(out: &std::process::Output, what: &str) -> Result<serde_json::Value> {
+    ensure!(
+        out.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).with_context(|| format!("{what}: not JSON"))
+}
+
+/// A→B→A→B with the lent disk; returns the run's pauses.
+fn lent_disk_run(lab: &Lab) -> Result<Run> {
+    let (first_id, first_sock, guest) = lab.boot_on_a("mig-lent-A", WORKLOAD_SECS)?;
+    // The attachment each host holds now, and its socket.
+    let ids = std::cell::RefCell::new(vec![(first_id, first_sock)]);
+    let mut chain = Chain::new(guest);
+    let (run, outcome, _) = migrate_chain(
+        "devlend",
+        &mut chain,
+        &lab.hosts,
+        |k, src, ns, uri| {
+            let from = k % 2;
+            let to = lab.host(to_host(k));
+            let (src_id, src_sock) = ids.borrow().last().cloned().context("no attachment")?;
+            let token = lab.handover(from, &src_id)?;
+            let sock = to.socket(&format!("m{k}"));
+            let v = ok_json(
+                &lab.prepare(to, &token, "disk0", &sock)?,
+                &format!("migrate prepare on {}", to.name),
+            )?;
+            let dst_id = attachment_id(&v)?;
+            let args = v["qemu_args"].to_string();
+            ensure!(
+                args.contains(&sock.display().to_string()),
+                "qemu_args of migrate prepare do not name the socket: {v}"
+            );
+            ids.borrow_mut().push((dst_id, sock.clone()));
+            src.incoming(uri)
+                .name(format!("mig-lent-{}", label(k)))
+                .netns(ns)
+                .replace_in_args(&src_sock.display().to_string(), &sock.display().to_string())
+                .start()
+        },
+        |k| {
+            let from = lab.host(k % 2);
+            let to = lab.host(to_host(k));
+            let all = ids.borrow();
+            let (src_id, _) = &all[all.len() - 2];
+            let (dst_id, _) = &all[all.len() - 1];
+            from.json(&["migrate", "finish", src_id])?;
+            let left = from.attachment_ids()?;
+            ensure!(
+                !left.contains(src_id),
+                "{}: attachment {src_id} still listed after migrate finish: {left:?}",
+                from.name
+            );
+            let there = to.attachment_ids()?;
+            ensure!(
+                there.contains(dst_id),
+                "{}: the incoming attachment {dst_id} is not listed: {there:?}",
+                to.name
+            );
+            Ok(())
+        },
+    )?;
+    assert_eq!(
+        outcome.result("region_sha256"),
+        Some(lab.region_sha256()?.as_str()),
+        "the lender's file does not hold what the guest wrote"
+    );
+    let final_id = ids.borrow().last().cloned().context("no attachment")?.0;
+    let last = lab.host(to_host(MIGRATIONS - 1));
+    last.json(&["detach", &final_id])?;
+    Ok(run)
+}
+
+/// (a) and (d): A→B→A→B with a lent disk, and the baseline in the same run, pauses
+/// printed side by side.
+#[test]
+#[ignore = "needs `devlend migrate` (issue: Live-migrate a running VM with lent disks and NICs)"]
+fn a_lent_disk_guest_migrates_three_times_beside_the_baseline() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_migrate_command()?;
+    let dir = tempfile::tempdir()?;
+    let lab = Lab::start(dir.path(), 10, 10)?;
+    let lent = lent_disk_run(&lab).with_context(|| {
+        format!(
+            "lender log:\n{}\n--- A ---\n{}\n--- B ---\n{}",
+            lab.lender.log(),
+            lab.a.agent.proc.log(),
+            lab.b.agent.proc.log()
+        )
+    })?;
+    let baseline = file_disk_run(dir.path(), &lab.hosts)?;
+    baseline.print();
+    lent.print();
+    println!(
+        "longest guest-visible pause: devlend {} ms, QEMU file disk {} ms",
+        ms(lent.longest()),
+        ms(baseline.longest())
+    );
+    Ok(())
+}
+
+/// (b) and (c): during a handover nobody else gets the device (another trusted compute
+/// agent attaching it, a token for another device, a forged token); a migration
+/// cancelled halfway leaves the guest working on the source with its disk, the
+/// destination's attachment is removed, and a migration after that goes through.
+#[test]
+#[ignore = "needs `devlend migrate` (issue: Live-migrate a running VM with lent disks and NICs)"]
+fn a_handover_is_refused_to_others_and_a_cancelled_migration_keeps_the_disk() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_migrate_command()?;
+    let dir = tempfile::tempdir()?;
+    let lab = Lab::start(dir.path(), 20, 20)?;
+    let (a_id, a_sock, guest) = lab.boot_on_a("mig-cancel-A", WORKLOAD_SECS)?;
+    let mut chain = Chain::new(guest);
+    wait_workload(&chain)?;
+
+    // The handover, and B's incoming attachment.
+    let token = lab.handover(0, &a_id)?;
+    let b_sock = lab.b.socket("m0");
+    let v = ok_json(
+        &lab.prepare(&lab.b, &token, "disk0", &b_sock)?,
+        "migrate prepare on b",
+    )?;
+    let b_id = attachment_id(&v)?;
+
+    // (b) C, whose key the lender trusts, gets nothing of it meanwhile.
+    let c_sock = lab.c.socket("x");
+    let s = c_sock.display().to_string();
+    let out = lab.c.try_cli(&[
+        "attach",
+        "--lender",
+        &lab.c.lender,
+        "--device",
+        "disk0",
+        "--socket",
+        &s,
+    ])?;
+    ensure!(
+        !out.status.success(),
+        "C attached the device during the handover"
+    );
+    eprintln!(
+        "C's attach refused: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    let out = lab.prepare(&lab.c, &token, "disk1", &c_sock)?;
+    ensure!(
+        !out.status.success(),
+        "migrate prepare took disk1 with disk0's token"
+    );
+    eprintln!(
+        "prepare for another device refused: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    let forged = forge(&token);
+    let out = lab.prepare(&lab.c, &forged, "disk0", &c_sock)?;
+    ensure!(!out.status.success(), "migrate prepare took a forged token");
+    eprintln!(
+        "forged token refused: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    ensure!(!c_sock.exists(), "a refused attach left its socket");
+    ensure!(
+        lab.c.attachment_ids()?.is_empty(),
+        "C lists attachments after refusals"
+    );
+
+    // (c) A migration slowed down so that it cannot finish, cancelled halfway.
+    let (ns, uri) = lab.hosts.dest(1, 0);
+    let dest = chain
+        .current
+        .incoming(&uri)
+        .name("mig-cancel-A>B")
+        .netns(ns)
+        .replace_in_args(&a_sock.display().to_string(), &b_sock.display().to_string())
+        .start()?;
+    let mut dq = qmp(&dest, Duration::from_secs(20))?;
+    migration::wait_state(&mut dq, "inmigrate", Duration::from_secs(20))?;
+    let mut sq = qmp(&chain.current, Duration::from_secs(5))?;
+    start_migration(
+        &mut sq,
+        &uri,
+        Params {
+            max_bandwidth: 4 << 20,
+            ..Params::default()
+        },
+    )?;
+    std::thread::sleep(Duration::from_secs(2));
+    let during = query_migrate(&mut sq)?;
+    ensure!(
+        during["status"] == "active",
+        "the slowed migration is not active after 2 s: {during}"
+    );
+    let cancelled_at = Instant::now();
+    cancel_migration(&mut sq)?;
+    let info = wait_migration(&mut sq, Duration::from_secs(30))?;
+    ensure!(
+        info.status == "cancelled",
+        "after migrate_cancel: {:?}",
+        info.raw
+    );
+    ensure!(run_state(&mut sq)? == "running", "the source does not run");
+    set_bandwidth(&mut sq, Params::default().max_bandwidth)?;
+    drop(sq);
+    drop(dq);
+    drop(dest);
+    lab.a.json(&["migrate", "cancel", &a_id])?;
+    lab.b.json(&["detach", &b_id])?;
+    ensure!(
+        lab.b.attachment_ids()?.is_empty(),
+        "B keeps its incoming attachment"
+    );
+    ensure!(
+        lab.a.attachment_ids()? == vec![a_id.clone()],
+        "A lost its attachment"
+    );
+    // The workload goes on on the source.
+    let seen = chain.lines().len();
+    let end = Instant::now() + Duration::from_secs(20);
+    while chain.lines()[seen..]
+        .iter()
+        .filter(|l| l.text.contains("DLIO r "))
+        .count()
+        < 5
+    {
+        ensure!(
+            Instant::now() < end,
+            "no I/O on the source after the cancel:\n{}",
+            chain.console()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "the guest went on after the cancel ({} ms to 5 reads)",
+        ms(cancelled_at.elapsed())
+    );
+
+    // And the next migration goes through.
+    let token = lab.handover(0, &a_id)?;
+    let b_sock2 = lab.b.socket("m1");
+    let v = ok_json(
+        &lab.prepare(&lab.b, &token, "disk0", &b_sock2)?,
+        "second migrate prepare on b",
+    )?;
+    let b_id = attachment_id(&v)?;
+    let (ns, uri) = lab.hosts.dest(1, 1);
+    let dest = chain
+        .current
+        .incoming(&uri)
+        .name("mig-cancel-A>B-2")
+        .netns(ns)
+        .replace_in_args(
+            &a_sock.display().to_string(),
+            &b_sock2.display().to_string(),
+        )
+        .start()?;
+    chain.migrate("A>B", dest, &uri, Params::default(), MIGRATION_TIMEOUT)?;
+    lab.a.json(&["migrate", "finish", &a_id])?;
+    ensure!(lab.a.attachment_ids()?.is_empty(), "A keeps its attachment");
+    let outcome = chain.current.wait_done(Duration::from_secs(240))?;
+    outcome.check_success()?;
+    let (_, errors) = migration::ticks(&chain.lines())?;
+    ensure!(errors.is_empty(), "the guest saw I/O errors: {errors:?}");
+    ensure!(outcome.result("errors") == Some("0"), "{}", chain.console());
+    ensure!(
+        outcome.result("verified") == Some(&CHUNKS.to_string()),
+        "{}",
+        chain.console()
+    );
+    assert_eq!(
+        outcome.result("region_sha256"),
+        Some(lab.region_sha256()?.as_str())
+    );
+    lab.b.json(&["detach", &b_id])?;
+    Ok(())
+}
+
+/// `token` with one character of its signature changed (base64url).
+fn forge(token: &str) -> String {
+    let mut t: Vec<char> = token.chars().collect();
+    if let Some(c) = t.iter_mut().rev().nth(5) {
+        *c = if *c == 'A' { 'B' } else { 'A' };
+    }
+    t.into_iter().collect()
+}
