@@ -12,6 +12,7 @@
 pub mod blk;
 pub mod budget;
 pub mod guest;
+pub mod handover;
 pub mod net;
 pub mod pci;
 mod shared_map;

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
-use devlend_compute_agent::api::{ApiError, AttachRequest, AttachmentInfo};
+use devlend_compute_agent::api::{ApiError, AttachRequest, AttachmentInfo, HandoverInfo};
 use reqwest::blocking::{Client, Response};
 
 /// A client of one compute agent.
@@ -89,6 +89,36 @@ impl ApiClient {
         let url =
             format!("http://localhost/v1/attachments/{id}?release_timeout_s={release_timeout_s}");
         let r = self.check(self.http.delete(url).send())?;
+        r.json().context("bad answer from the compute agent")
+    }
+
+    /// `POST /v1/attachments/{id}/handover`: a live migration's handover token.
+    ///
+    /// # Errors
+    /// No such attachment, or one that cannot migrate; the agent is unreachable.
+    pub fn handover(&self, id: &str) -> Result<HandoverInfo> {
+        let url = format!("http://localhost/v1/attachments/{id}/handover");
+        let r = self.check(self.http.post(url).send())?;
+        r.json().context("bad answer from the compute agent")
+    }
+
+    /// `DELETE /v1/attachments/{id}/handover`: the migration failed or was cancelled.
+    ///
+    /// # Errors
+    /// No such attachment; the agent is unreachable.
+    pub fn cancel_handover(&self, id: &str) -> Result<AttachmentInfo> {
+        let url = format!("http://localhost/v1/attachments/{id}/handover");
+        let r = self.check(self.http.delete(url).send())?;
+        r.json().context("bad answer from the compute agent")
+    }
+
+    /// `POST /v1/attachments/{id}/finish`: the VM migrated away.
+    ///
+    /// # Errors
+    /// No such attachment, or one not being handed over; the agent is unreachable.
+    pub fn finish_handover(&self, id: &str) -> Result<AttachmentInfo> {
+        let url = format!("http://localhost/v1/attachments/{id}/finish");
+        let r = self.check(self.http.post(url).send())?;
         r.json().context("bad answer from the compute agent")
     }
 }

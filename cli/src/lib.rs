@@ -16,6 +16,7 @@ pub mod bench;
 pub mod blk_client;
 pub mod demo;
 pub mod gateway_cmd;
+pub mod migrate_cmd;
 pub mod output;
 pub mod pattern;
 pub mod placement;

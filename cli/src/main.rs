@@ -216,6 +216,13 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Live-migrate a VM's lent disks and NICs with it (docs/migration.md): a handover
+    /// token on the source, an incoming attachment on the destination, then finish or
+    /// cancel on the source.
+    Migrate {
+        #[command(subcommand)]
+        cmd: devlend_cli::migrate_cmd::MigrateCmd,
+    },
     /// A cluster gateway (devlend-gateway): its peers, sessions, bytes and RTTs.
     Gateway {
         #[command(subcommand)]
@@ -521,6 +528,7 @@ fn run(cli: Cli) -> Result<()> {
                     CliKind::Device => devlend_compute_agent::api::AttachKind::Device,
                     CliKind::Pci => devlend_compute_agent::api::AttachKind::Pci,
                 },
+                handover_token: None,
             });
             let a = match attached {
                 Ok(a) => a,
@@ -796,6 +804,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Pool { cmd } => devlend_cli::pool_cmd::run(*cmd)?,
         Cmd::Gateway { cmd } => devlend_cli::gateway_cmd::run(cmd)?,
+        Cmd::Migrate { cmd } => devlend_cli::migrate_cmd::run(&cli.api, cmd)?,
         Cmd::Demo {
             size,
             dir,

@@ -86,6 +86,41 @@ pub struct AttachRequest {
     /// do not apply).
     #[serde(default, skip_serializing_if = "AttachKind::is_device")]
     pub kind: AttachKind,
+    /// The destination of a live migration: the handover token that the source's
+    /// compute agent issued (`POST /v1/attachments/{id}/handover` there). The
+    /// attachment stands by for the device and takes it when the source lets it go at
+    /// the end of the migration (`docs/migration.md`). Not with `lease`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handover_token: Option<String>,
+}
+
+/// A live migration's handover, as the source's compute agent issues it
+/// (`POST /v1/attachments/{id}/handover`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HandoverInfo {
+    /// The source attachment's id.
+    pub attachment: String,
+    /// Lender address.
+    pub lender: String,
+    /// Device name on the lender.
+    pub device: String,
+    /// The token the destination attaches with (`handover_token`; unpadded base64url).
+    /// It names this attachment's lease as the predecessor of a new one.
+    pub handover_token: String,
+    /// The destination's lease id (hex, 32 digits).
+    pub lease: String,
+    /// This attachment's lease id (hex), which hands the device over.
+    pub from_lease: String,
+}
+
+/// Where a source attachment is in a live migration's handover.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum HandoverState {
+    /// Asked for: the device is let go when the VM stops at the end of the migration.
+    Asked,
+    /// The VM stopped: the device was let go for the destination.
+    LetGo,
 }
 
 /// What an attachment serves.
@@ -337,6 +372,9 @@ pub struct AttachmentInfo {
     /// this attachment's (detach it).
     #[serde(default)]
     pub lease_ended: bool,
+    /// A live migration's handover in progress from this attachment, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handover: Option<HandoverState>,
     /// The lender is gone for good (a PCIe function, whose session is not re-opened:
     /// the VMM's device state was on it); detach and attach again.
     #[serde(default)]

@@ -345,6 +345,7 @@ mod tests {
             consumer: "vm1".into(),
             provider_key: Some([0x42; 32]),
             qos: None,
+            successor_of: None,
         };
         edit(&mut c);
         pool.sign(&c).unwrap()

@@ -104,6 +104,8 @@ const DIRECT_TOKEN_LIFETIME_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
 
 use devlend_fabric::lease_token::now_ms;
 
+mod handover;
+
 /// Largest busy-poll budget an attachment may ask for, in microseconds.
 pub const MAX_POLL_US: u32 = 1000;
 
@@ -219,6 +221,7 @@ fn info(e: &Entry) -> AttachmentInfo {
         lease: e.lease.as_ref().map(LeaseKeeper::id),
         limits: lease_limits(e.request.lease.as_ref()),
         lease_ended: e.lease.as_ref().is_some_and(LeaseKeeper::ended),
+        handover: handover::state(&e.attachment),
         lender_lost: e.attachment.lender_lost(),
         rates: None,
         counters: e.attachment.stats().into(),
@@ -261,6 +264,7 @@ fn restoring_info(r: &Restoring) -> AttachmentInfo {
         lease: q.lease.as_ref().map(|l| l.id),
         limits: lease_limits(q.lease.as_ref()),
         lease_ended: false,
+        handover: None,
         lender_lost: false,
         rates: None,
         counters: crate::api::IoCounters::default(),
@@ -467,10 +471,15 @@ impl Registry {
             ));
         }
         let tls = self.tls_target(req, &resolved)?;
-        let (borrower, token) = match (&checked, &self.signer, &restore) {
-            (Some(c), _, _) => (c.borrower(), c.token.clone()),
-            (None, _, Some(r)) => (r.borrower, r.token.clone()),
-            (None, Some(signer), None) => {
+        let incoming = match (&req.handover_token, &restore) {
+            (Some(t), None) => Some(handover::incoming(t, &resolved.device, checked.is_some())?),
+            _ => None,
+        };
+        let (borrower, token) = match (&checked, &self.signer, &restore, incoming) {
+            (Some(c), _, _, _) => (c.borrower(), c.token.clone()),
+            (None, _, Some(r), _) => (r.borrower, r.token.clone()),
+            (None, _, None, Some(i)) => i,
+            (None, Some(signer), None, None) => {
                 let borrower = new_borrower_id();
                 let claims = devlend_fabric::lease_token::LeaseClaims {
                     lease_id: borrower,
@@ -480,13 +489,14 @@ impl Registry {
                     consumer: id.to_owned(),
                     provider_key: None,
                     qos: None,
+                    successor_of: None,
                 };
                 let token = signer
                     .sign(&claims)
                     .map_err(|e| RegistryError::BadRequest(format!("cannot sign a token: {e}")))?;
                 (borrower, token.as_bytes().to_vec())
             }
-            (None, None, None) => (new_borrower_id(), Vec::new()),
+            (None, None, None, None) => (new_borrower_id(), Vec::new()),
         };
         let lender_key = expected_lender_key(req.lender_key.as_deref(), &token)?;
         let mut attachment = Attachment::start(AttachmentConfig {
@@ -1109,6 +1119,7 @@ mod resolve_tests {
                 consumer: "c".into(),
                 provider_key: key,
                 qos: None,
+                successor_of: None,
             })
             .unwrap()
             .as_bytes()

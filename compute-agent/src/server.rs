@@ -9,7 +9,7 @@ use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 
 use crate::api::{ApiError, AttachRequest};
@@ -52,6 +52,11 @@ pub fn router(registry: Arc<Registry>) -> Router {
     Router::new()
         .route("/v1/attachments", get(list).post(attach))
         .route("/v1/attachments/{id}", get(show).delete(detach))
+        .route(
+            "/v1/attachments/{id}/handover",
+            post(handover).delete(cancel_handover),
+        )
+        .route("/v1/attachments/{id}/finish", post(finish_handover))
         .with_state(registry)
 }
 
@@ -80,6 +85,44 @@ async fn attach(
         Err(e) => error(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("attach task failed: {e}"),
+        ),
+    }
+}
+
+/// `POST /v1/attachments/{id}/handover`: a handover token for a live migration's
+/// destination (`docs/migration.md`).
+async fn handover(State(r): State<Arc<Registry>>, UrlPath(id): UrlPath<String>) -> Response {
+    match tokio::task::spawn_blocking(move || r.handover(&id)).await {
+        Ok(Ok(info)) => Json(info).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("handover task failed: {e}"),
+        ),
+    }
+}
+
+/// `DELETE /v1/attachments/{id}/handover`: the migration failed or was cancelled.
+async fn cancel_handover(State(r): State<Arc<Registry>>, UrlPath(id): UrlPath<String>) -> Response {
+    match tokio::task::spawn_blocking(move || r.cancel_handover(&id)).await {
+        Ok(Ok(info)) => Json(info).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("handover task failed: {e}"),
+        ),
+    }
+}
+
+/// `POST /v1/attachments/{id}/finish`: the VM migrated away; removes the attachment
+/// without unplugging it.
+async fn finish_handover(State(r): State<Arc<Registry>>, UrlPath(id): UrlPath<String>) -> Response {
+    match tokio::task::spawn_blocking(move || r.finish_handover(&id)).await {
+        Ok(Ok(info)) => Json(info).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("handover task failed: {e}"),
         ),
     }
 }

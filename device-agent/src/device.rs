@@ -6,8 +6,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::sync::Arc;
 
 use devlend_fabric::qos::Qos;
 
@@ -45,62 +44,16 @@ pub(crate) struct Device {
     pub(crate) nic: Option<crate::nic::Nic>,
     /// For a PCIe function: the function (regions, interrupts, DMA; not block requests).
     pub(crate) pci: Option<Arc<crate::pci::PciFunction>>,
-    /// The borrower that holds the device, how many of its sessions are open, and the
-    /// limits they share.
-    holder: Mutex<Option<Holder>>,
-    /// The limits anonymous sessions share (direct mode without authentication), while
-    /// any is open.
-    anonymous: Mutex<std::sync::Weak<Group>>,
+    /// Who holds the device, and a handover in progress.
+    pub(crate) holding: crate::holding::Holding,
     /// The spec it was opened from.
     spec: DeviceSpec,
-}
-
-/// Who holds a device.
-#[derive(Debug)]
-struct Holder {
-    borrower: [u8; 16],
-    sessions: usize,
-    group: Arc<Group>,
-}
-
-/// A session's share of a device's ownership; released on drop.
-pub(crate) struct Claim {
-    device: Arc<Device>,
-    borrower: [u8; 16],
-    group: Arc<Group>,
-}
-
-impl Claim {
-    /// The limits the holder's sessions share.
-    pub(crate) fn group(&self) -> &Arc<Group> {
-        &self.group
-    }
-}
-
-impl Drop for Claim {
-    fn drop(&mut self) {
-        if self.borrower == [0; 16] {
-            return;
-        }
-        let mut h = self.device.holder.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(holder) = h.as_mut() {
-            if holder.borrower == self.borrower {
-                holder.sessions -= 1;
-                if holder.sessions == 0 {
-                    *h = None;
-                }
-            }
-        }
-    }
 }
 
 impl Device {
     /// Whether a borrower holds the device (has a session open on it).
     pub(crate) fn is_held(&self) -> bool {
-        self.holder
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
+        self.holding.is_held()
     }
 
     /// The traits configured for the device (beyond the derived ones).
@@ -116,8 +69,7 @@ impl Device {
     /// Whether `borrower` holds the device now (a session of it is open).
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn held_by(&self, borrower: [u8; 16]) -> bool {
-        let h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
-        borrower != [0; 16] && h.as_ref().is_some_and(|x| x.borrower == borrower)
+        self.holding.held_by(borrower)
     }
 
     /// The limits configured for the device.
@@ -133,65 +85,17 @@ impl Device {
     /// The limits its holder's sessions share now, if it is held (or anonymous
     /// sessions are open).
     pub(crate) fn current_group(&self) -> Option<Arc<Group>> {
-        let h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
-        match h.as_ref() {
-            Some(x) => Some(Arc::clone(&x.group)),
-            None => self
-                .anonymous
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .upgrade(),
-        }
+        self.holding.current_group()
     }
 
-    /// Lets a session of `borrower` use the device: a device is lent to one borrower at
-    /// a time, for as long as it has a session open. An anonymous borrower (all zero)
-    /// gets a session only while nobody holds the device, and does not hold it. Returns
-    /// the id of the holder on refusal.
-    ///
-    /// The holder's first session sets the limits all its sessions share: the device's
-    /// own and `lease` (its lease token's), the tighter of each, and the device's
-    /// `store`. Anonymous sessions share one group of the device's own limits.
+    /// Lets a session use the device ([`crate::holding::claim`]): one borrower at a
+    /// time, and the handover of a live migration.
     pub(crate) fn claim(
         self: &Arc<Self>,
-        borrower: [u8; 16],
-        lease: Option<&Qos>,
+        ask: &crate::holding::Ask<'_>,
         store: Option<Arc<Store>>,
-    ) -> Result<Claim, [u8; 16]> {
-        let mut h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
-        let group = match h.as_mut() {
-            Some(x) if x.borrower != borrower => return Err(x.borrower),
-            Some(x) => {
-                x.sessions += 1;
-                Arc::clone(&x.group)
-            }
-            None if borrower != [0; 16] => {
-                let qos = lease.map_or(self.spec.qos, |l| self.spec.qos.tighter(l));
-                let group = Arc::new(Group::new(qos, store, Instant::now()));
-                *h = Some(Holder {
-                    borrower,
-                    sessions: 1,
-                    group: Arc::clone(&group),
-                });
-                group
-            }
-            None => {
-                let mut anon = self.anonymous.lock().unwrap_or_else(|p| p.into_inner());
-                match anon.upgrade() {
-                    Some(g) => g,
-                    None => {
-                        let g = Arc::new(Group::new(self.spec.qos, store, Instant::now()));
-                        *anon = Arc::downgrade(&g);
-                        g
-                    }
-                }
-            }
-        };
-        Ok(Claim {
-            device: Arc::clone(self),
-            borrower,
-            group,
-        })
+    ) -> Result<crate::holding::Claim, crate::holding::Refusal> {
+        crate::holding::claim(self, self.spec.qos, ask, store)
     }
 
     /// Opens the spec's path (read-write, or read-only for `read_only`) and reads its size
@@ -288,8 +192,7 @@ impl Device {
             stats: DeviceStats::default(),
             nic: None,
             pci: None,
-            holder: Mutex::new(None),
-            anonymous: Mutex::new(std::sync::Weak::new()),
+            holding: Default::default(),
             spec: spec.clone(),
         })
     }
@@ -317,8 +220,7 @@ impl Device {
             stats: DeviceStats::default(),
             nic: Some(nic),
             pci: None,
-            holder: Mutex::new(None),
-            anonymous: Mutex::new(std::sync::Weak::new()),
+            holding: Default::default(),
             spec: spec.clone(),
         })
     }
@@ -350,8 +252,7 @@ impl Device {
             stats: DeviceStats::default(),
             nic: None,
             pci: Some(Arc::new(f)),
-            holder: Mutex::new(None),
-            anonymous: Mutex::new(std::sync::Weak::new()),
+            holding: Default::default(),
             spec: spec.clone(),
         })
     }

@@ -66,6 +66,8 @@ pub struct Admitted {
     pub lease: [u8; 16],
     /// The lease's limits, if its token carries any.
     pub qos: Option<devlend_fabric::qos::Qos>,
+    /// The lease it takes the device over from (a live migration's handover).
+    pub successor_of: Option<[u8; 16]>,
 }
 
 /// The lease checks of one lender.
@@ -180,6 +182,7 @@ impl LeaseGuard {
         Ok(Admitted {
             lease: claims.lease_id,
             qos: claims.qos,
+            successor_of: claims.successor_of,
         })
     }
 
@@ -245,6 +248,7 @@ mod tests {
             consumer: "vm".into(),
             provider_key: None,
             qos: None,
+            successor_of: None,
         };
         let mut h = Hello::new(device, 0);
         h.borrower = [9; 16];

@@ -26,6 +26,7 @@ pub mod config;
 mod device;
 pub mod error;
 pub mod exposure;
+mod holding;
 mod io;
 pub mod leases;
 pub mod metrics;

@@ -10,10 +10,12 @@
 //! provider, device_len: u16, device, consumer_len: u16, consumer`, in version 2 then
 //! `provider_key: [u8; 32]` (the lender's public key, which the borrower makes the lender
 //! prove in the handshake, [`crate::lender_proof`]); in version 3 instead `flags: u8`
-//! (bit 0: a provider key follows, bit 1: limits follow, always set; other bits 0),
-//! then the provider key if bit 0, then the lease's limits ([`crate::qos`], wire form);
-//! then `signature: [u8; 64]`. A token without limits is version 1 or 2, byte for byte
-//! as before; one without a provider key either is version 1. The signature covers
+//! (bit 0: a provider key follows, bit 1: limits follow, bit 2: the id of the lease this
+//! one takes the device over from follows; bit 1 or bit 2 set; other bits 0), then the
+//! provider key if bit 0, then `successor_of: [u8; 16]` if bit 2, then the lease's limits
+//! ([`crate::qos`], wire form) if bit 1; then `signature: [u8; 64]`. A token without
+//! limits or predecessor is version 1 or 2, byte for byte as before; one without a
+//! provider key either is version 1. The signature covers
 //! [`SIGNING_CONTEXT`] followed by every byte before it. Text form
 //! (JSON, command lines): unpadded base64url of the binary form.
 
@@ -44,6 +46,8 @@ pub const TOKEN_VERSION_FLAGGED: u8 = 3;
 const FLAG_PROVIDER_KEY: u8 = 1;
 /// Version 3 flag: the lease's limits follow.
 const FLAG_QOS: u8 = 2;
+/// Version 3 flag: the id of the lease this one takes over from follows.
+const FLAG_SUCCESSOR: u8 = 4;
 /// Domain separation prefix of every signed message.
 pub const SIGNING_CONTEXT: &[u8] = b"devlend-lease-token-v1\0";
 /// Longest token accepted, in bytes of binary form (fits the hello's `token_len: u16`).
@@ -104,6 +108,10 @@ pub struct LeaseClaims {
     /// The lease's limits (version 3 tokens), which the lender enforces together with
     /// its own ([`Qos::tighter`]).
     pub qos: Option<Qos>,
+    /// A handover (live migration): the lease that holds the device now, whose holder
+    /// consented to hand it to this one (version 3 tokens). The lender lets this lease
+    /// wait for the device while that one holds it, and take it when it lets go.
+    pub successor_of: Option<[u8; 16]>,
 }
 
 /// A signed token in binary form.
@@ -344,7 +352,10 @@ fn put_field(b: &mut Vec<u8>, name: &'static str, v: &str) -> Result<(), TokenEr
 
 fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     let mut b = Vec::with_capacity(64 + c.provider.len() + c.device.len() + c.consumer.len());
-    let version = match (c.qos.is_some(), c.provider_key.is_some()) {
+    let version = match (
+        c.qos.is_some() || c.successor_of.is_some(),
+        c.provider_key.is_some(),
+    ) {
         (true, _) => TOKEN_VERSION_FLAGGED,
         (false, true) => TOKEN_VERSION_KEYED,
         (false, false) => TOKEN_VERSION,
@@ -359,14 +370,23 @@ fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     put_field(&mut b, "device", &c.device)?;
     put_field(&mut b, "consumer", &c.consumer)?;
     if version == TOKEN_VERSION_FLAGGED {
-        let mut flags = FLAG_QOS;
+        let mut flags = 0;
+        if c.qos.is_some() {
+            flags |= FLAG_QOS;
+        }
         if c.provider_key.is_some() {
             flags |= FLAG_PROVIDER_KEY;
+        }
+        if c.successor_of.is_some() {
+            flags |= FLAG_SUCCESSOR;
         }
         codec::push(&mut b, flags);
     }
     if let Some(k) = &c.provider_key {
         b.extend_from_slice(k);
+    }
+    if let Some(s) = &c.successor_of {
+        b.extend_from_slice(s);
     }
     if let Some(q) = &c.qos {
         q.encode(&mut b);
@@ -410,18 +430,26 @@ fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
         TOKEN_VERSION_KEYED => FLAG_PROVIDER_KEY,
         _ => {
             let f = r.u8()?;
-            if f & !(FLAG_PROVIDER_KEY | FLAG_QOS) != 0 {
+            if f & !(FLAG_PROVIDER_KEY | FLAG_QOS | FLAG_SUCCESSOR) != 0 {
                 return Err(TokenError::Malformed("unknown token flags"));
             }
-            // One encoding per token: claims without limits are version 1 or 2.
-            if f & FLAG_QOS == 0 {
-                return Err(TokenError::Malformed("version 3 token without limits"));
+            // One encoding per token: claims without limits or predecessor are version
+            // 1 or 2.
+            if f & (FLAG_QOS | FLAG_SUCCESSOR) == 0 {
+                return Err(TokenError::Malformed(
+                    "version 3 token without limits or predecessor",
+                ));
             }
             f
         }
     };
     let provider_key = if flags & FLAG_PROVIDER_KEY != 0 {
         Some(r.array::<32>()?)
+    } else {
+        None
+    };
+    let successor_of = if flags & FLAG_SUCCESSOR != 0 {
+        Some(r.array::<16>()?)
     } else {
         None
     };
@@ -438,6 +466,7 @@ fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
         consumer,
         provider_key,
         qos,
+        successor_of,
     };
     r.finish()?;
     Ok(claims)
@@ -456,6 +485,7 @@ mod tests {
             consumer: "vm-1".into(),
             provider_key: None,
             qos: None,
+            successor_of: None,
         }
     }
 
@@ -548,11 +578,33 @@ mod tests {
             body.insert(at, if key.is_some() { FLAG_PROVIDER_KEY } else { 0 });
             assert_eq!(
                 decode_claims(&body),
-                Err(TokenError::Malformed("version 3 token without limits"))
+                Err(TokenError::Malformed(
+                    "version 3 token without limits or predecessor"
+                ))
             );
             body[at] |= FLAG_QOS;
             Qos::default().with_weight(1).encode(&mut body);
             assert!(decode_claims(&body).is_ok());
+        }
+    }
+
+    #[test]
+    fn a_handover_token_names_its_predecessor_with_and_without_limits() {
+        let signer = TokenSigner::from_seed([3; 32]);
+        for qos in [None, Some(Qos::default().with_weight(2))] {
+            for key in [None, Some([0x42; 32])] {
+                let mut c = claims();
+                c.successor_of = Some([9; 16]);
+                c.qos = qos;
+                c.provider_key = key;
+                let token = signer.sign(&c).unwrap();
+                assert_eq!(token.as_bytes()[0], TOKEN_VERSION_FLAGGED);
+                let back = signer.public_key().verify(&token).unwrap();
+                assert_eq!(back, c);
+                // One encoding per token: re-encoding gives the same bytes.
+                let body = encode_claims(&back).unwrap();
+                assert_eq!(&token.as_bytes()[..body.len()], &body[..]);
+            }
         }
     }
 

@@ -225,6 +225,7 @@ fn lease_token() {
         consumer: "vm-1".into(),
         provider_key: None,
         qos: None,
+        successor_of: None,
     };
     let signer = TokenSigner::from_seed([0x5e; 32]);
     let t = signer.sign(&claims).unwrap();

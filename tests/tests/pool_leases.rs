@@ -342,6 +342,7 @@ fn the_lender_admits_only_the_right_token() {
             consumer: "vm-test".into(),
             provider_key: None,
             qos: None,
+            successor_of: None,
         })
         .unwrap();
     let m = denied(

@@ -93,6 +93,8 @@ pub enum AttachmentError {
 #[derive(Default)]
 struct Shared {
     stop: AtomicBool,
+    /// A live migration's handover of the device.
+    handover: Arc<crate::handover::Handover>,
     net_handle: Mutex<Option<ShutdownHandle>>,
     current: Mutex<Option<(Arc<BlkBackend>, Option<ShutdownHandle>)>>,
     connected: AtomicBool,
@@ -144,10 +146,13 @@ impl Attachment {
         // An RDMA attachment fails now, with the reason, when RDMA cannot work (no
         // device, no route, the lender not serving it), not later at the first request.
         crate::blk::engine::probe_transport(&config.lender).map_err(AttachmentError::Lender)?;
-        let hold = Some(
-            Holder::start(&config.id, config.lender.clone(), hold)
-                .map_err(AttachmentError::Thread)?,
-        );
+        let holder = Holder::start(&config.id, config.lender.clone(), hold)
+            .map_err(AttachmentError::Thread)?;
+        let shared = Arc::new(Shared {
+            handover: Arc::new(crate::handover::Handover::new(Some(holder.control()))),
+            ..Shared::default()
+        });
+        let hold = Some(holder);
         let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
         let listener =
             Listener::new(&config.socket, true).map_err(|source| AttachmentError::Listen {
@@ -165,7 +170,6 @@ impl Attachment {
         }
         let wake = EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?;
         let stats = Arc::new(QueueStats::new(config.num_queues));
-        let shared = Arc::new(Shared::default());
         if reply.device.is_net() {
             // A lent NIC: `num_queues` counts queue pairs.
             if config.num_queues > MAX_QUEUE_PAIRS {
@@ -190,6 +194,7 @@ impl Attachment {
                             offload,
                             &net,
                             &shared.stop,
+                            &shared.handover,
                             |l| wait_for_client(l, &wake, &shared),
                             |h| {
                                 if let Ok(mut c) = shared.net_handle.lock() {
@@ -343,6 +348,11 @@ impl Attachment {
     /// For a lent NIC: the link (MAC, MTU) the lender reported when it was attached.
     pub fn net_link(&self) -> Option<devlend_fabric::net::LinkState> {
         self.link
+    }
+
+    /// A live migration's handover of the device ([`crate::handover`]).
+    pub fn handover(&self) -> &Arc<crate::handover::Handover> {
+        &self.shared.handover
     }
 
     /// The configuration it was started with.
@@ -505,7 +515,8 @@ fn serve(
                 stats.clone(),
                 config.reconnect_deadline,
             )
-            .with_poll(config.poll),
+            .with_poll(config.poll)
+            .with_handover(shared.handover.clone()),
         );
         let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory())
         {

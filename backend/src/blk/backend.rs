@@ -30,6 +30,7 @@ use crate::blk::spec::{
     config_field, config_slice, config_space, features, CONFIG_LEN, MAX_QUEUE_SIZE,
 };
 use crate::guest::GuestMemory;
+use crate::handover::Handover;
 
 /// How long GET_VRING_BASE and detach wait for requests in flight before failing them.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -57,6 +58,8 @@ pub struct BlkBackend {
     /// The guest memory's host ranges, guarded against truncation by the VMM (the
     /// queues stay stopped from a fault there until a new memory table comes).
     memory_guard: crate::sigbus::MemoryGuard,
+    /// A live migration's handover of the device ([`crate::handover`]).
+    handover: Arc<Handover>,
 }
 
 /// Longest busy-poll in one event handler call: the locks of the queue are then let go.
@@ -77,13 +80,19 @@ impl BlkBackend {
         stats: Arc<QueueStats>,
         reconnect_deadline: Duration,
     ) -> Self {
+        let incoming = target.is_successor();
         let queues = (0..num_queues)
             .map(|i| {
                 let mut engine = QueueEngine::new(i, target.clone(), limits.clone(), stats.clone())
                     .named(name.clone())
                     .with_deadline(reconnect_deadline);
-                if let Err(e) = engine.connect() {
-                    tracing::warn!(queue = i, error = %crate::blk::engine::DisplayChain(&e), "cannot open fabric session yet");
+                // A migration's destination opens its sessions at its VM's first
+                // request, so that a source whose VM resumes can take the device back
+                // until then ([`crate::handover`]).
+                if !incoming {
+                    if let Err(e) = engine.connect() {
+                        tracing::warn!(queue = i, error = %crate::blk::engine::DisplayChain(&e), "cannot open fabric session yet");
+                    }
                 }
                 Mutex::new(QueueCell { engine, vring: None, registered: (None, 0, false) })
             })
@@ -98,7 +107,15 @@ impl BlkBackend {
             stopping: AtomicBool::new(false),
             poll: Duration::ZERO,
             memory_guard: crate::sigbus::MemoryGuard::default(),
+            handover: Arc::new(Handover::default()),
         }
+    }
+
+    /// Lets the device go when the frontend stops it while `handover` is asked for, and
+    /// takes it back when the frontend starts it again ([`crate::handover`]).
+    pub fn with_handover(mut self, handover: Arc<Handover>) -> Self {
+        self.handover = handover;
+        self
     }
 
     /// Makes each queue's worker busy-poll the guest's ring and the fabric for `poll`
@@ -343,6 +360,12 @@ impl VhostUserBackend for BlkBackend {
         // The frontend re-initializes the queue after this: a queue the driver broke is
         // served again then.
         cell.engine.reset_broken();
+        // The end of a live migration: the requests in flight completed above; the
+        // queue's session closes so that the lender can hand the device over.
+        if self.handover.ring_stopped() {
+            cell.engine.let_go();
+            self.sync_registration(queue_index as usize, &mut cell);
+        }
         drained
     }
 
@@ -369,6 +392,10 @@ impl VhostUserBackend for BlkBackend {
             drop(state);
             self.sync_registration(thread_id, &mut cell);
             return Ok(());
+        }
+        if self.handover.is_let_go() {
+            // A migration that failed: the VM runs here again.
+            self.handover.resume();
         }
         let result = if device_event == self.fabric_event() {
             cell.engine.process_responses(queue, &mem)

@@ -226,6 +226,14 @@ impl QueueEngine {
         Ok(())
     }
 
+    /// Closes the queue's session if no request is in flight (a live migration's
+    /// handover, [`crate::handover`]): the next request opens a new one.
+    pub fn let_go(&mut self) {
+        if self.table.inflight() == 0 && self.conn.take().is_some() {
+            self.conn_gen += 1;
+        }
+    }
+
     /// The fabric socket to watch for readability, and a generation number that changes
     /// whenever the connection is replaced (the socket number alone may be reused).
     pub fn fabric_fd(&self) -> (Option<RawFd>, u64) {

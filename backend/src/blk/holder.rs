@@ -43,7 +43,37 @@ const REOPEN: Policy = Policy::backoff(Duration::from_millis(100), Duration::fro
 pub struct Holder {
     stop: Arc<AtomicBool>,
     current: Arc<Mutex<Option<Stream>>>,
+    control: Arc<Control>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// Lets a live migration's source give the device up for a while and take it back
+/// ([`crate::handover`]): while paused, the holder keeps no session and opens none.
+#[derive(Debug, Default)]
+pub struct Control {
+    paused: AtomicBool,
+    current: Mutex<Option<Stream>>,
+}
+
+impl Control {
+    /// Closes the holding session and opens none until [`Self::resume`].
+    pub fn pause(&self) {
+        self.paused.store(true, Ordering::Release);
+        if let Some(s) = lock(&self.current).as_ref() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Holds the device again: the holder re-opens its session at once (retrying while
+    /// the lender answers busy).
+    pub fn resume(&self) {
+        self.paused.store(false, Ordering::Release);
+    }
+
+    /// Whether [`Self::pause`] is in force.
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::Acquire)
+    }
 }
 
 /// Opens the holding session, retrying "busy" for [`BUSY_RETRY`].
@@ -111,17 +141,30 @@ impl Holder {
     pub fn start(name: &str, target: LenderTarget, stream: Stream) -> std::io::Result<Holder> {
         let stop = Arc::new(AtomicBool::new(false));
         let current = Arc::new(Mutex::new(Some(stream.try_clone()?)));
+        let control = Arc::new(Control::default());
+        *lock(&control.current) = Some(stream.try_clone()?);
         let thread = {
-            let (stop, current, name) = (stop.clone(), current.clone(), name.to_owned());
+            let (stop, current, control, name) = (
+                stop.clone(),
+                current.clone(),
+                control.clone(),
+                name.to_owned(),
+            );
             std::thread::Builder::new()
                 .name(format!("hold-{name}"))
-                .spawn(move || watch(&name, &target, stream, &stop, &current))?
+                .spawn(move || watch(&name, &target, stream, &stop, &current, &control))?
         };
         Ok(Holder {
             stop,
             current,
+            control,
             thread: Some(thread),
         })
+    }
+
+    /// The pause and resume of a live migration's handover.
+    pub fn control(&self) -> Arc<Control> {
+        self.control.clone()
     }
 
     /// Releases the device: closes the session and waits (up to 2 s) until the lender has
@@ -160,6 +203,7 @@ fn watch(
     mut stream: Stream,
     stop: &AtomicBool,
     current: &Mutex<Option<Stream>>,
+    control: &Control,
 ) {
     let mut retry = Reconnector::new(REOPEN);
     retry.connected(Instant::now());
@@ -174,7 +218,20 @@ fn watch(
         if stop.load(Ordering::Acquire) {
             return;
         }
-        tracing::warn!(attachment = %name, lender = %target.addr, device = %target.device, "lost the session holding the device; re-establishing it");
+        if control.is_paused() {
+            let _ = stream.shutdown(Shutdown::Both);
+            tracing::info!(attachment = %name, lender = %target.addr, device = %target.device, "let the device go for a handover");
+            let clock = Releasable(stop);
+            while control.is_paused() {
+                if !clock.sleep(Duration::from_millis(20)) {
+                    return;
+                }
+            }
+            tracing::info!(attachment = %name, lender = %target.addr, device = %target.device, "taking the device back");
+            retry = Reconnector::new(REOPEN);
+        } else {
+            tracing::warn!(attachment = %name, lender = %target.addr, device = %target.device, "lost the session holding the device; re-establishing it");
+        }
         retry.lost(Instant::now());
         let reopened = retry.run(&Releasable(stop), |r| {
             if stop.load(Ordering::Acquire) {
@@ -203,6 +260,11 @@ fn watch(
         match stream.try_clone() {
             Ok(c) => *lock(current) = Some(c),
             Err(_) => *lock(current) = None,
+        }
+        *lock(&control.current) = stream.try_clone().ok();
+        if control.is_paused() {
+            // Paused while it reopened: close it again (the loop waits then).
+            let _ = stream.shutdown(Shutdown::Both);
         }
         if stop.load(Ordering::Acquire) {
             let _ = stream.shutdown(Shutdown::Both);

@@ -108,6 +108,15 @@ impl LenderTarget {
         devlend_fabric::tcp::check_lender(&self.addr, self.lender_key.as_ref(), hello, reply)
     }
 
+    /// Whether the token is a live migration's handover token (it names a lease this
+    /// one takes the device over from): the attachment is a migration's destination.
+    pub fn is_successor(&self) -> bool {
+        !self.token.is_empty()
+            && devlend_fabric::lease_token::LeaseToken::from_bytes(self.token.clone())
+                .claims_unverified()
+                .is_ok_and(|c| c.successor_of.is_some())
+    }
+
     /// The hello for virtqueue `queue_index`.
     pub fn hello(&self, queue_index: u16) -> devlend_fabric::Hello {
         let mut h = devlend_fabric::Hello::new(&self.device, queue_index);

@@ -49,6 +49,8 @@ pub struct NetBackend {
     offload: bool,
     /// The guest memory's host ranges, guarded against truncation by the VMM.
     memory_guard: crate::sigbus::MemoryGuard,
+    /// A live migration's handover of the NIC ([`crate::handover`]).
+    handover: Arc<crate::handover::Handover>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -68,10 +70,17 @@ impl NetBackend {
         offload: bool,
         stats: Arc<NetStats>,
     ) -> io::Result<Self> {
+        // A migration's destination opens its sessions when its VM runs (its rings
+        // start), so that a source whose VM resumes can take the NIC back until then.
+        let incoming = target.is_successor();
         let cells = (0..pairs)
             .map(|i| {
+                let mut engine = PairEngine::new(i, name.clone(), target.clone(), stats.clone())?;
+                if incoming {
+                    engine.pause();
+                }
                 Ok(Mutex::new(PairCell {
-                    engine: PairEngine::new(i, name.clone(), target.clone(), stats.clone())?,
+                    engine,
                     registered: (None, 0, false),
                     timer_registered: false,
                 }))
@@ -86,7 +95,15 @@ impl NetBackend {
             acked: std::sync::atomic::AtomicU64::new(0),
             offload,
             memory_guard: crate::sigbus::MemoryGuard::default(),
+            handover: Arc::default(),
         })
+    }
+
+    /// Lets the NIC go when the frontend stops it while `handover` is asked for, and
+    /// takes it back when the frontend starts it again ([`crate::handover`]).
+    pub fn with_handover(mut self, handover: Arc<crate::handover::Handover>) -> Self {
+        self.handover = handover;
+        self
     }
 
     /// The guest memory map the daemon must be created with.
@@ -226,7 +243,14 @@ impl VhostUserBackend for NetBackend {
             PairQueue::Tx
         };
         if let Some(cell) = self.pairs.get(queue_index as usize / 2) {
-            lock(cell).engine.reset_broken(side);
+            let mut cell = lock(cell);
+            cell.engine.reset_broken(side);
+            // The end of a live migration: the pair's session closes so that the lender
+            // can hand the NIC over.
+            if self.handover.ring_stopped() {
+                cell.engine.pause();
+                self.sync_registration(queue_index as usize / 2, &mut cell);
+            }
         }
         Ok(())
     }
@@ -258,6 +282,14 @@ impl VhostUserBackend for NetBackend {
         let (mut rx_used, mut tx_used) = (false, false);
         let rx_ready = rxs.get_queue().ready();
         let tx_ready = txs.get_queue().ready();
+        if rx_ready || tx_ready {
+            // The VM runs (again): a NIC let go for a migration that failed is taken
+            // back; a destination's sessions open.
+            if self.handover.is_let_go() {
+                self.handover.resume();
+            }
+            cell.engine.resume();
+        }
         let ev = u64::from(device_event);
         // An error here is the guest's (its rings are not in its memory): it breaks
         // that virtqueue, and the worker goes on; returning it would end the worker and
@@ -336,6 +368,7 @@ pub fn serve(
     offload: bool,
     stats: &Arc<NetStats>,
     stop: &AtomicBool,
+    handover: &Arc<crate::handover::Handover>,
     wait: impl Fn(&Listener) -> bool,
     current: impl Fn(Option<vhost_user_backend::ShutdownHandle>),
     connected: &AtomicBool,
@@ -348,7 +381,7 @@ pub fn serve(
         };
         let backend =
             match NetBackend::new(Arc::from(id), target, pairs, link, offload, stats.clone()) {
-                Ok(b) => Arc::new(b),
+                Ok(b) => Arc::new(b.with_handover(handover.clone())),
                 Err(e) => {
                     tracing::error!(attachment = %id, error = %e, "cannot create the backend");
                     std::thread::sleep(Duration::from_millis(200));

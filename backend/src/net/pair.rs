@@ -208,6 +208,9 @@ pub struct PairEngine {
     rx_broken: BrokenQueue,
     /// Whether the driver broke the transmitq: nothing is taken from it then.
     tx_broken: BrokenQueue,
+    /// No session is opened (a live migration's handover: the source let the device
+    /// go, or the destination waits for its VM to run): [`Self::resume`] ends it.
+    paused: bool,
 }
 
 impl PairEngine {
@@ -240,7 +243,36 @@ impl PairEngine {
             mergeable: true,
             offload: false,
             accept: 0,
+            paused: false,
         })
+    }
+
+    /// Opens no session until [`Self::resume`], closing the current one: the end of a
+    /// live migration on its source, or its destination before the VM runs
+    /// ([`crate::handover`]). Frames in either direction are dropped meanwhile.
+    pub fn pause(&mut self) {
+        self.paused = true;
+        if let Some(c) = self.conn.take() {
+            drop(c);
+            self.stats.connected.fetch_sub(1, Ordering::Relaxed);
+            let dropped = count_frames(&self.out);
+            self.pstats().tx_drops.fetch_add(dropped, Ordering::Relaxed);
+            self.out.clear();
+            self.have = 0;
+            tracing::info!(attachment = %self.name, pair = self.index, "fabric session closed for a handover");
+        }
+        self.retry = Reconnector::new(RETRY);
+        self.arm_timer();
+    }
+
+    /// Ends [`Self::pause`]: connects now (retrying as after a loss if that fails).
+    pub fn resume(&mut self) {
+        if !self.paused {
+            return;
+        }
+        self.paused = false;
+        self.start();
+        self.arm_timer();
     }
 
     fn pstats(&self) -> &PairStats {
@@ -431,7 +463,7 @@ impl PairEngine {
     /// Tries to connect now if not connected and no retry is scheduled (the first
     /// attempt, when the queues start).
     pub fn start(&mut self) {
-        if self.conn.is_none() && self.retry.retry_at().is_none() {
+        if !self.paused && self.conn.is_none() && self.retry.retry_at().is_none() {
             if let Err(e) = self.connect() {
                 tracing::warn!(attachment = %self.name, pair = self.index, error = %DisplayChain(&e), "cannot open fabric session yet");
                 self.schedule_retry();
@@ -451,7 +483,10 @@ impl PairEngine {
         mem: &GuestMemory,
     ) -> Result<bool, virtio_queue::Error> {
         self.timer.clear();
-        if self.conn.is_none() && self.retry.retry_at().is_some_and(|t| Instant::now() >= t) {
+        if !self.paused
+            && self.conn.is_none()
+            && self.retry.retry_at().is_some_and(|t| Instant::now() >= t)
+        {
             if let Err(e) = self.connect() {
                 tracing::debug!(attachment = %self.name, pair = self.index, error = %DisplayChain(&e), "lender still away");
                 self.schedule_retry();

@@ -207,6 +207,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         transport: Default::default(),
         rdma_exposure: Default::default(),
         kind: Default::default(),
+        handover_token: None,
     })?;
     let attach = format!(
         "devlend attach --lender 127.0.0.1:PORT --device disk0 --socket {} --queues {}{}",

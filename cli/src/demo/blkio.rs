@@ -52,6 +52,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         transport: Default::default(),
         rdma_exposure: Default::default(),
         kind: Default::default(),
+        handover_token: None,
     })?;
 
     step(

@@ -7,7 +7,8 @@ use devlend_fabric::net::FEATURE_NET;
 use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::{Hello, HelloStatus, PROTOCOL_VERSION};
 
-use crate::device::{Claim, Device};
+use crate::device::Device;
+use crate::holding::{Ask, Claim};
 use crate::server::shared::{ActiveSession, Shared};
 
 /// The admission checks of a hello, shared by every transport: version, device, lease
@@ -53,32 +54,43 @@ pub(crate) fn admit<'s>(
         ));
     }
     let mut lease_qos = None;
+    let mut successor_of = None;
     if let Some(guard) = shared.leases.get() {
         match guard.admit(hello, crate::leases::now_ms()) {
             Ok(admitted) => {
                 shared.set_session_lease(id, admitted.lease);
                 lease_qos = admitted.qos;
+                successor_of = admitted.successor_of;
             }
             Err((status, reason)) => {
                 devlend_fabric::limited!(warn, %peer, device = %hello.device, %reason, "lease check failed");
                 return Err((status, reason));
             }
         }
+    } else if !hello.token.is_empty() {
+        // Without authentication nothing is checked, the handover either: a token's
+        // predecessor is taken as the borrower says.
+        successor_of = devlend_fabric::lease_token::LeaseToken::from_bytes(hello.token.clone())
+            .claims_unverified()
+            .ok()
+            .and_then(|c| c.successor_of);
     }
-    let claim = match dev.claim(hello.borrower, lease_qos.as_ref(), shared.store_of(&dev)) {
+    let ask = Ask {
+        borrower: hello.borrower,
+        successor_of,
+        queue: hello.queue_index,
+        lease: lease_qos.as_ref(),
+    };
+    let claim = match dev.claim(&ask, shared.store_of(&dev)) {
         Ok(c) => c,
-        Err(holder) => {
-            return Err((
-                HelloStatus::Busy,
-                format!(
-                    "device {:?} is attached by another borrower ({})",
-                    hello.device,
-                    holder
-                        .iter()
-                        .map(|b| format!("{b:02x}"))
-                        .collect::<String>()
-                ),
-            ))
+        Err(refusal) => {
+            // A handover from a lease that does not hold the device is for good; the
+            // others may clear (the holder lets go).
+            let status = match refusal {
+                crate::holding::Refusal::NotHolder { .. } => HelloStatus::Denied,
+                _ => HelloStatus::Busy,
+            };
+            return Err((status, format!("device {:?} is {refusal}", hello.device)));
         }
     };
     let Some(active) = shared.try_activate() else {

@@ -103,6 +103,15 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         None => admit(shared, &hello, &peer, id),
     }
     .and_then(|(dev, a, c)| {
+        if c.is_standby() {
+            return Err((
+                devlend_fabric::HelloStatus::Busy,
+                format!(
+                    "device {:?} is handed over to this borrower when its holder lets go; a holding session goes over TCP",
+                    hello.device
+                ),
+            ));
+        }
         // One borrower at a time: the session that gets here first holds the function.
         let lent = match &dev.pci {
             Some(pci) => Some(pci.try_lend().ok_or_else(|| {

@@ -13,7 +13,8 @@ use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Credit, Hello, HelloReply, HelloStatus, WireError, FEATURE_CREDIT};
 
-use crate::device::{Claim, Device};
+use crate::device::Device;
+use crate::holding::Claim;
 use crate::io::SessionIo;
 use crate::server::shared::{ActiveSession, Shared};
 use crate::session::admit::admit;
@@ -32,8 +33,7 @@ fn session_credit() -> Credit {
     }
 }
 
-/// Queue index of a borrower's holding session.
-pub(super) const CONTROL_QUEUE: u16 = u16::MAX;
+pub(super) use crate::holding::CONTROL_QUEUE;
 
 /// What a successful handshake gives a session: the device, for a block device its
 /// device I/O, its slot among the active sessions, the borrower's claim, the queue

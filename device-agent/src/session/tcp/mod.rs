@@ -45,6 +45,8 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
     // `handshake` counted the session open.
     let frame_timeout = shared.options.frame_timeout;
     let end = match (&dev.pci, lent, &dev.nic, io) {
+        // A successor's holding session during a handover carries nothing.
+        _ if claim.is_standby() => crate::nic::pump::hold(&sock),
         (Some(pci), Some(_lent), _, _) => {
             crate::pci::session::tcp::serve(pci, &sock, peer, frame_timeout)
         }

@@ -1,0 +1,94 @@
+//! The source side of a live migration's device handover.
+//!
+//! The lender lends a device to one borrower at a time. When a VM migrates, the
+//! destination's compute agent stands by for the device with a lease token that names
+//! this attachment's lease as its predecessor (see the device agent's `holding`
+//! module). The source gives the device up when the frontend stops the device at the
+//! end of the migration (vhost-user GET_VRING_BASE, after the requests in flight
+//! completed: [`crate::blk::backend::DRAIN_TIMEOUT`]): each queue closes its fabric
+//! session and the holder pauses, so that the lender hands the device to the
+//! destination. If the migration fails and the VM resumes here, the frontend starts the
+//! rings again: the holder resumes and the queues reconnect on their next request (the
+//! lender lets the source take the device back while the destination has not).
+//!
+//! Nothing happens unless the operator asked for a handover ([`Handover::begin`]): a VM
+//! paused or rebooted keeps its device.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::blk::holder::Control;
+
+/// A handover of one attachment: whether one is asked for, and whether the device was
+/// let go.
+#[derive(Debug, Default)]
+pub struct Handover {
+    active: AtomicBool,
+    let_go: AtomicBool,
+    holder: Mutex<Option<Arc<Control>>>,
+}
+
+impl Handover {
+    /// A handover for an attachment whose holder is `holder` (none for a PCIe function).
+    pub fn new(holder: Option<Arc<Control>>) -> Self {
+        Handover {
+            active: AtomicBool::new(false),
+            let_go: AtomicBool::new(false),
+            holder: Mutex::new(holder),
+        }
+    }
+
+    /// From now on the device is let go when the frontend stops it.
+    pub fn begin(&self) {
+        self.active.store(true, Ordering::Release);
+    }
+
+    /// The handover is called off (the migration failed or was cancelled): the device is
+    /// taken back if it was let go.
+    pub fn cancel(&self) {
+        self.active.store(false, Ordering::Release);
+        self.resume();
+    }
+
+    /// Whether a handover was asked for.
+    pub fn is_active(&self) -> bool {
+        self.active.load(Ordering::Acquire)
+    }
+
+    /// Whether the device was let go and not taken back.
+    pub fn is_let_go(&self) -> bool {
+        self.let_go.load(Ordering::Acquire)
+    }
+
+    /// The frontend stopped a ring: with a handover asked for, the holder lets the
+    /// device go (the caller closes the queue's own session). Returns whether it did.
+    pub fn ring_stopped(&self) -> bool {
+        if !self.is_active() {
+            return false;
+        }
+        if !self.let_go.swap(true, Ordering::AcqRel) {
+            if let Some(h) = self.control() {
+                h.pause();
+            }
+            tracing::info!("the frontend stopped the device during a handover: letting it go");
+        }
+        true
+    }
+
+    /// The frontend uses the device again: a device let go is taken back.
+    pub fn resume(&self) {
+        if self.let_go.swap(false, Ordering::AcqRel) {
+            if let Some(h) = self.control() {
+                h.resume();
+            }
+            tracing::info!("the frontend uses the device again: taking it back");
+        }
+    }
+
+    fn control(&self) -> Option<Arc<Control>> {
+        self.holder
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}

@@ -1,0 +1,183 @@
+//! `devlend migrate`: the compute agents' side of a VM's live migration
+//! (`docs/migration.md`).
+//!
+//! 1. On the source: `devlend migrate handover ID` prints a handover token; from then on
+//!    the source agent lets the device go when QEMU stops it at the end of the
+//!    migration.
+//! 2. On the destination: `devlend migrate prepare --handover-token TOKEN --lender ...
+//!    --device ... --socket ...` attaches, standing by for the device, and prints the
+//!    QEMU arguments to start the destination with (`-incoming`).
+//! 3. QEMU migrates (QMP `migrate` on the source).
+//! 4. On the source: `devlend migrate finish ID` once QEMU says `completed`, or `devlend
+//!    migrate cancel ID` if it failed or was cancelled (the source keeps its device; on
+//!    the destination, `devlend detach ID`).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use devlend_compute_agent::api::{AttachRequest, AttachmentInfo};
+
+use crate::api_client::ApiClient;
+
+/// `devlend migrate` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum MigrateCmd {
+    /// On the source host: issue the handover token of attachment ID for the destination.
+    /// The device is let go when the VM stops at the end of the migration (or taken back
+    /// if the VM resumes here).
+    Handover {
+        /// Attachment id.
+        id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// On the destination host: attach the device for the incoming VM with the source's
+    /// handover token, and print the QEMU arguments of the destination.
+    Prepare {
+        /// The token `devlend migrate handover` printed on the source.
+        #[arg(long, value_name = "TOKEN")]
+        handover_token: String,
+        /// Lender address, HOST:PORT (as on the source).
+        #[arg(long)]
+        lender: String,
+        /// Device name on the lender.
+        #[arg(long)]
+        device: String,
+        /// vhost-user socket to create for the destination QEMU.
+        #[arg(long)]
+        socket: PathBuf,
+        /// Attachment id (default: the device name).
+        #[arg(long)]
+        id: Option<String>,
+        /// Number of virtqueues: as on the source.
+        #[arg(long, default_value_t = 1)]
+        queues: u16,
+        /// Virtqueue size: as on the source.
+        #[arg(long, default_value_t = 256)]
+        queue_size: u16,
+        /// The lender's public key, as on the source (the token carries the one the
+        /// source's lease named, if any).
+        #[arg(long, value_name = "KEY")]
+        lender_key: Option<String>,
+        /// Where the destination QEMU listens for the migration stream, printed as its
+        /// `-incoming` argument.
+        #[arg(long, default_value = "tcp:0.0.0.0:4444", value_name = "URI")]
+        incoming: String,
+        /// Print JSON (the attachment, with `qemu_args`).
+        #[arg(long)]
+        json: bool,
+    },
+    /// On the source host, after QEMU's migration completed: remove attachment ID
+    /// without unplugging it from the VM (which runs on the destination now).
+    Finish {
+        /// Attachment id.
+        id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// On the source host, after a failed or cancelled migration: attachment ID keeps its
+    /// device (and takes it back if it let it go).
+    Cancel {
+        /// Attachment id.
+        id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+/// The QEMU arguments of a migration's destination: the attachment's, then
+/// `-incoming URI`.
+pub fn incoming_args(a: &AttachmentInfo, incoming: &str) -> String {
+    format!("{} \\\n  -incoming {incoming}", crate::output::qemu_args(a))
+}
+
+/// Runs a `devlend migrate` subcommand against the compute agent at `api`.
+///
+/// # Errors
+/// The agent's refusal, or it cannot be reached.
+pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
+    let client = ApiClient::new(api)?;
+    match cmd {
+        MigrateCmd::Handover { id, json } => {
+            let h = client.handover(&id)?;
+            if json {
+                return print_json(&h);
+            }
+            println!(
+                "attachment {id} ({} on {}) will let the device go when its VM stops at the end of the migration",
+                h.device, h.lender
+            );
+            println!("on the destination:\n  devlend migrate prepare --handover-token {} --lender {} --device {} --socket <path>", h.handover_token, h.lender, h.device);
+        }
+        MigrateCmd::Prepare {
+            handover_token,
+            lender,
+            device,
+            socket,
+            id,
+            queues,
+            queue_size,
+            lender_key,
+            incoming,
+            json,
+        } => {
+            let socket = std::path::absolute(&socket)?;
+            let a = client.attach(&AttachRequest {
+                id,
+                lender,
+                device,
+                socket,
+                queues,
+                queue_size,
+                poll_us: 0,
+                reconnect_deadline_s: 30,
+                vmm: None,
+                lease: None,
+                lender_key,
+                tls: false,
+                tls_server_name: None,
+                transport: Default::default(),
+                rdma_exposure: Default::default(),
+                kind: Default::default(),
+                handover_token: Some(handover_token),
+            })?;
+            let args = incoming_args(&a, &incoming);
+            if json {
+                let mut v = serde_json::to_value(&a)?;
+                v["qemu_args"] = serde_json::Value::String(args);
+                return print_json(&v);
+            }
+            println!(
+                "attachment {} stands by for {} on {}; it takes the device when the source lets it go",
+                a.id, a.device, a.lender
+            );
+            println!("start the destination QEMU with the source's arguments and:\n  {args}");
+        }
+        MigrateCmd::Finish { id, json } => {
+            let a = client.finish_handover(&id)?;
+            if json {
+                return print_json(&a);
+            }
+            println!(
+                "attachment {id} handed over and removed; socket {} removed",
+                a.socket.display()
+            );
+        }
+        MigrateCmd::Cancel { id, json } => {
+            let a = client.cancel_handover(&id)?;
+            if json {
+                return print_json(&a);
+            }
+            println!("attachment {id} keeps its device");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! A live migration's handover of a device between two compute agents
+//! (`docs/migration.md`).
+//!
+//! The source issues a handover token for an attachment ([`Registry::handover`]): a
+//! lease token for a new lease id whose `successor_of` is the attachment's own lease,
+//! signed with the agent's key (`auth_key_file`), which the lender trusts. The
+//! destination attaches with it ([`incoming`]); the lender admits its holding session
+//! as a standby and hands it the device when the source lets go, which the source does
+//! when QEMU stops the device at the end of the migration
+//! (`devlend_backend::handover`). [`Registry::finish_handover`] then removes the source
+//! attachment without unplugging it from a VM that is no longer there;
+//! [`Registry::cancel_handover`] keeps it.
+
+use devlend_backend::blk::engine::new_borrower_id;
+use devlend_backend::blk::Attachment;
+use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, TokenSigner};
+
+use super::{now_ms, Registry, RegistryError, DIRECT_TOKEN_LIFETIME_MS};
+use crate::api::{AttachKind, AttachmentInfo, HandoverInfo, HandoverState};
+
+fn hex(id: &[u8; 16]) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Where `attachment` is in a handover, for its status.
+pub(super) fn state(attachment: &Attachment) -> Option<HandoverState> {
+    let h = attachment.handover();
+    if h.is_let_go() {
+        Some(HandoverState::LetGo)
+    } else if h.is_active() {
+        Some(HandoverState::Asked)
+    } else {
+        None
+    }
+}
+
+/// The borrower identity and token of a destination attaching `device` with handover
+/// token `text`: the token's lease id and the token itself. The lender checks the
+/// signature; this checks what the agent can: that it is a handover token, for this
+/// device, not expired.
+///
+/// # Errors
+/// [`RegistryError::BadRequest`] saying which.
+pub(super) fn incoming(
+    text: &str,
+    device: &str,
+    with_lease: bool,
+) -> Result<([u8; 16], Vec<u8>), RegistryError> {
+    if with_lease {
+        return Err(RegistryError::BadRequest(
+            "handover_token and lease exclude each other: a handover token is the destination's lease".into(),
+        ));
+    }
+    let token = LeaseToken::from_text(text.trim())
+        .map_err(|e| RegistryError::BadRequest(format!("handover_token: {e}")))?;
+    let claims = token
+        .claims_unverified()
+        .map_err(|e| RegistryError::BadRequest(format!("handover_token: {e}")))?;
+    if claims.successor_of.is_none() {
+        return Err(RegistryError::BadRequest(
+            "handover_token is a lease token, not a handover token (it names no lease to take over from)".into(),
+        ));
+    }
+    if claims.device != device {
+        return Err(RegistryError::BadRequest(format!(
+            "handover_token is for device {:?}, not {device:?}",
+            claims.device
+        )));
+    }
+    if claims.expires_at_ms <= now_ms() {
+        return Err(RegistryError::BadRequest(
+            "handover_token has expired".into(),
+        ));
+    }
+    Ok((claims.lease_id, token.as_bytes().to_vec()))
+}
+
+impl Registry {
+    /// Issues a handover token for attachment `id` and lets its device go when its VM
+    /// stops (the end of the migration). Asking again issues a new token for the same
+    /// handover.
+    ///
+    /// # Errors
+    /// [`RegistryError::NotFound`]; [`RegistryError::BadRequest`] for what cannot
+    /// migrate: a PCIe function (QEMU's vfio-user client has no migration support), an
+    /// attachment under a pool lease (the pool moves leases; not supported yet).
+    pub fn handover(&self, id: &str) -> Result<HandoverInfo, RegistryError> {
+        let entries = self.lock();
+        let e = entries
+            .get(id)
+            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+        if e.request.kind == AttachKind::Pci {
+            return Err(RegistryError::BadRequest(
+                "a PCIe function cannot migrate: QEMU's vfio-user client has no migration support"
+                    .into(),
+            ));
+        }
+        if e.lease.is_some() {
+            return Err(RegistryError::BadRequest(
+                "attachment holds its device under a pool lease: a pool-mode handover is not supported yet (detach, migrate, attach on the destination)".into(),
+            ));
+        }
+        // The source's own claims carry over: the lender's key the destination must
+        // make the lender prove, and the limits.
+        let own = (!e.token.is_empty())
+            .then(|| {
+                LeaseToken::from_bytes(e.token.clone())
+                    .claims_unverified()
+                    .ok()
+            })
+            .flatten();
+        let claims = LeaseClaims {
+            lease_id: new_borrower_id(),
+            expires_at_ms: now_ms().saturating_add(DIRECT_TOKEN_LIFETIME_MS),
+            provider: String::new(),
+            device: e.attachment.config().lender.device.clone(),
+            consumer: id.to_owned(),
+            provider_key: own.as_ref().and_then(|c| c.provider_key),
+            qos: own.as_ref().and_then(|c| c.qos),
+            successor_of: Some(e.borrower),
+        };
+        // Without a key (a lender without authentication, on loopback) nothing checks
+        // the signature: any key will do.
+        let ephemeral;
+        let signer = match &self.signer {
+            Some(s) => s,
+            None => {
+                ephemeral = TokenSigner::generate().map_err(|e| {
+                    RegistryError::BadRequest(format!("cannot make a handover key: {e}"))
+                })?;
+                &ephemeral
+            }
+        };
+        let token = signer
+            .sign(&claims)
+            .map_err(|e| RegistryError::BadRequest(format!("cannot sign a handover token: {e}")))?;
+        e.attachment.handover().begin();
+        tracing::info!(id, to = %hex(&claims.lease_id), "handover asked: the device is let go when the VM stops");
+        Ok(HandoverInfo {
+            attachment: id.to_owned(),
+            lender: e.request.lender.clone(),
+            device: e.request.device.clone(),
+            handover_token: token.to_text(),
+            lease: hex(&claims.lease_id),
+            from_lease: hex(&e.borrower),
+        })
+    }
+
+    /// Calls off the handover of attachment `id` (the migration failed or was
+    /// cancelled): the attachment keeps its device, and takes it back if it let it go.
+    ///
+    /// # Errors
+    /// [`RegistryError::NotFound`].
+    pub fn cancel_handover(&self, id: &str) -> Result<AttachmentInfo, RegistryError> {
+        let entries = self.lock();
+        let e = entries
+            .get(id)
+            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+        e.attachment.handover().cancel();
+        tracing::info!(id, "handover called off: the attachment keeps its device");
+        Ok(super::info(e))
+    }
+
+    /// Removes attachment `id` after its VM migrated away: as a detach, without
+    /// unplugging it from the VM (which has stopped here and runs on the destination).
+    ///
+    /// # Errors
+    /// [`RegistryError::NotFound`]; [`RegistryError::Conflict`] if no handover was asked
+    /// for it.
+    pub fn finish_handover(&self, id: &str) -> Result<AttachmentInfo, RegistryError> {
+        let mut entry = {
+            let mut entries = self.lock();
+            let e = entries
+                .get(id)
+                .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+            if !e.attachment.handover().is_active() {
+                return Err(RegistryError::Conflict(format!(
+                    "attachment {id} is not being handed over: ask for a handover first, or detach it"
+                )));
+            }
+            let e = entries
+                .remove(id)
+                .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+            let _ = self.save_state(&entries);
+            e
+        };
+        entry.attachment.stop();
+        let mut out = super::info(&entry);
+        out.connected = false;
+        tracing::info!(id, "handed over: removed after the migration");
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn token(edit: impl FnOnce(&mut LeaseClaims)) -> String {
+        let mut c = LeaseClaims {
+            lease_id: [4; 16],
+            expires_at_ms: u64::MAX,
+            provider: String::new(),
+            device: "disk0".into(),
+            consumer: "a".into(),
+            provider_key: None,
+            qos: None,
+            successor_of: Some([5; 16]),
+        };
+        edit(&mut c);
+        TokenSigner::from_seed([1; 32]).sign(&c).unwrap().to_text()
+    }
+
+    #[test]
+    fn a_destination_takes_the_token_s_lease_id_as_its_identity() {
+        let t = token(|_| {});
+        let (borrower, bytes) = incoming(&t, "disk0", false).unwrap();
+        assert_eq!(borrower, [4; 16]);
+        assert_eq!(LeaseToken::from_bytes(bytes).to_text(), t);
+    }
+
+    #[test]
+    fn what_is_not_a_handover_token_for_this_device_is_refused() {
+        let msg = |r: Result<_, RegistryError>| match r {
+            Err(RegistryError::BadRequest(m)) => m,
+            other => panic!("{:?}", other.map(|_| ())),
+        };
+        assert!(msg(incoming(&token(|_| {}), "disk1", false)).contains("not \"disk1\""));
+        assert!(
+            msg(incoming(&token(|c| c.successor_of = None), "disk0", false))
+                .contains("not a handover token")
+        );
+        assert!(msg(incoming(&token(|c| c.expires_at_ms = 1), "disk0", false)).contains("expired"));
+        assert!(msg(incoming("garbage!", "disk0", false)).contains("handover_token"));
+        assert!(msg(incoming(&token(|_| {}), "disk0", true)).contains("exclude"));
+    }
+}
