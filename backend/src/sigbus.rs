@@ -240,7 +240,7 @@ mod tests {
     fn a_truncated_region_reads_zeros_and_is_marked() {
         let file = tempfile::tempfile().unwrap();
         file.set_len(4 << 20).unwrap();
-        let region = MmapRegion::<()>::from_file(
+        let region = MmapRegion::<vhost_user_backend::bitmap::BitmapMmapRegion>::from_file(
             vm_memory::FileOffset::new(file.try_clone().unwrap(), 0),
             4 << 20,
         )

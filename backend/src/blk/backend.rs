@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use vhost::vhost_user::message::{
     VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
-use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::EventSet;
@@ -29,7 +29,7 @@ use crate::blk::request::DeviceLimits;
 use crate::blk::spec::{
     config_field, config_slice, config_space, features, CONFIG_LEN, MAX_QUEUE_SIZE,
 };
-use crate::guest::GuestMemory;
+use crate::guest::{GuestMemory, Vring};
 use crate::handover::Handover;
 
 /// How long GET_VRING_BASE and detach wait for requests in flight before failing them.
@@ -39,7 +39,7 @@ type Handler = VringEpollHandler<Arc<BlkBackend>>;
 
 struct QueueCell {
     engine: QueueEngine,
-    vring: Option<VringRwLock>,
+    vring: Option<Vring>,
     /// The fabric fd registered in the worker's epoll set, its generation, and whether
     /// for writability too.
     registered: (Option<RawFd>, u64, bool),
@@ -255,8 +255,10 @@ impl BlkBackend {
 }
 
 impl VhostUserBackend for BlkBackend {
-    type Bitmap = ();
-    type Vring = VringRwLock;
+    /// Each region's dirty log, which SET_LOG_BASE points at the frontend's (vhost-user
+    /// "Migration"); with `()` the library would panic on SET_LOG_BASE.
+    type Bitmap = vhost_user_backend::bitmap::BitmapMmapRegion;
+    type Vring = Vring;
 
     fn num_queues(&self) -> usize {
         self.queues.len()
@@ -276,6 +278,9 @@ impl VhostUserBackend for BlkBackend {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            // Dirty-page logging for live migration (vhost-user "Migration"): the log
+            // comes as a shared-memory fd with SET_LOG_BASE.
+            | VhostUserProtocolFeatures::LOG_SHMFD
     }
 
     fn get_inflight_fd(
@@ -373,7 +378,7 @@ impl VhostUserBackend for BlkBackend {
         &self,
         device_event: u16,
         _evset: EventSet,
-        vrings: &[VringRwLock],
+        vrings: &[Vring],
         thread_id: usize,
     ) -> io::Result<()> {
         let (Some(cell), Some(vring)) = (self.queues.get(thread_id), vrings.first()) else {

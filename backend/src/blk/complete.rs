@@ -15,7 +15,7 @@ use vm_memory::Bytes;
 use crate::blk::spec::S_OK;
 use crate::blk::stats::QueueStats;
 use crate::blk::table::RequestTable;
-use crate::guest::{GuestMemory, GuestMemoryRef};
+use crate::guest::{mark_iovs_dirty, GuestMemory, GuestMemoryRef};
 use devlend_fabric::ratelimit::RateLimit;
 use devlend_fabric::Op;
 
@@ -65,24 +65,33 @@ impl<'a> Completer<'a> {
         self.used
     }
 
-    /// The request in slot `head` is answered with virtio `status` (a read's data, if
-    /// any, is in its guest buffers already): stores the status byte, counts it, frees
-    /// the slot (giving its credit back) and returns the chain to the used ring.
-    ///
-    /// # Errors
-    /// The used ring is not in guest memory.
     /// Counts a response the lender marked throttled (it waited for the lease's
     /// limits).
     pub(crate) fn throttled(&self) {
         self.stats.throttled.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// The request in slot `head` is answered with virtio `status` (a read's data, if
+    /// any, is in its guest buffers already): marks a read's buffers in the dirty log
+    /// (whatever the status: a failed read may have written part of them), stores the
+    /// status byte, counts it, frees the slot (giving its credit back) and returns the
+    /// chain to the used ring. The status byte and the used ring go through vm-memory,
+    /// which marks them itself (vhost-user "Migration").
+    ///
+    /// # Errors
+    /// The used ring is not in guest memory.
     pub(crate) fn complete(
         &mut self,
         table: &mut RequestTable,
         head: u16,
         status: u8,
     ) -> Result<(), virtio_queue::Error> {
+        // The data came past vm-memory (a socket read into the buffers, or the lender's
+        // RDMA WRITE); it is all in now, so the pages are marked before the used ring
+        // shows the request complete.
+        if let Some((iovs, mem)) = table.read_buffers(head) {
+            mark_iovs_dirty(mem, iovs);
+        }
         let Some(done) = table.remove(head) else {
             // Nothing in flight in that slot (completed already): the used ring and the
             // counts are left alone.

@@ -191,13 +191,21 @@ mod tests {
 
         // ADD_MEM_REG: a new map keeping both regions and adding a third; only the
         // new region is registered.
-        let m2 = Arc::new(
-            m1.insert_region(Arc::new(
-                vm_memory::GuestRegionMmap::<()>::from_range(GuestAddress(0x40000), 0x10000, None)
-                    .expect("region"),
-            ))
-            .expect("insert"),
-        );
+        let m2 =
+            Arc::new(
+                m1
+                    .insert_region(
+                        Arc::new(
+                            vm_memory::GuestRegionMmap::<
+                                vhost_user_backend::bitmap::BitmapMmapRegion,
+                            >::from_range(
+                                GuestAddress(0x40000), 0x10000, None
+                            )
+                            .expect("region"),
+                        ),
+                    )
+                    .expect("insert"),
+            );
         c.ensure(&m2, reg).expect("register");
         assert_eq!((c.len(), registered.get()), (3, 3));
 

@@ -36,7 +36,9 @@ impl ResubmitRing {
         let end = GuestMemoryBackend::last_addr(mem).0.checked_add(1)?;
         let base = GuestAddress(end.checked_add(0xfff)? & !0xfff);
         base.checked_add(RING_REGION_LEN as u64)?;
-        let mapping = MmapRegion::<()>::new(RING_REGION_LEN).ok()?;
+        let mapping =
+            MmapRegion::<vhost_user_backend::bitmap::BitmapMmapRegion>::new(RING_REGION_LEN)
+                .ok()?;
         let region = GuestRegionMmap::new(mapping, base)?;
         let mem = mem.insert_region(Arc::new(region)).ok()?;
         // struct virtq_avail { le16 flags; le16 idx; le16 ring[]; } (virtio 1.2 §2.7.6)

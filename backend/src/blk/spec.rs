@@ -90,9 +90,14 @@ impl DeviceLimits {
 /// Bit 30, VHOST_USER_F_PROTOCOL_FEATURES (vhost-user spec).
 const VHOST_USER_F_PROTOCOL_FEATURES: u32 = 30;
 
+/// Bit 26, VHOST_F_LOG_ALL (vhost-user spec, "Migration"): the backend logs every page
+/// it writes in the frontend's dirty log (SET_LOG_BASE, with protocol feature
+/// LOG_SHMFD). QEMU refuses to migrate a VM whose vhost device lacks it.
+pub const VHOST_F_LOG_ALL: u32 = 26;
+
 /// The virtio feature bits offered for a device: VERSION_1, RING_EVENT_IDX,
 /// RING_INDIRECT_DESC, SEG_MAX, BLK_SIZE, FLUSH, DISCARD, WRITE_ZEROES, MQ, RO when
-/// read-only, and the vhost-user PROTOCOL_FEATURES bit.
+/// read-only, and the vhost-user PROTOCOL_FEATURES and LOG_ALL bits.
 pub fn features(limits: &DeviceLimits) -> u64 {
     let mut bits = [
         VIRTIO_F_VERSION_1,
@@ -103,6 +108,7 @@ pub fn features(limits: &DeviceLimits) -> u64 {
         vb::VIRTIO_BLK_F_FLUSH,
         vb::VIRTIO_BLK_F_MQ,
         VHOST_USER_F_PROTOCOL_FEATURES,
+        VHOST_F_LOG_ALL,
     ]
     .iter()
     .fold(0u64, |acc, b| acc | 1 << b);
@@ -265,5 +271,6 @@ mod tests {
         assert_ne!(f & (1 << vb::VIRTIO_BLK_F_RO), 0);
         assert_eq!(f & (1 << vb::VIRTIO_BLK_F_DISCARD), 0);
         assert_ne!(f & (1 << VIRTIO_F_VERSION_1), 0);
+        assert_ne!(f & (1 << VHOST_F_LOG_ALL), 0);
     }
 }

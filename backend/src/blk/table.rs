@@ -18,7 +18,7 @@
 //!
 //! Why this file is over 600 lines: about 270 of its lines (from `#[cfg(test)]` on) are
 //! unit tests of the table's ids, its credit order, its resends after a lost session and
-//! its inflight marks; the table itself, one type, is under 380 lines.
+//! its inflight marks; the table itself, one type, is under 400 lines.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -175,6 +175,17 @@ impl RequestTable {
         self.slots
             .get((id & 0xffff) as usize)
             .filter(|s| s.busy && s.id == id)
+    }
+
+    /// The guest buffers of the read in flight in slot `head` and the memory map they
+    /// were gathered from, if a read is in flight there: what the lender's data went
+    /// into (a socket read or an RDMA WRITE, both past vm-memory), for the dirty log.
+    pub(crate) fn read_buffers(&self, head: u16) -> Option<(&[HostIov], &GuestMemoryRef)> {
+        let slot = self
+            .slots
+            .get(usize::from(head))
+            .filter(|s| s.busy && s.op == Some(Op::Read))?;
+        Some((slot.iovs.as_slice(), slot.mem.as_ref()?))
     }
 
     /// The slot of `head` (which must be below the queue's size).

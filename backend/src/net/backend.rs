@@ -12,9 +12,7 @@ use std::time::Duration;
 use devlend_fabric::net::LinkState;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::Listener;
-use vhost_user_backend::{
-    VhostUserBackend, VhostUserDaemon, VringEpollHandler, VringRwLock, VringT,
-};
+use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringEpollHandler, VringT};
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
@@ -24,7 +22,7 @@ use vmm_sys_util::event::{
 };
 
 use crate::blk::engine::LenderTarget;
-use crate::guest::GuestMemory;
+use crate::guest::{GuestMemory, Vring};
 use crate::net::pair::{NetStats, PairEngine, PairQueue};
 use crate::net::spec::{
     config_slice, config_space, features, guest_offloads, CONFIG_LEN, MAX_QUEUE_SIZE,
@@ -179,8 +177,10 @@ impl NetBackend {
 }
 
 impl VhostUserBackend for NetBackend {
-    type Bitmap = ();
-    type Vring = VringRwLock;
+    /// Each region's dirty log, which SET_LOG_BASE points at the frontend's (vhost-user
+    /// "Migration"); with `()` the library would panic on SET_LOG_BASE.
+    type Bitmap = vhost_user_backend::bitmap::BitmapMmapRegion;
+    type Vring = Vring;
 
     fn num_queues(&self) -> usize {
         self.pairs.len() * 2
@@ -210,6 +210,9 @@ impl VhostUserBackend for NetBackend {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::CONFIG
+            // Dirty-page logging for live migration (vhost-user "Migration"): the log
+            // comes as a shared-memory fd with SET_LOG_BASE.
+            | VhostUserProtocolFeatures::LOG_SHMFD
     }
 
     fn set_event_idx(&self, _enabled: bool) {}
@@ -267,7 +270,7 @@ impl VhostUserBackend for NetBackend {
         &self,
         device_event: u16,
         evset: EventSet,
-        vrings: &[VringRwLock],
+        vrings: &[Vring],
         thread_id: usize,
     ) -> io::Result<()> {
         let (Some(cell), Some(rx), Some(tx)) =

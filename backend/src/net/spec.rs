@@ -8,6 +8,10 @@ use devlend_fabric::net::LinkState;
 
 /// vhost-user: the backend speaks protocol features (bit 30).
 const VHOST_USER_F_PROTOCOL_FEATURES: u32 = 30;
+/// Bit 26, VHOST_F_LOG_ALL (vhost-user spec, "Migration"): the backend logs every page
+/// it writes in the frontend's dirty log (SET_LOG_BASE, with protocol feature
+/// LOG_SHMFD). QEMU refuses to migrate a VM whose vhost device lacks it.
+pub const VHOST_F_LOG_ALL: u32 = 26;
 
 /// Most queue pairs an attachment offers.
 pub const MAX_QUEUE_PAIRS: u16 = 8;
@@ -68,6 +72,7 @@ pub fn features(offload: bool) -> u64 {
         vn::VIRTIO_NET_F_MTU,
         vn::VIRTIO_NET_F_MQ,
         VHOST_USER_F_PROTOCOL_FEATURES,
+        VHOST_F_LOG_ALL,
     ]
     .iter()
     .fold(0u64, |acc, b| acc | 1 << b);

@@ -23,6 +23,10 @@ pub trait BitmapReplace: Bitmap {
 
     /// Replace the internal `Bitmap`
     fn replace(&self, bitmap: Self::InnerBitmap);
+
+    /// devlend patch: drops the internal `Bitmap`, so that nothing is marked any more
+    /// (SET_FEATURES without `VHOST_F_LOG_ALL`). The default has nothing to drop.
+    fn clear(&self) {}
 }
 
 /// A bitmap relative to a memory region
@@ -101,6 +105,11 @@ impl BitmapReplace for BitmapMmapRegion {
     fn replace(&self, bitmap: AtomicBitmapMmap) {
         let mut inner = self.inner.write().unwrap();
         inner.replace(bitmap);
+    }
+
+    // devlend patch: see `BitmapReplace::clear`.
+    fn clear(&self) {
+        self.inner.write().unwrap().take();
     }
 }
 
@@ -229,7 +238,15 @@ impl MmapLogReg {
     // Note: The specification does not define whether the offset must be page-aligned or not.
     // But, since we are receiving the offset from the frontend to be used to call mmap,
     // we assume it is properly aligned (currently, qemu always send a 0 offset).
-    pub(crate) fn from_file(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<Self> {
+    //
+    // devlend patch: public, so that a back-end's tests can set up the dirty log of a
+    // memory map as SET_LOG_BASE does (`MemRegionBitmap::new` + `BitmapReplace::replace`).
+    /// Maps `len` bytes of the dirty log in `fd` at `offset` (shared, read-write), as
+    /// SET_LOG_BASE does with the front-end's log (vhost-user "Migration").
+    ///
+    /// # Errors
+    /// The offset or length does not fit the platform, or `mmap` fails.
+    pub fn from_file(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<Self> {
         let offset: isize = offset.io_try_into()?;
         let len: usize = len.io_try_into()?;
 

@@ -110,6 +110,9 @@ pub struct VhostUserHandler<T: VhostUserBackend> {
     #[cfg(feature = "postcopy")]
     pending_mem: Option<GuestMemoryMmap<T::Bitmap>>,
     worker_threads: Vec<thread::JoinHandle<VringEpollResult<()>>>,
+    // devlend patch: the dirty log of SET_LOG_BASE while logging is on, set on the
+    // regions of later memory tables too; dropped by SET_FEATURES without LOG_ALL.
+    dirty_log: Option<Arc<MmapLogReg>>,
 }
 
 // Ensure VhostUserHandler: Clone + Send + Sync + 'static.
@@ -173,6 +176,7 @@ where
             #[cfg(feature = "postcopy")]
             pending_mem: None,
             worker_threads,
+            dirty_log: None,
         })
     }
 }
@@ -368,6 +372,16 @@ where
         self.acked_features = features;
         self.features_acked = true;
 
+        // devlend patch: the front-end stops dirty logging with a SET_FEATURES without
+        // VHOST_F_LOG_ALL (vhost-user "Migration"); it starts it again with a new
+        // SET_LOG_BASE (QEMU and Cloud Hypervisor send one before LOG_ALL).
+        if features & VhostUserVirtioFeatures::LOG_ALL.bits() == 0 && self.dirty_log.is_some() {
+            self.dirty_log = None;
+            for region in self.atomic_mem.memory().iter() {
+                region.bitmap().clear();
+            }
+        }
+
         // Upon receiving a `VHOST_USER_SET_FEATURES` message from the front-end without
         // `VHOST_USER_F_PROTOCOL_FEATURES` set, the back-end must enable all rings immediately.
         // While processing the rings (whether they are enabled or not), the back-end must support
@@ -436,6 +450,12 @@ where
 
         let mem = GuestMemoryMmap::from_regions(regions)
             .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
+        // devlend patch: while logging, the new regions log into the same dirty log
+        // (QEMU sends no new SET_LOG_BASE when its log is large enough); a log too small
+        // for them refuses the table.
+        if let Some(log) = &self.dirty_log {
+            log_regions(mem.iter(), log)?;
+        }
 
         #[cfg(feature = "postcopy")]
         if postcopy_listening == Some(true) {
@@ -763,6 +783,11 @@ where
             ))?,
         );
 
+        // devlend patch: while logging, the new region logs into the dirty log too.
+        if let Some(log) = &self.dirty_log {
+            log_regions(std::iter::once(&*guest_region), log)?;
+        }
+
         let addr_mapping = AddrMapping {
             #[cfg(feature = "postcopy")]
             local_addr: guest_region.as_ptr() as u64,
@@ -946,10 +971,24 @@ where
     // the size and offset of shared memory area are provided in the `VhostUserLog` message.
     //
     // See https://qemu-project.gitlab.io/qemu/interop/vhost-user.html#migration.
-    // TODO: We ignore the `LOG_ALL` flag on `SET_FEATURES`, so we will continue marking pages as
-    // dirty even if the migration fails. We need to disable the logging after receiving  a
-    // `SET_FEATURE` without the `LOG_ALL` flag.
+    // devlend patch: a `SET_FEATURES` without the `LOG_ALL` flag stops the marking (see
+    // `set_features`), and later memory tables log into the same log while it is on.
     fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VhostUserResult<()> {
+        // devlend patch: only a back-end that offers LOG_SHMFD logs (the vhost crate
+        // takes any protocol feature a front-end acks); one on the unit bitmap `()`
+        // would panic in `replace`.
+        if !self
+            .backend
+            .protocol_features()
+            .contains(VhostUserProtocolFeatures::LOG_SHMFD)
+        {
+            return Err(VhostUserError::InvalidOperation("LOG_SHMFD not offered"));
+        }
+        // devlend patch: the log must lie inside its file and cannot be shrunk after
+        // (as memory regions; a page of it past the end is a SIGBUS on the next mark).
+        check_file_covers(&file, log.mmap_offset, log.mmap_size)?;
+        seal_shrink(&file);
+
         let mem = self.atomic_mem.memory();
 
         let logmem = Arc::new(
@@ -957,21 +996,9 @@ where
                 .map_err(VhostUserError::ReqHandlerError)?,
         );
 
-        // Let's create all bitmaps first before replacing them, in case any of them fails
-        let mut bitmaps = Vec::new();
-        for region in mem.iter() {
-            let bitmap = <<T as VhostUserBackend>::Bitmap as BitmapReplace>::InnerBitmap::new(
-                region,
-                Arc::clone(&logmem),
-            )
-            .map_err(VhostUserError::ReqHandlerError)?;
-
-            bitmaps.push((region, bitmap));
-        }
-
-        for (region, bitmap) in bitmaps {
-            (*region).bitmap().replace(bitmap);
-        }
+        log_regions(mem.iter(), &logmem)?;
+        // devlend patch: kept for the regions of later memory tables.
+        self.dirty_log = Some(logmem);
 
         Ok(())
     }
@@ -988,6 +1015,27 @@ impl<T: VhostUserBackend> Drop for VhostUserHandler<T> {
             }
         }
     }
+}
+
+/// devlend patch: points the bitmap of each of `regions` at the dirty log `logmem`; all
+/// bitmaps are made first, so that a log too small for one region changes none.
+fn log_regions<'a, B>(
+    regions: impl Iterator<Item = &'a GuestRegionMmap<B>>,
+    logmem: &Arc<MmapLogReg>,
+) -> VhostUserResult<()>
+where
+    B: BitmapReplace + 'a,
+{
+    let mut bitmaps = Vec::new();
+    for region in regions {
+        let bitmap = B::InnerBitmap::new(region, Arc::clone(logmem))
+            .map_err(VhostUserError::ReqHandlerError)?;
+        bitmaps.push((region, bitmap));
+    }
+    for (region, bitmap) in bitmaps {
+        region.bitmap().replace(bitmap);
+    }
+    Ok(())
 }
 
 /// devlend patch: a memory region must lie inside its file. `mmap` maps a range past
