@@ -28,6 +28,10 @@ pub enum MigrateCmd {
     Handover {
         /// Attachment id.
         id: String,
+        /// Under a pool lease: the destination compute host, as enrolled with the pool
+        /// (the pool grants it a lease that takes the device over).
+        #[arg(long, value_name = "HOST")]
+        to: Option<String>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -64,6 +68,10 @@ pub enum MigrateCmd {
         /// `-incoming` argument.
         #[arg(long, default_value = "tcp:0.0.0.0:4444", value_name = "URI")]
         incoming: String,
+        /// The pool that granted the token (a pool-mode handover: the token is the
+        /// destination's lease, which its compute agent binds and renews).
+        #[arg(long, env = "DEVLEND_POOL", default_value = "http://127.0.0.1:7400")]
+        pool: String,
         /// Print JSON (the attachment, with `qemu_args`).
         #[arg(long)]
         json: bool,
@@ -106,8 +114,8 @@ pub fn incoming_args(a: &AttachmentInfo, incoming: &str) -> String {
 pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
     let client = ApiClient::new(api)?;
     match cmd {
-        MigrateCmd::Handover { id, json } => {
-            let h = client.handover(&id)?;
+        MigrateCmd::Handover { id, to, json } => {
+            let h = client.handover(&id, to.as_deref())?;
             if json {
                 return print_json(&h);
             }
@@ -115,7 +123,12 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
                 "attachment {id} ({} on {}) will let the device go when its VM stops at the end of the migration",
                 h.device, h.lender
             );
-            println!("on the destination:\n  devlend migrate prepare --handover-token {} --lender {} --device {} --socket <path>", h.handover_token, h.lender, h.device);
+            let pool = h
+                .pool
+                .as_ref()
+                .map(|p| format!(" --pool {p}"))
+                .unwrap_or_default();
+            println!("on the destination:\n  devlend migrate prepare --handover-token {} --lender {} --device {}{pool} --socket <path>", h.handover_token, h.lender, h.device);
         }
         MigrateCmd::Prepare {
             handover_token,
@@ -127,9 +140,27 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
             queue_size,
             lender_key,
             incoming,
+            pool,
             json,
         } => {
             let socket = std::path::absolute(&socket)?;
+            // A pool's token is the destination's lease; the agent's own is a bare
+            // handover token.
+            let claims = devlend_fabric::lease_token::LeaseToken::from_text(handover_token.trim())
+                .and_then(|t| t.claims_unverified())
+                .map_err(|e| anyhow::anyhow!("--handover-token: {e}"))?;
+            let (lease, handover_token) = if claims.provider.is_empty() {
+                (None, Some(handover_token))
+            } else {
+                (
+                    Some(devlend_compute_agent::api::LeaseRef {
+                        pool,
+                        id: uuid::Uuid::from_bytes(claims.lease_id),
+                        token: handover_token,
+                    }),
+                    None,
+                )
+            };
             let a = client.attach(&AttachRequest {
                 id,
                 lender,
@@ -140,14 +171,14 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
                 poll_us: 0,
                 reconnect_deadline_s: 30,
                 vmm: None,
-                lease: None,
+                lease,
                 lender_key,
                 tls: false,
                 tls_server_name: None,
                 transport: Default::default(),
                 rdma_exposure: Default::default(),
                 kind: Default::default(),
-                handover_token: Some(handover_token),
+                handover_token,
             })?;
             let args = incoming_args(&a, &incoming);
             if json {

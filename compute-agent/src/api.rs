@@ -111,6 +111,20 @@ pub struct HandoverInfo {
     pub lease: String,
     /// This attachment's lease id (hex), which hands the device over.
     pub from_lease: String,
+    /// Under a pool lease: the pool's URL. The destination attaches with the token as its
+    /// lease (`lease: {pool, id: lease, token}`), which it binds and renews.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+}
+
+/// Body of `POST /v1/attachments/{id}/handover` (may be empty).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HandoverRequest {
+    /// Under a pool lease: the destination compute host's name (as enrolled with the
+    /// pool); it holds the new lease.
+    #[serde(default)]
+    pub compute_host: Option<String>,
 }
 
 /// Where a source attachment is in a live migration's handover.

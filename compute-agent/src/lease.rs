@@ -278,6 +278,11 @@ impl LeaseKeeper {
         self.id
     }
 
+    /// The client of the lease's pool (signed as this compute host).
+    pub fn client(&self) -> &PoolClient {
+        &self.client
+    }
+
     /// Whether a renewal was answered that the lease has ended (released or expired at
     /// the pool): the lender refuses the attachment from then on.
     pub fn ended(&self) -> bool {
@@ -333,6 +338,7 @@ mod tests {
             ttl_ms: 1,
             generation: 1,
             qos: None,
+            successor_of: None,
         }
     }
 

@@ -91,8 +91,21 @@ async fn attach(
 
 /// `POST /v1/attachments/{id}/handover`: a handover token for a live migration's
 /// destination (`docs/migration.md`).
-async fn handover(State(r): State<Arc<Registry>>, UrlPath(id): UrlPath<String>) -> Response {
-    match tokio::task::spawn_blocking(move || r.handover(&id)).await {
+/// The body is empty, or `{"compute_host": "NAME"}` (under a pool lease).
+async fn handover(
+    State(r): State<Arc<Registry>>,
+    UrlPath(id): UrlPath<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let req: crate::api::HandoverRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        Default::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(r) => r,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("bad handover body: {e}")),
+        }
+    };
+    match tokio::task::spawn_blocking(move || r.handover(&id, req.compute_host.as_deref())).await {
         Ok(Ok(info)) => Json(info).into_response(),
         Ok(Err(e)) => e.into_response(),
         Err(e) => error(

@@ -79,6 +79,8 @@ pub mod codes {
     pub const LEASE_ENDED: &str = "lease_ended";
     /// The lease is already bound.
     pub const LEASE_ALREADY_BOUND: &str = "lease_already_bound";
+    /// A handover of a lease whose device is already another lease's (409).
+    pub const HANDOVER_IN_PROGRESS: &str = "handover_in_progress";
     /// Placement: no device of that resource class at all.
     pub const NO_DEVICE_OF_CLASS: &str = "no_device_of_class";
     /// Placement: devices of that class exist, none large enough.
@@ -355,6 +357,19 @@ pub struct Lease {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "server", schema(value_type = Option<Object>))]
     pub qos: Option<devlend_fabric::qos::Qos>,
+    /// A live migration's handover: the lease this one takes its device over from
+    /// (`POST /v1/leases/{id}/handover`); absent: an ordinary lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub successor_of: Option<Uuid>,
+}
+
+/// Body of `POST /v1/leases/{id}/handover`: where the lease's VM migrates to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct HandoverRequest {
+    /// The destination compute host (its enrolled name): it holds the new lease.
+    pub compute_host: String,
 }
 
 /// `POST /v1/leases` answer: the lease and its signed token.

@@ -20,8 +20,8 @@ use devlend_fabric::lease_token::TokenSigner;
 
 use crate::api::{
     Device, DeviceQuery, EmptyBody, EnrollRequest, Enrollment, ErrorBody, GenerationBody,
-    JoinRequest, Lease, LeaseFilter, LeaseGrant, LeaseRequest, Principal, Provider,
-    ProviderHeartbeat, RegisterProvider, SigningKey,
+    HandoverRequest, JoinRequest, Lease, LeaseFilter, LeaseGrant, LeaseRequest, Principal,
+    Provider, ProviderHeartbeat, RegisterProvider, SigningKey,
 };
 use crate::auth::request::{self, SignatureError};
 
@@ -379,6 +379,23 @@ impl PoolClient {
             return Ok(lease);
         }
         self.release_lease(id, lease.generation)
+    }
+
+    /// `POST /v1/leases/{id}/handover`: a new lease on `compute_host` that takes the
+    /// device of lease `id` over (a live migration), and its token.
+    ///
+    /// # Errors
+    /// [`ClientError::Api`] with 409 `lease_ended` or `handover_in_progress`.
+    pub fn handover_lease(&self, id: Uuid, compute_host: &str) -> Result<LeaseGrant, ClientError> {
+        let id = id.to_string();
+        self.call(
+            Method::POST,
+            &["v1", "leases", &id, "handover"],
+            &[],
+            Some(&HandoverRequest {
+                compute_host: compute_host.to_owned(),
+            }),
+        )
     }
 
     /// `POST /v1/leases/{id}/heartbeat`: renews the lease (expiry = now + ttl_ms).

@@ -8,8 +8,8 @@ use devlend_fabric::lease_token::{PublicKey, TokenSigner};
 use uuid::Uuid;
 
 use crate::api::{
-    codes, Device, DeviceQuery, Lease, LeaseFilter, LeaseGrant, LeaseRequest, Provider,
-    ProviderHeartbeat, RegisterProvider, SigningKey, DEFAULT_LEASE_TTL_MS,
+    codes, Device, DeviceQuery, HandoverRequest, Lease, LeaseFilter, LeaseGrant, LeaseRequest,
+    Provider, ProviderHeartbeat, RegisterProvider, SigningKey, DEFAULT_LEASE_TTL_MS,
 };
 use crate::auth::{AuthMode, Gate};
 use crate::error::{Error, Result};
@@ -313,5 +313,21 @@ impl PoolService {
     /// 404 `unknown_lease`; 409 `lease_ended`.
     pub async fn renew(&self, id: Uuid) -> Result<Lease> {
         self.store.renew(id, now_ms()).await
+    }
+
+    /// `POST /v1/leases/{id}/handover`: a new lease on `req.compute_host` that takes the
+    /// device of lease `id` over (a live migration), with its signed token.
+    ///
+    /// # Errors
+    /// 422 for a bad compute host; 404 `unknown_lease`; 409 `lease_ended`,
+    /// `handover_in_progress`.
+    pub async fn handover(&self, id: Uuid, req: &HandoverRequest) -> Result<LeaseGrant> {
+        validate::text("compute_host", &req.compute_host)?;
+        let lease = self.store.handover(id, &req.compute_host, now_ms()).await?;
+        let token = tokens::sign(&self.signer, &self.store, &lease).await?;
+        Ok(LeaseGrant {
+            lease,
+            token: token.to_text(),
+        })
     }
 }

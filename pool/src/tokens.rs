@@ -33,7 +33,7 @@ pub fn claims(lease: &Lease, provider_key: Option<&PublicKey>) -> LeaseClaims {
         consumer: lease.consumer.clone(),
         provider_key: provider_key.map(PublicKey::to_bytes),
         qos: lease.qos,
-        successor_of: None,
+        successor_of: lease.successor_of.map(|u| *u.as_bytes()),
     }
 }
 

@@ -48,7 +48,7 @@ pub(super) fn incoming(
 ) -> Result<([u8; 16], Vec<u8>), RegistryError> {
     if with_lease {
         return Err(RegistryError::BadRequest(
-            "handover_token and lease exclude each other: a handover token is the destination's lease".into(),
+            "handover_token and lease exclude each other: under a pool, the handover's lease (its token and id) is the lease".into(),
         ));
     }
     let token = LeaseToken::from_text(text.trim())
@@ -56,6 +56,11 @@ pub(super) fn incoming(
     let claims = token
         .claims_unverified()
         .map_err(|e| RegistryError::BadRequest(format!("handover_token: {e}")))?;
+    if !claims.provider.is_empty() {
+        return Err(RegistryError::BadRequest(
+            "handover_token was granted by a pool: attach with it as the lease (lease: {pool, id, token})".into(),
+        ));
+    }
     if claims.successor_of.is_none() {
         return Err(RegistryError::BadRequest(
             "handover_token is a lease token, not a handover token (it names no lease to take over from)".into(),
@@ -77,72 +82,105 @@ pub(super) fn incoming(
 
 impl Registry {
     /// Issues a handover token for attachment `id` and lets its device go when its VM
-    /// stops (the end of the migration). Asking again issues a new token for the same
-    /// handover.
+    /// stops (the end of the migration). In direct mode the agent signs it with its key;
+    /// under a pool lease the pool grants the destination compute host `to` a new lease
+    /// that names this one as predecessor. Asking again issues a new token.
     ///
     /// # Errors
     /// [`RegistryError::NotFound`]; [`RegistryError::BadRequest`] for what cannot
-    /// migrate: a PCIe function (QEMU's vfio-user client has no migration support), an
-    /// attachment under a pool lease (the pool moves leases; not supported yet).
-    pub fn handover(&self, id: &str) -> Result<HandoverInfo, RegistryError> {
-        let entries = self.lock();
-        let e = entries
-            .get(id)
-            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
-        if e.request.kind == AttachKind::Pci {
-            return Err(RegistryError::BadRequest(
-                "a PCIe function cannot migrate: QEMU's vfio-user client has no migration support"
-                    .into(),
-            ));
-        }
-        if e.lease.is_some() {
-            return Err(RegistryError::BadRequest(
-                "attachment holds its device under a pool lease: a pool-mode handover is not supported yet (detach, migrate, attach on the destination)".into(),
-            ));
-        }
-        // The source's own claims carry over: the lender's key the destination must
-        // make the lender prove, and the limits.
-        let own = (!e.token.is_empty())
-            .then(|| {
-                LeaseToken::from_bytes(e.token.clone())
-                    .claims_unverified()
-                    .ok()
-            })
-            .flatten();
-        let claims = LeaseClaims {
-            lease_id: new_borrower_id(),
-            expires_at_ms: now_ms().saturating_add(DIRECT_TOKEN_LIFETIME_MS),
-            provider: String::new(),
-            device: e.attachment.config().lender.device.clone(),
-            consumer: id.to_owned(),
-            provider_key: own.as_ref().and_then(|c| c.provider_key),
-            qos: own.as_ref().and_then(|c| c.qos),
-            successor_of: Some(e.borrower),
+    /// migrate (a PCIe function: QEMU's vfio-user client has no migration support) and a
+    /// pool lease without `to`; [`RegistryError::Lease`] for the pool's refusal.
+    pub fn handover(&self, id: &str, to: Option<&str>) -> Result<HandoverInfo, RegistryError> {
+        // What the token needs, read under the lock; the pool is asked without it.
+        let (device, lender, from, own, pool) = {
+            let entries = self.lock();
+            let e = entries
+                .get(id)
+                .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+            if e.request.kind == AttachKind::Pci {
+                return Err(RegistryError::BadRequest(
+                    "a PCIe function cannot migrate: QEMU's vfio-user client has no migration support".into(),
+                ));
+            }
+            let own = (!e.token.is_empty())
+                .then(|| {
+                    LeaseToken::from_bytes(e.token.clone())
+                        .claims_unverified()
+                        .ok()
+                })
+                .flatten();
+            let pool = e.lease.as_ref().map(|k| (k.client().clone(), k.id()));
+            (
+                e.attachment.config().lender.device.clone(),
+                e.request.lender.clone(),
+                e.borrower,
+                own,
+                pool,
+            )
         };
-        // Without a key (a lender without authentication, on loopback) nothing checks
-        // the signature: any key will do.
-        let ephemeral;
-        let signer = match &self.signer {
-            Some(s) => s,
-            None => {
-                ephemeral = TokenSigner::generate().map_err(|e| {
-                    RegistryError::BadRequest(format!("cannot make a handover key: {e}"))
+        let (token, lease, pool_url) = match pool {
+            Some((client, lease_id)) => {
+                let to = to.filter(|t| !t.is_empty()).ok_or_else(|| {
+                    RegistryError::BadRequest(
+                        "the attachment holds its device under a pool lease: name the destination compute host (compute_host, devlend migrate handover --to HOST)".into(),
+                    )
                 })?;
-                &ephemeral
+                let grant = client
+                    .handover_lease(lease_id, to)
+                    .map_err(|e| RegistryError::Lease(crate::lease::LeaseError::Pool(e)))?;
+                (
+                    grant.token,
+                    grant.lease.id.simple().to_string(),
+                    Some(client.base_url().to_string()),
+                )
+            }
+            None => {
+                let claims = LeaseClaims {
+                    lease_id: new_borrower_id(),
+                    expires_at_ms: now_ms().saturating_add(DIRECT_TOKEN_LIFETIME_MS),
+                    provider: String::new(),
+                    device: device.clone(),
+                    consumer: id.to_owned(),
+                    // The source's own claims carry over: the lender's key the
+                    // destination must make the lender prove, and the limits.
+                    provider_key: own.as_ref().and_then(|c| c.provider_key),
+                    qos: own.as_ref().and_then(|c| c.qos),
+                    successor_of: Some(from),
+                };
+                // Without a key (a lender without authentication, on loopback) nothing
+                // checks the signature: any key will do.
+                let ephemeral;
+                let signer = match &self.signer {
+                    Some(s) => s,
+                    None => {
+                        ephemeral = TokenSigner::generate().map_err(|e| {
+                            RegistryError::BadRequest(format!("cannot make a handover key: {e}"))
+                        })?;
+                        &ephemeral
+                    }
+                };
+                let token = signer.sign(&claims).map_err(|e| {
+                    RegistryError::BadRequest(format!("cannot sign a handover token: {e}"))
+                })?;
+                (token.to_text(), hex(&claims.lease_id), None)
             }
         };
-        let token = signer
-            .sign(&claims)
-            .map_err(|e| RegistryError::BadRequest(format!("cannot sign a handover token: {e}")))?;
-        e.attachment.handover().begin();
-        tracing::info!(id, to = %hex(&claims.lease_id), "handover asked: the device is let go when the VM stops");
+        {
+            let entries = self.lock();
+            let e = entries
+                .get(id)
+                .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+            e.attachment.handover().begin();
+        }
+        tracing::info!(id, to = %lease, "handover asked: the device is let go when the VM stops");
         Ok(HandoverInfo {
             attachment: id.to_owned(),
-            lender: e.request.lender.clone(),
-            device: e.request.device.clone(),
-            handover_token: token.to_text(),
-            lease: hex(&claims.lease_id),
-            from_lease: hex(&e.borrower),
+            lender,
+            device,
+            handover_token: token,
+            lease,
+            from_lease: hex(&from),
+            pool: pool_url,
         })
     }
 
@@ -187,6 +225,10 @@ impl Registry {
         entry.attachment.stop();
         let mut out = super::info(&entry);
         out.connected = false;
+        // The destination holds its own lease: this one ends.
+        if let Some(k) = entry.lease.take() {
+            k.release();
+        }
         tracing::info!(id, "handed over: removed after the migration");
         Ok(out)
     }

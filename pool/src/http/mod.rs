@@ -33,6 +33,7 @@ pub fn router(service: PoolService) -> Router {
         .route("/v1/leases/{id}/bind", post(routes::bind))
         .route("/v1/leases/{id}/release", post(routes::release))
         .route("/v1/leases/{id}/heartbeat", post(routes::lease_heartbeat))
+        .route("/v1/leases/{id}/handover", post(routes::handover))
         .route(
             "/v1/principals",
             get(principals::principals).post(principals::enroll),

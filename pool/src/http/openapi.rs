@@ -45,6 +45,7 @@ impl Modify for SignedRequests {
         routes::bind,
         routes::release,
         routes::lease_heartbeat,
+        routes::handover,
         principals::principals,
         principals::enroll,
         principals::revoke,

@@ -7,8 +7,9 @@ use axum::{Extension, Json};
 
 use super::error::{parse_uuid, ApiJson, OptionalJson};
 use crate::api::{
-    codes, Device, DeviceQuery, EmptyBody, ErrorBody, GenerationBody, Lease, LeaseFilter,
-    LeaseGrant, LeaseRequest, Provider, ProviderHeartbeat, RegisterProvider, SigningKey,
+    codes, Device, DeviceQuery, EmptyBody, ErrorBody, GenerationBody, HandoverRequest, Lease,
+    LeaseFilter, LeaseGrant, LeaseRequest, Provider, ProviderHeartbeat, RegisterProvider,
+    SigningKey,
 };
 use crate::auth::Caller;
 use crate::error::Error;
@@ -271,4 +272,27 @@ pub async fn lease_heartbeat(
     let id = parse_uuid("lease id", &segment(id)?)?;
     own_lease(&s, &caller, id).await?;
     Ok(Json(s.renew(id).await?))
+}
+
+/// A live migration's handover: a new lease on the destination compute host that takes
+/// the device over from this one (its token names this lease as predecessor; the
+/// lender hands the device over when this lease's holder lets go). Only the lease's own
+/// compute host may ask. This lease stays live until its holder releases it.
+#[utoipa::path(post, path = "/v1/leases/{id}/handover", tag = "leases",
+    params(("id" = uuid::Uuid, Path, description = "Lease id")),
+    request_body = HandoverRequest,
+    responses(
+        (status = 201, body = LeaseGrant),
+        (status = 404, body = ErrorBody, description = "unknown_lease"),
+        (status = 409, body = ErrorBody, description = "lease_ended, handover_in_progress"),
+    ))]
+pub async fn handover(
+    State(s): State<PoolService>,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+    ApiJson(body): ApiJson<HandoverRequest>,
+) -> Result<(StatusCode, Json<LeaseGrant>), Error> {
+    let id = parse_uuid("lease id", &segment(id)?)?;
+    own_lease(&s, &caller, id).await?;
+    Ok((StatusCode::CREATED, Json(s.handover(id, &body).await?)))
 }

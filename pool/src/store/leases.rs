@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 
 const LEASE_SELECT: &str = "SELECT id, device_id, device_name, provider_name, \
     fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
-    generation, qos FROM leases";
+    generation, qos, successor_of FROM leases";
 
 fn lease_from_row(r: &AnyRow, now: i64) -> Result<Lease> {
     let state: String = r.try_get("state")?;
@@ -46,6 +46,13 @@ fn lease_from_row(r: &AnyRow, now: i64) -> Result<Lease> {
         qos: match r.try_get::<Option<String>, _>("qos")? {
             Some(text) => Some(
                 serde_json::from_str(&text)
+                    .map_err(|e| Error::Database(sqlx::Error::Decode(Box::new(e))))?,
+            ),
+            None => None,
+        },
+        successor_of: match r.try_get::<Option<String>, _>("successor_of")? {
+            Some(text) => Some(
+                Uuid::parse_str(&text)
                     .map_err(|e| Error::Database(sqlx::Error::Decode(Box::new(e))))?,
             ),
             None => None,
@@ -274,10 +281,71 @@ impl Store {
                 .explain(id, Some(generation), now, (codes::LEASE_ENDED, "has ended"))
                 .await);
         }
+        // A handover's successor released before the switch (the migration failed):
+        // the device is its live predecessor's again; otherwise it is free.
         sqlx::query(
-            "UPDATE devices SET lease_id = NULL, generation = generation + 1 WHERE lease_id = $1",
+            "UPDATE devices SET generation = generation + 1, lease_id = \
+             (SELECT p.id FROM leases s JOIN leases p ON p.id = s.successor_of \
+              WHERE s.id = $1 AND p.state IN ('claimed', 'bound') AND p.expires_at_ms > $2) \
+             WHERE lease_id = $1",
         )
         .bind(id.to_string())
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        self.lease(id, now).await
+    }
+
+    /// A live migration's handover: a new lease for the device of live lease `from`,
+    /// held on `compute_host`, that names `from` as its predecessor; the device is the
+    /// new lease's from now on (`from` stays live until its holder releases it).
+    ///
+    /// # Errors
+    /// 404 `unknown_lease`; 409 `lease_ended`, `handover_in_progress` (the device is
+    /// already another lease's); [`Error::Database`].
+    pub async fn handover(&self, from: Uuid, compute_host: &str, now: i64) -> Result<Lease> {
+        let old = self.lease(from, now).await?;
+        if !old.state.is_live() {
+            return Err(Error::conflict(
+                codes::LEASE_ENDED,
+                format!("lease {from} has ended (state {})", old.state.as_str()),
+            ));
+        }
+        let id = Uuid::new_v4();
+        let mut tx = self.pool().begin().await?;
+        // The device moves to the new lease only if it is `from`'s now: a second
+        // handover of the same lease, or of a lease whose device moved, finds no row.
+        let moved = sqlx::query(
+            "UPDATE devices SET lease_id = $1, generation = generation + 1 \
+             WHERE id = $2 AND lease_id = $3",
+        )
+        .bind(id.to_string())
+        .bind(old.device_id.to_string())
+        .bind(from.to_string())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if moved != 1 {
+            tx.rollback().await?;
+            return Err(Error::conflict(
+                codes::HANDOVER_IN_PROGRESS,
+                format!(
+                    "the device of lease {from} is not that lease's any more (a handover is in progress: release its successor first)"
+                ),
+            ));
+        }
+        sqlx::query(
+            "INSERT INTO leases (id, device_id, device_name, provider_id, provider_name, \
+             fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
+             generation, qos, successor_of) SELECT $1, device_id, device_name, provider_id, \
+             provider_name, fabric_address, consumer, $2, 'claimed', $3, $3 + ttl_ms, ttl_ms, 1, \
+             qos, id FROM leases WHERE id = $4",
+        )
+        .bind(id.to_string())
+        .bind(compute_host)
+        .bind(now)
+        .bind(from.to_string())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;

@@ -38,6 +38,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "lease_qos",
         include_str!("../../migrations/0003_lease_qos.sql"),
     ),
+    (
+        4,
+        "lease_successor",
+        include_str!("../../migrations/0004_lease_successor.sql"),
+    ),
 ];
 
 /// Which database a [`Store`] runs on.
