@@ -50,6 +50,10 @@ claims3 = b"\x03" + claims[1:] + b"\x03" + bytes([0x42] * 32)
 claims3 += b"\x02" + struct.pack("<BQQ", 2, 2000, 0) + struct.pack("<BQQ", 5, 50 << 20, 1 << 20)
 claims3 += struct.pack("<I", 3)
 put("wire_decode", "token-claims-v3-limits", b"\x05" + claims3)
+# Version 3 with a predecessor (flag bit 2, a live migration's handover): the key, the
+# predecessor's lease id, no limits.
+claims3s = b"\x03" + claims[1:] + b"\x05" + bytes([0x42] * 32) + bytes([7] * 16)
+put("wire_decode", "token-claims-v3-successor", b"\x05" + claims3s)
 
 # --- blk_request: device byte, head, n, n descriptors, then memory writes.
 NEXT, WRITE, INDIRECT = 1, 2, 4
