@@ -12,6 +12,7 @@ pub mod gateways;
 pub mod lan;
 pub mod libvirt;
 pub mod migration;
+pub mod migration_lab;
 pub mod netns;
 pub mod nvme;
 pub use devlend_qemu::guest;
