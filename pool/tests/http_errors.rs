@@ -204,6 +204,7 @@ fn openapi_lists_every_route() {
         ("post", "/v1/leases/{id}/bind"),
         ("post", "/v1/leases/{id}/release"),
         ("post", "/v1/leases/{id}/heartbeat"),
+        ("post", "/v1/leases/{id}/handover"),
         ("get", "/v1/principals"),
         ("post", "/v1/principals"),
         ("delete", "/v1/principals/{key}"),
