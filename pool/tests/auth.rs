@@ -132,6 +132,11 @@ fn every_route_refuses_the_callers_it_must(backend: Backend) {
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    // Handovers (a live migration): only host1 may hand host1's lease over; others
+    // cannot take its device that way.
+    assert_eq!(status(host2.handover_lease(id, "host2")), 403);
+    assert_eq!(status(store1.handover_lease(id, "host2")), 403);
+    assert_eq!(status(anon.handover_lease(id, "host2")), 401);
     // Releases: only host1 (and the admin) may end host1's lease.
     assert_eq!(status(host2.release_current(id)), 403);
     assert_eq!(status(store1.release_current(id)), 403);
