@@ -18,166 +18,24 @@
 //! time (a lock): the pauses are measured on a machine of 2 cores.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use devlend_tests::agents::sparse_file;
-use devlend_tests::guest::{Guest, GuestOutcome};
+use devlend_tests::guest::Guest;
 use devlend_tests::migration::{
-    self, cancel_migration, longest_pause, ms, qmp, query_migrate, run_state, set_bandwidth,
-    start_migration, wait_migration, Chain, Params, Pause, CHUNK_BYTES,
+    self, cancel_migration, ms, qmp, query_migrate, run_state, set_bandwidth, start_migration,
+    wait_migration, Chain, Params, CHUNK_BYTES,
 };
 use devlend_tests::migration_lab::{attachment_id, forge, label, ok_json, to_host, Hosts, Lab};
 use devlend_tests::sha256_hex;
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+mod migration_common;
 
-const DISK_BYTES: u64 = 16 << 20;
-/// The workload's region: 64 chunks of 64 KiB.
-const CHUNKS: u32 = 64;
-/// Guest RAM: small, so that each migration copies little under TCG.
-const MEMORY_MIB: u32 = 256;
-/// Seconds of guest time the workload runs: long enough for three migrations (each a
-/// destination's start, a second or two of copy, a settling second) on a busy machine.
-const WORKLOAD_SECS: u32 = 40;
-/// Migrations per run: A→B→A→B.
-const MIGRATIONS: usize = 3;
-const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Waits until the guest's workload has started and made some progress.
-fn wait_workload(chain: &Chain) -> Result<()> {
-    chain
-        .current
-        .wait_for_text("workload=started", Duration::from_secs(240))?;
-    chain
-        .current
-        .wait_for_text("DLIO r 3 ", Duration::from_secs(60))?;
-    Ok(())
-}
-
-/// What one run measured.
-struct Run {
-    variant: &'static str,
-    pauses: Vec<(String, Pause, migration::MigrationInfo)>,
-}
-
-impl Run {
-    fn print(&self) {
-        for (label, p, info) in &self.pauses {
-            println!(
-                "MIGRATION-PAUSE variant={} switch={label} pause_ms={} guest_clock_ms={} \
-                 typical_gap_ms={} qemu_downtime_ms={} qemu_total_ms={} ram_bytes={}",
-                self.variant,
-                ms(p.host),
-                ms(p.guest),
-                ms(p.typical),
-                info.downtime_ms.unwrap_or(0),
-                info.total_ms.unwrap_or(0),
-                info.ram_transferred.unwrap_or(0),
-            );
-        }
-    }
-
-    fn longest(&self) -> Duration {
-        self.pauses
-            .iter()
-            .map(|(_, p, _)| p.host)
-            .max()
-            .unwrap_or_default()
-    }
-}
-
-/// Runs the migrations of `chain` (whose workload is under way): for each, `dest`
-/// starts the destination QEMU (given the migration's number, its host and URI),
-/// then `done` runs after the switch (e.g. `devlend migrate finish`). At the end waits
-/// for the workload, checks it, and measures the pauses.
-fn migrate_chain(
-    variant: &'static str,
-    chain: &mut Chain,
-    hosts: &Hosts,
-    mut dest: impl FnMut(usize, &Guest, &str, &str) -> Result<Guest>,
-    mut done: impl FnMut(usize) -> Result<()>,
-) -> Result<(Run, GuestOutcome, String)> {
-    wait_workload(chain)?;
-    for k in 0..MIGRATIONS {
-        let (ns, uri) = hosts.dest(to_host(k), k);
-        let d = dest(k, &chain.current, ns, &uri)?;
-        let sw = chain.migrate(&label(k), d, &uri, Params::default(), MIGRATION_TIMEOUT)?;
-        eprintln!(
-            "[{variant}] {}: completed in {} ms (QEMU downtime {:?} ms)",
-            sw.label,
-            ms(sw.completed - sw.started),
-            sw.info.downtime_ms
-        );
-        done(k)?;
-        // The guest goes on in its new QEMU before the next migration.
-        let seen = chain.lines().len();
-        let end = Instant::now() + Duration::from_secs(30);
-        while !chain.lines()[seen..]
-            .iter()
-            .any(|l| l.text.contains("DLIO r "))
-        {
-            ensure!(
-                Instant::now() < end,
-                "{variant}: no I/O after {}:\n{}",
-                label(k),
-                chain.console()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        std::thread::sleep(Duration::from_millis(1000));
-    }
-    let last_switch = chain.switches.last().map(|s| s.completed);
-    let outcome = chain
-        .current
-        .wait_done(Duration::from_secs(240))
-        .with_context(|| format!("{variant}: the workload did not end"))?;
-    let console = chain.console();
-    outcome.check_success()?;
-    let lines = chain.lines();
-    let (ticks, errors) = migration::ticks(&lines)?;
-    ensure!(
-        errors.is_empty(),
-        "{variant}: the guest saw I/O errors: {errors:?}"
-    );
-    ensure!(
-        !console.contains("I/O error") && !console.contains("blk_update_request"),
-        "{variant}: the guest kernel logged I/O errors:\n{console}"
-    );
-    let r = |k: &str| outcome.result(k).unwrap_or("").to_owned();
-    ensure!(r("errors") == "0", "{variant}: errors={}", r("errors"));
-    ensure!(
-        r("verified") == r("written") && r("written") == CHUNKS.to_string(),
-        "{variant}: verified {} of {} chunks (want {CHUNKS})",
-        r("verified"),
-        r("written")
-    );
-    ensure!(
-        ticks.last().is_some_and(|t| Some(t.at) > last_switch),
-        "{variant}: the workload ended before the last migration: raise WORKLOAD_SECS"
-    );
-    let mut run = Run {
-        variant,
-        pauses: Vec::new(),
-    };
-    for sw in &chain.switches {
-        let p = longest_pause(
-            &ticks,
-            sw.started,
-            sw.completed + Duration::from_millis(1500),
-        )
-        .with_context(|| format!("{variant} {}", sw.label))?;
-        run.pauses.push((sw.label.clone(), p, sw.info.clone()));
-    }
-    eprintln!(
-        "[{variant}] {} I/Os ({} chunks verified), {} migrations",
-        r("ios"),
-        r("verified"),
-        chain.switches.len()
-    );
-    Ok((run, outcome, console))
-}
+use migration_common::{
+    migrate_chain, wait_workload, Run, CHUNKS, DISK_BYTES, MEMORY_MIB, MIGRATIONS,
+    MIGRATION_TIMEOUT, ONE_AT_A_TIME, WORKLOAD_SECS,
+};
 
 /// The baseline: QEMU's own `file` disk, the same image for every QEMU.
 fn file_disk_run(dir: &Path, hosts: &Hosts) -> Result<Run> {
