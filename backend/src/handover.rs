@@ -70,7 +70,7 @@ impl Handover {
             if let Some(h) = self.control() {
                 h.pause();
             }
-            tracing::info!("the frontend stopped the device during a handover: letting it go");
+            devlend_fabric::limited!(info, "the frontend stopped the device during a handover: letting it go");
         }
         true
     }
@@ -81,7 +81,7 @@ impl Handover {
             if let Some(h) = self.control() {
                 h.resume();
             }
-            tracing::info!("the frontend uses the device again: taking it back");
+            devlend_fabric::limited!(info, "the frontend uses the device again: taking it back");
         }
     }
 

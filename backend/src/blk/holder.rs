@@ -220,14 +220,14 @@ fn watch(
         }
         if control.is_paused() {
             let _ = stream.shutdown(Shutdown::Both);
-            tracing::info!(attachment = %name, lender = %target.addr, device = %target.device, "let the device go for a handover");
+            devlend_fabric::limited!(info, attachment = %name, lender = %target.addr, device = %target.device, "let the device go for a handover");
             let clock = Releasable(stop);
             while control.is_paused() {
                 if !clock.sleep(Duration::from_millis(20)) {
                     return;
                 }
             }
-            tracing::info!(attachment = %name, lender = %target.addr, device = %target.device, "taking the device back");
+            devlend_fabric::limited!(info, attachment = %name, lender = %target.addr, device = %target.device, "taking the device back");
             retry = Reconnector::new(REOPEN);
         } else {
             tracing::warn!(attachment = %name, lender = %target.addr, device = %target.device, "lost the session holding the device; re-establishing it");

@@ -259,7 +259,7 @@ impl PairEngine {
             self.pstats().tx_drops.fetch_add(dropped, Ordering::Relaxed);
             self.out.clear();
             self.have = 0;
-            tracing::info!(attachment = %self.name, pair = self.index, "fabric session closed for a handover");
+            devlend_fabric::limited!(info, attachment = %self.name, pair = self.index, "fabric session closed for a handover");
         }
         self.retry = Reconnector::new(RETRY);
         self.arm_timer();
@@ -423,7 +423,7 @@ impl PairEngine {
         // The backoff is reset only once the session has lived (see `lose`): a lender
         // that takes the hello and then fails at once is retried with backoff too.
         self.retry.connected(Instant::now());
-        tracing::info!(attachment = %self.name, pair = self.index, "fabric session open");
+        devlend_fabric::limited!(info, attachment = %self.name, pair = self.index, "fabric session open");
         Ok(())
     }
 
