@@ -1,6 +1,6 @@
 //! What the CLI prints for people.
 
-use devlend_compute_agent::api::AttachmentInfo;
+use devlend_compute_agent::api::{AttachmentInfo, HandoverState};
 
 /// Formats a byte count with a binary unit (`1.0 GiB`).
 pub fn human_bytes(b: u64) -> String {
@@ -229,6 +229,9 @@ fn state(a: &AttachmentInfo) -> &'static str {
         _ if a.restoring.is_some() => "restoring",
         _ if a.lease_ended => "lease-ended",
         _ if a.lender_lost => "lender-lost",
+        // A live migration's source (docs/migration.md).
+        _ if a.handover == Some(HandoverState::LetGo) => "handed-over",
+        _ if a.handover == Some(HandoverState::Asked) => "handing-over",
         (_, true) => "connected",
         (Some(_), false) => "unplugged",
         (None, false) => "waiting",

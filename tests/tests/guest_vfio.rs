@@ -709,6 +709,16 @@ fn scenario(port: u16, dir: &Path) {
         .expect("DMA_MAP");
     vmm.dma_round_trip(&mem3, 3);
     drop(vmm);
+    // A PCIe function cannot live-migrate (QEMU's vfio-user client cannot): the
+    // handover is refused with the reason, and the attachment goes on.
+    let out = agent
+        .cli(&["migrate", "handover", "edu"])
+        .expect("devlend migrate handover");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("a PCIe function cannot migrate"),
+        "migrate handover of a PCIe function: {err}"
+    );
     let out = agent.cli(&["detach", "edu"]).expect("devlend detach");
     assert!(
         out.status.success(),
