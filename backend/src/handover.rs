@@ -44,10 +44,11 @@ impl Handover {
     }
 
     /// The handover is called off (the migration failed or was cancelled): the device is
-    /// taken back if it was let go.
+    /// no longer let go at a stop. A device already let go is taken back when the
+    /// frontend starts the device again (the VM resumes here), not before: after a
+    /// migration that completed, the destination's VM has it.
     pub fn cancel(&self) {
         self.active.store(false, Ordering::Release);
-        self.resume();
     }
 
     /// Whether a handover was asked for.
@@ -70,7 +71,10 @@ impl Handover {
             if let Some(h) = self.control() {
                 h.pause();
             }
-            devlend_fabric::limited!(info, "the frontend stopped the device during a handover: letting it go");
+            devlend_fabric::limited!(
+                info,
+                "the frontend stopped the device during a handover: letting it go"
+            );
         }
         true
     }

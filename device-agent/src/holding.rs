@@ -16,7 +16,9 @@
 //! resumes) may take it, whichever comes first; any other borrower is refused. The
 //! standby claims of `to` become holding claims when `to` takes the device. If the
 //! destination goes (its standby sessions all close) before it took the device, the
-//! handover is forgotten.
+//! handover is forgotten. A successor's holding session on a free device (the
+//! predecessor let go first, or the lender restarted meanwhile) records the same
+//! reservation.
 //!
 //! So two borrowers never hold the device at once, and the source's requests all
 //! completed before the destination's first one is served.
@@ -79,29 +81,24 @@ pub(crate) enum Refusal {
     Waiting { from: [u8; 16] },
 }
 
-fn hex(id: &[u8; 16]) -> String {
-    id.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 impl std::fmt::Display for Refusal {
+    // The lease ids stay out of what a refused borrower is told.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Refusal::Held(b) => write!(f, "attached by another borrower ({})", hex(b)),
-            Refusal::HandingOver { from, to } => write!(
+            Refusal::Held(_) => write!(f, "attached by another borrower"),
+            Refusal::HandingOver { .. } => {
+                write!(
+                    f,
+                    "being handed over between two other borrowers (a live migration)"
+                )
+            }
+            Refusal::NotHolder { .. } => write!(
                 f,
-                "being handed over from lease {} to lease {} (a live migration)",
-                hex(from),
-                hex(to)
+                "attached by another borrower than the one this token takes over from"
             ),
-            Refusal::NotHolder { from } => write!(
+            Refusal::Waiting { .. } => write!(
                 f,
-                "not held by lease {}, which this handover is from",
-                hex(from)
-            ),
-            Refusal::Waiting { from } => write!(
-                f,
-                "still held by lease {}, which hands it over to this one when its VM has stopped",
-                hex(from)
+                "still held by the borrower that hands it over to this one when its VM has stopped"
             ),
         }
     }
@@ -305,8 +302,20 @@ pub(crate) fn claim(
             from: x.from,
             to: x.to,
         }),
-        // A free device: a successor whose predecessor let go before it came is served
-        // like any other borrower.
+        // A free device and a successor's holding session: its predecessor let go
+        // before it came, or the lender restarted in the middle of a handover. Reserved
+        // for the two of them as if the predecessor had just let go, so that a source
+        // whose VM still runs takes it back first.
+        (None, None) if ask.queue == CONTROL_QUEUE && ask.successor_of.is_some() => {
+            let from = ask.successor_of.unwrap_or_default();
+            s.handover = Some(Handover {
+                from,
+                to: borrower,
+                standby: 1,
+            });
+            Ok(made(new_group(), true))
+        }
+        // A free device: anyone, a successor's queue sessions too (its VM runs).
         (None, None) => {
             let group = new_group();
             s.holder = Some(Holder {

@@ -133,3 +133,30 @@ fn a_destination_that_goes_before_the_switch_leaves_nothing_reserved() {
     let _c = take(&dev, ask(C, Some(S), CONTROL_QUEUE)).unwrap();
     drop(s_hold);
 }
+
+#[test]
+fn a_lender_restarted_mid_handover_reserves_the_device_for_the_two() {
+    // Found by a trial: after a lender restart the destination's holding session came
+    // back first, took the free device, and the source VM, still running, got I/O
+    // errors.
+    let dev = device();
+    let d_hold = take(&dev, ask(D, Some(S), CONTROL_QUEUE)).unwrap();
+    assert!(d_hold.is_standby());
+    assert!(!dev.is_held());
+    assert_eq!(
+        take(&dev, ask(C, None, 0)).err(),
+        Some(Refusal::HandingOver { from: S, to: D })
+    );
+    // The source comes back and goes on.
+    let s_q0 = take(&dev, ask(S, None, 0)).unwrap();
+    assert!(dev.held_by(S));
+    assert_eq!(
+        take(&dev, ask(D, Some(S), 0)).err(),
+        Some(Refusal::Waiting { from: S })
+    );
+    drop(s_q0);
+    // Its VM stopped: the destination's VM runs and takes it.
+    let _d_q0 = take(&dev, ask(D, Some(S), 0)).unwrap();
+    assert!(dev.held_by(D));
+    drop(d_hold);
+}

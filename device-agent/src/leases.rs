@@ -57,6 +57,12 @@ struct Tracked {
     listed: bool,
     /// Released, or gone from the pool's answers: refused for good.
     ended: bool,
+    /// Which of the guard's keys signed its first token (none: learned from the pool):
+    /// its later tokens must be signed by the same key. In direct mode each compute agent
+    /// signs with its own key, so one agent cannot take on another's lease id. (A
+    /// handover token may be signed by any trusted key: a destination hands over in turn
+    /// with its own key a lease whose token the source signed.)
+    key: Option<usize>,
 }
 
 /// A session's lease, as its token gave it.
@@ -132,9 +138,11 @@ impl LeaseGuard {
         }
         let token = LeaseToken::from_bytes(hello.token.clone());
         let mut verified = Err(devlend_fabric::lease_token::TokenError::BadSignature);
-        for key in &self.keys {
+        let mut signer = 0;
+        for (i, key) in self.keys.iter().enumerate() {
             verified = key.verify(&token);
             if verified.is_ok() {
+                signer = i;
                 break;
             }
         }
@@ -157,13 +165,21 @@ impl LeaseGuard {
             ));
         }
         let mut leases = self.leases();
+        let other_key = |t: &Tracked| t.key.is_some_and(|k| k != signer);
+        if leases.get(&claims.lease_id).is_some_and(other_key) {
+            return Err(Check::Refused(
+                "the token's lease id belongs to another borrower key".into(),
+            ));
+        }
         let t = leases.entry(claims.lease_id).or_insert_with(|| Tracked {
             device: claims.device.clone(),
             expires_at_ms: claims.expires_at_ms,
             known_since_ms: now_ms,
             listed: false,
             ended: false,
+            key: Some(signer),
         });
+        t.key.get_or_insert(signer);
         if t.ended {
             return Err(Check::Refused(
                 "the lease has ended (released or expired)".into(),
@@ -205,6 +221,7 @@ impl LeaseGuard {
                 known_since_ms: asked_at_ms,
                 listed: true,
                 ended: false,
+                key: None,
             });
             if !t.ended {
                 t.expires_at_ms = l.expires_at_ms;
@@ -254,6 +271,47 @@ mod tests {
         h.borrower = [9; 16];
         h.token = signer.sign(&claims).unwrap().as_bytes().to_vec();
         h
+    }
+
+    fn direct_hello(signer: &TokenSigner, lease: u8, successor_of: Option<u8>) -> Hello {
+        let claims = LeaseClaims {
+            lease_id: [lease; 16],
+            expires_at_ms: u64::MAX,
+            provider: String::new(),
+            device: "disk0".into(),
+            consumer: "vm".into(),
+            provider_key: None,
+            qos: None,
+            successor_of: successor_of.map(|p| [p; 16]),
+        };
+        let mut h = Hello::new("disk0", 0);
+        h.borrower = [lease; 16];
+        h.token = signer.sign(&claims).unwrap().as_bytes().to_vec();
+        h
+    }
+
+    #[test]
+    fn a_lease_id_belongs_to_the_key_that_first_signed_it() {
+        // Found by a trial: any trusted key could sign a token for the holder's lease id
+        // (shown in a busy refusal) and write its disk.
+        let (a, c) = (
+            TokenSigner::from_seed([1; 32]),
+            TokenSigner::from_seed([3; 32]),
+        );
+        let g = LeaseGuard::direct(vec![a.public_key(), c.public_key()]);
+        assert!(g.admit(&direct_hello(&a, 5, None), 1).is_ok());
+        let refused = |h| g.admit(&h, 1).unwrap_err();
+        assert_eq!(refused(direct_hello(&c, 5, None)).0, HelloStatus::Denied);
+        // A handover token (A's) makes lease 6 A's key's; the destination hands it over
+        // in turn with its own key (C here), whose successor is C's.
+        assert!(g.admit(&direct_hello(&a, 6, Some(5)), 1).is_ok());
+        assert_eq!(refused(direct_hello(&c, 6, Some(5))).0, HelloStatus::Denied);
+        assert!(g.admit(&direct_hello(&c, 8, Some(6)), 1).is_ok());
+        assert_eq!(refused(direct_hello(&a, 8, Some(6))).0, HelloStatus::Denied);
+        assert!(g.admit(&direct_hello(&a, 5, None), 1).is_ok());
+        // C's own leases are C's.
+        assert!(g.admit(&direct_hello(&c, 7, None), 1).is_ok());
+        assert_eq!(refused(direct_hello(&a, 7, None)).0, HelloStatus::Denied);
     }
 
     #[test]

@@ -323,6 +323,20 @@ impl PoolService {
     /// `handover_in_progress`.
     pub async fn handover(&self, id: Uuid, req: &HandoverRequest) -> Result<LeaseGrant> {
         validate::text("compute_host", &req.compute_host)?;
+        // A destination that cannot bind or renew the new lease (a typo) would leave the
+        // device stuck on it: it must be an enrolled compute host.
+        if self.gate.mode() != AuthMode::Open
+            && self
+                .store
+                .principal_by_name(crate::api::Role::Compute, &req.compute_host)
+                .await?
+                .is_none()
+        {
+            return Err(Error::invalid(format!(
+                "compute_host {:?} is not an enrolled compute host",
+                req.compute_host
+            )));
+        }
         let lease = self.store.handover(id, &req.compute_host, now_ms()).await?;
         let token = tokens::sign(&self.signer, &self.store, &lease).await?;
         Ok(LeaseGrant {

@@ -8,7 +8,7 @@ mod support;
 
 use devlend_fabric::lease_token::{LeaseToken, PublicKey};
 use devlend_fabric::qos::Qos;
-use devlend_pool::api::{DeviceQuery, LeaseFilter, LeaseRequest};
+use devlend_pool::api::{DeviceQuery, LeaseFilter, LeaseRequest, Role};
 use devlend_pool::ClientError;
 use support::{device, register, Backend, GIB};
 
@@ -43,6 +43,25 @@ fn device_lease(pool: &support::TestPool) -> Option<uuid::Uuid> {
 
 fn a_handover_moves_the_device_to_a_successor_lease(backend: Backend) {
     let pool = support::start(backend);
+    for h in ["host-a", "host-b", "host-c"] {
+        support::enrolled(&pool, Role::Compute, h);
+    }
+    // A destination that is not an enrolled compute host (a typo) could never bind or
+    // renew the lease, which would keep the device: refused.
+    let s0 = {
+        register(
+            &pool.client,
+            "lender-a",
+            60_000,
+            vec![device("disk0", "BLOCK", GIB, &[])],
+        );
+        pool.client.create_lease(&request()).unwrap().lease
+    };
+    assert_eq!(
+        code(pool.client.handover_lease(s0.id, "host-typo")),
+        (422, "invalid_value".into())
+    );
+    pool.client.release_current(s0.id).unwrap();
     register(
         &pool.client,
         "lender-a",
@@ -104,6 +123,7 @@ fn a_handover_moves_the_device_to_a_successor_lease(backend: Backend) {
 
 fn a_failed_handover_gives_the_device_back(backend: Backend) {
     let pool = support::start(backend);
+    support::enrolled(&pool, Role::Compute, "host-b");
     register(
         &pool.client,
         "lender-a",

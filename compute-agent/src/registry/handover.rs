@@ -92,7 +92,7 @@ impl Registry {
     /// pool lease without `to`; [`RegistryError::Lease`] for the pool's refusal.
     pub fn handover(&self, id: &str, to: Option<&str>) -> Result<HandoverInfo, RegistryError> {
         // What the token needs, read under the lock; the pool is asked without it.
-        let (device, lender, from, own, pool) = {
+        let (device, lender, from, own, pool, lender_key) = {
             let entries = self.lock();
             let e = entries
                 .get(id)
@@ -110,12 +110,26 @@ impl Registry {
                 })
                 .flatten();
             let pool = e.lease.as_ref().map(|k| (k.client().clone(), k.id()));
+            if pool.is_none() && to.is_some() {
+                return Err(RegistryError::BadRequest(
+                    "compute_host (--to) is for an attachment under a pool lease; in direct mode the token is the handover".into(),
+                ));
+            }
+            // The lender's key the source checks (`--lender-key`), for the destination to
+            // check too.
+            let lender_key = e
+                .request
+                .lender_key
+                .as_deref()
+                .and_then(|k| devlend_fabric::lease_token::PublicKey::from_text(k).ok())
+                .map(|k| k.to_bytes());
             (
                 e.attachment.config().lender.device.clone(),
                 e.request.lender.clone(),
                 e.borrower,
                 own,
                 pool,
+                lender_key,
             )
         };
         let (token, lease, pool_url) = match pool {
@@ -143,7 +157,7 @@ impl Registry {
                     consumer: id.to_owned(),
                     // The source's own claims carry over: the lender's key the
                     // destination must make the lender prove, and the limits.
-                    provider_key: own.as_ref().and_then(|c| c.provider_key),
+                    provider_key: own.as_ref().and_then(|c| c.provider_key).or(lender_key),
                     qos: own.as_ref().and_then(|c| c.qos),
                     successor_of: Some(from),
                 };
@@ -194,6 +208,11 @@ impl Registry {
         let e = entries
             .get(id)
             .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+        if !e.attachment.handover().is_active() {
+            return Err(RegistryError::Conflict(format!(
+                "attachment {id} has no handover to call off"
+            )));
+        }
         e.attachment.handover().cancel();
         tracing::info!(id, "handover called off: the attachment keeps its device");
         Ok(super::info(e))
@@ -211,9 +230,17 @@ impl Registry {
             let e = entries
                 .get(id)
                 .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
-            if !e.attachment.handover().is_active() {
+            let h = e.attachment.handover();
+            if !h.is_active() {
                 return Err(RegistryError::Conflict(format!(
                     "attachment {id} is not being handed over: ask for a handover first, or detach it"
+                )));
+            }
+            // The VM must have stopped here (QEMU stopped the device at the end of the
+            // migration), or gone: finishing under a running VM would pull its disk.
+            if !h.is_let_go() && e.attachment.connected() {
+                return Err(RegistryError::Conflict(format!(
+                    "attachment {id}: its VM still runs here (QEMU has not stopped the device): finish after the migration completed, or cancel it"
                 )));
             }
             let e = entries

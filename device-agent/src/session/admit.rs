@@ -84,13 +84,11 @@ pub(crate) fn admit<'s>(
     let claim = match dev.claim(&ask, shared.store_of(&dev)) {
         Ok(c) => c,
         Err(refusal) => {
-            // A handover from a lease that does not hold the device is for good; the
-            // others may clear (the holder lets go).
-            let status = match refusal {
-                crate::holding::Refusal::NotHolder { .. } => HelloStatus::Denied,
-                _ => HelloStatus::Busy,
-            };
-            return Err((status, format!("device {:?} is {refusal}", hello.device)));
+            // Each may clear (the holder lets go): busy, retried.
+            return Err((
+                HelloStatus::Busy,
+                format!("device {:?} is {refusal}", hello.device),
+            ));
         }
     };
     let Some(active) = shared.try_activate() else {
