@@ -855,6 +855,10 @@ impl Registry {
                 saved.id
             )));
         }
+        if !self.is_restoring(&saved.id) {
+            // Given up (detached) while it waited.
+            return Err(RegistryError::Cancelled(saved.id.clone()));
+        }
         {
             let entries = self.lock();
             let pending = self.lock_pending();
@@ -1140,6 +1144,27 @@ mod resolve_tests {
         );
         assert!(expected_lender_key(Some(&other.to_text()), &keyed).is_err());
         assert!(expected_lender_key(Some("nope"), &[]).is_err());
+    }
+
+    #[test]
+    fn a_saved_attachment_given_up_is_not_restored_later() {
+        // Found by a trial: the restore thread kept retrying an attachment detached while
+        // it waited, and served it again once it could (it then took the device).
+        let saved = crate::state::SavedAttachment {
+            id: "d0".into(),
+            request: serde_json::from_value(serde_json::json!({
+                "lender": "127.0.0.1:1", "device": "d", "socket": "/nonexistent/devlend-r.sock",
+            }))
+            .unwrap(),
+            borrower: crate::state::to_hex(&[7; 16]),
+            token: String::new(),
+            plug: None,
+            kind: None,
+        };
+        let r = Registry::default();
+        r.set_restoring(vec![saved.clone()]);
+        assert!(r.cancel_restore("d0").is_some());
+        assert!(matches!(r.restore(&saved), Err(RegistryError::Cancelled(_))));
     }
 
     #[test]
