@@ -1164,7 +1164,10 @@ mod resolve_tests {
         let r = Registry::default();
         r.set_restoring(vec![saved.clone()]);
         assert!(r.cancel_restore("d0").is_some());
-        assert!(matches!(r.restore(&saved), Err(RegistryError::Cancelled(_))));
+        assert!(matches!(
+            r.restore(&saved),
+            Err(RegistryError::Cancelled(_))
+        ));
     }
 
     #[test]
