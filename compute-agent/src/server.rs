@@ -105,37 +105,35 @@ async fn handover(
             Err(e) => return error(StatusCode::BAD_REQUEST, format!("bad handover body: {e}")),
         }
     };
-    match tokio::task::spawn_blocking(move || r.handover(&id, req.compute_host.as_deref())).await {
-        Ok(Ok(info)) => Json(info).into_response(),
-        Ok(Err(e)) => e.into_response(),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("handover task failed: {e}"),
-        ),
-    }
+    blocking("handover", move || {
+        r.handover(&id, req.compute_host.as_deref())
+    })
+    .await
 }
 
 /// `DELETE /v1/attachments/{id}/handover`: the migration failed or was cancelled.
 async fn cancel_handover(State(r): State<Arc<Registry>>, UrlPath(id): UrlPath<String>) -> Response {
-    match tokio::task::spawn_blocking(move || r.cancel_handover(&id)).await {
-        Ok(Ok(info)) => Json(info).into_response(),
-        Ok(Err(e)) => e.into_response(),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("handover task failed: {e}"),
-        ),
-    }
+    blocking("handover", move || r.cancel_handover(&id)).await
 }
 
 /// `POST /v1/attachments/{id}/finish`: the VM migrated away; removes the attachment
 /// without unplugging it.
 async fn finish_handover(State(r): State<Arc<Registry>>, UrlPath(id): UrlPath<String>) -> Response {
-    match tokio::task::spawn_blocking(move || r.finish_handover(&id)).await {
-        Ok(Ok(info)) => Json(info).into_response(),
+    blocking("handover", move || r.finish_handover(&id)).await
+}
+
+/// Runs a registry call that may block (it talks to a lender, a pool or a VMM) off the
+/// async runtime, and answers its result as JSON (200) or its error.
+async fn blocking<T: serde::Serialize + Send + 'static>(
+    what: &str,
+    f: impl FnOnce() -> Result<T, RegistryError> + Send + 'static,
+) -> Response {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(Ok(v)) => Json(v).into_response(),
         Ok(Err(e)) => e.into_response(),
         Err(e) => error(
             StatusCode::INTERNAL_SERVER_ERROR,
-            format!("handover task failed: {e}"),
+            format!("{what} task failed: {e}"),
         ),
     }
 }
@@ -160,14 +158,7 @@ async fn detach(
             .unwrap_or(RELEASE_TIMEOUT),
         Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
     };
-    match tokio::task::spawn_blocking(move || r.detach(&id, timeout)).await {
-        Ok(Ok(info)) => Json(info).into_response(),
-        Ok(Err(e)) => e.into_response(),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("detach task failed: {e}"),
-        ),
-    }
+    blocking("detach", move || r.detach(&id, timeout)).await
 }
 
 /// What a SIGHUP reloads: the config file is read again and the log level applied.

@@ -42,7 +42,6 @@ const REOPEN: Policy = Policy::backoff(Duration::from_millis(100), Duration::fro
 /// A running holder.
 pub struct Holder {
     stop: Arc<AtomicBool>,
-    current: Arc<Mutex<Option<Stream>>>,
     control: Arc<Control>,
     thread: Option<JoinHandle<()>>,
 }
@@ -52,6 +51,7 @@ pub struct Holder {
 #[derive(Debug, Default)]
 pub struct Control {
     paused: AtomicBool,
+    /// The holding session open now (a clone, to shut it down from another thread).
     current: Mutex<Option<Stream>>,
 }
 
@@ -140,23 +140,16 @@ impl Holder {
     /// The thread or a socket handle could not be created.
     pub fn start(name: &str, target: LenderTarget, stream: Stream) -> std::io::Result<Holder> {
         let stop = Arc::new(AtomicBool::new(false));
-        let current = Arc::new(Mutex::new(Some(stream.try_clone()?)));
         let control = Arc::new(Control::default());
         *lock(&control.current) = Some(stream.try_clone()?);
         let thread = {
-            let (stop, current, control, name) = (
-                stop.clone(),
-                current.clone(),
-                control.clone(),
-                name.to_owned(),
-            );
+            let (stop, control, name) = (stop.clone(), control.clone(), name.to_owned());
             std::thread::Builder::new()
                 .name(format!("hold-{name}"))
-                .spawn(move || watch(&name, &target, stream, &stop, &current, &control))?
+                .spawn(move || watch(&name, &target, stream, &stop, &control))?
         };
         Ok(Holder {
             stop,
-            current,
             control,
             thread: Some(thread),
         })
@@ -171,7 +164,7 @@ impl Holder {
     /// closed it too, so that a new attach right after finds the device free.
     pub fn release(&mut self) {
         self.stop.store(true, Ordering::Release);
-        if let Some(s) = lock(&self.current).as_ref() {
+        if let Some(s) = lock(&self.control.current).as_ref() {
             let _ = s.shutdown(Shutdown::Write);
         }
         if let Some(t) = self.thread.take() {
@@ -182,7 +175,7 @@ impl Holder {
                 std::thread::sleep(Duration::from_millis(10));
             }
             if !t.is_finished() {
-                if let Some(s) = lock(&self.current).as_ref() {
+                if let Some(s) = lock(&self.control.current).as_ref() {
                     let _ = s.shutdown(Shutdown::Read);
                 }
             }
@@ -202,7 +195,6 @@ fn watch(
     target: &LenderTarget,
     mut stream: Stream,
     stop: &AtomicBool,
-    current: &Mutex<Option<Stream>>,
     control: &Control,
 ) {
     let mut retry = Reconnector::new(REOPEN);
@@ -257,10 +249,6 @@ fn watch(
         let Ok(s) = reopened else { return };
         stream = s;
         tracing::info!(attachment = %name, lender = %target.addr, "holding session re-established");
-        match stream.try_clone() {
-            Ok(c) => *lock(current) = Some(c),
-            Err(_) => *lock(current) = None,
-        }
         *lock(&control.current) = stream.try_clone().ok();
         if control.is_paused() {
             // Paused while it reopened: close it again (the loop waits then).
