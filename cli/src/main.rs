@@ -17,7 +17,7 @@ use devlend_cli::bench::options::{
 use devlend_cli::demo::{self, DemoOptions, Frontend};
 use devlend_cli::output::{human_bytes, libvirt_target_dev, libvirt_xml, qemu_args, status_table};
 use devlend_cli::placement;
-use devlend_compute_agent::api::{AttachRequest, VmmTarget};
+use devlend_compute_agent::api::{AttachRequest, KindInfo, VmmTarget};
 use devlend_compute_agent::vmm::cloud_hypervisor;
 use devlend_compute_agent::DEFAULT_API_SOCKET;
 
@@ -542,32 +542,47 @@ fn run(cli: Cli) -> Result<()> {
             if json {
                 return print_json(&a);
             }
-            if a.kind == "pci" {
-                println!("attached PCIe function {} as {}", a.device, a.id);
-                println!("vfio-user socket: {}\n", a.socket.display());
-                println!("{}", devlend_cli::output::vfio_user_args(&a));
-                return Ok(());
-            }
-            match &a.net {
-                Some(n) => println!(
-                    "attached NIC {} as {}: MAC {}, MTU {}, {} queue pair(s), link {}",
-                    a.device,
-                    a.id,
-                    n.mac,
-                    n.mtu,
-                    a.queues,
-                    if n.link_up { "up" } else { "down" }
-                ),
-                None => println!(
-                    "attached {} as {}: {} ({} sectors of 512 bytes), serial {:?}{}",
-                    a.device,
-                    a.id,
-                    human_bytes(a.capacity_sectors * 512),
-                    a.capacity_sectors,
-                    a.serial,
-                    if a.read_only { ", read-only" } else { "" }
-                ),
-            }
+            let b = match &a.part {
+                KindInfo::Pci(p) => {
+                    println!(
+                        "attached PCIe function {} ({}) as {}",
+                        a.device,
+                        if p.bdf.is_empty() {
+                            "-"
+                        } else {
+                            p.bdf.as_str()
+                        },
+                        a.id
+                    );
+                    println!("vfio-user socket: {}\n", a.socket.display());
+                    println!("{}", devlend_cli::output::vfio_user_args(&a));
+                    return Ok(());
+                }
+                KindInfo::Nic(n) => {
+                    println!(
+                        "attached NIC {} as {}: MAC {}, MTU {}, {} queue pair(s), link {}",
+                        a.device,
+                        a.id,
+                        n.mac,
+                        n.mtu,
+                        n.queue_pairs,
+                        if n.link_up { "up" } else { "down" }
+                    );
+                    None
+                }
+                KindInfo::Block(b) => {
+                    println!(
+                        "attached {} as {}: {} ({} sectors of 512 bytes), serial {:?}{}",
+                        a.device,
+                        a.id,
+                        human_bytes(b.capacity_sectors * 512),
+                        b.capacity_sectors,
+                        b.serial,
+                        if b.read_only { ", read-only" } else { "" }
+                    );
+                    Some(b)
+                }
+            };
             println!("vhost-user socket: {}", a.socket.display());
             if let Some(p) = &a.vmm {
                 println!(
@@ -577,30 +592,31 @@ fn run(cli: Cli) -> Result<()> {
                 return Ok(());
             }
             println!();
-            match vmm {
-                Vmm::Qemu => {
+            match (vmm, b, a.nic()) {
+                (Vmm::Qemu, _, _) => {
                     println!("QEMU:\n  {}\n", qemu_args(&a));
                     println!("libvirt:\n{}", libvirt_xml(&a, &libvirt_dev));
                 }
-                Vmm::CloudHypervisor if a.net.is_some() => {
-                    let mac = a.net.as_ref().map_or("", |n| n.mac.as_str());
+                (Vmm::CloudHypervisor, _, Some(n)) => {
                     println!(
-                        "Cloud Hypervisor:\n  --memory size=<guest RAM>,shared=on --net vhost_user=true,socket={},num_queues={},queue_size={},mac={mac}",
+                        "Cloud Hypervisor:\n  --memory size=<guest RAM>,shared=on --net vhost_user=true,socket={},num_queues={},queue_size={},mac={}",
                         a.socket.display(),
-                        2 * u32::from(a.queues),
-                        a.queue_size
+                        2 * u32::from(n.queue_pairs),
+                        n.queue_size,
+                        n.mac
                     );
                 }
-                Vmm::CloudHypervisor => {
+                (Vmm::CloudHypervisor, Some(b), None) => {
                     let arg = cloud_hypervisor::cli_arg(
                         &a.socket,
                         &a.id,
-                        a.queues,
-                        a.queue_size,
-                        a.read_only,
+                        b.queues,
+                        b.queue_size,
+                        b.read_only,
                     );
                     println!("Cloud Hypervisor:\n  --memory size=<guest RAM>,shared=on {arg}");
                 }
+                (Vmm::CloudHypervisor, None, None) => {}
             }
         }
         Cmd::Detach {
@@ -619,11 +635,9 @@ fn run(cli: Cli) -> Result<()> {
                 return print_json(&a);
             }
             println!(
-                "detached {} ({} reads, {} writes, {} errors); socket {} removed",
+                "detached {} ({}); socket {} removed",
                 a.id,
-                a.counters.reads,
-                a.counters.writes,
-                a.counters.errors,
+                final_counters(&a),
                 a.socket.display()
             );
             if let Some(lease) = a.lease {
@@ -846,7 +860,11 @@ fn run(cli: Cli) -> Result<()> {
                 "  lender:    {} (its file after detach: match)",
                 s.checksum_lender
             );
-            let c = &s.attachment.counters;
+            let c = s
+                .attachment
+                .block()
+                .map(|b| b.counters.clone())
+                .unwrap_or_default();
             println!(
                 "  counters:  {} reads, {} writes, {} flushes, {} errors, {} read, {} written",
                 c.reads,
@@ -859,4 +877,22 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// What `detach` prints of an attachment's final counters, in its kind's terms.
+fn final_counters(a: &devlend_compute_agent::api::AttachmentInfo) -> String {
+    match &a.part {
+        KindInfo::Block(b) => format!(
+            "{} reads, {} writes, {} errors",
+            b.counters.reads, b.counters.writes, b.counters.errors
+        ),
+        KindInfo::Nic(n) => format!(
+            "{} frames received, {} sent, {} errors",
+            n.counters.rx_packets, n.counters.tx_packets, n.counters.errors
+        ),
+        KindInfo::Pci(p) => format!(
+            "{} region reads, {} region writes, {} interrupts",
+            p.counters.region_reads, p.counters.region_writes, p.counters.irqs
+        ),
+    }
 }

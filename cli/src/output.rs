@@ -1,6 +1,8 @@
 //! What the CLI prints for people.
 
-use devlend_compute_agent::api::{AttachmentInfo, HandoverState};
+use devlend_compute_agent::api::{
+    AttachmentInfo, BlockInfo, HandoverState, NicInfo, PciCoherence, PciInfo,
+};
 
 /// Formats a byte count with a binary unit (`1.0 GiB`).
 pub fn human_bytes(b: u64) -> String {
@@ -20,16 +22,13 @@ pub fn human_bytes(b: u64) -> String {
 
 /// The QEMU arguments of a lent NIC: `-netdev vhost-user` and `virtio-net-pci`, with
 /// the lender's MAC and MTU (`host_mtu`), and multiqueue when it has several pairs.
-pub fn qemu_net_args(a: &AttachmentInfo) -> String {
+pub fn qemu_net_args(a: &AttachmentInfo, n: &NicInfo) -> String {
     let id = format!("devlend-{}", a.id);
-    let (mac, mtu) = a
-        .net
-        .as_ref()
-        .map_or((String::new(), 1500), |n| (n.mac.clone(), n.mtu));
-    let (queues, mq) = if a.queues > 1 {
+    let (mac, mtu) = (&n.mac, n.mtu);
+    let (queues, mq) = if n.queue_pairs > 1 {
         (
-            format!(",queues={}", a.queues),
-            format!(",mq=on,vectors={}", 2 * u32::from(a.queues) + 2),
+            format!(",queues={}", n.queue_pairs),
+            format!(",mq=on,vectors={}", 2 * u32::from(n.queue_pairs) + 2),
         )
     } else {
         (String::new(), String::new())
@@ -40,18 +39,15 @@ pub fn qemu_net_args(a: &AttachmentInfo) -> String {
          -netdev vhost-user,id={id},chardev={id}{queues} \\\n  \
          -device virtio-net-pci,netdev={id},mac={mac},host_mtu={mtu}{mq},rx_queue_size={qs},tx_queue_size={qs}",
         a.socket.display(),
-        qs = a.queue_size,
+        qs = n.queue_size,
     )
 }
 
 /// A libvirt `<interface type='vhostuser'>` element for a lent NIC. libvirt 9.0 fails to
 /// start a domain whose vhostuser interface has an `<mtu>` ("Cannot set interface MTU on
 /// '(null)'"): the MTU goes in a comment.
-pub fn libvirt_net_xml(a: &AttachmentInfo) -> String {
-    let (mac, mtu) = a
-        .net
-        .as_ref()
-        .map_or((String::new(), 1500), |n| (n.mac.clone(), n.mtu));
+pub fn libvirt_net_xml(a: &AttachmentInfo, n: &NicInfo) -> String {
+    let (mac, mtu) = (&n.mac, n.mtu);
     format!(
         "<interface type='vhostuser'>\n  \
          <mac address='{mac}'/>\n  \
@@ -61,8 +57,8 @@ pub fn libvirt_net_xml(a: &AttachmentInfo) -> String {
          <!-- the lender's MTU is {mtu}: set it in the guest (libvirt 9.0 refuses <mtu> here) -->\n</interface>\n\
          <!-- the domain needs shared memory: <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking> -->",
         a.socket.display(),
-        a.queues,
-        qs = a.queue_size,
+        n.queue_pairs,
+        qs = n.queue_size,
     )
 }
 
@@ -78,14 +74,18 @@ pub fn vfio_user_args(a: &AttachmentInfo) -> String {
     )
 }
 
-/// The QEMU arguments that join the attachment's socket.
+/// The QEMU arguments that join the attachment's socket (a block device's or a NIC's;
+/// a PCIe function's are [`vfio_user_args`]).
 pub fn qemu_args(a: &AttachmentInfo) -> String {
-    if a.kind == "nic" {
-        return qemu_net_args(a);
-    }
+    let b = match (a.block(), a.nic(), a.pci()) {
+        (_, Some(n), _) => return qemu_net_args(a, n),
+        (_, _, Some(_)) => return vfio_user_args(a),
+        (Some(b), _, _) => b,
+        (None, None, None) => return String::new(),
+    };
     let id = format!("devlend-{}", a.id);
-    let mq = if a.queues > 1 {
-        format!(",num-queues={}", a.queues)
+    let mq = if b.queues > 1 {
+        format!(",num-queues={}", b.queues)
     } else {
         String::new()
     };
@@ -94,7 +94,7 @@ pub fn qemu_args(a: &AttachmentInfo) -> String {
          -chardev socket,id={id},path={},reconnect-ms=1000 \\\n  \
          -device vhost-user-blk-pci,chardev={id}{mq},queue-size={}",
         a.socket.display(),
-        a.queue_size
+        b.queue_size
     )
 }
 
@@ -118,10 +118,12 @@ pub fn libvirt_target_dev(s: &str) -> Result<String, String> {
 /// (an `<interface>` for a NIC). libvirt 9.0 refuses `<serial>` in a vhostuser disk:
 /// the guest reads the serial from devlend itself.
 pub fn libvirt_xml(a: &AttachmentInfo, dev: &str) -> String {
-    if a.kind == "nic" {
-        return libvirt_net_xml(a);
-    }
-    let ro = if a.read_only { "\n  <readonly/>" } else { "" };
+    let b = match (a.block(), a.nic()) {
+        (_, Some(n)) => return libvirt_net_xml(a, n),
+        (Some(b), _) => b,
+        (None, None) => return String::new(),
+    };
+    let ro = if b.read_only { "\n  <readonly/>" } else { "" };
     format!(
         "<disk type='vhostuser' device='disk'>\n  \
          <driver name='qemu' type='raw' queues='{}'/>\n  \
@@ -129,36 +131,39 @@ pub fn libvirt_xml(a: &AttachmentInfo, dev: &str) -> String {
          <target dev='{dev}' bus='virtio'/>{ro}\n  \
          <!-- the guest sees serial {}: /dev/disk/by-id/virtio-{}; target dev is libvirt's name only -->\n</disk>\n\
          <!-- the domain needs shared memory: <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking> -->",
-        a.queues,
+        b.queues,
         a.socket.display(),
-        a.serial,
-        a.serial,
+        b.serial,
+        b.serial,
     )
 }
 
-/// The `devlend status` tables: one line per disk, with the rates of the last seconds
-/// (IOPS, MB/s read and written, p99 latency upper bound), then one line per lent NIC
-/// with its frame counters ([`nic_table`]).
+/// The `devlend status` tables, one per kind, each with that kind's own columns: disks
+/// with the rates of the last seconds (IOPS, MB/s read and written, p99 latency upper
+/// bound; [`disk_table`]), lent NICs with their frame counters ([`nic_table`]), PCIe
+/// functions with their address, IDs and DMA-mapped bytes ([`pci_table`]); then a line
+/// per attachment with lease limits or waiting to be restored.
 pub fn status_table(list: &[AttachmentInfo]) -> String {
     if list.is_empty() {
         return "no attachments\n".to_owned();
     }
-    let (nics, disks): (Vec<&AttachmentInfo>, Vec<&AttachmentInfo>) = list
-        .iter()
-        .partition(|a| a.kind == "nic" && a.net.is_some());
-    let mut out = if disks.is_empty() {
-        String::new()
-    } else {
-        disk_table(&disks)
-    };
-    if !nics.is_empty() {
-        if !out.is_empty() {
-            out.push('\n');
-        }
-        out.push_str(&nic_table(&nics));
-    }
+    let disks: Vec<(&AttachmentInfo, &BlockInfo)> =
+        list.iter().filter_map(|a| Some((a, a.block()?))).collect();
+    let nics: Vec<(&AttachmentInfo, &NicInfo)> =
+        list.iter().filter_map(|a| Some((a, a.nic()?))).collect();
+    let pcis: Vec<(&AttachmentInfo, &PciInfo)> =
+        list.iter().filter_map(|a| Some((a, a.pci()?))).collect();
+    let tables = [
+        (!disks.is_empty()).then(|| disk_table(&disks)),
+        (!nics.is_empty()).then(|| nic_table(&nics)),
+        (!pcis.is_empty()).then(|| pci_table(&pcis)),
+    ];
+    let mut out = tables.into_iter().flatten().collect::<Vec<_>>().join("\n");
     for a in list {
-        let throttled = a.rates.as_ref().map_or(0.0, |r| r.throttled_per_s);
+        let throttled = a
+            .block()
+            .and_then(|b| b.rates)
+            .map_or(0.0, |r| r.throttled_per_s);
         match (&a.limits, throttled > 0.0) {
             (Some(q), _) => out.push_str(&format!(
                 "{}: lease limits {q} (enforced by the lender); throttled now: {throttled:.0} requests/s\n",
@@ -182,7 +187,7 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
 
 /// One line per lent NIC: link, queue pairs, frames and bytes each way (RX: to the
 /// guest, TX: from it), drops each way, errors.
-pub fn nic_table(list: &[&AttachmentInfo]) -> String {
+pub fn nic_table(list: &[(&AttachmentInfo, &NicInfo)]) -> String {
     let mut out = format!(
         "{:<14} {:<10} {:<21} {:<4} {:>2} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>6}  {:<11} {}\n",
         "NIC",
@@ -200,16 +205,19 @@ pub fn nic_table(list: &[&AttachmentInfo]) -> String {
         "STATE",
         "SOCKET"
     );
-    for a in list {
-        let Some(n) = &a.net else { continue };
-        let t = &n.total;
+    for (a, n) in list {
+        let t = &n.counters;
         out.push_str(&format!(
             "{:<14} {:<10} {:<21} {:<4} {:>2} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>6}  {:<11} {}\n",
             a.id,
             a.device,
             a.lender,
-            if n.link_up { "up" } else { "down" },
-            a.queues,
+            match (a.restoring.is_some(), n.link_up) {
+                (true, _) => "-",
+                (false, true) => "up",
+                (false, false) => "down",
+            },
+            n.queue_pairs,
             t.rx_packets,
             human_bytes(t.rx_bytes),
             t.tx_packets,
@@ -222,6 +230,68 @@ pub fn nic_table(list: &[&AttachmentInfo]) -> String {
         ));
     }
     out
+}
+
+/// One line per borrowed PCIe function: its address on the lender, vendor:device IDs,
+/// coherence mode, DMA-mapped bytes, region accesses, mirror pages each way and
+/// interrupts.
+pub fn pci_table(list: &[(&AttachmentInfo, &PciInfo)]) -> String {
+    let mut out = format!(
+        "{:<14} {:<10} {:<21} {:<9} {:<13} {:<9} {:<8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}  {:<11} {}\n",
+        "PCI",
+        "DEVICE",
+        "LENDER",
+        "TRANSPORT",
+        "BDF",
+        "ID",
+        "MODE",
+        "DMA",
+        "RD",
+        "WR",
+        "PUSHED",
+        "PULLED",
+        "IRQS",
+        "STATE",
+        "SOCKET"
+    );
+    for (a, p) in list {
+        let c = &p.counters;
+        let ids = match (p.vendor_id, p.device_id) {
+            (Some(v), Some(d)) => format!("{v:04x}:{d:04x}"),
+            _ => "-".to_owned(),
+        };
+        out.push_str(&format!(
+            "{:<14} {:<10} {:<21} {:<9} {:<13} {:<9} {:<8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}  {:<11} {}\n",
+            a.id,
+            a.device,
+            a.lender,
+            transport(a),
+            if p.bdf.is_empty() { "-" } else { p.bdf.as_str() },
+            ids,
+            match p.coherence {
+                Some(PciCoherence::Mirror) => "mirror",
+                Some(PciCoherence::Mediated) => "mediated",
+                None => "-",
+            },
+            human_bytes(p.dma_mapped_bytes),
+            c.region_reads,
+            c.region_writes,
+            c.pages_pushed,
+            c.pages_pulled,
+            c.irqs,
+            state(a),
+            a.socket.display()
+        ));
+    }
+    out
+}
+
+fn transport(a: &AttachmentInfo) -> &str {
+    if a.transport.is_empty() {
+        "tcp"
+    } else {
+        a.transport.as_str()
+    }
 }
 
 fn state(a: &AttachmentInfo) -> &'static str {
@@ -238,7 +308,9 @@ fn state(a: &AttachmentInfo) -> &'static str {
     }
 }
 
-fn disk_table(list: &[&AttachmentInfo]) -> String {
+/// One line per disk: transport, size, queues, the rates of the last seconds, errors,
+/// requests in flight, state, lease.
+pub fn disk_table(list: &[(&AttachmentInfo, &BlockInfo)]) -> String {
     let mut out = format!(
         "{:<14} {:<10} {:<21} {:<9} {:>8} {:>2} {:>8} {:>8} {:>8} {:>8} {:>6} {:>4}  {:<11} {:<8} {}\n",
         "ID",
@@ -257,9 +329,9 @@ fn disk_table(list: &[&AttachmentInfo]) -> String {
         "LEASE",
         "SOCKET"
     );
-    for a in list {
-        let c = &a.counters;
-        let r = a.rates.unwrap_or_default();
+    for (a, b) in list {
+        let c = &b.counters;
+        let r = b.rates.unwrap_or_default();
         let p99 = match r.p99_us {
             Some(us) if us >= 1000 => format!("{}ms", us / 1000),
             Some(us) => format!("{us}us"),
@@ -271,17 +343,13 @@ fn disk_table(list: &[&AttachmentInfo]) -> String {
             a.id,
             a.device,
             a.lender,
-            if a.transport.is_empty() {
-                "tcp"
-            } else {
-                a.transport.as_str()
-            },
+            transport(a),
             if a.restoring.is_some() {
                 "-".to_owned()
             } else {
-                human_bytes(a.capacity_sectors * 512)
+                human_bytes(b.capacity_sectors * 512)
             },
-            a.queues,
+            b.queues,
             r.iops,
             r.read_mb_s,
             r.write_mb_s,
@@ -310,5 +378,215 @@ mod libvirt_tests {
         for bad in ["", "vd", "sdb", "vdB", "vd1", "vdabcd", "vdb'/>"] {
             assert!(libvirt_target_dev(bad).is_err(), "{bad:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod status_tests {
+    use devlend_compute_agent::api::{
+        AttachmentInfo, BlockInfo, DeviceKind, IoCounters, KindInfo, NetCounters, NicInfo,
+        PciCoherence, PciCounters, PciInfo, Rates,
+    };
+
+    use super::status_table;
+
+    fn info(id: &str, part: KindInfo) -> AttachmentInfo {
+        AttachmentInfo {
+            id: id.into(),
+            lender: "10.0.0.9:7700".into(),
+            device: format!("{id}-dev"),
+            socket: format!("/run/devlend/{id}.sock").into(),
+            connected: true,
+            vmm: None,
+            lease: None,
+            limits: None,
+            lease_ended: false,
+            handover: None,
+            lender_lost: false,
+            transport: "tcp".into(),
+            restoring: None,
+            part,
+        }
+    }
+
+    fn block() -> AttachmentInfo {
+        info(
+            "disk0",
+            KindInfo::Block(BlockInfo {
+                queues: 2,
+                queue_size: 256,
+                capacity_sectors: 2 * 1024 * 1024,
+                block_size: 512,
+                read_only: false,
+                serial: "SN1".into(),
+                counters: IoCounters {
+                    errors: 3,
+                    inflight: 4,
+                    ..IoCounters::default()
+                },
+                rates: Some(Rates {
+                    iops: 1234.0,
+                    ..Rates::default()
+                }),
+            }),
+        )
+    }
+
+    fn nic() -> AttachmentInfo {
+        info(
+            "nic0",
+            KindInfo::Nic(NicInfo {
+                queue_pairs: 2,
+                queue_size: 256,
+                mac: "52:54:00:12:34:56".into(),
+                mtu: 1500,
+                link_up: true,
+                reconnects: 0,
+                counters: NetCounters {
+                    rx_packets: 777,
+                    tx_packets: 888,
+                    ..NetCounters::default()
+                },
+                pairs: Vec::new(),
+            }),
+        )
+    }
+
+    fn pci() -> AttachmentInfo {
+        info(
+            "fpga0",
+            KindInfo::Pci(PciInfo {
+                bdf: "0000:03:00.0".into(),
+                vendor_id: Some(0x1234),
+                device_id: Some(0x11e8),
+                coherence: Some(PciCoherence::Mirror),
+                dma_mapped_bytes: 2 << 20,
+                counters: PciCounters {
+                    region_reads: 41,
+                    region_writes: 42,
+                    pages_pushed: 43,
+                    pages_pulled: 44,
+                    irqs: 45,
+                },
+            }),
+        )
+    }
+
+    /// The header line and the attachment's line of the table whose header starts with
+    /// `title`, as columns.
+    fn table(out: &str, title: &str, id: &str) -> (Vec<String>, Vec<String>) {
+        let mut lines = out.lines().skip_while(|l| !l.starts_with(title));
+        let head = lines
+            .next()
+            .unwrap_or_else(|| panic!("no {title} table:\n{out}"));
+        let row = lines
+            .take_while(|l| !l.is_empty())
+            .find(|l| l.starts_with(id))
+            .unwrap_or_else(|| panic!("no {id} in the {title} table:\n{out}"));
+        let cols = |l: &str| {
+            l.split("  ")
+                .filter(|c| !c.trim().is_empty())
+                .map(|c| c.trim().to_owned())
+                .collect()
+        };
+        (cols(head), cols(row))
+    }
+
+    #[test]
+    fn each_kind_has_its_own_table_and_columns() {
+        let out = status_table(&[block(), nic(), pci()]);
+        // Three tables, each attachment in its kind's only.
+        for (title, id, others) in [
+            ("ID ", "disk0", ["nic0", "fpga0"]),
+            ("NIC ", "nic0", ["disk0", "fpga0"]),
+            ("PCI ", "fpga0", ["disk0", "nic0"]),
+        ] {
+            let section: String = out
+                .lines()
+                .skip_while(|l| !l.starts_with(title))
+                .take_while(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join("\n");
+            assert!(section.contains(id), "{out}");
+            for o in others {
+                assert!(!section.contains(o), "{o} in the {title} table:\n{out}");
+            }
+        }
+        let disk = out.lines().find(|l| l.starts_with("disk0")).unwrap();
+        assert!(disk.contains("1.0 GiB"), "{disk}");
+        assert!(disk.contains("1234"), "{disk}");
+        let (head, _) = table(&out, "ID ", "disk0");
+        assert!(head.iter().any(|h| h.contains("IOPS")), "{head:?}");
+        assert!(!head
+            .iter()
+            .any(|h| h.contains("RX PKTS") || h.contains("BDF")));
+
+        let line = out.lines().find(|l| l.starts_with("nic0")).unwrap();
+        for want in ["up", "777", "888"] {
+            assert!(line.contains(want), "{want} in {line}");
+        }
+        assert!(!line.contains("GiB"), "{line}");
+        let (head, _) = table(&out, "NIC ", "nic0");
+        assert!(head.iter().any(|h| h.contains("RX PKTS")), "{head:?}");
+        assert!(!head
+            .iter()
+            .any(|h| h.contains("IOPS") || h.contains("SIZE")));
+
+        let line = out.lines().find(|l| l.starts_with("fpga0")).unwrap();
+        for want in [
+            "0000:03:00.0",
+            "1234:11e8",
+            "mirror",
+            "2.0 MiB",
+            "41",
+            "42",
+            "43",
+            "44",
+            "45",
+        ] {
+            assert!(line.contains(want), "{want} in {line}");
+        }
+        let (head, _) = table(&out, "PCI ", "fpga0");
+        for want in ["BDF", "ID", "MODE", "DMA", "IRQS"] {
+            assert!(head.iter().any(|h| h.contains(want)), "{want} in {head:?}");
+        }
+        assert!(!head
+            .iter()
+            .any(|h| h.contains("IOPS") || h.contains("SIZE") || h.contains("ERRORS")));
+    }
+
+    #[test]
+    fn a_restoring_attachment_is_listed_in_its_kind_table() {
+        for (kind, title) in [
+            (DeviceKind::Block, "ID "),
+            (DeviceKind::Nic, "NIC "),
+            (DeviceKind::Pci, "PCI "),
+        ] {
+            let mut a = info("r0", KindInfo::empty(kind));
+            a.connected = false;
+            a.restoring = Some("lender unreachable".into());
+            let out = status_table(&[a]);
+            assert!(out.starts_with(title), "{kind}:\n{out}");
+            let line = out.lines().nth(1).unwrap();
+            assert!(
+                line.starts_with("r0") && line.contains("restoring"),
+                "{line}"
+            );
+            assert!(out.contains("r0: saved before a restart"), "{out}");
+        }
+    }
+
+    #[test]
+    fn status_json_has_each_kinds_own_fields() {
+        let v = serde_json::to_value([block(), nic(), pci()]).unwrap();
+        assert_eq!(v[0]["kind"], "block");
+        assert_eq!(v[0]["capacity_sectors"], 2 * 1024 * 1024);
+        assert_eq!(v[1]["kind"], "nic");
+        assert_eq!(v[1]["mac"], "52:54:00:12:34:56");
+        assert!(v[1].get("capacity_sectors").is_none());
+        assert_eq!(v[2]["kind"], "pci");
+        assert_eq!(v[2]["bdf"], "0000:03:00.0");
+        assert_eq!(v[2]["dma_mapped_bytes"], 2 << 20);
+        assert!(v[2].get("serial").is_none() && v[2].get("queues").is_none());
     }
 }

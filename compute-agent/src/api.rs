@@ -11,6 +11,15 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(test)]
+mod json_tests;
+mod kinds;
+
+pub use kinds::{
+    BlockInfo, DeviceKind, IoCounters, KindInfo, Latency, NetCounters, NicInfo, PciCoherence,
+    PciCounters, PciInfo, Rates,
+};
+
 /// Ask to attach a lent block device on a new vhost-user socket.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -255,100 +264,8 @@ fn default_queue_size() -> u16 {
     256
 }
 
-/// I/O counters of an attachment (since it was created).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct IoCounters {
-    /// Completed reads.
-    pub reads: u64,
-    /// Completed writes.
-    pub writes: u64,
-    /// Completed flushes.
-    pub flushes: u64,
-    /// Completed discards.
-    pub discards: u64,
-    /// Completed write-zeroes.
-    pub write_zeroes: u64,
-    /// Bytes read.
-    pub bytes_read: u64,
-    /// Bytes written.
-    pub bytes_written: u64,
-    /// Requests that completed with IOERR or UNSUPP (the sum of the next three).
-    pub errors: u64,
-    /// Invalid guest requests refused by the backend.
-    pub errors_invalid: u64,
-    /// Requests the lender answered IOERR or UNSUPP.
-    pub errors_lender: u64,
-    /// Requests failed because the fabric session was lost or could not be opened.
-    pub errors_fabric: u64,
-    /// Requests answered without the lender (GET_ID, invalid requests).
-    pub local: u64,
-    /// Fabric sessions re-established.
-    pub reconnects: u64,
-    /// Requests resent on a new session after theirs was lost.
-    #[serde(default)]
-    pub resent: u64,
-    /// Requests resubmitted from the vhost-user inflight buffer after a compute agent
-    /// restart (they were in flight when the previous process ended).
-    #[serde(default)]
-    pub resubmitted: u64,
-    /// Requests the lender held back for the lease's limits before running them
-    /// (`docs/qos.md`).
-    #[serde(default)]
-    pub throttled: u64,
-    /// Requests in flight now.
-    pub inflight: u64,
-    /// Requests completed by the lender, per virtqueue.
-    pub per_queue: Vec<u64>,
-    /// Completion latency histogram of those requests.
-    pub latency: Latency,
-}
-
-/// A latency histogram: `buckets[i]` counts the samples at most `bounds_us[i]`
-/// microseconds and above the previous bound; the last bucket has no upper bound.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Latency {
-    /// Bucket upper bounds in microseconds.
-    pub bounds_us: Vec<u64>,
-    /// Samples per bucket (one more than `bounds_us`).
-    pub buckets: Vec<u64>,
-    /// Sum of the samples in nanoseconds.
-    pub sum_ns: u64,
-    /// Number of samples.
-    pub count: u64,
-}
-
-impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
-    fn from(s: devlend_backend::blk::StatsSnapshot) -> Self {
-        IoCounters {
-            reads: s.reads,
-            writes: s.writes,
-            flushes: s.flushes,
-            discards: s.discards,
-            write_zeroes: s.write_zeroes,
-            bytes_read: s.bytes_read,
-            bytes_written: s.bytes_written,
-            errors: s.errors,
-            errors_invalid: s.errors_invalid,
-            errors_lender: s.errors_lender,
-            errors_fabric: s.errors_fabric,
-            local: s.local,
-            reconnects: s.reconnects,
-            resent: s.resent,
-            resubmitted: s.resubmitted,
-            throttled: s.throttled,
-            inflight: s.inflight,
-            per_queue: s.per_queue,
-            latency: Latency {
-                bounds_us: devlend_backend::blk::latency::BOUNDS_US.to_vec(),
-                buckets: s.latency.buckets,
-                sum_ns: s.latency.sum_ns,
-                count: s.latency.count,
-            },
-        }
-    }
-}
-
-/// An attachment as the API reports it.
+/// An attachment as the API reports it: the fields every kind has, and its kind's own
+/// (`kind`: `block`, `nic` or `pci`, flattened into the same object; [`KindInfo`]).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct AttachmentInfo {
     /// Attachment id.
@@ -357,20 +274,9 @@ pub struct AttachmentInfo {
     pub lender: String,
     /// Device name on the lender.
     pub device: String,
-    /// vhost-user socket path.
+    /// Socket path (vhost-user for a block device or a NIC, vfio-user for a PCIe
+    /// function).
     pub socket: PathBuf,
-    /// Number of virtqueues.
-    pub queues: u16,
-    /// Suggested virtqueue size.
-    pub queue_size: u16,
-    /// Capacity in 512-byte sectors.
-    pub capacity_sectors: u64,
-    /// Logical block size in bytes.
-    pub block_size: u32,
-    /// Whether the device is read-only.
-    pub read_only: bool,
-    /// Device serial (GET_ID), without NUL padding.
-    pub serial: String,
     /// Whether a VMM (frontend) is connected to the socket now.
     pub connected: bool,
     /// The VM it was plugged into live, if any.
@@ -393,111 +299,48 @@ pub struct AttachmentInfo {
     /// the VMM's device state was on it); detach and attach again.
     #[serde(default)]
     pub lender_lost: bool,
-    /// I/O rates over the last seconds (absent until two samples, one second apart).
-    #[serde(default)]
-    pub rates: Option<Rates>,
-    /// I/O counters (since this compute agent started serving it: a restart starts
-    /// them again from zero).
-    pub counters: IoCounters,
     /// How its sessions travel: `tcp`, `tcp+tls` or `rdma`.
     #[serde(default)]
     pub transport: String,
     /// Saved before a restart and not served again yet: why (e.g. its lender is
     /// unreachable); retried meanwhile. Its id and socket stay reserved; detach gives it
-    /// up. Absent for an attachment being served.
+    /// up; its kind's fields are empty meanwhile. Absent for an attachment being served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restoring: Option<String>,
-    /// What the lender lends: `block` (vhost-user-blk), `nic` (vhost-user-net; then
-    /// `queues` counts queue pairs and `net` holds its counters) or `pci` (vfio-user).
-    #[serde(default = "default_kind")]
-    pub kind: String,
-    /// A lent NIC's counters, link and MAC.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub net: Option<NetInfo>,
+    /// What it serves, with that kind's own fields and counters.
+    #[serde(flatten)]
+    pub part: KindInfo,
 }
 
-fn default_kind() -> String {
-    "block".into()
-}
+impl AttachmentInfo {
+    /// What it serves.
+    pub fn kind(&self) -> DeviceKind {
+        self.part.kind()
+    }
 
-/// Counters of one queue pair of a lent NIC, or of all of them summed.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct NetCounters {
-    /// Frames delivered to the guest.
-    pub rx_packets: u64,
-    /// Their bytes.
-    pub rx_bytes: u64,
-    /// Frames the guest sent, forwarded to the lender.
-    pub tx_packets: u64,
-    /// Their bytes.
-    pub tx_bytes: u64,
-    /// Received frames dropped (no guest buffer in time).
-    pub rx_drops: u64,
-    /// Transmitted frames dropped (lender away).
-    pub tx_drops: u64,
-    /// Malformed chains, guest ring errors and fabric protocol errors.
-    pub errors: u64,
-    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
-    #[serde(default)]
-    pub rx_merged: u64,
-    /// Frames delivered larger than the MTU, for the guest's TCP (GUEST_TSO4/6).
-    #[serde(default)]
-    pub rx_gso: u64,
-    /// Frames the guest left to segment (HOST_TSO4/6), sent whole to the lender.
-    #[serde(default)]
-    pub tx_gso: u64,
-}
-
-/// A lent NIC as the compute agent sees it.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct NetInfo {
-    /// The MAC address the guest should use (`aa:bb:cc:dd:ee:ff`).
-    pub mac: String,
-    /// The lender's MTU as last reported.
-    pub mtu: u32,
-    /// The lender's link is up and every queue pair connected.
-    pub link_up: bool,
-    /// Fabric sessions re-established after a loss.
-    pub reconnects: u64,
-    /// Summed over the queue pairs.
-    pub total: NetCounters,
-    /// Per queue pair.
-    pub pairs: Vec<NetCounters>,
-}
-
-impl From<devlend_backend::net::pair::PairSnapshot> for NetCounters {
-    fn from(p: devlend_backend::net::pair::PairSnapshot) -> Self {
-        NetCounters {
-            rx_packets: p.rx_packets,
-            rx_bytes: p.rx_bytes,
-            tx_packets: p.tx_packets,
-            tx_bytes: p.tx_bytes,
-            rx_drops: p.rx_drops,
-            tx_drops: p.tx_drops,
-            errors: p.errors,
-            rx_merged: p.rx_merged,
-            rx_gso: p.rx_gso,
-            tx_gso: p.tx_gso,
+    /// A block device's fields, if it is one.
+    pub fn block(&self) -> Option<&BlockInfo> {
+        match &self.part {
+            KindInfo::Block(b) => Some(b),
+            _ => None,
         }
     }
-}
 
-/// Recent I/O rates of an attachment.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
-pub struct Rates {
-    /// Seconds the rates are taken over.
-    pub window_s: f64,
-    /// Requests completed per second.
-    pub iops: f64,
-    /// Megabytes (10^6 bytes) read per second.
-    pub read_mb_s: f64,
-    /// Megabytes written per second.
-    pub write_mb_s: f64,
-    /// 99th percentile completion latency (upper bucket bound), microseconds.
-    pub p99_us: Option<u64>,
-    /// Requests per second that the lender held back for the lease's limits.
-    #[serde(default)]
-    pub throttled_per_s: f64,
+    /// A NIC's fields, if it is one.
+    pub fn nic(&self) -> Option<&NicInfo> {
+        match &self.part {
+            KindInfo::Nic(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// A PCIe function's fields, if it is one.
+    pub fn pci(&self) -> Option<&PciInfo> {
+        match &self.part {
+            KindInfo::Pci(p) => Some(p),
+            _ => None,
+        }
+    }
 }
 
 /// An error answer.

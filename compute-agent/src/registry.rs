@@ -12,9 +12,12 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use devlend_backend::blk::engine::{new_borrower_id, LenderTarget};
-use devlend_backend::blk::{Attachment, AttachmentConfig, AttachmentError};
+use devlend_backend::blk::{AttachedKind, Attachment, AttachmentConfig, AttachmentError};
 
-use crate::api::{AttachRequest, AttachmentInfo, NetInfo, VmmPlug, VmmTarget};
+use crate::api::{
+    AttachRequest, AttachmentInfo, BlockInfo, DeviceKind, KindInfo, NicInfo, PciInfo, VmmPlug,
+    VmmTarget,
+};
 use crate::lease::{CheckedLease, LeaseError, LeaseKeeper};
 use crate::state::{self, SavedAttachment, StateFile};
 use crate::vmm::cloud_hypervisor::{self as ch, ChError};
@@ -199,23 +202,11 @@ fn valid_id(id: &str) -> bool {
 }
 
 fn info(e: &Entry) -> AttachmentInfo {
-    let l = e.attachment.limits();
-    let end = l
-        .serial
-        .iter()
-        .position(|&b| b == 0)
-        .unwrap_or(l.serial.len());
     AttachmentInfo {
         id: e.id.clone(),
         lender: e.request.lender.clone(),
         device: e.request.device.clone(),
         socket: e.request.socket.clone(),
-        queues: e.request.queues,
-        queue_size: e.request.queue_size,
-        capacity_sectors: l.capacity_sectors,
-        block_size: l.block_size,
-        read_only: l.read_only,
-        serial: String::from_utf8_lossy(&l.serial[..end]).into_owned(),
         connected: e.attachment.connected(),
         vmm: e.plug.clone(),
         lease: e.lease.as_ref().map(LeaseKeeper::id),
@@ -223,18 +214,62 @@ fn info(e: &Entry) -> AttachmentInfo {
         lease_ended: e.lease.as_ref().is_some_and(LeaseKeeper::ended),
         handover: handover::state(&e.attachment),
         lender_lost: e.attachment.lender_lost(),
-        rates: None,
-        counters: e.attachment.stats().into(),
         transport: e.request.transport_label().to_owned(),
         restoring: None,
-        kind: kind(e).into(),
-        net: e.attachment.net_stats().map(|n| NetInfo {
-            mac: crate::api::format_mac(&l.serial[..6]),
-            mtu: n.mtu,
-            link_up: n.link_up,
-            reconnects: n.reconnects,
-            total: n.total.into(),
-            pairs: n.pairs.into_iter().map(Into::into).collect(),
+        part: part(&e.request, &e.attachment),
+    }
+}
+
+/// The fields of an attachment's own kind, read from its backend.
+fn part(req: &AttachRequest, a: &Attachment) -> KindInfo {
+    let l = a.limits();
+    match a.kind() {
+        AttachedKind::Block => {
+            let end = l
+                .serial
+                .iter()
+                .position(|&b| b == 0)
+                .unwrap_or(l.serial.len());
+            KindInfo::Block(BlockInfo {
+                queues: req.queues,
+                queue_size: req.queue_size,
+                capacity_sectors: l.capacity_sectors,
+                block_size: l.block_size,
+                read_only: l.read_only,
+                serial: String::from_utf8_lossy(&l.serial[..end]).into_owned(),
+                counters: a.stats().into(),
+                rates: None,
+            })
+        }
+        AttachedKind::Nic => {
+            let n = a.net_stats().unwrap_or_default();
+            KindInfo::Nic(NicInfo {
+                queue_pairs: req.queues,
+                queue_size: req.queue_size,
+                mac: a
+                    .net_link()
+                    .map(|l| crate::api::format_mac(&l.mac))
+                    .unwrap_or_default(),
+                mtu: n.mtu,
+                link_up: n.link_up,
+                reconnects: n.reconnects,
+                counters: n.total.into(),
+                pairs: n.pairs.into_iter().map(Into::into).collect(),
+            })
+        }
+        AttachedKind::Pci => KindInfo::Pci(match a.pci() {
+            Some(p) => {
+                let id = p.identity();
+                PciInfo {
+                    bdf: id.bdf.clone(),
+                    vendor_id: id.vendor_id,
+                    device_id: id.device_id,
+                    coherence: Some(p.coherence().into()),
+                    dma_mapped_bytes: p.dma_mapped_bytes(),
+                    counters: p.stats().into(),
+                }
+            }
+            None => PciInfo::default(),
         }),
     }
 }
@@ -245,20 +280,27 @@ fn lease_limits(lease: Option<&crate::api::LeaseRef>) -> Option<devlend_fabric::
     token.claims_unverified().ok()?.qos
 }
 
-/// What `status` shows of a saved attachment not served again yet.
+/// What `status` shows of a saved attachment not served again yet: its saved kind,
+/// with that kind's fields empty.
 fn restoring_info(r: &Restoring) -> AttachmentInfo {
     let q = &r.saved.request;
+    let mut part = KindInfo::empty(r.saved.kind());
+    match &mut part {
+        KindInfo::Block(b) => {
+            b.queues = q.queues;
+            b.queue_size = q.queue_size;
+        }
+        KindInfo::Nic(n) => {
+            n.queue_pairs = q.queues;
+            n.queue_size = q.queue_size;
+        }
+        KindInfo::Pci(_) => {}
+    }
     AttachmentInfo {
         id: r.saved.id.clone(),
         lender: q.lender.clone(),
         device: q.device.clone(),
         socket: q.socket.clone(),
-        queues: q.queues,
-        queue_size: q.queue_size,
-        capacity_sectors: 0,
-        block_size: 0,
-        read_only: false,
-        serial: String::new(),
         connected: false,
         vmm: r.saved.plug.clone(),
         lease: q.lease.as_ref().map(|l| l.id),
@@ -266,24 +308,18 @@ fn restoring_info(r: &Restoring) -> AttachmentInfo {
         lease_ended: false,
         handover: None,
         lender_lost: false,
-        rates: None,
-        counters: crate::api::IoCounters::default(),
         transport: q.transport_label().to_owned(),
         restoring: Some(r.reason.clone()),
-        // As last served; a file from before kinds were saved: a disk.
-        kind: r.saved.kind.clone().unwrap_or_else(|| "block".into()),
-        net: None,
+        part,
     }
 }
 
-/// `pci` for a PCIe function, `nic` for a lent NIC, else `block`.
-fn kind(e: &Entry) -> &'static str {
-    if e.attachment.pci_stats().is_some() {
-        "pci"
-    } else if e.attachment.net_stats().is_some() {
-        "nic"
-    } else {
-        "block"
+/// What a served attachment is, by its backend.
+fn kind(e: &Entry) -> DeviceKind {
+    match e.attachment.kind() {
+        AttachedKind::Block => DeviceKind::Block,
+        AttachedKind::Nic => DeviceKind::Nic,
+        AttachedKind::Pci => DeviceKind::Pci,
     }
 }
 
@@ -366,13 +402,16 @@ impl Registry {
                     borrower: state::to_hex(&e.borrower),
                     token: state::to_hex(&e.token),
                     plug: e.plug.clone(),
-                    kind: Some(kind(e).to_owned()),
+                    kind: Some(kind(e)),
                 })
                 .chain(
                     self.lock_restoring()
                         .iter()
                         .filter(|r| !entries.contains_key(&r.saved.id))
-                        .map(|r| r.saved.clone()),
+                        .map(|r| SavedAttachment {
+                            kind: Some(r.saved.kind()),
+                            ..r.saved.clone()
+                        }),
                 )
                 .collect(),
         };
@@ -900,7 +939,9 @@ impl Registry {
         drop(entries);
         all.sort_by(|a, b| a.id.cmp(&b.id));
         for a in &mut all {
-            a.rates = self.rates.rates(&a.id);
+            if let KindInfo::Block(b) = &mut a.part {
+                b.rates = self.rates.rates(&a.id);
+            }
         }
         all
     }
@@ -913,6 +954,7 @@ impl Registry {
         let entries = self.lock();
         let current: Vec<(String, crate::api::IoCounters)> = entries
             .values()
+            .filter(|e| e.attachment.kind() == AttachedKind::Block)
             .map(|e| (e.id.clone(), e.attachment.stats().into()))
             .collect();
         self.rates.sample(std::time::Instant::now(), current);
@@ -932,7 +974,9 @@ impl Registry {
                     .map(restoring_info)
             })
             .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
-        a.rates = self.rates.rates(id);
+        if let KindInfo::Block(b) = &mut a.part {
+            b.rates = self.rates.rates(id);
+        }
         Ok(a)
     }
 
@@ -1168,6 +1212,98 @@ mod resolve_tests {
             r.restore(&saved),
             Err(RegistryError::Cancelled(_))
         ));
+    }
+
+    #[test]
+    fn a_saved_attachment_of_each_kind_keeps_its_kind_while_it_waits() {
+        let saved = |id: &str, kind: Option<DeviceKind>, request: serde_json::Value| {
+            crate::state::SavedAttachment {
+                id: id.into(),
+                request: serde_json::from_value(request).unwrap(),
+                borrower: crate::state::to_hex(&[7; 16]),
+                token: String::new(),
+                plug: None,
+                kind,
+            }
+        };
+        let req = |sock: &str, extra: serde_json::Value| {
+            let mut v = serde_json::json!({
+                "lender": "127.0.0.1:1", "device": sock, "socket": format!("/nonexistent/{sock}.sock"),
+                "queues": 2, "queue_size": 512,
+            });
+            if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+                o.extend(e.clone());
+            }
+            v
+        };
+        let r = Registry::default();
+        r.set_restoring(vec![
+            saved(
+                "b",
+                Some(DeviceKind::Block),
+                req("b", serde_json::json!({})),
+            ),
+            saved("n", Some(DeviceKind::Nic), req("n", serde_json::json!({}))),
+            saved(
+                "p",
+                Some(DeviceKind::Pci),
+                req("p", serde_json::json!({"kind": "pci"})),
+            ),
+            // Saved before kinds were: the request tells a PCIe function, else a disk.
+            saved(
+                "p-old",
+                None,
+                req("p-old", serde_json::json!({"kind": "pci"})),
+            ),
+            saved("b-old", None, req("b-old", serde_json::json!({}))),
+        ]);
+        let list = r.list();
+        let kinds: Vec<(&str, DeviceKind)> =
+            list.iter().map(|a| (a.id.as_str(), a.kind())).collect();
+        assert_eq!(
+            kinds,
+            [
+                ("b", DeviceKind::Block),
+                ("b-old", DeviceKind::Block),
+                ("n", DeviceKind::Nic),
+                ("p", DeviceKind::Pci),
+                ("p-old", DeviceKind::Pci),
+            ]
+        );
+        for a in &list {
+            assert!(a.restoring.is_some(), "{}", a.id);
+        }
+        let b = list[0].block().unwrap();
+        assert_eq!((b.queues, b.queue_size, b.capacity_sectors), (2, 512, 0));
+        let n = list[2].nic().unwrap();
+        assert_eq!((n.queue_pairs, n.queue_size), (2, 512));
+        assert_eq!(n.mac, "");
+        assert_eq!(list[3].pci().unwrap(), &PciInfo::default());
+        // In the JSON too.
+        let v = serde_json::to_value(&list).unwrap();
+        assert_eq!(v[2]["kind"], "nic");
+        assert!(v[2].get("capacity_sectors").is_none(), "{v}");
+        assert_eq!(v[3]["kind"], "pci");
+        assert!(v[3]
+            .get("counters")
+            .is_some_and(|c| c.get("reads").is_none()));
+        // And the state file keeps each kind.
+        let dir = tempfile::tempdir().unwrap();
+        let mut r = r;
+        r.set_state_file(dir.path().join("state.json"));
+        r.check_state_file().unwrap();
+        let file = crate::state::StateFile::load(&dir.path().join("state.json")).unwrap();
+        let kinds: Vec<Option<DeviceKind>> = file.attachments.iter().map(|s| s.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                Some(DeviceKind::Block),
+                Some(DeviceKind::Nic),
+                Some(DeviceKind::Pci),
+                Some(DeviceKind::Pci),
+                Some(DeviceKind::Block),
+            ]
+        );
     }
 
     #[test]

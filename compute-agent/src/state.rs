@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::api::{AttachRequest, VmmPlug};
+use crate::api::{AttachKind, AttachRequest, DeviceKind, VmmPlug};
 
 /// Layout version written in the file.
 pub const VERSION: u32 = 1;
@@ -39,10 +39,22 @@ pub struct SavedAttachment {
     /// Where it was plugged into a VM, if it was.
     #[serde(default)]
     pub plug: Option<VmmPlug>,
-    /// `block` or `nic`, as last served (shown while it is restoring); absent in files
-    /// written before it existed.
+    /// What it served (`block`, `nic` or `pci`; shown while it is restoring); absent in
+    /// files written before it existed ([`Self::kind`] then infers it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<String>,
+    pub kind: Option<DeviceKind>,
+}
+
+impl SavedAttachment {
+    /// What it served: as saved, or for a file from before kinds were saved, a PCIe
+    /// function if it was attached as one, else a block device.
+    pub fn kind(&self) -> DeviceKind {
+        match (self.kind, self.request.kind) {
+            (Some(k), _) => k,
+            (None, AttachKind::Pci) => DeviceKind::Pci,
+            (None, AttachKind::Device) => DeviceKind::Block,
+        }
+    }
 }
 
 /// The whole file.
@@ -259,6 +271,40 @@ mod tests {
             plug: None,
             kind: None,
         }
+    }
+
+    #[test]
+    fn kinds_are_read_from_files_written_before_they_were_typed() {
+        // As a compute agent wrote them before the kind was an enum: a string, or absent.
+        let file = |kind: &str, request_kind: &str| -> StateFile {
+            serde_json::from_str(&format!(
+                r#"{{"version":{VERSION},"attachments":[{{"id":"a","borrower":"{}",
+                "request":{{"lender":"h:1","device":"d","socket":"/run/x.sock"{request_kind}}}{kind}}}]}}"#,
+                to_hex(&[7; 16])
+            ))
+            .expect("state file")
+        };
+        for (text, want) in [
+            (r#","kind":"block""#, DeviceKind::Block),
+            (r#","kind":"nic""#, DeviceKind::Nic),
+            (r#","kind":"pci""#, DeviceKind::Pci),
+        ] {
+            let f = file(text, "");
+            assert_eq!(f.attachments[0].kind, Some(want));
+            assert_eq!(f.attachments[0].kind(), want);
+        }
+        assert_eq!(file("", "").attachments[0].kind(), DeviceKind::Block);
+        assert_eq!(
+            file("", r#","kind":"pci""#).attachments[0].kind(),
+            DeviceKind::Pci
+        );
+        // Written back as the enum's name.
+        let mut s = saved("a");
+        s.kind = Some(DeviceKind::Nic);
+        let v = serde_json::to_value(&s).expect("json");
+        assert_eq!(v["kind"], "nic");
+        let back: SavedAttachment = serde_json::from_value(v).expect("read back");
+        assert_eq!(back, s);
     }
 
     #[test]

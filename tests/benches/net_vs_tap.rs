@@ -196,7 +196,7 @@ fn main() -> Result<()> {
         up[0], down[0], up[1], down[1]
     );
     let status = borrower.cli_json(&["status"])?;
-    println!("devlend's counters: {}", status[0]["net"]["total"]);
+    println!("devlend's counters: {}", status[0]["counters"]);
     let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
     let (ru, rd, rr) = (up_d / up_t, down_d / down_t, rtt_d / rtt_t);
     println!(

@@ -279,7 +279,8 @@ fn run(lab: &Lab, peer: &Peer) -> Result<()> {
     let v = lab.a.attach("nic0", &sock)?;
     ensure!(v["kind"] == "nic", "not a NIC: {v}");
     let info: AttachmentInfo = serde_json::from_value(v.clone())?;
-    let args = nic_args(&devlend_cli::output::qemu_net_args(&info))?;
+    let nic = info.nic().context("no NIC fields")?;
+    let args = nic_args(&devlend_cli::output::qemu_net_args(&info, nic))?;
     ensure!(
         args.iter().any(|a| a.contains(&format!("mac={MAC}"))),
         "{args:?}"

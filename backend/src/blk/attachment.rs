@@ -50,6 +50,17 @@ pub struct AttachmentConfig {
     pub pci: bool,
 }
 
+/// What an attachment serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachedKind {
+    /// A block device on vhost-user-blk.
+    Block,
+    /// A NIC on vhost-user-net.
+    Nic,
+    /// A PCIe function on vfio-user.
+    Pci,
+}
+
 /// Why an attachment could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum AttachmentError {
@@ -328,6 +339,22 @@ impl Attachment {
             thread: Some(thread),
             config,
         })
+    }
+
+    /// What it serves: a block device, a NIC or a PCIe function.
+    pub fn kind(&self) -> AttachedKind {
+        if self.pci.is_some() {
+            AttachedKind::Pci
+        } else if self.net.is_some() {
+            AttachedKind::Nic
+        } else {
+            AttachedKind::Block
+        }
+    }
+
+    /// For a borrowed PCIe function: its handle (identity, coherence mode, DMA maps).
+    pub fn pci(&self) -> Option<&crate::pci::PciHandle> {
+        self.pci.as_ref()
     }
 
     /// For a borrowed PCIe function: its counters.

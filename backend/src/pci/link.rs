@@ -175,6 +175,8 @@ impl Registration {
 
 /// An open PCI session.
 pub struct Link {
+    /// The function as the lender described it in the handshake.
+    lent: devlend_fabric::DeviceInfo,
     wire: Wire,
     /// Set when the reader thread ends (the session is over).
     closed: Arc<std::sync::atomic::AtomicBool>,
@@ -223,7 +225,9 @@ impl Link {
         let write = Arc::new(Mutex::new(()));
         let counters = Arc::new(LinkCounters::default());
         let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let wire = match t.transport {
+        // With the lender's description of the function (its address), from the
+        // handshake.
+        let (wire, lent) = match t.transport {
             crate::blk::engine::Transport::Tcp => {
                 let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
                 tcp::check_lender(&t.lender, t.lender_key.as_ref(), &hello, &reply)?;
@@ -244,12 +248,12 @@ impl Link {
                         done.store(true, Ordering::Release);
                     })
                     .map_err(io)?;
-                Wire::Stream(stream)
+                (Wire::Stream(stream), reply.device)
             }
             #[cfg(feature = "rdma")]
             crate::blk::engine::Transport::Rdma(_) => {
                 drop(memory);
-                let wire = rdma_connect(t, &hello)?;
+                let (wire, device) = rdma_connect(t, &hello)?;
                 let reader = Arc::clone(&wire);
                 let c = Arc::clone(&counters);
                 let done = Arc::clone(&closed);
@@ -260,7 +264,7 @@ impl Link {
                         done.store(true, Ordering::Release);
                     })
                     .map_err(io)?;
-                Wire::Rdma(wire)
+                (Wire::Rdma(wire), device)
             }
             #[cfg(not(feature = "rdma"))]
             crate::blk::engine::Transport::Rdma(_) => {
@@ -272,6 +276,7 @@ impl Link {
             }
         };
         let link = Link {
+            lent,
             wire,
             closed,
             write,
@@ -344,6 +349,12 @@ impl Link {
                 ch.send(m).map_err(|e| rdma_send_err(&e))
             }
         }
+    }
+
+    /// The function as the lender described it in the handshake (its address in
+    /// `serial`).
+    pub fn lent(&self) -> &devlend_fabric::DeviceInfo {
+        &self.lent
     }
 
     /// Whether the session is over (the reader thread ended: closed by either side, or
@@ -425,7 +436,10 @@ impl Drop for Link {
 
 /// Opens the RDMA connection and checks the lender's answer.
 #[cfg(feature = "rdma")]
-fn rdma_connect(t: &LinkTarget, hello: &Hello) -> Result<Arc<RdmaWire>, ConnectError> {
+fn rdma_connect(
+    t: &LinkTarget,
+    hello: &Hello,
+) -> Result<(Arc<RdmaWire>, devlend_fabric::DeviceInfo), ConnectError> {
     let (conn, reply) =
         devlend_fabric::rdma::verbs::connect(&t.lender, hello, t.timeout).map_err(|source| {
             ConnectError::Rdma {
@@ -448,10 +462,13 @@ fn rdma_connect(t: &LinkTarget, hello: &Hello) -> Result<Arc<RdmaWire>, ConnectE
             source: WireError::Invalid("the lender's device is not a PCIe function"),
         });
     }
-    Ok(Arc::new(RdmaWire {
-        ch: Mutex::new(devlend_fabric::rdma::channel::MsgChannel::new(conn)),
-        closed: std::sync::atomic::AtomicBool::new(false),
-    }))
+    Ok((
+        Arc::new(RdmaWire {
+            ch: Mutex::new(devlend_fabric::rdma::channel::MsgChannel::new(conn)),
+            closed: std::sync::atomic::AtomicBool::new(false),
+        }),
+        reply.device,
+    ))
 }
 
 /// The RDMA reader: waits on the connection, takes what arrived, hands it on.

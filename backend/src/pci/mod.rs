@@ -97,6 +97,30 @@ pub enum PciError {
 /// maps each RAM section once (a handful, a few hundred with many hot-plugged DIMMs).
 pub const MAX_DMA_MAPS: u32 = 1024;
 
+/// How the guest memory a borrowed function reaches by DMA is kept coherent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Coherence {
+    /// The lender keeps a mirror of the DMA-mapped memory; the borrower keeps a shadow
+    /// of what the mirror holds and pushes and pulls the pages that differ.
+    Mirror,
+    /// The lender mediates the function ([`INFO_MEDIATED`]): it reads and writes guest
+    /// memory itself, and the borrower keeps no shadow.
+    Mediated,
+}
+
+/// Who a borrowed function is: its address on the lender and its PCI IDs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PciIdentity {
+    /// The function's address on the lender (`DDDD:BB:DD.F`), as the lender describes
+    /// it in the handshake.
+    pub bdf: String,
+    /// PCI vendor ID, read from the function's config space at attach; `None` when the
+    /// lender did not answer that read.
+    pub vendor_id: Option<u16>,
+    /// PCI device ID, as `vendor_id`.
+    pub device_id: Option<u16>,
+}
+
 /// Counters of one borrowed function.
 #[derive(Debug, Default)]
 pub struct PciStats {
@@ -173,6 +197,8 @@ struct Shared {
     /// Vectors enabled on the lender, by interrupt index (from vector 0).
     lender_irqs: Mutex<HashMap<u32, u32>>,
     stats: PciStats,
+    /// Its address and IDs.
+    identity: PciIdentity,
 }
 
 /// A handle on a [`PciBorrower`] served by another thread: its counters, and a way to
@@ -205,6 +231,42 @@ impl PciHandle {
     pub fn mediated(&self) -> bool {
         self.0.info.flags & INFO_MEDIATED != 0
     }
+
+    /// How DMA-mapped guest memory is kept coherent with the lender.
+    pub fn coherence(&self) -> Coherence {
+        if self.mediated() {
+            Coherence::Mediated
+        } else {
+            Coherence::Mirror
+        }
+    }
+
+    /// The function's address and IDs.
+    pub fn identity(&self) -> &PciIdentity {
+        &self.0.identity
+    }
+
+    /// Bytes of the VMM's memory mapped for DMA now (summed over its DMA maps).
+    pub fn dma_mapped_bytes(&self) -> u64 {
+        let maps = self.0.maps.lock().unwrap_or_else(PoisonError::into_inner);
+        maps.iter().map(|m| m.size as u64).sum()
+    }
+}
+
+/// Reads the vendor and device IDs (the first 4 bytes of config space) from the lender;
+/// `None` when it does not answer.
+fn read_ids(link: &Link) -> Option<(u16, u16)> {
+    let a = Access {
+        region: vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX,
+        len: 4,
+        offset: 0,
+    };
+    let r = link.call(Message::new(KIND_READ, a.encode())).ok()?;
+    let b = r.first()?.payload.get(..4)?;
+    Some((
+        u16::from_le_bytes([b[0], b[1]]),
+        u16::from_le_bytes([b[2], b[3]]),
+    ))
 }
 
 /// A borrowed PCIe function, served to one VMM at a time over vfio-user.
@@ -273,7 +335,23 @@ impl PciBorrower {
         let (link, info, irqs) = Link::connect(target, Arc::clone(&maps) as Arc<dyn GuestMemory>)
             .map_err(PciError::Connect)?;
         maps.set_mediated(info.flags & INFO_MEDIATED != 0);
+        let lent = link.lent();
+        let end = lent
+            .serial
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(lent.serial.len());
+        let ids = read_ids(&link);
+        if ids.is_none() {
+            tracing::debug!("the lender did not answer the read of the function's IDs");
+        }
+        let identity = PciIdentity {
+            bdf: String::from_utf8_lossy(&lent.serial[..end]).into_owned(),
+            vendor_id: ids.map(|i| i.0),
+            device_id: ids.map(|i| i.1),
+        };
         let shared = Arc::new(Shared {
+            identity,
             link,
             info,
             maps,

@@ -1,0 +1,339 @@
+//! The kind-specific part of an attachment as the API reports it: a block device's
+//! geometry and I/O counters, a NIC's link and frame counters, a PCIe function's
+//! identity, coherence mode and counters. [`KindInfo`] is flattened into
+//! [`super::AttachmentInfo`] with its `kind` tag.
+
+use serde::{Deserialize, Serialize};
+
+/// What an attachment serves (the `kind` of its API object and of its entry in the
+/// state file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// A block device on vhost-user-blk.
+    Block,
+    /// A NIC on vhost-user-net.
+    Nic,
+    /// A PCIe function on vfio-user.
+    Pci,
+}
+
+impl DeviceKind {
+    /// `block`, `nic` or `pci`, as in the JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceKind::Block => "block",
+            DeviceKind::Nic => "nic",
+            DeviceKind::Pci => "pci",
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An attachment's own fields, by kind; in JSON, a `kind` member (`block`, `nic`,
+/// `pci`) beside the variant's fields.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum KindInfo {
+    /// A block device.
+    Block(BlockInfo),
+    /// A NIC.
+    Nic(NicInfo),
+    /// A PCIe function.
+    Pci(PciInfo),
+}
+
+impl KindInfo {
+    /// Its kind.
+    pub fn kind(&self) -> DeviceKind {
+        match self {
+            KindInfo::Block(_) => DeviceKind::Block,
+            KindInfo::Nic(_) => DeviceKind::Nic,
+            KindInfo::Pci(_) => DeviceKind::Pci,
+        }
+    }
+
+    /// A part of `kind` with nothing known yet (zero counters, empty identity): what a
+    /// saved attachment not served again yet shows.
+    pub fn empty(kind: DeviceKind) -> Self {
+        match kind {
+            DeviceKind::Block => KindInfo::Block(BlockInfo::default()),
+            DeviceKind::Nic => KindInfo::Nic(NicInfo::default()),
+            DeviceKind::Pci => KindInfo::Pci(PciInfo::default()),
+        }
+    }
+}
+
+/// A lent block device.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct BlockInfo {
+    /// Number of virtqueues.
+    pub queues: u16,
+    /// Suggested virtqueue size (descriptors).
+    pub queue_size: u16,
+    /// Capacity in 512-byte sectors.
+    pub capacity_sectors: u64,
+    /// Logical block size in bytes.
+    pub block_size: u32,
+    /// Whether the device is read-only.
+    pub read_only: bool,
+    /// Device serial (GET_ID), without NUL padding.
+    pub serial: String,
+    /// I/O counters (since this compute agent started serving it: a restart starts
+    /// them again from zero).
+    pub counters: IoCounters,
+    /// I/O rates over the last seconds (absent until two samples, one second apart).
+    #[serde(default)]
+    pub rates: Option<Rates>,
+}
+
+/// A lent NIC.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NicInfo {
+    /// Number of queue pairs (one receive and one transmit virtqueue each).
+    pub queue_pairs: u16,
+    /// Suggested virtqueue size (descriptors).
+    pub queue_size: u16,
+    /// The MAC address the guest should use (`aa:bb:cc:dd:ee:ff`).
+    pub mac: String,
+    /// The lender's MTU in bytes, as last reported.
+    pub mtu: u32,
+    /// The lender's link is up and every queue pair connected.
+    pub link_up: bool,
+    /// Fabric sessions re-established after a loss.
+    pub reconnects: u64,
+    /// Frame counters summed over the queue pairs.
+    pub counters: NetCounters,
+    /// Frame counters per queue pair.
+    pub pairs: Vec<NetCounters>,
+}
+
+/// How the guest memory a PCIe function reaches by DMA is kept coherent with the
+/// lender.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PciCoherence {
+    /// The lender keeps a mirror of the DMA-mapped memory, synchronized page by page
+    /// with the borrower's shadow of it.
+    Mirror,
+    /// The lender mediates the function and reads and writes guest memory itself.
+    Mediated,
+}
+
+impl From<devlend_backend::pci::Coherence> for PciCoherence {
+    fn from(c: devlend_backend::pci::Coherence) -> Self {
+        match c {
+            devlend_backend::pci::Coherence::Mirror => PciCoherence::Mirror,
+            devlend_backend::pci::Coherence::Mediated => PciCoherence::Mediated,
+        }
+    }
+}
+
+/// A borrowed PCIe function.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PciInfo {
+    /// Its address on the lender (`DDDD:BB:DD.F`); empty while restoring.
+    pub bdf: String,
+    /// PCI vendor ID; absent when unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vendor_id: Option<u16>,
+    /// PCI device ID; absent when unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id: Option<u16>,
+    /// How DMA-mapped memory is kept coherent; absent while restoring.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coherence: Option<PciCoherence>,
+    /// Bytes of the VMM's memory mapped for the function's DMA now.
+    pub dma_mapped_bytes: u64,
+    /// Counters since this compute agent started serving it.
+    pub counters: PciCounters,
+}
+
+/// Counters of a borrowed PCIe function.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PciCounters {
+    /// Region (BAR, config space) reads forwarded to the lender.
+    pub region_reads: u64,
+    /// Region writes forwarded to the lender.
+    pub region_writes: u64,
+    /// Pages pushed to the lender's mirror.
+    pub pages_pushed: u64,
+    /// Pages pulled from the lender's mirror.
+    pub pages_pulled: u64,
+    /// Interrupts delivered to the VMM.
+    pub irqs: u64,
+}
+
+impl From<&devlend_backend::pci::PciStats> for PciCounters {
+    fn from(s: &devlend_backend::pci::PciStats) -> Self {
+        use std::sync::atomic::Ordering::Relaxed;
+        PciCounters {
+            region_reads: s.reads.load(Relaxed),
+            region_writes: s.writes.load(Relaxed),
+            pages_pushed: s.pages_pushed.load(Relaxed),
+            pages_pulled: s.pages_pulled.load(Relaxed),
+            irqs: s.irqs.load(Relaxed),
+        }
+    }
+}
+
+/// I/O counters of an attachment (since it was created).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct IoCounters {
+    /// Completed reads.
+    pub reads: u64,
+    /// Completed writes.
+    pub writes: u64,
+    /// Completed flushes.
+    pub flushes: u64,
+    /// Completed discards.
+    pub discards: u64,
+    /// Completed write-zeroes.
+    pub write_zeroes: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Requests that completed with IOERR or UNSUPP (the sum of the next three).
+    pub errors: u64,
+    /// Invalid guest requests refused by the backend.
+    pub errors_invalid: u64,
+    /// Requests the lender answered IOERR or UNSUPP.
+    pub errors_lender: u64,
+    /// Requests failed because the fabric session was lost or could not be opened.
+    pub errors_fabric: u64,
+    /// Requests answered without the lender (GET_ID, invalid requests).
+    pub local: u64,
+    /// Fabric sessions re-established.
+    pub reconnects: u64,
+    /// Requests resent on a new session after theirs was lost.
+    #[serde(default)]
+    pub resent: u64,
+    /// Requests resubmitted from the vhost-user inflight buffer after a compute agent
+    /// restart (they were in flight when the previous process ended).
+    #[serde(default)]
+    pub resubmitted: u64,
+    /// Requests the lender held back for the lease's limits before running them
+    /// (`docs/qos.md`).
+    #[serde(default)]
+    pub throttled: u64,
+    /// Requests in flight now.
+    pub inflight: u64,
+    /// Requests completed by the lender, per virtqueue.
+    pub per_queue: Vec<u64>,
+    /// Completion latency histogram of those requests.
+    pub latency: Latency,
+}
+
+/// A latency histogram: `buckets[i]` counts the samples at most `bounds_us[i]`
+/// microseconds and above the previous bound; the last bucket has no upper bound.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Latency {
+    /// Bucket upper bounds in microseconds.
+    pub bounds_us: Vec<u64>,
+    /// Samples per bucket (one more than `bounds_us`).
+    pub buckets: Vec<u64>,
+    /// Sum of the samples in nanoseconds.
+    pub sum_ns: u64,
+    /// Number of samples.
+    pub count: u64,
+}
+
+impl From<devlend_backend::blk::StatsSnapshot> for IoCounters {
+    fn from(s: devlend_backend::blk::StatsSnapshot) -> Self {
+        IoCounters {
+            reads: s.reads,
+            writes: s.writes,
+            flushes: s.flushes,
+            discards: s.discards,
+            write_zeroes: s.write_zeroes,
+            bytes_read: s.bytes_read,
+            bytes_written: s.bytes_written,
+            errors: s.errors,
+            errors_invalid: s.errors_invalid,
+            errors_lender: s.errors_lender,
+            errors_fabric: s.errors_fabric,
+            local: s.local,
+            reconnects: s.reconnects,
+            resent: s.resent,
+            resubmitted: s.resubmitted,
+            throttled: s.throttled,
+            inflight: s.inflight,
+            per_queue: s.per_queue,
+            latency: Latency {
+                bounds_us: devlend_backend::blk::latency::BOUNDS_US.to_vec(),
+                buckets: s.latency.buckets,
+                sum_ns: s.latency.sum_ns,
+                count: s.latency.count,
+            },
+        }
+    }
+}
+
+/// Counters of one queue pair of a lent NIC, or of all of them summed.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NetCounters {
+    /// Frames delivered to the guest.
+    pub rx_packets: u64,
+    /// Their bytes.
+    pub rx_bytes: u64,
+    /// Frames the guest sent, forwarded to the lender.
+    pub tx_packets: u64,
+    /// Their bytes.
+    pub tx_bytes: u64,
+    /// Received frames dropped (no guest buffer in time).
+    pub rx_drops: u64,
+    /// Transmitted frames dropped (lender away).
+    pub tx_drops: u64,
+    /// Malformed chains, guest ring errors and fabric protocol errors.
+    pub errors: u64,
+    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
+    #[serde(default)]
+    pub rx_merged: u64,
+    /// Frames delivered larger than the MTU, for the guest's TCP (GUEST_TSO4/6).
+    #[serde(default)]
+    pub rx_gso: u64,
+    /// Frames the guest left to segment (HOST_TSO4/6), sent whole to the lender.
+    #[serde(default)]
+    pub tx_gso: u64,
+}
+
+impl From<devlend_backend::net::pair::PairSnapshot> for NetCounters {
+    fn from(p: devlend_backend::net::pair::PairSnapshot) -> Self {
+        NetCounters {
+            rx_packets: p.rx_packets,
+            rx_bytes: p.rx_bytes,
+            tx_packets: p.tx_packets,
+            tx_bytes: p.tx_bytes,
+            rx_drops: p.rx_drops,
+            tx_drops: p.tx_drops,
+            errors: p.errors,
+            rx_merged: p.rx_merged,
+            rx_gso: p.rx_gso,
+            tx_gso: p.tx_gso,
+        }
+    }
+}
+
+/// Recent I/O rates of an attachment.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct Rates {
+    /// Seconds the rates are taken over.
+    pub window_s: f64,
+    /// Requests completed per second.
+    pub iops: f64,
+    /// Megabytes (10^6 bytes) read per second.
+    pub read_mb_s: f64,
+    /// Megabytes written per second.
+    pub write_mb_s: f64,
+    /// 99th percentile completion latency (upper bucket bound), microseconds.
+    pub p99_us: Option<u64>,
+    /// Requests per second that the lender held back for the lease's limits.
+    #[serde(default)]
+    pub throttled_per_s: f64,
+}
