@@ -81,6 +81,7 @@ impl Rig {
             token: Vec::new(),
             tls: None,
             transport: Default::default(),
+            rdma_exposure: Default::default(),
             relay: None,
             lender_key: None,
         };

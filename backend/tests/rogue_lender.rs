@@ -123,6 +123,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
             token: Vec::new(),
             tls: None,
             transport: Default::default(),
+            rdma_exposure: Default::default(),
             relay: None,
             lender_key: None,
         },

@@ -17,7 +17,7 @@ use devlend_cli::bench::options::{
 use devlend_cli::demo::{self, DemoOptions, Frontend};
 use devlend_cli::output::{human_bytes, libvirt_target_dev, libvirt_xml, qemu_args, status_table};
 use devlend_cli::placement;
-use devlend_compute_agent::api::{AttachRequest, KindInfo, VmmTarget};
+use devlend_compute_agent::api::{AttachRequest, KindInfo, RdmaExposure, Transport, VmmTarget};
 use devlend_compute_agent::vmm::cloud_hypervisor;
 use devlend_compute_agent::DEFAULT_API_SOCKET;
 
@@ -121,19 +121,19 @@ enum Cmd {
         /// RC queue pair per queue, or for --kind pci the function's one session with
         /// the DMA mirror moved by RDMA READ/WRITE; the lender must run with
         /// --transport rdma).
-        #[arg(long, value_enum, default_value = "tcp", value_name = "tcp|rdma")]
-        transport: CliTransport,
+        #[arg(long, default_value = "tcp", value_name = "tcp|rdma", value_parser = parse_transport)]
+        transport: Transport,
         /// With --transport rdma, what of the guest's memory the lender can reach:
         /// request (each request's buffers, for that request alone) or guest-memory
         /// (all of the guest's RAM while a session is open; fewer verbs calls per
         /// request, for a lender trusted as much as this host). docs/rdma.md.
         #[arg(
             long,
-            value_enum,
             default_value = "request",
-            value_name = "request|guest-memory"
+            value_name = "request|guest-memory",
+            value_parser = parse_rdma_exposure
         )]
-        rdma_exposure: CliRdmaExposure,
+        rdma_exposure: RdmaExposure,
         /// Attachment id, also the device id in the VMM (default: the device name).
         #[arg(long)]
         id: Option<String>,
@@ -334,18 +334,14 @@ enum Cmd {
 }
 
 /// A VMM whose command-line arguments `attach` prints.
-/// `devlend attach --transport`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum CliTransport {
-    Tcp,
-    Rdma,
+/// `devlend attach --transport` (`tcp`, `rdma`).
+fn parse_transport(s: &str) -> Result<Transport, String> {
+    s.parse()
 }
 
-/// `devlend attach --rdma-exposure`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum CliRdmaExposure {
-    Request,
-    GuestMemory,
+/// `devlend attach --rdma-exposure` (`request`, `guest-memory`).
+fn parse_rdma_exposure(s: &str) -> Result<RdmaExposure, String> {
+    s.parse()
 }
 
 /// `devlend attach --kind`.
@@ -433,7 +429,7 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
             // Checked before a lease is taken.
-            if rdma_exposure == CliRdmaExposure::GuestMemory && transport != CliTransport::Rdma {
+            if !rdma_exposure.is_request() && transport != Transport::Rdma {
                 bail!("--rdma-exposure guest-memory applies to --transport rdma only");
             }
             let api = ApiClient::new(&cli.api)?;
@@ -490,7 +486,6 @@ fn run(cli: Cli) -> Result<()> {
                 _ => bail!("give --lender and --device, or --class and --vm"),
             };
             let lease = claimed.as_ref().map(|c| c.lease.clone());
-            let rdma = transport == CliTransport::Rdma;
             let attached = api.attach(&AttachRequest {
                 id,
                 lender,
@@ -513,17 +508,8 @@ fn run(cli: Cli) -> Result<()> {
                 lender_key,
                 tls,
                 tls_server_name,
-                transport: if rdma {
-                    devlend_compute_agent::api::FabricTransport::Rdma
-                } else {
-                    Default::default()
-                },
-                rdma_exposure: match rdma_exposure {
-                    CliRdmaExposure::Request => devlend_compute_agent::api::RdmaExposure::Request,
-                    CliRdmaExposure::GuestMemory => {
-                        devlend_compute_agent::api::RdmaExposure::GuestMemory
-                    }
-                },
+                transport,
+                rdma_exposure,
                 kind: match kind {
                     CliKind::Device => devlend_compute_agent::api::AttachKind::Device,
                     CliKind::Pci => devlend_compute_agent::api::AttachKind::Pci,

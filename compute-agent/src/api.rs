@@ -13,6 +13,10 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(test)]
 mod json_tests;
+/// The transport of an attachment's queue sessions and its RDMA exposure, as the
+/// engines and the CLI name them (`devlend_fabric::transport`).
+pub use devlend_fabric::transport::{RdmaExposure, Transport};
+
 mod kinds;
 
 pub use kinds::{
@@ -80,8 +84,8 @@ pub struct AttachRequest {
     pub tls_server_name: Option<String>,
     /// The virtqueues' fabric transport: `tcp` (default) or `rdma` (the lender must
     /// serve RDMA on the `lender` address; the holding session stays TCP).
-    #[serde(default, skip_serializing_if = "FabricTransport::is_tcp")]
-    pub transport: FabricTransport,
+    #[serde(default, skip_serializing_if = "Transport::is_tcp")]
+    pub transport: Transport,
     /// With `transport: rdma`, what of the guest's memory the lender can reach:
     /// `request` (default: each request's buffers, registered for that request alone and
     /// deregistered at its response) or `guest-memory` (all of the guest's RAM, registered
@@ -164,49 +168,13 @@ impl AttachKind {
     }
 }
 
-/// The transport of an attachment's queue sessions.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FabricTransport {
-    /// TCP, optionally inside TLS.
-    #[default]
-    Tcp,
-    /// RDMA: rdma_cm, one RC queue pair per virtqueue, data moved one-sided.
-    Rdma,
-}
-
-/// What of the guest's memory a lender can reach over RDMA.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum RdmaExposure {
-    /// Each request's buffers, for that request alone.
-    #[default]
-    Request,
-    /// All of the guest's RAM while a session is open.
-    GuestMemory,
-}
-
-impl RdmaExposure {
-    /// Whether this is the default, `request`.
-    pub fn is_request(&self) -> bool {
-        *self == RdmaExposure::Request
-    }
-}
-
-impl FabricTransport {
-    /// Whether this is the default, TCP.
-    pub fn is_tcp(&self) -> bool {
-        *self == FabricTransport::Tcp
-    }
-}
-
 impl AttachRequest {
     /// How its sessions travel, for people: `tcp`, `tcp+tls` or `rdma`.
     pub fn transport_label(&self) -> &'static str {
         match (&self.transport, self.tls) {
-            (FabricTransport::Rdma, _) => "rdma",
-            (FabricTransport::Tcp, true) => "tcp+tls",
-            (FabricTransport::Tcp, false) => "tcp",
+            (Transport::Rdma, _) => "rdma",
+            (Transport::Tcp, true) => "tcp+tls",
+            (Transport::Tcp, false) => "tcp",
         }
     }
 }

@@ -504,7 +504,7 @@ impl Registry {
         };
         let resolved = resolve(&req.lender, &req.device, self.gateway.as_ref())
             .map_err(RegistryError::BadRequest)?;
-        if resolved.relay.is_some() && req.transport != crate::api::FabricTransport::Tcp {
+        if resolved.relay.is_some() && req.transport != crate::api::Transport::Tcp {
             return Err(RegistryError::BadRequest(
                 "a lender in another cluster is reached through the gateways over TCP: transport rdma cannot be relayed".into(),
             ));
@@ -549,21 +549,8 @@ impl Registry {
                 token: token.clone(),
                 tls,
                 lender_key,
-                transport: match req.transport {
-                    crate::api::FabricTransport::Tcp => {
-                        devlend_backend::blk::engine::Transport::Tcp
-                    }
-                    crate::api::FabricTransport::Rdma => {
-                        devlend_backend::blk::engine::Transport::Rdma(match req.rdma_exposure {
-                            crate::api::RdmaExposure::Request => {
-                                devlend_backend::blk::engine::RdmaExposure::Request
-                            }
-                            crate::api::RdmaExposure::GuestMemory => {
-                                devlend_backend::blk::engine::RdmaExposure::GuestMemory
-                            }
-                        })
-                    }
-                },
+                transport: req.transport,
+                rdma_exposure: req.rdma_exposure,
             },
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),
@@ -636,13 +623,13 @@ impl Registry {
                     .into(),
             ));
         }
-        if !req.rdma_exposure.is_request() && req.transport != crate::api::FabricTransport::Rdma {
+        if !req.rdma_exposure.is_request() && req.transport != crate::api::Transport::Rdma {
             return Err(RegistryError::BadRequest(
                 "rdma_exposure applies to transport rdma only".into(),
             ));
         }
         if req.kind == crate::api::AttachKind::Pci
-            && req.transport == crate::api::FabricTransport::Rdma
+            && req.transport == crate::api::Transport::Rdma
             && req.tls
         {
             return Err(RegistryError::BadRequest(

@@ -31,6 +31,7 @@ pub mod reconnect;
 pub mod relay;
 pub mod tcp;
 pub mod tls;
+pub mod transport;
 pub mod units;
 pub mod wire;
 

@@ -122,12 +122,13 @@ fn open_link(
             Ok((Box::new(link), reply))
         }
         #[cfg(feature = "rdma")]
-        Transport::Rdma(exposure) => {
-            let (link, reply) = crate::blk::rdma::RdmaLink::connect(target, index, exposure)?;
+        Transport::Rdma => {
+            let (link, reply) =
+                crate::blk::rdma::RdmaLink::connect(target, index, target.rdma_exposure)?;
             Ok((Box::new(link), reply))
         }
         #[cfg(not(feature = "rdma"))]
-        Transport::Rdma(_) => Err(ConnectError::Rdma {
+        Transport::Rdma => Err(ConnectError::Rdma {
             addr: target.addr.clone(),
             source: devlend_fabric::rdma::RdmaError::NotCompiled,
         }),
@@ -142,7 +143,7 @@ fn open_link(
 pub fn probe_transport(target: &LenderTarget) -> Result<(), ConnectError> {
     match target.transport {
         Transport::Tcp => Ok(()),
-        Transport::Rdma(_) => open_link(target, 0).map(drop),
+        Transport::Rdma => open_link(target, 0).map(drop),
     }
 }
 

@@ -19,6 +19,9 @@ pub struct LenderTarget {
     pub tls: Option<devlend_fabric::tls::TlsTarget>,
     /// The transport of the virtqueues' sessions (the holding session is TCP).
     pub transport: Transport,
+    /// With [`Transport::Rdma`], what of the guest's memory the lender can reach
+    /// (ignored over TCP).
+    pub rdma_exposure: RdmaExposure,
     /// A lender in another cluster: `addr` is then the local cluster gateway, asked to
     /// relay every session to this route (TCP only); `None`: `addr` is the lender.
     pub relay: Option<devlend_fabric::relay::Route>,
@@ -29,32 +32,7 @@ pub struct LenderTarget {
     pub lender_key: Option<devlend_fabric::lease_token::PublicKey>,
 }
 
-/// The transport of a queue's fabric session.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Transport {
-    /// TCP (optionally TLS): data inline in the stream.
-    #[default]
-    Tcp,
-    /// RDMA: requests carry (addr, rkey, len) of guest memory; the lender moves the
-    /// data one-sided, within what the exposure lets it reach.
-    Rdma(RdmaExposure),
-}
-
-/// How much guest memory a lender can reach over RDMA (docs/rdma.md, "Exposure").
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum RdmaExposure {
-    /// Each request's buffers are registered for it alone, in its direction (the
-    /// lender may only write a read's buffers and only read a write's), when it is sent,
-    /// and deregistered when its response arrives: the lender reaches nothing else, and
-    /// nothing after the request.
-    #[default]
-    Request,
-    /// Every guest memory region is registered once, for remote read and write, for
-    /// the session's life: fewer verbs calls per request, but the lender can read and
-    /// write all of the guest's RAM while a session is open. For lenders trusted as
-    /// much as the host.
-    GuestMemory,
-}
+pub use devlend_fabric::transport::{RdmaExposure, Transport};
 
 impl LenderTarget {
     /// A target in direct mode over plain TCP: `device` of the lender at `addr`, for the
@@ -67,6 +45,7 @@ impl LenderTarget {
             token: Vec::new(),
             tls: None,
             transport: Transport::Tcp,
+            rdma_exposure: RdmaExposure::Request,
             relay: None,
             lender_key: None,
         }

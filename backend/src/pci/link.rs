@@ -136,7 +136,7 @@ pub struct LinkTarget {
     /// Bound on the connect and the handshake.
     pub timeout: Duration,
     /// TCP (with `tls`), or RDMA (rdma_cm to `lender`; `tls` must be `None`).
-    pub transport: crate::blk::engine::Transport,
+    pub transport: devlend_fabric::transport::Transport,
     /// The lender's public key, proven in every handshake; `None`: not verified
     /// (as the block target's `lender_key`).
     pub lender_key: Option<devlend_fabric::lease_token::PublicKey>,
@@ -228,7 +228,7 @@ impl Link {
         // With the lender's description of the function (its address), from the
         // handshake.
         let (wire, lent) = match t.transport {
-            crate::blk::engine::Transport::Tcp => {
+            devlend_fabric::transport::Transport::Tcp => {
                 let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
                 tcp::check_lender(&t.lender, t.lender_key.as_ref(), &hello, &reply)?;
                 if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
@@ -251,7 +251,7 @@ impl Link {
                 (Wire::Stream(stream), reply.device)
             }
             #[cfg(feature = "rdma")]
-            crate::blk::engine::Transport::Rdma(_) => {
+            devlend_fabric::transport::Transport::Rdma => {
                 drop(memory);
                 let (wire, device) = rdma_connect(t, &hello)?;
                 let reader = Arc::clone(&wire);
@@ -267,7 +267,7 @@ impl Link {
                 (Wire::Rdma(wire), device)
             }
             #[cfg(not(feature = "rdma"))]
-            crate::blk::engine::Transport::Rdma(_) => {
+            devlend_fabric::transport::Transport::Rdma => {
                 drop(memory);
                 return Err(ConnectError::Rdma {
                     addr: t.lender.clone(),
