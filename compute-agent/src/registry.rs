@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use devlend_backend::blk::engine::{new_borrower_id, LenderTarget};
-use devlend_backend::blk::{AttachedKind, Attachment, AttachmentConfig, AttachmentError};
+use devlend_backend::blk::{AttachedKind, Attachment, AttachmentConfig, AttachmentError, Serve};
 
 use crate::api::{
     AttachRequest, AttachmentInfo, BlockInfo, DeviceKind, KindInfo, NicInfo, PciInfo, VmmPlug,
@@ -555,7 +555,10 @@ impl Registry {
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),
             reconnect_deadline: Duration::from_secs(u64::from(req.reconnect_deadline_s)),
-            pci: req.kind == crate::api::AttachKind::Pci,
+            serve: match req.kind {
+                crate::api::AttachKind::Device => Serve::VhostUser,
+                crate::api::AttachKind::Pci => Serve::VfioUser,
+            },
         })
         .map_err(RegistryError::Start)?;
         let keeper = match checked.map(|c| c.bind_and_keep(id)).transpose() {

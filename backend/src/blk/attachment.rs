@@ -45,9 +45,20 @@ pub struct AttachmentConfig {
     /// on the new one) before they complete with IOERR; see
     /// [`crate::blk::engine::DEFAULT_RECONNECT_DEADLINE`].
     pub reconnect_deadline: Duration,
-    /// The device is a PCIe function: serve it over vfio-user ([`crate::pci`]) instead
-    /// of vhost-user; `num_queues`, `poll` and `reconnect_deadline` do not apply.
-    pub pci: bool,
+    /// What to ask the lender for and serve on the socket.
+    pub serve: Serve,
+}
+
+/// What an attachment asks the lender for, and how it serves it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Serve {
+    /// The device the lender lends, on vhost-user: a block device (vhost-user-blk) or a
+    /// NIC (vhost-user-net), as the lender's handshake reply says.
+    #[default]
+    VhostUser,
+    /// A PCIe function, on vfio-user ([`crate::pci`]); `num_queues`, `poll` and
+    /// `reconnect_deadline` do not apply.
+    VfioUser,
 }
 
 /// What an attachment serves.
@@ -147,7 +158,7 @@ impl Attachment {
             return Err(AttachmentError::Queues(config.num_queues));
         }
         prepare_socket_path(&config.socket)?;
-        if config.pci {
+        if config.serve == Serve::VfioUser {
             return Self::start_pci(config);
         }
         // This session holds the device on the lender for the attachment's lifetime

@@ -40,6 +40,6 @@ mod target;
 pub mod timer;
 mod tx;
 
-pub use attachment::{AttachedKind, Attachment, AttachmentConfig, AttachmentError};
+pub use attachment::{AttachedKind, Attachment, AttachmentConfig, AttachmentError, Serve};
 pub use engine::{QueueEngine, QueueStats, StatsSnapshot};
 pub use request::{DeviceLimits, Disposition, Parsed, Request};

@@ -92,7 +92,7 @@ mod tests {
                 iova,
                 size,
                 ptr,
-                shadow: Vec::new(),
+                sync: crate::pci::MapSync::Mediated,
                 file,
                 file_end: size as u64,
                 sealed: false,

@@ -136,6 +136,18 @@ pub struct PciStats {
     pub irqs: AtomicU64,
 }
 
+/// How one DMA map is kept coherent with the lender ([`Coherence`], per map).
+enum MapSync {
+    /// The lender keeps a mirror of the map: this is what the mirror holds, as far as
+    /// the borrower knows (as long as the map).
+    Mirror {
+        /// The mirror's contents.
+        shadow: Vec<u8>,
+    },
+    /// The lender mediates the function and moves guest memory itself: no shadow.
+    Mediated,
+}
+
 /// One DMA mapping of the VMM's memory.
 struct GuestMap {
     /// Over RDMA, the mapping's registration (dropped before the mapping).
@@ -143,8 +155,8 @@ struct GuestMap {
     iova: u64,
     size: usize,
     ptr: NonNull<u8>,
-    /// What the mirror holds, as far as the borrower knows.
-    shadow: Vec<u8>,
+    /// How this map is kept coherent with the lender.
+    sync: MapSync,
     /// The VMM's file, and the end of the mapped range in it (bytes).
     file: File,
     file_end: u64,
@@ -578,8 +590,14 @@ impl PciBorrower {
                 let Ok(s) = slice.subslice(off, page) else {
                     break;
                 };
+                // A mediated map has no mirror to push to.
+                let MapSync::Mirror { shadow } = &mut m.sync else {
+                    break;
+                };
+                let Some(shadow) = shadow.get_mut(off..off + page) else {
+                    break;
+                };
                 s.copy_to(&mut buf[..]);
-                let shadow = &mut m.shadow[off..off + page];
                 if shadow == buf.as_slice() {
                     continue;
                 }
@@ -685,13 +703,18 @@ fn pull(shared: &Shared, maps: &mut [GuestMap]) -> Result<(), LinkError> {
             // from the raw parts so that the shadow may be borrowed beside it.
             let slice = unsafe { VolatileSlice::new(m.ptr.as_ptr(), m.size) };
             if let Ok(s) = slice.subslice(off, len) {
-                match data {
-                    Some(d) => {
-                        s.copy_from(d);
-                        m.shadow[off..off + len].copy_from_slice(d);
-                    }
-                    None => {
-                        s.copy_to(&mut m.shadow[off..off + len]);
+                if let Some(d) = data {
+                    s.copy_from(d);
+                }
+                // The mirror now holds what guest memory does.
+                if let MapSync::Mirror { shadow } = &mut m.sync {
+                    if let Some(shadow) = shadow.get_mut(off..off + len) {
+                        match data {
+                            Some(d) => shadow.copy_from_slice(d),
+                            None => {
+                                s.copy_to(shadow);
+                            }
+                        }
                     }
                 }
             }
@@ -874,8 +897,13 @@ impl ServerBackend for PciBorrower {
             iova: address,
             size: len,
             ptr,
-            // A mediated function's lender moves guest memory itself: no shadow.
-            shadow: if mediated { Vec::new() } else { vec![0; len] },
+            sync: if mediated {
+                MapSync::Mediated
+            } else {
+                MapSync::Mirror {
+                    shadow: vec![0; len],
+                }
+            },
             file: fd,
             file_end: offset + size,
             sealed,

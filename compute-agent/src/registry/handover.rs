@@ -16,7 +16,7 @@ use devlend_backend::blk::Attachment;
 use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, TokenSigner};
 
 use super::{now_ms, Registry, RegistryError, DIRECT_TOKEN_LIFETIME_MS};
-use crate::api::{AttachKind, AttachmentInfo, HandoverInfo, HandoverState};
+use crate::api::{AttachmentInfo, HandoverInfo, HandoverState};
 
 fn hex(id: &[u8; 16]) -> String {
     id.iter().map(|b| format!("{b:02x}")).collect()
@@ -97,7 +97,7 @@ impl Registry {
             let e = entries
                 .get(id)
                 .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
-            if e.request.kind == AttachKind::Pci {
+            if e.attachment.kind() == devlend_backend::blk::AttachedKind::Pci {
                 return Err(RegistryError::BadRequest(
                     "a PCIe function cannot migrate: QEMU's vfio-user client has no migration support".into(),
                 ));
