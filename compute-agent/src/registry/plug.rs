@@ -1,0 +1,81 @@
+//! Plugging an attachment into a running VM and out again (QEMU over QMP, Cloud
+//! Hypervisor over its API).
+
+use super::*;
+
+/// A failure of the VMM glue.
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    /// QEMU hotplug.
+    #[error("QEMU hotplug failed")]
+    Qemu(#[source] HotplugError),
+    /// Cloud Hypervisor API.
+    #[error("Cloud Hypervisor API failed")]
+    CloudHypervisor(#[source] ChError),
+    /// Live attach of a lent NIC into Cloud Hypervisor is not done yet.
+    #[error("live attach of a NIC into Cloud Hypervisor is not supported; start the VM with --net vhost_user=true,socket=...")]
+    NicIntoCloudHypervisor,
+}
+
+pub(super) fn plug(
+    target: &VmmTarget,
+    id: &str,
+    req: &AttachRequest,
+    attachment: &Attachment,
+) -> Result<VmmPlug, VmmError> {
+    let read_only = attachment.limits().read_only;
+    let link = attachment.net_link();
+    match target {
+        VmmTarget::Qemu { qmp } => {
+            let kind = match link {
+                Some(l) => PlugKind::Net {
+                    pairs: req.queues,
+                    mac: crate::api::format_mac(&l.mac),
+                    mtu: l.mtu,
+                },
+                None => PlugKind::Blk {
+                    num_queues: req.queues,
+                    queue_size: req.queue_size,
+                },
+            };
+            let p = qemu::plug(qmp, id, &req.socket, &kind).map_err(VmmError::Qemu)?;
+            tracing::info!(id, qmp = %qmp.display(), port = %p.port, "plugged into QEMU");
+            Ok(VmmPlug {
+                target: target.clone(),
+                device_id: p.device_id,
+                location: p.port,
+            })
+        }
+        VmmTarget::CloudHypervisor { .. } if link.is_some() => {
+            Err(VmmError::NicIntoCloudHypervisor)
+        }
+        VmmTarget::CloudHypervisor { api } => {
+            let body = ch::disk_config(&req.socket, id, req.queues, req.queue_size, read_only);
+            let d = match ch::add_disk(api, &body) {
+                Ok(d) => d,
+                Err(e @ ChError::ColdAdded { .. }) => {
+                    // The VM is not running: the disk went into its configuration only.
+                    // Take it out again, so that it does not later boot on a gone socket.
+                    let _ = ch::remove_device(api, id);
+                    return Err(VmmError::CloudHypervisor(e));
+                }
+                Err(e) => return Err(VmmError::CloudHypervisor(e)),
+            };
+            tracing::info!(id, api = %api.display(), bdf = %d.bdf, "plugged into Cloud Hypervisor");
+            Ok(VmmPlug {
+                target: target.clone(),
+                device_id: d.id,
+                location: d.bdf,
+            })
+        }
+    }
+}
+
+pub(super) fn unplug(p: &VmmPlug, timeout: Duration) -> Result<(), VmmError> {
+    match &p.target {
+        VmmTarget::Qemu { qmp } => qemu::unplug(qmp, &p.device_id, timeout).map_err(VmmError::Qemu),
+        VmmTarget::CloudHypervisor { api } => {
+            ch::remove_device(api, &p.device_id).map_err(VmmError::CloudHypervisor)
+        }
+    }
+}

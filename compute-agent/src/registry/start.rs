@@ -1,0 +1,209 @@
+//! Starting an attachment: its lease checked, where its sessions go, its credentials
+//! (lease, saved or signed direct token), the backend started and plugged into the VM,
+//! then recorded and saved.
+
+use super::*;
+
+impl Registry {
+    /// The TLS target of a request asking for TLS; `None` for one that does not.
+    pub(super) fn tls_target(
+        &self,
+        req: &AttachRequest,
+        resolved: &Resolved,
+    ) -> Result<Option<devlend_fabric::tls::TlsTarget>, RegistryError> {
+        if !req.tls {
+            if req.tls_server_name.is_some() {
+                return Err(RegistryError::BadRequest(
+                    "tls_server_name needs tls: true".into(),
+                ));
+            }
+            return Ok(None);
+        }
+        let Some(client) = &self.tls else {
+            return Err(RegistryError::BadRequest(
+                "TLS asked for, but this compute agent has no TLS trust anchors (start it with --tls-ca)".into(),
+            ));
+        };
+        // Through a gateway TLS runs end to end with the lender, whose certificate
+        // names it, not the gateway: the default name is the lender's.
+        let name = req
+            .tls_server_name
+            .as_deref()
+            .or(resolved.relay.as_ref().map(|r| r.lender.as_str()));
+        devlend_fabric::tls::TlsTarget::new(client.clone(), &resolved.addr, name)
+            .map(Some)
+            .map_err(|e| RegistryError::BadRequest(e.to_string()))
+    }
+
+    pub(super) fn start_and_plug(
+        &self,
+        id: &str,
+        req: &AttachRequest,
+        restore: Option<Restore>,
+    ) -> Result<Started, RegistryError> {
+        let checked = match &req.lease {
+            None => None,
+            Some(r) => {
+                let c = CheckedLease::check(r, &self.pool).map_err(RegistryError::Lease)?;
+                if c.device() != req.device || c.lender() != req.lender {
+                    return Err(RegistryError::BadRequest(format!(
+                        "lease {} is for device {:?} at {}, not {:?} at {}",
+                        r.id,
+                        c.device(),
+                        c.lender(),
+                        req.device,
+                        req.lender
+                    )));
+                }
+                Some(c)
+            }
+        };
+        let resolved = resolve(&req.lender, &req.device, self.gateway.as_ref())
+            .map_err(RegistryError::BadRequest)?;
+        if resolved.relay.is_some() && req.transport != crate::api::Transport::Tcp {
+            return Err(RegistryError::BadRequest(
+                "a lender in another cluster is reached through the gateways over TCP: transport rdma cannot be relayed".into(),
+            ));
+        }
+        let tls = self.tls_target(req, &resolved)?;
+        let incoming = match (&req.handover_token, &restore) {
+            (Some(t), None) => Some(handover::incoming(t, &resolved.device, checked.is_some())?),
+            _ => None,
+        };
+        let (borrower, token) = match (&checked, &self.signer, &restore, incoming) {
+            (Some(c), _, _, _) => (c.borrower(), c.token.clone()),
+            (None, _, Some(r), _) => (r.borrower, r.token.clone()),
+            (None, _, None, Some(i)) => i,
+            (None, Some(signer), None, None) => {
+                let borrower = new_borrower_id();
+                let claims = devlend_fabric::lease_token::LeaseClaims {
+                    lease_id: borrower,
+                    expires_at_ms: now_ms().saturating_add(DIRECT_TOKEN_LIFETIME_MS),
+                    provider: String::new(),
+                    device: resolved.device.clone(),
+                    consumer: id.to_owned(),
+                    provider_key: None,
+                    qos: None,
+                    successor_of: None,
+                };
+                let token = signer
+                    .sign(&claims)
+                    .map_err(|e| RegistryError::BadRequest(format!("cannot sign a token: {e}")))?;
+                (borrower, token.as_bytes().to_vec())
+            }
+            (None, None, None, None) => (new_borrower_id(), Vec::new()),
+        };
+        let lender_key = expected_lender_key(req.lender_key.as_deref(), &token)?;
+        let mut attachment = Attachment::start(AttachmentConfig {
+            id: id.to_owned(),
+            socket: req.socket.clone(),
+            lender: LenderTarget {
+                addr: resolved.addr.clone(),
+                relay: resolved.relay.clone(),
+                device: resolved.device.clone(),
+                borrower,
+                token: token.clone(),
+                tls,
+                lender_key,
+                transport: req.transport,
+                rdma_exposure: req.rdma_exposure,
+            },
+            num_queues: req.queues,
+            poll: std::time::Duration::from_micros(u64::from(req.poll_us)),
+            reconnect_deadline: Duration::from_secs(u64::from(req.reconnect_deadline_s)),
+            serve: match req.kind {
+                crate::api::AttachKind::Device => Serve::VhostUser,
+                crate::api::AttachKind::Pci => Serve::VfioUser,
+            },
+        })
+        .map_err(RegistryError::Start)?;
+        let keeper = match checked.map(|c| c.bind_and_keep(id)).transpose() {
+            Ok(k) => k,
+            Err(e) => {
+                attachment.stop();
+                return Err(RegistryError::Lease(e));
+            }
+        };
+        let plug = match (&req.vmm, restore) {
+            // Restored: the VM has the device already.
+            (_, Some(r)) => r.plug,
+            (None, None) => None,
+            (Some(target), None) => match plug(target, id, req, &attachment) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    attachment.stop();
+                    return Err(RegistryError::Vmm(e));
+                }
+            },
+        };
+        Ok((attachment, plug, keeper, borrower, token))
+    }
+
+    /// With `id` and the request's socket free: reserves them, starts the attachment
+    /// (plugging it into the VM unless restored), records it and saves the state.
+    pub(super) fn start_reserved(
+        &self,
+        id: String,
+        req: AttachRequest,
+        restore: Option<Restore>,
+    ) -> Result<AttachmentInfo, RegistryError> {
+        let restored = restore.is_some();
+        self.lock_pending().push((id.clone(), req.socket.clone()));
+        // Start the socket and plug into the VM without holding the registry; the id
+        // and socket stay reserved meanwhile.
+        let result = self.start_and_plug(&id, &req, restore);
+        // Lock order everywhere: entries, then pending.
+        let mut entries = self.lock();
+        self.lock_pending().retain(|(i, _)| *i != id);
+        let (attachment, plug, lease, borrower, token) = result?;
+        let link_watch = match (&plug, attachment.net_counters()) {
+            (
+                Some(VmmPlug {
+                    target: VmmTarget::Qemu { qmp },
+                    device_id,
+                    ..
+                }),
+                Some(net),
+            ) => match LinkWatch::start(device_id.clone(), qmp.clone(), net) {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::warn!(id, error = %e, "cannot follow the NIC's link into the guest");
+                    None
+                }
+            },
+            _ => None,
+        };
+        let entry = Entry {
+            _link_watch: link_watch,
+            request: req,
+            id: id.clone(),
+            attachment,
+            plug,
+            lease,
+            borrower,
+            token,
+        };
+        let out = info(&entry);
+        self.rates.start(&id, std::time::Instant::now());
+        entries.insert(id.clone(), entry);
+        if let Err(e) = self.save_state(&entries) {
+            if !restored {
+                // Not attached unless it would survive a restart: undo.
+                if let Some(mut entry) = entries.remove(&id) {
+                    drop(entries);
+                    entry.attachment.stop();
+                    if let Some(k) = entry.lease.take() {
+                        k.release();
+                    }
+                    if let Some(p) = &entry.plug {
+                        let _ = unplug(p, qemu::RELEASE_TIMEOUT);
+                    }
+                }
+                return Err(RegistryError::State(e));
+            }
+        }
+        drop(entries);
+        tracing::info!(id = %out.id, device = %out.device, lender = %out.lender, socket = %out.socket.display(), restored, "attached");
+        Ok(out)
+    }
+}
