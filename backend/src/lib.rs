@@ -6,9 +6,10 @@
 //! Payloads move between the socket and guest memory directly ([`guest`]).
 //!
 //! [`net`] is a vhost-user-net backend; [`pci`] a vfio-user server for a lent PCIe
-//! function. [`virtq`] holds the checks of a virtqueue the driver may have corrupted;
+//! function. [`attachment`] serves one lent device of any kind on its socket. [`virtq`] holds the checks of a virtqueue the driver may have corrupted;
 //! [`budget`] bounds the vhost-user messages a VMM may send an attachment.
 
+pub mod attachment;
 pub mod blk;
 pub mod budget;
 pub mod guest;

@@ -10,8 +10,10 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use devlend_backend::attachment::{
+    AttachedKind, Attachment, AttachmentConfig, AttachmentError, Serve,
+};
 use devlend_backend::blk::engine::{new_borrower_id, LenderTarget};
-use devlend_backend::blk::{AttachedKind, Attachment, AttachmentConfig, AttachmentError, Serve};
 
 use crate::api::{
     AttachRequest, AttachmentInfo, BlockInfo, DeviceKind, KindInfo, NicInfo, PciInfo, VmmPlug,

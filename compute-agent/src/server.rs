@@ -193,7 +193,7 @@ pub async fn serve(
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    devlend_backend::blk::attachment::prepare_socket_path(socket)
+    devlend_backend::attachment::prepare_socket_path(socket)
         .map_err(|e| anyhow::anyhow!("cannot use the API socket: {e}"))?;
     let listener = tokio::net::UnixListener::bind(socket)
         .with_context(|| format!("cannot listen on {}", socket.display()))?;

@@ -16,9 +16,13 @@
 //! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
 //!   resubmits what was in flight; [`resubmit`] turns its heads back into chains;
 //! - [`backend`]: the `vhost-user-backend` glue (features, config, workers);
-//! - [`attachment`]: a listening vhost-user socket served for one lent device.
+//! - [`attachment`]: re-exports [`crate::attachment`], the attachment of a lent device
+//!   of any kind (it moved there: it is not block-only).
 
-pub mod attachment;
+/// The attachment moved to [`crate::attachment`]; its old path stays.
+pub mod attachment {
+    pub use crate::attachment::*;
+}
 pub mod backend;
 mod complete;
 pub mod engine;
@@ -40,6 +44,6 @@ mod target;
 pub mod timer;
 mod tx;
 
-pub use attachment::{AttachedKind, Attachment, AttachmentConfig, AttachmentError, Serve};
+pub use crate::attachment::{AttachedKind, Attachment, AttachmentConfig, AttachmentError, Serve};
 pub use engine::{QueueEngine, QueueStats, StatsSnapshot};
 pub use request::{DeviceLimits, Disposition, Parsed, Request};

@@ -11,8 +11,8 @@
 //! attachment without unplugging it from a VM that is no longer there;
 //! [`Registry::cancel_handover`] keeps it.
 
+use devlend_backend::attachment::Attachment;
 use devlend_backend::blk::engine::new_borrower_id;
-use devlend_backend::blk::Attachment;
 use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, TokenSigner};
 
 use super::{now_ms, Registry, RegistryError, DIRECT_TOKEN_LIFETIME_MS};
@@ -97,7 +97,7 @@ impl Registry {
             let e = entries
                 .get(id)
                 .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
-            if e.attachment.kind() == devlend_backend::blk::AttachedKind::Pci {
+            if e.attachment.kind() == devlend_backend::attachment::AttachedKind::Pci {
                 return Err(RegistryError::BadRequest(
                     "a PCIe function cannot migrate: QEMU's vfio-user client has no migration support".into(),
                 ));

@@ -1,0 +1,214 @@
+//! Starting a block device (vhost-user-blk) or a NIC (vhost-user-net) attachment: the
+//! holding session to the lender, the listening socket and the serving thread.
+
+use super::*;
+
+impl Attachment {
+    /// The vhost-user part of [`Attachment::start`]: the device is whatever the lender's
+    /// handshake reply says, a block device or a NIC.
+    pub(super) fn start_vhost(config: AttachmentConfig) -> Result<Self, AttachmentError> {
+        // This session holds the device on the lender for the attachment's lifetime
+        // (a device is lent to one borrower at a time); it carries no I/O.
+        let (hold, reply) =
+            crate::blk::holder::open(&config.lender).map_err(AttachmentError::Lender)?;
+        // An RDMA attachment fails now, with the reason, when RDMA cannot work (no
+        // device, no route, the lender not serving it), not later at the first request.
+        crate::blk::engine::probe_transport(&config.lender).map_err(AttachmentError::Lender)?;
+        let holder = Holder::start(&config.id, config.lender.clone(), hold)
+            .map_err(AttachmentError::Thread)?;
+        let shared = Arc::new(Shared {
+            handover: Arc::new(crate::handover::Handover::new(Some(holder.control()))),
+            ..Shared::default()
+        });
+        let hold = Some(holder);
+        let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
+        let listener =
+            Listener::new(&config.socket, true).map_err(|source| AttachmentError::Listen {
+                path: config.socket.clone(),
+                source,
+            })?;
+        // Only the owner and its group (e.g. the VMM's) may join the socket.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&config.socket, std::fs::Permissions::from_mode(0o660))
+                .map_err(|source| AttachmentError::Listen {
+                    path: config.socket.clone(),
+                    source: vhost::vhost_user::Error::SocketError(source),
+                })?;
+        }
+        let wake = EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?;
+        let stats = Arc::new(QueueStats::new(config.num_queues));
+        if reply.device.is_net() {
+            // A lent NIC: `num_queues` counts queue pairs.
+            if config.num_queues > MAX_QUEUE_PAIRS {
+                return Err(AttachmentError::QueuePairs(config.num_queues));
+            }
+            let link = reply.device.link();
+            crate::net::spec::check_link(&link).map_err(AttachmentError::BadLink)?;
+            let offload = reply.features & devlend_fabric::net::FEATURE_NET_OFFLOAD != 0;
+            let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));
+            let thread = {
+                let (config, net, shared) = (config.clone(), net.clone(), shared.clone());
+                let wake = wake.try_clone().map_err(AttachmentError::Thread)?;
+                std::thread::Builder::new()
+                    .name(format!("attach-{}", config.lender.device))
+                    .spawn(move || {
+                        crate::net::backend::serve(
+                            listener,
+                            &config.id,
+                            &config.lender,
+                            config.num_queues,
+                            &link,
+                            offload,
+                            &net,
+                            &shared.stop,
+                            &shared.handover,
+                            |l| wait_for_client(l, &wake, &shared),
+                            |h| {
+                                if let Ok(mut c) = shared.net_handle.lock() {
+                                    *c = h;
+                                }
+                            },
+                            &shared.connected,
+                        )
+                    })
+                    .map_err(AttachmentError::Thread)?
+            };
+            return Ok(Attachment {
+                hold,
+                pci: None,
+                config,
+                limits,
+                stats,
+                net: Some(net),
+                link: Some(link),
+                shared,
+                wake,
+                thread: Some(thread),
+            });
+        }
+        let thread = {
+            let (config, limits, stats, shared) = (
+                config.clone(),
+                limits.clone(),
+                stats.clone(),
+                shared.clone(),
+            );
+            let wake = wake.try_clone().map_err(AttachmentError::Thread)?;
+            std::thread::Builder::new()
+                .name(format!("attach-{}", config.lender.device))
+                .spawn(move || serve(listener, wake, config, limits, stats, shared))
+                .map_err(AttachmentError::Thread)?
+        };
+        Ok(Attachment {
+            hold,
+            pci: None,
+            config,
+            limits,
+            stats,
+            net: None,
+            link: None,
+            shared,
+            wake,
+            thread: Some(thread),
+        })
+    }
+}
+
+fn set_current(shared: &Shared, v: Option<(Arc<BlkBackend>, Option<ShutdownHandle>)>) {
+    if let Ok(mut c) = shared.current.lock() {
+        *c = v;
+    }
+}
+
+/// Waits until the listener has a pending connection (true) or stop is asked (false).
+fn wait_for_client(listener: &Listener, wake: &EventFd, shared: &Shared) -> bool {
+    loop {
+        if shared.stop.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: fds is a valid array of two pollfds for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n > 0 && fds[0].revents & libc::POLLIN != 0 && !shared.stop.load(Ordering::Acquire) {
+            return true;
+        }
+    }
+}
+
+fn serve(
+    listener: Listener,
+    wake: EventFd,
+    config: AttachmentConfig,
+    limits: Arc<DeviceLimits>,
+    stats: Arc<QueueStats>,
+    shared: Arc<Shared>,
+) {
+    let name = format!("devlend-blk-{}", config.lender.device);
+    let budget = crate::budget::for_attachment();
+    while wait_for_client(&listener, &wake, &shared) {
+        let Some(stream) =
+            crate::budget::accept_admitted(&listener, &budget, &shared.stop, &config.id)
+        else {
+            continue;
+        };
+        let backend = Arc::new(
+            BlkBackend::new(
+                Arc::from(config.id.as_str()),
+                limits.clone(),
+                config.num_queues,
+                &config.lender,
+                stats.clone(),
+                config.reconnect_deadline,
+            )
+            .with_poll(config.poll)
+            .with_handover(shared.handover.clone()),
+        );
+        let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory())
+        {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(attachment = %config.id, error = %e, "cannot create vhost-user daemon");
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+        };
+        daemon.set_message_budget(budget.clone());
+        backend.attach_handlers(&daemon.get_epoll_handlers());
+        set_current(&shared, Some((backend.clone(), None)));
+        if let Err(e) = daemon.start_stream(stream) {
+            devlend_fabric::limited!(warn, attachment = %config.id, error = %e, "vhost-user connection failed to start");
+        } else {
+            set_current(&shared, Some((backend.clone(), daemon.shutdown_handle())));
+            shared.connected.store(true, Ordering::Release);
+            devlend_fabric::limited!(info, attachment = %config.id, socket = %config.socket.display(), "frontend connected");
+            if shared.stop.load(Ordering::Acquire) {
+                backend.drain_all(DRAIN_TIMEOUT, false);
+                daemon.request_shutdown();
+            }
+            match daemon.wait() {
+                Ok(()) => {
+                    devlend_fabric::limited!(info, attachment = %config.id, socket = %config.socket.display(), "frontend disconnected")
+                }
+                Err(e) => {
+                    devlend_fabric::limited!(info, attachment = %config.id, socket = %config.socket.display(), error = %e, "frontend connection ended")
+                }
+            }
+            shared.connected.store(false, Ordering::Release);
+        }
+        set_current(&shared, None);
+        drop(daemon);
+        backend.close_exit_fds();
+    }
+}
