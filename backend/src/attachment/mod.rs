@@ -128,19 +128,31 @@ struct Shared {
     connected: AtomicBool,
 }
 
+/// What one kind of attachment alone has.
+enum Part {
+    /// A block device: its counters are [`Attachment::stats`].
+    Block,
+    /// A NIC.
+    Nic {
+        /// Its frame counters and link state.
+        net: Arc<NetStats>,
+        /// Its link (MAC, MTU) as the lender reported it at start.
+        link: devlend_fabric::net::LinkState,
+    },
+    /// A PCIe function: its borrower.
+    Pci(crate::pci::PciHandle),
+}
+
 /// A running attachment.
 pub struct Attachment {
     /// The session that holds a block device or NIC (a PCIe function's own session
     /// holds it).
     hold: Option<Holder>,
-    /// For a PCIe function: its borrower.
-    pci: Option<crate::pci::PciHandle>,
+    /// What its kind alone has.
+    part: Part,
     config: AttachmentConfig,
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
-    net: Option<Arc<NetStats>>,
-    /// A lent NIC's link (MAC, MTU) as the lender reported it at start.
-    link: Option<devlend_fabric::net::LinkState>,
     shared: Arc<Shared>,
     wake: EventFd,
     thread: Option<JoinHandle<()>>,
@@ -165,38 +177,45 @@ impl Attachment {
 
     /// What it serves: a block device, a NIC or a PCIe function.
     pub fn kind(&self) -> AttachedKind {
-        if self.pci.is_some() {
-            AttachedKind::Pci
-        } else if self.net.is_some() {
-            AttachedKind::Nic
-        } else {
-            AttachedKind::Block
+        match self.part {
+            Part::Block => AttachedKind::Block,
+            Part::Nic { .. } => AttachedKind::Nic,
+            Part::Pci(_) => AttachedKind::Pci,
         }
     }
 
     /// For a borrowed PCIe function: its handle (identity, coherence mode, DMA maps).
     pub fn pci(&self) -> Option<&crate::pci::PciHandle> {
-        self.pci.as_ref()
+        match &self.part {
+            Part::Pci(p) => Some(p),
+            _ => None,
+        }
     }
 
     /// For a borrowed PCIe function: its counters.
     pub fn pci_stats(&self) -> Option<&crate::pci::PciStats> {
-        self.pci.as_ref().map(|h| h.stats())
+        self.pci().map(|h| h.stats())
     }
 
     /// For a lent NIC: its packet counters and link state.
     pub fn net_stats(&self) -> Option<NetStatsSnapshot> {
-        self.net.as_ref().map(|n| n.snapshot())
+        self.net_counters().map(|n| n.snapshot())
     }
 
     /// For a lent NIC: its counters, shared (e.g. with a thread that follows the link).
     pub fn net_counters(&self) -> Option<Arc<NetStats>> {
-        self.net.clone()
+        match &self.part {
+            Part::Nic { net, .. } => Some(net.clone()),
+            _ => None,
+        }
     }
 
     /// For a lent NIC: the link (MAC, MTU) the lender reported when it was attached.
     pub fn net_link(&self) -> Option<devlend_fabric::net::LinkState> {
-        self.link
+        match &self.part {
+            Part::Nic { link, .. } => Some(*link),
+            _ => None,
+        }
     }
 
     /// A live migration's handover of the device ([`crate::handover`]).
@@ -227,7 +246,7 @@ impl Attachment {
     /// Whether the lender is gone for good: a PCIe function's fabric session ended (it is
     /// not re-opened under a running VMM).
     pub fn lender_lost(&self) -> bool {
-        self.pci.as_ref().is_some_and(|p| p.session_closed())
+        self.pci().is_some_and(|p| p.session_closed())
     }
 
     /// Whether a frontend is connected now.
@@ -257,7 +276,7 @@ impl Attachment {
 
     fn shutdown(&mut self, timeout: Duration, handoff: bool) {
         self.shared.stop.store(true, Ordering::Release);
-        if let Some(pci) = &self.pci {
+        if let Part::Pci(pci) = &self.part {
             // The lender quiesces the function and lends it again. The vfio_user
             // server cannot be interrupted: a connection wakes its accept, and a VMM
             // still connected keeps its connection (every request failing) until it

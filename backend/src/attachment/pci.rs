@@ -83,11 +83,9 @@ impl Attachment {
         let info = devlend_fabric::DeviceInfo::pci(&config.lender.device);
         Ok(Attachment {
             hold: None,
-            pci: Some(handle),
+            part: Part::Pci(handle),
             limits: Arc::new(DeviceLimits::from_device_info(&info)),
             stats: Arc::new(QueueStats::new(1)),
-            net: None,
-            link: None,
             shared,
             wake: EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?,
             thread: Some(thread),

@@ -76,12 +76,10 @@ impl Attachment {
             };
             return Ok(Attachment {
                 hold,
-                pci: None,
+                part: Part::Nic { net, link },
                 config,
                 limits,
                 stats,
-                net: Some(net),
-                link: Some(link),
                 shared,
                 wake,
                 thread: Some(thread),
@@ -102,12 +100,10 @@ impl Attachment {
         };
         Ok(Attachment {
             hold,
-            pci: None,
+            part: Part::Block,
             config,
             limits,
             stats,
-            net: None,
-            link: None,
             shared,
             wake,
             thread: Some(thread),
