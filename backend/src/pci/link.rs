@@ -227,7 +227,7 @@ impl Link {
             crate::blk::engine::Transport::Tcp => {
                 let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
                 tcp::check_lender(&t.lender, t.lender_key.as_ref(), &hello, &reply)?;
-                if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
+                if reply.pci().is_none() || reply.features & FEATURE_PCI == 0 {
                     return Err(bad("the lender's device is not a PCIe function"));
                 }
                 let rx = Reader {
@@ -442,7 +442,7 @@ fn rdma_connect(t: &LinkTarget, hello: &Hello) -> Result<Arc<RdmaWire>, ConnectE
         });
     }
     tcp::check_lender(&t.lender, t.lender_key.as_ref(), hello, &reply)?;
-    if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
+    if reply.pci().is_none() || reply.features & FEATURE_PCI == 0 {
         return Err(ConnectError::Handshake {
             addr: t.lender.clone(),
             source: WireError::Invalid("the lender's device is not a PCIe function"),
