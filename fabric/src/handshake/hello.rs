@@ -41,7 +41,8 @@ pub struct Hello {
     pub version: u16,
     /// Index of the virtqueue this connection serves (0-based).
     pub queue_index: u16,
-    /// Optional protocol features requested; none are defined in version 1 (send 0).
+    /// Optional protocol features requested (NET, NET_OFFLOAD, PCI, CREDIT, LENDER_PROOF,
+    /// THROTTLE_NOTE: `docs/protocol.md`); 0 for none.
     pub features: u64,
     /// Identity of the borrower's attachment (random, the same on all its connections).
     /// A lender gives a device to one borrower at a time; all zero means anonymous: such
