@@ -34,6 +34,31 @@ msg = b'no device "x"'
 refusal = b"DVLD" + struct.pack("<HHQQIIIII", 1, 2, 0, 0, 0, 0, 0, 0, 0)
 refusal += struct.pack("<HH", len(msg), 0) + bytes(20) + msg
 put("wire_decode", "reply-refused", b"\x03" + refusal)
+# Version 1 replies above; a NIC in version 1 (MTU in max_transfer, MAC in serial).
+v1nic = b"DVLD" + struct.pack("<HHQQIIIII", 1, 0, 1, 0, 512, 9000, 0, 0, (1 << 3) | (1 << 4))
+v1nic += struct.pack("<HH", 0, 0) + bytes([2, 1, 2, 3, 4, 5]).ljust(20, b"\0")
+put("wire_decode", "reply-v1-nic", b"\x03" + v1nic)
+
+
+# Version 2 replies: head, msg_len, desc_len, reserved, [credit], description, message.
+def reply_v2(status, features, desc, msg=b"", credit=b""):
+    return (b"DVLD" + struct.pack("<HHQ", 2, status, features)
+            + struct.pack("<HH4x", len(msg), len(desc)) + credit + desc + msg)
+
+
+desc_block = bytes([1, 0, 0, 0]) + struct.pack("<QIIIII", 2048, 4096, 1 << 20, 1 << 16,
+                                                 1 << 16, 2) + serial
+desc_nic = bytes([2, 0, 0, 0]) + bytes([2, 1, 2, 3, 4, 5, 0, 0]) + struct.pack("<III", 1, 1500, 0xf)
+bdf = b"0000:03:00.0"
+desc_pci = (bytes([3, 0, 0, 0])
+            + struct.pack("<HHHHIBBBB", 0x1b36, 0x0010, 0x1af4, 0x1100, 0x010802, 1, len(bdf), 2, 0)
+            + bdf + struct.pack("<IIQ", 0, 3, 0x4000) + struct.pack("<IIQ", 7, 3, 0x1000))
+put("wire_decode", "reply-v2-block", b"\x03" + reply_v2(0, 8, desc_block,
+                                                        credit=struct.pack("<II", 1024, 64 << 20)))
+put("wire_decode", "reply-v2-nic", b"\x03" + reply_v2(0, 1, desc_nic))
+put("wire_decode", "reply-v2-pci", b"\x03" + reply_v2(0, 4, desc_pci))
+put("wire_decode", "reply-v2-refused", b"\x03" + reply_v2(2, 0, b"", msg))
+put("wire_decode", "description-pci", b"\x03" + desc_pci)
 
 
 def field(s):

@@ -22,7 +22,7 @@ fn engine() -> QueueEngine {
     // Nothing listens: nothing may be sent.
     let target = LenderTarget::direct("127.0.0.1:9", "disk", [1; 16]);
     let limits = Arc::new(DeviceLimits::from_device_info(
-        &devlend_fabric::DeviceInfo {
+        &devlend_fabric::BlockGeometry {
             capacity_sectors: 2048,
             block_size: 512,
             max_transfer: 1 << 20,

@@ -105,7 +105,9 @@ impl Rig {
         let addr = lender.local_addr().to_string();
         let (_s, reply) =
             devlend_fabric::tcp::connect(&addr, "disk", 0, Duration::from_secs(5)).unwrap();
-        let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
+        let limits = Arc::new(DeviceLimits::from_device_info(
+            reply.block().expect("a block device"),
+        ));
         let target = LenderTarget::direct(&addr, "disk", [1; 16]);
         let mut engine = QueueEngine::new(0, target, limits, Arc::new(QueueStats::default()))
             .with_deadline(Duration::from_secs(2));

@@ -16,7 +16,7 @@ use devlend_backend::blk::backend::BlkBackend;
 use devlend_backend::blk::engine::{LenderTarget, QueueStats};
 use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::mark_dirty;
-use devlend_fabric::DeviceInfo;
+use devlend_fabric::BlockGeometry;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserDirtyLogRegion, VhostUserMemoryRegionInfo};
@@ -44,11 +44,11 @@ impl Rig {
     /// negotiated every feature and protocol feature offered (LOG_ALL and LOG_SHMFD
     /// included), and a memory table of one region at guest address 0.
     fn new() -> Rig {
-        let info = DeviceInfo {
+        let info = BlockGeometry {
             capacity_sectors: 2048,
             block_size: 512,
             max_transfer: 1 << 20,
-            ..DeviceInfo::default()
+            ..BlockGeometry::default()
         };
         let target = LenderTarget::direct("127.0.0.1:1", "disk", [1; 16]);
         let backend = Arc::new(BlkBackend::new(

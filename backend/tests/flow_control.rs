@@ -21,7 +21,7 @@ use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::GuestMemory;
 use devlend_fabric::wire::REQUEST_HEADER_LEN;
 use devlend_fabric::{
-    Credit, DeviceInfo, Hello, HelloReply, Op, RequestHeader, ResponseHeader, Status,
+    BlockGeometry, Credit, Hello, HelloReply, Op, RequestHeader, ResponseHeader, Status,
 };
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
@@ -39,12 +39,12 @@ const DATA_LEN: u32 = 512 << 10;
 const HEADERS: u64 = 0x40000;
 const STATUS: u64 = 0x60000;
 
-fn device() -> DeviceInfo {
-    DeviceInfo {
+fn device() -> BlockGeometry {
+    BlockGeometry {
         capacity_sectors: 1 << 21,
         block_size: 512,
         max_transfer: 1 << 20,
-        ..DeviceInfo::default()
+        ..BlockGeometry::default()
     }
 }
 

@@ -87,7 +87,9 @@ impl Rig {
         };
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();
-        let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
+        let limits = Arc::new(DeviceLimits::from_device_info(
+            reply.block().expect("a block device"),
+        ));
         let stats_handle = Arc::new(QueueStats::default());
         let mut engine = QueueEngine::new(0, target, limits.clone(), stats_handle.clone())
             .with_deadline(DEADLINE);

@@ -14,7 +14,7 @@ use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::GuestMemory;
 use devlend_fabric::handshake::{Hello, DEV_DISCARD};
 use devlend_fabric::wire::{RequestHeader, ResponseHeader, REQUEST_HEADER_LEN};
-use devlend_fabric::{DeviceInfo, HelloReply, Status};
+use devlend_fabric::{BlockGeometry, HelloReply, Status};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
@@ -23,8 +23,8 @@ use vm_memory::{Bytes, GuestAddress};
 
 const STATUS: u64 = 0x8000;
 
-fn info() -> DeviceInfo {
-    DeviceInfo {
+fn info() -> BlockGeometry {
+    BlockGeometry {
         capacity_sectors: 2048,
         block_size: 512,
         max_transfer: 1 << 20,

@@ -31,7 +31,7 @@ use devlend_fabric::pci::{
     Access, IrqInfo as LenderIrq, Message, PciInfo, RegionInfo, FEATURE_PCI, KIND_INFO, KIND_PULL,
     KIND_READ, REPLY,
 };
-use devlend_fabric::{DeviceInfo, Hello, HelloReply};
+use devlend_fabric::{Hello, HelloReply, PciIdentity};
 use vfio_bindings::bindings::vfio::vfio_region_info;
 use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
@@ -555,7 +555,10 @@ fn lender() -> (String, Arc<Mutex<Vec<Access>>>) {
                 if Hello::read_from(&mut s).is_err() {
                     return;
                 }
-                let mut reply = HelloReply::ok(DeviceInfo::pci("0000:00:04.0"));
+                let mut reply = HelloReply::ok(PciIdentity {
+                    bdf: "0000:00:04.0".into(),
+                    ..PciIdentity::default()
+                });
                 reply.features = FEATURE_PCI;
                 if reply.write_to(&mut s).is_err() {
                     return;

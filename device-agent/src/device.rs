@@ -1,5 +1,5 @@
 //! Opening a lent device: the backing file or block device, its capacity, and the
-//! [`DeviceInfo`] advertised in the handshake.
+//! [`DeviceDescription`] described in the handshake.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -10,8 +10,9 @@ use std::sync::Arc;
 
 use devlend_fabric::qos::Qos;
 
+use devlend_fabric::handshake::description::NIC_OFFLOADS;
 use devlend_fabric::handshake::{DEV_DISCARD, DEV_READ_ONLY, DEV_WRITE_ZEROES};
-use devlend_fabric::{DeviceInfo, SECTOR_SIZE};
+use devlend_fabric::{BlockGeometry, DeviceDescription, NicLink, SECTOR_SIZE};
 
 use crate::qos::{Group, Store};
 use crate::stats::DeviceStats;
@@ -33,8 +34,8 @@ pub(crate) struct Device {
     pub(crate) read_only: bool,
     /// Lendable bytes: the backing size rounded down to a multiple of 512.
     pub(crate) capacity_bytes: u64,
-    /// What the handshake advertises.
-    pub(crate) info: DeviceInfo,
+    /// What the handshake describes (a NIC's link is read again at each handshake).
+    pub(crate) info: DeviceDescription,
     /// The backing file lives in memory (tmpfs, ramfs): its I/O is a memory copy that
     /// never waits for a device.
     pub(crate) memory_backed: bool,
@@ -164,7 +165,7 @@ impl Device {
         if spec.read_only {
             flags |= DEV_READ_ONLY;
         }
-        let info = DeviceInfo {
+        let info = BlockGeometry {
             capacity_sectors,
             block_size,
             max_transfer: MAX_TRANSFER_BYTES,
@@ -187,7 +188,7 @@ impl Device {
             file,
             read_only: spec.read_only,
             capacity_bytes: capacity_sectors * SECTOR_SIZE,
-            info,
+            info: info.into(),
             memory_backed,
             stats: DeviceStats::default(),
             nic: None,
@@ -201,7 +202,7 @@ impl Device {
     fn open_net(spec: &DeviceSpec, ifname: &str) -> Result<Device, Error> {
         let mac = spec.mac.as_deref().and_then(crate::config::parse_mac);
         let nic = crate::nic::Nic::open(&spec.name, ifname, mac)?;
-        let info = DeviceInfo::net(&nic.link());
+        let info = NicLink::new(&nic.link(), NIC_OFFLOADS).into();
         // A NIC has no backing file; the block engine never runs for it. /dev/null
         // stands in so that the block fields keep one type.
         let file = File::open("/dev/null").map_err(|source| Error::Open {
@@ -247,7 +248,7 @@ impl Device {
             file,
             read_only: false,
             capacity_bytes: 0,
-            info: DeviceInfo::pci(bdf),
+            info: f.description().into(),
             memory_backed: false,
             stats: DeviceStats::default(),
             nic: None,
@@ -353,11 +354,12 @@ mod tests {
         let f = tempfile::NamedTempFile::new().unwrap();
         f.as_file().set_len(1000).unwrap();
         let d = Device::open(&spec_for(f.path(), false)).unwrap();
-        assert_eq!(d.info.capacity_sectors, 1);
+        let g = d.info.as_block().unwrap();
+        assert_eq!(g.capacity_sectors, 1);
         assert_eq!(d.capacity_bytes, 512);
-        assert_eq!(d.info.block_size, 512);
-        assert_eq!(d.info.flags, DEV_DISCARD | DEV_WRITE_ZEROES);
-        assert_eq!(&d.info.serial[..2], b"t\0");
+        assert_eq!(g.block_size, 512);
+        assert_eq!(g.flags, DEV_DISCARD | DEV_WRITE_ZEROES);
+        assert_eq!(&g.serial[..2], b"t\0");
     }
 
     #[test]
@@ -366,7 +368,7 @@ mod tests {
         let img = dir.path().join("a.img");
         std::fs::write(&img, vec![0u8; 4096]).unwrap();
         let d = Device::open(&spec_for(&img, true)).unwrap();
-        assert!(d.info.read_only());
+        assert!(d.info.as_block().unwrap().read_only());
 
         let missing = dir.path().join("missing.img");
         let msg = Device::open(&spec_for(&missing, false))

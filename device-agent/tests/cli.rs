@@ -166,14 +166,16 @@ fn serves_a_device_from_flags_and_config() {
             Err(e) => panic!("agent not reachable: {e}"),
         }
     };
-    assert_eq!(&reply.device.serial[..4], b"SN0\0");
+    let geometry = reply.block().cloned().expect("a block device");
+    assert_eq!(&geometry.serial[..4], b"SN0\0");
     sock.set_read_timeout(Some(common::IO_TIMEOUT)).unwrap();
-    let mut c = common::Client::from_stream(sock, reply.device);
+    let mut c = common::Client::from_stream(sock, geometry);
     assert_eq!(c.write(1, &[0x11u8; 512]), Status::Ok);
     assert_eq!(c.read(1, 512), (Status::Ok, vec![0x11u8; 512]));
 
     let (_, reply) = tcp::connect(&addr, "ro", 0, Duration::from_secs(5)).unwrap();
-    assert!(reply.device.read_only());
-    assert_eq!(reply.device.capacity_sectors, 8);
-    assert_eq!(&reply.device.serial[..6], b"SN-RO\0");
+    let ro = reply.block().expect("a block device");
+    assert!(ro.read_only());
+    assert_eq!(ro.capacity_sectors, 8);
+    assert_eq!(&ro.serial[..6], b"SN-RO\0");
 }

@@ -36,15 +36,21 @@ pub mod units;
 pub mod wire;
 
 pub use error::WireError;
-pub use handshake::{Credit, DeviceInfo, Hello, HelloReply, HelloStatus, FEATURE_CREDIT};
+pub use handshake::{
+    BlockGeometry, CoherenceMode, Credit, DeviceDescription, Hello, HelloReply, HelloStatus,
+    NicLink, PciIdentity, PciRegion, FEATURE_CREDIT,
+};
 pub use units::{Bytes, Sector, Sectors, UnitError};
 pub use wire::{
     BlockRequest, Op, RequestHeader, ResponseHeader, Status, FEATURE_THROTTLE_NOTE,
     RESPONSE_THROTTLED,
 };
 
-/// Protocol version spoken by this build (the handshake's `version` field).
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Protocol version spoken by this build (the handshake's `version` field). Version 2
+/// describes the device in the hello reply by kind ([`DeviceDescription`]); a lender of
+/// this build still answers a version 1 hello, and a borrower still reads a version 1
+/// reply ([`handshake::v1`], [`handshake::MIN_PROTOCOL_VERSION`]).
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Size of a logical sector in bytes: every `sector` field on the wire counts these
 /// (virtio 1.2 §5.2.6: sectors are 512 bytes regardless of `blk_size`).

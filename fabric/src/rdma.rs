@@ -28,9 +28,22 @@ pub const MAX_SEGMENTS: usize = 256;
 /// Largest request message: header, segment count, segments.
 pub const MAX_REQUEST_MSG: usize =
     REQUEST_HEADER_LEN + SEGMENT_LIST_HEADER_LEN + MAX_SEGMENTS * SEGMENT_LEN;
-/// Largest handshake message either way (a hello with a 255-byte name and a 1024-byte
-/// token; a reply with a 1024-byte message), rounded up.
+/// Largest handshake message either way (a hello with a 255-byte name, a 1024-byte
+/// token and a challenge; a version 2 reply with a credit, a proof, the longest device
+/// description and a 1024-byte message), rounded up.
 pub const MAX_HANDSHAKE_MSG: usize = 2048;
+
+const _: () = {
+    use crate::handshake::{
+        CREDIT_LEN, HELLO_FIXED_LEN, MAX_DESCRIPTION_LEN, MAX_MESSAGE_LEN, MAX_NAME_LEN,
+        REPLY_FIXED_LEN, V1_REPLY_FIXED_LEN,
+    };
+    use crate::lender_proof::{CHALLENGE_LEN, PROOF_LEN};
+    let hello = HELLO_FIXED_LEN + MAX_NAME_LEN + crate::lease_token::MAX_TOKEN_LEN + CHALLENGE_LEN;
+    let v2 = REPLY_FIXED_LEN + CREDIT_LEN + PROOF_LEN + MAX_DESCRIPTION_LEN + MAX_MESSAGE_LEN;
+    let v1 = V1_REPLY_FIXED_LEN + CREDIT_LEN + PROOF_LEN + MAX_MESSAGE_LEN;
+    assert!(hello <= MAX_HANDSHAKE_MSG && v2 <= MAX_HANDSHAKE_MSG && v1 <= MAX_HANDSHAKE_MSG);
+};
 /// Messages each end can receive at once: the largest virtqueue, so the borrower never
 /// has more in flight than the lender has receive buffers posted.
 pub const RECV_DEPTH: usize = 1024;

@@ -144,9 +144,47 @@ pub fn connect(
 
 /// As [`connect`], with a prepared [`Hello`] (e.g. carrying the borrower's identity).
 ///
+/// A lender of protocol version 1 refuses a version 2 hello for its version: it is then
+/// asked again on a new connection, with the same hello in version 1, and its version 1
+/// reply is returned (`docs/protocol.md`, "Versions").
+///
 /// # Errors
 /// [`ConnectError`] for each failure, naming the address and the device.
 pub fn connect_as(
+    addr: &str,
+    hello: &Hello,
+    timeout: Duration,
+) -> Result<(TcpStream, HelloReply), ConnectError> {
+    match connect_once(addr, hello, timeout) {
+        Err(e) if falls_back(hello, &e) => connect_once(addr, &v1_hello(hello), timeout),
+        r => r,
+    }
+}
+
+/// Whether a refusal of `hello` is that of a lender of protocol version 1, which the
+/// borrower asks again in version 1 (`docs/protocol.md`, versions). Only a version 1
+/// lender refuses a version 2 hello for its version; a later lender that stopped speaking
+/// version 1 refuses that one too, and that refusal is returned.
+fn falls_back(hello: &Hello, e: &ConnectError) -> bool {
+    hello.version == crate::PROTOCOL_VERSION
+        && matches!(
+            e,
+            ConnectError::Refused {
+                status: HelloStatus::UnsupportedVersion,
+                ..
+            }
+        )
+}
+
+/// `hello` in protocol version 1.
+fn v1_hello(hello: &Hello) -> Hello {
+    Hello {
+        version: 1,
+        ..hello.clone()
+    }
+}
+
+fn connect_once(
     addr: &str,
     hello: &Hello,
     timeout: Duration,
@@ -163,7 +201,8 @@ pub fn connect_as(
 /// ([`crate::tls::spawn_pump`]) that bridges the session to the returned
 /// [`Stream::Tls`].
 ///
-/// `timeout` bounds the connect, the TLS handshake and the hello each. The returned
+/// `timeout` bounds the connect, the TLS handshake and the hello each. A lender of
+/// protocol version 1 is asked again in version 1, as by [`connect_as`]. The returned
 /// stream is in blocking mode with no read or write timeout; the TCP socket has
 /// `TCP_NODELAY`, keepalive and `TCP_USER_TIMEOUT` set (see [`KEEPALIVE`]).
 ///
@@ -190,6 +229,19 @@ pub fn open(
 /// As [`open`]; [`ConnectError::Relay`] when a gateway refuses the route (the message
 /// names the cluster, the lender, and why).
 pub fn open_via(
+    addr: &str,
+    relay: Option<&crate::relay::Route>,
+    hello: &Hello,
+    timeout: Duration,
+    tls: Option<&TlsTarget>,
+) -> Result<(Stream, HelloReply), ConnectError> {
+    match open_once(addr, relay, hello, timeout, tls) {
+        Err(e) if falls_back(hello, &e) => open_once(addr, relay, &v1_hello(hello), timeout, tls),
+        r => r,
+    }
+}
+
+fn open_once(
     addr: &str,
     relay: Option<&crate::relay::Route>,
     hello: &Hello,

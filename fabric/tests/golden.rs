@@ -6,7 +6,7 @@
 //! or in the wrong byte order shows.
 
 use devlend_fabric::handshake::{
-    Credit, DeviceInfo, Hello, HelloReply, HelloStatus, DEV_DISCARD, DEV_WRITE_ZEROES,
+    BlockGeometry, Credit, Hello, HelloReply, HelloStatus, DEV_DISCARD, DEV_WRITE_ZEROES,
 };
 use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, PublicKey, TokenSigner};
 use devlend_fabric::net::{self, LinkState, NetMessage, Offload};
@@ -18,22 +18,9 @@ use devlend_fabric::{
     BlockRequest, Bytes, RequestHeader, ResponseHeader, Sector, Sectors, Status, SERIAL_LEN,
 };
 
-fn unhex(s: &str) -> Vec<u8> {
-    assert!(s.len().is_multiple_of(2));
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-        .collect()
-}
+mod common;
 
-fn same(name: &str, got: &[u8], golden: &str) {
-    let want = unhex(golden);
-    assert_eq!(
-        got,
-        want.as_slice(),
-        "{name}: the bytes on the wire changed"
-    );
-}
+use common::{hello_round_trip, reply_round_trip, same};
 
 #[test]
 fn block_request_headers() {
@@ -141,27 +128,11 @@ fn block_response_headers() {
     }
 }
 
-fn hello_round_trip(name: &str, h: &Hello, golden: &str) {
-    let mut b = Vec::new();
-    h.write_to(&mut b).unwrap();
-    same(name, &b, golden);
-    assert_eq!(&Hello::read_from(&mut b.as_slice()).unwrap(), h, "{name}");
-}
-
-fn reply_round_trip(name: &str, r: &HelloReply, golden: &str) {
-    let mut b = Vec::new();
-    r.write_to(&mut b).unwrap();
-    same(name, &b, golden);
-    assert_eq!(
-        &HelloReply::read_from(&mut b.as_slice()).unwrap(),
-        r,
-        "{name}"
-    );
-}
-
+/// Version 1: the bytes of a version 1 peer, unchanged since they were captured.
 #[test]
 fn handshake() {
     let mut h = Hello::new("disk0", 0x0102);
+    h.version = 1;
     h.features = 0x0807_0605_0403_0201;
     h.borrower = std::array::from_fn(|i| 0xa0 + i as u8);
     h.token = vec![1, 2, 3];
@@ -172,13 +143,16 @@ fn handshake() {
     );
     hello_round_trip(
         "hello, anonymous",
-        &Hello::new("x", 0),
+        &Hello {
+            version: 1,
+            ..Hello::new("x", 0)
+        },
         "44564c44010000000000000000000000000000000000000000000000000000000100000078",
     );
 
     let mut serial = [0u8; SERIAL_LEN];
     serial[..4].copy_from_slice(b"SN01");
-    let dev = DeviceInfo {
+    let dev = BlockGeometry {
         capacity_sectors: 0x1112_1314_1516_1718,
         block_size: 4096,
         max_transfer: 0x0010_0000,
@@ -187,7 +161,7 @@ fn handshake() {
         flags: DEV_DISCARD | DEV_WRITE_ZEROES,
         serial,
     };
-    let mut r = HelloReply::ok(dev.clone());
+    let mut r = HelloReply::ok(dev.clone()).for_version(1);
     r.features = 0x100;
     reply_round_trip(
         "reply",
@@ -195,7 +169,7 @@ fn handshake() {
         "44564c440100000000010000000000001817161514131211001000000000100004030201\
          080706050600000000000000534e303100000000000000000000000000000000",
     );
-    let mut r = HelloReply::ok(dev);
+    let mut r = HelloReply::ok(dev).for_version(1);
     r.features = devlend_fabric::FEATURE_CREDIT;
     r.credit = Some(Credit {
         requests: 0x0102_0304,
@@ -209,7 +183,7 @@ fn handshake() {
     );
     reply_round_trip(
         "refusal",
-        &HelloReply::refuse(HelloStatus::Denied, "no lease"),
+        &HelloReply::refuse(HelloStatus::Denied, "no lease").for_version(1),
         "44564c44010005000000000000000000000000000000000000000000000000000000000000000000\
          000000000800000000000000000000000000000000000000000000006e6f206c65617365",
     );

@@ -2,7 +2,8 @@
 //!
 //! The first byte picks the decoder (mod 11), the rest is its input:
 //! 0 `RequestHeader::decode`, 1 `ResponseHeader::decode`, 2 `Hello::read_from`,
-//! 3 `HelloReply::read_from`, 4 `LeaseToken::from_text` + `PublicKey::verify`,
+//! 3 `HelloReply::read_from` (versions 1 and 2) and, on the same bytes,
+//! `DeviceDescription::decode` (the version 2 reply's device description), 4 `LeaseToken::from_text` + `PublicKey::verify`,
 //! 5 `PublicKey::verify` of the input signed with the fixed key (so that the claims
 //! decoder behind the signature check sees arbitrary bytes too),
 //! 6 the relay preamble's request as a gateway reads it from a borrower
@@ -19,7 +20,9 @@
 //! layout has one encoding per value (reserved bytes are 0, base64url has no padding and
 //! no stray bits), so decoding accepts only canonical bytes. The exceptions are the
 //! messages for people (`HelloReply`, `RelayReply`): one that is not UTF-8 is decoded
-//! lossily, so only the rest of the message is compared.
+//! lossily, so only the rest of the message is compared; and a version 1 hello reply,
+//! which is read into a device description and written back from it (the fields its
+//! kind does not use are not kept), so that only its value must come back.
 //!
 //! The gateway's frame codec is compiled in by path (`gateway/src/mux/frame.rs` uses
 //! only `std` and `devlend_fabric`), so that the gateway's runtime is not built here.
@@ -35,7 +38,7 @@ use devlend_fabric::relay::{
     RelayReply, RelayRequest, REPLY_FIXED_LEN as RELAY_REPLY_FIXED_LEN, REQUEST_FIXED_LEN,
 };
 use devlend_fabric::wire::{Op, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
-use devlend_fabric::{Hello, HelloReply, RequestHeader, ResponseHeader};
+use devlend_fabric::{DeviceDescription, Hello, HelloReply, RequestHeader, ResponseHeader};
 use ed25519_dalek::{Signer, SigningKey};
 use libfuzzer_sys::fuzz_target;
 
@@ -46,9 +49,8 @@ mod mux_frame;
 
 /// The fixed pool key the tokens are checked with.
 const SEED: [u8; 32] = [0x5e; 32];
-use devlend_fabric::handshake::REPLY_FIXED_LEN;
-/// Offset of the reply's `msg_len: u16`.
-const REPLY_MSG_LEN_AT: usize = 44;
+/// Offset of a version 2 reply's `msg_len: u16`.
+const REPLY_MSG_LEN_AT: usize = 16;
 
 /// `DEVLEND_FUZZ_SHOW=1`: print what each input decodes to (to read a reproducer).
 static SHOW: LazyLock<bool> = LazyLock::new(|| std::env::var_os("DEVLEND_FUZZ_SHOW").is_some());
@@ -121,27 +123,55 @@ fn hello(data: &[u8]) {
 }
 
 fn hello_reply(data: &[u8]) {
+    description(data);
     let mut rest = data;
     let r = HelloReply::read_from(&mut rest);
     show(&r);
-    if let Ok(r) = r {
-        let wire = consumed(data, rest);
+    let Ok(r) = r else {
+        return;
+    };
+    let wire = consumed(data, rest);
+    let mut out = Vec::new();
+    r.write_to(&mut out).expect("a decoded reply encodes");
+    // The value comes back (but for a lossily decoded message).
+    let again = HelloReply::read_from(&mut out.as_slice()).expect("an encoded reply decodes");
+    let quiet = |r: &HelloReply| HelloReply {
+        message: String::new(),
+        ..r.clone()
+    };
+    assert_eq!(quiet(&again), quiet(&r), "{r:?} does not decode back");
+    if r.version == 1 {
+        return;
+    }
+    // Version 2: the bytes come back too. The message is last; only a UTF-8 one has its
+    // bytes back, else everything but it and its length is the same.
+    let len_at = |b: &[u8]| {
+        usize::from(u16::from_le_bytes([
+            b[REPLY_MSG_LEN_AT],
+            b[REPLY_MSG_LEN_AT + 1],
+        ]))
+    };
+    let (body, msg) = wire.split_at(wire.len() - len_at(wire));
+    if std::str::from_utf8(msg).is_ok() {
+        assert_eq!(out, wire, "{r:?} does not re-encode");
+    } else {
+        let out_body = &out[..out.len() - len_at(&out)];
+        assert_eq!(out_body[..REPLY_MSG_LEN_AT], body[..REPLY_MSG_LEN_AT]);
+        assert_eq!(
+            out_body[REPLY_MSG_LEN_AT + 2..],
+            body[REPLY_MSG_LEN_AT + 2..]
+        );
+    }
+}
+
+/// A version 2 device description, alone: whatever decodes re-encodes to its bytes.
+fn description(data: &[u8]) {
+    let r = DeviceDescription::decode(data);
+    show(&r);
+    if let Ok(d) = r {
         let mut out = Vec::new();
-        r.write_to(&mut out).expect("a decoded reply encodes");
-        // The message is decoded lossily (it is only shown to people): only a UTF-8
-        // message has its bytes back.
-        // With a credit, its 8 bytes come before the message.
-        let msg_at = REPLY_FIXED_LEN + if r.credit.is_some() { 8 } else { 0 };
-        if std::str::from_utf8(&wire[msg_at..]).is_ok() {
-            assert_eq!(out, wire, "{r:?} does not re-encode");
-        } else {
-            // Everything but the message and its length is still the same.
-            assert_eq!(out[..REPLY_MSG_LEN_AT], wire[..REPLY_MSG_LEN_AT]);
-            assert_eq!(
-                out[REPLY_MSG_LEN_AT + 2..REPLY_FIXED_LEN],
-                wire[REPLY_MSG_LEN_AT + 2..REPLY_FIXED_LEN]
-            );
-        }
+        d.encode(&mut out).expect("a decoded description encodes");
+        assert_eq!(out, data, "{d:?} does not re-encode");
     }
 }
 

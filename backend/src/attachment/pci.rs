@@ -80,11 +80,10 @@ impl Attachment {
                 })
                 .map_err(AttachmentError::Thread)?
         };
-        let info = devlend_fabric::DeviceInfo::pci(&config.lender.device);
         Ok(Attachment {
             hold: None,
             part: Part::Pci(handle),
-            limits: Arc::new(DeviceLimits::from_device_info(&info)),
+            limits: Arc::new(DeviceLimits::not_block()),
             stats: Arc::new(QueueStats::new(1)),
             shared,
             wake: EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?,

@@ -21,7 +21,12 @@ impl Attachment {
             ..Shared::default()
         });
         let hold = Some(holder);
-        let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
+        let limits = Arc::new(
+            reply
+                .device
+                .as_ref()
+                .map_or_else(DeviceLimits::not_block, DeviceLimits::from_description),
+        );
         let listener =
             Listener::new(&config.socket, true).map_err(|source| AttachmentError::Listen {
                 path: config.socket.clone(),
@@ -38,12 +43,12 @@ impl Attachment {
         }
         let wake = EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?;
         let stats = Arc::new(QueueStats::new(config.num_queues));
-        if reply.device.is_net() {
+        if let Some(nic) = reply.nic() {
             // A lent NIC: `num_queues` counts queue pairs.
             if config.num_queues > MAX_QUEUE_PAIRS {
                 return Err(AttachmentError::QueuePairs(config.num_queues));
             }
-            let link = reply.device.link();
+            let link = nic.link();
             crate::net::spec::check_link(&link).map_err(AttachmentError::BadLink)?;
             let offload = reply.features & devlend_fabric::net::FEATURE_NET_OFFLOAD != 0;
             let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));

@@ -212,12 +212,13 @@ impl QueueEngine {
         // A lender of before credit states none: the link knows what it can take.
         let credit = reply.credit.unwrap_or_else(|| link.default_credit());
         self.table.new_session(credit);
-        if reply.device.capacity_sectors != self.limits.capacity_sectors {
+        let now = reply.block().map_or(0, |g| g.capacity_sectors);
+        if now != self.limits.capacity_sectors {
             tracing::warn!(
                 attachment = %self.name,
                 queue = self.index,
                 was = self.limits.capacity_sectors,
-                now = reply.device.capacity_sectors,
+                now,
                 "lent device changed capacity; requests are still checked against the old one",
             );
         }

@@ -383,21 +383,21 @@ impl PairEngine {
         let mut hello = self.target.hello(self.index);
         hello.features |= FEATURE_NET;
         let (stream, reply) = self.target.open(&hello)?;
-        if !reply.device.is_net() || reply.features & FEATURE_NET == 0 {
+        let Some(nic) = reply.nic().filter(|_| reply.features & FEATURE_NET != 0) else {
             return Err(devlend_fabric::tcp::ConnectError::Refused {
                 addr: self.target.addr.clone(),
                 device: self.target.device.clone(),
                 status: devlend_fabric::HelloStatus::BadRequest,
                 message: "the lender's device is not a network interface".into(),
             });
-        }
+        };
+        let link = nic.link();
         if let Err(e) = stream.set_nonblocking(true) {
             return Err(devlend_fabric::tcp::ConnectError::Connect {
                 addr: self.target.addr.clone(),
                 source: e,
             });
         }
-        let link = reply.device.link();
         if let Err(why) = crate::net::spec::check_link(&link) {
             return Err(devlend_fabric::tcp::ConnectError::Refused {
                 addr: self.target.addr.clone(),

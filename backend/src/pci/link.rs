@@ -176,7 +176,7 @@ impl Registration {
 /// An open PCI session.
 pub struct Link {
     /// The function as the lender described it in the handshake.
-    lent: devlend_fabric::DeviceInfo,
+    lent: devlend_fabric::handshake::PciIdentity,
     wire: Wire,
     /// Set when the reader thread ends (the session is over).
     closed: Arc<std::sync::atomic::AtomicBool>,
@@ -231,9 +231,10 @@ impl Link {
             devlend_fabric::transport::Transport::Tcp => {
                 let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
                 tcp::check_lender(&t.lender, t.lender_key.as_ref(), &hello, &reply)?;
-                if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
-                    return Err(bad("the lender's device is not a PCIe function"));
-                }
+                let lent = match reply.pci() {
+                    Some(pci) if reply.features & FEATURE_PCI != 0 => pci.clone(),
+                    _ => return Err(bad("the lender's device is not a PCIe function")),
+                };
                 let rx = Reader {
                     stream: stream.try_clone().map_err(io)?,
                     write: Arc::clone(&write),
@@ -248,7 +249,7 @@ impl Link {
                         done.store(true, Ordering::Release);
                     })
                     .map_err(io)?;
-                (Wire::Stream(stream), reply.device)
+                (Wire::Stream(stream), lent)
             }
             #[cfg(feature = "rdma")]
             devlend_fabric::transport::Transport::Rdma => {
@@ -351,9 +352,9 @@ impl Link {
         }
     }
 
-    /// The function as the lender described it in the handshake (its address in
-    /// `serial`).
-    pub fn lent(&self) -> &devlend_fabric::DeviceInfo {
+    /// The function as the lender described it in the handshake (its address, IDs,
+    /// regions and coherence mode; from a version 1 lender, only its address).
+    pub fn lent(&self) -> &devlend_fabric::handshake::PciIdentity {
         &self.lent
     }
 
@@ -439,7 +440,7 @@ impl Drop for Link {
 fn rdma_connect(
     t: &LinkTarget,
     hello: &Hello,
-) -> Result<(Arc<RdmaWire>, devlend_fabric::DeviceInfo), ConnectError> {
+) -> Result<(Arc<RdmaWire>, devlend_fabric::handshake::PciIdentity), ConnectError> {
     let (conn, reply) =
         devlend_fabric::rdma::verbs::connect(&t.lender, hello, t.timeout).map_err(|source| {
             ConnectError::Rdma {
@@ -456,18 +457,21 @@ fn rdma_connect(
         });
     }
     tcp::check_lender(&t.lender, t.lender_key.as_ref(), hello, &reply)?;
-    if !reply.device.is_pci() || reply.features & FEATURE_PCI == 0 {
-        return Err(ConnectError::Handshake {
-            addr: t.lender.clone(),
-            source: WireError::Invalid("the lender's device is not a PCIe function"),
-        });
-    }
+    let lent = match reply.pci() {
+        Some(pci) if reply.features & FEATURE_PCI != 0 => pci.clone(),
+        _ => {
+            return Err(ConnectError::Handshake {
+                addr: t.lender.clone(),
+                source: WireError::Invalid("the lender's device is not a PCIe function"),
+            })
+        }
+    };
     Ok((
         Arc::new(RdmaWire {
             ch: Mutex::new(devlend_fabric::rdma::channel::MsgChannel::new(conn)),
             closed: std::sync::atomic::AtomicBool::new(false),
         }),
-        reply.device,
+        lent,
     ))
 }
 

@@ -348,17 +348,18 @@ impl PciBorrower {
             .map_err(PciError::Connect)?;
         maps.set_mediated(info.flags & INFO_MEDIATED != 0);
         let lent = link.lent();
-        let end = lent
-            .serial
-            .iter()
-            .position(|&b| b == 0)
-            .unwrap_or(lent.serial.len());
-        let ids = read_ids(&link);
+        // A version 2 lender describes the IDs; from a version 1 lender (zeros) they are
+        // read from the function's config space.
+        let ids = if lent.vendor_id != 0 || lent.device_id != 0 {
+            Some((lent.vendor_id, lent.device_id))
+        } else {
+            read_ids(&link)
+        };
         if ids.is_none() {
             tracing::debug!("the lender did not answer the read of the function's IDs");
         }
         let identity = PciIdentity {
-            bdf: String::from_utf8_lossy(&lent.serial[..end]).into_owned(),
+            bdf: lent.bdf.clone(),
             vendor_id: ids.map(|i| i.0),
             device_id: ids.map(|i| i.1),
         };

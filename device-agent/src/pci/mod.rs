@@ -196,6 +196,34 @@ impl PciFunction {
         Ok(f)
     }
 
+    /// What the handshake describes of the function: its address, the IDs and class from
+    /// the config space read at open, the regions that exist, and its coherence mode.
+    pub(crate) fn description(&self) -> devlend_fabric::PciIdentity {
+        let b = |i: usize| self.layout.initial.get(i).copied().unwrap_or(0);
+        let w = |i: usize| u16::from_le_bytes([b(i), b(i + 1)]);
+        devlend_fabric::PciIdentity {
+            bdf: self.bdf.clone(),
+            vendor_id: w(0x00),
+            device_id: w(0x02),
+            subsystem_vendor_id: w(0x2c),
+            subsystem_id: w(0x2e),
+            class: u32::from_le_bytes([b(0x09), b(0x0a), b(0x0b), 0]),
+            regions: (0u32..)
+                .zip(&self.info.regions)
+                .filter(|(_, r)| r.size > 0)
+                .map(|(index, r)| devlend_fabric::PciRegion {
+                    index,
+                    size: r.size,
+                    flags: r.flags,
+                })
+                .collect(),
+            coherence: match self.coherence {
+                Coherence::Mirror => devlend_fabric::CoherenceMode::Mirror,
+                Coherence::Nvme => devlend_fabric::CoherenceMode::Mediated,
+            },
+        }
+    }
+
     /// The pool's resource class of the function: `PCI_<VENDOR>_<DEVICE>` (upper-case
     /// hex, from the config space read at open), e.g. `PCI_1234_11E8`.
     pub(crate) fn resource_class(&self) -> String {

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use devlend_fabric::DeviceInfo;
+use devlend_fabric::DeviceDescription;
 
 pub use self::shared::{Options, ReloadReport};
 use self::shared::{Registered, Shared};
@@ -93,9 +93,9 @@ impl Lender {
         self.shared.stats(device)
     }
 
-    /// What the handshake advertises for `device` (capacity in 512-byte sectors, limits,
-    /// flags, serial); `None` if no device has that name.
-    pub fn device_info(&self, device: &str) -> Option<DeviceInfo> {
+    /// What the handshake describes for `device` (a block device's geometry, a NIC's link
+    /// as of its opening, a PCIe function's identity); `None` if no device has that name.
+    pub fn device_info(&self, device: &str) -> Option<DeviceDescription> {
         self.shared.device(device).map(|d| d.info.clone())
     }
 

@@ -37,10 +37,14 @@ impl InventoryView {
             .iter()
             .map(|d| {
                 let mut traits = vec!["FABRIC_TCP".to_owned()];
-                if d.info.max_discard_sectors > 0 && !d.read_only {
+                if d.info.as_block().is_some_and(|g| g.max_discard_sectors > 0) && !d.read_only {
                     traits.push("DISCARD".into());
                 }
-                if d.info.max_write_zeroes_sectors > 0 && !d.read_only {
+                if d.info
+                    .as_block()
+                    .is_some_and(|g| g.max_write_zeroes_sectors > 0)
+                    && !d.read_only
+                {
                     traits.push("WRITE_ZEROES".into());
                 }
                 if d.read_only {

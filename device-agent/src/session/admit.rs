@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
+use devlend_fabric::handshake::{speaks, unsupported_version_message};
 use devlend_fabric::net::FEATURE_NET;
 use devlend_fabric::pci::FEATURE_PCI;
-use devlend_fabric::{Hello, HelloStatus, PROTOCOL_VERSION};
+use devlend_fabric::{Hello, HelloStatus};
 
 use crate::device::Device;
 use crate::holding::{Ask, Claim};
@@ -20,13 +21,10 @@ pub(crate) fn admit<'s>(
     peer: &dyn std::fmt::Display,
     id: u64,
 ) -> Result<(Arc<Device>, ActiveSession<'s>, Claim), (HelloStatus, String)> {
-    if hello.version != PROTOCOL_VERSION {
+    if !speaks(hello.version) {
         return Err((
             HelloStatus::UnsupportedVersion,
-            format!(
-                "protocol version {} is not supported; this lender speaks version {PROTOCOL_VERSION}",
-                hello.version
-            ),
+            unsupported_version_message(hello.version),
         ));
     }
     let Some(dev) = shared.device(&hello.device) else {

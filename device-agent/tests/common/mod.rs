@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use devlend_device_agent::{DeviceSpec, Lender, LenderHandle, Options};
 use devlend_fabric::wire::{RawRequest, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
-use devlend_fabric::{tcp, DeviceInfo, Op, RequestHeader, ResponseHeader, Status};
+use devlend_fabric::{tcp, BlockGeometry, Op, RequestHeader, ResponseHeader, Status};
 
 /// How long a test waits for any one answer before failing instead of hanging.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(20);
@@ -89,7 +89,7 @@ impl Fixture {
 /// One borrower session.
 pub struct Client {
     pub sock: TcpStream,
-    pub info: DeviceInfo,
+    pub info: BlockGeometry,
     next_id: u64,
 }
 
@@ -100,13 +100,13 @@ impl Client {
         sock.set_read_timeout(Some(IO_TIMEOUT)).expect("timeout");
         Client {
             sock,
-            info: reply.device,
+            info: reply.block().cloned().expect("a block device"),
             next_id: 1,
         }
     }
 
     /// Wraps a stream whose handshake is done.
-    pub fn from_stream(sock: TcpStream, info: DeviceInfo) -> Client {
+    pub fn from_stream(sock: TcpStream, info: BlockGeometry) -> Client {
         Client {
             sock,
             info,

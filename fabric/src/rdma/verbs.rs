@@ -607,12 +607,34 @@ fn conn_param(ctx: *mut ibv_context) -> rdma_conn_param {
     p
 }
 
-/// Opens an RDMA connection to `addr` (`IP:PORT`, rdma_cm) and runs the handshake.
+/// Opens an RDMA connection to `addr` (`IP:PORT`, rdma_cm) and runs the handshake. A
+/// lender of protocol version 1 that refuses the hello's version 2 is asked again, on a
+/// new connection, with the same hello in version 1 (as `tcp::connect_as` does).
 ///
 /// # Errors
 /// [`RdmaError`] for the transport (no device, no route, no resources, refused,
 /// timeout); a hello reply is returned whatever its status.
 pub fn connect(
+    addr: &str,
+    hello: &Hello,
+    timeout: Duration,
+) -> Result<(Connection, HelloReply), RdmaError> {
+    let (c, reply) = connect_once(addr, hello, timeout)?;
+    if reply.status == crate::HelloStatus::UnsupportedVersion
+        && reply.version == 1
+        && hello.version == crate::PROTOCOL_VERSION
+    {
+        drop(c);
+        let v1 = Hello {
+            version: 1,
+            ..hello.clone()
+        };
+        return connect_once(addr, &v1, timeout);
+    }
+    Ok((c, reply))
+}
+
+fn connect_once(
     addr: &str,
     hello: &Hello,
     timeout: Duration,

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use devlend_fabric::rdma::verbs::{lender_shape, wait_fd, Completion, Connection, Listener, Mr};
 use devlend_fabric::rdma::{decode_request, Segment};
 use devlend_fabric::wire::{BlockRequest, Status, RESPONSE_HEADER_LEN};
-use devlend_fabric::{Bytes, DeviceInfo, Hello, HelloReply, ResponseHeader, SERIAL_LEN};
+use devlend_fabric::{BlockGeometry, Bytes, Hello, HelloReply, ResponseHeader, SERIAL_LEN};
 
 const RECV_BIT: u64 = devlend_fabric::rdma::verbs::RECV_BIT;
 /// Work-request id of the probes' RDMA READs.
@@ -126,7 +126,7 @@ fn session(
 ) -> Result<(), String> {
     let hello = Hello::read_from(&mut conn.recv_msg(i, n)).map_err(|e| e.to_string())?;
     conn.post_recv(i).map_err(|e| e.to_string())?;
-    let info = DeviceInfo {
+    let info = BlockGeometry {
         capacity_sectors: a.capacity / 512,
         block_size: 512,
         max_transfer: 1 << 20,

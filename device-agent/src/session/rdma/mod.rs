@@ -133,6 +133,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
             devlend_fabric::limited!(info, %peer, device = %hello.device, ?status, reason = %message, "session refused");
             let mut msg = Vec::new();
             if HelloReply::refuse(status, &message)
+                .for_version(hello.version)
                 .write_to(&mut msg)
                 .is_ok()
             {
@@ -151,7 +152,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         }
     };
     if let (Some(pci), Some(_lent)) = (&dev.pci, lent) {
-        let mut reply = HelloReply::ok(dev.info.clone());
+        let mut reply = HelloReply::ok(dev.info.clone()).for_version(hello.version);
         reply.features = devlend_fabric::pci::FEATURE_PCI;
         reply.proof = shared.proof(&hello);
         let mut msg = Vec::new();
@@ -183,7 +184,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         }
         return;
     }
-    let max = dev.info.max_transfer as usize;
+    let max = dev.info.as_block().map_or(0, |g| g.max_transfer) as usize;
     let mut slots = Vec::with_capacity(IO_SLOTS);
     for i in 0..IO_SLOTS {
         match Slot::new(&conn, i, max) {
@@ -204,7 +205,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     let mut reply = Vec::new();
     // Counted before the reply leaves (a borrower with its reply sees the session).
     dev.stats.session_opened();
-    let mut answer = HelloReply::ok(dev.info.clone());
+    let mut answer = HelloReply::ok(dev.info.clone()).for_version(hello.version);
     answer.proof = shared.proof(&hello);
     // A borrower that reads the throttle flag of responses gets it.
     answer.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;

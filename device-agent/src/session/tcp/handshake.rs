@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::error::chain;
+use devlend_fabric::handshake::description::NIC_OFFLOADS;
 use devlend_fabric::net::{FEATURE_NET, FEATURE_NET_OFFLOAD};
 use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::tls::{self, TlsError};
@@ -81,7 +82,10 @@ pub(super) fn handshake<'s>(
     };
     let refuse = |status: HelloStatus, message: String| {
         devlend_fabric::limited!(info, %peer, device = %hello.device, ?status, reason = %message, "session refused");
-        if let Err(e) = HelloReply::refuse(status, &message).write_to(&mut &*sock) {
+        if let Err(e) = HelloReply::refuse(status, &message)
+            .for_version(hello.version)
+            .write_to(&mut &*sock)
+        {
             tracing::debug!(%peer, error = %e, "cannot send the refusal");
         }
         None
@@ -126,7 +130,7 @@ pub(super) fn handshake<'s>(
             r
         }
         Some(nic) => {
-            let mut r = HelloReply::ok(devlend_fabric::DeviceInfo::net(&nic.link()));
+            let mut r = HelloReply::ok(devlend_fabric::NicLink::new(&nic.link(), NIC_OFFLOADS));
             // Offloads asked for are granted: the packet socket's vnet header has the
             // kernel complete checksums and segment in software where the interface
             // cannot.
@@ -146,6 +150,8 @@ pub(super) fn handshake<'s>(
         }
     };
     reply.proof = shared.proof(&hello);
+    // A version 1 borrower reads a version 1 reply.
+    let reply = reply.for_version(hello.version);
     // Counted before the reply leaves, so that a borrower that has its reply sees the
     // session in the lender's statistics (`serve` counts its end).
     dev.stats.session_opened();
