@@ -22,6 +22,7 @@
 //!
 //! Linux only (io_uring, `fallocate`, block device ioctls).
 
+mod block;
 pub mod config;
 mod device;
 pub mod error;
@@ -39,12 +40,12 @@ mod session;
 pub mod stats;
 
 pub use config::IoMode;
-pub use config::{Cli, Config, DeviceSpec, StoreSpec};
+pub use config::{BlockSpec, Cli, Config, DeviceSpec, KindSpec, NetSpec, PciSpec, StoreSpec};
 pub use error::Error;
 pub use leases::LeaseGuard;
 pub use server::{
-    DeviceQos, InventoryView, Lender, LenderHandle, LentDevice, NicCounters, Options, ReloadReport,
-    StatsView,
+    DeviceQos, InventoryView, KindCounters, KindView, Lender, LenderHandle, LentDevice,
+    NicCounters, Options, ReloadReport, StatsView,
 };
 pub use stats::DeviceStatsSnapshot;
 

@@ -6,6 +6,8 @@
 //! flags, a device name may appear once.
 
 mod spec;
+mod spec_file;
+mod spec_flag;
 mod store;
 
 use std::path::{Path, PathBuf};
@@ -16,7 +18,9 @@ use devlend_daemon::logging::LogFormat;
 use serde::{Deserialize, Serialize};
 
 pub(crate) use self::spec::check_unique;
-pub use self::spec::{parse_mac, valid_bdf, Coherence, DeviceSpec};
+pub use self::spec::{
+    parse_mac, valid_bdf, BlockSpec, Coherence, DeviceSpec, KindSpec, NetSpec, PciSpec,
+};
 pub use self::store::StoreSpec;
 use crate::Error;
 

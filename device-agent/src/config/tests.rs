@@ -38,9 +38,13 @@ fn file_and_flags_merge() {
     assert_eq!(c.listen, "127.0.0.1:9");
     let names: Vec<_> = c.devices.iter().map(|d| d.name.as_str()).collect();
     assert_eq!(names, ["disk0", "disk1", "disk2"]);
-    assert_eq!(c.devices[0].serial.as_deref(), Some("SN0"));
-    assert_eq!(c.devices[1].path, PathBuf::from("/other.img"));
-    assert!(c.devices[1].read_only);
+    let block = |i: usize| match &c.devices[i].kind {
+        KindSpec::Block(b) => b.clone(),
+        other => panic!("{other:?} is not a block device"),
+    };
+    assert_eq!(block(0).serial.as_deref(), Some("SN0"));
+    assert_eq!(block(1).path, PathBuf::from("/other.img"));
+    assert!(block(1).read_only);
 }
 
 #[test]

@@ -164,3 +164,32 @@ impl Nic {
         }
     }
 }
+
+impl crate::device::LentKind for Nic {
+    fn device_info(&self) -> devlend_fabric::DeviceInfo {
+        devlend_fabric::DeviceInfo::net(&self.link())
+    }
+
+    fn check_hello(&self, device: &str, hello: &devlend_fabric::Hello) -> Result<(), String> {
+        if hello.features & devlend_fabric::net::FEATURE_NET == 0 {
+            return Err(format!(
+                "device {device:?} is a network interface, and this borrower does not speak frames"
+            ));
+        }
+        Ok(())
+    }
+
+    fn resource_class(&self) -> String {
+        "NIC".into()
+    }
+
+    fn view(&self) -> crate::server::KindView {
+        let link = self.link();
+        crate::server::KindView::Net {
+            interface: self.ifname.clone(),
+            mac: self.mac,
+            mtu: link.mtu,
+            link_up: link.up,
+        }
+    }
+}

@@ -18,6 +18,7 @@ use devlend_fabric::rdma::verbs::{lender_shape, Incoming, Listener};
 use devlend_fabric::{Hello, HelloReply};
 
 use self::block::{End, Slot, IO_SLOTS, RING_ENTRIES, TAG_SEND};
+use crate::device::Backing;
 use crate::io::{SessionIo, Throttled};
 use crate::server::shared::Shared;
 use crate::session::admit::admit;
@@ -88,7 +89,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     // the device through a TLS session (its holding session); a PCIe function has no
     // holding session: it is lent over TCP+TLS only.
     let tls_refusal = shared.tls.get().is_some().then(|| match shared.device(&hello.device) {
-        Some(d) if d.pci.is_some() => Some(format!(
+        Some(d) if matches!(d.backing, Backing::Pci(_)) => Some(format!(
             "this lender requires TLS: PCIe function {:?} is lent over TCP with TLS only (attach without --transport rdma)",
             hello.device
         )),
@@ -113,8 +114,8 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
             ));
         }
         // One borrower at a time: the session that gets here first holds the function.
-        let lent = match &dev.pci {
-            Some(pci) => Some(pci.try_lend().ok_or_else(|| {
+        let lent = match &dev.backing {
+            Backing::Pci(pci) => Some(pci.try_lend().ok_or_else(|| {
                 (
                     devlend_fabric::HelloStatus::Busy,
                     format!(
@@ -123,7 +124,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
                     ),
                 )
             })?),
-            None => None,
+            Backing::Block(_) | Backing::Nic(_) => None,
         };
         Ok((dev, a, c, lent))
     });
@@ -150,8 +151,8 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
             return;
         }
     };
-    if let (Some(pci), Some(_lent)) = (&dev.pci, lent) {
-        let mut reply = HelloReply::ok(dev.info.clone());
+    if let (Backing::Pci(pci), Some(_lent)) = (&dev.backing, lent) {
+        let mut reply = HelloReply::ok(dev.info());
         reply.features = devlend_fabric::pci::FEATURE_PCI;
         reply.proof = shared.proof(&hello);
         let mut msg = Vec::new();
@@ -183,7 +184,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         }
         return;
     }
-    let max = dev.info.max_transfer as usize;
+    let max = dev.info().max_transfer as usize;
     let mut slots = Vec::with_capacity(IO_SLOTS);
     for i in 0..IO_SLOTS {
         match Slot::new(&conn, i, max) {
@@ -204,7 +205,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     let mut reply = Vec::new();
     // Counted before the reply leaves (a borrower with its reply sees the session).
     dev.stats.session_opened();
-    let mut answer = HelloReply::ok(dev.info.clone());
+    let mut answer = HelloReply::ok(dev.info());
     answer.proof = shared.proof(&hello);
     // A borrower that reads the throttle flag of responses gets it.
     answer.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;

@@ -13,7 +13,7 @@ use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Credit, Hello, HelloReply, HelloStatus, WireError, FEATURE_CREDIT};
 
-use crate::device::Device;
+use crate::device::{Backing, Device};
 use crate::holding::Claim;
 use crate::io::SessionIo;
 use crate::server::shared::{ActiveSession, Shared};
@@ -90,7 +90,7 @@ pub(super) fn handshake<'s>(
         Ok(x) => x,
         Err((status, message)) => return refuse(status, message),
     };
-    let io = if dev.nic.is_none() && dev.pci.is_none() {
+    let io = if dev.block().is_some() {
         match SessionIo::new(Arc::clone(&dev), shared.options.io, RING_ENTRIES, true) {
             Ok(io) => Some(io),
             Err(e) => {
@@ -104,8 +104,8 @@ pub(super) fn handshake<'s>(
         None
     };
     // One borrower at a time: the session that gets here first holds the function.
-    let lent = match &dev.pci {
-        Some(pci) => match pci.try_lend() {
+    let lent = match &dev.backing {
+        Backing::Pci(pci) => match pci.try_lend() {
             Some(l) => Some(l),
             None => {
                 return refuse(
@@ -117,34 +117,27 @@ pub(super) fn handshake<'s>(
                 )
             }
         },
-        None => None,
+        Backing::Block(_) | Backing::Nic(_) => None,
     };
-    let mut reply = match &dev.nic {
-        None if dev.pci.is_some() => {
-            let mut r = HelloReply::ok(dev.info.clone());
-            r.features = FEATURE_PCI;
-            r
-        }
-        Some(nic) => {
-            let mut r = HelloReply::ok(devlend_fabric::DeviceInfo::net(&nic.link()));
+    let mut reply = HelloReply::ok(dev.info());
+    match &dev.backing {
+        Backing::Pci(_) => reply.features = FEATURE_PCI,
+        Backing::Nic(_) => {
             // Offloads asked for are granted: the packet socket's vnet header has the
             // kernel complete checksums and segment in software where the interface
             // cannot.
-            r.features = FEATURE_NET | (hello.features & FEATURE_NET_OFFLOAD);
-            r
+            reply.features = FEATURE_NET | (hello.features & FEATURE_NET_OFFLOAD);
         }
-        None => {
-            let mut r = HelloReply::ok(dev.info.clone());
+        Backing::Block(_) => {
             // A borrower that keeps within a stated credit gets it: the session's whole
             // request budget, so that the session never has to stop reading it.
             if hello.features & FEATURE_CREDIT != 0 {
-                r.credit = Some(session_credit());
+                reply.credit = Some(session_credit());
             }
             // A borrower that reads the throttle flag of responses gets it.
-            r.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;
-            r
+            reply.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;
         }
-    };
+    }
     reply.proof = shared.proof(&hello);
     // Counted before the reply leaves, so that a borrower that has its reply sees the
     // session in the lender's statistics (`serve` counts its end).
