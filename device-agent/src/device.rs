@@ -1,64 +1,21 @@
 //! A lent device: what every kind has (its name, its holder, its counters) and its
-//! [`Backing`], one variant per kind, each implementing [`LentKind`]: what it answers in
-//! the handshake, which hellos it serves, how the pool and the status views see it, and
-//! which counters it keeps. Adding a kind means a [`Backing`] variant, a
-//! [`crate::config::KindSpec`] variant and one [`LentKind`] impl (plus its session code).
+//! [`Backing`], one variant per kind, each implementing [`LentKind`]. Adding a kind
+//! means a [`Backing`] variant, a [`crate::config::KindSpec`] variant and one
+//! [`LentKind`] impl (plus its session code).
 
 use std::sync::Arc;
 
 use devlend_fabric::qos::Qos;
-use devlend_fabric::{DeviceInfo, Hello};
+use devlend_fabric::DeviceInfo;
 
 use crate::block::BlockDevice;
 use crate::config::KindSpec;
+use crate::kind::LentKind;
 use crate::nic::Nic;
 use crate::pci::PciFunction;
 use crate::qos::{Group, Store};
-use crate::server::KindView;
 use crate::stats::DeviceStats;
 use crate::{DeviceSpec, Error};
-
-/// What each kind of lent device answers and shows; one impl per kind.
-pub(crate) trait LentKind {
-    /// What the handshake answers for the device (one function per kind).
-    fn device_info(&self) -> DeviceInfo;
-
-    /// Refuses a hello this kind cannot serve, with the message for the borrower
-    /// (`device`: the name it asked for).
-    ///
-    /// # Errors
-    /// The reason, e.g. a NIC asked for by a borrower that does not speak frames.
-    fn check_hello(&self, device: &str, hello: &Hello) -> Result<(), String>;
-
-    /// The pool's resource class: `BLOCK`, `NIC` or `PCI_<VENDOR>_<DEVICE>`.
-    fn resource_class(&self) -> String;
-
-    /// Lendable bytes as registered with the pool (0 for a kind without a capacity).
-    fn capacity_bytes(&self) -> u64 {
-        0
-    }
-
-    /// The traits the lender derives for it (`DISCARD`, `READ_ONLY`, ...), besides
-    /// `FABRIC_TCP` and the configured ones.
-    fn derived_traits(&self) -> Vec<&'static str> {
-        Vec::new()
-    }
-
-    /// Whether it counts block requests (reads, writes, ... and their latency); the
-    /// other kinds count sessions, and a NIC its frames.
-    fn counts_block_requests(&self) -> bool {
-        false
-    }
-
-    /// Whether limits (`docs/qos.md`) apply to it, so that it counts what they held
-    /// back.
-    fn is_limited(&self) -> bool {
-        true
-    }
-
-    /// Its own fields, as the status views show them.
-    fn view(&self) -> KindView;
-}
 
 /// What a lent device is, one variant per kind.
 #[derive(Debug)]

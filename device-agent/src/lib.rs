@@ -28,7 +28,7 @@ mod device;
 pub mod error;
 pub mod exposure;
 mod holding;
-mod io;
+mod kind;
 pub mod leases;
 pub mod metrics;
 mod nic;

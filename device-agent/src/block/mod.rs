@@ -1,10 +1,11 @@
 //! A lent block device or regular file: opening it (its capacity, its logical block
 //! size, whether it lives in memory), what the handshake answers for it, and what a
 //! hello must ask to be served its block requests. Its request engine is
-//! [`crate::io`], shared by the TCP and RDMA sessions.
+//! [`crate::block::io`], shared by the TCP and RDMA sessions.
+
+pub(crate) mod io;
 
 use std::fs::{File, OpenOptions};
-use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
@@ -13,8 +14,8 @@ use devlend_fabric::handshake::{DEV_DISCARD, DEV_READ_ONLY, DEV_WRITE_ZEROES};
 use devlend_fabric::{DeviceInfo, Hello, SECTOR_SIZE};
 
 use crate::config::BlockSpec;
-use crate::device::LentKind;
-use crate::server::KindView;
+use crate::kind::KindView;
+use crate::kind::LentKind;
 use crate::{
     Error, MAX_DISCARD_SECTORS, MAX_SERIAL_LEN, MAX_TRANSFER_BYTES, MAX_WRITE_ZEROES_SECTORS,
 };
@@ -196,13 +197,13 @@ fn memory_backed(file: &File) -> bool {
 }
 
 /// Size of a block device in bytes.
-fn block_device_size(file: &File) -> io::Result<u64> {
+fn block_device_size(file: &File) -> std::io::Result<u64> {
     let mut size: u64 = 0;
     // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to a live,
     // writable u64; the fd is open for the duration of the call.
     let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
     if rc < 0 {
-        return Err(io::Error::last_os_error());
+        return Err(std::io::Error::last_os_error());
     }
     Ok(size)
 }

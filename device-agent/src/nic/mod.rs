@@ -165,7 +165,7 @@ impl Nic {
     }
 }
 
-impl crate::device::LentKind for Nic {
+impl crate::kind::LentKind for Nic {
     fn device_info(&self) -> devlend_fabric::DeviceInfo {
         devlend_fabric::DeviceInfo::net(&self.link())
     }
@@ -183,9 +183,9 @@ impl crate::device::LentKind for Nic {
         "NIC".into()
     }
 
-    fn view(&self) -> crate::server::KindView {
+    fn view(&self) -> crate::kind::KindView {
         let link = self.link();
-        crate::server::KindView::Net {
+        crate::kind::KindView::Net {
             interface: self.ifname.clone(),
             mac: self.mac,
             mtu: link.mtu,

@@ -262,7 +262,7 @@ impl PciFunction {
     }
 }
 
-impl crate::device::LentKind for PciFunction {
+impl crate::kind::LentKind for PciFunction {
     fn device_info(&self) -> devlend_fabric::DeviceInfo {
         devlend_fabric::DeviceInfo::pci(&self.bdf)
     }
@@ -284,9 +284,9 @@ impl crate::device::LentKind for PciFunction {
         false
     }
 
-    fn view(&self) -> crate::server::KindView {
+    fn view(&self) -> crate::kind::KindView {
         let (vendor_id, device_id) = self.ids();
-        crate::server::KindView::Pci {
+        crate::kind::KindView::Pci {
             bdf: self.bdf.clone(),
             vendor_id,
             device_id,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use devlend_fabric::latency::LatencySnapshot;
 
 use super::shared::Shared;
+pub use crate::kind::KindView;
 use crate::DeviceStatsSnapshot;
 
 /// A lent device as the pool and the status views see it.
@@ -24,55 +25,6 @@ pub struct LentDevice {
     pub traits: Vec<String>,
     /// The kind and its own fields.
     pub kind: KindView,
-}
-
-/// A lent device's own fields, by kind.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KindView {
-    /// A block device or regular file.
-    Block {
-        /// The backing path.
-        path: std::path::PathBuf,
-        /// Lendable bytes, a multiple of 512.
-        capacity_bytes: u64,
-        /// The logical block size in bytes.
-        block_size: u32,
-        /// Writes, discards and write-zeroes are refused.
-        read_only: bool,
-    },
-    /// A network interface.
-    Net {
-        /// The Linux interface name.
-        interface: String,
-        /// The MAC address the borrower's guest is told.
-        mac: [u8; 6],
-        /// The interface's MTU now, in bytes.
-        mtu: u32,
-        /// Whether its link is up now (up and running).
-        link_up: bool,
-    },
-    /// A PCIe function.
-    Pci {
-        /// Its address `DDDD:BB:DD.F`.
-        bdf: String,
-        /// The vendor ID from its config space.
-        vendor_id: u16,
-        /// The device ID from its config space.
-        device_id: u16,
-        /// How its DMA is kept coherent with the borrower's guest memory.
-        coherence: crate::config::Coherence,
-    },
-}
-
-impl KindView {
-    /// The kind's name: `block`, `net` or `pci` (as `kind` in the config file).
-    pub fn name(&self) -> &'static str {
-        match self {
-            KindView::Block { .. } => "block",
-            KindView::Net { .. } => "net",
-            KindView::Pci { .. } => "pci",
-        }
-    }
 }
 
 /// A handle on the list of lent devices, which a reload can change.

@@ -1,7 +1,7 @@
 //! The lender's RDMA sessions: an rdma_cm listener, and per connection one thread
 //! that answers the hello (with the admission checks of [`crate::session::admit`]),
 //! then serves the device: a block device's engine ([`block`], its device I/O through
-//! [`crate::io`] as over TCP), or a PCIe function's session
+//! [`crate::block::io`] as over TCP), or a PCIe function's session
 //! ([`crate::pci::session::rdma`]).
 //!
 //! Each session is in the lender's registry beside the TCP ones: when its lease ends
@@ -18,8 +18,8 @@ use devlend_fabric::rdma::verbs::{lender_shape, Incoming, Listener};
 use devlend_fabric::{Hello, HelloReply};
 
 use self::block::{End, Slot, IO_SLOTS, RING_ENTRIES, TAG_SEND};
+use crate::block::io::{SessionIo, Throttled};
 use crate::device::Backing;
-use crate::io::{SessionIo, Throttled};
 use crate::server::shared::Shared;
 use crate::session::admit::admit;
 

@@ -13,9 +13,9 @@ use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Credit, Hello, HelloReply, HelloStatus, WireError, FEATURE_CREDIT};
 
+use crate::block::io::SessionIo;
 use crate::device::{Backing, Device};
 use crate::holding::Claim;
-use crate::io::SessionIo;
 use crate::server::shared::{ActiveSession, Shared};
 use crate::session::admit::admit;
 use crate::{MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES};

@@ -17,8 +17,8 @@ use devlend_fabric::net::FEATURE_NET_OFFLOAD;
 use devlend_fabric::{FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
 
 use self::handshake::{accept_tls, handshake, CONTROL_QUEUE};
+use crate::block::io::{SessionIo, Throttled};
 use crate::device::{Backing, Device};
-use crate::io::{SessionIo, Throttled};
 use crate::server::shared::Shared;
 use crate::session::end::End;
 
