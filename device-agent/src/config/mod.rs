@@ -168,6 +168,7 @@ fn default_heartbeat_ms() -> u64 {
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     listen: Option<String>,
+    transport: Option<Transport>,
     log_level: Option<String>,
     log_format: Option<LogFormat>,
     metrics_listen: Option<std::net::SocketAddr>,
@@ -461,7 +462,7 @@ impl Config {
             key_file: cli.key_file.clone().or(file.key_file),
             insecure: cli.insecure || file.insecure,
             listen,
-            transport: cli.transport.unwrap_or_default(),
+            transport: cli.transport.or(file.transport).unwrap_or_default(),
             log_level: cli
                 .log_level
                 .clone()
