@@ -126,3 +126,40 @@ fn metrics_export_no_block_counters_for_a_nic() {
         );
     }
 }
+
+/// Each kind answers the hello its own way, from its own `DeviceInfo`: the disk its
+/// geometry, the NIC its MAC and MTU to a borrower that speaks frames, and a refusal
+/// naming the kind to one that does not.
+#[test]
+fn each_kind_answers_its_own_hello() {
+    use devlend_fabric::net::FEATURE_NET;
+    use devlend_fabric::tcp::ConnectError;
+    use devlend_fabric::{Hello, HelloStatus};
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    let handle = lender(&dir).spawn();
+    let addr = handle.local_addr().to_string();
+    let t = Duration::from_secs(5);
+
+    let (_s, reply) = devlend_fabric::tcp::connect(&addr, "disk0", 0, t).unwrap();
+    assert_eq!(reply.device.capacity_sectors, 2048);
+    assert!(reply.device.read_only() && !reply.device.is_net());
+
+    match devlend_fabric::tcp::connect(&addr, "nic0", 0, t) {
+        Err(ConnectError::Refused {
+            status, message, ..
+        }) => {
+            assert_eq!(status, HelloStatus::BadRequest);
+            assert!(message.contains("network interface"), "{message}");
+        }
+        other => panic!("a hello without FEATURE_NET got {other:?}"),
+    }
+    let mut hello = Hello::new("nic0", 0);
+    hello.features = FEATURE_NET;
+    let (_s, reply) = devlend_fabric::tcp::connect_as(&addr, &hello, t).unwrap();
+    assert!(reply.device.is_net());
+    assert_eq!(reply.device.capacity_sectors, 0);
+    assert_eq!(&reply.device.serial[..6], &[2, 0, 0, 0, 0, 7]);
+    assert!(reply.device.max_transfer >= 1280, "{:?}", reply.device);
+}
