@@ -88,19 +88,7 @@ impl Rig {
         let file: PathBuf = dir.path().join("disk.img");
         let bytes: Vec<u8> = (0..2 * MIB).map(|i| (i % 251) as u8).collect();
         std::fs::write(&file, bytes).unwrap();
-        let spec = DeviceSpec {
-            name: "disk".into(),
-            path: file,
-            net: None,
-            pci: None,
-            coherence: None,
-            mac: None,
-            read_only: false,
-            serial: None,
-            traits: Vec::new(),
-            qos: Default::default(),
-            store: None,
-        };
+        let spec = DeviceSpec::block("disk", file);
         let lender = Lender::bind("127.0.0.1:0", vec![spec]).unwrap().spawn();
         let addr = lender.local_addr().to_string();
         let (_s, reply) =

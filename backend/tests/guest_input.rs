@@ -14,7 +14,7 @@ use devlend_backend::blk::engine::{LenderTarget, QueueEngine, QueueStats};
 use devlend_backend::blk::spec::*;
 use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::GuestMemory;
-use devlend_device_agent::{DeviceSpec, DeviceStatsSnapshot, Lender, LenderHandle};
+use devlend_device_agent::{BlockSpec, DeviceSpec, DeviceStatsSnapshot, Lender, LenderHandle};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
@@ -58,19 +58,10 @@ impl Rig {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("disk.img");
         std::fs::write(&file, vec![0x11u8; (sectors * 512) as usize]).unwrap();
-        let spec = DeviceSpec {
-            name: "disk".into(),
-            path: file.clone(),
-            net: None,
-            pci: None,
-            coherence: None,
-            mac: None,
-            read_only,
-            serial: Some("SERIAL-0123456789ABC".into()),
-            traits: Vec::new(),
-            qos: Default::default(),
-            store: None,
-        };
+        let mut block = BlockSpec::new(file.clone());
+        block.read_only = read_only;
+        block.serial = Some("SERIAL-0123456789ABC".into());
+        let spec = DeviceSpec::new("disk", block);
         let lender = Lender::bind("127.0.0.1:0", vec![spec.clone()])
             .unwrap()
             .spawn();

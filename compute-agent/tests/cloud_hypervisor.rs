@@ -1039,19 +1039,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
     std::fs::File::create(&img)
         .and_then(|f| f.set_len(1 << 20))
         .expect("image");
-    let spec = DeviceSpec {
-        name: "d".into(),
-        path: img,
-        net: None,
-        pci: None,
-        coherence: None,
-        mac: None,
-        read_only: false,
-        serial: None,
-        traits: Vec::new(),
-        qos: Default::default(),
-        store: None,
-    };
+    let spec = DeviceSpec::block("d", img);
     let lender = Lender::bind("127.0.0.1:0", vec![spec])
         .expect("bind")
         .spawn();

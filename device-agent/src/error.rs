@@ -20,6 +20,17 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A `--device` option of another kind (`ro` on a network interface, `mac` on a
+    /// file, a limit on a PCIe function, ...).
+    #[error("device `{device}`: `{field}` does not apply to kind `{kind}`")]
+    NotOfKind {
+        /// The device name.
+        device: String,
+        /// The option as given (`ro`, `serial`, `mac`, `iops_read`, ...).
+        field: String,
+        /// The device's kind: `block`, `net` or `pci`.
+        kind: &'static str,
+    },
     /// A device's PCIe address is not `DDDD:BB:DD.F`.
     #[error("device {name:?}: PCIe address {bdf:?} is not DDDD:BB:DD.F (hex, with the domain: e.g. 0000:{bdf})")]
     BadBdf {

@@ -1,12 +1,15 @@
-//! devlend's lender: serves local block devices and regular files to borrowers over
-//! the fabric.
+//! devlend's lender: serves local block devices and regular files, network interfaces
+//! and PCIe functions to borrowers over the fabric.
 //!
-//! A [`Lender`] opens the devices named by [`DeviceSpec`]s, binds a TCP listener (and,
-//! with [`Lender::serve_rdma`], an rdma_cm one) and serves one session per connection,
-//! each on its own thread: the handshake of [`devlend_fabric::handshake`], then block
-//! requests ([`devlend_fabric::wire`]) executed on the backing file through one
-//! device-I/O layer for TCP and RDMA alike: io_uring, or plain system calls for files in
-//! memory (see [`IoMode`]), many in flight, answered in completion order.
+//! A [`Lender`] opens the devices named by [`DeviceSpec`]s (one [`KindSpec`] each),
+//! binds a TCP listener (and, with [`Lender::serve_rdma`], an rdma_cm one) and serves one
+//! session per connection, each on its own thread: the handshake of
+//! [`devlend_fabric::handshake`], then what the kind serves. A block device's requests
+//! ([`devlend_fabric::wire`]) run on the backing file through one device-I/O layer for
+//! TCP and RDMA alike: io_uring, or plain system calls for files in memory (see
+//! [`IoMode`]), many in flight, answered in completion order. A NIC moves frames
+//! ([`devlend_fabric::net`]), a PCIe function its regions, interrupts and DMA
+//! ([`pci`]).
 //!
 //! The modules are layered (server → sessions → device I/O → the lent device → leaves;
 //! `docs/architecture.md`).
@@ -22,12 +25,13 @@
 //!
 //! Linux only (io_uring, `fallocate`, block device ioctls).
 
+mod block;
 pub mod config;
 mod device;
 pub mod error;
 pub mod exposure;
 mod holding;
-mod io;
+mod kind;
 pub mod leases;
 pub mod metrics;
 mod nic;
@@ -39,12 +43,12 @@ mod session;
 pub mod stats;
 
 pub use config::IoMode;
-pub use config::{Cli, Config, DeviceSpec, StoreSpec};
+pub use config::{BlockSpec, Cli, Config, DeviceSpec, KindSpec, NetSpec, PciSpec, StoreSpec};
 pub use error::Error;
 pub use leases::LeaseGuard;
 pub use server::{
-    DeviceQos, InventoryView, Lender, LenderHandle, LentDevice, NicCounters, Options, ReloadReport,
-    StatsView,
+    DeviceQos, InventoryView, KindCounters, KindView, Lender, LenderHandle, LentDevice,
+    NicCounters, Options, ReloadReport, StatsView,
 };
 pub use stats::DeviceStatsSnapshot;
 

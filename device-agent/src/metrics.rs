@@ -1,17 +1,21 @@
 //! The lender's Prometheus metrics, read from the device counters at scrape time.
 //!
-//! Per device (label `device`): `devlend_device_requests_total{op}`,
-//! `devlend_device_bytes_total{op}`, `devlend_device_errors_total{kind}` (`request`:
-//! answered IOERR/UNSUPP, `protocol`: sessions closed for a protocol error),
-//! `devlend_device_sessions` (open now), `devlend_device_sessions_opened_total`,
-//! `devlend_device_operations_total` (operations issued to the backing file),
-//! `devlend_device_requests_in_flight`, `devlend_device_request_duration_seconds`.
+//! Per device of every kind (label `device`): `devlend_device_sessions` (open now),
+//! `devlend_device_sessions_opened_total`, `devlend_device_errors_total{kind="protocol"}`
+//! (sessions closed for a protocol error).
+//! Per block device only (a NIC or a PCIe function has no block requests, and exports
+//! none of these): `devlend_device_requests_total{op}`,
+//! `devlend_device_bytes_total{op}`, `devlend_device_errors_total{kind="request"}`
+//! (answered IOERR/UNSUPP), `devlend_device_operations_total` (operations issued to the
+//! backing file), `devlend_device_requests_in_flight`,
+//! `devlend_device_request_duration_seconds`.
 //! Per lent network interface: `devlend_nic_packets_total{dir}` and
 //! `devlend_nic_bytes_total{dir}` (`rx`: from the interface to the borrower, `tx`: the
 //! other way), `devlend_nic_drops_total`.
-//! Limits (`docs/qos.md`): `devlend_device_qos_limit{lane}` (the rate in force, per
-//! second: the holder's while held, else the device's own),
-//! `devlend_device_throttled_total` (requests or frames held back),
+//! Limits (`docs/qos.md`; block devices and NICs, not PCIe functions):
+//! `devlend_device_qos_limit{lane}` (the rate in force, per second: the holder's while
+//! held, else the device's own), `devlend_device_throttled_total` (requests or frames
+//! held back),
 //! `devlend_device_throttle_wait_seconds_total`, `devlend_device_throttle_queued` (held
 //! now), `devlend_device_store_share{store}` (the holder's share of its store, 0..=1).
 
@@ -59,7 +63,24 @@ struct Families {
 impl Collector for DeviceMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let mut f = Families::default();
-        for (name, s, lat) in self.0.all_with_latency() {
+        for c in self.0.all_by_kind() {
+            let (name, s, lat) = (&c.name, &c.stats, &c.latency);
+            // Every kind: its sessions and the protocol errors that ended them.
+            f.errs
+                .push((l(name, &[("kind", "protocol")]), s.protocol_errors));
+            f.sessions.push((l(name, &[]), s.sessions_active as i64));
+            f.opened.push((l(name, &[]), s.sessions_opened));
+            if c.limited {
+                f.throttled.push((l(name, &[]), s.throttled));
+                f.throttle_wait
+                    .push((l(name, &[]), s.throttle_wait_us as f64 / 1e6));
+                f.throttle_queued
+                    .push((l(name, &[]), s.throttle_queued as i64));
+            }
+            // Block requests: block devices only (a NIC counts frames, below).
+            if !c.block_requests {
+                continue;
+            }
             for (op, n) in [
                 ("read", s.reads),
                 ("write", s.writes),
@@ -67,30 +88,20 @@ impl Collector for DeviceMetrics {
                 ("discard", s.discards),
                 ("write_zeroes", s.write_zeroes),
             ] {
-                f.req.push((l(&name, &[("op", op)]), n));
+                f.req.push((l(name, &[("op", op)]), n));
             }
-            f.bytes.push((l(&name, &[("op", "read")]), s.bytes_read));
-            f.bytes
-                .push((l(&name, &[("op", "write")]), s.bytes_written));
+            f.bytes.push((l(name, &[("op", "read")]), s.bytes_read));
+            f.bytes.push((l(name, &[("op", "write")]), s.bytes_written));
             f.errs
-                .push((l(&name, &[("kind", "request")]), s.request_errors));
-            f.errs
-                .push((l(&name, &[("kind", "protocol")]), s.protocol_errors));
-            f.sessions.push((l(&name, &[]), s.sessions_active as i64));
-            f.opened.push((l(&name, &[]), s.sessions_opened));
-            f.ops.push((l(&name, &[]), s.device_ops));
-            f.inflight.push((l(&name, &[]), s.in_flight as i64));
-            f.throttled.push((l(&name, &[]), s.throttled));
-            f.throttle_wait
-                .push((l(&name, &[]), s.throttle_wait_us as f64 / 1e6));
-            f.throttle_queued
-                .push((l(&name, &[]), s.throttle_queued as i64));
+                .push((l(name, &[("kind", "request")]), s.request_errors));
+            f.ops.push((l(name, &[]), s.device_ops));
+            f.inflight.push((l(name, &[]), s.in_flight as i64));
             f.latency.push(HistogramSeries {
-                labels: l(&name, &[]),
+                labels: l(name, &[]),
                 sum: lat.sum_ns as f64 / 1e9,
                 count: lat.count,
                 bounds: BOUNDS_US.iter().map(|&us| us as f64 / 1e6).collect(),
-                buckets: lat.buckets,
+                buckets: lat.buckets.clone(),
             });
         }
         for (name, n) in self.0.nics() {

@@ -19,19 +19,7 @@ fn lends_a_block_device() {
         let mut f = std::fs::File::open(&path).expect("open the block device");
         f.seek(SeekFrom::End(0)).expect("device size")
     };
-    let spec = DeviceSpec {
-        name: "bd".into(),
-        path: path.into(),
-        net: None,
-        pci: None,
-        coherence: None,
-        mac: None,
-        read_only: false,
-        serial: None,
-        traits: Vec::new(),
-        qos: Default::default(),
-        store: None,
-    };
+    let spec = DeviceSpec::block("bd", path);
     let lender = Lender::bind("127.0.0.1:0", vec![spec])
         .expect("lend the device")
         .spawn();

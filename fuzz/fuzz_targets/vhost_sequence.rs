@@ -66,7 +66,7 @@ use std::time::{Duration, Instant};
 use devlend_backend::blk::backend::BlkBackend;
 use devlend_backend::blk::engine::{LenderTarget, QueueStats};
 use devlend_backend::blk::DeviceLimits;
-use devlend_device_agent::{DeviceSpec, Lender, LenderHandle};
+use devlend_device_agent::{BlockSpec, DeviceSpec, Lender, LenderHandle};
 use libfuzzer_sys::fuzz_target;
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
@@ -260,19 +260,9 @@ impl World {
         std::fs::File::create(&disk)
             .and_then(|f| f.set_len(1 << 20))
             .expect("disk image");
-        let spec = DeviceSpec {
-            name: "disk".into(),
-            path: disk,
-            net: None,
-            pci: None,
-            coherence: None,
-            mac: None,
-            read_only: false,
-            serial: Some("FUZZ-VHOST-SEQUENCE".into()),
-            traits: Vec::new(),
-            qos: Default::default(),
-            store: None,
-        };
+        let mut block = BlockSpec::new(disk);
+        block.serial = Some("FUZZ-VHOST-SEQUENCE".into());
+        let spec = DeviceSpec::new("disk", block);
         let lender = Lender::bind("127.0.0.1:0", vec![spec])
             .expect("lender")
             .spawn();

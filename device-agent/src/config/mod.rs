@@ -6,6 +6,8 @@
 //! flags, a device name may appear once.
 
 mod spec;
+mod spec_file;
+mod spec_flag;
 mod store;
 
 use std::path::{Path, PathBuf};
@@ -16,7 +18,9 @@ use devlend_daemon::logging::LogFormat;
 use serde::{Deserialize, Serialize};
 
 pub(crate) use self::spec::check_unique;
-pub use self::spec::{parse_mac, valid_bdf, Coherence, DeviceSpec};
+pub use self::spec::{
+    parse_mac, valid_bdf, BlockSpec, Coherence, DeviceSpec, KindSpec, NetSpec, PciSpec,
+};
 pub use self::store::StoreSpec;
 use crate::Error;
 
@@ -164,6 +168,7 @@ fn default_heartbeat_ms() -> u64 {
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     listen: Option<String>,
+    transport: Option<Transport>,
     log_level: Option<String>,
     log_format: Option<LogFormat>,
     metrics_listen: Option<std::net::SocketAddr>,
@@ -457,7 +462,7 @@ impl Config {
             key_file: cli.key_file.clone().or(file.key_file),
             insecure: cli.insecure || file.insecure,
             listen,
-            transport: cli.transport.unwrap_or_default(),
+            transport: cli.transport.or(file.transport).unwrap_or_default(),
             log_level: cli
                 .log_level
                 .clone()

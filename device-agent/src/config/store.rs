@@ -7,7 +7,7 @@ use std::str::FromStr;
 use devlend_fabric::qos::{Lane, Qos};
 use serde::{Deserialize, Serialize};
 
-use super::spec::{apply_bursts, qos_option};
+use super::spec_flag::{apply_bursts, qos_option};
 use crate::{DeviceSpec, Error};
 
 /// A backing store and its capacity.
@@ -112,8 +112,8 @@ pub(crate) fn check_stores(stores: &[StoreSpec], devices: &[DeviceSpec]) -> Resu
         }
     }
     for d in devices {
-        if let Some(name) = &d.store {
-            if !stores.iter().any(|s| &s.name == name) {
+        if let Some(name) = d.store() {
+            if !stores.iter().any(|s| s.name == name) {
                 return Err(Error::BadSpec {
                     spec: d.name.clone(),
                     reason: format!("store {name:?} is not configured (--store or [[store]])"),

@@ -38,9 +38,13 @@ fn file_and_flags_merge() {
     assert_eq!(c.listen, "127.0.0.1:9");
     let names: Vec<_> = c.devices.iter().map(|d| d.name.as_str()).collect();
     assert_eq!(names, ["disk0", "disk1", "disk2"]);
-    assert_eq!(c.devices[0].serial.as_deref(), Some("SN0"));
-    assert_eq!(c.devices[1].path, PathBuf::from("/other.img"));
-    assert!(c.devices[1].read_only);
+    let block = |i: usize| match &c.devices[i].kind {
+        KindSpec::Block(b) => b.clone(),
+        other => panic!("{other:?} is not a block device"),
+    };
+    assert_eq!(block(0).serial.as_deref(), Some("SN0"));
+    assert_eq!(block(1).path, PathBuf::from("/other.img"));
+    assert!(block(1).read_only);
 }
 
 #[test]
@@ -137,6 +141,62 @@ fn file_refuses_unknown_keys_naming_file_and_key() {
         anyhow::Error::from(Config::from_cli(&cli).unwrap_err())
     );
     assert!(chain.contains("port"), "{chain}");
+}
+
+/// A device table of one kind with a key of another: the message names the file, the
+/// line, the device, the key and the kind; the flags refuse the same way.
+#[test]
+fn keys_of_another_kind_are_refused_naming_file_device_key_and_kind() {
+    let f = write_config(
+        "listen = \"[::]:1\"\n[[device]]\nname = \"d\"\npath = \"/x\"\n[[device]]\nname = \"eth\"\nkind = \"net\"\nnet = \"eth0\"\nread_only = true\n",
+    );
+    let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+    let chain = format!(
+        "{:#}",
+        anyhow::Error::from(Config::from_cli(&cli).unwrap_err())
+    );
+    assert!(chain.contains(&f.path().display().to_string()), "{chain}");
+    assert!(
+        chain.contains("device `eth`: `read_only` does not apply to kind `net`"),
+        "{chain}"
+    );
+    assert!(chain.contains("line "), "{chain}");
+
+    let err = Cli::try_parse_from(["x", "--device", "eth=net:eth0,serial=S"]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("device `eth`: `serial` does not apply to kind `net`"),
+        "{err}"
+    );
+}
+
+/// A config file's devices of each kind print back with their kind, and that prints
+/// loads as the same configuration.
+#[test]
+fn devices_of_each_kind_print_back_with_their_kind() {
+    let f = write_config(
+        "listen = \"[::]:1\"\n[[device]]\nname = \"d\"\npath = \"/x\"\nread_only = true\n[[device]]\nname = \"eth\"\nnet = \"eth0\"\n[[device]]\nname = \"f\"\npci = \"0000:00:03.0\"\n",
+    );
+    let c = Config::from_cli(&Cli::parse_from([
+        "x",
+        "--config",
+        f.path().to_str().unwrap(),
+    ]))
+    .unwrap();
+    let kinds: Vec<_> = c.devices.iter().map(|d| d.kind.name()).collect();
+    assert_eq!(kinds, ["block", "net", "pci"]);
+    let text = c.to_toml();
+    for k in ["block", "net", "pci"] {
+        assert!(text.contains(&format!("kind = \"{k}\"")), "{text}");
+    }
+    let again = write_config(&text);
+    let c2 = Config::from_cli(&Cli::parse_from([
+        "x",
+        "--config",
+        again.path().to_str().unwrap(),
+    ]))
+    .unwrap();
+    assert_eq!(c2.devices, c.devices);
 }
 
 #[test]

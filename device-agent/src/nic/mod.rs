@@ -164,3 +164,38 @@ impl Nic {
         }
     }
 }
+
+impl crate::kind::LentKind for Nic {
+    fn device_info(&self) -> devlend_fabric::DeviceDescription {
+        // The link as it is now (read at each handshake), and the offloads the packet
+        // socket's vnet header provides.
+        devlend_fabric::NicLink::new(
+            &self.link(),
+            devlend_fabric::handshake::description::NIC_OFFLOADS,
+        )
+        .into()
+    }
+
+    fn check_hello(&self, device: &str, hello: &devlend_fabric::Hello) -> Result<(), String> {
+        if hello.features & devlend_fabric::net::FEATURE_NET == 0 {
+            return Err(format!(
+                "device {device:?} is a network interface, and this borrower does not speak frames"
+            ));
+        }
+        Ok(())
+    }
+
+    fn resource_class(&self) -> String {
+        "NIC".into()
+    }
+
+    fn view(&self) -> crate::kind::KindView {
+        let link = self.link();
+        crate::kind::KindView::Net {
+            interface: self.ifname.clone(),
+            mac: self.mac,
+            mtu: link.mtu,
+            link_up: link.up,
+        }
+    }
+}

@@ -227,11 +227,17 @@ impl PciFunction {
     /// The pool's resource class of the function: `PCI_<VENDOR>_<DEVICE>` (upper-case
     /// hex, from the config space read at open), e.g. `PCI_1234_11E8`.
     pub(crate) fn resource_class(&self) -> String {
+        let (vendor, device) = self.ids();
+        format!("PCI_{vendor:04X}_{device:04X}")
+    }
+
+    /// The function's vendor and device IDs, from the config space read at open
+    /// (`0xffff` each if it was too short).
+    pub(crate) fn ids(&self) -> (u16, u16) {
         let b = |i: usize| self.layout.initial.get(i).copied().unwrap_or(0xff);
-        format!(
-            "PCI_{:04X}_{:04X}",
+        (
             u16::from_le_bytes([b(0), b(1)]),
-            u16::from_le_bytes([b(2), b(3)])
+            u16::from_le_bytes([b(2), b(3)]),
         )
     }
 
@@ -280,6 +286,39 @@ impl PciFunction {
             n if n < 0 => Err(io::Error::last_os_error()),
             n if n as usize != buf.len() => Err(io::Error::from(io::ErrorKind::WriteZero)),
             _ => Ok(()),
+        }
+    }
+}
+
+impl crate::kind::LentKind for PciFunction {
+    fn device_info(&self) -> devlend_fabric::DeviceDescription {
+        self.description().into()
+    }
+
+    fn check_hello(&self, device: &str, hello: &devlend_fabric::Hello) -> Result<(), String> {
+        if hello.features & devlend_fabric::pci::FEATURE_PCI == 0 || hello.queue_index != 0 {
+            return Err(format!(
+                "device {device:?} is a PCIe function: a borrower must ask for feature PCI on queue 0 (devlend attach --kind pci)"
+            ));
+        }
+        Ok(())
+    }
+
+    fn resource_class(&self) -> String {
+        PciFunction::resource_class(self)
+    }
+
+    fn is_limited(&self) -> bool {
+        false
+    }
+
+    fn view(&self) -> crate::kind::KindView {
+        let (vendor_id, device_id) = self.ids();
+        crate::kind::KindView::Pci {
+            bdf: self.bdf.clone(),
+            vendor_id,
+            device_id,
+            coherence: self.coherence,
         }
     }
 }

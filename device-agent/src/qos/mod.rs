@@ -5,7 +5,7 @@
 //! session opens: the device's configured limits and its lease's (from the lease
 //! token, [`devlend_fabric::qos`]), the tighter of each, as token buckets
 //! ([`bucket`]). Its block sessions draw from the group through
-//! [`crate::io::Throttled`], which holds a request that would overdraw until the
+//! [`crate::block::io::Throttled`], which holds a request that would overdraw until the
 //! buckets allow it, in arrival order, and never fails it; its NIC sessions pace their
 //! frames the same way (`nic/pump.rs`).
 //!

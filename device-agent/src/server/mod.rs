@@ -20,7 +20,9 @@ use devlend_fabric::DeviceDescription;
 
 pub use self::shared::{Options, ReloadReport};
 use self::shared::{Registered, Shared};
-pub use self::views::{DeviceQos, InventoryView, LentDevice, NicCounters, StatsView};
+pub use self::views::{
+    DeviceQos, InventoryView, KindCounters, KindView, LentDevice, NicCounters, StatsView,
+};
 use crate::config::check_unique;
 use crate::device::Device;
 use crate::leases::{self, LeaseGuard};
@@ -93,10 +95,10 @@ impl Lender {
         self.shared.stats(device)
     }
 
-    /// What the handshake describes for `device` (a block device's geometry, a NIC's link
-    /// as of its opening, a PCIe function's identity); `None` if no device has that name.
+    /// What the handshake advertises for `device` (capacity in 512-byte sectors, limits,
+    /// flags, serial); `None` if no device has that name.
     pub fn device_info(&self, device: &str) -> Option<DeviceDescription> {
-        self.shared.device(device).map(|d| d.info.clone())
+        self.shared.device(device).map(|d| d.info())
     }
 
     /// The names of the lent devices, sorted.

@@ -197,9 +197,10 @@ impl Shared {
     pub(super) fn reload(&self, specs: &[DeviceSpec]) -> Result<ReloadReport, Error> {
         check_unique(specs)?;
         // Stores are read at start: a device may name only one of those.
-        if let Some((spec, store)) = specs.iter().find_map(|s| {
-            Some((s, s.store.as_ref()?)).filter(|(_, st)| !self.stores.contains_key(*st))
-        }) {
+        if let Some((spec, store)) = specs
+            .iter()
+            .find_map(|s| Some((s, s.store()?)).filter(|(_, st)| !self.stores.contains_key(*st)))
+        {
             return Err(Error::BadSpec {
                 spec: spec.name.clone(),
                 reason: format!(

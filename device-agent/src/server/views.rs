@@ -6,23 +6,25 @@ use std::sync::Arc;
 use devlend_fabric::latency::LatencySnapshot;
 
 use super::shared::Shared;
+pub use crate::kind::KindView;
 use crate::DeviceStatsSnapshot;
 
-/// A lent device as the pool sees it.
+/// A lent device as the pool and the status views see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LentDevice {
     /// Device name.
     pub name: String,
-    /// Lendable bytes (a multiple of 512); 0 for a network interface.
+    /// Lendable bytes as registered with the pool: a block device's capacity (a
+    /// multiple of 512); 0 for a network interface or a PCIe function.
     pub capacity_bytes: u64,
     /// The pool's resource class: `BLOCK`, `NIC` for a network interface, or
     /// `PCI_<VENDOR>_<DEVICE>` for a PCIe function.
     pub resource_class: String,
-    /// Writes are refused.
-    pub read_only: bool,
     /// Traits to register: `FABRIC_TCP`, `DISCARD`, `WRITE_ZEROES`, `READ_ONLY` as they
     /// apply, then the configured ones; sorted, without repeats.
     pub traits: Vec<String>,
+    /// The kind and its own fields.
+    pub kind: KindView,
 }
 
 /// A handle on the list of lent devices, which a reload can change.
@@ -36,33 +38,18 @@ impl InventoryView {
             .all_devices()
             .iter()
             .map(|d| {
+                let kind = d.kind();
                 let mut traits = vec!["FABRIC_TCP".to_owned()];
-                if d.info.as_block().is_some_and(|g| g.max_discard_sectors > 0) && !d.read_only {
-                    traits.push("DISCARD".into());
-                }
-                if d.info
-                    .as_block()
-                    .is_some_and(|g| g.max_write_zeroes_sectors > 0)
-                    && !d.read_only
-                {
-                    traits.push("WRITE_ZEROES".into());
-                }
-                if d.read_only {
-                    traits.push("READ_ONLY".into());
-                }
+                traits.extend(kind.derived_traits().into_iter().map(str::to_owned));
                 traits.extend(d.traits().iter().cloned());
                 traits.sort();
                 traits.dedup();
                 LentDevice {
                     name: d.name.clone(),
-                    capacity_bytes: d.capacity_bytes,
-                    resource_class: match (&d.nic, &d.pci) {
-                        (Some(_), _) => "NIC".into(),
-                        (None, Some(f)) => f.resource_class(),
-                        (None, None) => "BLOCK".into(),
-                    },
-                    read_only: d.read_only,
+                    capacity_bytes: kind.capacity_bytes(),
+                    resource_class: kind.resource_class(),
                     traits,
+                    kind: kind.view(),
                 }
             })
             .collect()
@@ -92,6 +79,42 @@ impl StatsView {
             .map(|d| (d.name.clone(), d.stats.snapshot(), d.stats.latency()))
             .collect()
     }
+
+    /// Each device's counters with what its kind counts, by name.
+    pub fn all_by_kind(&self) -> Vec<KindCounters> {
+        self.0
+            .all_devices()
+            .iter()
+            .map(|d| KindCounters {
+                name: d.name.clone(),
+                kind: d.kind_name(),
+                block_requests: d.kind().counts_block_requests(),
+                limited: d.kind().is_limited(),
+                stats: d.stats.snapshot(),
+                latency: d.stats.latency(),
+            })
+            .collect()
+    }
+}
+
+/// A device's counters, with what its kind counts.
+#[derive(Debug, Clone)]
+pub struct KindCounters {
+    /// Device name.
+    pub name: String,
+    /// Its kind: `block`, `net` or `pci`.
+    pub kind: &'static str,
+    /// Whether it counts block requests (reads, writes, ..., their bytes, latency,
+    /// backing operations, request errors): a block device does; for the other kinds
+    /// those counters stay zero and are not to be shown.
+    pub block_requests: bool,
+    /// Whether limits apply to it (throttled requests or frames are counted): a block
+    /// device and a NIC; not a PCIe function.
+    pub limited: bool,
+    /// The counters (sessions for every kind).
+    pub stats: DeviceStatsSnapshot,
+    /// Latency from receiving a block request to queueing its response.
+    pub latency: LatencySnapshot,
 }
 
 /// A lent network interface's frame counters (since the lender started).
@@ -117,7 +140,10 @@ impl StatsView {
             .all_devices()
             .iter()
             .filter_map(|d| {
-                let s = &d.nic.as_ref()?.stats;
+                let crate::device::Backing::Nic(nic) = &d.backing else {
+                    return None;
+                };
+                let s = &nic.stats;
                 Some((
                     d.name.clone(),
                     NicCounters {
@@ -156,7 +182,7 @@ impl StatsView {
             .map(|d| {
                 let group = d.current_group();
                 let q = DeviceQos {
-                    limits: group.as_ref().map_or(*d.qos(), |g| g.qos),
+                    limits: group.as_ref().map_or(d.qos(), |g| g.qos),
                     held: group.is_some(),
                     store: d.store_name().map(str::to_owned),
                     share: group

@@ -4,8 +4,6 @@
 use std::sync::Arc;
 
 use devlend_fabric::handshake::{speaks, unsupported_version_message};
-use devlend_fabric::net::FEATURE_NET;
-use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::{Hello, HelloStatus};
 
 use crate::device::Device;
@@ -33,24 +31,10 @@ pub(crate) fn admit<'s>(
             format!("no device {:?} is lent here", hello.device),
         ));
     };
-    if dev.nic.is_some() && hello.features & FEATURE_NET == 0 {
-        return Err((
-            HelloStatus::BadRequest,
-            format!(
-                "device {:?} is a network interface, and this borrower does not speak frames",
-                hello.device
-            ),
-        ));
-    }
-    if dev.pci.is_some() && (hello.features & FEATURE_PCI == 0 || hello.queue_index != 0) {
-        return Err((
-            HelloStatus::BadRequest,
-            format!(
-                "device {:?} is a PCIe function: a borrower must ask for feature PCI on queue 0 (devlend attach --kind pci)",
-                hello.device
-            ),
-        ));
-    }
+    // What the kind serves: a NIC frames, a PCIe function queue 0 with feature PCI.
+    dev.kind()
+        .check_hello(&hello.device, hello)
+        .map_err(|reason| (HelloStatus::BadRequest, reason))?;
     let mut lease_qos = None;
     let mut successor_of = None;
     if let Some(guard) = shared.leases.get() {

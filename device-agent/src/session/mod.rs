@@ -10,7 +10,7 @@
 //!   over RDMA ([`rdma::block`]) or a PCI session ([`crate::pci::session::rdma`]);
 //! - [`end`]: how a session ended, for the log and the counters.
 //!
-//! Both block engines run their device I/O through [`crate::io`]: below this layer.
+//! Both block engines run their device I/O through [`crate::block::io`]: below this layer.
 //! Above it, the server (`server/`) accepts the connections and starts a session each.
 
 pub(crate) mod admit;

@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use devlend_device_agent::{DeviceSpec, Lender, LenderHandle, Options};
+use devlend_device_agent::{BlockSpec, DeviceSpec, Lender, LenderHandle, Options};
 use devlend_fabric::wire::{RawRequest, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
 use devlend_fabric::{tcp, BlockGeometry, Op, RequestHeader, ResponseHeader, Status};
 
@@ -43,19 +43,9 @@ impl Fixture {
                 std::fs::File::create(&path)
                     .and_then(|f| f.set_len(size))
                     .expect("image");
-                DeviceSpec {
-                    name: name.into(),
-                    path,
-                    net: None,
-                    pci: None,
-                    coherence: None,
-                    mac: None,
-                    read_only: ro,
-                    serial: None,
-                    traits: Vec::new(),
-                    qos: Default::default(),
-                    store: None,
-                }
+                let mut block = BlockSpec::new(path);
+                block.read_only = ro;
+                DeviceSpec::new(name, block)
             })
             .collect();
         let lender = Lender::bind_with("127.0.0.1:0", specs, options).expect("bind");

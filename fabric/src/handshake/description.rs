@@ -149,7 +149,8 @@ impl BlockGeometry {
 pub struct NicLink {
     /// The interface's MAC address.
     pub mac: [u8; 6],
-    /// The interface's MTU: payload bytes of a frame ([`MIN_MTU`]..=[`MAX_MTU`]).
+    /// The interface's MTU: payload bytes of a frame. A guest can use
+    /// [`MIN_MTU`]..=[`MAX_MTU`]; the borrower refuses another at attach.
     pub mtu: u32,
     /// The link was up.
     pub up: bool,
@@ -402,9 +403,9 @@ fn decode_nic(r: &mut Reader<'_>) -> Result<NicLink, WireError> {
     if f.offloads & !NIC_OFFLOADS != 0 {
         return Err(WireError::Invalid("unknown NIC offloads"));
     }
-    if !(MIN_MTU..=MAX_MTU).contains(&f.mtu) {
-        return Err(WireError::Invalid("NIC MTU"));
-    }
+    // The MTU is the lender's interface's, as it is: the borrower refuses at attach one
+    // that no guest can use (outside MIN_MTU..=MAX_MTU, e.g. a loopback's 65536), with
+    // a message that says so, rather than failing the handshake here.
     Ok(NicLink {
         mac: f.mac,
         mtu: f.mtu,

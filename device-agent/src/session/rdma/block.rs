@@ -27,9 +27,9 @@ use devlend_fabric::rdma::{decode_request, RdmaError, Segment};
 use devlend_fabric::wire::RequestHeader;
 use devlend_fabric::{BlockRequest, Op};
 
+use crate::block::io::request::{check_framing, refuse_reason, ResponseData};
+use crate::block::io::{DeviceIo, Event, Request};
 use crate::device::Device;
-use crate::io::request::{check_framing, refuse_reason, ResponseData};
-use crate::io::{DeviceIo, Event, Request};
 
 /// Requests a session serves at once (each with its own registered I/O buffer of
 /// `max_transfer` bytes); more wait in arrival order.

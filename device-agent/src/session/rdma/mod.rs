@@ -1,7 +1,7 @@
 //! The lender's RDMA sessions: an rdma_cm listener, and per connection one thread
 //! that answers the hello (with the admission checks of [`crate::session::admit`]),
 //! then serves the device: a block device's engine ([`block`], its device I/O through
-//! [`crate::io`] as over TCP), or a PCIe function's session
+//! [`crate::block::io`] as over TCP), or a PCIe function's session
 //! ([`crate::pci::session::rdma`]).
 //!
 //! Each session is in the lender's registry beside the TCP ones: when its lease ends
@@ -18,7 +18,8 @@ use devlend_fabric::rdma::verbs::{lender_shape, Incoming, Listener};
 use devlend_fabric::{Hello, HelloReply};
 
 use self::block::{End, Slot, IO_SLOTS, RING_ENTRIES, TAG_SEND};
-use crate::io::{SessionIo, Throttled};
+use crate::block::io::{SessionIo, Throttled};
+use crate::device::Backing;
 use crate::server::shared::Shared;
 use crate::session::admit::admit;
 
@@ -88,7 +89,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     // the device through a TLS session (its holding session); a PCIe function has no
     // holding session: it is lent over TCP+TLS only.
     let tls_refusal = shared.tls.get().is_some().then(|| match shared.device(&hello.device) {
-        Some(d) if d.pci.is_some() => Some(format!(
+        Some(d) if matches!(d.backing, Backing::Pci(_)) => Some(format!(
             "this lender requires TLS: PCIe function {:?} is lent over TCP with TLS only (attach without --transport rdma)",
             hello.device
         )),
@@ -113,8 +114,8 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
             ));
         }
         // One borrower at a time: the session that gets here first holds the function.
-        let lent = match &dev.pci {
-            Some(pci) => Some(pci.try_lend().ok_or_else(|| {
+        let lent = match &dev.backing {
+            Backing::Pci(pci) => Some(pci.try_lend().ok_or_else(|| {
                 (
                     devlend_fabric::HelloStatus::Busy,
                     format!(
@@ -123,7 +124,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
                     ),
                 )
             })?),
-            None => None,
+            Backing::Block(_) | Backing::Nic(_) => None,
         };
         Ok((dev, a, c, lent))
     });
@@ -151,8 +152,8 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
             return;
         }
     };
-    if let (Some(pci), Some(_lent)) = (&dev.pci, lent) {
-        let mut reply = HelloReply::ok(dev.info.clone()).for_version(hello.version);
+    if let (Backing::Pci(pci), Some(_lent)) = (&dev.backing, lent) {
+        let mut reply = HelloReply::ok(dev.info()).for_version(hello.version);
         reply.features = devlend_fabric::pci::FEATURE_PCI;
         reply.proof = shared.proof(&hello);
         let mut msg = Vec::new();
@@ -184,7 +185,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         }
         return;
     }
-    let max = dev.info.as_block().map_or(0, |g| g.max_transfer) as usize;
+    let max = dev.info().as_block().map_or(0, |g| g.max_transfer) as usize;
     let mut slots = Vec::with_capacity(IO_SLOTS);
     for i in 0..IO_SLOTS {
         match Slot::new(&conn, i, max) {
@@ -205,7 +206,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
     let mut reply = Vec::new();
     // Counted before the reply leaves (a borrower with its reply sees the session).
     dev.stats.session_opened();
-    let mut answer = HelloReply::ok(dev.info.clone()).for_version(hello.version);
+    let mut answer = HelloReply::ok(dev.info()).for_version(hello.version);
     answer.proof = shared.proof(&hello);
     // A borrower that reads the throttle flag of responses gets it.
     answer.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;

@@ -7,7 +7,7 @@
 //! reading its socket until a request is given back: the borrower sees TCP
 //! backpressure. Owned by the session's one thread: no lock.
 
-use crate::io::Request;
+use crate::block::io::Request;
 
 /// Largest buffer capacity in bytes kept for reuse; larger buffers are freed.
 const RETAIN_MAX_BUF: usize = 2 << 20;

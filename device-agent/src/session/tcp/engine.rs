@@ -32,9 +32,9 @@ use devlend_fabric::{Op, RequestHeader};
 use super::budget::RequestBudget;
 use super::rx::{recv, Recv, RxBuf, READ_BUF};
 use super::tx::Tx;
+use crate::block::io::request::check_framing;
+use crate::block::io::{DeviceIo, Event, Request};
 use crate::device::Device;
-use crate::io::request::check_framing;
-use crate::io::{DeviceIo, Event, Request};
 use crate::session::end::End;
 use crate::{MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES};
 

@@ -8,15 +8,14 @@ use std::sync::Arc;
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::error::chain;
-use devlend_fabric::handshake::description::NIC_OFFLOADS;
 use devlend_fabric::net::{FEATURE_NET, FEATURE_NET_OFFLOAD};
 use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Credit, Hello, HelloReply, HelloStatus, WireError, FEATURE_CREDIT};
 
-use crate::device::Device;
+use crate::block::io::SessionIo;
+use crate::device::{Backing, Device};
 use crate::holding::Claim;
-use crate::io::SessionIo;
 use crate::server::shared::{ActiveSession, Shared};
 use crate::session::admit::admit;
 use crate::{MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES};
@@ -94,7 +93,7 @@ pub(super) fn handshake<'s>(
         Ok(x) => x,
         Err((status, message)) => return refuse(status, message),
     };
-    let io = if dev.nic.is_none() && dev.pci.is_none() {
+    let io = if dev.block().is_some() {
         match SessionIo::new(Arc::clone(&dev), shared.options.io, RING_ENTRIES, true) {
             Ok(io) => Some(io),
             Err(e) => {
@@ -108,8 +107,8 @@ pub(super) fn handshake<'s>(
         None
     };
     // One borrower at a time: the session that gets here first holds the function.
-    let lent = match &dev.pci {
-        Some(pci) => match pci.try_lend() {
+    let lent = match &dev.backing {
+        Backing::Pci(pci) => match pci.try_lend() {
             Some(l) => Some(l),
             None => {
                 return refuse(
@@ -121,34 +120,27 @@ pub(super) fn handshake<'s>(
                 )
             }
         },
-        None => None,
+        Backing::Block(_) | Backing::Nic(_) => None,
     };
-    let mut reply = match &dev.nic {
-        None if dev.pci.is_some() => {
-            let mut r = HelloReply::ok(dev.info.clone());
-            r.features = FEATURE_PCI;
-            r
-        }
-        Some(nic) => {
-            let mut r = HelloReply::ok(devlend_fabric::NicLink::new(&nic.link(), NIC_OFFLOADS));
+    let mut reply = HelloReply::ok(dev.info());
+    match &dev.backing {
+        Backing::Pci(_) => reply.features = FEATURE_PCI,
+        Backing::Nic(_) => {
             // Offloads asked for are granted: the packet socket's vnet header has the
             // kernel complete checksums and segment in software where the interface
             // cannot.
-            r.features = FEATURE_NET | (hello.features & FEATURE_NET_OFFLOAD);
-            r
+            reply.features = FEATURE_NET | (hello.features & FEATURE_NET_OFFLOAD);
         }
-        None => {
-            let mut r = HelloReply::ok(dev.info.clone());
+        Backing::Block(_) => {
             // A borrower that keeps within a stated credit gets it: the session's whole
             // request budget, so that the session never has to stop reading it.
             if hello.features & FEATURE_CREDIT != 0 {
-                r.credit = Some(session_credit());
+                reply.credit = Some(session_credit());
             }
             // A borrower that reads the throttle flag of responses gets it.
-            r.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;
-            r
+            reply.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;
         }
-    };
+    }
     reply.proof = shared.proof(&hello);
     // A version 1 borrower reads a version 1 reply.
     let reply = reply.for_version(hello.version);

@@ -17,8 +17,8 @@ use devlend_fabric::net::FEATURE_NET_OFFLOAD;
 use devlend_fabric::{FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
 
 use self::handshake::{accept_tls, handshake, CONTROL_QUEUE};
-use crate::device::Device;
-use crate::io::{SessionIo, Throttled};
+use crate::block::io::{SessionIo, Throttled};
+use crate::device::{Backing, Device};
 use crate::server::shared::Shared;
 use crate::session::end::End;
 
@@ -44,14 +44,14 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
     shared.handshake_done(id);
     // `handshake` counted the session open.
     let frame_timeout = shared.options.frame_timeout;
-    let end = match (&dev.pci, lent, &dev.nic, io) {
+    let end = match (&dev.backing, lent, io) {
         // A successor's holding session during a handover carries nothing.
         _ if claim.is_standby() => crate::nic::pump::hold(&sock),
-        (Some(pci), Some(_lent), _, _) => {
+        (Backing::Pci(pci), Some(_lent), _) => {
             crate::pci::session::tcp::serve(pci, &sock, peer, frame_timeout)
         }
-        (_, _, Some(_), _) if queue == CONTROL_QUEUE => crate::nic::pump::hold(&sock),
-        (_, _, Some(nic), _) => {
+        (Backing::Nic(_), _, _) if queue == CONTROL_QUEUE => crate::nic::pump::hold(&sock),
+        (Backing::Nic(nic), _, _) => {
             let offload = granted & FEATURE_NET_OFFLOAD != 0;
             let police = crate::nic::pump::Police {
                 group: Some(std::sync::Arc::clone(claim.group())),
@@ -59,7 +59,7 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             };
             crate::nic::pump::serve(nic, &sock, peer, queue, offload, frame_timeout, police)
         }
-        (_, _, None, Some(io)) => {
+        (Backing::Block(_), _, Some(io)) => {
             let credit = granted & FEATURE_CREDIT != 0;
             tracing::debug!(%peer, id, "session serving");
             let group = Some(std::sync::Arc::clone(claim.group()));

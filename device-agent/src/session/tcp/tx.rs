@@ -11,8 +11,8 @@ use std::os::fd::RawFd;
 use devlend_fabric::wire::RESPONSE_HEADER_LEN;
 
 use super::budget::RequestBudget;
-use crate::io::request::ResponseData;
-use crate::io::{DeviceIo, Request};
+use crate::block::io::request::ResponseData;
+use crate::block::io::{DeviceIo, Request};
 
 /// Most iovecs per `sendmsg` (Linux UIO_MAXIOV).
 const MAX_IOV: usize = 1024;

@@ -8,7 +8,7 @@
 //! fails, requests still in it are leaked (never freed, so never reused under it).
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use io_uring::types;
 
 use super::request::{Next, Request};
 use super::ring::Ring;
-use super::{finished, prepare, watch_data, watch_token, DeviceIo, Event};
+use super::{block_fd, finished, prepare, watch_data, watch_token, DeviceIo, Event};
 use crate::device::Device;
 
 /// Operations queued before they are submitted even if the session has more to start.
@@ -44,7 +44,7 @@ impl Uring {
     /// `io_uring_setup` failures.
     pub(crate) fn new(dev: Arc<Device>, entries: u32) -> io::Result<Uring> {
         Ok(Uring {
-            fd: dev.file.as_raw_fd(),
+            fd: block_fd(&dev)?,
             dev,
             ring: Ring::new(entries)?,
             in_ring: 0,

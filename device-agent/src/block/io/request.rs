@@ -95,7 +95,10 @@ pub(crate) fn refuse_reason(r: &BlockRequest, dev: &Device) -> Option<&'static s
         BlockRequest::Discard { sectors, .. } => Some((sectors, MAX_DISCARD_SECTORS)),
         BlockRequest::WriteZeroes { sectors, .. } => Some((sectors, MAX_WRITE_ZEROES_SECTORS)),
     };
-    if r.op() != Op::Read && dev.read_only {
+    let Some(block) = dev.block() else {
+        return Some("not a block device");
+    };
+    if r.op() != Op::Read && block.read_only {
         return Some("device is read-only");
     }
     if r.range_len() == 0 {
@@ -105,7 +108,7 @@ pub(crate) fn refuse_reason(r: &BlockRequest, dev: &Device) -> Option<&'static s
         return Some("length beyond the advertised limit");
     }
     match r.byte_range() {
-        Ok(range) if range.end <= dev.capacity_bytes => None,
+        Ok(range) if range.end <= block.capacity_bytes => None,
         _ => Some("range beyond the capacity"),
     }
 }

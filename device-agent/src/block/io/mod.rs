@@ -137,7 +137,8 @@ impl SessionIo {
     /// need not be read into a buffer first.
     ///
     /// # Errors
-    /// `io_uring_setup` failures (ENOMEM, io_uring disabled by the system).
+    /// `io_uring_setup` failures (ENOMEM, io_uring disabled by the system);
+    /// `Unsupported` for a device that is not a block device.
     pub(crate) fn new(
         dev: Arc<Device>,
         mode: IoMode,
@@ -145,7 +146,7 @@ impl SessionIo {
         send_from_file: bool,
     ) -> io::Result<SessionIo> {
         let inline = match mode {
-            IoMode::Auto => dev.memory_backed,
+            IoMode::Auto => dev.block().is_some_and(|b| b.memory_backed),
             IoMode::Uring => false,
             IoMode::Sync => true,
         };
@@ -187,6 +188,20 @@ fn prepare(dev: &Device, req: &mut Request, h: &RequestHeader) -> bool {
     false
 }
 
+/// The backing file of `dev`, which must be a block device.
+///
+/// # Errors
+/// `Unsupported` for a device of another kind: it serves no block requests.
+fn block_fd(dev: &Device) -> io::Result<RawFd> {
+    match dev.block() {
+        Some(b) => Ok(std::os::fd::AsRawFd::as_raw_fd(&b.file)),
+        None => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "not a block device: it serves no block requests",
+        )),
+    }
+}
+
 /// Records a done request in the device's counters: answered (and its latency, from
 /// [`Request::start`] to now), its bytes when it succeeded, an error (logged with the
 /// errno when the device failed) when it did not.
@@ -200,7 +215,8 @@ pub(crate) fn finished(dev: &Device, req: &Request) {
         (status, op) => {
             stats.request_error();
             if req.errno != 0 {
-                tracing::warn!(device = %dev.name, path = %dev.path.display(),
+                let path = dev.block().map(|b| b.path.display());
+                tracing::warn!(device = %dev.name, path = ?path,
                     ?op, ?status, id = req.id,
                     error = %io::Error::from_raw_os_error(req.errno), "device I/O failed");
             }

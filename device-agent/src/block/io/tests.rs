@@ -67,7 +67,11 @@ fn same_requests_same_counters(mut io: impl DeviceIo, dev: &Device) {
     assert_eq!(beyond.status, Status::IoErr);
     assert_eq!(dev.stats.snapshot().device_ops, ops);
     // Failed by the device: the file shrank under the lender, a read finds its end.
-    dev.file.set_len(0).expect("truncate");
+    dev.block()
+        .expect("a block device")
+        .file
+        .set_len(0)
+        .expect("truncate");
     let short = run(&mut io, header(Op::Read, 0, 4096), &[]);
     assert_eq!(short.status, Status::IoErr);
     let s = dev.stats.snapshot();

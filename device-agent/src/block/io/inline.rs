@@ -14,7 +14,7 @@
 //! [`ResponseData::File`]: super::request::ResponseData::File
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ use devlend_fabric::RequestHeader;
 
 use super::request::{Next, Request};
 use super::ring::Ring;
-use super::{finished, prepare, watch_data, watch_token, DeviceIo, Event};
+use super::{block_fd, finished, prepare, watch_data, watch_token, DeviceIo, Event};
 use crate::device::Device;
 
 /// Reads at least this long, from a memory file, are sent with `sendfile`.
@@ -48,10 +48,11 @@ impl Inline {
     /// [`super::SessionIo::new`].
     ///
     /// # Errors
-    /// `io_uring_setup` failures (the ring of the watches).
+    /// `io_uring_setup` failures (the ring of the watches); `Unsupported` for a device
+    /// that is not a block device.
     pub(crate) fn new(dev: Arc<Device>, send_from_file: bool) -> io::Result<Inline> {
         Ok(Inline {
-            fd: dev.file.as_raw_fd(),
+            fd: block_fd(&dev)?,
             dev,
             send_from_file,
             ring: Ring::new(WATCH_ENTRIES)?,

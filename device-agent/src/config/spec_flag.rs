@@ -1,0 +1,185 @@
+//! The `--device` flag: `NAME=PATH[,ro][,serial=S][,traits=A+B][,store=S][,LIMIT=N]`,
+//! `NAME=net:IFNAME[,mac=MAC][,LIMIT=N]` or `NAME=pci:DDDD:BB:DD.F[,coherence=C]`
+//! parsed into a [`DeviceSpec`] of its kind.
+
+use std::str::FromStr;
+
+use devlend_fabric::qos::{Lane, Qos, LANES};
+
+use super::spec::{BlockSpec, Coherence, DeviceSpec, KindSpec, NetSpec, PciSpec};
+use crate::Error;
+
+/// The options of any kind, for the message naming one that does not apply to the
+/// kind given.
+const KNOWN_OPTIONS: [&str; 6] = ["ro", "serial", "traits", "store", "mac", "coherence"];
+
+impl FromStr for DeviceSpec {
+    type Err = Error;
+
+    /// Parses `NAME=PATH[,ro][,serial=S]...`, `NAME=net:IFNAME[,mac=MAC]...` or
+    /// `NAME=pci:BDF[,coherence=C]`: the backing says the kind, and each option must
+    /// apply to it.
+    ///
+    /// # Errors
+    /// [`Error::BadSpec`] for a malformed spec, [`Error::NotOfKind`] for an option of
+    /// another kind, and those of [`DeviceSpec::validate`].
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let bad = |reason: String| Error::BadSpec {
+            spec: s.to_owned(),
+            reason,
+        };
+        let (name, rest) = s
+            .split_once('=')
+            .ok_or_else(|| bad("expected NAME=PATH[,ro][,serial=S]".into()))?;
+        let mut parts = rest.split(',');
+        let backing = parts.next().unwrap_or_default();
+        if backing.is_empty() || backing == "net:" || backing == "pci:" {
+            return Err(bad("empty path".into()));
+        }
+        let kind: KindSpec = if let Some(ifname) = backing.strip_prefix("net:") {
+            NetSpec::new(ifname).into()
+        } else if let Some(bdf) = backing.strip_prefix("pci:") {
+            PciSpec::new(bdf).into()
+        } else {
+            BlockSpec::new(backing).into()
+        };
+        let mut spec = DeviceSpec::new(name, kind);
+        let mut bursts = Vec::new();
+        for opt in parts {
+            if opt.is_empty() {
+                return Err(bad("empty option".into()));
+            }
+            let (key, value) = opt.split_once('=').unwrap_or((opt, ""));
+            if key == "traits" {
+                spec.traits.extend(value.split('+').map(str::to_owned));
+                continue;
+            }
+            let (kind, own) = (spec.kind.name(), flag_options(&spec.kind));
+            let qos = match &mut spec.kind {
+                KindSpec::Block(b) => match (key, opt) {
+                    (_, "ro") => {
+                        b.read_only = true;
+                        continue;
+                    }
+                    ("serial", _) if opt.contains('=') => {
+                        if b.serial.replace(value.to_owned()).is_some() {
+                            return Err(bad("serial given twice".into()));
+                        }
+                        continue;
+                    }
+                    ("store", _) if opt.contains('=') => {
+                        b.store = Some(value.to_owned());
+                        continue;
+                    }
+                    _ => Some(&mut b.qos),
+                },
+                KindSpec::Net(n) => match key {
+                    "mac" if opt.contains('=') => {
+                        n.mac = Some(value.to_owned());
+                        continue;
+                    }
+                    _ => Some(&mut n.qos),
+                },
+                KindSpec::Pci(p) => match opt {
+                    "coherence=nvme" => {
+                        p.coherence = Some(Coherence::Nvme);
+                        continue;
+                    }
+                    "coherence=mirror" => {
+                        p.coherence = Some(Coherence::Mirror);
+                        continue;
+                    }
+                    _ if key == "coherence" => {
+                        return Err(bad(format!(
+                            "unknown coherence {value:?} (expected nvme or mirror)"
+                        )))
+                    }
+                    _ => None,
+                },
+            };
+            let not_of_kind = || Error::NotOfKind {
+                device: name.to_owned(),
+                field: key.to_owned(),
+                kind,
+            };
+            if KNOWN_OPTIONS.contains(&key) && !own.contains(&key) {
+                return Err(not_of_kind());
+            }
+            let limit = qos.and_then(|q| qos_option(q, &mut bursts, opt));
+            match limit {
+                Some(r) => r.map_err(bad)?,
+                // A limit on a PCIe function.
+                None if is_limit(key) => return Err(not_of_kind()),
+                None => {
+                    return Err(bad(format!(
+                        "unknown option {opt:?} (expected ro, serial=S, traits=A+B, store=NAME, mac=MAC, coherence=nvme|mirror, or a limit such as iops_read=N)"
+                    )))
+                }
+            }
+        }
+        match &mut spec.kind {
+            KindSpec::Block(BlockSpec { qos, .. }) | KindSpec::Net(NetSpec { qos, .. }) => {
+                apply_bursts(qos, bursts).map_err(bad)?;
+            }
+            KindSpec::Pci(_) => {}
+        }
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+/// The flag options of a kind besides `traits` and the limits.
+fn flag_options(kind: &KindSpec) -> &'static [&'static str] {
+    match kind {
+        KindSpec::Block(_) => &["ro", "serial", "store"],
+        KindSpec::Net(_) => &["mac"],
+        KindSpec::Pci(_) => &["coherence"],
+    }
+}
+
+/// Whether `key` names a limit option (`weight`, a lane, or a lane's `_burst`).
+fn is_limit(key: &str) -> bool {
+    let base = key.strip_suffix("_burst").unwrap_or(key);
+    key == "weight" || LANES.iter().any(|(_, n)| *n == base)
+}
+
+/// Sets the bucket sizes of `bursts` (from [`qos_option`]) on their lanes, after all
+/// the options were read, and checks the result.
+///
+/// # Errors
+/// A burst whose lane has no rate, a rate of 0, a weight out of range.
+pub(super) fn apply_bursts(q: &mut Qos, bursts: Vec<(Lane, u64)>) -> Result<(), String> {
+    for (lane, n) in bursts {
+        match q.limits[lane.index()].as_mut() {
+            Some(l) => l.burst = n,
+            None => return Err(format!("{}_burst without {}", lane.name(), lane.name())),
+        }
+    }
+    q.validate().map_err(|e| e.to_string())
+}
+
+/// Applies a limit option `KEY=N` of a device flag (`iops_read=2000`,
+/// `iops_read_burst=400`, `weight=3`, ...) to `q`. `None` when `opt` is not one; an
+/// error for one whose number does not parse.
+pub(super) fn qos_option(
+    q: &mut Qos,
+    bursts: &mut Vec<(Lane, u64)>,
+    opt: &str,
+) -> Option<Result<(), String>> {
+    let (key, value) = opt.split_once('=')?;
+    let lane = |name: &str| LANES.iter().find(|(_, n)| *n == name).map(|(l, _)| *l);
+    let (target, burst) = match (key, key.strip_suffix("_burst")) {
+        ("weight", _) => (None, false),
+        (_, Some(base)) => (Some(lane(base)?), true),
+        (k, None) => (Some(lane(k)?), false),
+    };
+    let Ok(n) = value.parse::<u64>() else {
+        return Some(Err(format!("{key}: {value:?} is not a whole number")));
+    };
+    match (target, burst) {
+        (None, _) => q.weight = Some(u32::try_from(n).unwrap_or(u32::MAX)),
+        (Some(l), true) => bursts.push((l, n)),
+        (Some(l), false) => *q = q.with(l, n, 0),
+    }
+    Some(Ok(()))
+}

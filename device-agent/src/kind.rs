@@ -1,0 +1,96 @@
+//! What every kind of lent device answers and shows ([`LentKind`], one impl per kind:
+//! `block/`, `nic/`, `pci/`), and the kind's own fields as the status views show them
+//! ([`KindView`]).
+
+use devlend_fabric::{DeviceDescription, Hello};
+
+/// What each kind of lent device answers and shows; one impl per kind.
+pub(crate) trait LentKind {
+    /// What the handshake answers for the device (one function per kind).
+    fn device_info(&self) -> DeviceDescription;
+
+    /// Refuses a hello this kind cannot serve, with the message for the borrower
+    /// (`device`: the name it asked for).
+    ///
+    /// # Errors
+    /// The reason, e.g. a NIC asked for by a borrower that does not speak frames.
+    fn check_hello(&self, device: &str, hello: &Hello) -> Result<(), String>;
+
+    /// The pool's resource class: `BLOCK`, `NIC` or `PCI_<VENDOR>_<DEVICE>`.
+    fn resource_class(&self) -> String;
+
+    /// Lendable bytes as registered with the pool (0 for a kind without a capacity).
+    fn capacity_bytes(&self) -> u64 {
+        0
+    }
+
+    /// The traits the lender derives for it (`DISCARD`, `READ_ONLY`, ...), besides
+    /// `FABRIC_TCP` and the configured ones.
+    fn derived_traits(&self) -> Vec<&'static str> {
+        Vec::new()
+    }
+
+    /// Whether it counts block requests (reads, writes, ... and their latency); the
+    /// other kinds count sessions, and a NIC its frames.
+    fn counts_block_requests(&self) -> bool {
+        false
+    }
+
+    /// Whether limits (`docs/qos.md`) apply to it, so that it counts what they held
+    /// back.
+    fn is_limited(&self) -> bool {
+        true
+    }
+
+    /// Its own fields, as the status views show them.
+    fn view(&self) -> KindView;
+}
+
+/// A lent device's own fields, by kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KindView {
+    /// A block device or regular file.
+    Block {
+        /// The backing path.
+        path: std::path::PathBuf,
+        /// Lendable bytes, a multiple of 512.
+        capacity_bytes: u64,
+        /// The logical block size in bytes.
+        block_size: u32,
+        /// Writes, discards and write-zeroes are refused.
+        read_only: bool,
+    },
+    /// A network interface.
+    Net {
+        /// The Linux interface name.
+        interface: String,
+        /// The MAC address the borrower's guest is told.
+        mac: [u8; 6],
+        /// The interface's MTU now, in bytes.
+        mtu: u32,
+        /// Whether its link is up now (up and running).
+        link_up: bool,
+    },
+    /// A PCIe function.
+    Pci {
+        /// Its address `DDDD:BB:DD.F`.
+        bdf: String,
+        /// The vendor ID from its config space.
+        vendor_id: u16,
+        /// The device ID from its config space.
+        device_id: u16,
+        /// How its DMA is kept coherent with the borrower's guest memory.
+        coherence: crate::config::Coherence,
+    },
+}
+
+impl KindView {
+    /// The kind's name: `block`, `net` or `pci` (as `kind` in the config file).
+    pub fn name(&self) -> &'static str {
+        match self {
+            KindView::Block { .. } => "block",
+            KindView::Net { .. } => "net",
+            KindView::Pci { .. } => "pci",
+        }
+    }
+}
