@@ -1,7 +1,7 @@
 //! What the CLI prints for people.
 
 use devlend_compute_agent::api::{
-    AttachmentInfo, BlockInfo, HandoverState, NicInfo, PciCoherence, PciInfo,
+    AttachmentInfo, BlockInfo, CoherenceMode, HandoverState, NicInfo, PciInfo,
 };
 
 /// Formats a byte count with a binary unit (`1.0 GiB`).
@@ -269,8 +269,8 @@ pub fn pci_table(list: &[(&AttachmentInfo, &PciInfo)]) -> String {
             if p.bdf.is_empty() { "-" } else { p.bdf.as_str() },
             ids,
             match p.coherence {
-                Some(PciCoherence::Mirror) => "mirror",
-                Some(PciCoherence::Mediated) => "mediated",
+                Some(CoherenceMode::Mirror) => "mirror",
+                Some(CoherenceMode::Mediated) => "mediated",
                 None => "-",
             },
             human_bytes(p.dma_mapped_bytes),
@@ -384,8 +384,8 @@ mod libvirt_tests {
 #[cfg(test)]
 mod status_tests {
     use devlend_compute_agent::api::{
-        AttachmentInfo, BlockInfo, DeviceKind, IoCounters, KindInfo, NetCounters, NicInfo,
-        PciCoherence, PciCounters, PciInfo, Rates,
+        AttachmentInfo, BlockInfo, CoherenceMode, DeviceKind, IoCounters, KindInfo, NetCounters,
+        NicInfo, PciCounters, PciInfo, Rates,
     };
 
     use super::status_table;
@@ -459,7 +459,7 @@ mod status_tests {
                 bdf: "0000:03:00.0".into(),
                 vendor_id: Some(0x1234),
                 device_id: Some(0x11e8),
-                coherence: Some(PciCoherence::Mirror),
+                coherence: Some(CoherenceMode::Mirror),
                 dma_mapped_bytes: 2 << 20,
                 counters: PciCounters {
                     region_reads: 41,

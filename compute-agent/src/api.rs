@@ -20,7 +20,7 @@ pub use devlend_fabric::transport::{RdmaExposure, Transport};
 mod kinds;
 
 pub use kinds::{
-    BlockInfo, DeviceKind, IoCounters, KindInfo, Latency, NetCounters, NicInfo, PciCoherence,
+    BlockInfo, CoherenceMode, DeviceKind, IoCounters, KindInfo, Latency, NetCounters, NicInfo,
     PciCounters, PciInfo, Rates,
 };
 

@@ -59,6 +59,7 @@ use devlend_fabric::pci::{
     KIND_DMA_MAP, KIND_DMA_UNMAP, KIND_PULL, KIND_PUSH, KIND_READ, KIND_RESET, KIND_SET_IRQS,
     KIND_WRITE, MAX_ACCESS, MIRROR_PAGE, RDMA_MAX_RANGES,
 };
+use devlend_fabric::CoherenceMode;
 use vfio_bindings::bindings::vfio::{
     vfio_region_info, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_TYPE_MASK,
     VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE,
@@ -96,17 +97,6 @@ pub enum PciError {
 /// mmap of the agent's, which all its attachments share (`vm.max_map_count`); a VMM
 /// maps each RAM section once (a handful, a few hundred with many hot-plugged DIMMs).
 pub const MAX_DMA_MAPS: u32 = 1024;
-
-/// How the guest memory a borrowed function reaches by DMA is kept coherent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Coherence {
-    /// The lender keeps a mirror of the DMA-mapped memory; the borrower keeps a shadow
-    /// of what the mirror holds and pushes and pulls the pages that differ.
-    Mirror,
-    /// The lender mediates the function ([`INFO_MEDIATED`]): it reads and writes guest
-    /// memory itself, and the borrower keeps no shadow.
-    Mediated,
-}
 
 /// Who a borrowed function is: its address on the lender and its PCI IDs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -245,11 +235,11 @@ impl PciHandle {
     }
 
     /// How DMA-mapped guest memory is kept coherent with the lender.
-    pub fn coherence(&self) -> Coherence {
+    pub fn coherence(&self) -> CoherenceMode {
         if self.mediated() {
-            Coherence::Mediated
+            CoherenceMode::Mediated
         } else {
-            Coherence::Mirror
+            CoherenceMode::Mirror
         }
     }
 

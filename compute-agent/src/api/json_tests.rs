@@ -164,7 +164,7 @@ fn a_pci_attachment_shows_its_address_ids_coherence_and_dma_bytes() {
         bdf: "0000:03:00.0".into(),
         vendor_id: Some(0x1234),
         device_id: Some(0x11e8),
-        coherence: Some(PciCoherence::Mirror),
+        coherence: Some(CoherenceMode::Mirror),
         dma_mapped_bytes: 1 << 20,
         counters: PciCounters {
             region_reads: 5,
@@ -197,7 +197,7 @@ fn a_pci_attachment_shows_its_address_ids_coherence_and_dma_bytes() {
         json!({"region_reads": 5, "region_writes": 6, "pages_pushed": 7, "pages_pulled": 8, "irqs": 9})
     );
     let mediated = shared(KindInfo::Pci(PciInfo {
-        coherence: Some(PciCoherence::Mediated),
+        coherence: Some(CoherenceMode::Mediated),
         ..PciInfo::default()
     }));
     assert_eq!(round_trip(&mediated)["coherence"], "mediated");

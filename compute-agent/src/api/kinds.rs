@@ -114,25 +114,8 @@ pub struct NicInfo {
 }
 
 /// How the guest memory a PCIe function reaches by DMA is kept coherent with the
-/// lender.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PciCoherence {
-    /// The lender keeps a mirror of the DMA-mapped memory, synchronized page by page
-    /// with the borrower's shadow of it.
-    Mirror,
-    /// The lender mediates the function and reads and writes guest memory itself.
-    Mediated,
-}
-
-impl From<devlend_backend::pci::Coherence> for PciCoherence {
-    fn from(c: devlend_backend::pci::Coherence) -> Self {
-        match c {
-            devlend_backend::pci::Coherence::Mirror => PciCoherence::Mirror,
-            devlend_backend::pci::Coherence::Mediated => PciCoherence::Mediated,
-        }
-    }
-}
+/// lender (`mirror` or `mediated`): the protocol's own enum.
+pub use devlend_fabric::CoherenceMode;
 
 /// A borrowed PCIe function.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -147,7 +130,7 @@ pub struct PciInfo {
     pub device_id: Option<u16>,
     /// How DMA-mapped memory is kept coherent; absent while restoring.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub coherence: Option<PciCoherence>,
+    pub coherence: Option<CoherenceMode>,
     /// Bytes of the VMM's memory mapped for the function's DMA now.
     pub dma_mapped_bytes: u64,
     /// Counters since this compute agent started serving it.

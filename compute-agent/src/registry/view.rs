@@ -67,7 +67,7 @@ pub(super) fn part(req: &AttachRequest, a: &Attachment) -> KindInfo {
                     bdf: id.bdf.clone(),
                     vendor_id: id.vendor_id,
                     device_id: id.device_id,
-                    coherence: Some(p.coherence().into()),
+                    coherence: Some(p.coherence()),
                     dma_mapped_bytes: p.dma_mapped_bytes(),
                     counters: p.stats().into(),
                 }

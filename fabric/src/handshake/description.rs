@@ -181,8 +181,10 @@ impl NicLink {
     }
 }
 
-/// How a lent PCIe function's DMA is kept coherent with the guest's memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How a lent PCIe function's DMA is kept coherent with the guest's memory; in JSON
+/// (the compute agent's API) `mirror` or `mediated`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 #[repr(u8)]
 pub enum CoherenceMode {
     /// The lender mirrors guest memory; the borrower pushes before BAR writes and pulls
