@@ -269,7 +269,8 @@ impl World {
         let addr = lender.local_addr().to_string();
         let (_s, reply) =
             devlend_fabric::tcp::connect(&addr, "disk", 0, Duration::from_secs(5)).expect("hello");
-        let limits = Arc::new(DeviceLimits::from_device_info(&reply.device));
+        let geometry = reply.block().expect("the lender describes a block device");
+        let limits = Arc::new(DeviceLimits::from_device_info(geometry));
         let sock = dir.join("vhost.sock");
         let listener = Listener::new(&sock, true).expect("vhost-user listener");
         let mut pipe = [0; 2];
