@@ -83,7 +83,10 @@ pub(crate) fn serve(
     let end = pump(nic, sock, peer, queue, offload, frame_timeout, police);
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let s = &nic.stats;
-    tracing::info!(
+    // A peer can open and close sessions as fast as it likes: rate-limited, like the
+    // session's other lines (docs/logging.md).
+    devlend_fabric::limited!(
+        info,
         %peer,
         interface = %nic.ifname,
         queue,

@@ -238,7 +238,8 @@ fn run(
         let reply = match answer {
             Ok(payload) => Message::new(m.kind | REPLY, payload),
             Err((status, reason)) => {
-                tracing::info!(bdf = %lending.f.bdf, kind = m.kind, %reason, "request refused");
+                // A borrower may send refusable requests in a loop: rate-limited.
+                devlend_fabric::limited!(info, bdf = %lending.f.bdf, kind = m.kind, %reason, "request refused");
                 Message::refusal(m.kind, status, &reason)
             }
         };
