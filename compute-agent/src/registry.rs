@@ -77,6 +77,9 @@ struct Restore {
     borrower: [u8; 16],
     token: Vec<u8>,
     plug: Option<VmmPlug>,
+    /// The kind it served, if the state file says (files from before kinds were saved
+    /// do not): the lender must still lend that kind.
+    kind: Option<crate::api::DeviceKind>,
 }
 
 /// What a started attachment is made of.

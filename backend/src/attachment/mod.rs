@@ -53,6 +53,11 @@ pub struct AttachmentConfig {
     pub reconnect_deadline: Duration,
     /// What to ask the lender for and serve on the socket.
     pub serve: Serve,
+    /// A restored attachment: the kind it served before the restart. A lender that now
+    /// lends another kind under that name is refused ([`AttachmentError::KindChanged`])
+    /// before the socket is bound, so that a VMM reconnecting to it never meets a
+    /// backend of another kind. `None`: whatever the lender lends.
+    pub expect: Option<AttachedKind>,
 }
 
 /// What an attachment asks the lender for, and how it serves it.
@@ -76,6 +81,16 @@ pub enum AttachedKind {
     Nic,
     /// A PCIe function on vfio-user.
     Pci,
+}
+
+impl std::fmt::Display for AttachedKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AttachedKind::Block => "block device",
+            AttachedKind::Nic => "NIC",
+            AttachedKind::Pci => "PCIe function",
+        })
+    }
 }
 
 /// Why an attachment could not start.
@@ -113,6 +128,17 @@ pub enum AttachmentError {
     /// A thread or eventfd could not be created.
     #[error("cannot start the serving thread")]
     Thread(#[source] std::io::Error),
+    /// A restored attachment's device is now of another kind on the lender (e.g. the
+    /// lender's configuration changed while the compute agent was down).
+    #[error("the lender now lends {device:?} as a {lent}, not the {expected} this attachment served; detach it")]
+    KindChanged {
+        /// Device name on the lender.
+        device: String,
+        /// The kind it served before.
+        expected: AttachedKind,
+        /// The kind the lender lends now.
+        lent: AttachedKind,
+    },
     /// A PCIe function could not be borrowed or served.
     #[error("cannot borrow the PCIe function")]
     Pci(#[source] crate::pci::PciError),

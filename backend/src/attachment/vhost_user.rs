@@ -11,6 +11,18 @@ impl Attachment {
         // (a device is lent to one borrower at a time); it carries no I/O.
         let (hold, reply) =
             crate::blk::holder::open(&config.lender).map_err(AttachmentError::Lender)?;
+        let lent = if reply.nic().is_some() {
+            AttachedKind::Nic
+        } else {
+            AttachedKind::Block
+        };
+        if let Some(expected) = config.expect.filter(|&k| k != lent) {
+            return Err(AttachmentError::KindChanged {
+                device: config.lender.device.clone(),
+                expected,
+                lent,
+            });
+        }
         // An RDMA attachment fails now, with the reason, when RDMA cannot work (no
         // device, no route, the lender not serving it), not later at the first request.
         crate::blk::engine::probe_transport(&config.lender).map_err(AttachmentError::Lender)?;

@@ -121,6 +121,7 @@ impl Registry {
                 borrower,
                 token,
                 plug: saved.plug.clone(),
+                kind: saved.kind,
             }),
         )
     }
@@ -152,6 +153,67 @@ mod tests {
             r.restore(&saved),
             Err(RegistryError::Cancelled(_))
         ));
+    }
+
+    #[test]
+    fn a_restored_attachment_whose_device_changed_kind_is_refused() {
+        // Found by a trial: a disk saved in the state file came back as a NIC on the
+        // same socket (vhost-user-net where the VM expects vhost-user-blk) when the
+        // lender's configuration lent that name as another kind after the restart.
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("disk.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let spec = devlend_device_agent::DeviceSpec::new(
+            "dev",
+            devlend_device_agent::BlockSpec::new(img.clone()),
+        );
+        let lender = devlend_device_agent::Lender::bind("127.0.0.1:0", vec![spec])
+            .unwrap()
+            .spawn();
+        let sock = dir.path().join("dev.sock");
+        let saved = |kind| crate::state::SavedAttachment {
+            id: "d0".into(),
+            request: serde_json::from_value(serde_json::json!({
+                "lender": lender.local_addr().to_string(), "device": "dev", "socket": sock,
+            }))
+            .unwrap(),
+            borrower: crate::state::to_hex(&[7; 16]),
+            token: String::new(),
+            plug: None,
+            kind,
+        };
+        let r = Registry::default();
+        let was_nic = saved(Some(DeviceKind::Nic));
+        r.set_restoring(vec![was_nic.clone()]);
+        let err = r.restore(&was_nic).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RegistryError::Start(AttachmentError::KindChanged {
+                    expected: AttachedKind::Nic,
+                    lent: AttachedKind::Block,
+                    ..
+                })
+            ),
+            "{err}"
+        );
+        assert!(
+            !sock.exists(),
+            "the socket was bound for a device of another kind"
+        );
+        assert!(r.is_restoring("d0"), "it still waits (detach gives it up)");
+        assert!(r.list().is_empty() || r.list().iter().all(|i| i.restoring.is_some()));
+
+        // Saved as the block device it is, it is served again.
+        let was_block = saved(Some(DeviceKind::Block));
+        r.set_restoring(vec![was_block.clone()]);
+        let info = r.restore(&was_block).unwrap();
+        assert_eq!(info.kind(), DeviceKind::Block);
+        assert!(sock.exists());
+        r.detach_all();
     }
 
     #[test]
