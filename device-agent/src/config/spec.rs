@@ -327,10 +327,11 @@ impl BlockSpec {
 impl NetSpec {
     /// Checks the interface name, the MAC and that the limits are NIC lanes.
     fn validate(&self, name: &str) -> Result<(), Error> {
-        let bad_name = |reason| {
-            Err(Error::BadName {
-                name: name.to_owned(),
-                reason,
+        // The device's name is fine; its interface or MAC is not.
+        let bad_name = |reason: &str| {
+            Err(Error::BadSpec {
+                spec: name.to_owned(),
+                reason: reason.to_owned(),
             })
         };
         let ifname = &self.interface;
@@ -358,17 +359,10 @@ fn check_lanes(name: &str, qos: &Qos, net: bool) -> Result<(), Error> {
         .iter()
         .find(|(l, _)| qos.get(*l).is_some() && net_lane(*l) != net)
     {
-        return Err(Error::BadSpec {
-            spec: name.to_owned(),
-            reason: format!(
-                "limit {} does not apply to a {}",
-                lane.name(),
-                if net {
-                    "network interface"
-                } else {
-                    "block device"
-                }
-            ),
+        return Err(Error::NotOfKind {
+            device: name.to_owned(),
+            field: lane.name().to_owned(),
+            kind: if net { "net" } else { "block" },
         });
     }
     Ok(())

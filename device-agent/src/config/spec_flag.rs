@@ -33,8 +33,11 @@ impl FromStr for DeviceSpec {
             .ok_or_else(|| bad("expected NAME=PATH[,ro][,serial=S]".into()))?;
         let mut parts = rest.split(',');
         let backing = parts.next().unwrap_or_default();
-        if backing.is_empty() || backing == "net:" || backing == "pci:" {
-            return Err(bad("empty path".into()));
+        match backing {
+            "" => return Err(bad("empty path".into())),
+            "net:" => return Err(bad("empty interface name".into())),
+            "pci:" => return Err(bad("empty PCIe address".into())),
+            _ => {}
         }
         let kind: KindSpec = if let Some(ifname) = backing.strip_prefix("net:") {
             NetSpec::new(ifname).into()

@@ -182,16 +182,39 @@ fn flag_options_of_another_kind_name_the_option_and_the_kind() {
         ["FPGA"]
     );
     assert!(spec("eth=net:eth0,tx_pps=100,traits=A").is_ok());
-    let msg = spec("eth=net:eth0,iops_read=10").unwrap_err().to_string();
+    // A limit on another kind's lane is named like any other option of another kind
+    // (a trial found "invalid device spec ...: limit iops_read does not apply to a
+    // network interface", not the documented form).
+    assert_eq!(
+        spec("eth=net:eth0,iops_read=10").unwrap_err().to_string(),
+        "device `eth`: `iops_read` does not apply to kind `net`"
+    );
+    assert_eq!(
+        spec("d=/x,rx_pps=10").unwrap_err().to_string(),
+        "device `d`: `rx_pps` does not apply to kind `block`"
+    );
+}
+
+#[test]
+fn a_bad_interface_or_empty_backing_says_what_is_wrong() {
+    // A trial found these reported as an invalid device *name*, or as an "empty path".
+    let msg = spec("eth=net:bad/name").unwrap_err().to_string();
     assert!(
-        msg.contains("iops_read") && msg.contains("network interface"),
+        msg.contains("interface name") && !msg.contains("device name"),
         "{msg}"
     );
-    let msg = spec("d=/x,rx_pps=10").unwrap_err().to_string();
-    assert!(
-        msg.contains("rx_pps") && msg.contains("block device"),
-        "{msg}"
-    );
+    let msg = spec("eth=net:eth0,mac=01:00:00:00:00:01")
+        .unwrap_err()
+        .to_string();
+    assert!(!msg.contains("device name"), "{msg}");
+    assert!(spec("eth=net:")
+        .unwrap_err()
+        .to_string()
+        .ends_with("empty interface name"));
+    assert!(spec("f=pci:")
+        .unwrap_err()
+        .to_string()
+        .ends_with("empty PCIe address"));
 }
 
 fn from_toml(text: &str) -> Result<DeviceSpec, String> {
