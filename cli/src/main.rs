@@ -115,7 +115,8 @@ enum Cmd {
         tls_server_name: Option<String>,
         /// The lender's public key (as it logs it at start): each session must prove it,
         /// or it is refused (direct mode; with --class the lease names the key).
-        #[arg(long, value_name = "KEY")]
+        // A key is unpadded base64url: it may start with `-`.
+        #[arg(long, value_name = "KEY", allow_hyphen_values = true)]
         lender_key: Option<String>,
         /// Fabric transport of the queues' sessions: tcp (default) or rdma (rdma_cm, one
         /// RC queue pair per queue, or for --kind pci the function's one session with

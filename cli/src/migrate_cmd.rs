@@ -62,7 +62,7 @@ pub enum MigrateCmd {
         queue_size: u16,
         /// The lender's public key, as on the source (the token carries the one the
         /// source's lease named, if any).
-        #[arg(long, value_name = "KEY")]
+        #[arg(long, value_name = "KEY", allow_hyphen_values = true)]
         lender_key: Option<String>,
         /// Where the destination QEMU listens for the migration stream, printed as its
         /// `-incoming` argument.

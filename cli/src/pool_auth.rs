@@ -66,7 +66,7 @@ pub struct Enroll {
     #[arg(long)]
     pub name: String,
     /// Pin this public key now (from `devlend keygen`) instead of printing a join token.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub public_key: Option<String>,
     /// How long the join token stays valid, in seconds.
     #[arg(long, default_value_t = 3600)]

@@ -55,7 +55,8 @@ pub struct Cli {
     /// pool's start log give it): every lease token must verify with it and match its
     /// lease before it is used, so a changed answer on the way from the pool cannot name
     /// another lender [default: tokens are taken as the pool's answer gives them].
-    #[arg(long, value_name = "KEY")]
+    // A key is unpadded base64url: it may start with `-`.
+    #[arg(long, value_name = "KEY", allow_hyphen_values = true)]
     pub pool_public_key: Option<String>,
     /// Where attachments are saved, to be served again when the agent restarts
     /// (`none`: not saved; a shutdown then detaches everything) [default: beside the API

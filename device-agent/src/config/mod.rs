@@ -103,7 +103,12 @@ pub struct Cli {
     pub pool_ca: Option<PathBuf>,
     /// Direct mode with authentication: serve only borrowers whose tokens verify with
     /// this public key (from `devlend keygen`); repeatable. Adds to `auth_keys`.
-    #[arg(long = "auth-key", value_name = "PUBLIC_KEY")]
+    // A key is unpadded base64url: it may start with `-` (one in 64 do).
+    #[arg(
+        long = "auth-key",
+        value_name = "PUBLIC_KEY",
+        allow_hyphen_values = true
+    )]
     pub auth_keys: Vec<String>,
     /// Serve TLS 1.3 only, with this certificate chain (PEM, leaf first); needs
     /// `--tls-key`. Plaintext borrowers are refused. Recommended when traffic leaves a

@@ -285,3 +285,12 @@ fn flags_refuse_duplicates_and_need_listen_and_devices() {
     let cli = Cli::parse_from(["x", "--listen", "[::]:1"]);
     assert!(matches!(Config::from_cli(&cli), Err(Error::NoDevices)));
 }
+
+#[test]
+fn an_auth_key_that_starts_with_a_hyphen_is_a_value() {
+    // Found by CI: one unpadded base64url key in 64 starts with `-`, and clap took
+    // `--auth-key -N...` for an unknown flag, so the lender did not start.
+    let key = "-NqJ0dQ1cXo7l0Vh9Qm2nq0u3u0lR9e8Y1s5zW4x3c0";
+    let cli = Cli::try_parse_from(["x", "--auth-key", key, "--auth-key", "AbC"]).unwrap();
+    assert_eq!(cli.auth_keys, [key, "AbC"]);
+}
