@@ -29,6 +29,29 @@ impl DeviceKind {
     }
 }
 
+/// The backend's name for the same three kinds, both ways (one mapping).
+impl From<devlend_backend::attachment::AttachedKind> for DeviceKind {
+    fn from(k: devlend_backend::attachment::AttachedKind) -> Self {
+        use devlend_backend::attachment::AttachedKind as A;
+        match k {
+            A::Block => DeviceKind::Block,
+            A::Nic => DeviceKind::Nic,
+            A::Pci => DeviceKind::Pci,
+        }
+    }
+}
+
+impl From<DeviceKind> for devlend_backend::attachment::AttachedKind {
+    fn from(k: DeviceKind) -> Self {
+        use devlend_backend::attachment::AttachedKind as A;
+        match k {
+            DeviceKind::Block => A::Block,
+            DeviceKind::Nic => A::Nic,
+            DeviceKind::Pci => A::Pci,
+        }
+    }
+}
+
 impl std::fmt::Display for DeviceKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())

@@ -115,11 +115,7 @@ impl Registry {
                 crate::api::AttachKind::Device => Serve::VhostUser,
                 crate::api::AttachKind::Pci => Serve::VfioUser,
             },
-            expect: restore.as_ref().and_then(|r| r.kind).map(|k| match k {
-                crate::api::DeviceKind::Block => AttachedKind::Block,
-                crate::api::DeviceKind::Nic => AttachedKind::Nic,
-                crate::api::DeviceKind::Pci => AttachedKind::Pci,
-            }),
+            expect: restore.as_ref().and_then(|r| r.kind).map(Into::into),
         })
         .map_err(RegistryError::Start)?;
         let keeper = match checked.map(|c| c.bind_and_keep(id)).transpose() {

@@ -121,9 +121,5 @@ pub(super) fn restoring_info(r: &Restoring) -> AttachmentInfo {
 
 /// What a served attachment is, by its backend.
 pub(super) fn kind(e: &Entry) -> DeviceKind {
-    match e.attachment.kind() {
-        AttachedKind::Block => DeviceKind::Block,
-        AttachedKind::Nic => DeviceKind::Nic,
-        AttachedKind::Pci => DeviceKind::Pci,
-    }
+    e.attachment.kind().into()
 }
