@@ -166,3 +166,41 @@ fn each_kind_answers_its_own_hello() {
     assert_eq!(nic.mac, [2, 0, 0, 0, 0, 7]);
     assert!(nic.mtu >= 1280, "{:?}", reply.device);
 }
+
+/// A hello that asks a block device or a NIC for feature PCI (`devlend attach --kind
+/// pci` on the wrong device) is refused with a message naming what the device is, not
+/// answered OK without the PCI bit.
+#[test]
+fn a_pci_hello_to_a_block_device_or_nic_is_refused_naming_the_kind() {
+    use devlend_fabric::net::FEATURE_NET;
+    use devlend_fabric::pci::FEATURE_PCI;
+    use devlend_fabric::tcp::ConnectError;
+    use devlend_fabric::{Hello, HelloStatus};
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    let handle = lender(&dir).spawn();
+    let addr = handle.local_addr().to_string();
+    let t = Duration::from_secs(5);
+    for (device, features, what) in [
+        ("disk0", FEATURE_PCI, "is a block device, not a PCIe function"),
+        (
+            "nic0",
+            FEATURE_PCI | FEATURE_NET,
+            "is a network interface, not a PCIe function",
+        ),
+    ] {
+        let mut hello = Hello::new(device, 0);
+        hello.features = features;
+        match devlend_fabric::tcp::connect_as(&addr, &hello, t) {
+            Err(ConnectError::Refused {
+                status, message, ..
+            }) => {
+                assert_eq!(status, HelloStatus::BadRequest, "{device}");
+                assert!(message.contains(what), "{device}: {message}");
+                assert!(message.contains("without --kind pci"), "{message}");
+            }
+            other => panic!("{device}: a PCI hello got {other:?}"),
+        }
+    }
+}

@@ -1,9 +1,11 @@
 //! A lent block device or regular file: opening it (its capacity, its logical block
 //! size, whether it lives in memory), what the handshake answers for it, and what a
-//! hello must ask to be served its block requests. Its request engine is
-//! [`crate::block::io`], shared by the TCP and RDMA sessions.
+//! hello must ask to be served its block requests. Its sessions ([`session`]) set up
+//! their device I/O ([`crate::block::io`], shared by the TCP and RDMA engines) before
+//! the hello reply.
 
 pub(crate) mod io;
+mod session;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -14,8 +16,8 @@ use devlend_fabric::handshake::{DEV_DISCARD, DEV_READ_ONLY, DEV_WRITE_ZEROES};
 use devlend_fabric::{BlockGeometry, DeviceDescription, Hello, SECTOR_SIZE};
 
 use crate::config::BlockSpec;
-use crate::kind::KindView;
-use crate::kind::LentKind;
+use crate::kind::{KindView, LentKind};
+use crate::session::open::{Opened, Opening, Refused, TcpSession};
 use crate::{
     Error, MAX_DISCARD_SECTORS, MAX_SERIAL_LEN, MAX_TRANSFER_BYTES, MAX_WRITE_ZEROES_SECTORS,
 };
@@ -142,8 +144,29 @@ impl LentKind for BlockDevice {
         BlockDevice::device_info(self).into()
     }
 
-    fn check_hello(&self, _device: &str, _hello: &Hello) -> Result<(), String> {
+    fn check_hello(&self, device: &str, hello: &Hello) -> Result<(), String> {
+        if hello.features & devlend_fabric::pci::FEATURE_PCI != 0 {
+            return Err(format!(
+                "device {device:?} is a block device, not a PCIe function: attach it without --kind pci"
+            ));
+        }
         Ok(())
+    }
+
+    fn open_tcp<'a>(
+        &'a self,
+        at: &Opening<'a>,
+    ) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
+        session::open_tcp(at)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn open_rdma<'a>(
+        &'a self,
+        at: &Opening<'a>,
+        conn: &devlend_fabric::rdma::verbs::Connection,
+    ) -> Result<Opened<Box<dyn crate::session::open::RdmaSession + 'a>>, Refused> {
+        session::open_rdma(at, conn)
     }
 
     fn resource_class(&self) -> String {

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use devlend_fabric::net::LinkState;
 
+use crate::session::open::{Opened, Opening, Refused, TcpSession};
 use crate::Error;
 
 /// Frames received or sent per system call.
@@ -45,6 +46,20 @@ pub(crate) struct NicStats {
     /// Frames dropped: the borrower did not keep up, a frame larger than the receive
     /// buffer (e.g. GRO on the interface), or the interface refused to send one.
     pub(crate) drops: AtomicU64,
+}
+
+impl NicStats {
+    /// The counters now.
+    pub(crate) fn snapshot(&self) -> crate::server::NicCounters {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        crate::server::NicCounters {
+            rx_packets: get(&self.rx_packets),
+            rx_bytes: get(&self.rx_bytes),
+            tx_packets: get(&self.tx_packets),
+            tx_bytes: get(&self.tx_bytes),
+            drops: get(&self.drops),
+        }
+    }
 }
 
 /// A network interface to lend.
@@ -177,12 +192,56 @@ impl crate::kind::LentKind for Nic {
     }
 
     fn check_hello(&self, device: &str, hello: &devlend_fabric::Hello) -> Result<(), String> {
+        if hello.features & devlend_fabric::pci::FEATURE_PCI != 0 {
+            return Err(format!(
+                "device {device:?} is a network interface, not a PCIe function: attach it without --kind pci"
+            ));
+        }
         if hello.features & devlend_fabric::net::FEATURE_NET == 0 {
             return Err(format!(
                 "device {device:?} is a network interface, and this borrower does not speak frames"
             ));
         }
         Ok(())
+    }
+
+    /// The holding session (queue [`crate::holding::CONTROL_QUEUE`]) carries nothing;
+    /// a queue pair moves frames. Offloads asked for are granted: the packet socket's
+    /// vnet header has the kernel complete checksums and segment in software where the
+    /// interface cannot.
+    fn open_tcp<'a>(
+        &'a self,
+        at: &Opening<'a>,
+    ) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
+        use devlend_fabric::net::{FEATURE_NET, FEATURE_NET_OFFLOAD};
+        let offload = at.hello.features & FEATURE_NET_OFFLOAD;
+        let session: Box<dyn TcpSession + 'a> =
+            if at.hello.queue_index == crate::holding::CONTROL_QUEUE {
+                Box::new(crate::session::open::Holding)
+            } else {
+                Box::new(pump::QueuePair {
+                    nic: self,
+                    dev: at.dev,
+                    queue: at.hello.queue_index,
+                    offload: offload != 0,
+                    frame_timeout: at.options.frame_timeout,
+                    group: std::sync::Arc::clone(at.claim.group()),
+                })
+            };
+        Ok(Opened {
+            features: FEATURE_NET | offload,
+            credit: None,
+            session,
+        })
+    }
+
+    #[cfg(feature = "rdma")]
+    fn open_rdma<'a>(
+        &'a self,
+        at: &Opening<'a>,
+        _conn: &devlend_fabric::rdma::verbs::Connection,
+    ) -> Result<Opened<Box<dyn crate::session::open::RdmaSession + 'a>>, Refused> {
+        Err(crate::session::open::tcp_only(at, "a network interface"))
     }
 
     fn resource_class(&self) -> String {
@@ -196,6 +255,7 @@ impl crate::kind::LentKind for Nic {
             mac: self.mac,
             mtu: link.mtu,
             link_up: link.up,
+            frames: self.stats.snapshot(),
         }
     }
 }

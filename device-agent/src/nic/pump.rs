@@ -15,6 +15,7 @@ use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use devlend_fabric::conn::Stream;
@@ -55,22 +56,39 @@ pub(crate) const OUT_LIMIT: usize = 4 << 20;
 /// How often the link state and MTU are read (and sent when they changed).
 const LINK_POLL: Duration = Duration::from_millis(500);
 
-/// Serves the holding session of a NIC: it carries nothing; returns when it closes.
-pub(crate) fn hold(sock: &Stream) -> End {
-    let mut b = [0u8; 64];
-    loop {
-        match (&mut &*sock).read(&mut b) {
-            Ok(0) => return End::PeerClosed,
-            Ok(_) => return End::Protocol("data on a holding session".into()),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return End::Socket(e),
-        }
+/// A queue-pair session of a lent interface, opened and not yet served.
+pub(super) struct QueuePair<'a> {
+    pub(super) nic: &'a Nic,
+    pub(super) dev: &'a Arc<crate::device::Device>,
+    pub(super) queue: u16,
+    /// The borrower was granted the offloads (frames carry a vnet header).
+    pub(super) offload: bool,
+    pub(super) frame_timeout: Duration,
+    /// The holder's limits.
+    pub(super) group: Arc<Group>,
+}
+
+impl crate::session::open::TcpSession for QueuePair<'_> {
+    fn serve(self: Box<Self>, sock: &Stream, peer: SocketAddr) -> End {
+        let police = Police {
+            group: Some(Arc::clone(&self.group)),
+            stats: &self.dev.stats,
+        };
+        serve(
+            self.nic,
+            sock,
+            peer,
+            self.queue,
+            self.offload,
+            self.frame_timeout,
+            police,
+        )
     }
 }
 
 /// Serves one queue-pair session of a lent interface until the borrower closes it or
 /// breaks the protocol; the interface's counters are logged as it ends.
-pub(crate) fn serve(
+fn serve(
     nic: &Nic,
     sock: &Stream,
     peer: SocketAddr,

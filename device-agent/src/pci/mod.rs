@@ -65,9 +65,9 @@ pub enum PciError {
 }
 
 /// A function taken by one borrower's session; given back on drop.
-pub(crate) struct Lent(Arc<PciFunction>);
+pub(crate) struct Lent<'a>(&'a PciFunction);
 
-impl Drop for Lent {
+impl Drop for Lent<'_> {
     fn drop(&mut self) {
         self.0.lent.store(false, Ordering::Release);
     }
@@ -242,11 +242,11 @@ impl PciFunction {
     }
 
     /// Takes the function for one borrower; `None` while another holds it.
-    pub(crate) fn try_lend(self: &Arc<Self>) -> Option<Lent> {
+    pub(crate) fn try_lend(&self) -> Option<Lent<'_>> {
         self.lent
             .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
             .ok()
-            .map(|_| Lent(Arc::clone(self)))
+            .map(|_| Lent(self))
     }
 
     /// Reads `buf.len()` bytes of region `index` at `off` through the VFIO device fd.
@@ -302,6 +302,36 @@ impl crate::kind::LentKind for PciFunction {
             ));
         }
         Ok(())
+    }
+
+    fn open_tcp<'a>(
+        &'a self,
+        at: &crate::session::open::Opening<'a>,
+    ) -> Result<
+        crate::session::open::Opened<Box<dyn crate::session::open::TcpSession + 'a>>,
+        crate::session::open::Refused,
+    > {
+        session::open_tcp(self, at)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn open_rdma<'a>(
+        &'a self,
+        at: &crate::session::open::Opening<'a>,
+        _conn: &devlend_fabric::rdma::verbs::Connection,
+    ) -> Result<
+        crate::session::open::Opened<Box<dyn crate::session::open::RdmaSession + 'a>>,
+        crate::session::open::Refused,
+    > {
+        session::open_rdma(self, at)
+    }
+
+    /// A PCIe function has no holding session: over RDMA it is refused whenever the
+    /// lender requires TLS.
+    fn check_rdma_under_tls(&self, device: &str, _held: bool) -> Result<(), String> {
+        Err(format!(
+            "this lender requires TLS: PCIe function {device:?} is lent over TCP with TLS only (attach without --transport rdma)"
+        ))
     }
 
     fn resource_class(&self) -> String {

@@ -135,25 +135,12 @@ pub struct NicCounters {
 impl StatsView {
     /// Each lent interface's device name and frame counters, by name.
     pub fn nics(&self) -> Vec<(String, NicCounters)> {
-        use std::sync::atomic::Ordering::Relaxed;
         self.0
             .all_devices()
             .iter()
-            .filter_map(|d| {
-                let crate::device::Backing::Nic(nic) = &d.backing else {
-                    return None;
-                };
-                let s = &nic.stats;
-                Some((
-                    d.name.clone(),
-                    NicCounters {
-                        rx_packets: s.rx_packets.load(Relaxed),
-                        rx_bytes: s.rx_bytes.load(Relaxed),
-                        tx_packets: s.tx_packets.load(Relaxed),
-                        tx_bytes: s.tx_bytes.load(Relaxed),
-                        drops: s.drops.load(Relaxed),
-                    },
-                ))
+            .filter_map(|d| match d.kind().view() {
+                crate::kind::KindView::Net { frames, .. } => Some((d.name.clone(), frames)),
+                crate::kind::KindView::Block { .. } | crate::kind::KindView::Pci { .. } => None,
             })
             .collect()
     }

@@ -3,6 +3,8 @@
 //!
 //! - [`admit`]: the checks of a hello that every transport shares (version, device,
 //!   lease, one borrower per device, the session limit);
+//! - [`open`]: how an admitted hello becomes its kind's session (each kind opens its
+//!   own through [`crate::kind::LentKind`]);
 //! - [`tcp`]: a TCP (or TLS) connection: handshake, then the block engine
 //!   ([`tcp::engine`]), a NIC queue pair ([`crate::nic`]) or a PCI session
 //!   ([`crate::pci::session::tcp`]);
@@ -15,6 +17,7 @@
 
 pub(crate) mod admit;
 pub(crate) mod end;
+pub(crate) mod open;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
 pub(crate) mod tcp;

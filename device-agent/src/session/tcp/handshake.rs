@@ -1,57 +1,32 @@
 //! The hello of a TCP session: TLS first when the lender requires it, then the hello
-//! read and answered under the handshake timeout, with the admission checks of
-//! [`crate::session::admit`], the session's device I/O set up before the reply (a
-//! failure is answered `Busy`), and for a block device the credit granted.
+//! read under the handshake timeout and admitted ([`crate::session::admit`]), and
+//! answered with what the kind's opening grants ([`crate::session::open`]).
 
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::error::chain;
-use devlend_fabric::net::{FEATURE_NET, FEATURE_NET_OFFLOAD};
-use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::tls::{self, TlsError};
-use devlend_fabric::{Credit, Hello, HelloReply, HelloStatus, WireError, FEATURE_CREDIT};
+use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError};
 
-use crate::block::io::SessionIo;
-use crate::device::{Backing, Device};
+use crate::device::Device;
 use crate::holding::Claim;
 use crate::server::shared::{ActiveSession, Shared};
 use crate::session::admit::admit;
-use crate::{MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES};
+use crate::session::open::Opened;
 
-/// Submission entries of a block session's ring (completions: twice as many). Every
-/// request in flight has at most one operation queued (plus two socket polls), and the
-/// ring is submitted as entries are queued, so this never limits the requests in flight.
-const RING_ENTRIES: u32 = 1024;
-
-/// The credit a block session grants: its whole request budget.
-fn session_credit() -> Credit {
-    Credit {
-        requests: MAX_IN_FLIGHT as u32,
-        bytes: MAX_IN_FLIGHT_BYTES as u32,
-    }
+/// An admitted hello: the device, the session's slot among the active sessions, the
+/// borrower's claim on the device, and the hello itself.
+pub(super) struct Admitted<'s> {
+    pub(super) dev: Arc<Device>,
+    pub(super) _active: ActiveSession<'s>,
+    pub(super) claim: Claim,
+    pub(super) hello: Hello,
 }
 
-pub(super) use crate::holding::CONTROL_QUEUE;
-
-/// What a successful handshake gives a session: the device, for a block device its
-/// device I/O, its slot among the active sessions, the borrower's claim, the queue
-/// index, for a PCIe function the function itself, taken for this session, and the
-/// features granted in the reply.
-type Admitted<'s> = (
-    Arc<Device>,
-    Option<SessionIo>,
-    ActiveSession<'s>,
-    Claim,
-    u16,
-    Option<crate::pci::Lent>,
-    u64,
-);
-
-/// Reads the hello and answers it. On success, returns what the session needs
-/// ([`Admitted`]).
-pub(super) fn handshake<'s>(
+/// Reads the hello and runs the admission checks; a refusal is answered.
+pub(super) fn admit_hello<'s>(
     shared: &'s Shared,
     sock: &Stream,
     peer: SocketAddr,
@@ -79,69 +54,51 @@ pub(super) fn handshake<'s>(
             return None;
         }
     };
-    let refuse = |status: HelloStatus, message: String| {
-        devlend_fabric::limited!(info, %peer, device = %hello.device, ?status, reason = %message, "session refused");
-        if let Err(e) = HelloReply::refuse(status, &message)
-            .for_version(hello.version)
-            .write_to(&mut &*sock)
-        {
-            tracing::debug!(%peer, error = %e, "cannot send the refusal");
-        }
-        None
-    };
-    let (dev, active, claim) = match admit(shared, &hello, &peer, id) {
-        Ok(x) => x,
-        Err((status, message)) => return refuse(status, message),
-    };
-    let io = if dev.block().is_some() {
-        match SessionIo::new(Arc::clone(&dev), shared.options.io, RING_ENTRIES, true) {
-            Ok(io) => Some(io),
-            Err(e) => {
-                return refuse(
-                    HelloStatus::Busy,
-                    format!("cannot set up I/O for the session: {e}"),
-                )
-            }
-        }
-    } else {
-        None
-    };
-    // One borrower at a time: the session that gets here first holds the function.
-    let lent = match &dev.backing {
-        Backing::Pci(pci) => match pci.try_lend() {
-            Some(l) => Some(l),
-            None => {
-                return refuse(
-                    HelloStatus::Busy,
-                    format!(
-                        "PCIe function {:?} is lent to another session (one at a time)",
-                        hello.device
-                    ),
-                )
-            }
-        },
-        Backing::Block(_) | Backing::Nic(_) => None,
-    };
-    let mut reply = HelloReply::ok(dev.info());
-    match &dev.backing {
-        Backing::Pci(_) => reply.features = FEATURE_PCI,
-        Backing::Nic(_) => {
-            // Offloads asked for are granted: the packet socket's vnet header has the
-            // kernel complete checksums and segment in software where the interface
-            // cannot.
-            reply.features = FEATURE_NET | (hello.features & FEATURE_NET_OFFLOAD);
-        }
-        Backing::Block(_) => {
-            // A borrower that keeps within a stated credit gets it: the session's whole
-            // request budget, so that the session never has to stop reading it.
-            if hello.features & FEATURE_CREDIT != 0 {
-                reply.credit = Some(session_credit());
-            }
-            // A borrower that reads the throttle flag of responses gets it.
-            reply.features = hello.features & devlend_fabric::FEATURE_THROTTLE_NOTE;
+    match admit(shared, &hello, &peer, id) {
+        Ok((dev, _active, claim)) => Some(Admitted {
+            dev,
+            _active,
+            claim,
+            hello,
+        }),
+        Err((status, message)) => {
+            refuse(sock, peer, &hello, status, &message);
+            None
         }
     }
-    reply.proof = shared.proof(&hello);
+}
+
+/// Answers `hello` with a refusal (in the hello's version).
+pub(super) fn refuse(
+    sock: &Stream,
+    peer: SocketAddr,
+    hello: &Hello,
+    status: HelloStatus,
+    message: &str,
+) {
+    devlend_fabric::limited!(info, %peer, device = %hello.device, ?status, reason = %message, "session refused");
+    if let Err(e) = HelloReply::refuse(status, message)
+        .for_version(hello.version)
+        .write_to(&mut &*sock)
+    {
+        tracing::debug!(%peer, error = %e, "cannot send the refusal");
+    }
+}
+
+/// Answers an admitted hello with what its kind's opening grants, and clears the
+/// handshake timeout. Whether the session goes on.
+pub(super) fn answer<S>(
+    shared: &Shared,
+    sock: &Stream,
+    peer: SocketAddr,
+    a: &Admitted<'_>,
+    opened: &Opened<S>,
+) -> bool {
+    let (dev, hello) = (&a.dev, &a.hello);
+    let mut reply = HelloReply::ok(dev.info());
+    reply.features = opened.features;
+    reply.credit = opened.credit;
+    reply.proof = shared.proof(hello);
     // A version 1 borrower reads a version 1 reply.
     let reply = reply.for_version(hello.version);
     // Counted before the reply leaves, so that a borrower that has its reply sees the
@@ -150,7 +107,7 @@ pub(super) fn handshake<'s>(
     if let Err(e) = reply.write_to(&mut &*sock) {
         dev.stats.session_closed();
         devlend_fabric::limited!(warn, %peer, device = %dev.name, error = %e, "cannot send the hello reply");
-        return None;
+        return false;
     }
     if let Err(e) = sock
         .set_read_timeout(None)
@@ -158,14 +115,10 @@ pub(super) fn handshake<'s>(
     {
         dev.stats.session_closed();
         devlend_fabric::limited!(warn, %peer, error = %e, "cannot clear the handshake timeout; closing");
-        return None;
+        return false;
     }
-    devlend_fabric::limited!(info, %peer, device = %dev.name, queue = hello.queue_index, "session opened");
-    let granted = match reply.credit {
-        Some(_) => reply.features | FEATURE_CREDIT,
-        None => reply.features,
-    };
-    Some((dev, io, active, claim, hello.queue_index, lent, granted))
+    devlend_fabric::limited!(info, %peer, device = %dev.name, kind = dev.kind_name(), queue = hello.queue_index, "session opened");
+    true
 }
 
 /// Runs the TLS handshake on an accepted connection (under the handshake timeout) and

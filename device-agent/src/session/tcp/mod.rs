@@ -1,7 +1,7 @@
-//! One borrower connection over TCP (or TLS): the handshake ([`handshake`]), then what
-//! the device is: a block device's engine ([`engine`]), a NIC queue pair
-//! ([`crate::nic::pump`]) or a PCI session ([`crate::pci::session::tcp`]); then the
-//! bookkeeping.
+//! One borrower connection over TCP (or TLS): the handshake ([`handshake`]), then the
+//! session its kind opens ([`crate::kind::LentKind::open_tcp`]: a block device's
+//! engine ([`engine`]), a NIC queue pair ([`crate::nic::pump`]) or a PCI session
+//! ([`crate::pci::session::tcp`])); then the bookkeeping.
 
 mod budget;
 pub(crate) mod engine;
@@ -13,14 +13,12 @@ use std::io;
 use std::net::{SocketAddr, TcpStream};
 
 use devlend_fabric::conn::Stream;
-use devlend_fabric::net::FEATURE_NET_OFFLOAD;
-use devlend_fabric::{FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
 
-use self::handshake::{accept_tls, handshake, CONTROL_QUEUE};
-use crate::block::io::{SessionIo, Throttled};
-use crate::device::{Backing, Device};
+use self::handshake::accept_tls;
+use crate::device::Device;
 use crate::server::shared::Shared;
 use crate::session::end::End;
+use crate::session::open::{Holding, Opening, TcpSession};
 
 /// Serves one accepted connection to its end.
 pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64) {
@@ -37,50 +35,35 @@ pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64)
             None => return,
         },
     };
-    let Some((dev, io, _active, claim, queue, lent, granted)) = handshake(shared, &sock, peer, id)
-    else {
+    let Some(a) = handshake::admit_hello(shared, &sock, peer, id) else {
         return;
     };
-    shared.handshake_done(id);
-    // `handshake` counted the session open.
-    let frame_timeout = shared.options.frame_timeout;
-    let end = match (&dev.backing, lent, io) {
-        // A successor's holding session during a handover carries nothing.
-        _ if claim.is_standby() => crate::nic::pump::hold(&sock),
-        (Backing::Pci(pci), Some(_lent), _) => {
-            crate::pci::session::tcp::serve(pci, &sock, peer, frame_timeout)
-        }
-        (Backing::Nic(_), _, _) if queue == CONTROL_QUEUE => crate::nic::pump::hold(&sock),
-        (Backing::Nic(nic), _, _) => {
-            let offload = granted & FEATURE_NET_OFFLOAD != 0;
-            let police = crate::nic::pump::Police {
-                group: Some(std::sync::Arc::clone(claim.group())),
-                stats: &dev.stats,
-            };
-            crate::nic::pump::serve(nic, &sock, peer, queue, offload, frame_timeout, police)
-        }
-        (Backing::Block(_), _, Some(io)) => {
-            let credit = granted & FEATURE_CREDIT != 0;
-            tracing::debug!(%peer, id, "session serving");
-            let group = Some(std::sync::Arc::clone(claim.group()));
-            let note = granted & FEATURE_THROTTLE_NOTE != 0;
-            match io {
-                SessionIo::Uring(io) => {
-                    let io = Throttled::new(io, group, std::sync::Arc::clone(&dev), note);
-                    engine::run(io, &dev, &sock, peer, frame_timeout, credit)
-                }
-                SessionIo::Inline(io) => {
-                    let io = Throttled::new(io, group, std::sync::Arc::clone(&dev), note);
-                    engine::run(io, &dev, &sock, peer, frame_timeout, credit)
-                }
-            }
-        }
-        // The handshake sets up a block device's I/O and takes a PCIe function: not
-        // reached.
-        _ => End::PeerClosed,
+    let at = Opening {
+        dev: &a.dev,
+        hello: &a.hello,
+        claim: &a.claim,
+        options: &shared.options,
     };
-    dev.stats.session_closed();
-    log_end(&dev, peer, &end);
+    let opened = match a.dev.kind().open_tcp(&at) {
+        Ok(o) => o,
+        Err((status, message)) => {
+            handshake::refuse(&sock, peer, &a.hello, status, &message);
+            return;
+        }
+    };
+    if !handshake::answer(shared, &sock, peer, &a, &opened) {
+        return;
+    }
+    shared.handshake_done(id);
+    // `answer` counted the session open.
+    let end = if a.claim.is_standby() {
+        // A successor's holding session during a handover carries nothing.
+        Box::new(Holding).serve(&sock, peer)
+    } else {
+        opened.session.serve(&sock, peer)
+    };
+    a.dev.stats.session_closed();
+    log_end(&a.dev, peer, &end);
 }
 
 fn log_end(dev: &Device, peer: SocketAddr, end: &End) {

@@ -1,0 +1,224 @@
+//! A block device's sessions: the device I/O set up before the hello reply (a failure
+//! is answered `Busy`), the credit and the throttle note granted to a borrower that
+//! asks, then the block engine over TCP ([`crate::session::tcp::engine`]) or RDMA
+//! (`crate::session::rdma::block`), its device I/O under the holder's limits
+//! ([`crate::block::io::Throttled`]).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use devlend_fabric::conn::Stream;
+use devlend_fabric::{Credit, HelloStatus, FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
+
+use crate::block::io::{SessionIo, Throttled};
+use crate::device::Device;
+use crate::qos::Group;
+use crate::session::end::End;
+use crate::session::open::{Opened, Opening, Refused, TcpSession};
+use crate::{MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES};
+
+/// Submission entries of a block session's ring over TCP (completions: twice as many).
+/// Every request in flight has at most one operation queued (plus two socket polls),
+/// and the ring is submitted as entries are queued, so this never limits the requests
+/// in flight.
+const TCP_RING_ENTRIES: u32 = 1024;
+
+/// The credit a block session grants: its whole request budget.
+fn session_credit() -> Credit {
+    Credit {
+        requests: MAX_IN_FLIGHT as u32,
+        bytes: MAX_IN_FLIGHT_BYTES as u32,
+    }
+}
+
+/// What both transports' block sessions run with.
+struct Engine {
+    dev: Arc<Device>,
+    io: SessionIo,
+    /// The holder's limits.
+    group: Arc<Group>,
+    /// Mark the responses of requests held back by the limits.
+    note: bool,
+}
+
+impl Engine {
+    /// The session's device I/O (`send_from_file`: a read's data may go from the file
+    /// straight to the socket, over TCP).
+    fn open(at: &Opening<'_>, entries: u32, send_from_file: bool) -> Result<Engine, Refused> {
+        let io = SessionIo::new(Arc::clone(at.dev), at.options.io, entries, send_from_file)
+            .map_err(|e| {
+                (
+                    HelloStatus::Busy,
+                    format!("cannot set up I/O for the session: {e}"),
+                )
+            })?;
+        Ok(Engine {
+            dev: Arc::clone(at.dev),
+            io,
+            group: Arc::clone(at.claim.group()),
+            // A borrower that reads the throttle flag of responses gets it.
+            note: at.hello.features & FEATURE_THROTTLE_NOTE != 0,
+        })
+    }
+
+    fn features(&self) -> u64 {
+        if self.note {
+            FEATURE_THROTTLE_NOTE
+        } else {
+            0
+        }
+    }
+}
+
+/// A block session over TCP.
+struct Tcp {
+    engine: Engine,
+    frame_timeout: Duration,
+    /// The borrower keeps within the credit it was granted.
+    credit: bool,
+}
+
+/// Opens a block session over TCP: its device I/O, the throttle note and, to a
+/// borrower that keeps within a stated credit, the session's whole request budget (so
+/// that the session never has to stop reading it).
+pub(super) fn open_tcp<'a>(at: &Opening<'a>) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
+    let engine = Engine::open(at, TCP_RING_ENTRIES, true)?;
+    let credit = (at.hello.features & FEATURE_CREDIT != 0).then(session_credit);
+    Ok(Opened {
+        features: engine.features(),
+        credit,
+        session: Box::new(Tcp {
+            frame_timeout: at.options.frame_timeout,
+            credit: credit.is_some(),
+            engine,
+        }),
+    })
+}
+
+impl TcpSession for Tcp {
+    fn serve(self: Box<Self>, sock: &Stream, peer: SocketAddr) -> End {
+        use crate::session::tcp::engine::run;
+        let Tcp {
+            engine: e,
+            frame_timeout,
+            credit,
+        } = *self;
+        tracing::debug!(%peer, "session serving");
+        let group = Some(e.group);
+        match e.io {
+            SessionIo::Uring(io) => {
+                let io = Throttled::new(io, group, Arc::clone(&e.dev), e.note);
+                run(io, &e.dev, sock, peer, frame_timeout, credit)
+            }
+            SessionIo::Inline(io) => {
+                let io = Throttled::new(io, group, Arc::clone(&e.dev), e.note);
+                run(io, &e.dev, sock, peer, frame_timeout, credit)
+            }
+        }
+    }
+}
+
+#[cfg(feature = "rdma")]
+pub(super) use self::rdma::open_rdma;
+
+#[cfg(feature = "rdma")]
+mod rdma {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    use devlend_fabric::rdma::verbs::Connection;
+    use devlend_fabric::HelloStatus;
+
+    use super::Engine;
+    use crate::block::io::{SessionIo, Throttled};
+    use crate::session::open::{Opened, Opening, RdmaSession, Refused};
+    use crate::session::rdma::block::{run, End, Slot, IO_SLOTS, RING_ENTRIES};
+    use crate::MAX_TRANSFER_BYTES;
+
+    /// A block session over RDMA: its registered I/O buffers and its device I/O.
+    struct Rdma {
+        engine: Engine,
+        slots: Vec<Slot>,
+    }
+
+    /// Opens a block session over RDMA: [`IO_SLOTS`] I/O buffers of the largest
+    /// transfer registered on `conn`, its device I/O, and the throttle note.
+    pub(in crate::block) fn open_rdma<'a>(
+        at: &Opening<'a>,
+        conn: &Connection,
+    ) -> Result<Opened<Box<dyn RdmaSession + 'a>>, Refused> {
+        let mut slots = Vec::with_capacity(IO_SLOTS);
+        for i in 0..IO_SLOTS {
+            let slot = Slot::new(conn, i, MAX_TRANSFER_BYTES as usize).map_err(|e| {
+                (
+                    HelloStatus::Busy,
+                    format!(
+                        "cannot register I/O buffers: {}",
+                        devlend_fabric::error::chain(&e)
+                    ),
+                )
+            })?;
+            slots.push(slot);
+        }
+        let engine = Engine::open(at, RING_ENTRIES, false)?;
+        Ok(Opened {
+            features: engine.features(),
+            credit: None,
+            session: Box::new(Rdma { engine, slots }),
+        })
+    }
+
+    impl RdmaSession for Rdma {
+        fn reply_slot(&self, _conn: &Connection) -> usize {
+            // The first send buffer after the I/O slots' own.
+            IO_SLOTS
+        }
+
+        fn serve(self: Box<Self>, mut conn: Connection, stop: &AtomicBool, peer: &str) {
+            let Rdma {
+                engine: e,
+                mut slots,
+            } = *self;
+            let dev = Arc::clone(&e.dev);
+            let group = Some(e.group);
+            let end = match e.io {
+                SessionIo::Uring(io) => {
+                    let io = Throttled::new(io, group, Arc::clone(&dev), e.note);
+                    run(io, &dev, &mut conn, &mut slots, stop)
+                }
+                SessionIo::Inline(io) => {
+                    let io = Throttled::new(io, group, Arc::clone(&dev), e.note);
+                    run(io, &dev, &mut conn, &mut slots, stop)
+                }
+            };
+            // The QP goes first (no RDMA into the buffers after), then the buffers' MRs.
+            drop(conn);
+            drop(slots);
+            dev.stats.session_closed();
+            log_end(&dev, peer, end);
+        }
+    }
+
+    fn log_end(dev: &crate::device::Device, peer: &str, end: End) {
+        let device = &dev.name;
+        match end {
+            End::Closed => {
+                devlend_fabric::limited!(info, %peer, %device, "RDMA session closed")
+            }
+            End::Stopped => {
+                devlend_fabric::limited!(info, %peer, %device, "RDMA session stopped (lease ended or lender shutting down): requests answered, session closed")
+            }
+            End::Protocol(reason) => {
+                dev.stats.protocol_error();
+                devlend_fabric::limited!(warn, %peer, %device, %reason, "protocol error; RDMA session closed");
+            }
+            End::Transport(e) => {
+                devlend_fabric::limited!(warn, %peer, %device, error = %devlend_fabric::error::chain(&e), "RDMA session closed")
+            }
+            End::Ring(e) => {
+                devlend_fabric::limited!(warn, %peer, %device, error = %e, "io_uring failed; RDMA session closed")
+            }
+        }
+    }
+}
