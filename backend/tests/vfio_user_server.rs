@@ -543,6 +543,18 @@ const BAR: u64 = 4096;
 /// `offset + i`), and records the region reads it got: what the borrower must refuse
 /// is not refused for it here.
 fn lender() -> (String, Arc<Mutex<Vec<Access>>>) {
+    lender_of(
+        PciIdentity {
+            bdf: "0000:00:04.0".into(),
+            ..PciIdentity::default()
+        },
+        0,
+    )
+}
+
+/// As [`lender`], describing the function as `identity` and answering INFO with
+/// `info_flags`.
+fn lender_of(identity: PciIdentity, info_flags: u32) -> (String, Arc<Mutex<Vec<Access>>>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let reads = Arc::new(Mutex::new(Vec::new()));
@@ -551,14 +563,12 @@ fn lender() -> (String, Arc<Mutex<Vec<Access>>>) {
         for s in l.incoming() {
             let Ok(mut s) = s else { continue };
             let reads = r.clone();
+            let identity = identity.clone();
             std::thread::spawn(move || {
                 if Hello::read_from(&mut s).is_err() {
                     return;
                 }
-                let mut reply = HelloReply::ok(PciIdentity {
-                    bdf: "0000:00:04.0".into(),
-                    ..PciIdentity::default()
-                });
+                let mut reply = HelloReply::ok(identity);
                 reply.features = FEATURE_PCI;
                 if reply.write_to(&mut s).is_err() {
                     return;
@@ -574,7 +584,7 @@ fn lender() -> (String, Arc<Mutex<Vec<Access>>>) {
                                 LenderIrq { count: 1, flags: 7 },
                                 LenderIrq { count: 4, flags: 1 },
                             ],
-                            flags: 0,
+                            flags: info_flags,
                         }
                         .encode(),
                         KIND_READ => {
@@ -602,7 +612,13 @@ fn lender() -> (String, Arc<Mutex<Vec<Access>>>) {
 
 /// A borrower of the stand-in lender's function served on `path`.
 fn borrower(lender: &str, path: &Path) {
-    let target = LinkTarget {
+    let mut b = PciBorrower::connect(&target(lender)).unwrap();
+    let server = b.listen(path).unwrap();
+    std::thread::spawn(move || b.serve(&server));
+}
+
+fn target(lender: &str) -> LinkTarget {
+    LinkTarget {
         lender: lender.into(),
         device: "fn0".into(),
         borrower: [7; 16],
@@ -611,10 +627,58 @@ fn borrower(lender: &str, path: &Path) {
         timeout: Duration::from_secs(5),
         transport: Transport::Tcp,
         lender_key: None,
+    }
+}
+
+/// The coherence mode comes from the lender's description (version 2) and its INFO
+/// must agree: a lender that describes a mirrored function but mediates it (or the
+/// reverse) is refused, not served in the wrong mode. A version 1 description (no IDs,
+/// mirror) leaves the mode to the INFO.
+#[test]
+fn a_lender_whose_description_and_info_disagree_on_coherence_is_refused() {
+    use devlend_fabric::pci::INFO_MEDIATED;
+    use devlend_fabric::CoherenceMode;
+    let described = |coherence| PciIdentity {
+        bdf: "0000:00:04.0".into(),
+        vendor_id: 0x1b36,
+        device_id: 0x0010,
+        coherence,
+        ..PciIdentity::default()
     };
-    let mut b = PciBorrower::connect(&target).unwrap();
-    let server = b.listen(path).unwrap();
-    std::thread::spawn(move || b.serve(&server));
+    for (identity, flags) in [
+        (described(CoherenceMode::Mediated), 0),
+        (described(CoherenceMode::Mirror), INFO_MEDIATED),
+    ] {
+        let want = identity.coherence;
+        let (addr, _) = lender_of(identity, flags);
+        match PciBorrower::connect(&target(&addr)) {
+            Err(devlend_backend::pci::PciError::CoherenceMismatch { described, .. }) => {
+                assert_eq!(described, want)
+            }
+            Err(e) => panic!("{want:?} with INFO flags {flags}: {e}"),
+            Ok(_) => panic!("{want:?} with INFO flags {flags} was served"),
+        }
+    }
+    for (identity, flags, mode) in [
+        (
+            described(CoherenceMode::Mediated),
+            INFO_MEDIATED,
+            CoherenceMode::Mediated,
+        ),
+        (described(CoherenceMode::Mirror), 0, CoherenceMode::Mirror),
+        (
+            PciIdentity {
+                bdf: "0000:00:04.0".into(),
+                ..PciIdentity::default()
+            },
+            INFO_MEDIATED,
+            CoherenceMode::Mediated,
+        ),
+    ] {
+        let (addr, _) = lender_of(identity, flags);
+        let b = PciBorrower::connect(&target(&addr)).expect("an agreeing lender is served");
+        assert_eq!(b.handle().coherence(), mode);
+    }
 }
 
 /// A read of 8 bytes of BAR0 at `offset` works (the lender's pattern).

@@ -15,7 +15,9 @@ use devlend_cli::bench::options::{
     parse_secs, parse_size, BenchOptions, Matrix, PeersOptions, Rw, Workload,
 };
 use devlend_cli::demo::{self, DemoOptions, Frontend};
-use devlend_cli::output::{human_bytes, libvirt_target_dev, libvirt_xml, qemu_args, status_table};
+use devlend_cli::output::{
+    human_bytes, libvirt_target_dev, libvirt_xml, nic_link_words, qemu_args, status_table,
+};
 use devlend_cli::placement;
 use devlend_compute_agent::api::{AttachRequest, KindInfo, RdmaExposure, Transport, VmmTarget};
 use devlend_compute_agent::vmm::cloud_hypervisor;
@@ -529,7 +531,7 @@ fn run(cli: Cli) -> Result<()> {
             if json {
                 return print_json(&a);
             }
-            let b = match &a.part {
+            match &a.part {
                 KindInfo::Pci(p) => {
                     println!(
                         "attached PCIe function {} ({}) as {}",
@@ -547,15 +549,14 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 KindInfo::Nic(n) => {
                     println!(
-                        "attached NIC {} as {}: MAC {}, MTU {}, {} queue pair(s), link {}",
+                        "attached NIC {} as {}: MAC {}, MTU {}, {} queue pair(s), {}",
                         a.device,
                         a.id,
                         n.mac,
                         n.mtu,
                         n.queue_pairs,
-                        if n.link_up { "up" } else { "down" }
+                        nic_link_words(n, a.connected)
                     );
-                    None
                 }
                 KindInfo::Block(b) => {
                     println!(
@@ -567,9 +568,8 @@ fn run(cli: Cli) -> Result<()> {
                         b.serial,
                         if b.read_only { ", read-only" } else { "" }
                     );
-                    Some(b)
                 }
-            };
+            }
             println!("vhost-user socket: {}", a.socket.display());
             if let Some(p) = &a.vmm {
                 println!(
@@ -579,12 +579,12 @@ fn run(cli: Cli) -> Result<()> {
                 return Ok(());
             }
             println!();
-            match (vmm, b, a.nic()) {
-                (Vmm::Qemu, _, _) => {
+            match (vmm, &a.part) {
+                (Vmm::Qemu, _) => {
                     println!("QEMU:\n  {}\n", qemu_args(&a));
                     println!("libvirt:\n{}", libvirt_xml(&a, &libvirt_dev));
                 }
-                (Vmm::CloudHypervisor, _, Some(n)) => {
+                (Vmm::CloudHypervisor, KindInfo::Nic(n)) => {
                     println!(
                         "Cloud Hypervisor:\n  --memory size=<guest RAM>,shared=on --net vhost_user=true,socket={},num_queues={},queue_size={},mac={}",
                         a.socket.display(),
@@ -593,7 +593,7 @@ fn run(cli: Cli) -> Result<()> {
                         n.mac
                     );
                 }
-                (Vmm::CloudHypervisor, Some(b), None) => {
+                (Vmm::CloudHypervisor, KindInfo::Block(b)) => {
                     let arg = cloud_hypervisor::cli_arg(
                         &a.socket,
                         &a.id,
@@ -603,7 +603,8 @@ fn run(cli: Cli) -> Result<()> {
                     );
                     println!("Cloud Hypervisor:\n  --memory size=<guest RAM>,shared=on {arg}");
                 }
-                (Vmm::CloudHypervisor, None, None) => {}
+                // Printed above, with the vfio-user arguments.
+                (Vmm::CloudHypervisor, KindInfo::Pci(_)) => {}
             }
         }
         Cmd::Detach {

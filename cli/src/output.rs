@@ -1,7 +1,7 @@
 //! What the CLI prints for people.
 
 use devlend_compute_agent::api::{
-    AttachmentInfo, BlockInfo, CoherenceMode, HandoverState, NicInfo, PciInfo,
+    AttachmentInfo, BlockInfo, CoherenceMode, HandoverState, KindInfo, NicInfo, PciInfo,
 };
 
 /// Formats a byte count with a binary unit (`1.0 GiB`).
@@ -77,11 +77,10 @@ pub fn vfio_user_args(a: &AttachmentInfo) -> String {
 /// The QEMU arguments that join the attachment's socket (a block device's or a NIC's;
 /// a PCIe function's are [`vfio_user_args`]).
 pub fn qemu_args(a: &AttachmentInfo) -> String {
-    let b = match (a.block(), a.nic(), a.pci()) {
-        (_, Some(n), _) => return qemu_net_args(a, n),
-        (_, _, Some(_)) => return vfio_user_args(a),
-        (Some(b), _, _) => b,
-        (None, None, None) => return String::new(),
+    let b = match &a.part {
+        KindInfo::Nic(n) => return qemu_net_args(a, n),
+        KindInfo::Pci(_) => return vfio_user_args(a),
+        KindInfo::Block(b) => b,
     };
     let id = format!("devlend-{}", a.id);
     let mq = if b.queues > 1 {
@@ -118,10 +117,11 @@ pub fn libvirt_target_dev(s: &str) -> Result<String, String> {
 /// (an `<interface>` for a NIC). libvirt 9.0 refuses `<serial>` in a vhostuser disk:
 /// the guest reads the serial from devlend itself.
 pub fn libvirt_xml(a: &AttachmentInfo, dev: &str) -> String {
-    let b = match (a.block(), a.nic()) {
-        (_, Some(n)) => return libvirt_net_xml(a, n),
-        (Some(b), _) => b,
-        (None, None) => return String::new(),
+    let b = match &a.part {
+        KindInfo::Nic(n) => return libvirt_net_xml(a, n),
+        KindInfo::Block(b) => b,
+        // A PCIe function on vfio-user: libvirt has no element for it.
+        KindInfo::Pci(_) => return String::new(),
     };
     let ro = if b.read_only { "\n  <readonly/>" } else { "" };
     format!(
@@ -138,6 +138,21 @@ pub fn libvirt_xml(a: &AttachmentInfo, dev: &str) -> String {
     )
 }
 
+/// How `devlend attach` words a NIC's link (`connected`: a VMM has joined the socket):
+/// the guest's link is up once the lender's is and the VMM runs every queue pair, so a
+/// NIC just attached, with no VMM yet, is not called "down" when the lender's link is
+/// up.
+pub fn nic_link_words(n: &NicInfo, connected: bool) -> &'static str {
+    match (n.link_up, n.lender_link_up, connected) {
+        (true, _, _) => "link up",
+        (false, true, false) => {
+            "link up on the lender (the guest's link follows once a VMM joins the socket)"
+        }
+        (false, true, true) => "link up on the lender, queue pairs connecting",
+        (false, false, _) => "link down on the lender",
+    }
+}
+
 /// The `devlend status` tables, one per kind, each with that kind's own columns: disks
 /// with the rates of the last seconds (IOPS, MB/s read and written, p99 latency upper
 /// bound; [`disk_table`]), lent NICs with their frame counters ([`nic_table`]), PCIe
@@ -147,12 +162,14 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
     if list.is_empty() {
         return "no attachments\n".to_owned();
     }
-    let disks: Vec<(&AttachmentInfo, &BlockInfo)> =
-        list.iter().filter_map(|a| Some((a, a.block()?))).collect();
-    let nics: Vec<(&AttachmentInfo, &NicInfo)> =
-        list.iter().filter_map(|a| Some((a, a.nic()?))).collect();
-    let pcis: Vec<(&AttachmentInfo, &PciInfo)> =
-        list.iter().filter_map(|a| Some((a, a.pci()?))).collect();
+    let (mut disks, mut nics, mut pcis): (Vec<_>, Vec<_>, Vec<_>) = Default::default();
+    for a in list {
+        match &a.part {
+            KindInfo::Block(b) => disks.push((a, b)),
+            KindInfo::Nic(n) => nics.push((a, n)),
+            KindInfo::Pci(p) => pcis.push((a, p)),
+        }
+    }
     let tables = [
         (!disks.is_empty()).then(|| disk_table(&disks)),
         (!nics.is_empty()).then(|| nic_table(&nics)),
@@ -388,7 +405,7 @@ mod status_tests {
         NicInfo, PciCounters, PciInfo, Rates,
     };
 
-    use super::status_table;
+    use super::{nic_link_words, status_table};
 
     fn info(id: &str, part: KindInfo) -> AttachmentInfo {
         AttachmentInfo {
@@ -441,6 +458,7 @@ mod status_tests {
                 mac: "52:54:00:12:34:56".into(),
                 mtu: 1500,
                 link_up: true,
+                lender_link_up: true,
                 reconnects: 0,
                 counters: NetCounters {
                     rx_packets: 777,
@@ -490,6 +508,25 @@ mod status_tests {
                 .collect()
         };
         (cols(head), cols(row))
+    }
+
+    /// Found in a trial: `devlend attach` of a NIC said "link down" when no VMM had
+    /// joined yet, though the lender's link was up.
+    #[test]
+    fn a_nic_without_a_vmm_is_not_called_down_when_the_lenders_link_is_up() {
+        let mut n = match nic().part {
+            KindInfo::Nic(n) => n,
+            _ => unreachable!(),
+        };
+        n.link_up = false;
+        let words = nic_link_words(&n, false);
+        assert!(words.starts_with("link up on the lender"), "{words}");
+        assert!(!words.contains("down"), "{words}");
+        n.lender_link_up = false;
+        assert_eq!(nic_link_words(&n, false), "link down on the lender");
+        n.link_up = true;
+        n.lender_link_up = true;
+        assert_eq!(nic_link_words(&n, true), "link up");
     }
 
     #[test]

@@ -18,7 +18,7 @@
 //!   `write`), `devlend_attachment_pci_pages_total{dir}` (`push`, `pull`),
 //!   `devlend_attachment_pci_irqs_total`, `devlend_attachment_pci_dma_mapped_bytes`.
 //!
-//! And `devlend_attachments`, by `kind`.
+//! And `devlend_attachments`, by `kind` and `state` (`served`, `restoring`).
 
 use std::sync::Arc;
 
@@ -153,19 +153,27 @@ impl Series {
 impl Collector for AttachmentMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let all = self.0.list();
+        // A saved attachment waiting for its lender after a restart is not served: it is
+        // counted apart.
         let by_kind: Vec<(Labels, i64)> = [DeviceKind::Block, DeviceKind::Nic, DeviceKind::Pci]
             .into_iter()
-            .map(|k| {
+            .flat_map(|k| [(k, "served", false), (k, "restoring", true)])
+            .map(|(k, state, restoring)| {
                 (
-                    vec![("kind".to_owned(), k.as_str().to_owned())],
-                    all.iter().filter(|a| a.kind() == k).count() as i64,
+                    vec![
+                        ("kind".to_owned(), k.as_str().to_owned()),
+                        ("state".to_owned(), state.to_owned()),
+                    ],
+                    all.iter()
+                        .filter(|a| a.kind() == k && a.restoring.is_some() == restoring)
+                        .count() as i64,
                 )
             })
             .collect();
         gauge(
             &mut enc,
             "devlend_attachments",
-            "Attachments served, by kind.",
+            "Attachments, by kind and state: served, or restoring (saved, waiting to be served again after a restart).",
             &by_kind,
         )?;
         let mut s = Series::default();
@@ -351,9 +359,18 @@ mod tests {
             saved("fpga0", DeviceKind::Pci),
         ]);
         let text = devlend_daemon::metrics::render(AttachmentMetrics(Arc::new(r))).expect("render");
+        // Restoring attachments are counted as such, not as served ones.
         for kind in ["block", "nic", "pci"] {
             assert!(
-                text.contains(&format!("devlend_attachments{{kind=\"{kind}\"}} 1")),
+                text.contains(&format!(
+                    "devlend_attachments{{kind=\"{kind}\",state=\"restoring\"}} 1"
+                )),
+                "{text}"
+            );
+            assert!(
+                text.contains(&format!(
+                    "devlend_attachments{{kind=\"{kind}\",state=\"served\"}} 0"
+                )),
                 "{text}"
             );
         }

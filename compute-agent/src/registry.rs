@@ -10,15 +10,11 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use devlend_backend::attachment::{
-    AttachedKind, Attachment, AttachmentConfig, AttachmentError, Serve,
-};
+use devlend_backend::attachment::{Attachment, AttachmentConfig, AttachmentError, Serve};
 use devlend_backend::blk::engine::{new_borrower_id, LenderTarget};
 
-use crate::api::{
-    AttachRequest, AttachmentInfo, BlockInfo, DeviceKind, KindInfo, NicInfo, PciInfo, VmmPlug,
-    VmmTarget,
-};
+use self::served::served;
+use crate::api::{AttachRequest, AttachmentInfo, DeviceKind, KindInfo, VmmPlug, VmmTarget};
 use crate::lease::{CheckedLease, LeaseError, LeaseKeeper};
 use crate::state::{self, SavedAttachment, StateFile};
 use crate::vmm::cloud_hypervisor::{self as ch, ChError};
@@ -102,6 +98,7 @@ mod lender_key;
 mod plug;
 mod resolve;
 mod restore;
+mod served;
 mod start;
 #[cfg(test)]
 mod tests;
@@ -452,8 +449,7 @@ impl Registry {
         let entries = self.lock();
         let current: Vec<(String, crate::api::IoCounters)> = entries
             .values()
-            .filter(|e| e.attachment.kind() == AttachedKind::Block)
-            .map(|e| (e.id.clone(), e.attachment.stats().into()))
+            .filter_map(|e| Some((e.id.clone(), served(e.attachment.part()).io_counters()?)))
             .collect();
         self.rates.sample(std::time::Instant::now(), current);
     }

@@ -32,7 +32,7 @@ pub enum Error {
         kind: &'static str,
     },
     /// A device's PCIe address is not `DDDD:BB:DD.F`.
-    #[error("device {name:?}: PCIe address {bdf:?} is not DDDD:BB:DD.F (hex, with the domain: e.g. 0000:{bdf})")]
+    #[error("device {name:?}: PCIe address {bdf:?} is not DDDD:BB:DD.F (hex, with the domain{})", bdf_hint(.bdf))]
     BadBdf {
         /// The device name.
         name: String,
@@ -231,4 +231,15 @@ pub enum Error {
     /// A thread could not be started.
     #[error("cannot start a thread")]
     Thread(#[source] io::Error),
+}
+
+/// For an address without its domain (`BB:DD.F`), the same with domain 0000; else
+/// nothing.
+fn bdf_hint(bdf: &str) -> String {
+    let with_domain = format!("0000:{bdf}");
+    if crate::config::valid_bdf(&with_domain) {
+        format!(": {with_domain}")
+    } else {
+        String::new()
+    }
 }

@@ -183,7 +183,11 @@ fn a_pci_hello_to_a_block_device_or_nic_is_refused_naming_the_kind() {
     let addr = handle.local_addr().to_string();
     let t = Duration::from_secs(5);
     for (device, features, what) in [
-        ("disk0", FEATURE_PCI, "is a block device, not a PCIe function"),
+        (
+            "disk0",
+            FEATURE_PCI,
+            "is a block device, not a PCIe function",
+        ),
         (
             "nic0",
             FEATURE_PCI | FEATURE_NET,

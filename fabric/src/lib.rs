@@ -19,6 +19,7 @@ pub mod error;
 pub mod handshake;
 pub mod identity;
 pub mod io_util;
+pub mod kind;
 pub mod latency;
 pub mod lease_token;
 pub mod lender_proof;
@@ -40,6 +41,7 @@ pub use handshake::{
     BlockGeometry, CoherenceMode, Credit, DeviceDescription, Hello, HelloReply, HelloStatus,
     NicLink, PciIdentity, PciRegion, FEATURE_CREDIT,
 };
+pub use kind::DeviceKind;
 pub use units::{Bytes, Sector, Sectors, UnitError};
 pub use wire::{
     BlockRequest, Op, RequestHeader, ResponseHeader, Status, FEATURE_THROTTLE_NOTE,

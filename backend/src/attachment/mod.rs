@@ -1,7 +1,8 @@
 //! A borrower's attachment: one lent device served on a local socket for a VMM. The
 //! parts every kind shares live here ([`AttachmentConfig`], [`Attachment`]'s accessors,
-//! stopping, the socket path); [`vhost_user`] starts a block device (vhost-user-blk) or a NIC
-//! (vhost-user-net), [`pci`] a PCIe function (vfio-user).
+//! stopping, the socket path); what one kind alone has is its [`Part`]; [`vhost_user`]
+//! starts a block device (vhost-user-blk) or a NIC (vhost-user-net), [`pci`] a PCIe
+//! function (vfio-user).
 //!
 //! [`Attachment::start`] checks the device with the lender, binds the socket and serves
 //! it on a thread: for a block device each frontend connection (a VMM, libblkio) gets a
@@ -22,15 +23,18 @@ use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::blk::backend::{BlkBackend, DRAIN_TIMEOUT};
-use crate::blk::engine::{LenderTarget, QueueStats, StatsSnapshot};
+use crate::blk::engine::{LenderTarget, QueueStats};
 use crate::blk::holder::Holder;
 use crate::blk::request::DeviceLimits;
 use crate::blk::spec::MAX_QUEUES;
 use crate::net::spec::MAX_QUEUE_PAIRS;
-use crate::net::{NetStats, NetStatsSnapshot};
+use crate::net::NetStats;
 
+pub use self::part::{BlockPart, NicPart, Part};
 pub use crate::blk::holder::{BUSY_RETRY, CONTROL_QUEUE};
+pub use devlend_fabric::DeviceKind;
 
+mod part;
 mod pci;
 mod vhost_user;
 
@@ -57,7 +61,7 @@ pub struct AttachmentConfig {
     /// lends another kind under that name is refused ([`AttachmentError::KindChanged`])
     /// before the socket is bound, so that a VMM reconnecting to it never meets a
     /// backend of another kind. `None`: whatever the lender lends.
-    pub expect: Option<AttachedKind>,
+    pub expect: Option<DeviceKind>,
 }
 
 /// What an attachment asks the lender for, and how it serves it.
@@ -70,27 +74,6 @@ pub enum Serve {
     /// A PCIe function, on vfio-user ([`crate::pci`]); `num_queues`, `poll` and
     /// `reconnect_deadline` do not apply.
     VfioUser,
-}
-
-/// What an attachment serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttachedKind {
-    /// A block device on vhost-user-blk.
-    Block,
-    /// A NIC on vhost-user-net.
-    Nic,
-    /// A PCIe function on vfio-user.
-    Pci,
-}
-
-impl std::fmt::Display for AttachedKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            AttachedKind::Block => "block device",
-            AttachedKind::Nic => "NIC",
-            AttachedKind::Pci => "PCIe function",
-        })
-    }
 }
 
 /// Why an attachment could not start.
@@ -130,14 +113,23 @@ pub enum AttachmentError {
     Thread(#[source] std::io::Error),
     /// A restored attachment's device is now of another kind on the lender (e.g. the
     /// lender's configuration changed while the compute agent was down).
-    #[error("the lender now lends {device:?} as a {lent}, not the {expected} this attachment served; detach it")]
+    #[error("the lender now lends {device:?} as a {}, not the {} this attachment served; detach it", lent.noun(), expected.noun())]
     KindChanged {
         /// Device name on the lender.
         device: String,
         /// The kind it served before.
-        expected: AttachedKind,
+        expected: DeviceKind,
         /// The kind the lender lends now.
-        lent: AttachedKind,
+        lent: DeviceKind,
+    },
+    /// Asked to serve on vhost-user, the lender lends something vhost-user cannot
+    /// carry (a PCIe function is attached with `kind` `pci`), or described nothing.
+    #[error("the lender lends {device:?} as {}: it is not served on vhost-user", .lent.map_or("an undescribed device", |k| k.noun()))]
+    NotVhostUser {
+        /// Device name on the lender.
+        device: String,
+        /// What the lender described, if anything.
+        lent: Option<DeviceKind>,
     },
     /// A PCIe function could not be borrowed or served.
     #[error("cannot borrow the PCIe function")]
@@ -154,21 +146,6 @@ struct Shared {
     connected: AtomicBool,
 }
 
-/// What one kind of attachment alone has.
-enum Part {
-    /// A block device: its counters are [`Attachment::stats`].
-    Block,
-    /// A NIC.
-    Nic {
-        /// Its frame counters and link state.
-        net: Arc<NetStats>,
-        /// Its link (MAC, MTU) as the lender reported it at start.
-        link: devlend_fabric::net::LinkState,
-    },
-    /// A PCIe function: its borrower.
-    Pci(crate::pci::PciHandle),
-}
-
 /// A running attachment.
 pub struct Attachment {
     /// The session that holds a block device or NIC (a PCIe function's own session
@@ -177,8 +154,6 @@ pub struct Attachment {
     /// What its kind alone has.
     part: Part,
     config: AttachmentConfig,
-    limits: Arc<DeviceLimits>,
-    stats: Arc<QueueStats>,
     shared: Arc<Shared>,
     wake: EventFd,
     thread: Option<JoinHandle<()>>,
@@ -202,46 +177,13 @@ impl Attachment {
     }
 
     /// What it serves: a block device, a NIC or a PCIe function.
-    pub fn kind(&self) -> AttachedKind {
-        match self.part {
-            Part::Block => AttachedKind::Block,
-            Part::Nic { .. } => AttachedKind::Nic,
-            Part::Pci(_) => AttachedKind::Pci,
-        }
+    pub fn kind(&self) -> DeviceKind {
+        self.part.kind()
     }
 
-    /// For a borrowed PCIe function: its handle (identity, coherence mode, DMA maps).
-    pub fn pci(&self) -> Option<&crate::pci::PciHandle> {
-        match &self.part {
-            Part::Pci(p) => Some(p),
-            _ => None,
-        }
-    }
-
-    /// For a borrowed PCIe function: its counters.
-    pub fn pci_stats(&self) -> Option<&crate::pci::PciStats> {
-        self.pci().map(|h| h.stats())
-    }
-
-    /// For a lent NIC: its packet counters and link state.
-    pub fn net_stats(&self) -> Option<NetStatsSnapshot> {
-        self.net_counters().map(|n| n.snapshot())
-    }
-
-    /// For a lent NIC: its counters, shared (e.g. with a thread that follows the link).
-    pub fn net_counters(&self) -> Option<Arc<NetStats>> {
-        match &self.part {
-            Part::Nic { net, .. } => Some(net.clone()),
-            _ => None,
-        }
-    }
-
-    /// For a lent NIC: the link (MAC, MTU) the lender reported when it was attached.
-    pub fn net_link(&self) -> Option<devlend_fabric::net::LinkState> {
-        match &self.part {
-            Part::Nic { link, .. } => Some(*link),
-            _ => None,
-        }
+    /// What its kind alone has.
+    pub fn part(&self) -> &Part {
+        &self.part
     }
 
     /// A live migration's handover of the device ([`crate::handover`]).
@@ -254,25 +196,19 @@ impl Attachment {
         &self.config
     }
 
-    /// The device as the lender described it.
-    pub fn limits(&self) -> &DeviceLimits {
-        &self.limits
-    }
-
     /// The socket path.
     pub fn socket(&self) -> &Path {
         &self.config.socket
     }
 
-    /// I/O counters since start.
-    pub fn stats(&self) -> StatsSnapshot {
-        self.stats.snapshot()
-    }
-
     /// Whether the lender is gone for good: a PCIe function's fabric session ended (it is
-    /// not re-opened under a running VMM).
+    /// not re-opened under a running VMM). A block device's and a NIC's sessions are
+    /// opened again as long as the lender comes back.
     pub fn lender_lost(&self) -> bool {
-        self.pci().is_some_and(|p| p.session_closed())
+        match &self.part {
+            Part::Pci(p) => p.session_closed(),
+            Part::Block(_) | Part::Nic(_) => false,
+        }
     }
 
     /// Whether a frontend is connected now.
@@ -303,6 +239,8 @@ impl Attachment {
     fn shutdown(&mut self, timeout: Duration, handoff: bool) {
         self.shared.stop.store(true, Ordering::Release);
         if let Part::Pci(pci) = &self.part {
+            // vfio-user: one fabric session, no holder, a server thread that cannot be
+            // interrupted.
             // The lender quiesces the function and lends it again. The vfio_user
             // server cannot be interrupted: a connection wakes its accept, and a VMM
             // still connected keeps its connection (every request failing) until it

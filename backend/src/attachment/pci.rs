@@ -83,8 +83,6 @@ impl Attachment {
         Ok(Attachment {
             hold: None,
             part: Part::Pci(handle),
-            limits: Arc::new(DeviceLimits::not_block()),
-            stats: Arc::new(QueueStats::new(1)),
             shared,
             wake: EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?,
             thread: Some(thread),

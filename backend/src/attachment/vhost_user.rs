@@ -1,7 +1,16 @@
 //! Starting a block device (vhost-user-blk) or a NIC (vhost-user-net) attachment: the
 //! holding session to the lender, the listening socket and the serving thread.
 
+use devlend_fabric::DeviceDescription;
+
 use super::*;
+
+/// What the lender lends, of what vhost-user serves.
+#[derive(Clone, Copy)]
+enum Lent<'r> {
+    Block(&'r devlend_fabric::BlockGeometry),
+    Nic(&'r devlend_fabric::NicLink),
+}
 
 impl Attachment {
     /// The vhost-user part of [`Attachment::start`]: the device is whatever the lender's
@@ -11,16 +20,25 @@ impl Attachment {
         // (a device is lent to one borrower at a time); it carries no I/O.
         let (hold, reply) =
             crate::blk::holder::open(&config.lender).map_err(AttachmentError::Lender)?;
-        let lent = if reply.nic().is_some() {
-            AttachedKind::Nic
-        } else {
-            AttachedKind::Block
+        let lent = match &reply.device {
+            Some(DeviceDescription::Block(g)) => Lent::Block(g),
+            Some(DeviceDescription::Nic(n)) => Lent::Nic(n),
+            other => {
+                return Err(AttachmentError::NotVhostUser {
+                    device: config.lender.device.clone(),
+                    lent: other.as_ref().map(DeviceDescription::kind),
+                })
+            }
         };
-        if let Some(expected) = config.expect.filter(|&k| k != lent) {
+        let lent_kind = match lent {
+            Lent::Block(_) => DeviceKind::Block,
+            Lent::Nic(_) => DeviceKind::Nic,
+        };
+        if let Some(expected) = config.expect.filter(|&k| k != lent_kind) {
             return Err(AttachmentError::KindChanged {
                 device: config.lender.device.clone(),
                 expected,
-                lent,
+                lent: lent_kind,
             });
         }
         // An RDMA attachment fails now, with the reason, when RDMA cannot work (no
@@ -33,12 +51,6 @@ impl Attachment {
             ..Shared::default()
         });
         let hold = Some(holder);
-        let limits = Arc::new(
-            reply
-                .device
-                .as_ref()
-                .map_or_else(DeviceLimits::not_block, DeviceLimits::from_description),
-        );
         let listener =
             Listener::new(&config.socket, true).map_err(|source| AttachmentError::Listen {
                 path: config.socket.clone(),
@@ -54,54 +66,15 @@ impl Attachment {
                 })?;
         }
         let wake = EventFd::new(EFD_NONBLOCK).map_err(AttachmentError::Thread)?;
-        let stats = Arc::new(QueueStats::new(config.num_queues));
-        if let Some(nic) = reply.nic() {
-            // A lent NIC: `num_queues` counts queue pairs.
-            if config.num_queues > MAX_QUEUE_PAIRS {
-                return Err(AttachmentError::QueuePairs(config.num_queues));
+        let geometry = match lent {
+            Lent::Block(g) => g,
+            Lent::Nic(nic) => {
+                let offload = reply.features & devlend_fabric::net::FEATURE_NET_OFFLOAD != 0;
+                return Self::start_nic(config, hold, shared, listener, wake, nic, offload);
             }
-            let link = nic.link();
-            crate::net::spec::check_link(&link).map_err(AttachmentError::BadLink)?;
-            let offload = reply.features & devlend_fabric::net::FEATURE_NET_OFFLOAD != 0;
-            let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));
-            let thread = {
-                let (config, net, shared) = (config.clone(), net.clone(), shared.clone());
-                let wake = wake.try_clone().map_err(AttachmentError::Thread)?;
-                std::thread::Builder::new()
-                    .name(format!("attach-{}", config.lender.device))
-                    .spawn(move || {
-                        crate::net::backend::serve(
-                            listener,
-                            &config.id,
-                            &config.lender,
-                            config.num_queues,
-                            &link,
-                            offload,
-                            &net,
-                            &shared.stop,
-                            &shared.handover,
-                            |l| wait_for_client(l, &wake, &shared),
-                            |h| {
-                                if let Ok(mut c) = shared.net_handle.lock() {
-                                    *c = h;
-                                }
-                            },
-                            &shared.connected,
-                        )
-                    })
-                    .map_err(AttachmentError::Thread)?
-            };
-            return Ok(Attachment {
-                hold,
-                part: Part::Nic { net, link },
-                config,
-                limits,
-                stats,
-                shared,
-                wake,
-                thread: Some(thread),
-            });
-        }
+        };
+        let limits = Arc::new(DeviceLimits::from_device_info(geometry));
+        let stats = Arc::new(QueueStats::new(config.num_queues));
         let thread = {
             let (config, limits, stats, shared) = (
                 config.clone(),
@@ -117,10 +90,61 @@ impl Attachment {
         };
         Ok(Attachment {
             hold,
-            part: Part::Block,
+            part: Part::Block(BlockPart { limits, stats }),
             config,
-            limits,
-            stats,
+            shared,
+            wake,
+            thread: Some(thread),
+        })
+    }
+
+    /// A lent NIC on vhost-user-net: `num_queues` counts queue pairs.
+    fn start_nic(
+        config: AttachmentConfig,
+        hold: Option<Holder>,
+        shared: Arc<Shared>,
+        listener: Listener,
+        wake: EventFd,
+        nic: &devlend_fabric::NicLink,
+        offload: bool,
+    ) -> Result<Self, AttachmentError> {
+        if config.num_queues > MAX_QUEUE_PAIRS {
+            return Err(AttachmentError::QueuePairs(config.num_queues));
+        }
+        let link = nic.link();
+        crate::net::spec::check_link(&link).map_err(AttachmentError::BadLink)?;
+        let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));
+        let thread = {
+            let (config, net, shared) = (config.clone(), net.clone(), shared.clone());
+            let wake = wake.try_clone().map_err(AttachmentError::Thread)?;
+            std::thread::Builder::new()
+                .name(format!("attach-{}", config.lender.device))
+                .spawn(move || {
+                    crate::net::backend::serve(
+                        listener,
+                        &config.id,
+                        &config.lender,
+                        config.num_queues,
+                        &link,
+                        offload,
+                        &net,
+                        &shared.stop,
+                        &shared.handover,
+                        |l| wait_for_client(l, &wake, &shared),
+                        |h| {
+                            if let Ok(mut c) = shared.net_handle.lock() {
+                                *c = h;
+                            }
+                        },
+                        &shared.connected,
+                    )
+                })
+                .map_err(AttachmentError::Thread)?
+        };
+        Ok(Attachment {
+            hold,
+            part: Part::Nic(NicPart { net, link }),
+            config,
             shared,
             wake,
             thread: Some(thread),

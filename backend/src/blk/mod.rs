@@ -44,6 +44,6 @@ mod target;
 pub mod timer;
 mod tx;
 
-pub use crate::attachment::{AttachedKind, Attachment, AttachmentConfig, AttachmentError, Serve};
+pub use crate::attachment::{Attachment, AttachmentConfig, AttachmentError, Part, Serve};
 pub use engine::{QueueEngine, QueueStats, StatsSnapshot};
 pub use request::{DeviceLimits, Disposition, Parsed, Request};

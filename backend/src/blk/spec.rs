@@ -62,27 +62,6 @@ pub struct DeviceLimits {
 }
 
 impl DeviceLimits {
-    /// The limits of what is not a block device (a NIC, a PCIe function): no capacity,
-    /// 512-byte blocks, no transfer.
-    pub fn not_block() -> Self {
-        DeviceLimits {
-            capacity_sectors: 0,
-            block_size: 512,
-            max_transfer: 0,
-            max_discard_sectors: 0,
-            max_write_zeroes_sectors: 0,
-            read_only: false,
-            serial: [0; devlend_fabric::SERIAL_LEN],
-        }
-    }
-
-    /// The limits of the device a lender described: a block device's, else
-    /// [`DeviceLimits::not_block`].
-    pub fn from_description(d: &devlend_fabric::DeviceDescription) -> Self {
-        d.as_block()
-            .map_or_else(Self::not_block, Self::from_device_info)
-    }
-
     /// Derives the limits from a lender's [`devlend_fabric::BlockGeometry`]. A read-only
     /// device offers neither discard nor write-zeroes.
     pub fn from_device_info(info: &devlend_fabric::BlockGeometry) -> Self {

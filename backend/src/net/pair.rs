@@ -110,6 +110,9 @@ pub struct NetStatsSnapshot {
     pub reconnects: u64,
     /// The lender's link is up and every queue pair is connected to it.
     pub link_up: bool,
+    /// The lender's link is up, as last reported (whether or not the queue pairs are
+    /// connected).
+    pub lender_link_up: bool,
     /// The lender's MTU as last reported.
     pub mtu: u32,
 }
@@ -162,6 +165,7 @@ impl NetStats {
             total,
             reconnects: get(&self.reconnects),
             link_up: self.link_up(),
+            lender_link_up: self.link_up.load(Ordering::Relaxed),
             mtu: self.mtu.load(Ordering::Relaxed),
             pairs,
         }

@@ -90,6 +90,15 @@ pub enum PciError {
     /// The interrupt thread could not be started.
     #[error("starting the interrupt thread")]
     Thread(#[source] io::Error),
+    /// The lender's handshake description and its INFO disagree on how the function's
+    /// DMA is kept coherent: a lender that cannot be served safely.
+    #[error("the lender describes the function as {described:?} but its INFO says {info:?}")]
+    CoherenceMismatch {
+        /// The handshake description's mode.
+        described: CoherenceMode,
+        /// What the INFO's `INFO_MEDIATED` flag says.
+        info: CoherenceMode,
+    },
 }
 
 /// Most DMA maps a VMM may hold at once on one borrowed function (advertised to it as
@@ -336,8 +345,23 @@ impl PciBorrower {
         let maps = Arc::new(guest_mem::Maps::default());
         let (link, info, irqs) = Link::connect(target, Arc::clone(&maps) as Arc<dyn GuestMemory>)
             .map_err(PciError::Connect)?;
-        maps.set_mediated(info.flags & INFO_MEDIATED != 0);
         let lent = link.lent();
+        // A version 2 lender describes the function (a vendor ID is never 0) with its
+        // coherence mode, which its INFO must repeat; a version 1 lender says it in the
+        // INFO alone.
+        let info_mode = if info.flags & INFO_MEDIATED != 0 {
+            CoherenceMode::Mediated
+        } else {
+            CoherenceMode::Mirror
+        };
+        let described = lent.vendor_id != 0 || lent.device_id != 0;
+        if described && lent.coherence != info_mode {
+            return Err(PciError::CoherenceMismatch {
+                described: lent.coherence,
+                info: info_mode,
+            });
+        }
+        maps.set_mediated(info_mode == CoherenceMode::Mediated);
         // A version 2 lender describes the IDs; from a version 1 lender (zeros) they are
         // read from the function's config space.
         let ids = if lent.vendor_id != 0 || lent.device_id != 0 {

@@ -123,6 +123,7 @@ fn a_nic_attachment_shows_its_link_and_frame_counters_and_no_block_fields() {
         mac: "52:54:00:12:34:56".into(),
         mtu: 9000,
         link_up: true,
+        lender_link_up: true,
         reconnects: 1,
         counters: pair,
         pairs: vec![pair, NetCounters::default()],
@@ -136,6 +137,7 @@ fn a_nic_attachment_shows_its_link_and_frame_counters_and_no_block_fields() {
             "mac",
             "mtu",
             "link_up",
+            "lender_link_up",
             "reconnects",
             "counters",
             "pairs",
@@ -147,6 +149,7 @@ fn a_nic_attachment_shows_its_link_and_frame_counters_and_no_block_fields() {
     assert_eq!(v["mac"], "52:54:00:12:34:56");
     assert_eq!(v["mtu"], 9000);
     assert_eq!(v["link_up"], true);
+    assert_eq!(v["lender_link_up"], true);
     assert_eq!(v["reconnects"], 1);
     assert_eq!(v["counters"]["rx_packets"], 10);
     assert_eq!(v["counters"]["tx_bytes"], 3000);

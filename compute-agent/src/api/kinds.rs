@@ -6,57 +6,9 @@
 use serde::{Deserialize, Serialize};
 
 /// What an attachment serves (the `kind` of its API object and of its entry in the
-/// state file).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceKind {
-    /// A block device on vhost-user-blk.
-    Block,
-    /// A NIC on vhost-user-net.
-    Nic,
-    /// A PCIe function on vfio-user.
-    Pci,
-}
-
-impl DeviceKind {
-    /// `block`, `nic` or `pci`, as in the JSON.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeviceKind::Block => "block",
-            DeviceKind::Nic => "nic",
-            DeviceKind::Pci => "pci",
-        }
-    }
-}
-
-/// The backend's name for the same three kinds, both ways (one mapping).
-impl From<devlend_backend::attachment::AttachedKind> for DeviceKind {
-    fn from(k: devlend_backend::attachment::AttachedKind) -> Self {
-        use devlend_backend::attachment::AttachedKind as A;
-        match k {
-            A::Block => DeviceKind::Block,
-            A::Nic => DeviceKind::Nic,
-            A::Pci => DeviceKind::Pci,
-        }
-    }
-}
-
-impl From<DeviceKind> for devlend_backend::attachment::AttachedKind {
-    fn from(k: DeviceKind) -> Self {
-        use devlend_backend::attachment::AttachedKind as A;
-        match k {
-            DeviceKind::Block => A::Block,
-            DeviceKind::Nic => A::Nic,
-            DeviceKind::Pci => A::Pci,
-        }
-    }
-}
-
-impl std::fmt::Display for DeviceKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// state file): `block`, `nic` or `pci`. One enum for the handshake's description, the
+/// backend's attachment and the API.
+pub use devlend_fabric::DeviceKind;
 
 /// An attachment's own fields, by kind; in JSON, a `kind` member (`block`, `nic`,
 /// `pci`) beside the variant's fields.
@@ -128,6 +80,10 @@ pub struct NicInfo {
     pub mtu: u32,
     /// The lender's link is up and every queue pair connected.
     pub link_up: bool,
+    /// The lender's interface is up, as last reported, whether or not a VMM runs the
+    /// queue pairs yet (absent in answers of older agents: read as false).
+    #[serde(default)]
+    pub lender_link_up: bool,
     /// Fabric sessions re-established after a loss.
     pub reconnects: u64,
     /// Frame counters summed over the queue pairs.

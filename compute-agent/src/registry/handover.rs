@@ -15,6 +15,7 @@ use devlend_backend::attachment::Attachment;
 use devlend_backend::blk::engine::new_borrower_id;
 use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, TokenSigner};
 
+use super::served::served;
 use super::{now_ms, Registry, RegistryError, DIRECT_TOKEN_LIFETIME_MS};
 use crate::api::{AttachmentInfo, HandoverInfo, HandoverState};
 
@@ -97,11 +98,7 @@ impl Registry {
             let e = entries
                 .get(id)
                 .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
-            if e.attachment.kind() == devlend_backend::attachment::AttachedKind::Pci {
-                return Err(RegistryError::BadRequest(
-                    "a PCIe function cannot migrate: QEMU's vfio-user client has no migration support".into(),
-                ));
-            }
+            served(e.attachment.part()).check_handover()?;
             let own = (!e.token.is_empty())
                 .then(|| {
                     LeaseToken::from_bytes(e.token.clone())

@@ -1,6 +1,7 @@
 //! Plugging an attachment into a running VM and out again (QEMU over QMP, Cloud
 //! Hypervisor over its API).
 
+use super::served::served;
 use super::*;
 
 /// A failure of the VMM glue.
@@ -15,6 +16,10 @@ pub enum VmmError {
     /// Live attach of a lent NIC into Cloud Hypervisor is not done yet.
     #[error("live attach of a NIC into Cloud Hypervisor is not supported; start the VM with --net vhost_user=true,socket=...")]
     NicIntoCloudHypervisor,
+    /// A PCIe function is not hot-plugged: the VMM is started with its vfio-user
+    /// device (`devlend status --qemu-args`).
+    #[error("a PCIe function is not hot-plugged: start the VMM with its vfio-user device (devlend status --qemu-args)")]
+    NotHotplugged,
 }
 
 pub(super) fn plug(
@@ -23,21 +28,9 @@ pub(super) fn plug(
     req: &AttachRequest,
     attachment: &Attachment,
 ) -> Result<VmmPlug, VmmError> {
-    let read_only = attachment.limits().read_only;
-    let link = attachment.net_link();
-    match target {
-        VmmTarget::Qemu { qmp } => {
-            let kind = match link {
-                Some(l) => PlugKind::Net {
-                    pairs: req.queues,
-                    mac: crate::api::format_mac(&l.mac),
-                    mtu: l.mtu,
-                },
-                None => PlugKind::Blk {
-                    num_queues: req.queues,
-                    queue_size: req.queue_size,
-                },
-            };
+    let device = served(attachment.part()).vmm_device(req)?;
+    match (target, device) {
+        (VmmTarget::Qemu { qmp }, kind) => {
             let p = qemu::plug(qmp, id, &req.socket, &kind).map_err(VmmError::Qemu)?;
             tracing::info!(id, qmp = %qmp.display(), port = %p.port, "plugged into QEMU");
             Ok(VmmPlug {
@@ -46,11 +39,18 @@ pub(super) fn plug(
                 location: p.port,
             })
         }
-        VmmTarget::CloudHypervisor { .. } if link.is_some() => {
+        (VmmTarget::CloudHypervisor { .. }, PlugKind::Net { .. }) => {
             Err(VmmError::NicIntoCloudHypervisor)
         }
-        VmmTarget::CloudHypervisor { api } => {
-            let body = ch::disk_config(&req.socket, id, req.queues, req.queue_size, read_only);
+        (
+            VmmTarget::CloudHypervisor { api },
+            PlugKind::Blk {
+                num_queues,
+                queue_size,
+                read_only,
+            },
+        ) => {
+            let body = ch::disk_config(&req.socket, id, num_queues, queue_size, read_only);
             let d = match ch::add_disk(api, &body) {
                 Ok(d) => d,
                 Err(e @ ChError::ColdAdded { .. }) => {

@@ -130,6 +130,7 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::PciInfo;
 
     #[test]
     fn a_saved_attachment_given_up_is_not_restored_later() {
@@ -193,8 +194,8 @@ mod tests {
             matches!(
                 &err,
                 RegistryError::Start(AttachmentError::KindChanged {
-                    expected: AttachedKind::Nic,
-                    lent: AttachedKind::Block,
+                    expected: DeviceKind::Nic,
+                    lent: DeviceKind::Block,
                     ..
                 })
             ),

@@ -115,7 +115,7 @@ impl Registry {
                 crate::api::AttachKind::Device => Serve::VhostUser,
                 crate::api::AttachKind::Pci => Serve::VfioUser,
             },
-            expect: restore.as_ref().and_then(|r| r.kind).map(Into::into),
+            expect: restore.as_ref().and_then(|r| r.kind),
         })
         .map_err(RegistryError::Start)?;
         let keeper = match checked.map(|c| c.bind_and_keep(id)).transpose() {
@@ -157,21 +157,12 @@ impl Registry {
         let mut entries = self.lock();
         self.lock_pending().retain(|(i, _)| *i != id);
         let (attachment, plug, lease, borrower, token) = result?;
-        let link_watch = match (&plug, attachment.net_counters()) {
-            (
-                Some(VmmPlug {
-                    target: VmmTarget::Qemu { qmp },
-                    device_id,
-                    ..
-                }),
-                Some(net),
-            ) => match LinkWatch::start(device_id.clone(), qmp.clone(), net) {
-                Ok(w) => Some(w),
-                Err(e) => {
-                    tracing::warn!(id, error = %e, "cannot follow the NIC's link into the guest");
-                    None
-                }
-            },
+        let link_watch = match &plug {
+            Some(VmmPlug {
+                target: VmmTarget::Qemu { qmp },
+                device_id,
+                ..
+            }) => served(attachment.part()).follow_link(device_id, qmp),
             _ => None,
         };
         let entry = Entry {

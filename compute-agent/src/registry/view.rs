@@ -25,56 +25,7 @@ pub(super) fn info(e: &Entry) -> AttachmentInfo {
 
 /// The fields of an attachment's own kind, read from its backend.
 pub(super) fn part(req: &AttachRequest, a: &Attachment) -> KindInfo {
-    let l = a.limits();
-    match a.kind() {
-        AttachedKind::Block => {
-            let end = l
-                .serial
-                .iter()
-                .position(|&b| b == 0)
-                .unwrap_or(l.serial.len());
-            KindInfo::Block(BlockInfo {
-                queues: req.queues,
-                queue_size: req.queue_size,
-                capacity_sectors: l.capacity_sectors,
-                block_size: l.block_size,
-                read_only: l.read_only,
-                serial: String::from_utf8_lossy(&l.serial[..end]).into_owned(),
-                counters: a.stats().into(),
-                rates: None,
-            })
-        }
-        AttachedKind::Nic => {
-            let n = a.net_stats().unwrap_or_default();
-            KindInfo::Nic(NicInfo {
-                queue_pairs: req.queues,
-                queue_size: req.queue_size,
-                mac: a
-                    .net_link()
-                    .map(|l| crate::api::format_mac(&l.mac))
-                    .unwrap_or_default(),
-                mtu: n.mtu,
-                link_up: n.link_up,
-                reconnects: n.reconnects,
-                counters: n.total.into(),
-                pairs: n.pairs.into_iter().map(Into::into).collect(),
-            })
-        }
-        AttachedKind::Pci => KindInfo::Pci(match a.pci() {
-            Some(p) => {
-                let id = p.identity();
-                PciInfo {
-                    bdf: id.bdf.clone(),
-                    vendor_id: id.vendor_id,
-                    device_id: id.device_id,
-                    coherence: Some(p.coherence()),
-                    dma_mapped_bytes: p.dma_mapped_bytes(),
-                    counters: p.stats().into(),
-                }
-            }
-            None => PciInfo::default(),
-        }),
-    }
+    served::served(a.part()).info(req)
 }
 
 /// The limits a lease's token carries (the lender enforces them, with its own).
@@ -121,5 +72,5 @@ pub(super) fn restoring_info(r: &Restoring) -> AttachmentInfo {
 
 /// What a served attachment is, by its backend.
 pub(super) fn kind(e: &Entry) -> DeviceKind {
-    e.attachment.kind().into()
+    e.attachment.kind()
 }

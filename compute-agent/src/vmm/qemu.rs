@@ -61,6 +61,9 @@ pub enum PlugKind {
         num_queues: u16,
         /// Descriptors per virtqueue.
         queue_size: u16,
+        /// The lender refuses writes (the backend offers `VIRTIO_BLK_F_RO` to QEMU;
+        /// Cloud Hypervisor is told `readonly`).
+        read_only: bool,
     },
     /// A `virtio-net-pci` NIC on a `vhost-user` netdev with `pairs` queue pairs
     /// (`mq=on` and 2 × pairs + 2 MSI-X vectors when more than one).
@@ -176,6 +179,7 @@ pub fn plug(qmp: &Path, id: &str, socket: &Path, kind: &PlugKind) -> Result<Plug
         PlugKind::Blk {
             num_queues,
             queue_size,
+            ..
         } => q.execute(
             "device_add",
             json!({

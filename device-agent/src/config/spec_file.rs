@@ -65,6 +65,15 @@ fn from_table(mut t: Table) -> Result<DeviceSpec, String> {
     }) {
         return Err(format!("{who}: `{key}` does not apply to kind `{kind}`"));
     }
+    if let Some(key) = t.keys().find(|k| !own.contains(&k.as_str())) {
+        return Err(format!(
+            "{who}: unknown key `{key}`; a device of kind `{kind}` takes `name`, `kind`, `traits`, {}",
+            own.iter()
+                .map(|k| format!("`{k}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     let fields = Value::Table(t);
     let kind = match kind {
         "net" => KindSpec::Net(fields.try_into().map_err(|e| format!("{who}: {e}"))?),

@@ -58,7 +58,15 @@ fn parses_pci_functions() {
     let s = spec("fpga0=pci:0000:00:03.0").unwrap();
     assert_eq!(pci(&s).bdf, "0000:00:03.0");
     assert_eq!(s.kind.name(), "pci");
-    assert!(spec("fpga0=pci:00:03.0").is_err());
+    // An address without its domain is shown with it; garbage gets no hint.
+    assert_eq!(
+        spec("fpga0=pci:00:03.0").unwrap_err().to_string(),
+        "device \"fpga0\": PCIe address \"00:03.0\" is not DDDD:BB:DD.F (hex, with the domain: 0000:00:03.0)"
+    );
+    assert_eq!(
+        spec("fpga0=pci:garbage").unwrap_err().to_string(),
+        "device \"fpga0\": PCIe address \"garbage\" is not DDDD:BB:DD.F (hex, with the domain)"
+    );
     assert!(spec("fpga0=pci:0000:00:03.8").is_err());
     assert!(spec("fpga0=pci:0000:00:03.0,ro").is_err());
     assert!(spec("fpga0=pci:").is_err());
@@ -313,7 +321,9 @@ fn tables_that_do_not_say_their_kind_are_refused_by_name() {
     assert!(msg.contains("unknown kind `gpu`"), "{msg}");
     let msg = from_toml("[device]\nname = \"d\"\npath = \"/x\"\nsize = 3\n").unwrap_err();
     assert!(
-        msg.contains("device `d`") && msg.contains("unknown field `size`"),
+        msg.contains(
+            "device `d`: unknown key `size`; a device of kind `block` takes `name`, `kind`, `traits`, `path`, `read_only`, `serial`, `qos`, `store`"
+        ),
         "{msg}"
     );
     let msg = from_toml("[device]\npath = \"/x\"\n").unwrap_err();

@@ -250,8 +250,18 @@ impl From<PciIdentity> for DeviceDescription {
 }
 
 impl DeviceDescription {
+    /// What kind of device it describes.
+    pub fn kind(&self) -> crate::kind::DeviceKind {
+        use crate::kind::DeviceKind;
+        match self {
+            DeviceDescription::Block(_) => DeviceKind::Block,
+            DeviceDescription::Nic(_) => DeviceKind::Nic,
+            DeviceDescription::Pci(_) => DeviceKind::Pci,
+        }
+    }
+
     /// The kind tag on the wire.
-    pub fn kind(&self) -> u8 {
+    pub fn tag(&self) -> u8 {
         match self {
             DeviceDescription::Block(_) => KIND_BLOCK,
             DeviceDescription::Nic(_) => KIND_NIC,
@@ -293,7 +303,7 @@ impl DeviceDescription {
             check_len("PCIe address", p.bdf.len(), MAX_BDF_LEN)?;
             check_len("PCIe regions", p.regions.len(), MAX_DESCRIPTION_REGIONS)?;
         }
-        codec::push(out, self.kind());
+        codec::push(out, self.tag());
         codec::push(out, [0u8; 3]);
         match self {
             DeviceDescription::Block(g) => BlockFixed {
