@@ -6,6 +6,10 @@
 //! | `POST /v1/attachments` | [`AttachRequest`] | `201` [`AttachmentInfo`]; `400`, `409`, `502` [`ApiError`] |
 //! | `GET /v1/attachments/{id}` | | `200` [`AttachmentInfo`]; `404` |
 //! | `DELETE /v1/attachments/{id}[?release_timeout_s=N]` | | `200` [`AttachmentInfo`] (final counters); `404`; `504` when the guest keeps the device |
+//! | `POST /v1/attachments/{id}/handover` | [`HandoverRequest`] or empty | `200` [`HandoverInfo`] |
+//! | `DELETE /v1/attachments/{id}/handover` | | `200` [`AttachmentInfo`] |
+//! | `POST /v1/attachments/{id}/finish` | | `200` [`AttachmentInfo`] |
+//! | `GET /v1/openapi.yaml` | | `200` the OpenAPI 3.1 document (`compute-agent/openapi.yaml`) |
 
 use std::path::PathBuf;
 

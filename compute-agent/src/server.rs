@@ -47,9 +47,22 @@ impl IntoResponse for RegistryError {
     }
 }
 
+/// The API's OpenAPI 3.1 document (`compute-agent/openapi.yaml`).
+pub const OPENAPI_YAML: &str = include_str!("../openapi.yaml");
+
+/// `GET /v1/openapi.yaml`: the API's OpenAPI document.
+async fn openapi() -> Response {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/yaml")],
+        OPENAPI_YAML,
+    )
+        .into_response()
+}
+
 /// The API router over a registry.
 pub fn router(registry: Arc<Registry>) -> Router {
     Router::new()
+        .route("/v1/openapi.yaml", get(openapi))
         .route("/v1/attachments", get(list).post(attach))
         .route("/v1/attachments/{id}", get(show).delete(detach))
         .route(
@@ -260,4 +273,76 @@ pub async fn serve(
     }
     let _ = std::fs::remove_file(socket);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The router against its OpenAPI document: every operation the document lists is
+    //! routed (no 405, no route-less 404), and the document is served.
+
+    use axum::body::Body;
+    use axum::http::{Method, Request, StatusCode};
+    use tower_service::Service;
+
+    use super::*;
+
+    fn call(method: &Method, path: &str, body: &str) -> (StatusCode, String) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let mut app = router(Arc::new(Registry::default()));
+            let req = Request::builder()
+                .method(method)
+                .uri(path)
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_owned()))
+                .expect("request");
+            let resp = app.call(req).await.expect("infallible");
+            let status = resp.status();
+            let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                .await
+                .expect("body");
+            (status, String::from_utf8_lossy(&bytes).into_owned())
+        })
+    }
+
+    #[test]
+    fn every_documented_operation_is_routed_and_the_document_is_served() {
+        let doc: serde_json::Value = serde_norway::from_str(OPENAPI_YAML).expect("YAML");
+        let paths = doc["paths"].as_object().expect("paths");
+        let mut seen = 0;
+        for (path, ops) in paths {
+            let path = path.replace("{id}", "no-such-attachment");
+            for method in ops.as_object().expect("operations").keys() {
+                let m = match method.as_str() {
+                    "get" => Method::GET,
+                    "post" => Method::POST,
+                    "put" => Method::PUT,
+                    "delete" => Method::DELETE,
+                    "patch" => Method::PATCH,
+                    _ => continue, // `parameters`
+                };
+                let (status, body) = call(&m, &path, "");
+                assert_ne!(status, StatusCode::METHOD_NOT_ALLOWED, "{m} {path}");
+                // A route-less 404 has an empty body; a handler's is an ApiError.
+                if status == StatusCode::NOT_FOUND {
+                    let e: crate::api::ApiError = serde_json::from_str(&body)
+                        .unwrap_or_else(|_| panic!("{m} {path}: not routed ({body:?})"));
+                    assert!(e.error.contains("no-such-attachment"), "{e:?}");
+                }
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, 8, "the document lists eight operations");
+        let (status, body) = call(&Method::GET, "/v1/openapi.yaml", "");
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(body, OPENAPI_YAML);
+        // A path the document does not list is not routed.
+        assert_eq!(
+            call(&Method::GET, "/v1/nothing", "").0,
+            StatusCode::NOT_FOUND
+        );
+    }
 }

@@ -223,3 +223,177 @@ fn a_restoring_attachment_keeps_its_kind_with_its_fields_empty() {
     v["kind"] = "gpu".into();
     assert!(serde_json::from_value::<AttachmentInfo>(v).is_err());
 }
+
+/// The API's OpenAPI document (`compute-agent/openapi.yaml`) as JSON.
+fn openapi() -> Value {
+    serde_norway::from_str(crate::server::OPENAPI_YAML).expect("the OpenAPI document is YAML")
+}
+
+/// What `value` breaks of schema `name` in the OpenAPI document (JSON Schema 2020-12,
+/// which OpenAPI 3.1 schemas are).
+fn schema_errors(doc: &Value, name: &str, value: &Value) -> Vec<String> {
+    let root = json!({
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$ref": format!("#/components/schemas/{name}"),
+        "components": doc["components"],
+    });
+    let validator = jsonschema::options()
+        .with_draft(jsonschema::Draft::Draft202012)
+        .build(&root)
+        .unwrap_or_else(|e| panic!("schema {name} does not compile: {e}"));
+    validator
+        .iter_errors(value)
+        .map(|e| format!("{e} (at {})", e.instance_path()))
+        .collect()
+}
+
+/// Every kind's attachment, served and restoring, as the API writes it, satisfies the
+/// OpenAPI document, which allows nothing else: a key of another kind, an unknown key
+/// or a missing one is refused, so the document cannot drift from the types.
+#[test]
+fn the_openapi_document_describes_every_kind_exactly() {
+    let doc = openapi();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let served = [
+        KindInfo::Block(BlockInfo {
+            queues: 2,
+            queue_size: 256,
+            capacity_sectors: 2048,
+            block_size: 4096,
+            read_only: false,
+            serial: "SN1".into(),
+            counters: IoCounters {
+                per_queue: vec![1, 2],
+                ..IoCounters::default()
+            },
+            rates: Some(Rates {
+                p99_us: Some(120),
+                ..Rates::default()
+            }),
+        }),
+        KindInfo::Nic(NicInfo {
+            queue_pairs: 1,
+            queue_size: 256,
+            mac: "52:54:00:12:34:56".into(),
+            mtu: 1500,
+            link_up: false,
+            lender_link_up: true,
+            reconnects: 0,
+            counters: NetCounters::default(),
+            pairs: vec![NetCounters::default()],
+        }),
+        KindInfo::Pci(PciInfo {
+            bdf: "0000:03:00.0".into(),
+            vendor_id: Some(0x1b36),
+            device_id: Some(0x0010),
+            coherence: Some(CoherenceMode::Mediated),
+            dma_mapped_bytes: 4096,
+            counters: PciCounters::default(),
+        }),
+    ];
+    let mut all = Vec::new();
+    for part in served {
+        let mut a = shared(part);
+        a.vmm = Some(VmmPlug {
+            target: VmmTarget::Qemu {
+                qmp: "/run/vm/qmp.sock".into(),
+            },
+            device_id: "a0".into(),
+            location: "devlend-port-1".into(),
+        });
+        a.lease = Some(uuid::Uuid::nil());
+        a.limits = Some(devlend_fabric::qos::Qos::default().with(
+            devlend_fabric::qos::Lane::IopsRead,
+            2000,
+            400,
+        ));
+        a.handover = Some(HandoverState::LetGo);
+        all.push(a);
+    }
+    for kind in [DeviceKind::Block, DeviceKind::Nic, DeviceKind::Pci] {
+        // As the registry shows it: the kind's fields empty but the request's queues.
+        let mut a = shared(KindInfo::empty(kind));
+        match &mut a.part {
+            KindInfo::Block(b) => (b.queues, b.queue_size) = (1, 256),
+            KindInfo::Nic(n) => (n.queue_pairs, n.queue_size) = (1, 256),
+            KindInfo::Pci(_) => {}
+        }
+        a.restoring = Some("lender unreachable".into());
+        all.push(a);
+    }
+    for a in &all {
+        let v = serde_json::to_value(a).expect("json");
+        let errs = schema_errors(&doc, "AttachmentInfo", &v);
+        assert!(errs.is_empty(), "{v}: {errs:#?}");
+    }
+    // What the document must refuse.
+    let block = serde_json::to_value(&all[0]).expect("json");
+    let mut cases = Vec::new();
+    let mut v = block.clone();
+    v["mac"] = json!("52:54:00:12:34:56");
+    cases.push(("a NIC's key on a block device", v));
+    let mut v = block.clone();
+    v["bogus"] = json!(1);
+    cases.push(("an unknown key", v));
+    let mut v = block.clone();
+    v.as_object_mut()
+        .expect("object")
+        .remove("capacity_sectors");
+    cases.push(("a missing key of the kind", v));
+    let mut v = block.clone();
+    v.as_object_mut().expect("object").remove("connected");
+    cases.push(("a missing shared key", v));
+    let mut v = block.clone();
+    v["kind"] = json!("gpu");
+    cases.push(("an unknown kind", v));
+    let mut v = block;
+    v["counters"]["reads_total"] = json!(1);
+    cases.push(("an unknown counter", v));
+    for (what, v) in cases {
+        assert!(
+            !schema_errors(&doc, "AttachmentInfo", &v).is_empty(),
+            "{what} passed: {v}"
+        );
+    }
+}
+
+/// Requests as the README shows them satisfy the document; unknown keys do not.
+#[test]
+fn the_openapi_document_describes_the_requests() {
+    let doc = openapi();
+    for body in [
+        json!({"lender": "10.0.0.9:7700", "device": "disk0", "socket": "/run/devlend/d.sock"}),
+        json!({"lender": "10.0.0.9:7700", "device": "fn0", "socket": "/run/devlend/f.sock", "kind": "pci"}),
+        json!({
+            "id": "vol1", "lender": "", "device": "west/lender1/disk0", "socket": "/s",
+            "queues": 4, "queue_size": 512, "poll_us": 50, "reconnect_deadline_s": 60,
+            "vmm": {"type": "cloud-hypervisor", "api": "/run/ch.sock"},
+            "lease": {"pool": "https://pool:7400", "id": "00000000-0000-0000-0000-000000000000", "token": "t"},
+            "lender_key": "k", "tls": true, "tls_server_name": "lender1",
+            "transport": "rdma", "rdma_exposure": "guest-memory", "handover_token": "h",
+        }),
+    ] {
+        let parsed: AttachRequest = serde_json::from_value(body.clone()).expect("a valid request");
+        let again = serde_json::to_value(&parsed).expect("json");
+        for v in [&body, &again] {
+            let errs = schema_errors(&doc, "AttachRequest", v);
+            assert!(errs.is_empty(), "{v}: {errs:#?}");
+        }
+    }
+    let bad = json!({"lender": "l", "device": "d", "socket": "/s", "queue": 2});
+    assert!(serde_json::from_value::<AttachRequest>(bad.clone()).is_err());
+    assert!(!schema_errors(&doc, "AttachRequest", &bad).is_empty());
+    let info = HandoverInfo {
+        attachment: "a0".into(),
+        lender: "l".into(),
+        device: "d".into(),
+        handover_token: "t".into(),
+        lease: "00".repeat(16),
+        from_lease: "11".repeat(16),
+        pool: None,
+    };
+    let v = serde_json::to_value(&info).expect("json");
+    assert!(schema_errors(&doc, "HandoverInfo", &v).is_empty(), "{v}");
+    let e = serde_json::to_value(ApiError { error: "x".into() }).expect("json");
+    assert!(schema_errors(&doc, "ApiError", &e).is_empty());
+}
