@@ -524,7 +524,7 @@ impl Registry {
         if let Some(k) = entry.lease.take() {
             k.release();
         }
-        tracing::info!(id, socket = %out.socket.display(), "detached");
+        tracing::info!(id, kind = %out.kind(), socket = %out.socket.display(), "detached");
         Ok(out)
     }
 

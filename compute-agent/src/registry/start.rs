@@ -195,7 +195,7 @@ impl Registry {
             }
         }
         drop(entries);
-        tracing::info!(id = %out.id, device = %out.device, lender = %out.lender, socket = %out.socket.display(), restored, "attached");
+        tracing::info!(id = %out.id, kind = %out.kind(), device = %out.device, lender = %out.lender, socket = %out.socket.display(), restored, "attached");
         Ok(out)
     }
 }
