@@ -82,7 +82,7 @@ devlend-nvme-vmm /run/devlend/ssd.sock IMAGE_BYTES
 devlend detach --api /run/devlend/ca.sock ssd > /dev/null
 sleep 1
 grep 'NVMe mediator ends' /tmp/lender.log | tail -n 1 | sed 's/^/mediator: /'
-echo "DEVLEND-RESULT rdma_pci_sessions=$(grep -c 'PCI session opened over RDMA' /tmp/lender.log)"
+echo "DEVLEND-RESULT rdma_pci_sessions=$(grep -c 'RDMA session opened.*kind=pci' /tmp/lender.log)"
 echo "DEVLEND-RESULT quiesced=$(grep -c 'function quiesced for the next borrower' /tmp/lender.log)"
 kill -TERM $LPID
 wait $LPID || true

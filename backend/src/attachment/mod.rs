@@ -122,6 +122,15 @@ pub enum AttachmentError {
         /// The kind the lender lends now.
         lent: DeviceKind,
     },
+    /// A kind whose sessions go over TCP only (a NIC's queue pairs) was asked for over
+    /// RDMA.
+    #[error("{device:?} is a {}: its sessions go over TCP only; attach it without --transport rdma", .kind.noun())]
+    TcpOnly {
+        /// Device name on the lender.
+        device: String,
+        /// What the lender lends.
+        kind: DeviceKind,
+    },
     /// Asked to serve on vhost-user, the lender lends something vhost-user cannot
     /// carry (a PCIe function is attached with `kind` `pci`), or described nothing.
     #[error("the lender lends {device:?} as {}: it is not served on vhost-user", .lent.map_or("an undescribed device", |k| k.noun()))]

@@ -41,6 +41,14 @@ impl Attachment {
                 lent: lent_kind,
             });
         }
+        if let (Lent::Nic(_), devlend_fabric::transport::Transport::Rdma) =
+            (lent, config.lender.transport)
+        {
+            return Err(AttachmentError::TcpOnly {
+                device: config.lender.device.clone(),
+                kind: lent_kind,
+            });
+        }
         // An RDMA attachment fails now, with the reason, when RDMA cannot work (no
         // device, no route, the lender not serving it), not later at the first request.
         crate::blk::engine::probe_transport(&config.lender).map_err(AttachmentError::Lender)?;

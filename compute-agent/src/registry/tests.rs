@@ -22,3 +22,37 @@ fn rdma_exposure_is_refused_without_rdma() {
         other => panic!("guest-memory exposure over TCP: {:?}", other.map(|i| i.id)),
     }
 }
+
+/// A NIC asked for over RDMA is refused with what to do, before any socket is bound;
+/// before, the borrower's RDMA probe asked the NIC for block requests and reported the
+/// lender's "does not speak frames".
+#[test]
+fn a_nic_over_rdma_is_refused_saying_it_goes_over_tcp() {
+    let dir = tempfile::tempdir().unwrap();
+    let lender = devlend_device_agent::Lender::bind(
+        "127.0.0.1:0",
+        vec![devlend_device_agent::DeviceSpec::new(
+            "nic0",
+            devlend_device_agent::NetSpec::new("lo"),
+        )],
+    )
+    .unwrap()
+    .spawn();
+    let sock = dir.path().join("nic0.sock");
+    let req: AttachRequest = serde_json::from_value(serde_json::json!({
+        "lender": lender.local_addr().to_string(), "device": "nic0", "socket": sock,
+        "transport": "rdma",
+    }))
+    .unwrap();
+    match Registry::default().attach(req) {
+        Err(RegistryError::Start(e @ AttachmentError::TcpOnly { .. })) => {
+            let m = e.to_string();
+            assert!(
+                m.contains("is a NIC") && m.contains("without --transport rdma"),
+                "{m}"
+            );
+        }
+        other => panic!("a NIC over RDMA: {:?}", other.map(|i| i.id)),
+    }
+    assert!(!sock.exists(), "the socket was bound");
+}

@@ -140,7 +140,7 @@ fn serve(shared: &Shared, inc: Incoming, id: u64) {
         devlend_fabric::limited!(warn, %peer, "cannot send the hello reply; closing");
         return;
     }
-    devlend_fabric::limited!(info, %peer, device = %dev.name, kind = dev.kind_name(), queue = hello.queue_index, "RDMA session opened");
+    devlend_fabric::limited!(info, %peer, device = %dev.name, kind = %dev.kind_name(), queue = hello.queue_index, "RDMA session opened");
     opened.session.serve(conn, &stop, &peer);
 }
 

@@ -117,7 +117,7 @@ pub(super) fn answer<S>(
         devlend_fabric::limited!(warn, %peer, error = %e, "cannot clear the handshake timeout; closing");
         return false;
     }
-    devlend_fabric::limited!(info, %peer, device = %dev.name, kind = dev.kind_name(), queue = hello.queue_index, "session opened");
+    devlend_fabric::limited!(info, %peer, device = %dev.name, kind = %dev.kind_name(), queue = hello.queue_index, "session opened");
     true
 }
 
