@@ -29,7 +29,7 @@
 //!
 //! Why this file is over 600 lines: about 240 of its lines (from `#[cfg(test)]` on) are
 //! tests of the link; the rest is one link, its reader and writer tasks and the two halves
-//! of a stream, which all work on the per-stream state (`Shared`) and its credit windows,
+//! of a stream, which all work on the per-stream state (`StreamState`) and its credit windows,
 //! the frames' encoding being in `mux/frame.rs` already.
 
 use std::collections::HashMap;
@@ -101,7 +101,7 @@ struct Out {
 }
 
 /// The state of one stream shared by the link and the stream's two halves.
-struct Shared {
+struct StreamState {
     inbox: mpsc::UnboundedSender<Inbound>,
     /// Bytes this side may still send (the peer's credit).
     credit: Semaphore,
@@ -126,7 +126,7 @@ pub type Incoming = (MuxStream, Vec<u8>);
 /// One multiplexed connection to a peer gateway.
 pub struct Link {
     out: mpsc::UnboundedSender<Out>,
-    streams: Mutex<HashMap<u32, Arc<Shared>>>,
+    streams: Mutex<HashMap<u32, Arc<StreamState>>>,
     next_id: AtomicU32,
     /// The window the peer grants each stream (our send credit at open).
     send_window: u32,
@@ -227,7 +227,7 @@ impl Link {
     /// by the close, never left waiting on a dead link.
     fn add_stream(self: &Arc<Self>, id: u32) -> Result<MuxStream, MuxError> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(StreamState {
             inbox: tx,
             credit: Semaphore::new(self.send_window as usize),
             allowance: AtomicI64::new(i64::from(self.recv_window)),
@@ -251,7 +251,7 @@ impl Link {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<Shared>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<StreamState>>> {
         self.streams.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -327,7 +327,7 @@ impl Link {
     }
 
     /// Forgets stream `id` once both directions have ended.
-    fn retire_if_done(&self, id: u32, s: &Shared) {
+    fn retire_if_done(&self, id: u32, s: &StreamState) {
         if s.fin_sent.load(Ordering::Acquire)
             && s.fin_received.load(Ordering::Acquire)
             && self.lock().remove(&id).is_some()
@@ -518,7 +518,7 @@ fn unreachable_kind(k: u8) -> Result<(), MuxError> {
 pub struct MuxStream {
     id: u32,
     link: Arc<Link>,
-    shared: Arc<Shared>,
+    shared: Arc<StreamState>,
     inbox: mpsc::UnboundedReceiver<Inbound>,
 }
 
@@ -553,7 +553,7 @@ impl MuxStream {
 pub struct MuxReader {
     id: u32,
     link: Arc<Link>,
-    shared: Arc<Shared>,
+    shared: Arc<StreamState>,
     inbox: mpsc::UnboundedReceiver<Inbound>,
     pending: u32,
     done: bool,
@@ -610,7 +610,7 @@ impl Drop for MuxReader {
 pub struct MuxWriter {
     id: u32,
     link: Arc<Link>,
-    shared: Arc<Shared>,
+    shared: Arc<StreamState>,
     done: bool,
 }
 

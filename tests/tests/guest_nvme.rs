@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use std::sync::{Arc, Mutex};
 
-use devlend_backend::pci::{GuestMemory, Link, LinkError, LinkTarget, PciBorrower, PciHandle};
+use devlend_backend::pci::{GuestMemory, LinkError, LinkTarget, PciBorrower, PciHandle, PciLink};
 use devlend_fabric::pci::{
     Access, DmaRange, IrqAction, IrqSet, Message, INFO_MEDIATED, KIND_DMA_MAP, KIND_MEM_WRITE,
     KIND_READ, KIND_SET_IRQS, KIND_WRITE,
@@ -624,7 +624,7 @@ impl GuestMemory for FakeGuest {
 
 /// A borrower's session on the raw fabric to the mediated controller.
 struct Raw {
-    link: Link,
+    link: PciLink,
     irqs: std::sync::mpsc::Receiver<devlend_fabric::pci::Irq>,
     guest: Arc<FakeGuest>,
     tail: u16,
@@ -648,7 +648,7 @@ impl Raw {
         };
         let until = Instant::now() + Duration::from_secs(60);
         let (link, info, irqs) = loop {
-            match Link::connect(&target, Arc::clone(&guest) as Arc<dyn GuestMemory>) {
+            match PciLink::connect(&target, Arc::clone(&guest) as Arc<dyn GuestMemory>) {
                 Ok(l) => break l,
                 Err(e) if Instant::now() < until => {
                     eprintln!("raw borrower: {}", devlend_fabric::error::chain(&e));

@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use devlend_backend::pci::{
-    Link, LinkError, LinkTarget, NoGuestMemory, PciBorrower, PciError, PciHandle,
+    LinkError, LinkTarget, NoGuestMemory, PciBorrower, PciError, PciHandle, PciLink,
 };
 use devlend_fabric::pci::{DmaRange, Message, PciStatus, KIND_DMA_MAP, KIND_READ};
 use devlend_fabric::HelloStatus;
@@ -596,7 +596,7 @@ fn scenario(port: u16, dir: &Path) {
     let (link, _, _irqs) = {
         let until = Instant::now() + Duration::from_secs(30);
         loop {
-            match Link::connect(&target(port, 3), std::sync::Arc::new(NoGuestMemory)) {
+            match PciLink::connect(&target(port, 3), std::sync::Arc::new(NoGuestMemory)) {
                 Ok(l) => break l,
                 Err(e) if Instant::now() < until => {
                     eprintln!("fabric client: {}", devlend_fabric::error::chain(&e));

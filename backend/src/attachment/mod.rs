@@ -146,7 +146,7 @@ pub enum AttachmentError {
 }
 
 #[derive(Default)]
-struct Shared {
+struct Serving {
     stop: AtomicBool,
     /// A live migration's handover of the device.
     handover: Arc<crate::handover::Handover>,
@@ -163,7 +163,7 @@ pub struct Attachment {
     /// What its kind alone has.
     part: Part,
     config: AttachmentConfig,
-    shared: Arc<Shared>,
+    shared: Arc<Serving>,
     wake: EventFd,
     thread: Option<JoinHandle<()>>,
 }

@@ -58,7 +58,7 @@ impl Attachment {
                 })?;
         }
         let handle = borrower.handle();
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Serving::default());
         let thread = {
             let (shared, id) = (shared.clone(), config.id.clone());
             let mut borrower = borrower;

@@ -54,9 +54,9 @@ impl Attachment {
         crate::blk::engine::probe_transport(&config.lender).map_err(AttachmentError::Lender)?;
         let holder = Holder::start(&config.id, config.lender.clone(), hold)
             .map_err(AttachmentError::Thread)?;
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(Serving {
             handover: Arc::new(crate::handover::Handover::new(Some(holder.control()))),
-            ..Shared::default()
+            ..Serving::default()
         });
         let hold = Some(holder);
         let listener =
@@ -110,7 +110,7 @@ impl Attachment {
     fn start_nic(
         config: AttachmentConfig,
         hold: Option<Holder>,
-        shared: Arc<Shared>,
+        shared: Arc<Serving>,
         listener: Listener,
         wake: EventFd,
         nic: &devlend_fabric::NicLink,
@@ -160,14 +160,14 @@ impl Attachment {
     }
 }
 
-fn set_current(shared: &Shared, v: Option<(Arc<BlkBackend>, Option<ShutdownHandle>)>) {
+fn set_current(shared: &Serving, v: Option<(Arc<BlkBackend>, Option<ShutdownHandle>)>) {
     if let Ok(mut c) = shared.current.lock() {
         *c = v;
     }
 }
 
 /// Waits until the listener has a pending connection (true) or stop is asked (false).
-fn wait_for_client(listener: &Listener, wake: &EventFd, shared: &Shared) -> bool {
+fn wait_for_client(listener: &Listener, wake: &EventFd, shared: &Serving) -> bool {
     loop {
         if shared.stop.load(Ordering::Acquire) {
             return false;
@@ -198,7 +198,7 @@ fn serve(
     config: AttachmentConfig,
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
-    shared: Arc<Shared>,
+    shared: Arc<Serving>,
 ) {
     let name = format!("devlend-blk-{}", config.lender.device);
     let budget = crate::budget::for_attachment();

@@ -42,7 +42,7 @@ use virtio_queue::{Queue, QueueT};
 
 use crate::blk::complete::Completer;
 use crate::blk::inflight::InflightQueue;
-use crate::blk::link::{FabricFault, Link};
+use crate::blk::link::{FabricFault, QueueLink};
 use crate::blk::request::{DeviceLimits, Scratch};
 use crate::blk::stream::StreamLink;
 use crate::blk::table::RequestTable;
@@ -64,7 +64,7 @@ pub struct QueueEngine {
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
     /// The open session, if any.
-    conn: Option<Box<dyn Link>>,
+    conn: Option<Box<dyn QueueLink>>,
     conn_gen: u64,
     /// The requests in flight, their order, the session's credit, the inflight log.
     table: RequestTable,
@@ -115,7 +115,7 @@ unsafe impl Send for QueueEngine {}
 fn open_link(
     target: &LenderTarget,
     index: u16,
-) -> Result<(Box<dyn Link>, HelloReply), ConnectError> {
+) -> Result<(Box<dyn QueueLink>, HelloReply), ConnectError> {
     match target.transport {
         Transport::Tcp => {
             let (link, reply) = StreamLink::open(target, index)?;
@@ -423,7 +423,11 @@ impl QueueEngine {
         &mut self,
         queue: &mut Queue,
         mem: &GuestMemoryRef,
-        op: impl FnOnce(&mut dyn Link, &mut RequestTable, &mut Completer<'_>) -> Result<(), FabricFault>,
+        op: impl FnOnce(
+            &mut dyn QueueLink,
+            &mut RequestTable,
+            &mut Completer<'_>,
+        ) -> Result<(), FabricFault>,
     ) -> Result<bool, virtio_queue::Error> {
         let Some(link) = self.conn.as_deref_mut() else {
             return Ok(false);
@@ -439,7 +443,7 @@ impl QueueEngine {
     }
 
     /// Sends what the credit lets go, and what the link could not send before
-    /// ([`Link::send`]; the rest goes when the socket is writable:
+    /// ([`QueueLink::send`]; the rest goes when the socket is writable:
     /// [`Self::wants_write`]).
     fn flush_tx(
         &mut self,

@@ -1,4 +1,4 @@
-//! A queue's open session to the lender, as its engine sees it: the [`Link`] trait, and
+//! A queue's open session to the lender, as its engine sees it: the [`QueueLink`] trait, and
 //! what its implementations share.
 //!
 //! The engine talks to a link, not to a transport. Two links implement it:
@@ -8,8 +8,8 @@
 //! - the **RDMA link** (`rdma.rs`, cargo feature `rdma`): one SEND per request naming
 //!   the guest buffers, the lender moving the data one-sided.
 //!
-//! A link never blocks: [`Link::send`] takes what the transport accepts now and keeps
-//! the rest ([`Link::wants_write`]); [`Link::receive`] takes what has arrived. Both work
+//! A link never blocks: [`QueueLink::send`] takes what the transport accepts now and keeps
+//! the rest ([`QueueLink::wants_write`]); [`QueueLink::receive`] takes what has arrived. Both work
 //! on the queue's [`RequestTable`] (which requests go out, what a response completes)
 //! and complete requests through a [`Completer`]. A link that fails returns a
 //! [`FabricFault`]; the engine then drops it and recovers on a new one.
@@ -29,7 +29,7 @@ use crate::blk::table::RequestTable;
 use crate::guest::GuestMemoryRef;
 
 /// One queue's session to the lender.
-pub(crate) trait Link {
+pub(crate) trait QueueLink {
     /// The fd the worker watches: readable when responses (or the session's end)
     /// arrived; writable, while [`Self::wants_write`], when more can be sent.
     fn fd(&self) -> RawFd;

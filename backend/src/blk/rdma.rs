@@ -1,4 +1,4 @@
-//! A queue's RDMA session, the RDMA [`Link`]: the queue pair, and guest memory
+//! A queue's RDMA session, the RDMA [`QueueLink`]: the queue pair, and guest memory
 //! registered on it.
 //!
 //! Each request goes as one SEND naming its guest buffers (address, rkey, length); the
@@ -16,7 +16,7 @@
 //! [`crate::blk::mr_cache`]): each guest
 //! memory region is one MR (local write, remote read, remote write) in this session's
 //! protection domain, registered when vhost-user hands over a map containing it
-//! ([`Link::memory_changed`], from `update_memory`) or, on a new session, when the
+//! ([`QueueLink::memory_changed`], from `update_memory`) or, on a new session, when the
 //! first request parsed against that map is sent; kept while the current map or a
 //! request in flight holds the region; dropped after (pruned once no request in flight holds it). A lost
 //! session drops the queue pair and every registration with it (the requests are resent
@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::blk::complete::Completer;
-use crate::blk::link::{check_response, next_request, FabricFault, Link};
+use crate::blk::link::{check_response, next_request, FabricFault, QueueLink};
 use crate::blk::mr_cache::RegionCache;
 use crate::blk::spec::S_IOERR;
 use crate::blk::table::{RequestTable, Slot};
@@ -320,7 +320,7 @@ impl RdmaLink {
     }
 }
 
-impl Link for RdmaLink {
+impl QueueLink for RdmaLink {
     fn fd(&self) -> RawFd {
         self.conn.fd()
     }

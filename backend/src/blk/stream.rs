@@ -1,5 +1,5 @@
 //! A queue's session on a byte stream (TCP, or the plaintext end of a TLS pump): the
-//! stream [`Link`].
+//! stream [`QueueLink`].
 //!
 //! Send: requests join the send queue ([`TxQueue`]: headers, and a write's guest buffers,
 //! no copy), which writes what the socket takes now and keeps the rest until it is
@@ -22,7 +22,7 @@ use devlend_fabric::wire::RESPONSE_HEADER_LEN;
 use devlend_fabric::{Credit, HelloReply};
 
 use crate::blk::complete::Completer;
-use crate::blk::link::{check_response, next_request, FabricFault, Link};
+use crate::blk::link::{check_response, next_request, FabricFault, QueueLink};
 use crate::blk::spec::S_OK;
 use crate::blk::table::RequestTable;
 use crate::blk::target::LenderTarget;
@@ -94,7 +94,7 @@ impl StreamLink {
     }
 }
 
-impl Link for StreamLink {
+impl QueueLink for StreamLink {
     fn fd(&self) -> RawFd {
         self.stream.as_raw_fd()
     }

@@ -2,23 +2,23 @@
 //! order, and interrupts delivered on a channel as they arrive.
 //!
 //! One reader thread reads every message: replies go to the caller waiting in
-//! [`Link::call`] (one call at a time), [`KIND_IRQ`] messages to the interrupt channel
-//! returned by [`Link::connect`]. When the connection ends, both channels close: calls
+//! [`PciLink::call`] (one call at a time), [`KIND_IRQ`] messages to the interrupt channel
+//! returned by [`PciLink::connect`]. When the connection ends, both channels close: calls
 //! fail with [`LinkError::Closed`] and the interrupt channel's receiver ends.
 //!
 //! Transports: a TCP (or TLS) stream, or an RDMA connection (rdma_cm; each message one
 //! SEND, at most [`devlend_fabric::pci::RDMA_MAX_MESSAGE`] bytes). Over RDMA the
-//! borrower registers the guest memory it maps for DMA ([`Link::register`]) so that
+//! borrower registers the guest memory it maps for DMA ([`PciLink::register`]) so that
 //! the lender moves mirror pages one-sided.
 //!
 //! A mediated function (coherence mode `nvme`) has the lender read and write guest
 //! memory on its own initiative. Over TCP the reader thread answers [`KIND_MEM_READ`]
 //! and applies [`KIND_MEM_WRITE`] through the [`GuestMemory`] given to
-//! [`Link::connect`], in stream order (a write that comes before an interrupt is in
+//! [`PciLink::connect`], in stream order (a write that comes before an interrupt is in
 //! guest memory before the interrupt is queued); over RDMA the lender does both
 //! one-sided on the registered DMA maps, and such messages are a protocol error.
 //!
-//! Why this file is over 600 lines: one `Link` carries both transports: the TCP reader,
+//! Why this file is over 600 lines: one `PciLink` carries both transports: the TCP reader,
 //! which also serves the lender's guest memory accesses, and the RDMA connection with its
 //! reader (`rdma_connect`, `rdma_read_loop`, `close_rdma`, about 100 lines). The RDMA part
 //! could move to its own module and is left here for now; the planned reshaping of device
@@ -174,7 +174,7 @@ impl Registration {
 }
 
 /// An open PCI session.
-pub struct Link {
+pub struct PciLink {
     /// The function as the lender described it in the handshake.
     lent: devlend_fabric::handshake::PciIdentity,
     wire: Wire,
@@ -185,15 +185,15 @@ pub struct Link {
     counters: Arc<LinkCounters>,
 }
 
-impl std::fmt::Debug for Link {
+impl std::fmt::Debug for PciLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Link")
+        f.debug_struct("PciLink")
             .field("rdma", &self.is_rdma())
             .finish_non_exhaustive()
     }
 }
 
-impl Link {
+impl PciLink {
     /// Connects, performs the handshake asking for [`FEATURE_PCI`], starts the reader
     /// (which serves the lender's guest memory accesses from `memory`, over TCP) and
     /// fetches the function's [`PciInfo`].
@@ -204,7 +204,7 @@ impl Link {
     pub fn connect(
         t: &LinkTarget,
         memory: Arc<dyn GuestMemory>,
-    ) -> Result<(Link, PciInfo, Receiver<Irq>), ConnectError> {
+    ) -> Result<(PciLink, PciInfo, Receiver<Irq>), ConnectError> {
         let mut hello = Hello::new(&t.device, 0);
         hello.features = FEATURE_PCI;
         hello.borrower = t.borrower;
@@ -276,7 +276,7 @@ impl Link {
                 });
             }
         };
-        let link = Link {
+        let link = PciLink {
             lent,
             wire,
             closed,
@@ -429,7 +429,7 @@ impl Link {
     }
 }
 
-impl Drop for Link {
+impl Drop for PciLink {
     fn drop(&mut self) {
         self.shutdown();
     }

@@ -69,7 +69,7 @@ use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, Serv
 use vm_memory::VolatileSlice;
 
 pub use link::{
-    GuestMemory, Link, LinkCounters, LinkError, LinkTarget, NoGuestMemory, Registration,
+    GuestMemory, LinkCounters, LinkError, LinkTarget, NoGuestMemory, PciLink, Registration,
 };
 
 /// Why the borrower could not start serving.
@@ -196,8 +196,8 @@ impl Drop for GuestMap {
 }
 
 /// What the vfio-user thread and the interrupt thread share.
-struct Shared {
-    link: Link,
+struct Borrowed {
+    link: PciLink,
     info: PciInfo,
     /// Guest memory mapped for DMA. Lock order: `maps`, then a call on `link` (a
     /// mediated function's lender reads and writes the maps from the link's reader:
@@ -215,7 +215,7 @@ struct Shared {
 /// A handle on a [`PciBorrower`] served by another thread: its counters, and a way to
 /// drop its fabric session.
 #[derive(Clone)]
-pub struct PciHandle(Arc<Shared>);
+pub struct PciHandle(Arc<Borrowed>);
 
 impl PciHandle {
     /// The counters.
@@ -266,7 +266,7 @@ impl PciHandle {
 
 /// Reads the vendor and device IDs (the first 4 bytes of config space) from the lender;
 /// `None` when it does not answer.
-fn read_ids(link: &Link) -> Option<(u16, u16)> {
+fn read_ids(link: &PciLink) -> Option<(u16, u16)> {
     let a = Access {
         region: vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX,
         len: 4,
@@ -282,12 +282,12 @@ fn read_ids(link: &Link) -> Option<(u16, u16)> {
 
 /// A borrowed PCIe function, served to one VMM at a time over vfio-user.
 pub struct PciBorrower {
-    shared: Arc<Shared>,
+    shared: Arc<Borrowed>,
 }
 
 impl Drop for PciBorrower {
     fn drop(&mut self) {
-        // Ends the reader, hence the interrupt thread and its share of `Shared`.
+        // Ends the reader, hence the interrupt thread and its share of `Borrowed`.
         self.shared.link.shutdown();
     }
 }
@@ -343,8 +343,9 @@ impl PciBorrower {
     /// [`PciError::Connect`] (the lender's refusal included), [`PciError::Thread`].
     pub fn connect(target: &LinkTarget) -> Result<PciBorrower, PciError> {
         let maps = Arc::new(guest_mem::Maps::default());
-        let (link, info, irqs) = Link::connect(target, Arc::clone(&maps) as Arc<dyn GuestMemory>)
-            .map_err(PciError::Connect)?;
+        let (link, info, irqs) =
+            PciLink::connect(target, Arc::clone(&maps) as Arc<dyn GuestMemory>)
+                .map_err(PciError::Connect)?;
         let lent = link.lent();
         // A version 2 lender describes the function (a vendor ID is never 0) with its
         // coherence mode, which its INFO must repeat; a version 1 lender says it in the
@@ -377,7 +378,7 @@ impl PciBorrower {
             vendor_id: ids.map(|i| i.0),
             device_id: ids.map(|i| i.1),
         };
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(Borrowed {
             identity,
             link,
             info,
@@ -680,7 +681,7 @@ const RDMA_MAX_RUN: usize = 1 << 20;
 /// Pulls the pages the function changed into guest memory: over TCP their bytes come in
 /// the replies; over RDMA the lender wrote them already and the replies name their
 /// ranges, which the shadow then takes from guest memory.
-fn pull(shared: &Shared, maps: &mut [GuestMap]) -> Result<(), LinkError> {
+fn pull(shared: &Borrowed, maps: &mut [GuestMap]) -> Result<(), LinkError> {
     if maps.is_empty() {
         return Ok(());
     }
@@ -742,7 +743,7 @@ fn pull(shared: &Shared, maps: &mut [GuestMap]) -> Result<(), LinkError> {
 
 /// Delivers the lender's interrupts: pull what the function wrote, then signal the
 /// VMM's eventfd. Ends with the fabric session.
-fn irq_loop(shared: &Shared, irqs: Receiver<Irq>) {
+fn irq_loop(shared: &Borrowed, irqs: Receiver<Irq>) {
     let mediated = shared.info.flags & INFO_MEDIATED != 0;
     for irq in irqs {
         if !mediated {

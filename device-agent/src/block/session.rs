@@ -33,7 +33,7 @@ fn session_credit() -> Credit {
 }
 
 /// What both transports' block sessions run with.
-struct Engine {
+struct BlockIo {
     dev: Arc<Device>,
     io: SessionIo,
     /// The holder's limits.
@@ -42,10 +42,10 @@ struct Engine {
     note: bool,
 }
 
-impl Engine {
+impl BlockIo {
     /// The session's device I/O (`send_from_file`: a read's data may go from the file
     /// straight to the socket, over TCP).
-    fn open(at: &Opening<'_>, entries: u32, send_from_file: bool) -> Result<Engine, Refused> {
+    fn open(at: &Opening<'_>, entries: u32, send_from_file: bool) -> Result<BlockIo, Refused> {
         let io = SessionIo::new(Arc::clone(at.dev), at.options.io, entries, send_from_file)
             .map_err(|e| {
                 (
@@ -53,7 +53,7 @@ impl Engine {
                     format!("cannot set up I/O for the session: {e}"),
                 )
             })?;
-        Ok(Engine {
+        Ok(BlockIo {
             dev: Arc::clone(at.dev),
             io,
             group: Arc::clone(at.claim.group()),
@@ -73,7 +73,7 @@ impl Engine {
 
 /// A block session over TCP.
 struct Tcp {
-    engine: Engine,
+    engine: BlockIo,
     frame_timeout: Duration,
     /// The borrower keeps within the credit it was granted.
     credit: bool,
@@ -83,7 +83,7 @@ struct Tcp {
 /// borrower that keeps within a stated credit, the session's whole request budget (so
 /// that the session never has to stop reading it).
 pub(super) fn open_tcp<'a>(at: &Opening<'a>) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
-    let engine = Engine::open(at, TCP_RING_ENTRIES, true)?;
+    let engine = BlockIo::open(at, TCP_RING_ENTRIES, true)?;
     let credit = (at.hello.features & FEATURE_CREDIT != 0).then(session_credit);
     Ok(Opened {
         features: engine.features(),
@@ -130,7 +130,7 @@ mod rdma {
     use devlend_fabric::rdma::verbs::Connection;
     use devlend_fabric::HelloStatus;
 
-    use super::Engine;
+    use super::BlockIo;
     use crate::block::io::{SessionIo, Throttled};
     use crate::session::open::{Opened, Opening, RdmaSession, Refused};
     use crate::session::rdma::block::{run, End, Slot, IO_SLOTS, RING_ENTRIES};
@@ -138,7 +138,7 @@ mod rdma {
 
     /// A block session over RDMA: its registered I/O buffers and its device I/O.
     struct Rdma {
-        engine: Engine,
+        engine: BlockIo,
         slots: Vec<Slot>,
     }
 
@@ -161,7 +161,7 @@ mod rdma {
             })?;
             slots.push(slot);
         }
-        let engine = Engine::open(at, RING_ENTRIES, false)?;
+        let engine = BlockIo::open(at, RING_ENTRIES, false)?;
         Ok(Opened {
             features: engine.features(),
             credit: None,

@@ -138,7 +138,7 @@ fn pump(
     let mut link = nic.link();
     let mut out = Vec::with_capacity(1 << 20);
     link.encode(&mut out);
-    let mut session = Session {
+    let mut session = Pump {
         nic,
         pkt: pkt.as_raw_fd(),
         inbuf: vec![0u8; 1 << 18],
@@ -229,7 +229,7 @@ fn pump(
     }
 }
 
-struct Session<'a> {
+struct Pump<'a> {
     nic: &'a Nic,
     pkt: RawFd,
     inbuf: Vec<u8>,
@@ -248,7 +248,7 @@ struct Session<'a> {
     police: Police<'a>,
 }
 
-impl Session<'_> {
+impl Pump<'_> {
     /// Reads what the borrower sent and puts its frames on the interface. Returns how
     /// the session ends, if it does.
     fn pump_from_borrower(&mut self, sock: &Stream) -> Option<End> {

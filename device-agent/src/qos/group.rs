@@ -112,11 +112,11 @@ pub(crate) struct Group {
 struct State {
     own: Buckets,
     /// The store's capacity times this group's share.
-    share: Option<Shared>,
+    share: Option<StoreShare>,
 }
 
 #[derive(Debug)]
-struct Shared {
+struct StoreShare {
     buckets: Buckets,
     fraction: f64,
     at: Instant,
@@ -132,7 +132,7 @@ impl Group {
         });
         let share = store.as_ref().map(|(s, id)| {
             let fraction = s.share(*id, now);
-            Shared {
+            StoreShare {
                 buckets: Buckets::new(&s.capacity, fraction, now),
                 fraction,
                 at: now,

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use devlend_fabric::DeviceDescription;
 
+use self::shared::{LenderState, Registered};
 pub use self::shared::{Options, ReloadReport};
-use self::shared::{Registered, Shared};
 pub use self::views::{
     DeviceQos, InventoryView, KindCounters, KindView, LentDevice, NicCounters, StatsView,
 };
@@ -36,7 +36,7 @@ const RDMA_STOP_WAIT: Duration = Duration::from_secs(10);
 pub struct Lender {
     listener: Arc<TcpListener>,
     addr: SocketAddr,
-    shared: Arc<Shared>,
+    shared: Arc<LenderState>,
 }
 
 impl Lender {
@@ -81,7 +81,7 @@ impl Lender {
         Ok(Lender {
             listener: Arc::new(listener),
             addr,
-            shared: Arc::new(Shared::new(devices, options)),
+            shared: Arc::new(LenderState::new(devices, options)),
         })
     }
 
@@ -306,7 +306,7 @@ impl Lender {
 pub struct LenderHandle {
     listener: Arc<TcpListener>,
     addr: SocketAddr,
-    shared: Arc<Shared>,
+    shared: Arc<LenderState>,
     thread: Option<JoinHandle<()>>,
 }
 

@@ -17,7 +17,7 @@ use crate::device::Device;
 use crate::leases::{self, LeaseGuard};
 use crate::{DeviceSpec, DeviceStatsSnapshot, Error};
 
-impl Shared {
+impl LenderState {
     /// The proof for `hello`'s challenge, when it asks for one and this lender has a
     /// key (without a key, the borrower that asked refuses the session).
     pub(crate) fn proof(
@@ -62,7 +62,7 @@ impl Default for Options {
 }
 
 /// State shared by the accept loop, the sessions and the handle.
-pub(crate) struct Shared {
+pub(crate) struct LenderState {
     devices: RwLock<HashMap<String, Arc<Device>>>,
     pub(crate) options: Options,
     active: AtomicUsize,
@@ -102,7 +102,7 @@ pub const MAX_HANDSHAKES: usize = 256;
 /// Connections in their handshake at once from one IP address.
 pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 64;
 
-/// What [`Shared::register`] did with an accepted connection.
+/// What [`LenderState::register`] did with an accepted connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Registered {
     /// Tracked: serve it.
@@ -144,9 +144,9 @@ impl Drop for ActiveSession<'_> {
     }
 }
 
-impl Shared {
+impl LenderState {
     /// The state of a lender of `devices`, serving no session yet.
-    pub(super) fn new(devices: HashMap<String, Arc<Device>>, options: Options) -> Shared {
+    pub(super) fn new(devices: HashMap<String, Arc<Device>>, options: Options) -> LenderState {
         let stores = options
             .stores
             .iter()
@@ -155,7 +155,7 @@ impl Shared {
                 (s.name.clone(), Arc::new(store))
             })
             .collect();
-        Shared {
+        LenderState {
             stores,
             devices: RwLock::new(devices),
             options,

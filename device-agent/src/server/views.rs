@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use devlend_fabric::latency::LatencySnapshot;
 
-use super::shared::Shared;
+use super::shared::LenderState;
 pub use crate::kind::KindView;
 use crate::DeviceStatsSnapshot;
 
@@ -29,7 +29,7 @@ pub struct LentDevice {
 
 /// A handle on the list of lent devices, which a reload can change.
 #[derive(Clone)]
-pub struct InventoryView(pub(super) Arc<Shared>);
+pub struct InventoryView(pub(super) Arc<LenderState>);
 
 impl InventoryView {
     /// The devices lent now, sorted by name.
@@ -58,7 +58,7 @@ impl InventoryView {
 
 /// The counters of every device of a running lender.
 #[derive(Clone)]
-pub struct StatsView(pub(super) Arc<Shared>);
+pub struct StatsView(pub(super) Arc<LenderState>);
 
 impl StatsView {
     /// Each device's name and counters, by name.

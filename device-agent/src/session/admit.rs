@@ -8,13 +8,13 @@ use devlend_fabric::{Hello, HelloStatus};
 
 use crate::device::Device;
 use crate::holding::{Ask, Claim};
-use crate::server::shared::{ActiveSession, Shared};
+use crate::server::shared::{ActiveSession, LenderState};
 
 /// The admission checks of a hello, shared by every transport: version, device, lease
 /// or key, one borrower per device, the session limit. Returns the device, the
 /// borrower's claim on it and the session's slot, or the refusal to answer.
 pub(crate) fn admit<'s>(
-    shared: &'s Shared,
+    shared: &'s LenderState,
     hello: &Hello,
     peer: &dyn std::fmt::Display,
     id: u64,

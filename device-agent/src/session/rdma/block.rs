@@ -105,7 +105,7 @@ pub(crate) enum End {
 }
 
 /// The state of one session.
-struct Session<'a, I: DeviceIo> {
+struct RdmaEngine<'a, I: DeviceIo> {
     dev: &'a Device,
     conn: &'a mut Connection,
     slots: &'a mut [Slot],
@@ -127,7 +127,7 @@ pub(crate) fn run<I: DeviceIo>(
     slots: &mut [Slot],
     stop: &AtomicBool,
 ) -> End {
-    let mut s = Session {
+    let mut s = RdmaEngine {
         dev,
         conn,
         slots,
@@ -141,7 +141,7 @@ pub(crate) fn run<I: DeviceIo>(
     end
 }
 
-impl<I: DeviceIo> Session<'_, I> {
+impl<I: DeviceIo> RdmaEngine<'_, I> {
     fn run_loop(&mut self, stop: &AtomicBool) -> End {
         let mut stopping = false;
         let mut done: Vec<Completion> = Vec::new();

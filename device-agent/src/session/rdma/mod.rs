@@ -19,12 +19,12 @@ use devlend_fabric::rdma::verbs::{lender_shape, Connection, Incoming, Listener};
 use devlend_fabric::{Hello, HelloReply, HelloStatus};
 
 use self::block::{IO_SLOTS, TAG_SEND};
-use crate::server::shared::Shared;
+use crate::server::shared::LenderState;
 use crate::session::admit::admit;
 use crate::session::open::Opening;
 
 /// Runs the rdma_cm accept loop until `shared` closes.
-pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Listener) {
+pub(crate) fn accept_loop(shared: Arc<LenderState>, listener: Listener) {
     let mut next_id: u64 = 1 << 48;
     while !shared.is_closed() {
         let mut p = libc::pollfd {
@@ -49,7 +49,7 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Listener) {
 }
 
 /// Removes a session from the registry when it ends.
-struct Registered<'a>(&'a Shared, u64);
+struct Registered<'a>(&'a LenderState, u64);
 
 impl Drop for Registered<'_> {
     fn drop(&mut self) {
@@ -57,7 +57,7 @@ impl Drop for Registered<'_> {
     }
 }
 
-fn serve(shared: &Shared, inc: Incoming, id: u64) {
+fn serve(shared: &LenderState, inc: Incoming, id: u64) {
     let peer = inc.peer();
     let _span = tracing::info_span!("rdma_session", id, %peer).entered();
     let Some(stop) = shared.register_rdma(id) else {

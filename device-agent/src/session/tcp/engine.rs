@@ -3,16 +3,16 @@
 //!
 //! The thread loops over four steps, and sleeps only when none of them can progress:
 //!
-//! 1. **receive** ([`Session::receive`]): read request frames (several per `recv`,
+//! 1. **receive** ([`TcpEngine::receive`]): read request frames (several per `recv`,
 //!    [`super::rx`]), validate them, take a request from the session's [`RequestBudget`] and
 //!    start their I/O ([`DeviceIo::start`]). A borrower granted the budget as its
 //!    credit (`FEATURE_CREDIT`) never goes beyond it, so the reading never stops (a
 //!    request beyond it ends the session); for one without credit a spent budget stops
 //!    the reading, which is TCP backpressure;
 //! 2. **submit** the queued operations ([`DeviceIo::submit`], one `io_uring_enter`);
-//! 3. **reap** ([`Session::reap`]) finished requests and queue their responses (the
+//! 3. **reap** ([`TcpEngine::reap`]) finished requests and queue their responses (the
 //!    I/O layer has counted them);
-//! 4. **send** ([`Session::send`], [`super::tx`]) the queued responses, many per
+//! 4. **send** ([`TcpEngine::send`], [`super::tx`]) the queued responses, many per
 //!    `sendmsg`; a read left in a memory file sends its data with `sendfile`.
 //!
 //! It sleeps in [`DeviceIo::wait`], waiting for a device completion or for the socket,
@@ -56,7 +56,7 @@ enum Rx {
 }
 
 /// The state of one session.
-struct Session<'a, I: DeviceIo> {
+struct TcpEngine<'a, I: DeviceIo> {
     dev: &'a Device,
     peer: SocketAddr,
     sock: &'a Stream,
@@ -103,7 +103,7 @@ pub(crate) fn run<I: DeviceIo>(
     if let Err(e) = sock.set_nonblocking(true) {
         return End::Socket(e);
     }
-    let mut s = Session {
+    let mut s = TcpEngine {
         dev,
         peer,
         sock,
@@ -128,7 +128,7 @@ pub(crate) fn run<I: DeviceIo>(
     s.run_loop()
 }
 
-impl<I: DeviceIo> Session<'_, I> {
+impl<I: DeviceIo> TcpEngine<'_, I> {
     fn run_loop(&mut self) -> End {
         loop {
             let mut progress = false;

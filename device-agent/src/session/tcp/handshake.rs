@@ -12,7 +12,7 @@ use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError};
 
 use crate::device::Device;
 use crate::holding::Claim;
-use crate::server::shared::{ActiveSession, Shared};
+use crate::server::shared::{ActiveSession, LenderState};
 use crate::session::admit::admit;
 use crate::session::open::Opened;
 
@@ -27,7 +27,7 @@ pub(super) struct Admitted<'s> {
 
 /// Reads the hello and runs the admission checks; a refusal is answered.
 pub(super) fn admit_hello<'s>(
-    shared: &'s Shared,
+    shared: &'s LenderState,
     sock: &Stream,
     peer: SocketAddr,
     id: u64,
@@ -88,7 +88,7 @@ pub(super) fn refuse(
 /// Answers an admitted hello with what its kind's opening grants, and clears the
 /// handshake timeout. Whether the session goes on.
 pub(super) fn answer<S>(
-    shared: &Shared,
+    shared: &LenderState,
     sock: &Stream,
     peer: SocketAddr,
     a: &Admitted<'_>,
@@ -126,7 +126,7 @@ pub(super) fn answer<S>(
 /// the reason; a plaintext devlend hello is answered, in plaintext, with status denied
 /// and a message saying that TLS is required. Either way no device is touched.
 pub(super) fn accept_tls(
-    shared: &Shared,
+    shared: &LenderState,
     config: &tls::ServerTls,
     mut sock: TcpStream,
     peer: SocketAddr,

@@ -16,12 +16,12 @@ use devlend_fabric::conn::Stream;
 
 use self::handshake::accept_tls;
 use crate::device::Device;
-use crate::server::shared::Shared;
+use crate::server::shared::LenderState;
 use crate::session::end::End;
 use crate::session::open::{Holding, Opening, TcpSession};
 
 /// Serves one accepted connection to its end.
-pub(crate) fn serve(shared: &Shared, sock: TcpStream, peer: SocketAddr, id: u64) {
+pub(crate) fn serve(shared: &LenderState, sock: TcpStream, peer: SocketAddr, id: u64) {
     // Every line this session logs carries its id and peer.
     let _span = tracing::info_span!("session", id, %peer).entered();
     if let Err(e) = sock.set_nodelay(true).and_then(|()| set_keepalive(&sock)) {
