@@ -149,7 +149,7 @@ impl BlkBackend {
         *lock(&self.handlers) = handlers.iter().map(Arc::downgrade).collect();
         for q in 0..self.queues.len() {
             let mut cell = lock(&self.queues[q]);
-            self.sync_registration(q, &mut cell);
+            self.sync_registration(q, &mut cell, true);
             if let (Some(fd), Some(h)) = (cell.engine.timer_fd(), handlers.get(q)) {
                 if let Err(e) = h.register_listener(fd, EventSet::IN, u64::from(self.timer_event()))
                 {
@@ -159,11 +159,13 @@ impl BlkBackend {
         }
     }
 
-    /// Keeps the worker's epoll set watching the queue's current fabric fd: for
-    /// readability always, for writability while the engine has requests that the
-    /// socket did not take (level-triggered, so only then).
-    fn sync_registration(&self, q: usize, cell: &mut QueueCell) {
+    /// Keeps the worker's epoll set watching the queue's current fabric fd while
+    /// `watch` (the queue runs): for readability always, for writability while the
+    /// engine has requests that the socket did not take (level-triggered, so only then).
+    /// Without `watch`, the fd is not watched at all.
+    fn sync_registration(&self, q: usize, cell: &mut QueueCell, watch: bool) {
         let (fd, gen) = cell.engine.fabric_fd();
+        let fd = fd.filter(|_| watch);
         let out = fd.is_some() && cell.engine.wants_write();
         if (fd, gen, out) == cell.registered {
             return;
@@ -369,7 +371,7 @@ impl VhostUserBackend for BlkBackend {
         // queue's session closes so that the lender can hand the device over.
         if self.handover.ring_stopped() {
             cell.engine.let_go();
-            self.sync_registration(queue_index as usize, &mut cell);
+            self.sync_registration(queue_index as usize, &mut cell, false);
         }
         drained
     }
@@ -392,10 +394,17 @@ impl VhostUserBackend for BlkBackend {
         let mut state = vring.get_mut();
         let queue = state.get_queue_mut();
         if !queue.ready() {
-            // A stopped queue has nothing to write: stop watching for writability, or
-            // a writable socket would wake this worker for ever.
+            // A queue the guest has not enabled, or stopped, takes no event: its fabric
+            // session is not watched until the queue runs (a lost session is noticed
+            // then, at its first request), and a reconnect timer's expiry is read.
+            // Level-triggered, a closed socket, a writable one or an expired timer would
+            // otherwise wake this worker for ever (a guest with fewer CPUs than the
+            // disk's queues never enables the others).
             drop(state);
-            self.sync_registration(thread_id, &mut cell);
+            if device_event == self.timer_event() {
+                cell.engine.clear_timer();
+            }
+            self.sync_registration(thread_id, &mut cell, false);
             return Ok(());
         }
         if self.handover.is_let_go() {
@@ -444,7 +453,7 @@ impl VhostUserBackend for BlkBackend {
             }
         }
         drop(state);
-        self.sync_registration(thread_id, &mut cell);
+        self.sync_registration(thread_id, &mut cell, true);
         Ok(())
     }
 }

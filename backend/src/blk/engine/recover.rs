@@ -231,6 +231,14 @@ impl QueueEngine {
         }
     }
 
+    /// Reads the reconnect timer's expiry without acting on it (the queue does not run
+    /// now; the engine recovers at its next event once it does).
+    pub fn clear_timer(&mut self) {
+        if let Some(t) = self.timer.as_mut() {
+            t.clear();
+        }
+    }
+
     /// The reconnect timer fired: drains it and tries to recover. Returns whether
     /// used-ring entries were added.
     ///
