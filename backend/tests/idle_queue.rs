@@ -18,7 +18,7 @@ use devlend_backend::blk::backend::BlkBackend;
 use devlend_backend::blk::engine::{LenderTarget, QueueStats};
 use devlend_backend::blk::DeviceLimits;
 use devlend_fabric::BlockGeometry;
-use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::vhost_user::Frontend;
 use vhost::VhostBackend;
 use vhost_user_backend::VhostUserDaemon;
 
@@ -49,7 +49,7 @@ fn a_queue_the_guest_never_enabled_does_not_spin_when_its_session_is_lost() {
     )
     .unwrap()
     .spawn();
-    let target = LenderTarget::direct(&lender.local_addr().to_string(), "disk", [3; 16]);
+    let target = LenderTarget::direct(lender.local_addr().to_string(), "disk", [3; 16]);
     let geometry = BlockGeometry {
         capacity_sectors: 2048,
         block_size: 512,

@@ -153,6 +153,23 @@ pub fn nic_link_words(n: &NicInfo, connected: bool) -> &'static str {
     }
 }
 
+/// The LINK column of a NIC: `up` when the guest's link is (the lender's link up and
+/// every queue pair connected), and, with no VMM joined yet, when the lender's is (the
+/// guest's follows once one joins; STATE says `waiting`); `down` otherwise; `-` while
+/// restoring.
+fn nic_link_column(a: &AttachmentInfo, n: &NicInfo) -> &'static str {
+    match (
+        a.restoring.is_some(),
+        n.link_up,
+        n.lender_link_up,
+        a.connected,
+    ) {
+        (true, ..) => "-",
+        (false, true, ..) | (false, false, true, false) => "up",
+        (false, false, _, _) => "down",
+    }
+}
+
 /// The `devlend status` tables, one per kind, each with that kind's own columns: disks
 /// with the rates of the last seconds (IOPS, MB/s read and written, p99 latency upper
 /// bound; [`disk_table`]), lent NICs with their frame counters ([`nic_table`]), PCIe
@@ -229,11 +246,7 @@ pub fn nic_table(list: &[(&AttachmentInfo, &NicInfo)]) -> String {
             a.id,
             a.device,
             a.lender,
-            match (a.restoring.is_some(), n.link_up) {
-                (true, _) => "-",
-                (false, true) => "up",
-                (false, false) => "down",
-            },
+            nic_link_column(a, n),
             n.queue_pairs,
             t.rx_packets,
             human_bytes(t.rx_bytes),
@@ -508,6 +521,34 @@ mod status_tests {
                 .collect()
         };
         (cols(head), cols(row))
+    }
+
+    /// Found in a trial: `devlend status` showed LINK `down` for a NIC whose lender's
+    /// link was up while no VMM had joined yet.
+    #[test]
+    fn the_nic_link_column_follows_the_lender_until_a_vmm_joins() {
+        let row = |link_up, lender_link_up, connected| {
+            let mut a = nic();
+            a.connected = connected;
+            if let KindInfo::Nic(n) = &mut a.part {
+                n.link_up = link_up;
+                n.lender_link_up = lender_link_up;
+            }
+            let out = status_table(&[a]);
+            let line = out
+                .lines()
+                .find(|l| l.starts_with("nic0"))
+                .expect("the NIC's row");
+            line.split_whitespace().nth(3).expect("LINK").to_owned()
+        };
+        assert_eq!(row(false, true, false), "up", "no VMM yet, lender up");
+        assert_eq!(
+            row(false, true, true),
+            "down",
+            "VMM joined, pairs not connected"
+        );
+        assert_eq!(row(false, false, false), "down", "lender down");
+        assert_eq!(row(true, true, true), "up");
     }
 
     /// Found in a trial: `devlend attach` of a NIC said "link down" when no VMM had

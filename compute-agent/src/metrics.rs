@@ -6,7 +6,7 @@
 //! - a block device: `devlend_attachment_requests_total{op}`,
 //!   `devlend_attachment_bytes_total{op}`,
 //!   `devlend_attachment_request_duration_seconds` (histogram),
-//!   `devlend_attachment_requests_in_flight`, `devlend_attachment_errors_total{kind}`
+//!   `devlend_attachment_requests_in_flight`, `devlend_attachment_errors_total{cause}`
 //!   (`invalid`, `lender`, `fabric`), `devlend_attachment_reconnects_total`,
 //!   `devlend_attachment_resent_total`, `devlend_attachment_throttled_total` (requests
 //!   the lender held back for the lease's limits);
@@ -97,7 +97,7 @@ impl Series {
             ("lender", c.errors_lender),
             ("fabric", c.errors_fabric),
         ] {
-            self.errs.push((labels(a, &[("kind", kind)]), n));
+            self.errs.push((labels(a, &[("cause", kind)]), n));
         }
         self.inflight.push((labels(a, &[]), c.inflight as i64));
         self.reconnects.push((labels(a, &[]), c.reconnects));

@@ -1,7 +1,7 @@
 //! A lent device: what every kind has (its name, its holder, its counters) and its
 //! [`Backing`], one variant per kind, each implementing [`LentKind`]. Adding a kind
 //! means a [`Backing`] variant, a [`crate::config::KindSpec`] variant and one
-//! [`LentKind`] impl (plus its session code).
+//! [`LentKind`] impl, which opens the kind's sessions too.
 
 use std::sync::Arc;
 
@@ -75,7 +75,9 @@ impl Device {
         self.kind().device_info()
     }
 
-    /// The block device, for a block device.
+    /// The block device, for a block device: how the block kind's own code (its
+    /// sessions' device I/O, `block/io/`) reaches its backing from the shared
+    /// [`Device`]; nothing outside it dispatches on this.
     pub(crate) fn block(&self) -> Option<&BlockDevice> {
         match &self.backing {
             Backing::Block(b) => Some(b),

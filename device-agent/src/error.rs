@@ -32,7 +32,7 @@ pub enum Error {
         kind: &'static str,
     },
     /// A device's PCIe address is not `DDDD:BB:DD.F`.
-    #[error("device {name:?}: PCIe address {bdf:?} is not DDDD:BB:DD.F (hex, with the domain{})", bdf_hint(.bdf))]
+    #[error("device `{name}`: PCIe address {bdf:?} is not DDDD:BB:DD.F (hex, with the domain{})", bdf_hint(.bdf))]
     BadBdf {
         /// The device name.
         name: String,

@@ -1,11 +1,11 @@
 //! The lender's Prometheus metrics, read from the device counters at scrape time.
 //!
 //! Per device of every kind (label `device`): `devlend_device_sessions` (open now),
-//! `devlend_device_sessions_opened_total`, `devlend_device_errors_total{kind="protocol"}`
+//! `devlend_device_sessions_opened_total`, `devlend_device_errors_total{cause="protocol"}`
 //! (sessions closed for a protocol error).
 //! Per block device only (a NIC or a PCIe function has no block requests, and exports
 //! none of these): `devlend_device_requests_total{op}`,
-//! `devlend_device_bytes_total{op}`, `devlend_device_errors_total{kind="request"}`
+//! `devlend_device_bytes_total{op}`, `devlend_device_errors_total{cause="request"}`
 //! (answered IOERR/UNSUPP), `devlend_device_operations_total` (operations issued to the
 //! backing file), `devlend_device_requests_in_flight`,
 //! `devlend_device_request_duration_seconds`.
@@ -67,7 +67,7 @@ impl Collector for DeviceMetrics {
             let (name, s, lat) = (&c.name, &c.stats, &c.latency);
             // Every kind: its sessions and the protocol errors that ended them.
             f.errs
-                .push((l(name, &[("kind", "protocol")]), s.protocol_errors));
+                .push((l(name, &[("cause", "protocol")]), s.protocol_errors));
             f.sessions.push((l(name, &[]), s.sessions_active as i64));
             f.opened.push((l(name, &[]), s.sessions_opened));
             if c.limited {
@@ -93,7 +93,7 @@ impl Collector for DeviceMetrics {
             f.bytes.push((l(name, &[("op", "read")]), s.bytes_read));
             f.bytes.push((l(name, &[("op", "write")]), s.bytes_written));
             f.errs
-                .push((l(name, &[("kind", "request")]), s.request_errors));
+                .push((l(name, &[("cause", "request")]), s.request_errors));
             f.ops.push((l(name, &[]), s.device_ops));
             f.inflight.push((l(name, &[]), s.in_flight as i64));
             f.latency.push(HistogramSeries {
@@ -139,7 +139,7 @@ impl Collector for DeviceMetrics {
             "Data bytes of successful requests, by operation.",
             &f.bytes,
         )?;
-        counter(e, "devlend_device_errors", "Errors, by kind.", &f.errs)?;
+        counter(e, "devlend_device_errors", "Errors, by cause: request (answered IOERR or UNSUPP), protocol (sessions closed for a protocol error).", &f.errs)?;
         gauge(
             e,
             "devlend_device_sessions",

@@ -111,7 +111,7 @@ fn metrics_export_no_block_counters_for_a_nic() {
         );
     }
     assert!(
-        !nic.iter().any(|l| l.contains("kind=\"request\"")),
+        !nic.iter().any(|l| l.contains("cause=\"request\"")),
         "{text}"
     );
     // What every kind counts, and the NIC's frames.

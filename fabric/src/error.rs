@@ -22,7 +22,7 @@ pub enum WireError {
         want: usize,
     },
     /// The handshake did not start with the protocol's magic bytes.
-    #[error("bad magic {0:02x?}: not a devlend peer")]
+    #[error("bad magic {0:#04x?}: not a devlend peer")]
     BadMagic([u8; 4]),
     /// The peer speaks a protocol version this build does not.
     #[error("unsupported protocol version {0}")]

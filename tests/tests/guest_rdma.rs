@@ -89,7 +89,7 @@ truncate -s 0 /srv/disk2.img
 devlend bench --socket /run/devlend/err.sock --rw randread --bs 4K --iodepth 4 --runtime 1 --ramp 0 > /tmp/bench-err 2>&1 || true
 wget -q -O /tmp/metrics http://127.0.0.1:9100/metrics
 echo "DEVLEND-RESULT err_reads=$(metric 'devlend_device_requests_total{device="disk2",op="read"}')"
-echo "DEVLEND-RESULT err_errors=$(metric 'devlend_device_errors_total{device="disk2",kind="request"}')"
+echo "DEVLEND-RESULT err_errors=$(metric 'devlend_device_errors_total{device="disk2",cause="request"}')"
 echo "DEVLEND-RESULT err_latencies=$(metric 'devlend_device_request_duration_seconds_count{device="disk2"}')"
 devlend detach --api /run/devlend/ca.sock disk2 > /dev/null
 # The lender's limits hold over RDMA too: disk3 allows 500 reads a second, for both

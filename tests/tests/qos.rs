@@ -273,7 +273,7 @@ fn an_iops_limit_and_a_bandwidth_limit_hold_within_ten_percent_without_errors() 
     ensure!(
         metric(
             &m,
-            "devlend_device_errors_total{device=\"solo\",kind=\"request\"}"
+            "devlend_device_errors_total{device=\"solo\",cause=\"request\"}"
         ) == Some(0.0)
     );
     let out = r.borrower.cli(&["detach", "vm-iops"])?;

@@ -30,7 +30,7 @@ impl FromStr for DeviceSpec {
         };
         let (name, rest) = s
             .split_once('=')
-            .ok_or_else(|| bad("expected NAME=PATH[,ro][,serial=S]".into()))?;
+            .ok_or_else(|| bad("expected NAME=PATH[,OPTION...], NAME=net:INTERFACE[,OPTION...] or NAME=pci:DDDD:BB:DD.F[,OPTION...]".into()))?;
         let mut parts = rest.split(',');
         let backing = parts.next().unwrap_or_default();
         match backing {

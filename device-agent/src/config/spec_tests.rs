@@ -61,11 +61,11 @@ fn parses_pci_functions() {
     // An address without its domain is shown with it; garbage gets no hint.
     assert_eq!(
         spec("fpga0=pci:00:03.0").unwrap_err().to_string(),
-        "device \"fpga0\": PCIe address \"00:03.0\" is not DDDD:BB:DD.F (hex, with the domain: 0000:00:03.0)"
+        "device `fpga0`: PCIe address \"00:03.0\" is not DDDD:BB:DD.F (hex, with the domain: 0000:00:03.0)"
     );
     assert_eq!(
         spec("fpga0=pci:garbage").unwrap_err().to_string(),
-        "device \"fpga0\": PCIe address \"garbage\" is not DDDD:BB:DD.F (hex, with the domain)"
+        "device `fpga0`: PCIe address \"garbage\" is not DDDD:BB:DD.F (hex, with the domain)"
     );
     assert!(spec("fpga0=pci:0000:00:03.8").is_err());
     assert!(spec("fpga0=pci:0000:00:03.0,ro").is_err());

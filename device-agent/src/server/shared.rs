@@ -311,6 +311,16 @@ impl LenderState {
         }
     }
 
+    /// Whether connection `id`'s handshake is past its deadline (the sweeper closes such
+    /// connections: what their session then reads is the lender's doing).
+    pub(crate) fn handshake_overdue(&self, id: u64, now: Instant) -> bool {
+        self.registry()
+            .streams
+            .get(&id)
+            .and_then(|t| t.handshake)
+            .is_some_and(|(_, deadline)| deadline <= now)
+    }
+
     /// Closes the connections whose TLS handshake and hello are not done by their
     /// deadline (a peer that sends its hello a byte at a time); returns how many.
     pub(super) fn close_overdue_handshakes(&self, now: Instant) -> usize {

@@ -46,6 +46,11 @@ pub(super) fn admit_hello<'s>(
             tracing::debug!(%peer, "peer closed the connection before its hello");
             return None;
         }
+        // Closed by the lender's sweeper (counted in its own line), not by the peer.
+        Err(_) if shared.handshake_overdue(id, std::time::Instant::now()) => {
+            tracing::debug!(%peer, "hello not done in time; connection closed");
+            return None;
+        }
         Err(e) => {
             let cause = std::error::Error::source(&e)
                 .map(|c| format!(": {c}"))
