@@ -138,35 +138,52 @@ pub fn libvirt_xml(a: &AttachmentInfo, dev: &str) -> String {
     )
 }
 
-/// How `devlend attach` words a NIC's link (`connected`: a VMM has joined the socket):
-/// the guest's link is up once the lender's is and the VMM runs every queue pair, so a
-/// NIC just attached, with no VMM yet, is not called "down" when the lender's link is
-/// up.
-pub fn nic_link_words(n: &NicInfo, connected: bool) -> &'static str {
+/// A NIC attachment's link as people are told it: the guest's link is up once the
+/// lender's is and a VMM runs every queue pair, so a NIC with no VMM yet is not "down"
+/// when the lender's link is up.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum NicLinkState {
+    /// The guest's link is up.
+    Up,
+    /// The lender's link is up and no VMM has joined the socket yet.
+    UpNoVmm,
+    /// The lender's link is up, a VMM joined, not every queue pair is connected.
+    Connecting,
+    /// The lender's link is down.
+    Down,
+}
+
+fn nic_link_state(n: &NicInfo, connected: bool) -> NicLinkState {
     match (n.link_up, n.lender_link_up, connected) {
-        (true, _, _) => "link up",
-        (false, true, false) => {
-            "link up on the lender (the guest's link follows once a VMM joins the socket)"
-        }
-        (false, true, true) => "link up on the lender, queue pairs connecting",
-        (false, false, _) => "link down on the lender",
+        (true, _, _) => NicLinkState::Up,
+        (false, true, false) => NicLinkState::UpNoVmm,
+        (false, true, true) => NicLinkState::Connecting,
+        (false, false, _) => NicLinkState::Down,
     }
 }
 
-/// The LINK column of a NIC: `up` when the guest's link is (the lender's link up and
-/// every queue pair connected), and, with no VMM joined yet, when the lender's is (the
-/// guest's follows once one joins; STATE says `waiting`); `down` otherwise; `-` while
+/// How `devlend attach` words a NIC's link (`connected`: a VMM has joined the socket).
+pub fn nic_link_words(n: &NicInfo, connected: bool) -> &'static str {
+    match nic_link_state(n, connected) {
+        NicLinkState::Up => "link up",
+        NicLinkState::UpNoVmm => {
+            "link up on the lender (the guest's link follows once a VMM joins the socket)"
+        }
+        NicLinkState::Connecting => "link up on the lender, queue pairs connecting",
+        NicLinkState::Down => "link down on the lender",
+    }
+}
+
+/// The LINK column of a NIC: `up` when the guest's link is, and, with no VMM joined
+/// yet, when the lender's is (STATE says `waiting`); `down` otherwise; `-` while
 /// restoring.
 fn nic_link_column(a: &AttachmentInfo, n: &NicInfo) -> &'static str {
-    match (
-        a.restoring.is_some(),
-        n.link_up,
-        n.lender_link_up,
-        a.connected,
-    ) {
-        (true, ..) => "-",
-        (false, true, ..) | (false, false, true, false) => "up",
-        (false, false, _, _) => "down",
+    if a.restoring.is_some() {
+        return "-";
+    }
+    match nic_link_state(n, a.connected) {
+        NicLinkState::Up | NicLinkState::UpNoVmm => "up",
+        NicLinkState::Connecting | NicLinkState::Down => "down",
     }
 }
 

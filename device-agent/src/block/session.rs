@@ -73,7 +73,7 @@ impl BlockIo {
 
 /// A block session over TCP.
 struct Tcp {
-    engine: BlockIo,
+    io: BlockIo,
     frame_timeout: Duration,
     /// The borrower keeps within the credit it was granted.
     credit: bool,
@@ -83,15 +83,15 @@ struct Tcp {
 /// borrower that keeps within a stated credit, the session's whole request budget (so
 /// that the session never has to stop reading it).
 pub(super) fn open_tcp<'a>(at: &Opening<'a>) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
-    let engine = BlockIo::open(at, TCP_RING_ENTRIES, true)?;
+    let io = BlockIo::open(at, TCP_RING_ENTRIES, true)?;
     let credit = (at.hello.features & FEATURE_CREDIT != 0).then(session_credit);
     Ok(Opened {
-        features: engine.features(),
+        features: io.features(),
         credit,
         session: Box::new(Tcp {
             frame_timeout: at.options.frame_timeout,
             credit: credit.is_some(),
-            engine,
+            io,
         }),
     })
 }
@@ -100,7 +100,7 @@ impl TcpSession for Tcp {
     fn serve(self: Box<Self>, sock: &Stream, peer: SocketAddr) -> End {
         use crate::session::tcp::engine::run;
         let Tcp {
-            engine: e,
+            io: e,
             frame_timeout,
             credit,
         } = *self;
@@ -138,7 +138,7 @@ mod rdma {
 
     /// A block session over RDMA: its registered I/O buffers and its device I/O.
     struct Rdma {
-        engine: BlockIo,
+        io: BlockIo,
         slots: Vec<Slot>,
     }
 
@@ -161,11 +161,11 @@ mod rdma {
             })?;
             slots.push(slot);
         }
-        let engine = BlockIo::open(at, RING_ENTRIES, false)?;
+        let io = BlockIo::open(at, RING_ENTRIES, false)?;
         Ok(Opened {
-            features: engine.features(),
+            features: io.features(),
             credit: None,
-            session: Box::new(Rdma { engine, slots }),
+            session: Box::new(Rdma { io, slots }),
         })
     }
 
@@ -176,10 +176,7 @@ mod rdma {
         }
 
         fn serve(self: Box<Self>, mut conn: Connection, stop: &AtomicBool, peer: &str) {
-            let Rdma {
-                engine: e,
-                mut slots,
-            } = *self;
+            let Rdma { io: e, mut slots } = *self;
             let dev = Arc::clone(&e.dev);
             let group = Some(e.group);
             let end = match e.io {

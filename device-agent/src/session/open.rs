@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use devlend_fabric::conn::Stream;
-use devlend_fabric::{Credit, Hello, HelloStatus};
+use devlend_fabric::{Credit, Hello, HelloReply, HelloStatus};
 
 use crate::device::Device;
 use crate::holding::Claim;
@@ -40,6 +40,24 @@ pub(crate) struct Opened<S> {
     pub(crate) credit: Option<Credit>,
     /// What serves the session once the reply is out.
     pub(crate) session: S,
+}
+
+impl<S> Opened<S> {
+    /// The hello reply that opens the session: `dev` described, what the opening
+    /// grants, the lender's `proof` of its key, in the version of the borrower's `hello`
+    /// (both transports answer with it).
+    pub(crate) fn reply(
+        &self,
+        dev: &Device,
+        hello: &Hello,
+        proof: Option<devlend_fabric::lender_proof::LenderProof>,
+    ) -> HelloReply {
+        let mut reply = HelloReply::ok(dev.info());
+        reply.features = self.features;
+        reply.credit = self.credit;
+        reply.proof = proof;
+        reply.for_version(hello.version)
+    }
 }
 
 /// A kind's session over TCP (or TLS), after its hello reply.

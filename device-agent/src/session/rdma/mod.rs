@@ -127,9 +127,7 @@ fn serve(shared: &LenderState, inc: Incoming, id: u64) {
         Ok(o) => o,
         Err((status, message)) => return refuse(&mut conn, &peer, &hello, status, &message),
     };
-    let mut answer = HelloReply::ok(dev.info()).for_version(hello.version);
-    answer.features = opened.features;
-    answer.proof = shared.proof(&hello);
+    let answer = opened.reply(&dev, &hello, shared.proof(&hello));
     let mut msg = Vec::new();
     // Counted before the reply leaves (a borrower with its reply sees the session); the
     // session counts its end.

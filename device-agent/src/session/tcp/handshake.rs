@@ -100,12 +100,7 @@ pub(super) fn answer<S>(
     opened: &Opened<S>,
 ) -> bool {
     let (dev, hello) = (&a.dev, &a.hello);
-    let mut reply = HelloReply::ok(dev.info());
-    reply.features = opened.features;
-    reply.credit = opened.credit;
-    reply.proof = shared.proof(hello);
-    // A version 1 borrower reads a version 1 reply.
-    let reply = reply.for_version(hello.version);
+    let reply = opened.reply(dev, hello, shared.proof(hello));
     // Counted before the reply leaves, so that a borrower that has its reply sees the
     // session in the lender's statistics (`serve` counts its end).
     dev.stats.session_opened();
