@@ -24,8 +24,9 @@ pub(crate) enum Backing {
     Block(BlockDevice),
     /// A network interface (frames, not block requests).
     Nic(Nic),
-    /// A PCIe function (regions, interrupts, DMA; not block requests).
-    Pci(Arc<PciFunction>),
+    /// A PCIe function (regions, interrupts, DMA; not block requests); boxed, it is
+    /// much larger than the other kinds.
+    Pci(Box<PciFunction>),
 }
 
 impl Backing {
@@ -146,7 +147,7 @@ impl Device {
                     bdf: p.bdf.clone(),
                     source,
                 })?;
-                Backing::Pci(Arc::new(f))
+                Backing::Pci(Box::new(f))
             }
         };
         Ok(Device {
