@@ -210,6 +210,9 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
         (!pcis.is_empty()).then(|| pci_table(&pcis)),
     ];
     let mut out = tables.into_iter().flatten().collect::<Vec<_>>().join("\n");
+    if let Some(ms) = list.iter().find_map(|a| a.pool_unreachable_since_ms) {
+        out.push_str(&pool_unreachable_line(ms, std::time::SystemTime::now()));
+    }
     for a in list {
         let throttled = a
             .block()
@@ -234,6 +237,16 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
         }
     }
     out
+}
+
+/// The line `devlend status` prints while the agent cannot reach its device pool.
+fn pool_unreachable_line(since_ms: u64, now: std::time::SystemTime) -> String {
+    let since = std::time::UNIX_EPOCH + std::time::Duration::from_millis(since_ms);
+    let ago = now.duration_since(since).unwrap_or_default().as_secs();
+    format!(
+        "device pool unreachable since {} ({ago} s): the devices go on; lease renewals are retried\n",
+        httpdate::fmt_http_date(since)
+    )
 }
 
 /// One line per lent NIC: link, queue pairs, frames and bytes each way (RX: to the
@@ -448,12 +461,30 @@ mod status_tests {
             lease: None,
             limits: None,
             lease_ended: false,
+            pool_unreachable_since_ms: None,
             handover: None,
             lender_lost: false,
             transport: "tcp".into(),
             restoring: None,
             part,
         }
+    }
+
+    #[test]
+    fn status_says_since_when_the_pool_is_unreachable_and_that_devices_go_on() {
+        let since = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_800_000_000);
+        let line = super::pool_unreachable_line(
+            1_800_000_000_000,
+            since + std::time::Duration::from_secs(42),
+        );
+        assert_eq!(
+            line,
+            "device pool unreachable since Fri, 15 Jan 2027 08:00:00 GMT (42 s): the devices go on; lease renewals are retried\n"
+        );
+        let mut a = info("d1", KindInfo::Block(Default::default()));
+        assert!(!status_table(std::slice::from_ref(&a)).contains("unreachable"));
+        a.pool_unreachable_since_ms = Some(1_800_000_000_000);
+        assert!(status_table(&[a]).contains("device pool unreachable since Fri, 15 Jan 2027"));
     }
 
     fn block() -> AttachmentInfo {

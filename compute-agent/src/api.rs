@@ -264,6 +264,10 @@ pub struct AttachmentInfo {
     /// this attachment's (detach it).
     #[serde(default)]
     pub lease_ended: bool,
+    /// Under a pool lease: since when the pool has not answered this agent (ms since
+    /// the Unix epoch); absent while it answers. The device goes on meanwhile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_unreachable_since_ms: Option<u64>,
     /// A live migration's handover in progress from this attachment, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handover: Option<HandoverState>,

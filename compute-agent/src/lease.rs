@@ -1,10 +1,16 @@
 //! Keeping a pool lease while its attachment lives: bind it when the attachment is up,
 //! renew it (lease heartbeat) every third of its time to live, release it at detach.
 //!
-//! A renewal that fails because the pool is unreachable is retried at the next tick;
-//! the lease then lapses at its expiry unless a later renewal gets through, and the
-//! lender ends the attachment's sessions. A renewal answered `lease_ended` stops the
-//! renewals and is logged as an error: the attachment has lost its device.
+//! A renewal that fails because the pool is unreachable is retried at the next tick,
+//! and the device goes on meanwhile: the lender ends a lease only when the pool says so
+//! (docs/pool.md, "When a lease ends"), and it reports the attachment's open sessions
+//! to the pool, which renews the lease for it. The agent's [`PoolHealth`] says since
+//! when the pool has not answered (`devlend status`, the metrics). A renewal answered
+//! `lease_ended` (released, or its device leased again) stops the renewals and is
+//! logged as an error: the attachment has lost its device.
+//!
+//! An attachment restored while the pool cannot be reached starts from its saved token
+//! alone ([`CheckedLease::offline`]), and is renewed once the pool answers.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,6 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use devlend_daemon::pool_health::{Change, PoolHealth};
 use devlend_fabric::lease_token::{LeaseToken, PublicKey, TokenSigner};
 use devlend_pool::api::{Lease, LeaseState};
 use devlend_pool::client::{ClientError, PoolClient};
@@ -21,6 +28,9 @@ use crate::api::LeaseRef;
 
 /// Shortest renewal period.
 const MIN_RENEW: Duration = Duration::from_millis(200);
+
+/// Renewal period while the lease's TTL is not known yet (restored offline).
+const UNKNOWN_TTL_RENEW: Duration = Duration::from_secs(1);
 
 /// Why a lease cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +63,8 @@ pub struct PoolAccess {
     /// The pool's signing key (`pool_public_key`): lease tokens must verify with it and
     /// match their lease; `None`: tokens are taken as given.
     pub pool_key: Option<PublicKey>,
+    /// Whether the pool answers this agent (shared by every lease).
+    pub health: PoolHealth,
 }
 
 /// Checks `token` against the pool's key and the lease it came with: the signature,
@@ -101,13 +113,19 @@ pub fn pool_client(url: &str, access: &PoolAccess) -> Result<PoolClient, ClientE
     })
 }
 
-/// A lease checked with the pool, ready for its attachment to start.
+/// A lease checked with the pool (or, restored while the pool is away, from its saved
+/// token), ready for its attachment to start.
 #[derive(Debug)]
 pub struct CheckedLease {
     client: PoolClient,
-    lease: Lease,
+    id: Uuid,
+    device: String,
+    lender: String,
+    /// What the pool answered; `None`: restored offline, not read from the pool.
+    lease: Option<Lease>,
     /// The token in binary form, for the hello.
     pub token: Vec<u8>,
+    health: PoolHealth,
 }
 
 impl CheckedLease {
@@ -124,7 +142,13 @@ impl CheckedLease {
             e => LeaseError::Pool(e),
         })?;
         let token = LeaseToken::from_text(&r.token).map_err(|e| LeaseError::Bad(e.to_string()))?;
-        let lease = client.lease(r.id).map_err(LeaseError::Pool)?;
+        let lease = client.lease(r.id).map_err(|e| {
+            if e.status().is_none() {
+                access.health.failed();
+            }
+            LeaseError::Pool(e)
+        })?;
+        access.health.reached();
         if let Some(key) = &access.pool_key {
             verify_token(&token, key, &lease)?;
         }
@@ -137,24 +161,72 @@ impl CheckedLease {
         }
         Ok(CheckedLease {
             client,
-            lease,
+            id: lease.id,
+            device: lease.device.clone(),
+            lender: lease.fabric_address.clone(),
+            lease: Some(lease),
             token,
+            health: access.health.clone(),
+        })
+    }
+
+    /// A saved attachment's lease while its pool cannot be reached: taken from the
+    /// token the agent saved (checked against `pool_public_key` when configured) and
+    /// the lender it was attached to. The lender judges the token itself; the renewals
+    /// start when the pool answers.
+    ///
+    /// # Errors
+    /// [`LeaseError::Bad`] for a bad URL or a token that is malformed, does not verify,
+    /// or names another lease.
+    pub fn offline(
+        r: &LeaseRef,
+        lender: &str,
+        access: &PoolAccess,
+    ) -> Result<CheckedLease, LeaseError> {
+        let client = pool_client(&r.pool, access).map_err(|e| LeaseError::Bad(e.to_string()))?;
+        let token = LeaseToken::from_text(&r.token).map_err(|e| LeaseError::Bad(e.to_string()))?;
+        let claims = match &access.pool_key {
+            Some(key) => key.verify(&token).map_err(|e| {
+                LeaseError::Bad(format!(
+                    "the saved lease token does not verify with the pool's key {} (pool_public_key): {e}",
+                    key.to_text()
+                ))
+            })?,
+            None => token
+                .claims_unverified()
+                .map_err(|e| LeaseError::Bad(e.to_string()))?,
+        };
+        if claims.lease_id != *r.id.as_bytes() {
+            return Err(LeaseError::Bad(format!(
+                "the saved lease token names lease {}, its attachment {}",
+                Uuid::from_bytes(claims.lease_id),
+                r.id
+            )));
+        }
+        Ok(CheckedLease {
+            client,
+            id: r.id,
+            device: claims.device,
+            lender: lender.to_owned(),
+            lease: None,
+            token: token.as_bytes().to_vec(),
+            health: access.health.clone(),
         })
     }
 
     /// The lease id: the borrower identity in every hello.
     pub fn borrower(&self) -> [u8; 16] {
-        *self.lease.id.as_bytes()
+        *self.id.as_bytes()
     }
 
     /// The device name on the lender.
     pub fn device(&self) -> &str {
-        &self.lease.device
+        &self.device
     }
 
     /// The lender's fabric address.
     pub fn lender(&self) -> &str {
-        &self.lease.fabric_address
+        &self.lender
     }
 
     /// Binds the lease (claimed → bound) and renews it on a new thread until
@@ -163,48 +235,68 @@ impl CheckedLease {
     /// # Errors
     /// [`LeaseError::Pool`] when the bind is refused (e.g. a stale generation).
     pub fn bind_and_keep(self, attachment: &str) -> Result<LeaseKeeper, LeaseError> {
-        let lease = if self.lease.state == LeaseState::Claimed {
-            self.client
-                .bind_lease(self.lease.id, self.lease.generation)
-                .map_err(LeaseError::Pool)?
-        } else {
+        let ttl_ms = match &self.lease {
+            Some(l) if l.state == LeaseState::Claimed => {
+                let bound = self
+                    .client
+                    .bind_lease(l.id, l.generation)
+                    .map_err(LeaseError::Pool)?;
+                Some(bound.ttl_ms)
+            }
             // Already bound (an attachment served again after a restart): its last
             // renewal may be most of a TTL ago, so renew now rather than a third of a TTL
-            // from now.
-            match self.client.lease_heartbeat(self.lease.id) {
-                Ok(l) => l,
+            // from now. Restored offline: the renewal thread keeps trying.
+            known => match self.client.lease_heartbeat(self.id) {
+                Ok(l) => {
+                    self.health.reached();
+                    Some(l.ttl_ms)
+                }
                 Err(e) if e.code() == Some("lease_ended") => {
                     return Err(LeaseError::Ended {
-                        id: self.lease.id,
+                        id: self.id,
                         state: "ended",
                     })
                 }
                 Err(e) => {
-                    tracing::warn!(attachment, lease = %self.lease.id, error = %e, "cannot renew the lease now; the renewal thread retries");
-                    self.lease
+                    if e.status().is_none() {
+                        self.health.failed();
+                    }
+                    tracing::warn!(attachment, lease = %self.id, error = %e, "cannot renew the lease now; the device goes on and the renewal thread retries");
+                    known.as_ref().map(|l| l.ttl_ms)
                 }
-            }
+            },
         };
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let ended = Arc::new(AtomicBool::new(false));
-        let period = Duration::from_millis(lease.ttl_ms / 3).max(MIN_RENEW);
+        let period = ttl_ms.map(renewal_period);
         let thread = {
-            let (client, stop, ended, id, name) = (
+            let (client, stop, ended, id, name, health) = (
                 self.client.clone(),
                 Arc::clone(&stop),
                 Arc::clone(&ended),
-                lease.id,
+                self.id,
                 attachment.to_owned(),
+                self.health.clone(),
             );
             std::thread::Builder::new()
                 .name(format!("lease-{attachment}"))
-                .spawn(move || renew(&client, id, period, &stop, &ended, &name))
+                .spawn(move || {
+                    renew(&Renewal {
+                        client: &client,
+                        id,
+                        period,
+                        stop: &stop,
+                        ended: &ended,
+                        name: &name,
+                        health: &health,
+                    })
+                })
                 .map_err(|e| LeaseError::Bad(format!("cannot start the renewal thread: {e}")))?
         };
-        tracing::info!(attachment, lease = %lease.id, expires_at_ms = lease.expires_at_ms, "lease bound");
+        tracing::info!(attachment, lease = %self.id, ttl_ms, "lease bound");
         Ok(LeaseKeeper {
             client: self.client,
-            id: lease.id,
+            id: self.id,
             ended,
             stop,
             thread: Some(thread),
@@ -212,20 +304,31 @@ impl CheckedLease {
     }
 }
 
-fn renew(
-    client: &PoolClient,
+/// A third of the lease's time to live, at least [`MIN_RENEW`].
+fn renewal_period(ttl_ms: u64) -> Duration {
+    Duration::from_millis(ttl_ms / 3).max(MIN_RENEW)
+}
+
+/// What the renewal thread works with.
+struct Renewal<'a> {
+    client: &'a PoolClient,
     id: Uuid,
-    period: Duration,
-    stop: &(Mutex<bool>, Condvar),
-    ended: &AtomicBool,
-    name: &str,
-) {
-    let (m, cv) = stop;
+    /// `None` until the TTL is known (restored offline): [`UNKNOWN_TTL_RENEW`].
+    period: Option<Duration>,
+    stop: &'a (Mutex<bool>, Condvar),
+    ended: &'a AtomicBool,
+    name: &'a str,
+    health: &'a PoolHealth,
+}
+
+fn renew(r: &Renewal<'_>) {
+    let (m, cv) = r.stop;
+    let mut period = r.period;
     let mut failing = false;
     loop {
         {
             let mut stopped = m.lock().unwrap_or_else(PoisonError::into_inner);
-            let deadline = std::time::Instant::now() + period;
+            let deadline = std::time::Instant::now() + period.unwrap_or(UNKNOWN_TTL_RENEW);
             while !*stopped {
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
                 if left.is_zero() {
@@ -240,21 +343,29 @@ fn renew(
                 return;
             }
         }
-        match client.lease_heartbeat(id) {
-            Ok(_) => {
+        match r.client.lease_heartbeat(r.id) {
+            Ok(l) => {
+                period = Some(renewal_period(l.ttl_ms));
+                if let Change::Back(after) = r.health.reached() {
+                    tracing::info!(attachment = r.name, lease = %r.id, unreachable_s = after.as_secs(), "device pool reachable again");
+                }
                 if failing {
-                    tracing::info!(attachment = name, lease = %id, "lease renewed again");
+                    tracing::info!(attachment = r.name, lease = %r.id, "lease renewed again");
                     failing = false;
                 }
             }
             Err(e) if e.code() == Some("lease_ended") => {
-                ended.store(true, Ordering::Release);
-                tracing::error!(attachment = name, lease = %id, "the lease has ended: the lender will refuse this attachment's sessions");
+                r.ended.store(true, Ordering::Release);
+                tracing::error!(attachment = r.name, lease = %r.id, "the lease has ended (released, or the device leased again): the lender will refuse this attachment's sessions");
                 return;
             }
             Err(e) => {
+                if e.status().is_none() {
+                    r.health.failed();
+                }
+                // Once per failing stretch: the device goes on meanwhile.
                 if !failing {
-                    tracing::warn!(attachment = name, lease = %id, error = %e, "cannot renew the lease; retrying");
+                    tracing::warn!(attachment = r.name, lease = %r.id, error = %e, "cannot renew the lease; the device goes on (its lender vouches for its sessions); retrying every renewal period");
                     failing = true;
                 }
             }
@@ -339,6 +450,7 @@ mod tests {
             generation: 1,
             qos: None,
             successor_of: None,
+            epoch: 0,
         }
     }
 
@@ -352,6 +464,7 @@ mod tests {
             provider_key: Some([0x42; 32]),
             qos: None,
             successor_of: None,
+            epoch: None,
         };
         edit(&mut c);
         pool.sign(&c).unwrap()

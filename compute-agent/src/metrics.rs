@@ -193,7 +193,14 @@ impl Collector for AttachmentMetrics {
             &s.connected,
         )?;
         nic_metrics(&mut enc, &s)?;
-        pci_metrics(&mut enc, &s)
+        pci_metrics(&mut enc, &s)?;
+        let (name, help) = devlend_daemon::pool_health::METRIC;
+        gauge(
+            &mut enc,
+            name,
+            help,
+            &[(Labels::new(), self.0.pool_health().gauge_seconds())],
+        )
     }
 }
 

@@ -149,6 +149,11 @@ fn valid_id(id: &str) -> bool {
 }
 
 impl Registry {
+    /// Whether the pool answers this agent, for the metrics.
+    pub fn pool_health(&self) -> devlend_daemon::pool_health::PoolHealth {
+        self.pool.health.clone()
+    }
+
     /// Signs this compute host's pool requests with `key` (its role at the pool:
     /// compute, named by its host name).
     pub fn set_pool_identity(
@@ -433,10 +438,12 @@ impl Registry {
         );
         drop(entries);
         all.sort_by(|a, b| a.id.cmp(&b.id));
+        let unreachable = self.pool.health.unreachable_since_ms();
         for a in &mut all {
             if let KindInfo::Block(b) = &mut a.part {
                 b.rates = self.rates.rates(&a.id);
             }
+            a.pool_unreachable_since_ms = a.lease.and(unreachable);
         }
         all
     }
@@ -471,6 +478,7 @@ impl Registry {
         if let KindInfo::Block(b) = &mut a.part {
             b.rates = self.rates.rates(id);
         }
+        a.pool_unreachable_since_ms = a.lease.and(self.pool.health.unreachable_since_ms());
         Ok(a)
     }
 

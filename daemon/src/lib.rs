@@ -10,6 +10,7 @@ pub mod config;
 pub mod logging;
 pub mod metrics;
 pub mod notify;
+pub mod pool_health;
 
 use std::process::ExitCode;
 

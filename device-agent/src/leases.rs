@@ -1,68 +1,65 @@
-//! Lease enforcement: which sessions a lender attached to a pool may serve.
+//! Lease enforcement: which sessions a lender may serve.
 //!
-//! A borrower opens a session with the pool's lease token in its hello
-//! ([`devlend_fabric::lease_token`]). [`LeaseGuard::admit`] checks the signature against
-//! the pool's public key, that the token names this lender (provider) and the device
-//! asked for, that the hello's borrower identity is the lease id, and that the lease has
-//! not ended. The guard then tracks the lease: the pool's heartbeat answers
-//! ([`LeaseGuard::update_from_pool`]) carry renewed expiries, and a lease the pool no
-//! longer lists has been released or has expired. [`LeaseGuard::is_live`] is what the
-//! lender's sweeper asks, every [`SWEEP_INTERVAL`], of each open session's lease; the
-//! sessions of an ended lease stop reading requests, answer those in flight, and close.
+//! A borrower opens a session with a lease token in its hello
+//! ([`devlend_fabric::lease_token`]). [`LeaseGuard::admit`] checks the signature, that
+//! the token names this lender (provider) and the device asked for, and that the hello's
+//! borrower identity is the lease id. [`LeaseGuard::is_live`] is what the lender's
+//! sweeper asks, every [`SWEEP_INTERVAL`], of each open session's lease; the sessions of
+//! an ended lease stop reading requests, answer those in flight, and close.
 //!
-//! Without word from the pool (unreachable), a lease lives until the last expiry known:
-//! the token's, or the last heartbeat answer's. The lender fails closed.
+//! **Pool mode** ([`LeaseGuard::new`]): a lease ends at the lender only when the pool
+//! says so, or when a newer lease of the same device is presented: never by a clock.
+//! Every lease carries a fencing epoch (the pool's counter that only grows), and the
+//! guard keeps, per device, a *fence*: the lowest epoch it may still serve. The fence
+//! rises to the epoch of every ordinary lease admitted (the pool grants a device anew
+//! only once its lease before ended, so an older holder is fenced even while the pool
+//! cannot be reached), and to what the pool's heartbeat answers say
+//! ([`LeaseGuard::update_from_pool`]: one past a released or expired lease). A pool
+//! that cannot be reached changes nothing: the leases served go on. The fences are kept
+//! in a file ([`LeaseGuard::with_state_file`]), so a lender restarted while the pool
+//! is away still fences what it fenced before (docs/pool.md, "When a lease ends").
+//!
+//! **Direct mode** ([`LeaseGuard::direct`]): tokens signed by the borrowers' own keys; no
+//! pool renews or ends them: a token is good until its own expiry.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use devlend_fabric::lease_token::{LeaseToken, PublicKey};
 use devlend_fabric::{Hello, HelloStatus};
 
-/// The outcome of a failed check.
-enum Check {
-    /// Past the token's expiry, no word from the pool yet.
-    Unconfirmed(String),
-    /// For good.
-    Refused(String),
-}
-
 /// How often the lender checks the leases of its open sessions.
 pub const SWEEP_INTERVAL: Duration = Duration::from_millis(250);
 
-/// How long an ended lease is remembered, so that its token stays refused.
-const FORGET_AFTER_MS: u64 = 24 * 3600 * 1000;
+/// Most leases tracked: admissions past it forget those of fenced epochs first.
+const MAX_TRACKED: usize = 65_536;
 
-/// A lease's expiry as the pool reports it in a heartbeat answer.
+/// One device's fence as the pool's heartbeat answer gives it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PoolLease {
-    /// The lease id (a UUID's 16 bytes).
-    pub id: [u8; 16],
+pub struct PoolFence {
     /// Device name on this lender.
     pub device: String,
-    /// Expiry in milliseconds since the Unix epoch.
-    pub expires_at_ms: u64,
+    /// The lowest lease epoch the device may be served to.
+    pub fence: u64,
 }
 
 #[derive(Debug, Clone)]
 struct Tracked {
     device: String,
+    /// Pool mode: the token's epoch (0 for a token without one).
+    epoch: u64,
+    /// Direct mode: the token's expiry, ms since the epoch.
     expires_at_ms: u64,
-    /// When the lender first learned of it (admitted a token, or saw it listed), ms
-    /// since the epoch. The lease existed at the pool by then, so any heartbeat asked
-    /// later that does not list it proves it ended.
-    known_since_ms: u64,
-    /// A heartbeat answer has listed it (its expiry is the pool's, not the token's).
-    listed: bool,
-    /// Released, or gone from the pool's answers: refused for good.
-    ended: bool,
-    /// Which of the guard's keys signed its first token (none: learned from the pool):
-    /// its later tokens must be signed by the same key. In direct mode each compute agent
-    /// signs with its own key, so one agent cannot take on another's lease id. (A
-    /// handover token may be signed by any trusted key: a destination hands over in turn
-    /// with its own key a lease whose token the source signed.)
-    key: Option<usize>,
+    /// Which of the guard's keys signed its first token: its later tokens must be
+    /// signed by the same key. In direct mode each compute agent signs with its own
+    /// key, so one agent cannot take on another's lease id. (A handover token may be
+    /// signed by any trusted key: a destination hands over in turn with its own key a
+    /// lease whose token the source signed.)
+    key: usize,
+    /// Logged as ended already.
+    told: bool,
 }
 
 /// A session's lease, as its token gave it.
@@ -76,24 +73,89 @@ pub struct Admitted {
     pub successor_of: Option<[u8; 16]>,
 }
 
+#[derive(Debug, Default)]
+struct State {
+    leases: HashMap<[u8; 16], Tracked>,
+    /// Pool mode: per device, the lowest epoch served.
+    fences: HashMap<String, u64>,
+}
+
+/// Where the fences are kept, and for which pool key.
+#[derive(Debug)]
+struct FenceFile {
+    path: PathBuf,
+    /// Serializes writers, so that the last write holds the newest fences.
+    write: Mutex<()>,
+}
+
+/// The fences file's content.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct SavedFences {
+    /// The pool key the fences were learned under (base64url).
+    pool_key: String,
+    fences: HashMap<String, u64>,
+}
+
 /// The lease checks of one lender.
 #[derive(Debug)]
 pub struct LeaseGuard {
     keys: Vec<PublicKey>,
     provider: String,
-    leases: Mutex<HashMap<[u8; 16], Tracked>>,
+    pool_mode: bool,
+    state: Mutex<State>,
+    file: Option<FenceFile>,
 }
 
 pub use devlend_fabric::lease_token::now_ms;
 
 impl LeaseGuard {
-    /// A guard that accepts tokens signed by `key` for the provider named `provider`.
+    /// A guard that accepts tokens signed by the pool's `key` for the provider named
+    /// `provider`.
     pub fn new(key: PublicKey, provider: &str) -> Self {
         LeaseGuard {
             keys: vec![key],
             provider: provider.to_owned(),
-            leases: Mutex::new(HashMap::new()),
+            pool_mode: true,
+            state: Mutex::new(State::default()),
+            file: None,
         }
+    }
+
+    /// The same guard, keeping its fences in `path` (JSON, written atomically): the
+    /// fences learned under the same pool key before are loaded now. A missing,
+    /// unreadable or other pool's file starts empty (logged).
+    pub fn with_state_file(mut self, path: PathBuf) -> Self {
+        let key = self
+            .keys
+            .first()
+            .map(PublicKey::to_text)
+            .unwrap_or_default();
+        match std::fs::read(&path) {
+            Ok(bytes) => match serde_json::from_slice::<SavedFences>(&bytes) {
+                Ok(saved) if saved.pool_key == key => {
+                    tracing::info!(file = %path.display(), devices = saved.fences.len(), "lease fences loaded");
+                    self.state
+                        .get_mut()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .fences = saved.fences;
+                }
+                Ok(_) => {
+                    tracing::warn!(file = %path.display(), "the lease fences file is another pool key's; starting without fences")
+                }
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "the lease fences file is damaged; starting without fences")
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "cannot read the lease fences file; starting without fences")
+            }
+        }
+        self.file = Some(FenceFile {
+            path,
+            write: Mutex::new(()),
+        });
+        self
     }
 
     /// A guard for direct mode with authentication: it accepts tokens that a borrower
@@ -104,7 +166,9 @@ impl LeaseGuard {
         LeaseGuard {
             keys,
             provider: String::new(),
-            leases: Mutex::new(HashMap::new()),
+            pool_mode: false,
+            state: Mutex::new(State::default()),
+            file: None,
         }
     }
 
@@ -113,28 +177,27 @@ impl LeaseGuard {
         &self.provider
     }
 
-    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 16], Tracked>> {
-        self.leases
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Checks the token of `hello` at `now_ms`. Returns the lease, or the refusal:
-    /// `Busy` (retry) for a token past its own expiry whose lease the pool has not
-    /// listed yet (a renewal may be on its way: a lender that just restarted), `Denied`
-    /// for everything else.
+    /// Checks the token of `hello` at `now_ms` (direct mode's clock; pool mode reads no
+    /// clock). Returns the lease, or the refusal (`Denied`).
     pub fn admit(&self, hello: &Hello, now_ms: u64) -> Result<Admitted, (HelloStatus, String)> {
-        self.check(hello, now_ms).map_err(|r| match r {
-            Check::Unconfirmed(m) => (HelloStatus::Busy, m),
-            Check::Refused(m) => (HelloStatus::Denied, m),
-        })
+        let (admitted, raised) = self
+            .check(hello, now_ms)
+            .map_err(|m| (HelloStatus::Denied, m))?;
+        if raised {
+            self.save();
+        }
+        Ok(admitted)
     }
 
-    fn check(&self, hello: &Hello, now_ms: u64) -> Result<Admitted, Check> {
+    fn check(&self, hello: &Hello, now_ms: u64) -> Result<(Admitted, bool), String> {
         if hello.token.is_empty() {
-            return Err(Check::Refused(
+            return Err(
                 "the hello carries no lease token: this lender serves only borrowers with a pool lease or a key it trusts".into(),
-            ));
+            );
         }
         let token = LeaseToken::from_bytes(hello.token.clone());
         let mut verified = Err(devlend_fabric::lease_token::TokenError::BadSignature);
@@ -146,95 +209,152 @@ impl LeaseGuard {
                 break;
             }
         }
-        let claims = verified.map_err(|e| Check::Refused(format!("lease token refused: {e}")))?;
+        let claims = verified.map_err(|e| format!("lease token refused: {e}"))?;
         if claims.provider != self.provider {
-            return Err(Check::Refused(format!(
+            return Err(format!(
                 "lease token is for provider {:?}, this lender is {:?}",
                 claims.provider, self.provider
-            )));
+            ));
         }
         if claims.device != hello.device {
-            return Err(Check::Refused(format!(
+            return Err(format!(
                 "lease token is for device {:?}, not {:?}",
                 claims.device, hello.device
-            )));
+            ));
         }
         if claims.lease_id != hello.borrower {
-            return Err(Check::Refused(
-                "the hello's borrower identity is not the token's lease id".into(),
+            return Err("the hello's borrower identity is not the token's lease id".into());
+        }
+        let epoch = claims.epoch.unwrap_or(0);
+        let mut st = self.state();
+        if st
+            .leases
+            .get(&claims.lease_id)
+            .is_some_and(|t| t.key != signer)
+        {
+            return Err("the token's lease id belongs to another borrower key".into());
+        }
+        let mut raised = false;
+        if self.pool_mode {
+            let fence = st.fences.get(&claims.device).copied().unwrap_or(0);
+            if epoch < fence {
+                return Err(format!(
+                    "the lease has ended: device {:?} was released, or leased again, since (lease epoch {epoch}, the device's fence {fence})",
+                    claims.device
+                ));
+            }
+            // An ordinary lease is granted only once the device's lease before it has
+            // ended: older holders are fenced from now on. A handover's successor waits
+            // for its predecessor instead, which stays live until it lets go.
+            if claims.successor_of.is_none() && epoch > fence {
+                st.fences.insert(claims.device.clone(), epoch);
+                raised = true;
+            }
+        } else if claims.expires_at_ms <= now_ms {
+            return Err(format!(
+                "the lease expired {} ms ago",
+                now_ms - claims.expires_at_ms
             ));
         }
-        let mut leases = self.leases();
-        let other_key = |t: &Tracked| t.key.is_some_and(|k| k != signer);
-        if leases.get(&claims.lease_id).is_some_and(other_key) {
-            return Err(Check::Refused(
-                "the token's lease id belongs to another borrower key".into(),
-            ));
+        if st.leases.len() >= MAX_TRACKED && !st.leases.contains_key(&claims.lease_id) {
+            let State { leases, fences } = &mut *st;
+            leases.retain(|_, t| t.epoch >= fences.get(&t.device).copied().unwrap_or(0));
         }
-        let t = leases.entry(claims.lease_id).or_insert_with(|| Tracked {
-            device: claims.device.clone(),
-            expires_at_ms: claims.expires_at_ms,
-            known_since_ms: now_ms,
-            listed: false,
-            ended: false,
-            key: Some(signer),
-        });
-        t.key.get_or_insert(signer);
-        if t.ended {
-            return Err(Check::Refused(
-                "the lease has ended (released or expired)".into(),
-            ));
-        }
-        if t.expires_at_ms <= now_ms {
-            let m = format!("the lease expired {} ms ago", now_ms - t.expires_at_ms);
-            return Err(if t.listed || self.provider.is_empty() {
-                Check::Refused(m)
-            } else {
-                Check::Unconfirmed(format!(
-                    "{m} by its token; the pool has not confirmed a renewal yet, retry"
-                ))
+        if st.leases.len() < MAX_TRACKED {
+            st.leases.entry(claims.lease_id).or_insert(Tracked {
+                device: claims.device.clone(),
+                epoch,
+                expires_at_ms: claims.expires_at_ms,
+                key: signer,
+                told: false,
             });
         }
-        Ok(Admitted {
-            lease: claims.lease_id,
-            qos: claims.qos,
-            successor_of: claims.successor_of,
-        })
+        Ok((
+            Admitted {
+                lease: claims.lease_id,
+                qos: claims.qos,
+                successor_of: claims.successor_of,
+            },
+            raised,
+        ))
     }
 
-    /// Whether the lease may still be served at `now_ms`.
+    /// Whether the lease may still be served: in pool mode, while its epoch is not
+    /// below its device's fence; in direct mode, until its token's expiry (`now_ms`).
     pub fn is_live(&self, lease: &[u8; 16], now_ms: u64) -> bool {
-        self.leases()
-            .get(lease)
-            .is_some_and(|t| !t.ended && t.expires_at_ms > now_ms)
+        let mut st = self.state();
+        let State { leases, fences } = &mut *st;
+        let Some(t) = leases.get_mut(lease) else {
+            return false;
+        };
+        let live = if self.pool_mode {
+            t.epoch >= fences.get(&t.device).copied().unwrap_or(0)
+        } else {
+            t.expires_at_ms > now_ms
+        };
+        if !live && !t.told {
+            t.told = true;
+            tracing::info!(lease = %hex(lease), device = %t.device, "lease ended (released or expired at the pool, or the device leased again)");
+        }
+        live
     }
 
-    /// Applies the pool's list of this lender's live leases (a heartbeat answer to a
-    /// request sent at `asked_at_ms`): their expiries are renewed, and a lease the lender
-    /// knew of before `asked_at_ms` that is not listed has ended (released or expired).
-    pub fn update_from_pool(&self, live: &[PoolLease], asked_at_ms: u64) {
-        let mut leases = self.leases();
-        for l in live {
-            let t = leases.entry(l.id).or_insert_with(|| Tracked {
-                device: l.device.clone(),
-                expires_at_ms: l.expires_at_ms,
-                known_since_ms: asked_at_ms,
-                listed: true,
-                ended: false,
-                key: None,
+    /// The fence of `device` (0: none known).
+    pub fn fence(&self, device: &str) -> u64 {
+        self.state().fences.get(device).copied().unwrap_or(0)
+    }
+
+    /// Takes in the fences of a pool's heartbeat answer: a device's fence only rises.
+    /// The leases below their device's new fence have ended (released, or expired while
+    /// the pool was there and nobody served them).
+    pub fn update_from_pool(&self, fences: &[PoolFence]) {
+        let mut raised = false;
+        {
+            let mut st = self.state();
+            for f in fences {
+                let e = st.fences.entry(f.device.clone()).or_insert(0);
+                if f.fence > *e {
+                    *e = f.fence;
+                    raised = true;
+                }
+            }
+            if raised {
+                let State { leases, fences } = &mut *st;
+                // Forget what can never be served again and no session holds (a session's
+                // lease is looked up by is_live, which answers false for a forgotten one).
+                leases.retain(|_, t| {
+                    !t.told || t.epoch >= fences.get(&t.device).copied().unwrap_or(0)
+                });
+            }
+        }
+        if raised {
+            self.save();
+        }
+    }
+
+    /// Writes the fences to the state file, if any (logged on failure: the fences still
+    /// hold in memory).
+    fn save(&self) {
+        let Some(file) = &self.file else { return };
+        let _writing = file.write.lock().unwrap_or_else(PoisonError::into_inner);
+        let saved = SavedFences {
+            pool_key: self
+                .keys
+                .first()
+                .map(PublicKey::to_text)
+                .unwrap_or_default(),
+            fences: self.state().fences.clone(),
+        };
+        let result = serde_json::to_vec_pretty(&saved)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| {
+                let tmp = file.path.with_extension("tmp");
+                std::fs::write(&tmp, bytes)?;
+                std::fs::rename(&tmp, &file.path)
             });
-            if !t.ended {
-                t.expires_at_ms = l.expires_at_ms;
-                t.listed = true;
-            }
+        if let Err(e) = result {
+            devlend_fabric::limited!(warn, file = %file.path.display(), error = %e, "cannot save the lease fences; they hold until the lender restarts");
         }
-        for (id, t) in leases.iter_mut() {
-            if t.known_since_ms <= asked_at_ms && !t.ended && !live.iter().any(|l| l.id == *id) {
-                tracing::info!(lease = %hex(id), device = %t.device, "lease ended at the pool");
-                t.ended = true;
-            }
-        }
-        leases.retain(|_, t| t.expires_at_ms.saturating_add(FORGET_AFTER_MS) > asked_at_ms);
     }
 }
 
@@ -257,18 +377,31 @@ mod tests {
     use devlend_fabric::lease_token::{LeaseClaims, TokenSigner};
 
     fn hello(signer: &TokenSigner, provider: &str, device: &str, expires: u64) -> Hello {
+        leased(signer, provider, device, expires, 9, None, None)
+    }
+
+    fn leased(
+        signer: &TokenSigner,
+        provider: &str,
+        device: &str,
+        expires: u64,
+        lease: u8,
+        epoch: Option<u64>,
+        successor_of: Option<u8>,
+    ) -> Hello {
         let claims = LeaseClaims {
-            lease_id: [9; 16],
+            lease_id: [lease; 16],
             expires_at_ms: expires,
             provider: provider.into(),
             device: device.into(),
             consumer: "vm".into(),
             provider_key: None,
             qos: None,
-            successor_of: None,
+            successor_of: successor_of.map(|p| [p; 16]),
+            epoch,
         };
         let mut h = Hello::new(device, 0);
-        h.borrower = [9; 16];
+        h.borrower = [lease; 16];
         h.token = signer.sign(&claims).unwrap().as_bytes().to_vec();
         h
     }
@@ -283,6 +416,7 @@ mod tests {
             provider_key: None,
             qos: None,
             successor_of: successor_of.map(|p| [p; 16]),
+            epoch: None,
         };
         let mut h = Hello::new("disk0", 0);
         h.borrower = [lease; 16];
@@ -315,20 +449,17 @@ mod tests {
     }
 
     #[test]
-    fn admits_only_a_matching_unexpired_lease() {
+    fn admits_only_a_matching_lease_whatever_the_clocks_say() {
         let signer = TokenSigner::from_seed([1; 32]);
         let g = LeaseGuard::new(signer.public_key(), "lender-a");
-        assert!(g
-            .admit(&hello(&signer, "lender-a", "d0", 2000), 1000)
-            .is_ok());
-        assert!(g.is_live(&[9; 16], 1999));
-        assert!(!g.is_live(&[9; 16], 2000));
-        let g = LeaseGuard::new(signer.public_key(), "lender-a");
-        assert!(g
-            .admit(&hello(&signer, "lender-b", "d0", 2000), 1000)
-            .is_err());
+        // Pool mode reads no clock: a token "expired" by this lender's clock (minutes of
+        // skew, or a pool outage past its TTL) is served; only the pool ends it.
         assert!(g
             .admit(&hello(&signer, "lender-a", "d0", 900), 1000)
+            .is_ok());
+        assert!(g.is_live(&[9; 16], u64::MAX));
+        assert!(g
+            .admit(&hello(&signer, "lender-b", "d0", 2000), 1000)
             .is_err());
         let mut h = hello(&signer, "lender-a", "d0", 2000);
         h.device = "d1".into();
@@ -343,28 +474,92 @@ mod tests {
         assert!(g
             .admit(&hello(&other, "lender-a", "d0", 2000), 1000)
             .is_err());
+        // Direct mode: a token is good until its own expiry.
+        let d = LeaseGuard::direct(vec![signer.public_key()]);
+        let h = hello(&signer, "", "d0", 2000);
+        assert!(d.admit(&h, 1000).is_ok());
+        assert!(d.is_live(&[9; 16], 1999));
+        assert!(!d.is_live(&[9; 16], 2000));
+        assert!(d.admit(&h, 2000).is_err());
     }
 
     #[test]
-    fn pool_answers_renew_and_end_leases() {
-        let signer = TokenSigner::from_seed([1; 32]);
-        let g = LeaseGuard::new(signer.public_key(), "p");
-        let h = hello(&signer, "p", "d0", 2000);
-        g.admit(&h, 1000).unwrap();
-        // An answer to a heartbeat asked before the lender learned of the lease says
-        // nothing about it: the token's expiry holds.
-        g.update_from_pool(&[], 900);
-        assert!(g.is_live(&[9; 16], 1500));
-        let renewed = PoolLease {
-            id: [9; 16],
-            device: "d0".into(),
-            expires_at_ms: 5000,
+    fn a_newer_lease_fences_the_older_without_the_pool() {
+        let pool = TokenSigner::from_seed([1; 32]);
+        let g = LeaseGuard::new(pool.public_key(), "p");
+        let old = leased(&pool, "p", "d0", 1, 1, Some(5), None);
+        g.admit(&old, 0).unwrap();
+        assert!(g.is_live(&[1; 16], 0));
+        // Host B got the device after host A's lease expired at the pool; B's token
+        // fences A here even though this lender never heard from the pool.
+        g.admit(&leased(&pool, "p", "d0", 1, 2, Some(7), None), 0)
+            .unwrap();
+        assert!(!g.is_live(&[1; 16], 0));
+        assert!(g.is_live(&[2; 16], 0));
+        let (status, why) = g.admit(&old, 0).unwrap_err();
+        assert_eq!(status, HelloStatus::Denied);
+        assert!(why.contains("epoch 5"), "{why}");
+        // Other devices are not touched.
+        g.admit(&leased(&pool, "p", "d1", 1, 3, Some(6), None), 0)
+            .unwrap();
+        assert!(g.is_live(&[3; 16], 0));
+        // A handover's successor (epoch 8) waits for its predecessor (7) and does not
+        // fence it.
+        g.admit(&leased(&pool, "p", "d0", 1, 4, Some(8), Some(2)), 0)
+            .unwrap();
+        assert!(g.is_live(&[2; 16], 0));
+        assert!(g.is_live(&[4; 16], 0));
+    }
+
+    #[test]
+    fn pool_answers_fence_ended_leases_and_outages_change_nothing() {
+        let pool = TokenSigner::from_seed([1; 32]);
+        let g = LeaseGuard::new(pool.public_key(), "p");
+        g.admit(&leased(&pool, "p", "d0", 1, 1, Some(5), None), 0)
+            .unwrap();
+        let fence = |f| {
+            [PoolFence {
+                device: "d0".into(),
+                fence: f,
+            }]
         };
-        g.update_from_pool(std::slice::from_ref(&renewed), 1200);
-        assert!(g.is_live(&[9; 16], 4000));
-        // Known before the heartbeat was asked, not listed: released.
-        g.update_from_pool(&[], 1300);
-        assert!(!g.is_live(&[9; 16], 1300));
-        assert!(g.admit(&h, 1300).unwrap_err().1.contains("ended"));
+        // Live at the pool: its fence is its epoch.
+        g.update_from_pool(&fence(5));
+        assert!(g.is_live(&[1; 16], u64::MAX));
+        // An older answer never lowers a fence.
+        g.update_from_pool(&fence(2));
+        assert_eq!(g.fence("d0"), 5);
+        // Released (or expired while the pool was there and nobody served it).
+        g.update_from_pool(&fence(6));
+        assert!(!g.is_live(&[1; 16], 0));
+        assert!(g
+            .admit(&leased(&pool, "p", "d0", 1, 1, Some(5), None), 0)
+            .unwrap_err()
+            .1
+            .contains("ended"));
+    }
+
+    #[test]
+    fn fences_survive_a_restart_under_the_same_pool_key_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lease-fences.json");
+        let pool = TokenSigner::from_seed([1; 32]);
+        let g = LeaseGuard::new(pool.public_key(), "p").with_state_file(path.clone());
+        g.admit(&leased(&pool, "p", "d0", 1, 2, Some(7), None), 0)
+            .unwrap();
+        drop(g);
+        // Restarted while the pool is away: the old holder stays fenced.
+        let g = LeaseGuard::new(pool.public_key(), "p").with_state_file(path.clone());
+        assert_eq!(g.fence("d0"), 7);
+        assert!(g
+            .admit(&leased(&pool, "p", "d0", 1, 1, Some(5), None), 0)
+            .is_err());
+        assert!(g
+            .admit(&leased(&pool, "p", "d0", 1, 2, Some(7), None), 0)
+            .is_ok());
+        // Another pool's fences are not taken.
+        let other = TokenSigner::from_seed([2; 32]);
+        let g = LeaseGuard::new(other.public_key(), "p").with_state_file(path);
+        assert_eq!(g.fence("d0"), 0);
     }
 }

@@ -62,6 +62,12 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     // The lender's own key: it proves who the lender is to borrowers that ask, and signs
     // its pool requests.
     let key = config.load_key()?;
+    let pool_health = devlend_daemon::pool_health::PoolHealth::default();
+    // Beside the key: the pool key pinned at first contact and the lease fences.
+    let state_file = config
+        .key_path()
+        .parent()
+        .map(|d| d.join(devlend_device_agent::pool_link::STATE_FILE));
     let lender = Lender::bind_with(&config.listen, config.devices, options)?;
     if let Some(k) = &key {
         tracing::info!(key = %k.public_key().to_text(), "this lender's key: borrowers verify it with --lender-key or through the pool's lease");
@@ -79,7 +85,10 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
         lender.serve_rdma(&config.listen)?;
     }
     if let Some(addr) = config.metrics_listen {
-        devlend_daemon::metrics::serve(addr, DeviceMetrics(lender.stats_view()))?;
+        devlend_daemon::metrics::serve(
+            addr,
+            DeviceMetrics::new(lender.stats_view(), pool_health.clone()),
+        )?;
     }
     let pool = match &config.pool {
         Some(p) => {
@@ -90,7 +99,8 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
                     devlend_device_agent::config::DEFAULT_KEY_FILE
                 ))
             })?;
-            let session = PoolSession::connect(p, STARTUP_WAIT, key)?;
+            let session =
+                PoolSession::connect(p, STARTUP_WAIT, key, state_file, pool_health.clone())?;
             lender.require_leases(session.guard());
             Some(session)
         }

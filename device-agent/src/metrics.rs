@@ -24,11 +24,24 @@ use devlend_daemon::metrics::{
 };
 use devlend_fabric::latency::BOUNDS_US;
 
+use devlend_daemon::pool_health::PoolHealth;
+
 use crate::StatsView;
 
-/// Reads the lender's counters at each scrape.
+/// Reads the lender's counters, and whether it reaches its pool, at each scrape.
 #[derive(Debug)]
-pub struct DeviceMetrics(pub StatsView);
+pub struct DeviceMetrics {
+    stats: StatsView,
+    pool: PoolHealth,
+}
+
+impl DeviceMetrics {
+    /// The metrics of the lender whose counters `stats` reads; `pool` is its pool's
+    /// reachability (never failing without a pool).
+    pub fn new(stats: StatsView, pool: PoolHealth) -> Self {
+        DeviceMetrics { stats, pool }
+    }
+}
 
 fn l(device: &str, extra: &[(&str, &str)]) -> Labels {
     let mut v = vec![("device".to_owned(), device.to_owned())];
@@ -63,7 +76,7 @@ struct Families {
 impl Collector for DeviceMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let mut f = Families::default();
-        for c in self.0.all_by_kind() {
+        for c in self.stats.all_by_kind() {
             let (name, s, lat) = (&c.name, &c.stats, &c.latency);
             // Every kind: its sessions and the protocol errors that ended them.
             f.errs
@@ -104,7 +117,7 @@ impl Collector for DeviceMetrics {
                 buckets: lat.buckets.clone(),
             });
         }
-        for (name, n) in self.0.nics() {
+        for (name, n) in self.stats.nics() {
             f.nic_packets
                 .push((l(&name, &[("dir", "rx")]), n.rx_packets));
             f.nic_packets
@@ -113,7 +126,7 @@ impl Collector for DeviceMetrics {
             f.nic_bytes.push((l(&name, &[("dir", "tx")]), n.tx_bytes));
             f.nic_drops.push((l(&name, &[]), n.drops));
         }
-        for (name, q) in self.0.qos() {
+        for (name, q) in self.stats.qos() {
             for (lane, lane_name) in devlend_fabric::qos::LANES {
                 if let Some(limit) = q.limits.get(lane) {
                     f.qos_limit.push((
@@ -218,6 +231,8 @@ impl Collector for DeviceMetrics {
             "The holder's share of its backing store's capacity (weight over the busy borrowers' weights).",
             &f.store_share,
         )?;
+        let (name, help) = devlend_daemon::pool_health::METRIC;
+        gauge(e, name, help, &[(Labels::new(), self.pool.gauge_seconds())])?;
         Ok(())
     }
 }

@@ -3,22 +3,33 @@
 //! [`LeaseGuard`] the pool's list of live leases.
 //!
 //! A heartbeat answered `404 unknown_provider` (the pool lost or dropped the
-//! registration) registers again. An unreachable pool is retried every interval and
-//! logged at most every 30 s; meanwhile the lender keeps serving the leases it knows,
-//! until their last known expiry.
+//! registration) registers again. Each heartbeat reports the leases whose holders have a
+//! session open here (the pool renews them: a holder cut from the pool keeps its device)
+//! and takes the devices' fences from the answer. An unreachable pool is retried every
+//! interval and logged at most every 30 s; meanwhile the lender keeps serving every
+//! lease it serves, with no end ([`crate::leases`]). A lender that starts while the pool
+//! is away serves at once with the pool key it pinned before (its fences file, or
+//! `public_key`), and registers when the pool returns.
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use devlend_daemon::pool_health::{Change, PoolHealth};
+
 use devlend_fabric::error::chain;
 use devlend_fabric::lease_token::{PublicKey, TokenSigner};
-use devlend_pool::api::{DeviceSpec as PoolDevice, RegisterProvider};
+use devlend_pool::api::{DeviceSpec as PoolDevice, ProviderHeartbeatBody, RegisterProvider};
 use devlend_pool::client::{ClientError, PoolClient};
 
 use crate::config::PoolConfig;
-use crate::leases::{self, LeaseGuard, PoolLease};
+use crate::leases::{LeaseGuard, PoolFence};
 use crate::{Error, InventoryView};
+
+/// The file beside the lender's key that keeps the pool key pinned at first contact and
+/// the devices' lease fences ([`LeaseGuard::with_state_file`]).
+pub const STATE_FILE: &str = "lease-fences.json";
 
 /// How long the lender waits for the pool's key at start before giving up.
 pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
@@ -37,21 +48,41 @@ pub struct PoolSession {
     provider: String,
     advertise: String,
     guard: Arc<LeaseGuard>,
+    /// The pool was not reached at start: the join token (if any) waits.
+    reached: bool,
+    health: PoolHealth,
+}
+
+/// The pool key saved in the state file at `path`, if any.
+fn saved_pool_key(path: &Path) -> Option<PublicKey> {
+    #[derive(serde::Deserialize)]
+    struct Saved {
+        pool_key: String,
+    }
+    let bytes = std::fs::read(path).ok()?;
+    let saved: Saved = serde_json::from_slice(&bytes).ok()?;
+    PublicKey::from_text(&saved.pool_key).ok()
 }
 
 impl PoolSession {
     /// Fetches the pool's public key, retrying for up to `wait` while the pool is
     /// unreachable, and checks it against the pinned key if one is configured; then
     /// signs with `own_key` (the lender's key) and redeems the join token, if any.
+    /// With `state_file`, the guard keeps its fences there, and a pool unreachable at
+    /// start is not waited for when a key was pinned before (configured, or saved there
+    /// at an earlier start): the lender serves at once. `health` is kept up to date
+    /// from then on (the metrics read it).
     ///
     /// # Errors
-    /// [`Error::Pool`] for a bad URL, a pool that stays unreachable, a malformed key, or
-    /// a key that differs from the pinned one; [`Error::BadPool`] when the provider or
-    /// advertise address is missing.
+    /// [`Error::Pool`] for a bad URL, a pool that stays unreachable with no key pinned,
+    /// a malformed key, or a key that differs from the configured one;
+    /// [`Error::BadPool`] when the provider or advertise address is missing.
     pub fn connect(
         config: &PoolConfig,
         wait: Duration,
         own_key: Arc<TokenSigner>,
+        state_file: Option<PathBuf>,
+        health: PoolHealth,
     ) -> Result<PoolSession, Error> {
         let err = |reason: String| Error::Pool {
             url: config.url.clone(),
@@ -67,11 +98,19 @@ impl PoolSession {
             .ok_or_else(|| Error::BadPool("no advertise address".into()))?;
         let client = PoolClient::with_ca(&config.url, config.ca_file.as_deref())
             .map_err(|e| err(chain(&e)))?;
+        let configured = config
+            .public_key
+            .as_deref()
+            .map(PublicKey::from_text)
+            .transpose()
+            .map_err(|e| Error::BadPool(format!("public_key: {e}")))?;
+        let pinned = configured.or_else(|| state_file.as_deref().and_then(saved_pool_key));
         let deadline = Instant::now() + wait;
         let mut logged = false;
-        let key = loop {
+        let fetched = loop {
             match client.signing_key() {
-                Ok(k) => break k,
+                Ok(k) => break Some(k),
+                Err(ClientError::Transport { .. }) if pinned.is_some() => break None,
                 Err(ClientError::Transport { .. }) if Instant::now() < deadline => {
                     if !logged {
                         tracing::info!(url = %config.url, "waiting for the device pool");
@@ -82,27 +121,35 @@ impl PoolSession {
                 Err(e) => return Err(err(format!("cannot fetch its signing key: {}", chain(&e)))),
             }
         };
-        if key.algorithm != "ed25519" {
-            return Err(err(format!(
-                "unsupported signing algorithm {:?}",
-                key.algorithm
-            )));
-        }
-        let public = PublicKey::from_text(&key.public_key).map_err(|e| err(e.to_string()))?;
-        if let Some(pinned) = &config.public_key {
-            let pinned = PublicKey::from_text(pinned)
-                .map_err(|e| Error::BadPool(format!("public_key: {e}")))?;
-            if pinned != public {
-                return Err(err(format!(
-                    "its signing key {} is not the pinned key {}",
-                    public.to_text(),
-                    pinned.to_text()
-                )));
+        let public = match (&fetched, pinned) {
+            (Some(key), _) => {
+                if key.algorithm != "ed25519" {
+                    return Err(err(format!(
+                        "unsupported signing algorithm {:?}",
+                        key.algorithm
+                    )));
+                }
+                let public =
+                    PublicKey::from_text(&key.public_key).map_err(|e| err(e.to_string()))?;
+                if let Some(pinned) = configured.filter(|p| *p != public) {
+                    return Err(err(format!(
+                        "its signing key {} is not the pinned key {}",
+                        public.to_text(),
+                        pinned.to_text()
+                    )));
+                }
+                public
             }
-        }
+            (None, Some(pinned)) => {
+                tracing::warn!(url = %config.url, key = %pinned.to_text(), "device pool unreachable at start: serving the leases whose tokens verify with the pool key pinned before; registering when the pool answers");
+                pinned
+            }
+            (None, None) => return Err(err("it cannot be reached and no key was pinned".into())),
+        };
         let identity = own_key.public_key().to_text();
         let client = client.with_identity(own_key);
-        if let Some(token) = &config.join_token {
+        let reached = fetched.is_some();
+        if let (Some(token), true) = (&config.join_token, reached) {
             let p = client
                 .join(token)
                 .map_err(|e| err(format!("cannot redeem the join token: {}", chain(&e))))?;
@@ -113,13 +160,24 @@ impl PoolSession {
                 )));
             }
         }
-        tracing::info!(url = %config.url, provider = %provider, key = %public.to_text(), identity = %identity, "device pool reached; serving leased devices only");
+        let mut guard = LeaseGuard::new(public, &provider);
+        if let Some(path) = state_file {
+            guard = guard.with_state_file(path);
+        }
+        if !reached {
+            health.failed();
+        }
+        if reached {
+            tracing::info!(url = %config.url, provider = %provider, key = %public.to_text(), identity = %identity, "device pool reached; serving leased devices only");
+        }
         Ok(PoolSession {
             client,
             config: config.clone(),
-            guard: Arc::new(LeaseGuard::new(public, &provider)),
+            guard: Arc::new(guard),
             provider,
             advertise,
+            reached,
+            health,
         })
     }
 
@@ -153,7 +211,12 @@ impl PoolLink {
     /// unreachable pool is not an error here: the thread keeps trying.
     pub fn start(session: PoolSession, inventory: InventoryView) -> Result<PoolLink, Error> {
         let mut registered = false;
-        match exchange(&session, &inventory, &mut registered) {
+        let first = if session.reached {
+            exchange(&session, &inventory, &mut registered)
+        } else {
+            Ok(())
+        };
+        match first {
             Ok(()) => {}
             Err(ClientError::Api {
                 status, message, ..
@@ -164,6 +227,7 @@ impl PoolLink {
                 });
             }
             Err(e) => {
+                session.health.failed();
                 tracing::warn!(provider = %session.provider, error = %chain(&e), "device pool not reachable yet; retrying every heartbeat");
             }
         }
@@ -240,19 +304,24 @@ fn exchange(
         tracing::info!(provider = %s.provider, devices = p.devices.len(), generation = p.generation, "registered with the device pool");
         *registered = true;
     }
-    let asked_at = leases::now_ms();
-    match s.client.provider_heartbeat(&s.provider) {
+    let body = ProviderHeartbeatBody {
+        serving: inventory
+            .served_leases()
+            .into_iter()
+            .map(uuid::Uuid::from_bytes)
+            .collect(),
+    };
+    match s.client.provider_heartbeat(&s.provider, &body) {
         Ok(hb) => {
-            let live: Vec<PoolLease> = hb
-                .leases
-                .iter()
-                .map(|l| PoolLease {
-                    id: *l.id.as_bytes(),
-                    device: l.device.clone(),
-                    expires_at_ms: l.expires_at_ms,
+            let fences: Vec<PoolFence> = hb
+                .fences
+                .into_iter()
+                .map(|f| PoolFence {
+                    device: f.device,
+                    fence: f.fence,
                 })
                 .collect();
-            s.guard.update_from_pool(&live, asked_at);
+            s.guard.update_from_pool(&fences);
             Ok(())
         }
         Err(e) => {
@@ -273,7 +342,6 @@ fn run(
 ) {
     let interval = Duration::from_millis(s.config.heartbeat_interval_ms);
     let mut last_log: Option<Instant> = None;
-    let mut failing = !registered;
     loop {
         let (m, cv) = control;
         {
@@ -299,21 +367,20 @@ fn run(
         }
         match exchange(s, inventory, &mut registered) {
             Ok(()) => {
-                if failing {
-                    tracing::info!(provider = %s.provider, "device pool reachable again");
-                    failing = false;
+                if let Change::Back(after) = s.health.reached() {
+                    tracing::info!(provider = %s.provider, unreachable_s = after.as_secs(), "device pool reachable again");
                 }
             }
             Err(e) if e.code() == Some("unknown_provider") => {
                 // Registers again at once.
-                if exchange(s, inventory, &mut registered).is_err() {
-                    failing = true;
-                }
+                let _ = exchange(s, inventory, &mut registered);
             }
             Err(e) => {
-                failing = true;
+                if e.status().is_none() {
+                    s.health.failed();
+                }
                 if last_log.is_none_or(|t| t.elapsed() >= LOG_EVERY) {
-                    tracing::warn!(provider = %s.provider, error = %chain(&e), "device pool request failed; retrying every heartbeat");
+                    tracing::warn!(provider = %s.provider, error = %chain(&e), "device pool request failed; the devices lent go on; retrying every heartbeat");
                     last_log = Some(Instant::now());
                 }
             }

@@ -85,7 +85,11 @@ fn counters_say_what_each_kind_counts() {
 fn metrics_export_no_block_counters_for_a_nic() {
     let dir = tempfile::tempdir().unwrap();
     let lender = lender(&dir);
-    let text = devlend_daemon::metrics::render(DeviceMetrics(lender.stats_view())).unwrap();
+    let text = devlend_daemon::metrics::render(DeviceMetrics::new(
+        lender.stats_view(),
+        Default::default(),
+    ))
+    .unwrap();
     let lines = |device: &str| -> Vec<String> {
         text.lines()
             .filter(|l| !l.starts_with('#') && l.contains(&format!("device=\"{device}\"")))

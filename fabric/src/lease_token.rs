@@ -13,9 +13,10 @@
 //! (bit 0: a provider key follows, bit 1: limits follow, bit 2: the id of the lease this
 //! one takes the device over from follows; bit 1 or bit 2 set; other bits 0), then the
 //! provider key if bit 0, then `successor_of: [u8; 16]` if bit 2, then the lease's limits
-//! ([`crate::qos`], wire form) if bit 1; then `signature: [u8; 64]`. A token without
-//! limits or predecessor is version 1 or 2, byte for byte as before; one without a
-//! provider key either is version 1. The signature covers
+//! ([`crate::qos`], wire form) if bit 1, then `epoch: u64` if bit 3 (the lease's fencing
+//! epoch, see [`LeaseClaims::epoch`]); then `signature: [u8; 64]`. A token without
+//! limits, predecessor or epoch is version 1 or 2, byte for byte as before; one without
+//! a provider key either is version 1. The signature covers
 //! [`SIGNING_CONTEXT`] followed by every byte before it. Text form
 //! (JSON, command lines): unpadded base64url of the binary form.
 
@@ -48,6 +49,8 @@ const FLAG_PROVIDER_KEY: u8 = 1;
 const FLAG_QOS: u8 = 2;
 /// Version 3 flag: the id of the lease this one takes over from follows.
 const FLAG_SUCCESSOR: u8 = 4;
+/// Version 3 flag: the lease's fencing epoch follows.
+const FLAG_EPOCH: u8 = 8;
 /// Domain separation prefix of every signed message.
 pub const SIGNING_CONTEXT: &[u8] = b"devlend-lease-token-v1\0";
 /// Longest token accepted, in bytes of binary form (fits the hello's `token_len: u16`).
@@ -112,6 +115,13 @@ pub struct LeaseClaims {
     /// consented to hand it to this one (version 3 tokens). The lender lets this lease
     /// wait for the device while that one holds it, and take it when it lets go.
     pub successor_of: Option<[u8; 16]>,
+    /// The lease's fencing epoch (version 3 tokens with flag bit 3): the pool numbers
+    /// every lease it grants from one counter that only grows, so of two leases of one
+    /// device the newer has the higher epoch. A lender that has seen a device's lease of
+    /// epoch `E` never serves that device to a lease below `E` again, even while it
+    /// cannot reach the pool (docs/pool.md, "When a lease ends"). `None`: a token from a
+    /// pool before epochs, or a direct-mode token.
+    pub epoch: Option<u64>,
 }
 
 /// A signed token in binary form.
@@ -353,7 +363,7 @@ fn put_field(b: &mut Vec<u8>, name: &'static str, v: &str) -> Result<(), TokenEr
 fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     let mut b = Vec::with_capacity(64 + c.provider.len() + c.device.len() + c.consumer.len());
     let version = match (
-        c.qos.is_some() || c.successor_of.is_some(),
+        c.qos.is_some() || c.successor_of.is_some() || c.epoch.is_some(),
         c.provider_key.is_some(),
     ) {
         (true, _) => TOKEN_VERSION_FLAGGED,
@@ -380,6 +390,9 @@ fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
         if c.successor_of.is_some() {
             flags |= FLAG_SUCCESSOR;
         }
+        if c.epoch.is_some() {
+            flags |= FLAG_EPOCH;
+        }
         codec::push(&mut b, flags);
     }
     if let Some(k) = &c.provider_key {
@@ -390,6 +403,9 @@ fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     }
     if let Some(q) = &c.qos {
         q.encode(&mut b);
+    }
+    if let Some(e) = c.epoch {
+        codec::push(&mut b, e);
     }
     Ok(b)
 }
@@ -430,14 +446,14 @@ fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
         TOKEN_VERSION_KEYED => FLAG_PROVIDER_KEY,
         _ => {
             let f = r.u8()?;
-            if f & !(FLAG_PROVIDER_KEY | FLAG_QOS | FLAG_SUCCESSOR) != 0 {
+            if f & !(FLAG_PROVIDER_KEY | FLAG_QOS | FLAG_SUCCESSOR | FLAG_EPOCH) != 0 {
                 return Err(TokenError::Malformed("unknown token flags"));
             }
-            // One encoding per token: claims without limits or predecessor are version
-            // 1 or 2.
-            if f & (FLAG_QOS | FLAG_SUCCESSOR) == 0 {
+            // One encoding per token: claims without limits, predecessor or epoch are
+            // version 1 or 2.
+            if f & (FLAG_QOS | FLAG_SUCCESSOR | FLAG_EPOCH) == 0 {
                 return Err(TokenError::Malformed(
-                    "version 3 token without limits or predecessor",
+                    "version 3 token without limits, predecessor or epoch",
                 ));
             }
             f
@@ -458,6 +474,11 @@ fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
     } else {
         None
     };
+    let epoch = if flags & FLAG_EPOCH != 0 {
+        Some(r.u64()?)
+    } else {
+        None
+    };
     let claims = LeaseClaims {
         lease_id: head.lease_id,
         expires_at_ms: head.expires_at_ms,
@@ -467,6 +488,7 @@ fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
         provider_key,
         qos,
         successor_of,
+        epoch,
     };
     r.finish()?;
     Ok(claims)
@@ -486,6 +508,7 @@ mod tests {
             provider_key: None,
             qos: None,
             successor_of: None,
+            epoch: None,
         }
     }
 
@@ -579,7 +602,7 @@ mod tests {
             assert_eq!(
                 decode_claims(&body),
                 Err(TokenError::Malformed(
-                    "version 3 token without limits or predecessor"
+                    "version 3 token without limits, predecessor or epoch"
                 ))
             );
             body[at] |= FLAG_QOS;
@@ -604,6 +627,33 @@ mod tests {
                 // One encoding per token: re-encoding gives the same bytes.
                 let body = encode_claims(&back).unwrap();
                 assert_eq!(&token.as_bytes()[..body.len()], &body[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn an_epoch_travels_signed_alone_or_with_every_other_flag() {
+        let signer = TokenSigner::from_seed([3; 32]);
+        for successor in [None, Some([9; 16])] {
+            for qos in [None, Some(Qos::default().with_weight(2))] {
+                for key in [None, Some([0x42; 32])] {
+                    let mut c = claims();
+                    c.epoch = Some(0x0102_0304_0506_0708);
+                    c.successor_of = successor;
+                    c.qos = qos;
+                    c.provider_key = key;
+                    let token = signer.sign(&c).unwrap();
+                    assert_eq!(token.as_bytes()[0], TOKEN_VERSION_FLAGGED);
+                    let back = signer.public_key().verify(&token).unwrap();
+                    assert_eq!(back, c);
+                    let body = encode_claims(&back).unwrap();
+                    assert_eq!(&token.as_bytes()[..body.len()], &body[..]);
+                    // The epoch is the last field before the signature, little-endian.
+                    assert_eq!(
+                        &body[body.len() - 8..],
+                        &0x0102_0304_0506_0708u64.to_le_bytes()
+                    );
+                }
             }
         }
     }

@@ -200,6 +200,7 @@ fn lease_token() {
         provider_key: None,
         qos: None,
         successor_of: None,
+        epoch: None,
     };
     let signer = TokenSigner::from_seed([0x5e; 32]);
     let t = signer.sign(&claims).unwrap();

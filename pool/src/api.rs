@@ -233,6 +233,38 @@ pub struct ProviderHeartbeat {
     /// Its leases in state claimed or bound that have not expired. A lease the lender
     /// serves that is missing here has ended.
     pub leases: Vec<ProviderLease>,
+    /// Per device, the lowest lease epoch the lender may still serve: the lowest epoch
+    /// of the device's live leases, or one past the last lease's epoch when none is
+    /// live. A lender never serves a lease below its device's fence (docs/pool.md,
+    /// "When a lease ends").
+    #[serde(default)]
+    pub fences: Vec<DeviceFence>,
+}
+
+/// One device's fence in a heartbeat answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct DeviceFence {
+    /// Device name on the lender.
+    pub device: String,
+    /// The lowest lease epoch the lender may serve the device to.
+    pub fence: u64,
+}
+
+/// Most lease ids a provider heartbeat may report as served.
+pub const MAX_SERVING: usize = 4096;
+
+/// Body of a provider heartbeat: the leases whose holders have a session open at the
+/// lender right now. The pool renews each of them as if its holder had (a holder cut
+/// from the pool, but not from its lender, keeps its device), and takes back one that
+/// lapsed while nobody reached the pool, unless its device was leased again since.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "server", derive(ToSchema))]
+pub struct ProviderHeartbeatBody {
+    /// Ids of the leases served now (at most [`MAX_SERVING`]).
+    #[serde(default)]
+    pub serving: Vec<Uuid>,
 }
 
 /// A live lease as its provider sees it.
@@ -247,6 +279,9 @@ pub struct ProviderLease {
     pub expires_at_ms: u64,
     /// `claimed` or `bound`.
     pub state: LeaseState,
+    /// The lease's fencing epoch (as in its token).
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 /// A lease's state: claimed -> bound -> released; `expired` once past its expiry.
@@ -361,6 +396,11 @@ pub struct Lease {
     /// (`POST /v1/leases/{id}/handover`); absent: an ordinary lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub successor_of: Option<Uuid>,
+    /// The lease's fencing epoch: a number of one counter of the pool that every new
+    /// lease takes the next of, so a device's newer lease has the higher epoch (0: a
+    /// lease granted before epochs).
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 /// Body of `POST /v1/leases/{id}/handover`: where the lease's VM migrates to.

@@ -151,8 +151,31 @@ impl Prepared {
     }
 
     async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+        let presence = tokio::spawn(keep_present(self.service.clone()));
         let router = crate::http::router(self.service);
-        crate::listen::run(router, self.listener, self.tls, self.limits, shutdown).await
+        let served =
+            crate::listen::run(router, self.listener, self.tls, self.limits, shutdown).await;
+        presence.abort();
+        served
+    }
+}
+
+/// Records this server's presence in the database every
+/// [`crate::service::PRESENCE_INTERVAL`], so that the pool's absence is told from a
+/// quiet pool. A database that cannot be reached is logged at most every 30 s; its
+/// return makes up for the absence ([`PoolService::look`]).
+async fn keep_present(service: PoolService) {
+    let mut tick = tokio::time::interval(crate::service::PRESENCE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut logged: Option<std::time::Instant> = None;
+    loop {
+        tick.tick().await;
+        if let Err(e) = service.look().await {
+            if logged.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(30)) {
+                tracing::warn!(error = %e, "cannot reach the pool's database; leases are judged again only once it is back");
+                logged = Some(std::time::Instant::now());
+            }
+        }
     }
 }
 

@@ -2,14 +2,16 @@
 //! together. The HTTP layer above (module `http`) only moves JSON in and out of these;
 //! nothing here knows of it.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use devlend_fabric::lease_token::{PublicKey, TokenSigner};
 use uuid::Uuid;
 
 use crate::api::{
     codes, Device, DeviceQuery, HandoverRequest, Lease, LeaseFilter, LeaseGrant, LeaseRequest,
-    Provider, ProviderHeartbeat, RegisterProvider, SigningKey, DEFAULT_LEASE_TTL_MS,
+    Provider, ProviderHeartbeat, ProviderHeartbeatBody, RegisterProvider, SigningKey,
+    DEFAULT_LEASE_TTL_MS, MAX_SERVING,
 };
 use crate::auth::{AuthMode, Gate};
 use crate::error::{Error, Result};
@@ -22,12 +24,23 @@ use crate::{tokens, validate};
 /// How many times placement re-reads the inventory after losing every claim race.
 const PLACEMENT_ROUNDS: usize = 3;
 
+/// How long no pool server may look at the database before the pool counts as absent
+/// (stopped, stalled, or its database down): the leases live then get a full TTL from
+/// its return ([`Store::presence`]).
+pub const ABSENCE_MS: i64 = 5_000;
+
+/// How often a pool server records that it is there ([`PoolService::look`]): by a timer,
+/// and before any request that reads or changes leases once this long has passed.
+pub const PRESENCE_INTERVAL: Duration = Duration::from_secs(1);
+
 /// The pool: its store and signing key. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct PoolService {
     store: Store,
     signer: Arc<TokenSigner>,
     gate: Gate,
+    /// When this server last recorded its presence in the database.
+    looked: Arc<Mutex<Option<Instant>>>,
 }
 
 impl PoolService {
@@ -38,13 +51,50 @@ impl PoolService {
     pub async fn open(url: &str) -> Result<Self> {
         let store = Store::open(url).await?;
         let signer = Arc::new(tokens::load_signer(&store).await?);
-        Ok(PoolService {
+        let service = PoolService {
             store,
             signer,
             gate: Gate::new(AuthMode::Signed {
                 trust_first_use: false,
             }),
-        })
+            looked: Arc::new(Mutex::new(None)),
+        };
+        service.look().await?;
+        Ok(service)
+    }
+
+    /// Records in the database that this pool server is there. After an absence of
+    /// every server (longer than [`ABSENCE_MS`]) the leases that were live get a full
+    /// TTL from now, logged; the server's timer calls it every [`PRESENCE_INTERVAL`].
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn look(&self) -> Result<()> {
+        let now = now_ms();
+        if let Some(gap) = self.store.presence(now, ABSENCE_MS).await? {
+            tracing::warn!(
+                absent_ms = gap,
+                "no pool server reached the database for {} s: every lease live then gets a full TTL from now for its holder to renew",
+                gap / 1000
+            );
+        }
+        *self.looked.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+        Ok(())
+    }
+
+    /// The pool's clock for a request that reads or changes leases, after recording
+    /// this server's presence when it is due (so that a server resumed from a stall
+    /// makes up for its absence before it judges any expiry).
+    async fn now(&self) -> Result<i64> {
+        let due = self
+            .looked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none_or(|t| t.elapsed() >= PRESENCE_INTERVAL);
+        if due {
+            self.look().await?;
+        }
+        Ok(now_ms())
     }
 
     /// The same service with requests authenticated as `mode` says.
@@ -82,18 +132,37 @@ impl PoolService {
     /// 422 `invalid_value` for a bad name, address, class, trait or size.
     pub async fn register(&self, name: &str, req: &RegisterProvider) -> Result<Provider> {
         let devices = validate::registration(name, req)?;
-        self.store.register(name, req, &devices, now_ms()).await
+        let now = self.now().await?;
+        self.store.register(name, req, &devices, now).await
     }
 
     /// `POST /v1/providers/{name}/heartbeat`.
     ///
     /// # Errors
     /// 404 `unknown_provider`.
-    pub async fn provider_heartbeat(&self, name: &str) -> Result<ProviderHeartbeat> {
+    /// The leases of `body.serving` are renewed first (their holders have sessions
+    /// open with the lender), so the answer lists them live.
+    ///
+    /// # Errors
+    /// 404 `unknown_provider`; 422 `invalid_value` for more than [`MAX_SERVING`] ids.
+    pub async fn provider_heartbeat(
+        &self,
+        name: &str,
+        body: &ProviderHeartbeatBody,
+    ) -> Result<ProviderHeartbeat> {
         validate::name("provider name", name).map_err(|_| {
             Error::not_found(codes::UNKNOWN_PROVIDER, format!("no provider {name:?}"))
         })?;
-        self.store.provider_heartbeat(name, now_ms()).await
+        if body.serving.len() > MAX_SERVING {
+            return Err(Error::invalid(format!(
+                "serving lists {} leases, at most {MAX_SERVING}",
+                body.serving.len()
+            )));
+        }
+        let now = self.now().await?;
+        self.store
+            .provider_heartbeat(name, &body.serving, now)
+            .await
     }
 
     /// `GET /v1/providers`.
@@ -101,7 +170,7 @@ impl PoolService {
     /// # Errors
     /// [`Error::Database`].
     pub async fn providers(&self) -> Result<Vec<Provider>> {
-        self.store.providers(now_ms()).await
+        self.store.providers(self.now().await?).await
     }
 
     /// `GET /v1/devices`: devices of `q.class` with every trait of `q.traits` and at
@@ -117,7 +186,7 @@ impl PoolService {
         let min = q.min_capacity.unwrap_or(0);
         Ok(self
             .store
-            .devices(now_ms())
+            .devices(self.now().await?)
             .await?
             .into_iter()
             .filter(|d| q.class.as_ref().is_none_or(|c| *c == d.resource_class))
@@ -171,7 +240,7 @@ impl PoolService {
             .generation
             .ok_or_else(|| Error::invalid("generation is required with device_id"))?;
         validate::generation(generation)?;
-        let now = now_ms();
+        let now = self.now().await?;
         let dev = self.device_row(id, now).await?;
         let check = |dev: &DeviceRow| -> Result<()> {
             if dev.generation != generation {
@@ -212,7 +281,7 @@ impl PoolService {
             Some(l) => Ok(l),
             None => {
                 // Lost a race: say why as of now.
-                let dev = self.device_row(id, now_ms()).await?;
+                let dev = self.device_row(id, self.now().await?).await?;
                 check(&dev)?;
                 Err(Error::conflict(
                     codes::STALE_GENERATION,
@@ -246,7 +315,7 @@ impl PoolService {
             numa_node: req.numa_node,
         };
         for _ in 0..PLACEMENT_ROUNDS {
-            let now = now_ms();
+            let now = self.now().await?;
             let rows = self.store.devices(now).await?;
             let loads = self.store.provider_loads(now).await?;
             let cands: Vec<placement::Candidate> = rows
@@ -278,7 +347,7 @@ impl PoolService {
     /// # Errors
     /// 404 `unknown_lease`.
     pub async fn lease(&self, id: Uuid) -> Result<Lease> {
-        self.store.lease(id, now_ms()).await
+        self.store.lease(id, self.now().await?).await
     }
 
     /// `GET /v1/leases`.
@@ -286,7 +355,7 @@ impl PoolService {
     /// # Errors
     /// [`Error::Database`].
     pub async fn leases(&self, filter: LeaseFilter) -> Result<Vec<Lease>> {
-        self.store.leases(filter, now_ms()).await
+        self.store.leases(filter, self.now().await?).await
     }
 
     /// `POST /v1/leases/{id}/bind`.
@@ -295,7 +364,7 @@ impl PoolService {
     /// 404 `unknown_lease`; 409 `stale_generation`, `lease_ended`, `lease_already_bound`.
     pub async fn bind(&self, id: Uuid, generation: u64) -> Result<Lease> {
         let g = validate::generation(generation)?;
-        self.store.bind(id, g, now_ms()).await
+        self.store.bind(id, g, self.now().await?).await
     }
 
     /// `POST /v1/leases/{id}/release`.
@@ -304,7 +373,7 @@ impl PoolService {
     /// 404 `unknown_lease`; 409 `stale_generation`, `lease_ended`.
     pub async fn release(&self, id: Uuid, generation: u64) -> Result<Lease> {
         let g = validate::generation(generation)?;
-        self.store.release(id, g, now_ms()).await
+        self.store.release(id, g, self.now().await?).await
     }
 
     /// `POST /v1/leases/{id}/heartbeat`: renews (not generation-checked).
@@ -312,7 +381,7 @@ impl PoolService {
     /// # Errors
     /// 404 `unknown_lease`; 409 `lease_ended`.
     pub async fn renew(&self, id: Uuid) -> Result<Lease> {
-        self.store.renew(id, now_ms()).await
+        self.store.renew(id, self.now().await?).await
     }
 
     /// `POST /v1/leases/{id}/handover`: a new lease on `req.compute_host` that takes the
@@ -337,7 +406,10 @@ impl PoolService {
                 req.compute_host
             )));
         }
-        let lease = self.store.handover(id, &req.compute_host, now_ms()).await?;
+        let lease = self
+            .store
+            .handover(id, &req.compute_host, self.now().await?)
+            .await?;
         let token = tokens::sign(&self.signer, &self.store, &lease).await?;
         Ok(LeaseGrant {
             lease,

@@ -34,6 +34,7 @@ pub fn claims(lease: &Lease, provider_key: Option<&PublicKey>) -> LeaseClaims {
         provider_key: provider_key.map(PublicKey::to_bytes),
         qos: lease.qos,
         successor_of: lease.successor_of.map(|u| *u.as_bytes()),
+        epoch: Some(lease.epoch),
     }
 }
 

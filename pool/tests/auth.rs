@@ -89,7 +89,7 @@ fn every_route_refuses_the_callers_it_must(backend: Backend) {
         ),
         (
             "heartbeat store1",
-            Box::new(|c| status(c.provider_heartbeat("store1"))),
+            Box::new(|c| status(c.provider_heartbeat("store1", &Default::default()))),
         ),
         ("providers", Box::new(|c| status(c.providers()))),
         (
@@ -162,13 +162,15 @@ fn a_rogue_cannot_re_register_a_lender(backend: Backend) {
     for (who, c) in [("unenrolled key", &rogue), ("lender store2", &other_lender)] {
         let r = c.register_provider("store1", &registration("6.6.6.6:7700"));
         assert_eq!(status(r), 403, "{who}");
-        let r = c.provider_heartbeat("store1");
+        let r = c.provider_heartbeat("store1", &Default::default());
         assert_eq!(status(r), 403, "{who}");
     }
     let providers = pool.client.providers().unwrap();
     assert_eq!(providers[0].fabric_address, "10.0.0.1:7700");
     // The real lender goes on, and its heartbeat is still its own.
-    store1.provider_heartbeat("store1").unwrap();
+    store1
+        .provider_heartbeat("store1", &Default::default())
+        .unwrap();
 }
 
 fn join_tokens_enroll_once(backend: Backend) {
@@ -219,9 +221,12 @@ fn rotation_and_revocation_end_the_old_key(backend: Backend) {
         .unwrap();
     // Rotation: the admin pins a new key to the same name; the old one is out.
     let new = enrolled(&pool, Role::Lender, "store1");
-    let e = old.provider_heartbeat("store1").unwrap_err();
+    let e = old
+        .provider_heartbeat("store1", &Default::default())
+        .unwrap_err();
     assert_eq!((e.status(), e.code()), (Some(403), Some("unknown_key")));
-    new.provider_heartbeat("store1").unwrap();
+    new.provider_heartbeat("store1", &Default::default())
+        .unwrap();
     let pinned: Vec<_> = pool
         .client
         .principals()
@@ -236,7 +241,10 @@ fn rotation_and_revocation_end_the_old_key(backend: Backend) {
     );
     // Revocation.
     pool.client.revoke(&pinned[0].public_key).unwrap();
-    assert_eq!(status(new.provider_heartbeat("store1")), 403);
+    assert_eq!(
+        status(new.provider_heartbeat("store1", &Default::default())),
+        403
+    );
     assert_eq!(status(pool.client.revoke(&pinned[0].public_key)), 404);
 }
 
@@ -286,7 +294,9 @@ fn trust_on_first_use_pins_the_first_key_only(backend: Backend) {
         pool.client.providers().unwrap()[0].fabric_address,
         "10.0.0.9:7700"
     );
-    first.provider_heartbeat("store9").unwrap();
+    first
+        .provider_heartbeat("store9", &Default::default())
+        .unwrap();
     // A provider registered before enrollment is not taken by the first key that comes.
     pool.client
         .register_provider("legacy", &registration("10.0.0.8:7700"))

@@ -164,7 +164,10 @@ fn expiry_frees_the_device_and_ends_the_lease(backend: Backend) {
         ),
         (409, "all_leased".into())
     );
-    let hb = pool.client.provider_heartbeat("lender-a").unwrap();
+    let hb = pool
+        .client
+        .provider_heartbeat("lender-a", &Default::default())
+        .unwrap();
     assert_eq!(hb.leases.len(), 1);
     assert_eq!(hb.leases[0].id, first.id);
     std::thread::sleep(Duration::from_millis(1_300));
@@ -174,34 +177,49 @@ fn expiry_frees_the_device_and_ends_the_lease(backend: Backend) {
     );
     let d = &pool.client.devices(&DeviceQuery::default()).unwrap()[0];
     assert_eq!(d.state, DeviceState::Available);
-    assert!(pool
+    let hb = pool
         .client
-        .provider_heartbeat("lender-a")
-        .unwrap()
-        .leases
-        .is_empty());
+        .provider_heartbeat("lender-a", &Default::default())
+        .unwrap();
+    assert!(hb.leases.is_empty());
+    // Nothing live: the lapsed lease's epoch is fenced off at the lender.
+    assert_eq!(hb.fences[0].device, "disk0");
+    assert_eq!(hb.fences[0].fence, first.epoch + 1);
     assert!(pool.client.leases(LeaseFilter::Active).unwrap().is_empty());
-    assert_eq!(
-        code(pool.client.lease_heartbeat(first.id)),
-        (409, "lease_ended".into())
-    );
-    // The expired lease never blocks a new claim.
+    // Lapsed, not ended: nobody claimed the device since, so its holder's renewal takes
+    // it back (a holder cut from the pool while nobody else wanted the device).
+    let back = pool.client.lease_heartbeat(first.id).unwrap();
+    assert_eq!(back.state, LeaseState::Claimed);
+    let d = &pool.client.devices(&DeviceQuery::default()).unwrap()[0];
+    assert_eq!(d.state, DeviceState::Leased);
+    std::thread::sleep(Duration::from_millis(1_300));
+    // The expired lease never blocks a new claim, which ends it for good.
     let second = pool
         .client
         .create_lease(&placement("vm-2", "BLOCK", 0, &[]))
         .unwrap();
     assert_eq!(second.lease.device, "disk0");
+    assert!(second.lease.epoch > first.epoch);
     assert_eq!(
         pool.client.lease(first.id).unwrap().state,
         LeaseState::Expired
     );
     assert_eq!(
+        code(pool.client.lease_heartbeat(first.id)),
+        (409, "lease_ended".into())
+    );
+    assert_eq!(
         code(pool.client.release_lease(first.id, first.generation)),
         (409, "lease_ended".into())
     );
-    let hb = pool.client.provider_heartbeat("lender-a").unwrap();
+    let hb = pool
+        .client
+        .provider_heartbeat("lender-a", &Default::default())
+        .unwrap();
     assert_eq!(hb.leases.len(), 1);
     assert_eq!(hb.leases[0].id, second.lease.id);
+    assert_eq!(hb.leases[0].epoch, second.lease.epoch);
+    assert_eq!(hb.fences[0].fence, second.lease.epoch);
 }
 
 fn renewal_keeps_a_lease_alive(backend: Backend) {
@@ -223,7 +241,10 @@ fn renewal_keeps_a_lease_alive(backend: Backend) {
         assert_eq!(renewed.generation, lease.generation);
         assert!(renewed.expires_at_ms > lease.expires_at_ms);
     }
-    let hb = pool.client.provider_heartbeat("lender-a").unwrap();
+    let hb = pool
+        .client
+        .provider_heartbeat("lender-a", &Default::default())
+        .unwrap();
     assert_eq!(hb.leases[0].id, lease.id);
     assert!(hb.leases[0].expires_at_ms > lease.expires_at_ms);
 }
@@ -231,7 +252,10 @@ fn renewal_keeps_a_lease_alive(backend: Backend) {
 fn silent_provider_drops_out_of_placement(backend: Backend) {
     let pool = support::start(backend);
     assert_eq!(
-        code(pool.client.provider_heartbeat("lender-a")),
+        code(
+            pool.client
+                .provider_heartbeat("lender-a", &Default::default())
+        ),
         (404, "unknown_provider".into())
     );
     register(
@@ -249,7 +273,9 @@ fn silent_provider_drops_out_of_placement(backend: Backend) {
             .create_lease(&placement("vm-1", "BLOCK", 0, &[])),
     );
     assert_eq!((status, c.as_str()), (409, "providers_unavailable"));
-    pool.client.provider_heartbeat("lender-a").unwrap();
+    pool.client
+        .provider_heartbeat("lender-a", &Default::default())
+        .unwrap();
     let p = &pool.client.providers().unwrap()[0];
     assert!(p.available);
     assert_eq!(p.devices[0].state, DeviceState::Available);
@@ -519,13 +545,17 @@ fn a_leases_limits_are_kept_and_signed_into_its_token(backend: Backend) {
         .verify(&LeaseToken::from_text(&grant.token).unwrap())
         .unwrap();
     assert_eq!(claims.qos, Some(qos));
-    // A lease without limits keeps a token of the earlier layouts.
     pool.client.release_current(grant.lease.id).unwrap();
     let plain = pool
         .client
         .create_lease(&placement("vm-p", "BLOCK", 0, &[]))
         .unwrap();
     assert_eq!(plain.lease.qos, None);
-    let token = LeaseToken::from_text(&plain.token).unwrap();
-    assert!(token.as_bytes()[0] < 3, "version {}", token.as_bytes()[0]);
+    let claims = key
+        .verify(&LeaseToken::from_text(&plain.token).unwrap())
+        .unwrap();
+    assert_eq!(claims.qos, None);
+    // Every lease's token carries its epoch, which only grows.
+    assert_eq!(claims.epoch, Some(plain.lease.epoch));
+    assert!(plain.lease.epoch > grant.lease.epoch);
 }

@@ -18,6 +18,7 @@ fn shared(part: KindInfo) -> AttachmentInfo {
         lease: None,
         limits: None,
         lease_ended: false,
+        pool_unreachable_since_ms: None,
         handover: None,
         lender_lost: false,
         transport: "tcp".into(),
@@ -308,6 +309,7 @@ fn the_openapi_document_describes_every_kind_exactly() {
             400,
         ));
         a.handover = Some(HandoverState::LetGo);
+        a.pool_unreachable_since_ms = Some(1_800_000_000_000);
         all.push(a);
     }
     for kind in [DeviceKind::Block, DeviceKind::Nic, DeviceKind::Pci] {

@@ -157,6 +157,7 @@ impl Registry {
                     provider_key: own.as_ref().and_then(|c| c.provider_key).or(lender_key),
                     qos: own.as_ref().and_then(|c| c.qos),
                     successor_of: Some(from),
+                    epoch: None,
                 };
                 // Without a key (a lender without authentication, on loopback) nothing
                 // checks the signature: any key will do.
@@ -272,6 +273,7 @@ mod tests {
             provider_key: None,
             qos: None,
             successor_of: Some([5; 16]),
+            epoch: None,
         };
         edit(&mut c);
         TokenSigner::from_seed([1; 32]).sign(&c).unwrap().to_text()

@@ -53,6 +53,7 @@ mod tests {
                 provider_key: key,
                 qos: None,
                 successor_of: None,
+                epoch: None,
             })
             .unwrap()
             .as_bytes()

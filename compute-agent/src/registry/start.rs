@@ -44,7 +44,17 @@ impl Registry {
         let checked = match &req.lease {
             None => None,
             Some(r) => {
-                let c = CheckedLease::check(r, &self.pool).map_err(RegistryError::Lease)?;
+                let c = match CheckedLease::check(r, &self.pool) {
+                    Ok(c) => c,
+                    // Served again while the pool is away: from the saved token. The
+                    // lender judges it; the renewals start when the pool answers.
+                    Err(LeaseError::Pool(e)) if restore.is_some() && e.status().is_none() => {
+                        tracing::warn!(id, lease = %r.id, error = %devlend_fabric::error::chain(&e), "device pool unreachable: serving the attachment again with its saved lease token");
+                        CheckedLease::offline(r, &req.lender, &self.pool)
+                            .map_err(RegistryError::Lease)?
+                    }
+                    Err(e) => return Err(RegistryError::Lease(e)),
+                };
                 if c.device() != req.device || c.lender() != req.lender {
                     return Err(RegistryError::BadRequest(format!(
                         "lease {} is for device {:?} at {}, not {:?} at {}",
@@ -85,6 +95,7 @@ impl Registry {
                     provider_key: None,
                     qos: None,
                     successor_of: None,
+                    epoch: None,
                 };
                 let token = signer
                     .sign(&claims)

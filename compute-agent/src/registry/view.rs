@@ -15,6 +15,8 @@ pub(super) fn info(e: &Entry) -> AttachmentInfo {
         lease: e.lease.as_ref().map(LeaseKeeper::id),
         limits: lease_limits(e.request.lease.as_ref()),
         lease_ended: e.lease.as_ref().is_some_and(LeaseKeeper::ended),
+        // Filled in by the listing (`Registry::list`, `Registry::get`).
+        pool_unreachable_since_ms: None,
         handover: handover::state(&e.attachment),
         lender_lost: e.attachment.lender_lost(),
         transport: e.request.transport_label().to_owned(),
@@ -62,6 +64,7 @@ pub(super) fn restoring_info(r: &Restoring) -> AttachmentInfo {
         lease: q.lease.as_ref().map(|l| l.id),
         limits: lease_limits(q.lease.as_ref()),
         lease_ended: false,
+        pool_unreachable_since_ms: None,
         handover: None,
         lender_lost: false,
         transport: q.transport_label().to_owned(),

@@ -386,6 +386,21 @@ impl LenderState {
         }
     }
 
+    /// The leases of the sessions open now (each once): their holders are alive, which
+    /// the pool's heartbeat is told so that it renews them.
+    pub(crate) fn served_leases(&self) -> Vec<[u8; 16]> {
+        let mut out: Vec<[u8; 16]> = self
+            .registry()
+            .streams
+            .values()
+            .filter(|t| !t.stopping)
+            .filter_map(|t| t.lease)
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
     /// Stops the sessions whose lease has ended: they answer their requests in flight,
     /// then close. Returns how many were stopped.
     pub(super) fn stop_ended_leases(&self, guard: &LeaseGuard, now_ms: u64) -> usize {

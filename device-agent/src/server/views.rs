@@ -54,6 +54,11 @@ impl InventoryView {
             })
             .collect()
     }
+
+    /// The leases of the sessions open now, each once (see `LenderState::served_leases`).
+    pub fn served_leases(&self) -> Vec<[u8; 16]> {
+        self.0.served_leases()
+    }
 }
 
 /// The counters of every device of a running lender.

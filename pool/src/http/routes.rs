@@ -8,8 +8,8 @@ use axum::{Extension, Json};
 use super::error::{parse_uuid, ApiJson, OptionalJson};
 use crate::api::{
     codes, Device, DeviceQuery, EmptyBody, ErrorBody, GenerationBody, HandoverRequest, Lease,
-    LeaseFilter, LeaseGrant, LeaseRequest, Provider, ProviderHeartbeat, RegisterProvider,
-    SigningKey,
+    LeaseFilter, LeaseGrant, LeaseRequest, Provider, ProviderHeartbeat, ProviderHeartbeatBody,
+    RegisterProvider, SigningKey,
 };
 use crate::auth::Caller;
 use crate::error::Error;
@@ -75,10 +75,11 @@ pub async fn register_provider(
     Ok(Json(s.register(&name, &body).await?))
 }
 
-/// A lender's heartbeat: keeps it available and returns its live leases.
+/// A lender's heartbeat: keeps it available, renews the leases it serves, and returns
+/// its live leases and its devices' fences.
 #[utoipa::path(post, path = "/v1/providers/{name}/heartbeat", tag = "providers",
     params(("name" = String, Path, description = "Provider (lender) name")),
-    request_body(content = EmptyBody, description = "Empty, or {}"),
+    request_body(content = ProviderHeartbeatBody, description = "Empty, {}, or the leases served now"),
     responses(
         (status = 200, body = ProviderHeartbeat),
         (status = 404, body = ErrorBody, description = "unknown_provider: register again"),
@@ -87,11 +88,11 @@ pub async fn provider_heartbeat(
     State(s): State<PoolService>,
     Extension(caller): Extension<Caller>,
     name: Result<Path<String>, PathRejection>,
-    OptionalJson(_): OptionalJson<EmptyBody>,
+    OptionalJson(body): OptionalJson<ProviderHeartbeatBody>,
 ) -> Answer<ProviderHeartbeat> {
     let name = segment(name)?;
     caller.require_provider(&name)?;
-    Ok(Json(s.provider_heartbeat(&name).await?))
+    Ok(Json(s.provider_heartbeat(&name, &body).await?))
 }
 
 /// Every provider with its devices.

@@ -6,6 +6,14 @@
 //! device from an expired lease marks that lease `expired` in the same transaction,
 //! conditionally on it still being past expiry, so a renewal racing the claim either
 //! lands first (and the claim moves on) or finds the lease ended.
+//!
+//! A lease past its expiry whose device nobody claimed since still has its stored state
+//! `claimed` or `bound`: it has lapsed, not ended. Its holder's renewal, or its lender's
+//! report that the holder's sessions are open ([`Store::renew_served`]), takes it back;
+//! only a claim of its device (which stores `expired`) or a release ends it for good.
+//!
+//! Every lease takes the next number of one counter, its fencing epoch
+//! ([`Store::next_epoch`]), in the transaction that creates it.
 
 use sqlx::any::AnyRow;
 use sqlx::Row;
@@ -18,7 +26,7 @@ use crate::error::{Error, Result};
 
 const LEASE_SELECT: &str = "SELECT id, device_id, device_name, provider_name, \
     fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
-    generation, qos, successor_of FROM leases";
+    generation, qos, successor_of, epoch FROM leases";
 
 fn lease_from_row(r: &AnyRow, now: i64) -> Result<Lease> {
     let state: String = r.try_get("state")?;
@@ -57,6 +65,7 @@ fn lease_from_row(r: &AnyRow, now: i64) -> Result<Lease> {
             ),
             None => None,
         },
+        epoch: get_u64(r, "epoch")?,
     })
 }
 
@@ -129,10 +138,12 @@ impl Store {
                 }
             }
         }
+        let epoch = Self::next_epoch(&mut tx, &dev.id).await?;
         sqlx::query(
             "INSERT INTO leases (id, device_id, device_name, provider_id, provider_name, \
              fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
-             generation, qos) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'claimed', $9, $10, $11, 1, $12)",
+             generation, qos, epoch) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'claimed', $9, $10, $11, 1, $12, $13)",
         )
         .bind(id.to_string())
         .bind(dev.id.to_string())
@@ -145,15 +156,32 @@ impl Store {
         .bind(now)
         .bind(now.saturating_add(new.ttl_ms))
         .bind(new.ttl_ms)
-        .bind(
-            new.qos
-                .as_ref()
-                .and_then(|q| serde_json::to_string(q).ok()),
-        )
+        .bind(new.qos.as_ref().and_then(|q| serde_json::to_string(q).ok()))
+        .bind(epoch)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
         self.lease(id, now).await.map(Some)
+    }
+
+    /// Takes the next fencing epoch for a lease of device `device` inside `tx`, and
+    /// records it as the device's last. Of two transactions the second waits on the
+    /// counter's row (PostgreSQL) or the database's write lock (SQLite), so epochs are
+    /// unique and grow in commit order.
+    async fn next_epoch(tx: &mut sqlx::Transaction<'_, sqlx::Any>, device: &Uuid) -> Result<i64> {
+        sqlx::query("UPDATE lease_epochs SET last = last + 1 WHERE id = 'default'")
+            .execute(&mut **tx)
+            .await?;
+        let epoch: i64 = sqlx::query("SELECT last FROM lease_epochs WHERE id = 'default'")
+            .fetch_one(&mut **tx)
+            .await?
+            .try_get("last")?;
+        sqlx::query("UPDATE devices SET last_epoch = $1 WHERE id = $2")
+            .bind(epoch)
+            .bind(device.to_string())
+            .execute(&mut **tx)
+            .await?;
+        Ok(epoch)
     }
 
     /// One lease, as of `now`.
@@ -266,12 +294,10 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         let n = sqlx::query(
             "UPDATE leases SET state = 'released', generation = generation + 1 \
-             WHERE id = $1 AND generation = $2 AND state IN ('claimed', 'bound') \
-             AND expires_at_ms > $3",
+             WHERE id = $1 AND generation = $2 AND state IN ('claimed', 'bound')",
         )
         .bind(id.to_string())
         .bind(generation)
-        .bind(now)
         .execute(&mut *tx)
         .await?
         .rows_affected();
@@ -335,32 +361,37 @@ impl Store {
                 ),
             ));
         }
+        let epoch = Self::next_epoch(&mut tx, &old.device_id).await?;
         sqlx::query(
             "INSERT INTO leases (id, device_id, device_name, provider_id, provider_name, \
              fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
-             generation, qos, successor_of) SELECT $1, device_id, device_name, provider_id, \
-             provider_name, fabric_address, consumer, $2, 'claimed', $3, $3 + ttl_ms, ttl_ms, 1, \
-             qos, id FROM leases WHERE id = $4",
+             generation, qos, successor_of, epoch) SELECT $1, device_id, device_name, \
+             provider_id, provider_name, fabric_address, consumer, $2, 'claimed', $3, \
+             $3 + ttl_ms, ttl_ms, 1, qos, id, $5 FROM leases WHERE id = $4",
         )
         .bind(id.to_string())
         .bind(compute_host)
         .bind(now)
         .bind(from.to_string())
+        .bind(epoch)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
         self.lease(id, now).await
     }
 
-    /// Renews a live lease: expiry = `now` + its ttl_ms. Not generation-checked: it
-    /// changes only the expiry, and repeating it is harmless.
+    /// Renews a live or lapsed lease: expiry = `now` + its ttl_ms. A lease that lapsed
+    /// (past its expiry, its device not claimed since) is taken back: its holder was cut
+    /// from every pool server while nobody else wanted the device. Not
+    /// generation-checked: it changes only the expiry, and repeating it is harmless.
     ///
     /// # Errors
-    /// 404 `unknown_lease`; 409 `lease_ended`; [`Error::Database`].
+    /// 404 `unknown_lease`; 409 `lease_ended` (released, or its device leased again);
+    /// [`Error::Database`].
     pub async fn renew(&self, id: Uuid, now: i64) -> Result<Lease> {
         let n = sqlx::query(
             "UPDATE leases SET expires_at_ms = $1 + ttl_ms WHERE id = $2 \
-             AND state IN ('claimed', 'bound') AND expires_at_ms > $1",
+             AND state IN ('claimed', 'bound') AND expires_at_ms < $1 + ttl_ms",
         )
         .bind(now)
         .bind(id.to_string())
@@ -368,10 +399,95 @@ impl Store {
         .await?
         .rows_affected();
         if n == 0 {
+            // Already renewed to the full TTL within this millisecond, or ended.
+            let lease = self.lease(id, now).await?;
+            if lease.state.is_live() {
+                return Ok(lease);
+            }
             return Err(self
                 .explain(id, None, now, (codes::LEASE_ENDED, "has ended"))
                 .await);
         }
         self.lease(id, now).await
+    }
+
+    /// A lender's report that the holders of `ids` have sessions open with it: each of
+    /// those leases of provider `provider_id` that is live or lapsed is renewed as
+    /// [`Store::renew`] does. Ids of other providers, and ended leases, are skipped.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn renew_served(&self, provider_id: &str, ids: &[Uuid], now: i64) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.pool().begin().await?;
+        for id in ids {
+            sqlx::query(
+                "UPDATE leases SET expires_at_ms = $1 + ttl_ms WHERE id = $2 \
+                 AND provider_id = $3 AND state IN ('claimed', 'bound') \
+                 AND expires_at_ms < $1 + ttl_ms",
+            )
+            .bind(now)
+            .bind(id.to_string())
+            .bind(provider_id)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records that a pool server looks at the database at `now`. When no server did
+    /// for longer than `absent_ms` (all stopped or stalled, or the database down), the
+    /// leases that were live when one last looked get a full TTL from `now` before any
+    /// can expire: expiry counts only time the pool was there to renew. Returns the
+    /// length of the absence that was made up for, if any.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn presence(&self, now: i64, absent_ms: i64) -> Result<Option<i64>> {
+        let mut tx = self.pool().begin().await?;
+        // First statement writes: SQLite takes its write lock here.
+        let fresh = sqlx::query(
+            "UPDATE pool_presence SET seen_ms = $1 WHERE id = 'default' AND seen_ms >= $2",
+        )
+        .bind(now)
+        .bind(now.saturating_sub(absent_ms))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if fresh == 1 {
+            tx.commit().await?;
+            return Ok(None);
+        }
+        let seen: Option<i64> =
+            sqlx::query("SELECT seen_ms FROM pool_presence WHERE id = 'default'")
+                .fetch_optional(&mut *tx)
+                .await?
+                .map(|r| r.try_get("seen_ms"))
+                .transpose()?;
+        // Never seen (a database from before presence was kept): nothing is known of
+        // the absence, and nothing is extended.
+        if let Some(since) = seen {
+            sqlx::query(
+                "UPDATE leases SET expires_at_ms = $1 + ttl_ms \
+                 WHERE state IN ('claimed', 'bound') AND expires_at_ms > $2 \
+                 AND expires_at_ms < $1 + ttl_ms",
+            )
+            .bind(now)
+            .bind(since)
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query(
+            "INSERT INTO pool_presence (id, seen_ms) VALUES ('default', $1) \
+             ON CONFLICT (id) DO UPDATE SET seen_ms = excluded.seen_ms",
+        )
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(seen.map(|since| now.saturating_sub(since)))
     }
 }

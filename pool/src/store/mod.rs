@@ -43,6 +43,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "lease_successor",
         include_str!("../../migrations/0004_lease_successor.sql"),
     ),
+    (
+        5,
+        "lease_epochs",
+        include_str!("../../migrations/0005_lease_epochs.sql"),
+    ),
 ];
 
 /// Which database a [`Store`] runs on.

@@ -8,8 +8,8 @@ use uuid::Uuid;
 
 use super::{db_i64, get_opt_uuid, get_u64, get_uuid, split_list, Store};
 use crate::api::{
-    codes, Device, DeviceSpec, DeviceState, LeaseState, Provider, ProviderHeartbeat, ProviderLease,
-    RegisterProvider,
+    codes, Device, DeviceFence, DeviceSpec, DeviceState, LeaseState, Provider, ProviderHeartbeat,
+    ProviderLease, RegisterProvider,
 };
 use crate::error::{Error, Result};
 use crate::placement::Candidate;
@@ -376,11 +376,17 @@ impl Store {
             .ok_or_else(|| Error::not_found(codes::UNKNOWN_PROVIDER, "provider vanished"))
     }
 
-    /// Records a heartbeat of provider `name` at `now` and returns its live leases.
+    /// Records a heartbeat of provider `name` at `now`, renews the leases it serves
+    /// ([`Store::renew_served`]), and returns its live leases and each device's fence.
     ///
     /// # Errors
     /// 404 `unknown_provider` when it is not registered; [`Error::Database`].
-    pub async fn provider_heartbeat(&self, name: &str, now: i64) -> Result<ProviderHeartbeat> {
+    pub async fn provider_heartbeat(
+        &self,
+        name: &str,
+        serving: &[Uuid],
+        now: i64,
+    ) -> Result<ProviderHeartbeat> {
         let n = sqlx::query("UPDATE providers SET last_heartbeat_ms = $1 WHERE name = $2")
             .bind(now)
             .bind(name)
@@ -398,15 +404,17 @@ impl Store {
             .fetch_one(self.pool())
             .await?;
         let pid: String = p.try_get("id")?;
+        self.renew_served(&pid, serving, now).await?;
         let rows = sqlx::query(
-            "SELECT id, device_name, expires_at_ms, state FROM leases WHERE provider_id = $1 \
-             AND state IN ('claimed', 'bound') AND expires_at_ms > $2 ORDER BY created_ms, id",
+            "SELECT id, device_name, expires_at_ms, state, epoch FROM leases \
+             WHERE provider_id = $1 AND state IN ('claimed', 'bound') AND expires_at_ms > $2 \
+             ORDER BY created_ms, id",
         )
         .bind(&pid)
         .bind(now)
         .fetch_all(self.pool())
         .await?;
-        let leases = rows
+        let leases: Vec<ProviderLease> = rows
             .iter()
             .map(|r| {
                 let state: String = r.try_get("state")?;
@@ -419,12 +427,65 @@ impl Store {
                     } else {
                         LeaseState::Claimed
                     },
+                    epoch: get_u64(r, "epoch")?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let devices = sqlx::query("SELECT name, last_epoch FROM devices WHERE provider_id = $1")
+            .bind(&pid)
+            .fetch_all(self.pool())
+            .await?;
+        let fences = devices
+            .iter()
+            .map(|r| {
+                let device: String = r.try_get("name")?;
+                let last = get_u64(r, "last_epoch")?;
+                Ok(DeviceFence {
+                    fence: fence(&device, last, &leases),
+                    device,
                 })
             })
             .collect::<Result<_>>()?;
         Ok(ProviderHeartbeat {
             generation: get_u64(&p, "generation")?,
             leases,
+            fences,
         })
+    }
+}
+
+/// A device's fence: the lowest epoch of its live leases (a handover's predecessor is
+/// below its successor, and both are served until the predecessor lets go), or one past
+/// its last lease's epoch when none is live.
+fn fence(device: &str, last_epoch: u64, live: &[ProviderLease]) -> u64 {
+    live.iter()
+        .filter(|l| l.device == device)
+        .map(|l| l.epoch)
+        .min()
+        .unwrap_or(last_epoch.saturating_add(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(device: &str, epoch: u64) -> ProviderLease {
+        ProviderLease {
+            id: Uuid::new_v4(),
+            device: device.into(),
+            expires_at_ms: 1,
+            state: LeaseState::Bound,
+            epoch,
+        }
+    }
+
+    #[test]
+    fn a_fence_is_the_lowest_live_epoch_or_one_past_the_last() {
+        let l = [live("a", 7), live("a", 9), live("b", 3)];
+        assert_eq!(fence("a", 9, &l), 7);
+        assert_eq!(fence("b", 3, &l), 3);
+        // Nothing live: the last lease of the device is fenced off too.
+        assert_eq!(fence("c", 4, &l), 5);
+        assert_eq!(fence("d", 0, &l), 1);
     }
 }

@@ -5,6 +5,12 @@
 //!
 //! Built on `reqwest::blocking`: call it from plain threads, not from inside a tokio
 //! runtime (use `spawn_blocking` there).
+//!
+//! A pool URL may name several servers of one pool, separated by commas; the client
+//! fails over between them and corrects for a pool clock minutes away from ours
+//! ([`endpoints`]).
+
+mod endpoints;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -21,12 +27,17 @@ use devlend_fabric::lease_token::TokenSigner;
 use crate::api::{
     Device, DeviceQuery, EmptyBody, EnrollRequest, Enrollment, ErrorBody, GenerationBody,
     HandoverRequest, JoinRequest, Lease, LeaseFilter, LeaseGrant, LeaseRequest, Principal,
-    Provider, ProviderHeartbeat, RegisterProvider, SigningKey,
+    Provider, ProviderHeartbeat, ProviderHeartbeatBody, RegisterProvider, SigningKey,
 };
 use crate::auth::request::{self, SignatureError};
+use endpoints::Endpoints;
+pub use endpoints::MAX_SERVERS;
 
 /// Seconds a request may take before it fails with [`ClientError::Transport`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long connecting to one pool server may take before the next is tried.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long an idle connection to the pool is kept for reuse: under the pool's
 /// header timeout (`listen::DEFAULT_HEADER_TIMEOUT`, 10 s), after which it closes it.
@@ -35,8 +46,9 @@ const IDLE_REUSE: Duration = Duration::from_secs(4);
 /// Why a pool request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The base URL is not an `http://HOST:PORT` or `https://HOST:PORT` URL.
-    #[error("bad pool URL {url:?}: expected http://HOST:PORT or https://HOST:PORT")]
+    /// The base URL is not an `http://HOST:PORT` or `https://HOST:PORT` URL, or a list
+    /// of them separated by commas, of one scheme, at most [`MAX_SERVERS`].
+    #[error("bad pool URL {url:?}: expected http://HOST:PORT or https://HOST:PORT, or several of one scheme separated by commas")]
     BadUrl {
         /// The URL given.
         url: String,
@@ -124,10 +136,10 @@ impl ClientError {
     }
 }
 
-/// A client of one pool.
+/// A client of one pool (one server or several).
 #[derive(Debug, Clone)]
 pub struct PoolClient {
-    base: Url,
+    servers: Arc<Endpoints>,
     http: Client,
     identity: Option<Arc<TokenSigner>>,
 }
@@ -174,18 +186,8 @@ impl PoolClient {
         timeout: Duration,
         ca_file: Option<&Path>,
     ) -> Result<Self, ClientError> {
-        let bad = || ClientError::BadUrl {
-            url: base_url.to_string(),
-        };
-        let mut base = Url::parse(base_url).map_err(|_| bad())?;
-        let https = match base.scheme() {
-            "http" => false,
-            "https" => true,
-            _ => return Err(bad()),
-        };
-        if base.cannot_be_a_base() || base.host().is_none() {
-            return Err(bad());
-        }
+        let (servers, https) =
+            Endpoints::parse(base_url).map_err(|b| ClientError::BadUrl { url: b.0 })?;
         if let (false, Some(ca)) = (https, ca_file) {
             return Err(ClientError::CaWithoutHttps {
                 url: base_url.to_string(),
@@ -201,16 +203,13 @@ impl PoolClient {
             url: base_url.to_string(),
             source: Box::new(source),
         })?;
-        if !base.path().ends_with('/') {
-            let p = format!("{}/", base.path());
-            base.set_path(&p);
-        }
         let http = Client::builder()
             .tls_backend_preconfigured(tls)
             .https_only(https)
             // The pool closes a connection idle for its header timeout (10 s by
             // default): never reuse one that may be closing.
             .pool_idle_timeout(IDLE_REUSE)
+            .connect_timeout(CONNECT_TIMEOUT.min(timeout))
             .timeout(timeout)
             .build()
             .map_err(|source| ClientError::Transport {
@@ -218,7 +217,7 @@ impl PoolClient {
                 source,
             })?;
         Ok(PoolClient {
-            base,
+            servers,
             http,
             identity: None,
         })
@@ -236,9 +235,14 @@ impl PoolClient {
         self.identity.as_deref()
     }
 
-    /// The base URL.
+    /// The base URL of the server asked first now.
     pub fn base_url(&self) -> &Url {
-        &self.base
+        self.servers.current()
+    }
+
+    /// Every server's base URL, in the order given.
+    pub fn base_urls(&self) -> &[Url] {
+        self.servers.all()
     }
 
     /// `GET /openapi.json`: the OpenAPI 3 document.
@@ -274,12 +278,16 @@ impl PoolClient {
     ///
     /// # Errors
     /// [`ClientError::Api`] with 404 `unknown_provider` when it is not registered.
-    pub fn provider_heartbeat(&self, name: &str) -> Result<ProviderHeartbeat, ClientError> {
+    pub fn provider_heartbeat(
+        &self,
+        name: &str,
+        body: &ProviderHeartbeatBody,
+    ) -> Result<ProviderHeartbeat, ClientError> {
         self.call(
             Method::POST,
             &["v1", "providers", name, "heartbeat"],
             &[],
-            Some(&EmptyBody {}),
+            Some(body),
         )
     }
 
@@ -457,8 +465,8 @@ impl PoolClient {
         )
     }
 
-    fn url(&self, segments: &[&str], query: &[(&str, String)]) -> Url {
-        let mut url = self.base.clone();
+    fn url(base: &Url, segments: &[&str], query: &[(&str, String)]) -> Url {
+        let mut url = base.clone();
         if let Ok(mut p) = url.path_segments_mut() {
             p.pop_if_empty().extend(segments);
         }
@@ -478,7 +486,6 @@ impl PoolClient {
         query: &[(&str, String)],
         body: Option<&B>,
     ) -> Result<T, ClientError> {
-        let url = self.url(segments, query);
         let bytes = match body {
             Some(b) => serde_json::to_vec(b).map_err(|e| ClientError::Decode {
                 status: 0,
@@ -486,26 +493,68 @@ impl PoolClient {
             })?,
             None => Vec::new(),
         };
+        let mut last = None;
+        for (i, base) in self.servers.in_order() {
+            let url = Self::url(base, segments, query);
+            match self.send(&method, &url, body.is_some(), &bytes) {
+                Ok(answer) => {
+                    self.servers.answered(i);
+                    return answer;
+                }
+                Err(Sent::Not(e)) => last = Some(e),
+                Err(Sent::Maybe(e)) => {
+                    self.servers.skip(i);
+                    return Err(e);
+                }
+            }
+        }
+        Err(last.unwrap_or(ClientError::BadUrl { url: String::new() }))
+    }
+
+    /// One request to one server; signed requests refused for a clock the pool found
+    /// too far from its own are signed again with the pool's time, once.
+    fn send<T: DeserializeOwned>(
+        &self,
+        method: &Method,
+        url: &Url,
+        has_body: bool,
+        bytes: &[u8],
+    ) -> Result<Result<T, ClientError>, Sent> {
+        let mut corrected = false;
+        loop {
+            let (status, date, answer) = self.send_once(method, url, has_body, bytes)?;
+            let changed =
+                date.is_some_and(|d| self.servers.saw_date(&d, std::time::SystemTime::now()));
+            let refused_clock = status == StatusCode::UNAUTHORIZED && self.identity.is_some();
+            if refused_clock && changed && !corrected {
+                corrected = true;
+                continue;
+            }
+            return Ok(decode(status, &answer));
+        }
+    }
+
+    fn send_once(
+        &self,
+        method: &Method,
+        url: &Url,
+        has_body: bool,
+        bytes: &[u8],
+    ) -> Result<(StatusCode, Option<String>, Vec<u8>), Sent> {
         let mut req: RequestBuilder = self.http.request(method.clone(), url.clone());
         if let Some(key) = &self.identity {
             let target = match url.query() {
                 Some(q) => format!("{}?{q}", url.path()),
                 None => url.path().to_string(),
             };
-            let value = request::sign(
-                key,
-                method.as_str(),
-                &target,
-                devlend_fabric::lease_token::now_ms(),
-                &bytes,
-            )
-            .map_err(ClientError::Sign)?;
+            let value = request::sign(key, method.as_str(), &target, self.servers.now_ms(), bytes)
+                .map_err(|e| Sent::Not(ClientError::Sign(e)))?;
             req = req.header(reqwest::header::AUTHORIZATION, value);
         }
-        if body.is_some() {
+        if has_body {
             req = req
                 .header(reqwest::header::CONTENT_TYPE, "application/json")
-                .body(bytes);
+                .body(bytes.to_vec());
         }
         let transport = |source: reqwest::Error| match crate::https::tls_failure(&source) {
             Some(reason) => ClientError::Tls {
@@ -518,11 +567,31 @@ impl PoolClient {
                 source,
             },
         };
-        let resp: Response = req.send().map_err(transport)?;
+        let resp: Response = req.send().map_err(|e| {
+            // Not connected: the request was never sent, and the next server may take it.
+            if e.is_connect() {
+                Sent::Not(transport(e))
+            } else {
+                Sent::Maybe(transport(e))
+            }
+        })?;
         let status = resp.status();
-        let bytes = resp.bytes().map_err(transport)?;
-        decode(status, &bytes)
+        let date = resp
+            .headers()
+            .get(reqwest::header::DATE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let body = resp.bytes().map_err(|e| Sent::Maybe(transport(e)))?;
+        Ok((status, date, body.to_vec()))
     }
+}
+
+/// A request that failed: whether the server may have carried it out.
+enum Sent {
+    /// It never reached the server: the next server may be asked.
+    Not(ClientError),
+    /// It may have: not sent again.
+    Maybe(ClientError),
 }
 
 fn decode<T: DeserializeOwned>(status: StatusCode, bytes: &[u8]) -> Result<T, ClientError> {
