@@ -332,9 +332,10 @@ impl LeaseGuard {
         }
     }
 
-    /// Writes the fences to the state file, if any (logged on failure: the fences still
-    /// hold in memory).
-    fn save(&self) {
+    /// Writes the fences, and the pool key they are under, to the state file, if any
+    /// (logged on failure: the fences still hold in memory). Called at each change, and
+    /// once the pool answered at start, so that the file names the pool's current key.
+    pub fn save(&self) {
         let Some(file) = &self.file else { return };
         let _writing = file.write.lock().unwrap_or_else(PoisonError::into_inner);
         let saved = SavedFences {
@@ -559,7 +560,12 @@ mod tests {
             .is_ok());
         // Another pool's fences are not taken.
         let other = TokenSigner::from_seed([2; 32]);
-        let g = LeaseGuard::new(other.public_key(), "p").with_state_file(path);
+        let g = LeaseGuard::new(other.public_key(), "p").with_state_file(path.clone());
         assert_eq!(g.fence("d0"), 0);
+        // Saved once the new pool answered: the file pins its key from then on.
+        g.save();
+        let saved: SavedFences = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(saved.pool_key, other.public_key().to_text());
+        assert!(saved.fences.is_empty());
     }
 }

@@ -163,6 +163,10 @@ impl PoolSession {
         let mut guard = LeaseGuard::new(public, &provider);
         if let Some(path) = state_file {
             guard = guard.with_state_file(path);
+            if reached {
+                // Pins the key the pool presents now for a start while it is away.
+                guard.save();
+            }
         }
         if !reached {
             health.failed();
