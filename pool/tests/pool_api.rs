@@ -177,14 +177,6 @@ fn expiry_frees_the_device_and_ends_the_lease(backend: Backend) {
     );
     let d = &pool.client.devices(&DeviceQuery::default()).unwrap()[0];
     assert_eq!(d.state, DeviceState::Available);
-    let hb = pool
-        .client
-        .provider_heartbeat("lender-a", &Default::default())
-        .unwrap();
-    assert!(hb.leases.is_empty());
-    // Nothing live: the lapsed lease's epoch is fenced off at the lender.
-    assert_eq!(hb.fences[0].device, "disk0");
-    assert_eq!(hb.fences[0].fence, first.epoch + 1);
     assert!(pool.client.leases(LeaseFilter::Active).unwrap().is_empty());
     // Lapsed, not ended: nobody claimed the device since, so its holder's renewal takes
     // it back (a holder cut from the pool while nobody else wanted the device).
@@ -193,6 +185,19 @@ fn expiry_frees_the_device_and_ends_the_lease(backend: Backend) {
     let d = &pool.client.devices(&DeviceQuery::default()).unwrap()[0];
     assert_eq!(d.state, DeviceState::Leased);
     std::thread::sleep(Duration::from_millis(1_300));
+    // Lapsed again; its lender's heartbeat does not report it: it ends for good, and the
+    // answer fences its epoch at the lender.
+    let hb = pool
+        .client
+        .provider_heartbeat("lender-a", &Default::default())
+        .unwrap();
+    assert!(hb.leases.is_empty());
+    assert_eq!(hb.fences[0].device, "disk0");
+    assert_eq!(hb.fences[0].fence, first.epoch + 1);
+    assert_eq!(
+        code(pool.client.lease_heartbeat(first.id)),
+        (409, "lease_ended".into())
+    );
     // The expired lease never blocks a new claim, which ends it for good.
     let second = pool
         .client

@@ -10,7 +10,9 @@
 //! A lease past its expiry whose device nobody claimed since still has its stored state
 //! `claimed` or `bound`: it has lapsed, not ended. Its holder's renewal, or its lender's
 //! report that the holder's sessions are open ([`Store::renew_served`]), takes it back;
-//! only a claim of its device (which stores `expired`) or a release ends it for good.
+//! a claim of its device, its lender's next heartbeat that does not report it (whose
+//! answer fences it at the lender), or a release ends it for good (stored `expired` or
+//! `released`).
 //!
 //! Every lease takes the next number of one counter, its fencing epoch
 //! ([`Store::next_epoch`]), in the transaction that creates it.

@@ -377,7 +377,9 @@ impl Store {
     }
 
     /// Records a heartbeat of provider `name` at `now`, renews the leases it serves
-    /// ([`Store::renew_served`]), and returns its live leases and each device's fence.
+    /// ([`Store::renew_served`]), ends its lapsed leases that it does not serve (its
+    /// answer fences them at the lender), and returns its live leases and each device's
+    /// fence.
     ///
     /// # Errors
     /// 404 `unknown_provider` when it is not registered; [`Error::Database`].
@@ -405,6 +407,16 @@ impl Store {
             .await?;
         let pid: String = p.try_get("id")?;
         self.renew_served(&pid, serving, now).await?;
+        // What lapsed and is not served ends for good now: the answer fences it at the
+        // lender, so a later renewal must not take it back.
+        sqlx::query(
+            "UPDATE leases SET state = 'expired', generation = generation + 1 \
+             WHERE provider_id = $1 AND state IN ('claimed', 'bound') AND expires_at_ms <= $2",
+        )
+        .bind(&pid)
+        .bind(now)
+        .execute(self.pool())
+        .await?;
         let rows = sqlx::query(
             "SELECT id, device_name, expires_at_ms, state, epoch FROM leases \
              WHERE provider_id = $1 AND state IN ('claimed', 'bound') AND expires_at_ms > $2 \
