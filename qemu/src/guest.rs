@@ -61,7 +61,10 @@ pub const RESULT_MARKER: &str = "DEVLEND-RESULT ";
 pub const READY_MARKER: &str = "DEVLEND-READY";
 
 /// Kernel command line every guest gets (before [`GuestBuilder::kernel_arg`]s).
-pub const BASE_CMDLINE: &str = "console=ttyS0 quiet panic=-1";
+/// `no_timer_check`: a TCG guest on a loaded host may see its IO-APIC timer tick too
+/// late during boot; with interrupt remapping (intel-iommu) the kernel then panics
+/// ("timer doesn't work through Interrupt-remapped IO-APIC") instead of falling back.
+pub const BASE_CMDLINE: &str = "console=ttyS0 quiet panic=-1 no_timer_check";
 
 /// How long [`Guest::wait_done`] gives QEMU to exit after `DEVLEND-DONE`
 /// before killing it.
