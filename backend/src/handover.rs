@@ -7,7 +7,13 @@
 //! end of the migration (vhost-user GET_VRING_BASE, after the requests in flight
 //! completed: [`crate::blk::backend::DRAIN_TIMEOUT`]): each queue closes its fabric
 //! session and the holder pauses, so that the lender hands the device to the
-//! destination. If the migration fails and the VM resumes here, the frontend starts the
+//! destination. The frontend stops only the rings it started, and a guest may start
+//! fewer queues than the device has (one vCPU on a two-queue disk; a VM using one pair
+//! of a two-pair NIC): at the first stop, the queues whose ring is not started close
+//! their sessions too, having nothing in flight. So the device is let go as soon as
+//! the frontend stops the VM, whatever number of queues the guest started, and the
+//! destination's VM takes it at its first request (`devlend migrate finish` on the
+//! source is bookkeeping, and may come late). If the migration fails and the VM resumes here, the frontend starts the
 //! rings again: the holder resumes and the queues reconnect on their next request (the
 //! lender lets the source take the device back while the destination has not).
 //!
@@ -41,6 +47,12 @@ impl Handover {
     /// From now on the device is let go when the frontend stops it.
     pub fn begin(&self) {
         self.active.store(true, Ordering::Release);
+    }
+
+    /// As [`Self::begin`], unless a handover is asked for already: returns whether this
+    /// call began it.
+    pub fn try_begin(&self) -> bool {
+        !self.active.swap(true, Ordering::AcqRel)
     }
 
     /// The handover is called off (the migration failed or was cancelled): the device is

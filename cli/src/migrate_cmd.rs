@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
-use devlend_compute_agent::api::{AttachRequest, AttachmentInfo};
+use devlend_compute_agent::api::{AttachRequest, AttachmentInfo, KindInfo};
 
 use crate::api_client::ApiClient;
 
@@ -60,8 +60,19 @@ pub enum MigrateCmd {
         /// Virtqueue size: as on the source.
         #[arg(long, default_value_t = 256)]
         queue_size: u16,
-        /// The lender's public key, as on the source (the token carries the one the
-        /// source's lease named, if any).
+        /// Seconds requests wait for a lost fabric session before they fail with IOERR
+        /// (as `devlend attach --reconnect-deadline`; give the source's).
+        #[arg(
+            long = "reconnect-deadline",
+            default_value_t = 30,
+            value_name = "SECONDS"
+        )]
+        reconnect_deadline_s: u32,
+        /// The lender's public key (as it logs it at start), as on the source: every
+        /// session must prove it. A token from a source attached with `--lender-key`
+        /// (direct mode) or under a lease naming a key (pool mode) carries that key, and
+        /// the destination checks it even without this option; given too, it must be
+        /// the same. With neither, the destination does not check the lender's key.
         #[arg(long, value_name = "KEY", allow_hyphen_values = true)]
         lender_key: Option<String>,
         /// Where the destination QEMU listens for the migration stream, printed as its
@@ -128,7 +139,23 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
                 .as_ref()
                 .map(|p| format!(" --pool {p}"))
                 .unwrap_or_default();
-            println!("on the destination:\n  devlend migrate prepare --handover-token {} --lender {} --device {}{pool} --socket <path>", h.handover_token, h.lender, h.device);
+            // The attachment's queues, which the destination's must match (a listing
+            // that fails leaves them out: the token is what matters).
+            let queues = client
+                .list()
+                .ok()
+                .and_then(|all| all.into_iter().find(|a| a.id == id))
+                .map(|a| match a.part {
+                    KindInfo::Block(b) => {
+                        format!(" --queues {} --queue-size {}", b.queues, b.queue_size)
+                    }
+                    KindInfo::Nic(n) => {
+                        format!(" --queues {} --queue-size {}", n.queue_pairs, n.queue_size)
+                    }
+                    KindInfo::Pci(_) => String::new(),
+                })
+                .unwrap_or_default();
+            println!("on the destination (and --lender-key, --reconnect-deadline as on this host):\n  devlend migrate prepare --handover-token {} --lender {} --device {}{pool} --id {id}{queues} --socket <path>", h.handover_token, h.lender, h.device);
         }
         MigrateCmd::Prepare {
             handover_token,
@@ -138,6 +165,7 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
             id,
             queues,
             queue_size,
+            reconnect_deadline_s,
             lender_key,
             incoming,
             pool,
@@ -169,7 +197,7 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
                 queues,
                 queue_size,
                 poll_us: 0,
-                reconnect_deadline_s: 30,
+                reconnect_deadline_s,
                 vmm: None,
                 lease,
                 lender_key,

@@ -21,7 +21,9 @@ pub fn human_bytes(b: u64) -> String {
 }
 
 /// The QEMU arguments of a lent NIC: `-netdev vhost-user` and `virtio-net-pci`, with
-/// the lender's MAC and MTU (`host_mtu`), and multiqueue when it has several pairs.
+/// the lender's MAC and MTU (`host_mtu`), and multiqueue when it has several pairs. The
+/// device's `id` is `devlend-ID`, as the chardev's and netdev's: a migration's
+/// destination, prepared with the same attachment id, prints the same ids.
 pub fn qemu_net_args(a: &AttachmentInfo, n: &NicInfo) -> String {
     let id = format!("devlend-{}", a.id);
     let (mac, mtu) = (&n.mac, n.mtu);
@@ -37,7 +39,7 @@ pub fn qemu_net_args(a: &AttachmentInfo, n: &NicInfo) -> String {
         "-object memory-backend-memfd,id=mem,size=<guest RAM>,share=on -numa node,memdev=mem \\\n  \
          -chardev socket,id={id},path={},reconnect-ms=1000 \\\n  \
          -netdev vhost-user,id={id},chardev={id}{queues} \\\n  \
-         -device virtio-net-pci,netdev={id},mac={mac},host_mtu={mtu}{mq},rx_queue_size={qs},tx_queue_size={qs}",
+         -device virtio-net-pci,netdev={id},mac={mac},host_mtu={mtu}{mq},rx_queue_size={qs},tx_queue_size={qs},id={id}",
         a.socket.display(),
         qs = n.queue_size,
     )
@@ -75,7 +77,9 @@ pub fn vfio_user_args(a: &AttachmentInfo) -> String {
 }
 
 /// The QEMU arguments that join the attachment's socket (a block device's or a NIC's;
-/// a PCIe function's are [`vfio_user_args`]).
+/// a PCIe function's are [`vfio_user_args`]). The chardev and the device are both
+/// `devlend-ID`: a migration's destination prepared with the same attachment id
+/// (`devlend migrate prepare --id`) prints the same device ids as its source.
 pub fn qemu_args(a: &AttachmentInfo) -> String {
     let b = match &a.part {
         KindInfo::Nic(n) => return qemu_net_args(a, n),
@@ -91,7 +95,7 @@ pub fn qemu_args(a: &AttachmentInfo) -> String {
     format!(
         "-object memory-backend-memfd,id=mem,size=<guest RAM>,share=on -numa node,memdev=mem \\\n  \
          -chardev socket,id={id},path={},reconnect-ms=1000 \\\n  \
-         -device vhost-user-blk-pci,chardev={id}{mq},queue-size={}",
+         -device vhost-user-blk-pci,chardev={id}{mq},queue-size={},id={id}",
         a.socket.display(),
         b.queue_size
     )
@@ -569,6 +573,25 @@ mod status_tests {
                 .collect()
         };
         (cols(head), cols(row))
+    }
+
+    /// Found in a trial (issue 40): a migration's destination needs the source's device
+    /// ids, and the printed `-device` had none (only the chardev had one).
+    #[test]
+    fn the_printed_qemu_devices_carry_their_ids() {
+        let blk = super::qemu_args(&block());
+        assert!(
+            blk.contains(
+                "-device vhost-user-blk-pci,chardev=devlend-disk0,num-queues=2,queue-size=256,id=devlend-disk0"
+            ),
+            "{blk}"
+        );
+        let net = super::qemu_args(&nic());
+        let device = net
+            .lines()
+            .find(|l| l.contains("-device virtio-net-pci,"))
+            .unwrap_or_else(|| panic!("{net}"));
+        assert!(device.trim_end().ends_with(",id=devlend-nic0"), "{net}");
     }
 
     /// Found in a trial: `devlend status` showed LINK `down` for a NIC whose lender's

@@ -201,6 +201,9 @@ pub struct Chain {
     pub previous: Vec<TimedConsole>,
     /// The migrations done.
     pub switches: Vec<Switch>,
+    /// The source of the last migration, left in `postmigrate` by
+    /// [`Chain::migrate_keeping_source`] until [`Chain::quit_source`].
+    pub left: Option<Guest>,
 }
 
 impl Chain {
@@ -210,7 +213,47 @@ impl Chain {
             current: guest,
             previous: Vec::new(),
             switches: Vec::new(),
+            left: None,
         }
+    }
+
+    /// As [`Chain::migrate`], but the source QEMU stays (`postmigrate`, its vhost-user
+    /// connections open) until [`Chain::quit_source`]: the order `docs/migration.md`
+    /// gives, `devlend migrate finish` on the source before quitting its QEMU.
+    ///
+    /// # Errors
+    /// As [`Chain::migrate`].
+    pub fn migrate_keeping_source(
+        &mut self,
+        label: &str,
+        dest: Guest,
+        uri: &str,
+        params: Params,
+        timeout: Duration,
+    ) -> Result<&Switch> {
+        self.quit_source()?;
+        self.switch(label, dest, uri, params, timeout, false)
+    }
+
+    /// Quits the source QEMU [`Chain::migrate_keeping_source`] left, if any.
+    ///
+    /// # Errors
+    /// It does not quit.
+    pub fn quit_source(&mut self) -> Result<()> {
+        let Some(mut source) = self.left.take() else {
+            return Ok(());
+        };
+        if let Ok(mut sq) = qmp(&source, Duration::from_secs(5)) {
+            let _ = sq.execute("quit", json!({}));
+        }
+        if source.wait_exit(Duration::from_secs(10)).is_none() {
+            source.kill();
+            bail!("the source QEMU did not quit");
+        }
+        if let Some(last) = self.previous.last_mut() {
+            *last = source.timed_console();
+        }
+        Ok(())
     }
 
     /// Migrates the guest to `dest` (started with `-incoming uri`): waits until `dest`
@@ -228,6 +271,19 @@ impl Chain {
         uri: &str,
         params: Params,
         timeout: Duration,
+    ) -> Result<&Switch> {
+        self.quit_source()?;
+        self.switch(label, dest, uri, params, timeout, true)
+    }
+
+    fn switch(
+        &mut self,
+        label: &str,
+        dest: Guest,
+        uri: &str,
+        params: Params,
+        timeout: Duration,
+        quit: bool,
     ) -> Result<&Switch> {
         let mut dq = qmp(&dest, Duration::from_secs(20))?;
         wait_state(&mut dq, "inmigrate", Duration::from_secs(20))
@@ -253,14 +309,20 @@ impl Chain {
         if source_state != "postmigrate" {
             bail!("{label}: the source is {source_state:?} after the migration, not postmigrate");
         }
-        let _ = sq.execute("quit", json!({}));
-        drop(sq);
         let mut source = std::mem::replace(&mut self.current, dest);
-        if source.wait_exit(Duration::from_secs(10)).is_none() {
-            source.kill();
-            bail!("{label}: the source QEMU did not quit");
+        if quit {
+            let _ = sq.execute("quit", json!({}));
+            drop(sq);
+            if source.wait_exit(Duration::from_secs(10)).is_none() {
+                source.kill();
+                bail!("{label}: the source QEMU did not quit");
+            }
+            self.previous.push(source.timed_console());
+        } else {
+            drop(sq);
+            self.previous.push(source.timed_console());
+            self.left = Some(source);
         }
-        self.previous.push(source.timed_console());
         self.switches.push(Switch {
             label: label.to_owned(),
             started,

@@ -153,8 +153,17 @@ impl ComputeHost {
     /// # Errors
     /// As [`Self::json`].
     pub fn attach(&self, device: &str, sock: &Path) -> Result<Value> {
+        self.attach_with(device, sock, &["--queues", "1"])
+    }
+
+    /// `devlend attach` of the lender's `device` on `sock` with the options `extra`
+    /// (`--queues N`, ...): the JSON.
+    ///
+    /// # Errors
+    /// As [`Self::json`].
+    pub fn attach_with(&self, device: &str, sock: &Path, extra: &[&str]) -> Result<Value> {
         let s = sock.display().to_string();
-        self.json(&[
+        let mut args = vec![
             "attach",
             "--lender",
             &self.lender,
@@ -162,9 +171,9 @@ impl ComputeHost {
             device,
             "--socket",
             &s,
-            "--queues",
-            "1",
-        ])
+        ];
+        args.extend_from_slice(extra);
+        self.json(&args)
     }
 
     /// Ids of the attachments `devlend status` lists.
@@ -207,6 +216,31 @@ pub fn ok_json(out: &Output, what: &str) -> Result<Value> {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).with_context(|| format!("{what}: not JSON"))
+}
+
+/// The `-chardev`, `-netdev` and `-device` arguments of QEMU arguments as `devlend`
+/// prints them (`attach`, `migrate prepare`): what a test's QEMU adds to the harness's
+/// own (which has the shared memory backend; `-incoming` the test gives).
+///
+/// # Errors
+/// There is no `-device` among them.
+pub fn printed_device_args(qemu_args: &str) -> Result<Vec<String>> {
+    let words: Vec<&str> = qemu_args
+        .split_whitespace()
+        .filter(|w| *w != "\\")
+        .collect();
+    let mut out = Vec::new();
+    for w in words.windows(2) {
+        if matches!(w[0], "-chardev" | "-netdev" | "-device") {
+            out.push(w[0].to_owned());
+            out.push(w[1].to_owned());
+        }
+    }
+    ensure!(
+        out.iter().any(|a| a == "-device"),
+        "no -device in the printed QEMU arguments: {qemu_args}"
+    );
+    Ok(out)
 }
 
 /// `token` with one character of its signature changed (base64url).
@@ -341,8 +375,24 @@ impl Lab {
         device: &str,
         sock: &Path,
     ) -> Result<Output> {
+        self.prepare_with(on, token, device, sock, &["--queues", "1"])
+    }
+
+    /// `migrate prepare` as [`Self::prepare`], with the options `extra` (`--queues N`,
+    /// ...) instead of one queue.
+    ///
+    /// # Errors
+    /// The CLI cannot run.
+    pub fn prepare_with(
+        &self,
+        on: &ComputeHost,
+        token: &str,
+        device: &str,
+        sock: &Path,
+        extra: &[&str],
+    ) -> Result<Output> {
         let s = sock.display().to_string();
-        on.try_cli(&[
+        let mut args = vec![
             "migrate",
             "prepare",
             "--handover-token",
@@ -353,9 +403,9 @@ impl Lab {
             device,
             "--socket",
             &s,
-            "--queues",
-            "1",
-        ])
+        ];
+        args.extend_from_slice(extra);
+        on.try_cli(&args)
     }
 
     /// The logs of the lender and of A's and B's agents, for an error's context.

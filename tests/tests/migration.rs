@@ -9,7 +9,14 @@
 //! The disk is lent by a lender in a third namespace, in direct mode with a key per
 //! compute host ([`devlend_tests::migration_lab::Lab`]); the source agent hands the
 //! device over (`devlend migrate handover`), the destination's agent takes it
-//! (`migrate prepare`), the source lets go (`migrate finish`). The same run measures
+//! (`migrate prepare`), the source lets go (`migrate finish`). The disk has two queues
+//! and the guest one vCPU, so its driver starts only the first (QEMU stops only that
+//! one): the device must still be let go when QEMU stops the VM. The first migration's
+//! `finish` comes late, past the attachments' short reconnect deadline, and the
+//! destination's guest must do I/O before it (issue 40: the never-started queue's
+//! session kept the device on the source until `finish`, and the guest's requests
+//! failed after the deadline). QEMU runs with the arguments `devlend` prints, the
+//! destination with those of `migrate prepare`. The same run measures
 //! the baseline beside it, QEMU's own local `file` disk (`cache=none`, the same image
 //! for every QEMU: shared storage). Then the handover is refused to anyone else, and a
 //! cancelled migration leaves the guest and its disk working on the source.
@@ -27,14 +34,16 @@ use devlend_tests::migration::{
     self, cancel_migration, ms, qmp, query_migrate, run_state, set_bandwidth, start_migration,
     wait_migration, Chain, Params, CHUNK_BYTES,
 };
-use devlend_tests::migration_lab::{attachment_id, forge, label, ok_json, to_host, Hosts, Lab};
+use devlend_tests::migration_lab::{
+    attachment_id, forge, label, ok_json, printed_device_args, to_host, Hosts, Lab,
+};
 use devlend_tests::sha256_hex;
 
 mod migration_common;
 
 use migration_common::{
-    migrate_chain, wait_workload, Run, CHUNKS, DISK_BYTES, MEMORY_MIB, MIGRATIONS,
-    MIGRATION_TIMEOUT, ONE_AT_A_TIME, WORKLOAD_SECS,
+    io_before_late_finish, migrate_chain, wait_workload, Run, CHUNKS, DISK_BYTES, LATE_FINISH,
+    MEMORY_MIB, MIGRATIONS, MIGRATION_TIMEOUT, ONE_AT_A_TIME, RECONNECT_DEADLINE_S, WORKLOAD_SECS,
 };
 
 /// The baseline: QEMU's own `file` disk, the same image for every QEMU.
@@ -64,7 +73,7 @@ fn file_disk_run(dir: &Path, hosts: &Hosts) -> Result<Run> {
                 .netns(ns)
                 .start()
         },
-        |_| Ok(()),
+        |_, _| Ok(()),
     )?;
     let file = std::fs::read(&img)?;
     let region = (u64::from(CHUNKS) * CHUNK_BYTES) as usize;
@@ -116,11 +125,45 @@ fn region_sha256(dir: &Path) -> Result<String> {
     ))
 }
 
-/// A→B→A→B with the lent disk (images in `dir`); returns the run's pauses.
+/// The options of the lent run's attachments, source and destination alike: two
+/// queues (the guest, with one vCPU, starts one) and a short reconnect deadline.
+fn two_queues() -> [String; 4] {
+    [
+        "--queues".into(),
+        "2".into(),
+        "--reconnect-deadline".into(),
+        RECONNECT_DEADLINE_S.to_string(),
+    ]
+}
+
+/// A→B→A→B with the lent disk (images in `dir`), two queues, the first `finish` late;
+/// returns the run's pauses.
 fn lent_disk_run(lab: &Lab, dir: &Path) -> Result<Run> {
-    let (first_id, first_sock, guest) = boot_on_a(lab, "mig-lent-A", WORKLOAD_SECS)?;
-    // The attachment each host holds now, and its socket.
-    let ids = std::cell::RefCell::new(vec![(first_id, first_sock)]);
+    let opts = two_queues();
+    let opts: Vec<&str> = opts.iter().map(String::as_str).collect();
+    let first_sock = lab.a.socket("boot");
+    let v = lab.a.attach_with("disk0", &first_sock, &opts)?;
+    let first_id = attachment_id(&v)?;
+    let info: devlend_compute_agent::api::AttachmentInfo = serde_json::from_value(v)?;
+    let printed = devlend_cli::output::qemu_args(&info);
+    ensure!(
+        printed.contains("num-queues=2") && printed.contains(&format!(",id=devlend-{first_id}")),
+        "the printed QEMU arguments: {printed}"
+    );
+    // One vCPU (the default): the guest's driver starts one of the two queues. The
+    // workload spans the late finish too.
+    let guest = Guest::builder()
+        .name("mig-lent-A")
+        .memory_mib(MEMORY_MIB)
+        .netns(lab.hosts.a.name.clone())
+        .script(migration::workload_script(
+            WORKLOAD_SECS + LATE_FINISH.as_secs() as u32,
+            CHUNKS,
+        ))
+        .args(printed_device_args(&printed)?)
+        .boot()?;
+    // The attachment each host holds now.
+    let ids = std::cell::RefCell::new(vec![first_id]);
     let mut chain = Chain::new(guest);
     let (run, outcome, _) = migrate_chain(
         "devlend",
@@ -129,32 +172,37 @@ fn lent_disk_run(lab: &Lab, dir: &Path) -> Result<Run> {
         |k, src, ns, uri| {
             let from = k % 2;
             let to = lab.host(to_host(k));
-            let (src_id, src_sock) = ids.borrow().last().cloned().context("no attachment")?;
+            let src_id = ids.borrow().last().cloned().context("no attachment")?;
             let token = lab.handover(from, &src_id)?;
             let sock = to.socket(&format!("m{k}"));
             let v = ok_json(
-                &lab.prepare(to, &token, "disk0", &sock)?,
+                &lab.prepare_with(to, &token, "disk0", &sock, &opts)?,
                 &format!("migrate prepare on {}", to.name),
             )?;
             let dst_id = attachment_id(&v)?;
-            let args = v["qemu_args"].to_string();
+            let args = v["qemu_args"].as_str().context("no qemu_args")?;
             ensure!(
-                args.contains(&sock.display().to_string()),
-                "qemu_args of migrate prepare do not name the socket: {v}"
+                args.contains(&sock.display().to_string()) && args.contains("-incoming"),
+                "qemu_args of migrate prepare: {v}"
             );
-            ids.borrow_mut().push((dst_id, sock.clone()));
+            ids.borrow_mut().push(dst_id);
+            // The destination with the arguments `migrate prepare` printed: the same
+            // device ids as the source's (the same attachment id).
             src.incoming(uri)
                 .name(format!("mig-lent-{}", label(k)))
                 .netns(ns)
-                .replace_in_args(&src_sock.display().to_string(), &sock.display().to_string())
+                .device_args(printed_device_args(args)?)
                 .start()
         },
-        |k| {
+        |k, chain| {
             let from = lab.host(k % 2);
             let to = lab.host(to_host(k));
+            if k == 0 {
+                io_before_late_finish("devlend", chain)?;
+            }
             let all = ids.borrow();
-            let (src_id, _) = &all[all.len() - 2];
-            let (dst_id, _) = &all[all.len() - 1];
+            let src_id = &all[all.len() - 2];
+            let dst_id = &all[all.len() - 1];
             from.json(&["migrate", "finish", src_id])?;
             let left = from.attachment_ids()?;
             ensure!(
@@ -176,7 +224,7 @@ fn lent_disk_run(lab: &Lab, dir: &Path) -> Result<Run> {
         Some(region_sha256(dir)?.as_str()),
         "the lender's file does not hold what the guest wrote"
     );
-    let final_id = ids.borrow().last().cloned().context("no attachment")?.0;
+    let final_id = ids.borrow().last().cloned().context("no attachment")?;
     let last = lab.host(to_host(MIGRATIONS - 1));
     last.json(&["detach", &final_id])?;
     Ok(run)
@@ -214,8 +262,16 @@ fn a_handover_is_refused_to_others_and_a_cancelled_migration_keeps_the_disk() ->
     let mut chain = Chain::new(guest);
     wait_workload(&chain)?;
 
-    // The handover, and B's incoming attachment.
+    // The handover, and B's incoming attachment. One token per handover: a second
+    // request while this one is pending is refused.
     let token = lab.handover(0, &a_id)?;
+    let again = lab.a.try_cli(&["migrate", "handover", &a_id])?;
+    ensure!(
+        !again.status.success()
+            && String::from_utf8_lossy(&again.stderr).contains("being handed over already"),
+        "a second handover token while one is pending: {}",
+        String::from_utf8_lossy(&again.stdout)
+    );
     let b_sock = lab.b.socket("m0");
     let v = ok_json(
         &lab.prepare(&lab.b, &token, "disk0", &b_sock)?,

@@ -243,7 +243,7 @@ fn migrate_chain_n(
                 .replace_in_args(&src_sock.display().to_string(), &s)
                 .start()
         },
-        |k| {
+        |k, _| {
             let from = &agents[k % 2];
             let all = ids.borrow();
             let (src_id, _, old_lease) = &all[all.len() - 2];

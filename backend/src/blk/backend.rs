@@ -229,6 +229,32 @@ impl BlkBackend {
         Ok(())
     }
 
+    /// A live migration's handover lets the device go: the sessions of the queues whose
+    /// ring is not started close too. The frontend stops only the rings it started
+    /// (GET_VRING_BASE), and a driver may start fewer queues than the device has (a
+    /// guest with fewer CPUs than queues): such a queue has no request in flight, and
+    /// its session, opened when the frontend connected, would otherwise keep the
+    /// device held here, the lender refusing the destination. A started ring closes
+    /// its own session when the frontend stops it, after its requests completed.
+    fn let_go_unstarted(&self) {
+        for (q, cell) in self.queues.iter().enumerate() {
+            let mut cell = lock(cell);
+            let started = cell
+                .vring
+                .as_ref()
+                .is_some_and(|v| v.get_ref().get_queue().ready());
+            if started || cell.engine.fabric_fd().0.is_none() {
+                continue;
+            }
+            cell.engine.let_go();
+            self.sync_registration(q, &mut cell, false);
+            tracing::debug!(
+                queue = q,
+                "a queue the guest never started lets the device go too"
+            );
+        }
+    }
+
     /// Gives each queue its part of the inflight buffer (queues past its end get none).
     fn use_inflight(&self, region: &Arc<InflightRegion>) {
         if usize::from(region.num_queues()) < self.queues.len() {
@@ -362,16 +388,23 @@ impl VhostUserBackend for BlkBackend {
         let Some(cell) = self.queues.get(queue_index as usize) else {
             return Ok(());
         };
-        let mut cell = lock(cell);
-        let drained = self.drain_queue(&mut cell, DRAIN_TIMEOUT);
-        // The frontend re-initializes the queue after this: a queue the driver broke is
-        // served again then.
-        cell.engine.reset_broken();
-        // The end of a live migration: the requests in flight completed above; the
-        // queue's session closes so that the lender can hand the device over.
-        if self.handover.ring_stopped() {
-            cell.engine.let_go();
-            self.sync_registration(queue_index as usize, &mut cell, false);
+        let (drained, letting_go) = {
+            let mut cell = lock(cell);
+            let drained = self.drain_queue(&mut cell, DRAIN_TIMEOUT);
+            // The frontend re-initializes the queue after this: a queue the driver broke
+            // is served again then.
+            cell.engine.reset_broken();
+            // The end of a live migration: the requests in flight completed above; the
+            // queue's session closes so that the lender can hand the device over.
+            let letting_go = self.handover.ring_stopped();
+            if letting_go {
+                cell.engine.let_go();
+                self.sync_registration(queue_index as usize, &mut cell, false);
+            }
+            (drained, letting_go)
+        };
+        if letting_go {
+            self.let_go_unstarted();
         }
         drained
     }

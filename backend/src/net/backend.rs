@@ -34,6 +34,24 @@ struct PairCell {
     engine: PairEngine,
     registered: (Option<RawFd>, u64, bool),
     timer_registered: bool,
+    /// The pair's receiveq and transmitq, from the worker's first event.
+    vrings: Option<(Vring, Vring)>,
+}
+
+impl PairCell {
+    /// Whether the guest uses the pair: its receiveq or transmitq started by the
+    /// frontend (and not stopped since) and enabled.
+    fn runs(&self) -> bool {
+        self.vrings
+            .as_ref()
+            .is_some_and(|(rx, tx)| ring_runs(rx) || ring_runs(tx))
+    }
+}
+
+/// Whether the frontend started ring `v` (and has not stopped it) and enabled it.
+fn ring_runs(v: &Vring) -> bool {
+    let state = v.get_ref();
+    state.get_queue().ready() && state.is_enabled()
 }
 
 /// The vhost-user-net backend of one frontend connection.
@@ -68,19 +86,24 @@ impl NetBackend {
         offload: bool,
         stats: Arc<NetStats>,
     ) -> io::Result<Self> {
-        // A migration's destination opens its sessions when its VM runs (its rings
-        // start), so that a source whose VM resumes can take the NIC back until then.
-        let incoming = target.is_successor();
+        // A pair opens its session when the guest first runs it (its rings started and
+        // enabled): the lender spreads the frames it receives over the open sessions by
+        // flow, and a pair the guest does not use (a VM without multiqueue, a guest with
+        // fewer vCPUs than pairs) would get flows the guest never sees, and keep the NIC
+        // held at the end of a migration. Once open, a session stays across ring stops
+        // (a link down stops the rings; the lender's return brings the link back). A
+        // migration's destination so opens its sessions when its VM runs, and a source
+        // whose VM resumes can take the NIC back until then.
+        stats.new_backend();
         let cells = (0..pairs)
             .map(|i| {
                 let mut engine = PairEngine::new(i, name.clone(), target.clone(), stats.clone())?;
-                if incoming {
-                    engine.pause();
-                }
+                engine.pause();
                 Ok(Mutex::new(PairCell {
                     engine,
                     registered: (None, 0, false),
                     timer_registered: false,
+                    vrings: None,
                 }))
             })
             .collect::<io::Result<Vec<_>>>()?;
@@ -245,14 +268,37 @@ impl VhostUserBackend for NetBackend {
         } else {
             PairQueue::Tx
         };
-        if let Some(cell) = self.pairs.get(queue_index as usize / 2) {
+        let Some(cell) = self.pairs.get(queue_index as usize / 2) else {
+            return Ok(());
+        };
+        let letting_go = {
             let mut cell = lock(cell);
             cell.engine.reset_broken(side);
             // The end of a live migration: the pair's session closes so that the lender
             // can hand the NIC over.
-            if self.handover.ring_stopped() {
+            let letting_go = self.handover.ring_stopped();
+            if letting_go {
                 cell.engine.pause();
                 self.sync_registration(queue_index as usize / 2, &mut cell);
+            }
+            letting_go
+        };
+        if letting_go {
+            // The frontend stops only the rings it started: a pair the guest does not
+            // run gets no stop. It has a session only if the guest ran it before (a
+            // pair opens its session when first run), and that session would keep the
+            // NIC held here, the lender refusing the destination. It has nothing in
+            // flight of the guest's.
+            for (q, cell) in self.pairs.iter().enumerate() {
+                let mut cell = lock(cell);
+                if !cell.runs() && !cell.engine.is_paused() {
+                    cell.engine.pause();
+                    self.sync_registration(q, &mut cell);
+                    tracing::debug!(
+                        pair = q,
+                        "a queue pair the guest does not run lets the NIC go too"
+                    );
+                }
             }
         }
         Ok(())
@@ -279,15 +325,18 @@ impl VhostUserBackend for NetBackend {
             return Ok(());
         };
         let mut cell = lock(cell);
+        if cell.vrings.is_none() {
+            cell.vrings = Some((rx.clone(), tx.clone()));
+        }
         let mem = self.mem.memory().into_inner();
         let mut rxs = rx.get_mut();
         let mut txs = tx.get_mut();
         let (mut rx_used, mut tx_used) = (false, false);
         let rx_ready = rxs.get_queue().ready();
         let tx_ready = txs.get_queue().ready();
-        if rx_ready || tx_ready {
+        if (rx_ready && rxs.is_enabled()) || (tx_ready && txs.is_enabled()) {
             // The VM runs (again): a NIC let go for a migration that failed is taken
-            // back; a destination's sessions open.
+            // back; the pair's session opens (a destination's too).
             if self.handover.is_let_go() {
                 self.handover.resume();
             }

@@ -71,6 +71,9 @@ pub struct NetStats {
     reconnects: AtomicU64,
     link_up: AtomicBool,
     connected: AtomicU32,
+    /// Pairs paused ([`PairEngine::pause`]): the guest does not run them (yet), or a
+    /// handover let the NIC go. They are not expected to be connected.
+    paused: AtomicU32,
     mtu: AtomicU32,
 }
 
@@ -108,7 +111,7 @@ pub struct NetStatsSnapshot {
     pub pairs: Vec<PairSnapshot>,
     /// Fabric connections re-established after a loss.
     pub reconnects: u64,
-    /// The lender's link is up and every queue pair is connected to it.
+    /// The lender's link is up and every queue pair the guest runs is connected to it.
     pub link_up: bool,
     /// The lender's link is up, as last reported (whether or not the queue pairs are
     /// connected).
@@ -125,6 +128,7 @@ impl NetStats {
             reconnects: AtomicU64::new(0),
             link_up: AtomicBool::new(link_up),
             connected: AtomicU32::new(0),
+            paused: AtomicU32::new(0),
             mtu: AtomicU32::new(mtu),
         }
     }
@@ -171,11 +175,34 @@ impl NetStats {
         }
     }
 
-    /// Whether the lender's link is up and all queue pairs are connected: what the
-    /// guest's link should show.
+    /// Whether the lender's link is up and the queue pairs are connected, but for those
+    /// the guest does not run (at least one connected): what the guest's link should
+    /// show.
     pub fn link_up(&self) -> bool {
+        let connected = self.connected.load(Ordering::Relaxed) as usize;
+        let paused = self.paused.load(Ordering::Relaxed) as usize;
         self.link_up.load(Ordering::Relaxed)
-            && self.connected.load(Ordering::Relaxed) as usize == self.pairs.len()
+            && connected > 0
+            && connected + paused >= self.pairs.len()
+    }
+
+    /// A new frontend connection's backend is about to make its engines: the sessions
+    /// and pauses of the previous one's (gone with it) no longer count.
+    pub fn new_backend(&self) {
+        self.connected.store(0, Ordering::Relaxed);
+        self.paused.store(0, Ordering::Relaxed);
+    }
+
+    fn disconnected(&self) {
+        let _ = self
+            .connected
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    fn unpause(&self) {
+        let _ = self
+            .paused
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
     }
 }
 
@@ -212,8 +239,8 @@ pub struct PairEngine {
     rx_broken: BrokenQueue,
     /// Whether the driver broke the transmitq: nothing is taken from it then.
     tx_broken: BrokenQueue,
-    /// No session is opened (a live migration's handover: the source let the device
-    /// go, or the destination waits for its VM to run): [`Self::resume`] ends it.
+    /// No session is opened (the guest does not run the pair yet, or a live
+    /// migration's source let the NIC go): [`Self::resume`] ends it.
     paused: bool,
 }
 
@@ -251,22 +278,31 @@ impl PairEngine {
         })
     }
 
-    /// Opens no session until [`Self::resume`], closing the current one: the end of a
-    /// live migration on its source, or its destination before the VM runs
-    /// ([`crate::handover`]). Frames in either direction are dropped meanwhile.
+    /// Opens no session until [`Self::resume`], closing the current one: until the
+    /// guest first runs the pair (a migration's destination too), and at the end of a
+    /// live migration on its source ([`crate::handover`]). Frames in either direction
+    /// are dropped meanwhile.
     pub fn pause(&mut self) {
+        if !self.paused {
+            self.stats.paused.fetch_add(1, Ordering::Relaxed);
+        }
         self.paused = true;
         if let Some(c) = self.conn.take() {
             drop(c);
-            self.stats.connected.fetch_sub(1, Ordering::Relaxed);
+            self.stats.disconnected();
             let dropped = count_frames(&self.out);
             self.pstats().tx_drops.fetch_add(dropped, Ordering::Relaxed);
             self.out.clear();
             self.have = 0;
-            devlend_fabric::limited!(info, attachment = %self.name, pair = self.index, "fabric session closed for a handover");
+            devlend_fabric::limited!(info, attachment = %self.name, pair = self.index, "fabric session closed until the guest runs the pair");
         }
         self.retry = Reconnector::new(RETRY);
         self.arm_timer();
+    }
+
+    /// Whether [`Self::pause`] is in force.
+    pub fn is_paused(&self) -> bool {
+        self.paused
     }
 
     /// Ends [`Self::pause`]: connects now (retrying as after a loss if that fails).
@@ -275,7 +311,10 @@ impl PairEngine {
             return;
         }
         self.paused = false;
+        // Counted out once the session is open (or failed to open): the pair does not
+        // look missing to the link meanwhile.
         self.start();
+        self.stats.unpause();
         self.arm_timer();
     }
 
@@ -435,7 +474,7 @@ impl PairEngine {
         if self.conn.take().is_none() {
             return;
         }
-        self.stats.connected.fetch_sub(1, Ordering::Relaxed);
+        self.stats.disconnected();
         self.retry.lost(Instant::now());
         tracing::warn!(attachment = %self.name, pair = self.index, reason = why, "fabric session lost; frames are dropped until it is back");
         // Frames queued for the lender are lost with it.

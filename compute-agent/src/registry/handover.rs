@@ -23,6 +23,13 @@ fn hex(id: &[u8; 16]) -> String {
     id.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The refusal of a second handover token while one is pending.
+fn pending(id: &str) -> RegistryError {
+    RegistryError::Conflict(format!(
+        "attachment {id} is being handed over already: its token stands (the destination that presents it first takes the device); to issue another, call this one off with `devlend migrate cancel {id}`"
+    ))
+}
+
 /// Where `attachment` is in a handover, for its status.
 pub(super) fn state(attachment: &Attachment) -> Option<HandoverState> {
     let h = attachment.handover();
@@ -85,12 +92,14 @@ impl Registry {
     /// Issues a handover token for attachment `id` and lets its device go when its VM
     /// stops (the end of the migration). In direct mode the agent signs it with its key;
     /// under a pool lease the pool grants the destination compute host `to` a new lease
-    /// that names this one as predecessor. Asking again issues a new token.
+    /// that names this one as predecessor. One token per handover: while one is pending
+    /// another is refused, until [`Self::cancel_handover`] calls it off.
     ///
     /// # Errors
     /// [`RegistryError::NotFound`]; [`RegistryError::BadRequest`] for what cannot
     /// migrate (a PCIe function: QEMU's vfio-user client has no migration support) and a
-    /// pool lease without `to`; [`RegistryError::Lease`] for the pool's refusal.
+    /// pool lease without `to`; [`RegistryError::Conflict`] while a handover is pending;
+    /// [`RegistryError::Lease`] for the pool's refusal.
     pub fn handover(&self, id: &str, to: Option<&str>) -> Result<HandoverInfo, RegistryError> {
         // What the token needs, read under the lock; the pool is asked without it.
         let (device, lender, from, own, pool, lender_key) = {
@@ -99,6 +108,9 @@ impl Registry {
                 .get(id)
                 .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
             served(e.attachment.part()).check_handover()?;
+            if e.attachment.handover().is_active() {
+                return Err(pending(id));
+            }
             let own = (!e.token.is_empty())
                 .then(|| {
                     LeaseToken::from_bytes(e.token.clone())
@@ -182,7 +194,10 @@ impl Registry {
             let e = entries
                 .get(id)
                 .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
-            e.attachment.handover().begin();
+            // Two requests at once: the first one's token stands.
+            if !e.attachment.handover().try_begin() {
+                return Err(pending(id));
+            }
         }
         tracing::info!(id, to = %lease, "handover asked: the device is let go when the VM stops");
         Ok(HandoverInfo {

@@ -25,6 +25,44 @@ pub const WORKLOAD_SECS: u32 = 40;
 /// Migrations per run: A→B→A→B.
 pub const MIGRATIONS: usize = 3;
 pub const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
+/// The reconnect deadline of the attachments of the tests that finish a migration late
+/// (`--reconnect-deadline`): requests waiting longer for their session fail with IOERR.
+pub const RECONNECT_DEADLINE_S: u32 = 4;
+/// How long after QEMU's `completed` such a test runs `devlend migrate finish`: past
+/// [`RECONNECT_DEADLINE_S`], so that a destination whose I/O waited for `finish` would
+/// have failed the guest's requests.
+pub const LATE_FINISH: Duration = Duration::from_secs(RECONNECT_DEADLINE_S as u64 + 2);
+
+/// A migration finished late: the destination's guest must do I/O before `devlend
+/// migrate finish`, within the reconnect deadline of QEMU's `completed`; returns once
+/// [`LATE_FINISH`] has passed since then, for the caller to run `finish`.
+pub fn io_before_late_finish(variant: &str, chain: &Chain) -> Result<()> {
+    let sw = chain.switches.last().context("no migration yet")?;
+    let deadline = sw.completed + Duration::from_secs(u64::from(RECONNECT_DEADLINE_S));
+    // Half a second after the switch: no line the source printed before it stopped.
+    let settled = sw.completed + Duration::from_millis(500);
+    let io = |l: &devlend_tests::guest::TimedLine| l.at > settled && l.text.contains("DLIO r ");
+    while !chain.lines().iter().any(io) {
+        ensure!(
+            Instant::now() < deadline,
+            "{variant} {}: the destination's guest did no I/O within the reconnect deadline \
+             ({RECONNECT_DEADLINE_S} s) of the switch, before `devlend migrate finish` on the \
+             source:\n{}",
+            sw.label,
+            chain.console()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "[{variant}] {}: the destination does I/O {} ms after the switch, finish not run yet",
+        sw.label,
+        ms(Instant::now() - sw.completed)
+    );
+    if let Some(left) = (sw.completed + LATE_FINISH).checked_duration_since(Instant::now()) {
+        std::thread::sleep(left);
+    }
+    Ok(())
+}
 
 /// Waits until the guest's workload has started and made some progress.
 pub fn wait_workload(chain: &Chain) -> Result<()> {
@@ -71,27 +109,37 @@ impl Run {
 
 /// Runs the migrations of `chain` (whose workload is under way): for each, `dest`
 /// starts the destination QEMU (given the migration's number, its host and URI),
-/// then `done` runs after the switch (e.g. `devlend migrate finish`). At the end waits
-/// for the workload, checks it, and measures the pauses.
+/// then `done` runs after the switch (e.g. `devlend migrate finish`; given the chain,
+/// whose last switch is this one), then the source QEMU quits. At the end waits for
+/// the workload, checks it, and measures the pauses.
 pub fn migrate_chain(
     variant: &'static str,
     chain: &mut Chain,
     hosts: &Hosts,
     mut dest: impl FnMut(usize, &Guest, &str, &str) -> Result<Guest>,
-    mut done: impl FnMut(usize) -> Result<()>,
+    mut done: impl FnMut(usize, &Chain) -> Result<()>,
 ) -> Result<(Run, GuestOutcome, String)> {
     wait_workload(chain)?;
     for k in 0..MIGRATIONS {
         let (ns, uri) = hosts.dest(to_host(k), k);
         let d = dest(k, &chain.current, ns, &uri)?;
-        let sw = chain.migrate(&label(k), d, &uri, Params::default(), MIGRATION_TIMEOUT)?;
+        // The source QEMU stays until `done` ran, as `docs/migration.md` has it
+        // (`devlend migrate finish`, then quit the source QEMU).
+        let sw = chain.migrate_keeping_source(
+            &label(k),
+            d,
+            &uri,
+            Params::default(),
+            MIGRATION_TIMEOUT,
+        )?;
         eprintln!(
             "[{variant}] {}: completed in {} ms (QEMU downtime {:?} ms)",
             sw.label,
             ms(sw.completed - sw.started),
             sw.info.downtime_ms
         );
-        done(k)?;
+        done(k, chain)?;
+        chain.quit_source()?;
         // The guest goes on in its new QEMU before the next migration.
         let seen = chain.lines().len();
         let end = Instant::now() + Duration::from_secs(30);
