@@ -365,7 +365,8 @@ fn an_ended_lease_ends_its_sessions() {
     let g = r.lease("disk1", 1500);
     let id = *g.lease.id.as_bytes();
     let mut s = hello(&r.lender.addr, "disk1", id, token_bytes(&g)).expect("session");
-    s.set_read_timeout(Some(Duration::from_millis(4500))).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(4500)))
+        .unwrap();
     let mut b = [0u8; 1];
     let e = s
         .read(&mut b)
