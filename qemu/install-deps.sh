@@ -8,7 +8,8 @@
 #   - PostgreSQL (postgresql): the pool's tests start a private server from it;
 #   - libvirt 9.0 (libvirt-daemon, libvirt-daemon-driver-qemu, libvirt-clients): the
 #     libvirt test configures it and starts its daemons itself (tests/src/libvirt.rs);
-#   - Prometheus (prometheus, with promtool): the metrics test runs a private server.
+#   - Prometheus (prometheus, with promtool): the metrics test runs a private server;
+#   - libfaketime (faketime): tests/tests/pool_outage.rs runs a lender 5 minutes off.
 #
 # Idempotent and non-interactive. When everything is present it only checks and
 # exits within a fraction of a second (CI and the test harness call it on every
@@ -27,7 +28,7 @@ readonly MIN_MAJOR="${DEVLEND_QEMU_MIN_MAJOR:-10}"
 # debootstrap: the Debian 13 chroot with QEMU 11 (qemu/build-qemu11-root.sh).
 # libvirt and prometheus: tests/tests/libvirt.rs and tests/tests/prometheus.rs.
 # binutils: objcopy strips debug info from the binaries put in a test guest's initramfs.
-readonly BASE_PACKAGES=(busybox-static cpio binutils kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql libibverbs-dev librdmacm-dev clang libclang-dev ibverbs-providers rdma-core debootstrap syslinux syslinux-common mtools dosfstools libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients prometheus)
+readonly BASE_PACKAGES=(busybox-static cpio binutils kmod iproute2 e2fsprogs xz-utils zstd util-linux postgresql libibverbs-dev librdmacm-dev clang libclang-dev ibverbs-providers rdma-core debootstrap syslinux syslinux-common mtools dosfstools libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients prometheus faketime)
 readonly QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 readonly LOCK_FILE=/run/lock/devlend-install-deps.lock
 

@@ -331,6 +331,46 @@ impl Pool {
         })
     }
 
+    /// Starts `devlend pool serve --listen LISTEN --data-dir DATA EXTRA...` (e.g.
+    /// `--database postgres://...`), logging to `DIR/NAME.log`, and waits until `url`
+    /// (its address as clients reach it, e.g. `http://127.0.0.1:PORT` for a pool on
+    /// `0.0.0.0:PORT`) accepts connections. Its admin key is `DATA/admin.key`. Started
+    /// again with the same arguments, it is the same pool (a restart).
+    ///
+    /// # Errors
+    /// It cannot start or exits.
+    pub fn serve(
+        dir: &Path,
+        name: &str,
+        listen: &str,
+        url: &str,
+        data: &Path,
+        extra: &[String],
+    ) -> Result<Self> {
+        let mut args = vec![
+            "pool".to_owned(),
+            "serve".into(),
+            "--listen".into(),
+            listen.to_owned(),
+            "--data-dir".into(),
+            data.display().to_string(),
+        ];
+        args.extend(extra.iter().cloned());
+        let mut proc = Proc::spawn(name, &bin("devlend")?, &args, dir)?;
+        let addr = url
+            .split_once("://")
+            .map_or(url, |(_, a)| a)
+            .trim_end_matches('/')
+            .to_owned();
+        proc.wait_ready("pool", || TcpStream::connect(&addr).is_ok())?;
+        Ok(Pool {
+            proc,
+            url: url.to_owned(),
+            admin_key: data.join("admin.key"),
+            ca: None,
+        })
+    }
+
     /// A client that signs with the pool's admin key.
     ///
     /// # Errors

@@ -15,6 +15,7 @@ pub mod migration;
 pub mod migration_lab;
 pub mod netns;
 pub mod nvme;
+pub mod postgres;
 pub use devlend_qemu::guest;
 pub mod storage_daemon;
 pub mod vhost_raw;
