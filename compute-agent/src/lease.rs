@@ -343,6 +343,7 @@ fn renew(r: &Renewal<'_>) {
                 return;
             }
         }
+        let asked = std::time::SystemTime::now();
         match r.client.lease_heartbeat(r.id) {
             Ok(l) => {
                 period = Some(renewal_period(l.ttl_ms));
@@ -361,7 +362,8 @@ fn renew(r: &Renewal<'_>) {
             }
             Err(e) => {
                 if e.status().is_none() {
-                    r.health.failed();
+                    // Unreachable since the request went out, not since it timed out.
+                    r.health.failed_at(asked);
                 }
                 // Once per failing stretch: the device goes on meanwhile.
                 if !failing {

@@ -369,6 +369,7 @@ fn run(
                 registered = false;
             }
         }
+        let asked = std::time::SystemTime::now();
         match exchange(s, inventory, &mut registered) {
             Ok(()) => {
                 if let Change::Back(after) = s.health.reached() {
@@ -381,7 +382,8 @@ fn run(
             }
             Err(e) => {
                 if e.status().is_none() {
-                    s.health.failed();
+                    // Unreachable since the request went out, not since it timed out.
+                    s.health.failed_at(asked);
                 }
                 if last_log.is_none_or(|t| t.elapsed() >= LOG_EVERY) {
                     tracing::warn!(provider = %s.provider, error = %chain(&e), "device pool request failed; the devices lent go on; retrying every heartbeat");
