@@ -41,7 +41,14 @@ pub struct Claimed {
 /// The pool is unreachable, or nothing matches: the message is the pool's reason (no
 /// device of that class, all leased, none with those traits, ...).
 pub fn claim(client: PoolClient, w: &Wanted) -> Result<Claimed> {
-    let pool_url = client.base_url().as_str().trim_end_matches('/').to_owned();
+    // Every server of the pool, as given: the compute agent renews the lease at any of
+    // them (not only the one that answered this claim).
+    let pool_url = client
+        .base_urls()
+        .iter()
+        .map(|u| u.as_str().trim_end_matches('/'))
+        .collect::<Vec<_>>()
+        .join(",");
     let grant = client
         .create_lease(&LeaseRequest {
             consumer: w.vm.clone(),

@@ -29,6 +29,9 @@ use crate::api::LeaseRef;
 /// Shortest renewal period.
 const MIN_RENEW: Duration = Duration::from_millis(200);
 
+/// Longest a pool request of a restored attachment may take ([`CheckedLease::check_within`]).
+pub const RESTORE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Renewal period while the lease's TTL is not known yet (restored offline).
 const UNKNOWN_TTL_RENEW: Duration = Duration::from_secs(1);
 
@@ -106,7 +109,19 @@ pub fn verify_token(token: &LeaseToken, key: &PublicKey, lease: &Lease) -> Resul
 /// # Errors
 /// [`ClientError::BadUrl`], [`ClientError::CaWithoutHttps`], [`ClientError::Https`].
 pub fn pool_client(url: &str, access: &PoolAccess) -> Result<PoolClient, ClientError> {
-    let c = PoolClient::with_ca(url, access.ca_file.as_deref())?;
+    pool_client_within(url, access, devlend_pool::client::DEFAULT_TIMEOUT)
+}
+
+/// As [`pool_client`], each request given at most `timeout`.
+///
+/// # Errors
+/// As [`pool_client`].
+pub fn pool_client_within(
+    url: &str,
+    access: &PoolAccess,
+    timeout: Duration,
+) -> Result<PoolClient, ClientError> {
+    let c = PoolClient::connect(url, timeout, access.ca_file.as_deref())?;
     Ok(match &access.identity {
         Some(k) => c.with_identity(Arc::clone(k)),
         None => c,
@@ -135,7 +150,21 @@ impl CheckedLease {
     /// [`LeaseError::Bad`] for a bad URL, id or token; [`LeaseError::Ended`];
     /// [`LeaseError::Pool`].
     pub fn check(r: &LeaseRef, access: &PoolAccess) -> Result<CheckedLease, LeaseError> {
-        let client = pool_client(&r.pool, access).map_err(|e| match e {
+        Self::check_within(r, access, devlend_pool::client::DEFAULT_TIMEOUT)
+    }
+
+    /// As [`CheckedLease::check`], each pool request given at most `timeout` (the
+    /// renewals too): a restore does not wait long on a pool server that hangs, so that
+    /// its sessions open, and its lender reports them, well within the lease's TTL.
+    ///
+    /// # Errors
+    /// As [`CheckedLease::check`].
+    pub fn check_within(
+        r: &LeaseRef,
+        access: &PoolAccess,
+        timeout: Duration,
+    ) -> Result<CheckedLease, LeaseError> {
+        let client = pool_client_within(&r.pool, access, timeout).map_err(|e| match e {
             ClientError::BadUrl { .. } | ClientError::CaWithoutHttps { .. } => {
                 LeaseError::Bad(e.to_string())
             }
@@ -183,7 +212,8 @@ impl CheckedLease {
         lender: &str,
         access: &PoolAccess,
     ) -> Result<CheckedLease, LeaseError> {
-        let client = pool_client(&r.pool, access).map_err(|e| LeaseError::Bad(e.to_string()))?;
+        let client = pool_client_within(&r.pool, access, RESTORE_TIMEOUT)
+            .map_err(|e| LeaseError::Bad(e.to_string()))?;
         let token = LeaseToken::from_text(&r.token).map_err(|e| LeaseError::Bad(e.to_string()))?;
         let claims = match &access.pool_key {
             Some(key) => key.verify(&token).map_err(|e| {

@@ -139,8 +139,8 @@ impl LeaseGuard {
                         .unwrap_or_else(PoisonError::into_inner)
                         .fences = saved.fences;
                 }
-                Ok(_) => {
-                    tracing::warn!(file = %path.display(), "the lease fences file is another pool key's; starting without fences")
+                Ok(saved) => {
+                    tracing::warn!(file = %path.display(), pinned = %saved.pool_key, presented = %key, "the pool presents another key than the one pinned in the lease fences file: its fences are dropped and the new key pinned (set [pool] public_key to refuse another key)")
                 }
                 Err(e) => {
                     tracing::warn!(file = %path.display(), error = %e, "the lease fences file is damaged; starting without fences")

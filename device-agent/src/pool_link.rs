@@ -53,15 +53,35 @@ pub struct PoolSession {
     health: PoolHealth,
 }
 
-/// The pool key saved in the state file at `path`, if any.
+/// How long the pool's key is asked for at start when a key is pinned already: the
+/// lender does not wait on a pool that hangs before it serves.
+const PINNED_PROBE: Duration = Duration::from_secs(2);
+
+/// The pool key saved in the state file at `path`, if any. A file that is there but
+/// unusable is logged: a start while the pool is away then has no key to serve with.
 fn saved_pool_key(path: &Path) -> Option<PublicKey> {
     #[derive(serde::Deserialize)]
     struct Saved {
         pool_key: String,
     }
-    let bytes = std::fs::read(path).ok()?;
-    let saved: Saved = serde_json::from_slice(&bytes).ok()?;
-    PublicKey::from_text(&saved.pool_key).ok()
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            tracing::warn!(file = %path.display(), error = %e, "cannot read the lease fences file: no pool key pinned; waiting for the pool");
+            return None;
+        }
+    };
+    let key = serde_json::from_slice::<Saved>(&bytes)
+        .map_err(|e| e.to_string())
+        .and_then(|s| PublicKey::from_text(&s.pool_key).map_err(|e| e.to_string()));
+    match key {
+        Ok(k) => Some(k),
+        Err(e) => {
+            tracing::warn!(file = %path.display(), error = %e, "the lease fences file is damaged: no pool key pinned (nor fences); waiting for the pool");
+            None
+        }
+    }
 }
 
 impl PoolSession {
@@ -105,10 +125,16 @@ impl PoolSession {
             .transpose()
             .map_err(|e| Error::BadPool(format!("public_key: {e}")))?;
         let pinned = configured.or_else(|| state_file.as_deref().and_then(saved_pool_key));
+        // With a key pinned, a pool that hangs is not waited for: a short probe.
+        let probe = match pinned {
+            Some(_) => PoolClient::connect(&config.url, PINNED_PROBE, config.ca_file.as_deref())
+                .map_err(|e| err(chain(&e)))?,
+            None => client.clone(),
+        };
         let deadline = Instant::now() + wait;
         let mut logged = false;
         let fetched = loop {
-            match client.signing_key() {
+            match probe.signing_key() {
                 Ok(k) => break Some(k),
                 Err(ClientError::Transport { .. }) if pinned.is_some() => break None,
                 Err(ClientError::Transport { .. }) if Instant::now() < deadline => {

@@ -891,6 +891,16 @@ fn two_pool_servers_on_one_postgresql_one_killed() {
         l.expires_at_ms,
         r.logs()
     );
+    // The compute agent itself renews at the second server (its lease names both): it
+    // does not show the pool unreachable. (A lease naming only the first server stays
+    // live through the lender's reports, but its holder's renewals fail: a trial saw
+    // that when `attach --class` kept only the server that answered.)
+    let s = r.borrower.cli_json(&["status"]).unwrap();
+    assert!(
+        s[0]["pool_unreachable_since_ms"].as_u64().unwrap_or(0) == 0,
+        "the compute agent does not reach the second server: {s}\n{}",
+        r.logs()
+    );
     r.after_outage(load, "first of two pool servers killed");
 }
 

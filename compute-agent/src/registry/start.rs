@@ -44,7 +44,12 @@ impl Registry {
         let checked = match &req.lease {
             None => None,
             Some(r) => {
-                let c = match CheckedLease::check(r, &self.pool) {
+                let checked = if restore.is_some() {
+                    CheckedLease::check_within(r, &self.pool, crate::lease::RESTORE_TIMEOUT)
+                } else {
+                    CheckedLease::check(r, &self.pool)
+                };
+                let c = match checked {
                     Ok(c) => c,
                     // Served again while the pool is away: from the saved token. The
                     // lender judges it; the renewals start when the pool answers.
