@@ -43,12 +43,7 @@ pub struct Claimed {
 pub fn claim(client: PoolClient, w: &Wanted) -> Result<Claimed> {
     // Every server of the pool, as given: the compute agent renews the lease at any of
     // them (not only the one that answered this claim).
-    let pool_url = client
-        .base_urls()
-        .iter()
-        .map(|u| u.as_str().trim_end_matches('/'))
-        .collect::<Vec<_>>()
-        .join(",");
+    let pool_url = client.pool_url();
     let grant = client
         .create_lease(&LeaseRequest {
             consumer: w.vm.clone(),

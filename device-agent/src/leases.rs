@@ -62,6 +62,18 @@ struct Tracked {
     told: bool,
 }
 
+/// The fence of `device` in `fences` (0: none known).
+fn fence_of(fences: &HashMap<String, u64>, device: &str) -> u64 {
+    fences.get(device).copied().unwrap_or(0)
+}
+
+impl Tracked {
+    /// Pool mode: its epoch is not below its device's fence.
+    fn servable(&self, fences: &HashMap<String, u64>) -> bool {
+        self.epoch >= fence_of(fences, &self.device)
+    }
+}
+
 /// A session's lease, as its token gave it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Admitted {
@@ -236,7 +248,7 @@ impl LeaseGuard {
         }
         let mut raised = false;
         if self.pool_mode {
-            let fence = st.fences.get(&claims.device).copied().unwrap_or(0);
+            let fence = fence_of(&st.fences, &claims.device);
             if epoch < fence {
                 return Err(format!(
                     "the lease has ended: device {:?} was released, or leased again, since (lease epoch {epoch}, the device's fence {fence})",
@@ -258,7 +270,7 @@ impl LeaseGuard {
         }
         if st.leases.len() >= MAX_TRACKED && !st.leases.contains_key(&claims.lease_id) {
             let State { leases, fences } = &mut *st;
-            leases.retain(|_, t| t.epoch >= fences.get(&t.device).copied().unwrap_or(0));
+            leases.retain(|_, t| t.servable(fences));
         }
         if st.leases.len() < MAX_TRACKED {
             st.leases.entry(claims.lease_id).or_insert(Tracked {
@@ -288,7 +300,7 @@ impl LeaseGuard {
             return false;
         };
         let live = if self.pool_mode {
-            t.epoch >= fences.get(&t.device).copied().unwrap_or(0)
+            t.servable(fences)
         } else {
             t.expires_at_ms > now_ms
         };
@@ -301,7 +313,7 @@ impl LeaseGuard {
 
     /// The fence of `device` (0: none known).
     pub fn fence(&self, device: &str) -> u64 {
-        self.state().fences.get(device).copied().unwrap_or(0)
+        fence_of(&self.state().fences, device)
     }
 
     /// Takes in the fences of a pool's heartbeat answer: a device's fence only rises.
@@ -322,9 +334,7 @@ impl LeaseGuard {
                 let State { leases, fences } = &mut *st;
                 // Forget what can never be served again and no session holds (a session's
                 // lease is looked up by is_live, which answers false for a forgotten one).
-                leases.retain(|_, t| {
-                    !t.told || t.epoch >= fences.get(&t.device).copied().unwrap_or(0)
-                });
+                leases.retain(|_, t| !t.told || t.servable(fences));
             }
         }
         if raised {

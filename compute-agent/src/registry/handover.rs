@@ -155,14 +155,7 @@ impl Registry {
                     grant.token,
                     grant.lease.id.simple().to_string(),
                     // Every server of the pool, for the destination's renewals.
-                    Some(
-                        client
-                            .base_urls()
-                            .iter()
-                            .map(|u| u.as_str().trim_end_matches('/'))
-                            .collect::<Vec<_>>()
-                            .join(","),
-                    ),
+                    Some(client.pool_url()),
                 )
             }
             None => {

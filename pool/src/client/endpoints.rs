@@ -155,6 +155,8 @@ mod tests {
         assert!(Endpoints::parse("http://a:1,https://b:2").is_err());
         assert!(Endpoints::parse("http://a:1,").is_err());
         assert!(Endpoints::parse("ftp://a:1").is_err());
+        let client = crate::PoolClient::new("http://a:1, http://b:2/x").unwrap();
+        assert_eq!(client.pool_url(), "http://a:1,http://b:2/x");
     }
 
     #[test]

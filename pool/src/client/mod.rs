@@ -245,6 +245,18 @@ impl PoolClient {
         self.servers.all()
     }
 
+    /// Every server, as a pool URL to give on (comma-separated, without trailing
+    /// slashes): what a lease reference keeps, so that its renewals may go to any of
+    /// them.
+    pub fn pool_url(&self) -> String {
+        self.servers
+            .all()
+            .iter()
+            .map(|u| u.as_str().trim_end_matches('/'))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     /// `GET /openapi.json`: the OpenAPI 3 document.
     ///
     /// # Errors
