@@ -5,7 +5,7 @@
 //! - [`engine`]: one virtqueue's requests in flight over one fabric session, resent on
 //!   a new one when it is lost; `table`: its table of requests in flight (slots by head,
 //!   ids, the order they go out in, the session's credit, the inflight-buffer marks);
-//!   `complete`: returning a chain to the guest; `target`: where the device is lent
+//!   `pending`: one request's life from pop to used ring; `complete`: returning a chain to the guest; `target`: where the device is lent
 //!   from; `stats`: the attachment's counters;
 //! - `link`: the session as the engine sees it (a trait); `stream`: the stream link
 //!   (TCP, TLS), with its receive framing and its non-blocking send queue (`tx`);
@@ -28,6 +28,7 @@ mod complete;
 pub mod engine;
 pub mod holder;
 pub mod inflight;
+mod pending;
 pub use devlend_fabric::latency;
 mod link;
 #[cfg(any(feature = "rdma", test))]
