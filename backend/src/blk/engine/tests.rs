@@ -1,6 +1,7 @@
 //! The engine driven through a fake lender (`blk/fake_link.rs`) on a mock virtqueue:
 //! responses out of order, the lender's credit, a socket that takes part of what is
-//! queued, and a lost session with its requests resent in order on the next one.
+//! queued, a lost session with its requests resent in order on the next one, and what
+//! fails with IOERR (the reconnect deadline, too many resends, a drain's deadline).
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -318,4 +319,52 @@ fn requests_fail_with_ioerr_when_the_session_is_not_back_by_the_deadline() {
     assert_eq!(e.inflight(), 0);
     assert_eq!([status(&mem, 0), status(&mem, 1)], [S_IOERR, S_IOERR]);
     assert_eq!(lock(&l).sessions, 1);
+}
+
+#[test]
+fn a_request_that_ends_every_session_fails_after_its_last_resend() {
+    let kinds = [Kind::Write, Kind::Write];
+    let heads: Vec<u16> = (0..kinds.len()).map(|i| head_of(&kinds, i)).collect();
+    let l = lender(Lender::default());
+    let mut e = engine(&l);
+    let (mem, mut queue) = guest(&kinds);
+    e.process_avail(&mut queue, &mem).expect("avail");
+    lock(&l).answer(heads[1], Status::Ok);
+    e.process_responses(&mut queue, &mem).expect("responses");
+    // Each session is cut while the first request is on it: it is resent every time,
+    // up to MAX_RESENDS times; at the next loss it fails.
+    for n in 1..=MAX_RESENDS {
+        lock(&l).cut = true;
+        e.process_responses(&mut queue, &mem).expect("lost");
+        assert_eq!(e.inflight(), 1, "resend {n}");
+        assert_eq!(lock(&l).heads_on(n + 1), [heads[0]]);
+    }
+    lock(&l).cut = true;
+    assert!(e.process_responses(&mut queue, &mem).expect("lost"));
+    assert_eq!(e.inflight(), 0);
+    assert_eq!([status(&mem, 0), status(&mem, 1)], [S_IOERR, S_OK]);
+    assert!(
+        lock(&l).heads_on(MAX_RESENDS + 2).is_empty(),
+        "not sent again"
+    );
+}
+
+#[test]
+fn a_drain_fails_what_the_lender_does_not_answer_by_its_deadline() {
+    let kinds = [Kind::Write, Kind::Flush, Kind::Write];
+    let heads: Vec<u16> = (0..kinds.len()).map(|i| head_of(&kinds, i)).collect();
+    let l = lender(Lender::default());
+    let mut e = engine(&l);
+    let (mem, mut queue) = guest(&kinds);
+    e.process_avail(&mut queue, &mem).expect("avail");
+    lock(&l).answer(heads[1], Status::Ok);
+    assert!(e
+        .drain(&mut queue, &mem, Duration::from_millis(50))
+        .expect("drain"));
+    assert_eq!(e.inflight(), 0);
+    assert_eq!(
+        [status(&mem, 0), status(&mem, 1), status(&mem, 2)],
+        [S_IOERR, S_OK, S_IOERR]
+    );
+    assert_eq!(e.fabric_fd().0, None, "the session cannot go on after them");
 }
