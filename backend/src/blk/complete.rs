@@ -10,14 +10,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use virtio_queue::{Queue, QueueT};
-use vm_memory::Bytes;
 
-use crate::blk::spec::S_OK;
 use crate::blk::stats::QueueStats;
 use crate::blk::table::RequestTable;
-use crate::guest::{mark_iovs_dirty, GuestMemory, GuestMemoryRef};
+use crate::guest::{GuestMemory, GuestMemoryRef};
 use devlend_fabric::ratelimit::RateLimit;
-use devlend_fabric::Op;
 
 /// Completes one queue's requests into its used ring.
 pub(crate) struct Completer<'a> {
@@ -72,10 +69,10 @@ impl<'a> Completer<'a> {
     }
 
     /// The request in slot `head` is answered with virtio `status` (a read's data, if
-    /// any, is in its guest buffers already): marks a read's buffers in the dirty log
-    /// (whatever the status: a failed read may have written part of them), stores the
-    /// status byte, counts it, frees the slot (giving its credit back) and returns the
-    /// chain to the used ring. The status byte and the used ring go through vm-memory,
+    /// any, is in its guest buffers already): frees the slot (giving its credit back),
+    /// finishes the request ([`crate::blk::pending::PendingRequest::finish`]: a read's
+    /// buffers marked in the dirty log, whatever the status, and the status byte
+    /// stored), counts it and returns the chain to the used ring. The status byte and the used ring go through vm-memory,
     /// which marks them itself (vhost-user "Migration").
     ///
     /// # Errors
@@ -86,13 +83,7 @@ impl<'a> Completer<'a> {
         head: u16,
         status: u8,
     ) -> Result<(), virtio_queue::Error> {
-        // The data came past vm-memory (a socket read into the buffers, or the lender's
-        // RDMA WRITE); it is all in now, so the pages are marked before the used ring
-        // shows the request complete.
-        if let Some((iovs, mem)) = table.read_buffers(head) {
-            mark_iovs_dirty(mem, iovs);
-        }
-        let Some(done) = table.remove(head) else {
+        let Some(done) = table.finish(head, status) else {
             // Nothing in flight in that slot (completed already): the used ring and the
             // counts are left alone.
             static STALE: RateLimit = RateLimit::new(5, Duration::from_secs(10));
@@ -107,15 +98,6 @@ impl<'a> Completer<'a> {
             }
             return Ok(());
         };
-        let data = if status == S_OK && done.op == Op::Read {
-            done.len
-        } else {
-            0
-        };
-        if let Some(m) = &done.mem {
-            // The status address was validated against this memory map by `parse`.
-            let _ = m.write_obj(status, done.status_addr);
-        }
         self.stats.count(done.op, done.len, status, self.fabric);
         if let Some(q) = self.stats.per_queue.get(usize::from(self.index)) {
             q.fetch_add(1, Ordering::Relaxed);
@@ -124,7 +106,7 @@ impl<'a> Completer<'a> {
             self.stats.latency.record(t.elapsed());
         }
         self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
-        self.put_used(table, head, data + 1)
+        self.put_used(table, head, done.written)
     }
 
     /// Returns `head` to the used ring with `len` bytes written, keeping the inflight

@@ -15,7 +15,8 @@
 //!
 //! This file holds the engine's state, its public calls and the paths to the link;
 //! `engine/chain.rs` turns popped chains into requests (and resubmits what an earlier
-//! backend left in flight); `engine/recover.rs` loses and regains the session.
+//! backend left in flight); `engine/recover.rs` loses and regains the session;
+//! `engine/tests.rs` drives it through a fake lender (`fake_link.rs`).
 //!
 //! **A lost session costs the guest a delay, not an error.** When the connection fails
 //! (the lender restarts, the network drops it), the requests in flight stay in their
@@ -63,6 +64,8 @@ pub struct QueueEngine {
     target: LenderTarget,
     limits: Arc<DeviceLimits>,
     stats: Arc<QueueStats>,
+    /// Opens a session ([`open_link`]; a fake lender's in unit tests).
+    opener: LinkOpener,
     /// The open session, if any.
     conn: Option<Box<dyn QueueLink>>,
     conn_gen: u64,
@@ -103,11 +106,19 @@ const RETRY: Policy = Policy::backoff(Duration::from_millis(100), Duration::from
 
 mod chain;
 mod recover;
+#[cfg(test)]
+mod tests;
+
+/// How an engine opens its queue's session: the seam where unit tests put a fake link.
+type LinkOpener = Box<
+    dyn FnMut(&LenderTarget, u16) -> Result<(Box<dyn QueueLink>, HelloReply), ConnectError> + Send,
+>;
 
 // SAFETY: the raw pointers inside (iovec bases, in the table's slots and the link's
 // receive state) point into guest memory mappings kept alive by the `Arc`s in the
 // slots, or into buffers owned by the engine and its link; the link's handles (a
-// socket, an RDMA queue pair and its registrations) are not tied to a thread. The engine
+// socket, an RDMA queue pair and its registrations, a unit test's fake) are not tied
+// to a thread. The engine
 // is used by one thread at a time (it lives behind a Mutex).
 unsafe impl Send for QueueEngine {}
 
@@ -161,6 +172,7 @@ impl QueueEngine {
             target,
             limits,
             stats,
+            opener: Box::new(open_link),
             conn: None,
             conn_gen: 0,
             table: RequestTable::default(),
@@ -208,7 +220,7 @@ impl QueueEngine {
     /// # Errors
     /// The connect error, or a device whose capacity changed since attach.
     pub fn connect(&mut self) -> Result<(), ConnectError> {
-        let (link, reply) = open_link(&self.target, self.index)?;
+        let (link, reply) = (self.opener)(&self.target, self.index)?;
         // A lender of before credit states none: the link knows what it can take.
         let credit = reply.credit.unwrap_or_else(|| link.default_credit());
         self.table.new_session(credit);

@@ -18,10 +18,8 @@ use std::io;
 use std::os::fd::RawFd;
 use std::time::Instant;
 
-use devlend_fabric::wire::{
-    RequestHeader, ResponseHeader, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
-};
-use devlend_fabric::{BlockRequest, Credit, Op, Status};
+use devlend_fabric::wire::{ResponseHeader, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
+use devlend_fabric::{Credit, Op, Status};
 
 use crate::blk::complete::Completer;
 use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
@@ -124,21 +122,13 @@ pub(crate) fn next_request(
     table: &mut RequestTable,
     now: Instant,
 ) -> Option<(u16, [u8; REQUEST_HEADER_LEN], usize)> {
-    let head = table.next_to_send(now)?;
-    let slot = table.slot(head);
-    let request = slot.req.unwrap_or(BlockRequest::Flush);
-    let op = request.op();
-    let header = RequestHeader {
-        id: slot.id,
-        request,
-    }
-    .encode();
-    let data = if op == Op::Write {
-        slot.len as usize
+    let (head, pending) = table.next_request(now)?;
+    let data = if pending.op() == Op::Write {
+        pending.len() as usize
     } else {
         0
     };
-    Some((head, header, data))
+    Some((head, pending.header(), data))
 }
 
 /// A response header, checked against the requests in flight.
@@ -164,9 +154,9 @@ pub(crate) fn check_response(
     raw: &[u8; RESPONSE_HEADER_LEN],
 ) -> Result<Response, FabricFault> {
     let h = ResponseHeader::decode(raw).map_err(FabricFault::Wire)?;
-    let slot = table.lookup(h.id).ok_or(FabricFault::UnknownId(h.id))?;
-    let want = if h.status == Status::Ok && slot.op == Some(Op::Read) {
-        slot.len
+    let pending = table.lookup(h.id).ok_or(FabricFault::UnknownId(h.id))?;
+    let want = if h.status == Status::Ok && pending.op() == Op::Read {
+        pending.len()
     } else {
         0
     };

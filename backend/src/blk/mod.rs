@@ -5,12 +5,14 @@
 //! - [`engine`]: one virtqueue's requests in flight over one fabric session, resent on
 //!   a new one when it is lost; `table`: its table of requests in flight (slots by head,
 //!   ids, the order they go out in, the session's credit, the inflight-buffer marks);
-//!   `complete`: returning a chain to the guest; `target`: where the device is lent
-//!   from; `stats`: the attachment's counters;
-//! - `link`: the session as the engine sees it (a trait); `stream`: the stream link
-//!   (TCP, TLS), with its receive framing and its non-blocking send queue (`tx`);
-//!   `rdma` (cargo feature `rdma`): the RDMA link and the guest memory registered on
-//!   it; `mr_cache`: which regions are registered, and until when;
+//!   `pending`: one request's life from pop to used ring; `complete`: returning a chain
+//!   to the guest; `target`: where the device is lent from; `stats`: the attachment's
+//!   counters;
+//! - `link`: the session as the engine sees it (a trait; in tests, `fake_link`: an
+//!   in-memory lender behind it); `stream`: the stream link (TCP, TLS), with its
+//!   receive framing and its non-blocking send queue (`tx`); `rdma` (cargo feature
+//!   `rdma`): the RDMA link and the guest memory registered on it; `mr_cache`: which
+//!   regions are registered, and until when;
 //! - [`timer`]: the reconnect timer a queue's worker waits on (when to reconnect is
 //!   `devlend_fabric::reconnect`'s);
 //! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
@@ -26,8 +28,11 @@ pub mod attachment {
 pub mod backend;
 mod complete;
 pub mod engine;
+#[cfg(test)]
+mod fake_link;
 pub mod holder;
 pub mod inflight;
+mod pending;
 pub use devlend_fabric::latency;
 mod link;
 #[cfg(any(feature = "rdma", test))]

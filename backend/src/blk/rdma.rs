@@ -28,12 +28,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::blk::complete::Completer;
-use crate::blk::link::{check_response, next_request, FabricFault, QueueLink};
+use crate::blk::link::{check_response, FabricFault, QueueLink};
 use crate::blk::mr_cache::RegionCache;
+use crate::blk::pending::PendingRequest;
 use crate::blk::spec::S_IOERR;
-use crate::blk::table::{RequestTable, Slot};
+use crate::blk::table::RequestTable;
 use crate::blk::target::{LenderTarget, RdmaExposure, CONNECT_TIMEOUT};
-use crate::guest::GuestMemoryRef;
+use crate::guest::{GuestMemoryRef, HostIov};
 use devlend_fabric::rdma::verbs::{self, Completion, Connection, Mr, PeerAccess, RECV_BIT};
 use devlend_fabric::rdma::{encode_request, RdmaError, Segment, MAX_REQUEST_MSG, MAX_SEGMENTS};
 use devlend_fabric::tcp::ConnectError;
@@ -177,25 +178,23 @@ impl RdmaLink {
         &mut self,
         header: &[u8; REQUEST_HEADER_LEN],
         head: u16,
-        slot: &Slot,
+        request: &PendingRequest,
     ) -> Result<bool, RdmaError> {
         self.segs.clear();
-        if let Some(op @ (Op::Read | Op::Write)) = slot.op {
-            let Some(mem) = slot.mem.as_ref() else {
-                return Ok(false);
-            };
-            let ok = slot.iovs.len() <= MAX_SEGMENTS
+        if let op @ (Op::Read | Op::Write) = request.op() {
+            let mem = request.mem();
+            let ok = request.iovs().len() <= MAX_SEGMENTS
                 && match self.exposure {
                     RdmaExposure::Request => {
-                        self.register_request(head, op, slot, mem)?;
+                        self.register_request(head, op, request.iovs(), mem)?;
                         true
                     }
-                    RdmaExposure::GuestMemory => self.guest_memory_segments(slot, mem)?,
+                    RdmaExposure::GuestMemory => self.guest_memory_segments(request.iovs(), mem)?,
                 };
             if !ok {
                 tracing::warn!(
                     head,
-                    segments = slot.iovs.len(),
+                    segments = request.iovs().len(),
                     "request cannot be described to the lender over RDMA; failing it"
                 );
                 return Ok(false);
@@ -216,7 +215,7 @@ impl RdmaLink {
         &mut self,
         head: u16,
         op: Op,
-        slot: &Slot,
+        iovs: &[HostIov],
         mem: &GuestMemoryRef,
     ) -> Result<(), RdmaError> {
         let i = usize::from(head);
@@ -233,7 +232,7 @@ impl RdmaLink {
             PeerAccess::Read
         };
         let pd = self.conn.pd();
-        for iov in &slot.iovs {
+        for iov in iovs {
             // SAFETY: the iovec is a guest buffer inside a region of `mem` (the chain
             // was parsed against it); `regs.keep` holds `mem` until the MRs are dropped
             // (`RequestRegs::clear`, and field order), so the range stays mapped while
@@ -254,12 +253,12 @@ impl RdmaLink {
     /// buffer is outside the registered regions.
     fn guest_memory_segments(
         &mut self,
-        slot: &Slot,
+        iovs: &[HostIov],
         mem: &GuestMemoryRef,
     ) -> Result<bool, RdmaError> {
         self.ensure(mem)?;
         let mut ok = true;
-        for iov in &slot.iovs {
+        for iov in iovs {
             match self.regs.lookup(iov.ptr as u64, iov.len as u64, Mr::rkey) {
                 Some(rkey) => self.segs.push(Segment {
                     addr: iov.ptr as u64,
@@ -340,9 +339,10 @@ impl QueueLink for RdmaLink {
         done: &mut Completer<'_>,
     ) -> Result<(), FabricFault> {
         let now = Instant::now();
-        while let Some((head, header, _)) = next_request(table, now) {
+        while let Some((head, request)) = table.next_request(now) {
+            let header = request.header();
             if !self
-                .send_one(&header, head, table.slot(head))
+                .send_one(&header, head, request)
                 .map_err(FabricFault::Rdma)?
             {
                 done.complete(table, head, S_IOERR)?;

@@ -115,7 +115,7 @@ impl QueueLink for StreamLink {
         }
         let fd = self.stream.as_raw_fd();
         self.tx
-            .write(fd, |h| table.slot(h).iovs.as_slice())
+            .write(fd, |h| table.iovs(h))
             .map_err(FabricFault::Io)
     }
 
@@ -180,12 +180,10 @@ impl StreamLink {
                 total += want - got;
                 self.rx_layout = RxLayout::Headers;
                 if got == 0 && single_read {
-                    if let Some((head, slot)) = table
-                        .only_head()
-                        .map(|h| (h, table.slot(h)))
-                        .filter(|(_, s)| s.busy)
+                    if let Some((head, pending)) =
+                        table.only_head().and_then(|h| Some((h, table.pending(h)?)))
                     {
-                        for iov in &slot.iovs {
+                        for iov in pending.iovs() {
                             self.rx_iovs.push(iov.as_iovec());
                             total += iov.len;
                         }
@@ -195,7 +193,7 @@ impl StreamLink {
             }
             Rx::Payload { head, got } => {
                 let mut skip = got;
-                for iov in &table.slot(head).iovs {
+                for iov in table.iovs(head) {
                     if skip >= iov.len {
                         skip -= iov.len;
                         continue;
@@ -259,7 +257,7 @@ impl StreamLink {
                     return Ok(());
                 }
                 Rx::Payload { head, got } => {
-                    let want = table.slot(head).len as usize;
+                    let want = table.data_len(head);
                     let take = n.min(want - got);
                     let got = got + take;
                     n -= take;
@@ -300,7 +298,7 @@ impl StreamLink {
         self.on_header(table, done, &h)?;
         match self.rx {
             Rx::Payload { head: h2, .. } if h2 == head => {
-                let want = table.slot(head).len as usize;
+                let want = table.data_len(head);
                 if data < want {
                     self.rx = Rx::Payload { head, got: data };
                     return Ok(());
@@ -413,16 +411,16 @@ mod tests {
     }
 
     fn response(t: &RequestTable, head: u16, status: Status) -> Vec<u8> {
-        let slot = t.slot(head);
-        let len = if status == Status::Ok && slot.op == Some(Op::Read) {
-            slot.len
+        let pending = t.pending(head).unwrap();
+        let len = if status == Status::Ok && pending.op() == Op::Read {
+            pending.len()
         } else {
             0
         };
         let mut b = ResponseHeader {
             status,
             len: Bytes(len),
-            id: slot.id,
+            id: pending.id(),
             throttled: false,
         }
         .encode()
@@ -557,7 +555,7 @@ mod tests {
             let mut r = ResponseHeader {
                 status: Status::Ok,
                 len: Bytes(1024),
-                id: t.slot(2).id,
+                id: t.pending(2).unwrap().id(),
                 throttled: false,
             }
             .encode()

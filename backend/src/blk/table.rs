@@ -1,6 +1,8 @@
 //! The table of one virtqueue's requests in flight: a slot per head descriptor index,
 //! the ids that tell a live response from a stale one, the order requests go out in,
 //! the session's credit, and the marks of the queue's chains in the inflight buffer.
+//! A slot is free, or holds one [`PendingRequest`] (`pending.rs`) from pop until it
+//! is finished ([`RequestTable::finish`]).
 //!
 //! - A request's id is `(sequence << 16) | head`: the table is indexed by head (a head
 //!   cannot be in flight twice), nothing is allocated per request, and the sequence
@@ -18,7 +20,7 @@
 //!
 //! Why this file is over 600 lines: about 270 of its lines (from `#[cfg(test)]` on) are
 //! unit tests of the table's ids, its credit order, its resends after a lost session and
-//! its inflight marks; the table itself, one type, is under 400 lines.
+//! its inflight marks; the table itself, one type, is under 420 lines.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -27,40 +29,32 @@ use devlend_fabric::{BlockRequest, Credit, Op};
 use vm_memory::GuestAddress;
 
 use crate::blk::inflight::InflightQueue;
+use crate::blk::pending::{Finished, PendingRequest};
 use crate::guest::{GuestMemoryRef, HostIov};
 
-/// A request in flight, in the slot of its head descriptor index.
-#[derive(Debug, Default)]
-pub(crate) struct Slot {
-    pub(crate) busy: bool,
-    pub(crate) id: u64,
-    pub(crate) op: Option<Op>,
-    /// Data bytes of a READ or a WRITE; 0 for the other operations.
-    pub(crate) len: u32,
-    /// The request as it goes on the wire (`op` and `len` are taken from it).
-    pub(crate) req: Option<BlockRequest>,
-    pub(crate) status_addr: GuestAddress,
-    /// The request's guest buffers, one per host mapping they span.
-    pub(crate) iovs: Vec<HostIov>,
-    /// The memory map they were parsed with (kept alive, with its RDMA registrations,
-    /// until the request completes).
-    pub(crate) mem: Option<GuestMemoryRef>,
-    /// When it went out on the current session.
-    pub(crate) sent: Option<Instant>,
-    /// Times this request was resent on a new session.
-    pub(crate) resends: u32,
-    /// Sent (or queued to be sent) on the current session: it counts against the
-    /// session's credit until its response is in.
-    outstanding: bool,
+/// The slot of one head descriptor index.
+#[derive(Debug)]
+enum Slot {
+    /// No request in flight. `iovs` is the buffer list of the slot's last request, kept
+    /// so that the next one reuses its allocation ([`RequestTable::insert`]); a stream's
+    /// send queue may still read a finished write's entries
+    /// ([`RequestTable::iovs`]).
+    Free { iovs: Vec<HostIov> },
+    /// A request from pop to used ring.
+    InFlight(PendingRequest),
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Slot::Free { iovs: Vec::new() }
+    }
 }
 
 impl Slot {
-    /// What the request counts against the byte credit: its data length for a read or
-    /// a write, 0 otherwise (as the lender charges it).
-    pub(crate) fn charge(&self) -> usize {
-        match self.op {
-            Some(Op::Read | Op::Write) => self.len as usize,
-            _ => 0,
+    fn pending(&self) -> Option<&PendingRequest> {
+        match self {
+            Slot::InFlight(p) => Some(p),
+            Slot::Free { .. } => None,
         }
     }
 }
@@ -70,16 +64,6 @@ impl Slot {
 pub(crate) struct NewRequest {
     pub(crate) req: BlockRequest,
     pub(crate) status_addr: GuestAddress,
-}
-
-/// What a removed request was.
-#[derive(Debug)]
-pub(crate) struct Removed {
-    pub(crate) op: Op,
-    pub(crate) len: u32,
-    pub(crate) status_addr: GuestAddress,
-    pub(crate) mem: Option<GuestMemoryRef>,
-    pub(crate) sent: Option<Instant>,
 }
 
 /// One virtqueue's requests in flight.
@@ -134,11 +118,14 @@ impl RequestTable {
 
     /// Whether `head` can take a new request (it has a slot and nothing in flight).
     pub(crate) fn is_free(&self, head: u16) -> bool {
-        self.slots.get(usize::from(head)).is_some_and(|s| !s.busy)
+        self.slots
+            .get(usize::from(head))
+            .is_some_and(|s| matches!(s, Slot::Free { .. }))
     }
 
     /// Puts a request in the free slot of `head` ([`Self::is_free`]), taking its guest
-    /// buffers out of `iovs`, and lines it up to go out. Returns its id.
+    /// buffers out of `iovs` (which gets the slot's spare list back), and lines it up
+    /// to go out. Returns its id.
     pub(crate) fn insert(
         &mut self,
         head: u16,
@@ -148,19 +135,12 @@ impl RequestTable {
     ) -> u64 {
         self.seq = self.seq.wrapping_add(1);
         let id = (self.seq << 16) | u64::from(head);
-        let slot = &mut self.slots[usize::from(head)];
-        slot.busy = true;
-        slot.id = id;
         let op = req.req.op();
-        slot.op = Some(op);
-        slot.len = req.req.data_len().0;
-        slot.req = Some(req.req);
-        slot.status_addr = req.status_addr;
-        std::mem::swap(&mut slot.iovs, iovs);
-        slot.mem = Some(mem);
-        slot.sent = None;
-        slot.resends = 0;
-        slot.outstanding = false;
+        let pending = PendingRequest::new(id, req.req, req.status_addr, std::mem::take(iovs), mem);
+        let slot = &mut self.slots[usize::from(head)];
+        if let Slot::Free { iovs: spare } = std::mem::replace(slot, Slot::InFlight(pending)) {
+            *iovs = spare;
+        }
         self.inflight += 1;
         self.heads_xor ^= head;
         if op == Op::Read {
@@ -171,41 +151,44 @@ impl RequestTable {
     }
 
     /// The request in flight with this id, if any (a response's id is checked here).
-    pub(crate) fn lookup(&self, id: u64) -> Option<&Slot> {
-        self.slots
-            .get((id & 0xffff) as usize)
-            .filter(|s| s.busy && s.id == id)
+    pub(crate) fn lookup(&self, id: u64) -> Option<&PendingRequest> {
+        self.pending((id & 0xffff) as u16).filter(|p| p.id() == id)
     }
 
-    /// The guest buffers of the read in flight in slot `head` and the memory map they
-    /// were gathered from, if a read is in flight there: what the lender's data went
-    /// into (a socket read or an RDMA WRITE, both past vm-memory), for the dirty log.
-    pub(crate) fn read_buffers(&self, head: u16) -> Option<(&[HostIov], &GuestMemoryRef)> {
-        let slot = self
-            .slots
-            .get(usize::from(head))
-            .filter(|s| s.busy && s.op == Some(Op::Read))?;
-        Some((slot.iovs.as_slice(), slot.mem.as_ref()?))
+    /// The request in flight in the slot of `head`, if any.
+    pub(crate) fn pending(&self, head: u16) -> Option<&PendingRequest> {
+        self.slots.get(usize::from(head)).and_then(Slot::pending)
     }
 
-    /// The slot of `head` (which must be below the queue's size).
-    pub(crate) fn slot(&self, head: u16) -> &Slot {
-        &self.slots[usize::from(head)]
+    /// The guest buffers of the request in the slot of `head`; for a free slot, those
+    /// of its last request (what a stream's send queue still holds of a write answered
+    /// before all of it was sent).
+    pub(crate) fn iovs(&self, head: u16) -> &[HostIov] {
+        match self.slots.get(usize::from(head)) {
+            Some(Slot::InFlight(p)) => p.iovs(),
+            Some(Slot::Free { iovs }) => iovs,
+            None => &[],
+        }
+    }
+
+    /// Data bytes of the read or write in flight in the slot of `head` (0: none).
+    pub(crate) fn data_len(&self, head: u16) -> usize {
+        self.pending(head).map_or(0, PendingRequest::charge)
     }
 
     /// The next waiting request that the credit lets go now, oldest first; it is then
     /// outstanding, sent at `now`.
     pub(crate) fn next_to_send(&mut self, now: Instant) -> Option<u16> {
         while let Some(&(head, id)) = self.waiting.front() {
-            let Some(slot) = self.slots.get_mut(usize::from(head)) else {
+            let Some(Slot::InFlight(p)) = self.slots.get_mut(usize::from(head)) else {
                 self.waiting.pop_front();
                 continue;
             };
-            if !slot.busy || slot.id != id || slot.outstanding {
+            if p.id() != id || p.outstanding {
                 self.waiting.pop_front();
                 continue;
             }
-            let charge = slot.charge();
+            let charge = p.charge();
             if !self
                 .credit
                 .admits(self.out_requests, self.out_bytes, charge)
@@ -213,8 +196,8 @@ impl RequestTable {
                 return None;
             }
             self.waiting.pop_front();
-            slot.outstanding = true;
-            slot.sent = Some(now);
+            p.outstanding = true;
+            p.sent = Some(now);
             self.out_requests += 1;
             self.out_bytes += charge;
             return Some(head);
@@ -222,38 +205,55 @@ impl RequestTable {
         None
     }
 
+    /// As [`Self::next_to_send`], with the request that goes.
+    pub(crate) fn next_request(&mut self, now: Instant) -> Option<(u16, &PendingRequest)> {
+        let head = self.next_to_send(now)?;
+        // `next_to_send` returns only heads with a request in flight.
+        Some((head, self.pending(head)?))
+    }
+
     /// Whether requests wait to go out (the credit, or the session, holds them).
     pub(crate) fn has_waiting(&self) -> bool {
         !self.waiting.is_empty()
     }
 
-    /// Frees the slot of `head`, giving its credit back; returns what it held. A head
+    /// Frees the slot of `head`, giving its credit back; returns its request. A head
     /// with no request in flight (no slot, or a free one: removed already) is left
     /// alone and `None` returned, so that the counts cannot be taken down twice.
-    pub(crate) fn remove(&mut self, head: u16) -> Option<Removed> {
-        let Some(slot) = self.slots.get_mut(usize::from(head)).filter(|s| s.busy) else {
+    pub(crate) fn remove(&mut self, head: u16) -> Option<PendingRequest> {
+        let Some(slot) = self.slots.get_mut(usize::from(head)) else {
             self.stale += 1;
             return None;
         };
-        let op = slot.op.unwrap_or(Op::Flush);
-        if slot.outstanding {
-            slot.outstanding = false;
+        let p = match std::mem::take(slot) {
+            Slot::InFlight(p) => p,
+            free => {
+                *slot = free;
+                self.stale += 1;
+                return None;
+            }
+        };
+        if p.outstanding {
             self.out_requests -= 1;
-            self.out_bytes -= slot.charge();
+            self.out_bytes -= p.charge();
         }
-        slot.busy = false;
         self.inflight -= 1;
         self.heads_xor ^= head;
-        if op == Op::Read {
+        if p.op() == Op::Read {
             self.reads -= 1;
         }
-        Some(Removed {
-            op,
-            len: slot.len,
-            status_addr: slot.status_addr,
-            mem: slot.mem.take(),
-            sent: slot.sent.take(),
-        })
+        Some(p)
+    }
+
+    /// Ends the request in the slot of `head` with virtio `status`
+    /// ([`Self::remove`], then [`PendingRequest::finish`]); the slot keeps its buffer
+    /// list for the next request. `None`: no request in flight there.
+    pub(crate) fn finish(&mut self, head: u16, status: u8) -> Option<Finished> {
+        let (done, iovs) = self.remove(head)?.finish(status);
+        if let Some(slot) = self.slots.get_mut(usize::from(head)) {
+            *slot = Slot::Free { iovs };
+        }
+        Some(done)
     }
 
     /// A new session, with its credit: nothing is outstanding on it yet.
@@ -267,20 +267,24 @@ impl RequestTable {
         self.out_requests = 0;
         self.out_bytes = 0;
         for slot in &mut self.slots {
-            slot.outstanding = false;
+            if let Slot::InFlight(p) = slot {
+                p.outstanding = false;
+            }
         }
+    }
+
+    /// The requests in flight, by head.
+    fn in_flight(&self) -> impl Iterator<Item = (u16, &PendingRequest)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(h, s)| Some((h as u16, s.pending()?)))
     }
 
     /// Lines every request in flight up to go out again, oldest first (the order the
     /// guest submitted them). Returns how many.
     pub(crate) fn requeue_all(&mut self) -> usize {
-        let mut heads: Vec<(u16, u64)> = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.busy)
-            .map(|(h, s)| (h as u16, s.id))
-            .collect();
+        let mut heads: Vec<(u16, u64)> = self.in_flight().map(|(h, p)| (h, p.id())).collect();
         heads.sort_by_key(|&(_, id)| id);
         self.waiting.clear();
         self.waiting.extend(heads.iter().copied());
@@ -292,9 +296,9 @@ impl RequestTable {
     pub(crate) fn count_resends(&mut self, max: u32) -> Vec<u16> {
         let mut over = Vec::new();
         for (head, slot) in self.slots.iter_mut().enumerate() {
-            if slot.busy {
-                slot.resends += 1;
-                if slot.resends > max {
+            if let Slot::InFlight(p) = slot {
+                p.resends += 1;
+                if p.resends > max {
                     over.push(head as u16);
                 }
             }
@@ -304,17 +308,12 @@ impl RequestTable {
 
     /// The heads in flight.
     pub(crate) fn busy_heads(&self) -> Vec<u16> {
-        (0..self.slots.len() as u16)
-            .filter(|&h| self.slots[usize::from(h)].busy)
-            .collect()
+        self.in_flight().map(|(h, _)| h).collect()
     }
 
     /// The memory maps that requests in flight hold.
     pub(crate) fn busy_mems(&self) -> impl Iterator<Item = &GuestMemoryRef> {
-        self.slots
-            .iter()
-            .filter(|s| s.busy)
-            .filter_map(|s| s.mem.as_ref())
+        self.in_flight().map(|(_, p)| p.mem())
     }
 
     /// Removes ignored so far because their head had no request in flight.
@@ -585,7 +584,10 @@ mod tests {
             pop(&mut t, h);
         }
         pop(&mut t, 2);
-        let ids: Vec<u64> = [4, 1, 6, 2].iter().map(|&h| t.slot(h).id).collect();
+        let ids: Vec<u64> = [4, 1, 6, 2]
+            .iter()
+            .map(|&h| t.pending(h).expect("in flight").id())
+            .collect();
         assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids follow pop order");
         assert_eq!(after_restart(&msg, &file, 0), [4, 1, 6, 2]);
     }
