@@ -11,13 +11,14 @@ use devlend_fabric::pci::{
 use vm_memory::VolatileSlice;
 
 use super::dma::{shrunk, GuestMap, MapSync};
+use super::link::PageMoves;
 use super::{link_err, Borrowed, LinkError, PciBorrower};
 
 impl PciBorrower {
     /// Pushes the DMA-mapped guest pages that changed since last synced: over TCP with
     /// their bytes, over RDMA as IOVA ranges the lender reads one-sided.
     pub(super) fn push(&self, maps: &mut [GuestMap]) -> io::Result<()> {
-        let rdma = self.shared.link.is_rdma();
+        let ranges = self.shared.link.page_moves() == PageMoves::Ranges;
         let page = MIRROR_PAGE as usize;
         let mut buf = vec![0u8; page];
         let mut chunk = Vec::new();
@@ -49,7 +50,7 @@ impl PciBorrower {
                 shadow.copy_from_slice(&buf);
                 pushed += 1;
                 let iova = m.iova + off as u64;
-                if rdma {
+                if ranges {
                     run = match run {
                         Some((start, len))
                             if start + u64::from(len) == iova
@@ -118,18 +119,17 @@ pub(super) fn pull(shared: &Borrowed, maps: &mut [GuestMap]) -> Result<(), LinkE
     let protocol = |e: devlend_fabric::WireError| LinkError::Protocol(e.to_string());
     let mut n = 0;
     for r in &replies {
-        let moved: Vec<(u64, Option<&[u8]>, usize)> = if shared.link.is_rdma() {
-            decode_ranges(&r.payload)
+        let moved: Vec<(u64, Option<&[u8]>, usize)> = match shared.link.page_moves() {
+            PageMoves::Ranges => decode_ranges(&r.payload)
                 .map_err(protocol)?
                 .into_iter()
                 .map(|x| (x.iova, None, x.len as usize))
-                .collect()
-        } else {
-            decode_pages(&r.payload)
+                .collect(),
+            PageMoves::Bytes => decode_pages(&r.payload)
                 .map_err(protocol)?
                 .into_iter()
                 .map(|p| (p.iova, Some(p.data), p.data.len()))
-                .collect()
+                .collect(),
         };
         for (iova, data, len) in moved {
             let Some(m) = maps

@@ -39,11 +39,15 @@
 //! (the fabric session) and `guest_mem` (a mediated function's guest memory accesses).
 
 mod dma;
+#[cfg(test)]
+mod fake_link;
 mod guest_mem;
 mod irq;
 pub mod link;
 mod mirror;
 mod server;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -243,6 +247,17 @@ impl PciBorrower {
         let (link, info, irqs) =
             PciLink::connect(target, Arc::clone(&maps) as Arc<dyn GuestMemory>)
                 .map_err(PciError::Connect)?;
+        PciBorrower::start(link, info, irqs, maps)
+    }
+
+    /// Checks the lender's description against its INFO, reads the function's IDs when
+    /// the lender did not describe them, and starts the interrupt thread.
+    fn start(
+        link: PciLink,
+        info: PciInfo,
+        irqs: std::sync::mpsc::Receiver<devlend_fabric::pci::Irq>,
+        maps: Arc<guest_mem::Maps>,
+    ) -> Result<PciBorrower, PciError> {
         let lent = link.lent();
         // A version 2 lender describes the function (a vendor ID is never 0) with its
         // coherence mode, which its INFO must repeat; a version 1 lender says it in the
