@@ -6,8 +6,8 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
+use super::dma::GuestMap;
 use super::link::GuestMemory;
-use super::GuestMap;
 
 /// The DMA maps of one borrowed function, and whether its lender mediates it.
 #[derive(Default)]
@@ -92,7 +92,7 @@ mod tests {
                 iova,
                 size,
                 ptr,
-                sync: crate::pci::MapSync::Mediated,
+                sync: crate::pci::dma::MapSync::Mediated,
                 file,
                 file_end: size as u64,
                 sealed: false,

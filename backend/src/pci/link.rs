@@ -12,30 +12,30 @@
 //! the lender moves mirror pages one-sided.
 //!
 //! A mediated function (coherence mode `nvme`) has the lender read and write guest
-//! memory on its own initiative. Over TCP the reader thread answers [`KIND_MEM_READ`]
-//! and applies [`KIND_MEM_WRITE`] through the [`GuestMemory`] given to
+//! memory on its own initiative. Over TCP the reader thread answers
+//! [`devlend_fabric::pci::KIND_MEM_READ`] and applies
+//! [`devlend_fabric::pci::KIND_MEM_WRITE`] through the [`GuestMemory`] given to
 //! [`PciLink::connect`], in stream order (a write that comes before an interrupt is in
 //! guest memory before the interrupt is queued); over RDMA the lender does both
 //! one-sided on the registered DMA maps, and such messages are a protocol error.
 //!
-//! Why this file is over 600 lines: one `PciLink` carries both transports: the TCP reader,
-//! which also serves the lender's guest memory accesses, and the RDMA connection with its
-//! reader (`rdma_connect`, `rdma_read_loop`, `close_rdma`, about 100 lines). The RDMA part
-//! could move to its own module and is left here for now; the planned reshaping of device
-//! kinds into types (issue 21) will split this file.
+//! Each transport is a [`PciWire`]: `tcp` (the stream and its reader) and `rdma`
+//! (the connection and its reader); tests use an in-memory one.
 
-use std::net::Shutdown;
-use std::sync::atomic::{AtomicU64, Ordering};
+#[cfg(feature = "rdma")]
+mod rdma;
+mod tcp;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use devlend_fabric::conn::Stream;
 use devlend_fabric::pci::{
-    Irq, MemRead, Message, PciInfo, PciStatus, FEATURE_PCI, FLAG_MORE, KIND_INFO, KIND_IRQ,
-    KIND_MEM_READ, KIND_MEM_WRITE, PCI_HEADER_LEN, REPLY,
+    Irq, Message, PciInfo, PciStatus, FEATURE_PCI, FLAG_MORE, KIND_INFO, KIND_IRQ, PCI_HEADER_LEN,
+    REPLY,
 };
-use devlend_fabric::tcp::{self, ConnectError};
+use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::tls::TlsTarget;
 use devlend_fabric::{Hello, WireError};
 
@@ -66,7 +66,7 @@ pub enum LinkError {
 /// inside the DMA maps.
 pub trait GuestMemory: Send + Sync {
     /// Whether the lender may read and write guest memory at all (the function is
-    /// mediated); when not, a [`KIND_MEM_READ`] or [`KIND_MEM_WRITE`] ends the session.
+    /// mediated); when not, a `KIND_MEM_READ` or `KIND_MEM_WRITE` ends the session.
     fn mediated(&self) -> bool;
     /// Reads `buf.len()` bytes at `iova`.
     ///
@@ -142,18 +142,42 @@ pub struct LinkTarget {
     pub lender_key: Option<devlend_fabric::lease_token::PublicKey>,
 }
 
-/// The session's connection.
-enum Wire {
-    Stream(Stream),
-    #[cfg(feature = "rdma")]
-    Rdma(Arc<RdmaWire>),
+/// How the pages of a mirror cross a transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageMoves {
+    /// In the messages, with their bytes (TCP).
+    Bytes,
+    /// One-sided by the lender on registered memory; the messages name IOVA ranges
+    /// (RDMA).
+    Ranges,
 }
 
-/// An RDMA connection shared by the callers and the reader thread.
-#[cfg(feature = "rdma")]
-struct RdmaWire {
-    ch: Mutex<devlend_fabric::rdma::channel::MsgChannel>,
-    closed: std::sync::atomic::AtomicBool,
+/// One transport of a PCI session: how messages go to the lender. What comes back is
+/// read by the transport's own reader thread, which hands replies and interrupts on
+/// (`dispatch`) and marks the session closed when it ends.
+pub trait PciWire: Send + Sync {
+    /// Sends one message.
+    ///
+    /// # Errors
+    /// [`LinkError::Send`], or [`LinkError::Closed`] once the session is over.
+    fn send(&self, m: &Message) -> Result<(), LinkError>;
+    /// Shuts the connection down both ways (the reader then ends).
+    fn shutdown(&self);
+    /// Largest region access in one message, in bytes.
+    fn max_access(&self) -> u32;
+    /// How mirror pages cross this transport.
+    fn page_moves(&self) -> PageMoves;
+    /// Registers `len` bytes at `ptr` for the lender's one-sided access, when the
+    /// transport has any; `None` otherwise.
+    ///
+    /// # Safety
+    /// The range must stay mapped for as long as the returned registration lives.
+    ///
+    /// # Errors
+    /// [`LinkError::Send`] when the registration fails.
+    unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Option<Registration>, LinkError>;
+    /// The transport's name, for debugging.
+    fn name(&self) -> &'static str;
 }
 
 /// Guest memory registered for the lender's one-sided access (over RDMA): the memory
@@ -177,10 +201,9 @@ impl Registration {
 pub struct PciLink {
     /// The function as the lender described it in the handshake.
     lent: devlend_fabric::handshake::PciIdentity,
-    wire: Wire,
+    wire: Box<dyn PciWire>,
     /// Set when the reader thread ends (the session is over).
-    closed: Arc<std::sync::atomic::AtomicBool>,
-    write: Arc<Mutex<()>>,
+    closed: Arc<AtomicBool>,
     replies: Mutex<Receiver<Message>>,
     counters: Arc<LinkCounters>,
 }
@@ -188,7 +211,7 @@ pub struct PciLink {
 impl std::fmt::Debug for PciLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PciLink")
-            .field("rdma", &self.is_rdma())
+            .field("wire", &self.wire.name())
             .finish_non_exhaustive()
     }
 }
@@ -216,56 +239,20 @@ impl PciLink {
             addr: t.lender.clone(),
             source: WireError::Invalid(what),
         };
-        let io = |e: std::io::Error| ConnectError::Handshake {
-            addr: t.lender.clone(),
-            source: WireError::Io(e),
-        };
         let (reply_tx, reply_rx) = mpsc::channel();
         let (irq_tx, irq_rx) = mpsc::channel();
-        let write = Arc::new(Mutex::new(()));
         let counters = Arc::new(LinkCounters::default());
-        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let closed = Arc::new(AtomicBool::new(false));
         // With the lender's description of the function (its address), from the
         // handshake.
         let (wire, lent) = match t.transport {
             devlend_fabric::transport::Transport::Tcp => {
-                let (stream, reply) = tcp::open(&t.lender, &hello, t.timeout, t.tls.as_ref())?;
-                tcp::check_lender(&t.lender, t.lender_key.as_ref(), &hello, &reply)?;
-                let lent = match reply.pci() {
-                    Some(pci) if reply.features & FEATURE_PCI != 0 => pci.clone(),
-                    _ => return Err(bad("the lender's device is not a PCIe function")),
-                };
-                let rx = Reader {
-                    stream: stream.try_clone().map_err(io)?,
-                    write: Arc::clone(&write),
-                    memory,
-                    counters: Arc::clone(&counters),
-                };
-                let done = Arc::clone(&closed);
-                std::thread::Builder::new()
-                    .name("devlend-pci-rx".into())
-                    .spawn(move || {
-                        read_loop(&rx, reply_tx, irq_tx);
-                        done.store(true, Ordering::Release);
-                    })
-                    .map_err(io)?;
-                (Wire::Stream(stream), lent)
+                tcp::open(t, &hello, memory, reply_tx, irq_tx, &counters, &closed)?
             }
             #[cfg(feature = "rdma")]
             devlend_fabric::transport::Transport::Rdma => {
                 drop(memory);
-                let (wire, device) = rdma_connect(t, &hello)?;
-                let reader = Arc::clone(&wire);
-                let c = Arc::clone(&counters);
-                let done = Arc::clone(&closed);
-                std::thread::Builder::new()
-                    .name("devlend-pci-rx".into())
-                    .spawn(move || {
-                        rdma_read_loop(&reader, &reply_tx, &irq_tx, &c);
-                        done.store(true, Ordering::Release);
-                    })
-                    .map_err(io)?;
-                (Wire::Rdma(wire), device)
+                rdma::open(t, &hello, reply_tx, irq_tx, &counters, &closed)?
             }
             #[cfg(not(feature = "rdma"))]
             devlend_fabric::transport::Transport::Rdma => {
@@ -276,14 +263,7 @@ impl PciLink {
                 });
             }
         };
-        let link = PciLink {
-            lent,
-            wire,
-            closed,
-            write,
-            replies: Mutex::new(reply_rx),
-            counters,
-        };
+        let link = PciLink::over(wire, lent, reply_rx, closed, counters);
         let info = link
             .call(Message::new(KIND_INFO, Vec::new()))
             .map_err(|e| {
@@ -297,6 +277,24 @@ impl PciLink {
                 })
             })?;
         Ok((link, info, irq_rx))
+    }
+
+    /// A session over `wire`, whose reader hands replies on to `replies` and sets
+    /// `closed` when it ends.
+    pub(crate) fn over(
+        wire: Box<dyn PciWire>,
+        lent: devlend_fabric::handshake::PciIdentity,
+        replies: Receiver<Message>,
+        closed: Arc<AtomicBool>,
+        counters: Arc<LinkCounters>,
+    ) -> PciLink {
+        PciLink {
+            lent,
+            wire,
+            closed,
+            replies: Mutex::new(replies),
+            counters,
+        }
     }
 
     /// Sends `m` and waits for its answer: one reply, or for a pull the replies up to
@@ -336,20 +334,7 @@ impl PciLink {
     /// [`LinkError::Send`].
     pub fn send(&self, m: &Message) -> Result<(), LinkError> {
         LinkCounters::count(&self.counters.msgs_sent, &self.counters.bytes_sent, m);
-        match &self.wire {
-            Wire::Stream(s) => {
-                let _g = self.write.lock().unwrap_or_else(PoisonError::into_inner);
-                m.write_to(&mut &*s).map_err(LinkError::Send)
-            }
-            #[cfg(feature = "rdma")]
-            Wire::Rdma(w) => {
-                if w.closed.load(std::sync::atomic::Ordering::Acquire) {
-                    return Err(LinkError::Closed);
-                }
-                let mut ch = w.ch.lock().unwrap_or_else(PoisonError::into_inner);
-                ch.send(m).map_err(|e| rdma_send_err(&e))
-            }
-        }
+        self.wire.send(m)
     }
 
     /// The function as the lender described it in the handshake (its address, IDs,
@@ -369,22 +354,15 @@ impl PciLink {
         &self.counters
     }
 
-    /// Whether the session runs over RDMA (pushes and pulls then carry ranges only).
-    pub fn is_rdma(&self) -> bool {
-        match &self.wire {
-            Wire::Stream(_) => false,
-            #[cfg(feature = "rdma")]
-            Wire::Rdma(_) => true,
-        }
+    /// How mirror pages cross the session: with their bytes (TCP), or as ranges the
+    /// lender moves one-sided (RDMA).
+    pub fn page_moves(&self) -> PageMoves {
+        self.wire.page_moves()
     }
 
     /// Largest region access in one message, in bytes.
     pub fn max_access(&self) -> u32 {
-        if self.is_rdma() {
-            devlend_fabric::pci::RDMA_MAX_ACCESS
-        } else {
-            devlend_fabric::pci::MAX_ACCESS
-        }
+        self.wire.max_access()
     }
 
     /// Over RDMA, registers `len` bytes at `ptr` for the lender's remote READ and WRITE;
@@ -400,32 +378,14 @@ impl PciLink {
         ptr: *mut u8,
         len: usize,
     ) -> Result<Option<Registration>, LinkError> {
-        match &self.wire {
-            Wire::Stream(_) => {
-                let _ = (ptr, len);
-                Ok(None)
-            }
-            #[cfg(feature = "rdma")]
-            Wire::Rdma(w) => {
-                let ch = w.ch.lock().unwrap_or_else(PoisonError::into_inner);
-                // SAFETY: the caller keeps the range mapped while the registration lives.
-                unsafe { devlend_fabric::rdma::verbs::Mr::register(ch.pd(), ptr, len, true) }
-                    .map(|mr| Some(Registration { mr }))
-                    .map_err(|e| rdma_send_err(&e))
-            }
-        }
+        // SAFETY: the caller keeps the range mapped while the registration lives.
+        unsafe { self.wire.register(ptr, len) }
     }
 
     /// Shuts the connection down both ways: the lender's session ends (and it quiesces
     /// the function), pending and later calls fail.
     pub fn shutdown(&self) {
-        match &self.wire {
-            Wire::Stream(s) => {
-                let _ = s.shutdown(Shutdown::Both);
-            }
-            #[cfg(feature = "rdma")]
-            Wire::Rdma(w) => close_rdma(w),
-        }
+        self.wire.shutdown();
     }
 }
 
@@ -435,124 +395,8 @@ impl Drop for PciLink {
     }
 }
 
-/// Opens the RDMA connection and checks the lender's answer.
-#[cfg(feature = "rdma")]
-fn rdma_connect(
-    t: &LinkTarget,
-    hello: &Hello,
-) -> Result<(Arc<RdmaWire>, devlend_fabric::handshake::PciIdentity), ConnectError> {
-    let (conn, reply) =
-        devlend_fabric::rdma::verbs::connect(&t.lender, hello, t.timeout).map_err(|source| {
-            ConnectError::Rdma {
-                addr: t.lender.clone(),
-                source,
-            }
-        })?;
-    if reply.status != devlend_fabric::HelloStatus::Ok {
-        return Err(ConnectError::Refused {
-            addr: t.lender.clone(),
-            device: hello.device.clone(),
-            status: reply.status,
-            message: reply.message,
-        });
-    }
-    tcp::check_lender(&t.lender, t.lender_key.as_ref(), hello, &reply)?;
-    let lent = match reply.pci() {
-        Some(pci) if reply.features & FEATURE_PCI != 0 => pci.clone(),
-        _ => {
-            return Err(ConnectError::Handshake {
-                addr: t.lender.clone(),
-                source: WireError::Invalid("the lender's device is not a PCIe function"),
-            })
-        }
-    };
-    Ok((
-        Arc::new(RdmaWire {
-            ch: Mutex::new(devlend_fabric::rdma::channel::MsgChannel::new(conn)),
-            closed: std::sync::atomic::AtomicBool::new(false),
-        }),
-        lent,
-    ))
-}
-
-/// The RDMA reader: waits on the connection, takes what arrived, hands it on.
-#[cfg(feature = "rdma")]
-fn rdma_read_loop(
-    w: &RdmaWire,
-    replies: &Sender<Message>,
-    irqs: &Sender<Irq>,
-    counters: &LinkCounters,
-) {
-    let fd = w.ch.lock().unwrap_or_else(PoisonError::into_inner).fd();
-    loop {
-        if w.closed.load(Ordering::Acquire) {
-            tracing::info!("the PCI session over RDMA is closed");
-            return;
-        }
-        devlend_fabric::rdma::verbs::wait_fd(fd, Duration::from_millis(200));
-        let mut got = Vec::new();
-        let polled = {
-            let mut ch = w.ch.lock().unwrap_or_else(PoisonError::into_inner);
-            let r = ch.poll();
-            while let Some(m) = ch.take() {
-                got.push(m);
-            }
-            r
-        };
-        for m in got {
-            LinkCounters::count(&counters.msgs_received, &counters.bytes_received, &m);
-            if m.kind == KIND_MEM_READ || m.kind == KIND_MEM_WRITE {
-                tracing::warn!(
-                    kind = m.kind,
-                    "guest memory message over RDMA (the lender moves guest memory one-sided); closing the session"
-                );
-                close_rdma(w);
-                return;
-            }
-            if !dispatch(m, replies, irqs) {
-                close_rdma(w);
-                return;
-            }
-        }
-        if let Err(e) = polled {
-            match e {
-                // Our own shutdown flushes the posted receives.
-                _ if w.closed.load(Ordering::Acquire) => {
-                    tracing::info!("the PCI session over RDMA is closed")
-                }
-                devlend_fabric::rdma::channel::ChannelError::Rdma(
-                    devlend_fabric::rdma::RdmaError::Disconnected,
-                ) => tracing::info!("the lender closed the PCI session"),
-                e => {
-                    tracing::warn!(error = %devlend_fabric::error::chain(&e), "PCI session lost")
-                }
-            }
-            close_rdma(w);
-            return;
-        }
-    }
-}
-
-/// An RDMA failure of a send or a registration, as [`LinkError::Send`].
-#[cfg(feature = "rdma")]
-fn rdma_send_err(e: &dyn std::error::Error) -> LinkError {
-    LinkError::Send(WireError::Io(std::io::Error::other(
-        devlend_fabric::error::chain(e),
-    )))
-}
-
-/// Marks the connection closed and disconnects it, once.
-#[cfg(feature = "rdma")]
-fn close_rdma(w: &RdmaWire) {
-    if !w.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
-        w.ch.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .disconnect();
-    }
-}
-
 /// Hands one message from the lender on; `false` when the session must close.
-fn dispatch(m: Message, replies: &Sender<Message>, irqs: &Sender<Irq>) -> bool {
+pub(crate) fn dispatch(m: Message, replies: &Sender<Message>, irqs: &Sender<Irq>) -> bool {
     if m.kind == KIND_IRQ {
         match Irq::decode(&m.payload) {
             Ok(irq) => {
@@ -572,82 +416,5 @@ fn dispatch(m: Message, replies: &Sender<Message>, irqs: &Sender<Irq>) -> bool {
         false
     } else {
         replies.send(m).is_ok()
-    }
-}
-
-/// What the reader thread holds.
-struct Reader {
-    stream: Stream,
-    /// The link's write lock: a reply to [`KIND_MEM_READ`] is sent under it.
-    write: Arc<Mutex<()>>,
-    memory: Arc<dyn GuestMemory>,
-    counters: Arc<LinkCounters>,
-}
-
-impl Reader {
-    /// Serves one guest memory access of the lender; `Err` (the reason) ends the
-    /// session.
-    fn memory(&self, m: &Message) -> Result<(), String> {
-        if !self.memory.mediated() {
-            return Err(format!(
-                "guest memory access {:#04x} from the lender of a function that is not mediated",
-                m.kind
-            ));
-        }
-        if m.flags != 0 {
-            return Err("flags on a guest memory access".into());
-        }
-        if m.kind == KIND_MEM_WRITE {
-            let pages = devlend_fabric::pci::decode_pages(&m.payload).map_err(|e| e.to_string())?;
-            for p in pages {
-                self.memory.write(p.iova, p.data)?;
-            }
-            return Ok(());
-        }
-        let r = MemRead::decode(&m.payload).map_err(|e| e.to_string())?;
-        let mut buf = vec![0u8; r.len as usize];
-        let reply = match self.memory.read(r.iova, &mut buf) {
-            Ok(()) => Message::new(KIND_MEM_READ | REPLY, buf),
-            Err(reason) => {
-                devlend_fabric::limited!(warn, %reason, "guest memory read by the lender refused");
-                Message::refusal(KIND_MEM_READ, PciStatus::Invalid, &reason)
-            }
-        };
-        let _g = self.write.lock().unwrap_or_else(PoisonError::into_inner);
-        LinkCounters::count(&self.counters.msgs_sent, &self.counters.bytes_sent, &reply);
-        reply
-            .write_to(&mut &self.stream)
-            .map_err(|e| format!("sending guest memory: {e}"))
-    }
-}
-
-fn read_loop(rx: &Reader, replies: Sender<Message>, irqs: Sender<Irq>) {
-    let stream = &rx.stream;
-    loop {
-        let m = match Message::read_from(&mut &*stream) {
-            Ok(m) => m,
-            Err(WireError::Closed) => {
-                tracing::info!("the lender closed the PCI session");
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(error = %devlend_fabric::error::chain(&e), "PCI session lost");
-                let _ = stream.shutdown(Shutdown::Both);
-                return;
-            }
-        };
-        LinkCounters::count(&rx.counters.msgs_received, &rx.counters.bytes_received, &m);
-        if m.kind == KIND_MEM_READ || m.kind == KIND_MEM_WRITE {
-            if let Err(reason) = rx.memory(&m) {
-                devlend_fabric::limited!(warn, %reason, "bad guest memory access by the lender; closing the session");
-                let _ = stream.shutdown(Shutdown::Both);
-                return;
-            }
-            continue;
-        }
-        if !dispatch(m, &replies, &irqs) {
-            let _ = stream.shutdown(Shutdown::Both);
-            return;
-        }
     }
 }

@@ -1,0 +1,193 @@
+//! The PCI session over RDMA (rdma_cm; each message one SEND): the [`PciWire`] that
+//! sends on the connection and registers guest memory for the lender's one-sided
+//! access, and the reader thread.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use devlend_fabric::pci::{Irq, Message, FEATURE_PCI, KIND_MEM_READ, KIND_MEM_WRITE};
+use devlend_fabric::tcp::{self, ConnectError};
+use devlend_fabric::{Hello, WireError};
+
+use super::{dispatch, LinkCounters, LinkError, LinkTarget, PageMoves, PciWire, Registration};
+
+/// An RDMA connection shared by the callers and the reader thread.
+struct RdmaWire {
+    ch: Mutex<devlend_fabric::rdma::channel::MsgChannel>,
+    closed: AtomicBool,
+}
+
+impl PciWire for Arc<RdmaWire> {
+    fn send(&self, m: &Message) -> Result<(), LinkError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(LinkError::Closed);
+        }
+        let mut ch = self.ch.lock().unwrap_or_else(PoisonError::into_inner);
+        ch.send(m).map_err(|e| rdma_send_err(&e))
+    }
+
+    fn shutdown(&self) {
+        close_rdma(self);
+    }
+
+    fn max_access(&self) -> u32 {
+        devlend_fabric::pci::RDMA_MAX_ACCESS
+    }
+
+    fn page_moves(&self) -> PageMoves {
+        PageMoves::Ranges
+    }
+
+    unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Option<Registration>, LinkError> {
+        let ch = self.ch.lock().unwrap_or_else(PoisonError::into_inner);
+        // SAFETY: the caller keeps the range mapped while the registration lives.
+        unsafe { devlend_fabric::rdma::verbs::Mr::register(ch.pd(), ptr, len, true) }
+            .map(|mr| Some(Registration { mr }))
+            .map_err(|e| rdma_send_err(&e))
+    }
+
+    fn name(&self) -> &'static str {
+        "rdma"
+    }
+}
+
+/// Opens the RDMA connection, checks the lender's answer and starts the reader thread,
+/// which hands replies and interrupts on and sets `closed` when it ends.
+pub(super) fn open(
+    t: &LinkTarget,
+    hello: &Hello,
+    replies: Sender<Message>,
+    irqs: Sender<Irq>,
+    counters: &Arc<LinkCounters>,
+    closed: &Arc<AtomicBool>,
+) -> Result<(Box<dyn PciWire>, devlend_fabric::handshake::PciIdentity), ConnectError> {
+    let (wire, lent) = rdma_connect(t, hello)?;
+    let reader = Arc::clone(&wire);
+    let c = Arc::clone(counters);
+    let done = Arc::clone(closed);
+    std::thread::Builder::new()
+        .name("devlend-pci-rx".into())
+        .spawn(move || {
+            rdma_read_loop(&reader, &replies, &irqs, &c);
+            done.store(true, Ordering::Release);
+        })
+        .map_err(|e| ConnectError::Handshake {
+            addr: t.lender.clone(),
+            source: WireError::Io(e),
+        })?;
+    Ok((Box::new(wire), lent))
+}
+
+/// Opens the RDMA connection and checks the lender's answer.
+fn rdma_connect(
+    t: &LinkTarget,
+    hello: &Hello,
+) -> Result<(Arc<RdmaWire>, devlend_fabric::handshake::PciIdentity), ConnectError> {
+    let (conn, reply) =
+        devlend_fabric::rdma::verbs::connect(&t.lender, hello, t.timeout).map_err(|source| {
+            ConnectError::Rdma {
+                addr: t.lender.clone(),
+                source,
+            }
+        })?;
+    if reply.status != devlend_fabric::HelloStatus::Ok {
+        return Err(ConnectError::Refused {
+            addr: t.lender.clone(),
+            device: hello.device.clone(),
+            status: reply.status,
+            message: reply.message,
+        });
+    }
+    tcp::check_lender(&t.lender, t.lender_key.as_ref(), hello, &reply)?;
+    let lent = match reply.pci() {
+        Some(pci) if reply.features & FEATURE_PCI != 0 => pci.clone(),
+        _ => {
+            return Err(ConnectError::Handshake {
+                addr: t.lender.clone(),
+                source: WireError::Invalid("the lender's device is not a PCIe function"),
+            })
+        }
+    };
+    Ok((
+        Arc::new(RdmaWire {
+            ch: Mutex::new(devlend_fabric::rdma::channel::MsgChannel::new(conn)),
+            closed: AtomicBool::new(false),
+        }),
+        lent,
+    ))
+}
+
+/// The RDMA reader: waits on the connection, takes what arrived, hands it on.
+fn rdma_read_loop(
+    w: &RdmaWire,
+    replies: &Sender<Message>,
+    irqs: &Sender<Irq>,
+    counters: &LinkCounters,
+) {
+    let fd = w.ch.lock().unwrap_or_else(PoisonError::into_inner).fd();
+    loop {
+        if w.closed.load(Ordering::Acquire) {
+            tracing::info!("the PCI session over RDMA is closed");
+            return;
+        }
+        devlend_fabric::rdma::verbs::wait_fd(fd, Duration::from_millis(200));
+        let mut got = Vec::new();
+        let polled = {
+            let mut ch = w.ch.lock().unwrap_or_else(PoisonError::into_inner);
+            let r = ch.poll();
+            while let Some(m) = ch.take() {
+                got.push(m);
+            }
+            r
+        };
+        for m in got {
+            LinkCounters::count(&counters.msgs_received, &counters.bytes_received, &m);
+            if m.kind == KIND_MEM_READ || m.kind == KIND_MEM_WRITE {
+                tracing::warn!(
+                    kind = m.kind,
+                    "guest memory message over RDMA (the lender moves guest memory one-sided); closing the session"
+                );
+                close_rdma(w);
+                return;
+            }
+            if !dispatch(m, replies, irqs) {
+                close_rdma(w);
+                return;
+            }
+        }
+        if let Err(e) = polled {
+            match e {
+                // Our own shutdown flushes the posted receives.
+                _ if w.closed.load(Ordering::Acquire) => {
+                    tracing::info!("the PCI session over RDMA is closed")
+                }
+                devlend_fabric::rdma::channel::ChannelError::Rdma(
+                    devlend_fabric::rdma::RdmaError::Disconnected,
+                ) => tracing::info!("the lender closed the PCI session"),
+                e => {
+                    tracing::warn!(error = %devlend_fabric::error::chain(&e), "PCI session lost")
+                }
+            }
+            close_rdma(w);
+            return;
+        }
+    }
+}
+
+/// An RDMA failure of a send or a registration, as [`LinkError::Send`].
+fn rdma_send_err(e: &dyn std::error::Error) -> LinkError {
+    LinkError::Send(WireError::Io(std::io::Error::other(
+        devlend_fabric::error::chain(e),
+    )))
+}
+
+/// Marks the connection closed and disconnects it, once.
+fn close_rdma(w: &RdmaWire) {
+    if !w.closed.swap(true, Ordering::AcqRel) {
+        w.ch.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .disconnect();
+    }
+}

@@ -1,0 +1,170 @@
+//! The borrower's logic driven through the in-memory link ([`super::fake_link`]): region
+//! accesses forwarded and answered, the mirror pushed before a BAR write, refusals and a
+//! lost session reported to the VMM as errnos.
+
+use std::io;
+use std::os::unix::fs::FileExt as _;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use devlend_fabric::pci::{
+    Access, Irq, KIND_DMA_MAP, KIND_PUSH, KIND_READ, KIND_SET_IRQS, KIND_WRITE, MIRROR_PAGE,
+};
+use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
+use vfio_user::{DmaMapFlags, ServerBackend};
+
+use super::fake_link::{fake_link, info, FakeLender};
+use super::{guest_mem, PciBorrower};
+
+const CONFIG: u32 = VFIO_PCI_CONFIG_REGION_INDEX;
+
+/// A borrower over a fake link whose accesses are at most `max_access` bytes, its
+/// config space starting with `config`.
+fn borrower(max_access: u32, config: &[u8]) -> (PciBorrower, Arc<FakeLender>) {
+    let (link, lender, irqs) = fake_link(max_access, Default::default());
+    lender
+        .regions
+        .lock()
+        .unwrap()
+        .insert(CONFIG, config.to_vec());
+    let b = PciBorrower::start(link, info(), irqs, Arc::new(guest_mem::Maps::default())).unwrap();
+    (b, lender)
+}
+
+fn accesses(lender: &FakeLender, kind: u8) -> Vec<Access> {
+    lender
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|m| m.kind == kind)
+        .map(|m| Access::decode(&m.payload, kind == KIND_WRITE).unwrap().0)
+        .collect()
+}
+
+#[test]
+fn ids_are_read_from_config_space_when_the_lender_does_not_describe_them() {
+    let (b, lender) = borrower(64, &[0x86, 0x80, 0x34, 0x12]);
+    let id = b.handle().identity().clone();
+    assert_eq!((id.vendor_id, id.device_id), (Some(0x8086), Some(0x1234)));
+    assert_eq!(lender.kinds(), vec![KIND_READ]);
+}
+
+#[test]
+fn a_region_read_is_forwarded_in_pieces_of_the_links_largest_access() {
+    let (mut b, lender) = borrower(16, &[]);
+    let bar: Vec<u8> = (0..64).collect();
+    lender.regions.lock().unwrap().insert(0, bar.clone());
+    let mut data = [0u8; 40];
+    b.region_read(0, 8, &mut data).unwrap();
+    assert_eq!(&data[..], &bar[8..48]);
+    let reads: Vec<(u64, u32)> = accesses(&lender, KIND_READ)
+        .iter()
+        .filter(|a| a.region == 0)
+        .map(|a| (a.offset, a.len))
+        .collect();
+    assert_eq!(reads, vec![(8, 16), (24, 16), (40, 8)]);
+    assert_eq!(b.stats().reads.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn a_region_write_reaches_the_lender_in_order() {
+    let (mut b, lender) = borrower(4, &[]);
+    b.region_write(CONFIG, 4, &[1, 2, 3, 4, 5, 6]).unwrap();
+    let writes: Vec<(u64, u32)> = accesses(&lender, KIND_WRITE)
+        .iter()
+        .map(|a| (a.offset, a.len))
+        .collect();
+    assert_eq!(writes, vec![(4, 4), (8, 2)]);
+    assert_eq!(
+        lender.regions.lock().unwrap()[&CONFIG][4..10],
+        [1, 2, 3, 4, 5, 6]
+    );
+}
+
+#[test]
+fn a_bar_write_pushes_the_changed_guest_pages_first() {
+    let (mut b, lender) = borrower(64, &[1, 0, 1, 0]);
+    let page = MIRROR_PAGE as usize;
+    let file = tempfile::tempfile().unwrap();
+    file.set_len(2 * MIRROR_PAGE).unwrap();
+    let guest = file.try_clone().unwrap();
+    b.dma_map(
+        DmaMapFlags::READ_WRITE,
+        0,
+        0x10_0000,
+        2 * MIRROR_PAGE,
+        Some(file),
+    )
+    .unwrap();
+    guest.write_all_at(b"doorbell data", page as u64).unwrap();
+    b.region_write(0, 0, &[1]).unwrap();
+    // A write to config space may not start DMA: nothing to push.
+    b.region_write(CONFIG, 0x10, &[0]).unwrap();
+    // Nothing changed since: the next BAR write pushes nothing.
+    b.region_write(0, 0, &[2]).unwrap();
+    assert_eq!(
+        lender.kinds(),
+        vec![
+            KIND_READ,
+            KIND_DMA_MAP,
+            KIND_PUSH,
+            KIND_WRITE,
+            KIND_WRITE,
+            KIND_WRITE
+        ]
+    );
+    assert_eq!(b.stats().pages_pushed.load(Ordering::Relaxed), 1);
+    assert_eq!(b.handle().dma_mapped_bytes(), 2 * MIRROR_PAGE);
+}
+
+#[test]
+fn a_refusal_is_einval_and_the_session_goes_on() {
+    let (mut b, lender) = borrower(64, &[1, 0, 1, 0]);
+    *lender.refuse.lock().unwrap() = Some(KIND_WRITE);
+    let e = b.region_write(CONFIG, 0, &[0]).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+    let mut data = [0u8; 2];
+    b.region_read(CONFIG, 0, &mut data).unwrap();
+    assert_eq!(data, [1, 0]);
+    assert!(!b.handle().session_closed());
+}
+
+#[test]
+fn a_lost_session_fails_requests_as_a_broken_pipe() {
+    let (mut b, lender) = borrower(64, &[1, 0, 1, 0]);
+    lender.lose();
+    assert!(b.handle().session_closed());
+    let mut data = [0u8; 4];
+    let e = b.region_read(CONFIG, 0, &mut data).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
+    assert!(b.vmm_gone().is_err());
+}
+
+#[test]
+fn an_interrupt_reaches_the_vmms_eventfd_of_its_vector() {
+    use vfio_bindings::bindings::vfio::{VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD};
+    let (mut b, lender) = borrower(64, &[1, 0, 1, 0]);
+    // A file stands in for the eventfd: each signal writes 8 bytes to it.
+    let eventfd = tempfile::tempfile().unwrap();
+    let seen = eventfd.try_clone().unwrap();
+    let flags = VFIO_IRQ_SET_ACTION_TRIGGER | VFIO_IRQ_SET_DATA_EVENTFD;
+    b.set_irqs(0, flags, 1, 1, vec![eventfd]).unwrap();
+    assert_eq!(lender.kinds(), vec![KIND_READ, KIND_SET_IRQS]);
+    // Vector 0 has no eventfd: dropped; vector 1 is signalled.
+    lender.irq(Irq {
+        index: 0,
+        vector: 0,
+    });
+    lender.irq(Irq {
+        index: 0,
+        vector: 1,
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while b.stats().irqs.load(Ordering::Relaxed) < 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(b.stats().irqs.load(Ordering::Relaxed), 1);
+    assert_eq!(seen.metadata().unwrap().len(), 8);
+}
