@@ -2,10 +2,14 @@
 //! size, whether it lives in memory), what the handshake answers for it, and what a
 //! hello must ask to be served its block requests. Its sessions ([`session`]) set up
 //! their device I/O ([`crate::block::io`], shared by the TCP and RDMA engines) before
-//! the hello reply.
+//! the hello reply, then run the kind's own engines: over TCP ([`tcp`]: framing,
+//! budget, the engine's loop) or over RDMA (`rdma`).
 
 pub(crate) mod io;
+#[cfg(feature = "rdma")]
+pub(crate) mod rdma;
 mod session;
+mod tcp;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;

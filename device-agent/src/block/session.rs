@@ -1,7 +1,7 @@
 //! A block device's sessions: the device I/O set up before the hello reply (a failure
 //! is answered `Busy`), the credit and the throttle note granted to a borrower that
-//! asks, then the block engine over TCP ([`crate::session::tcp::engine`]) or RDMA
-//! (`crate::session::rdma::block`), its device I/O under the holder's limits
+//! asks, then the block engine over TCP ([`super::tcp::engine`]) or RDMA
+//! (`super::rdma`), its device I/O under the holder's limits
 //! ([`crate::block::io::Throttled`]).
 
 use std::net::SocketAddr;
@@ -11,7 +11,7 @@ use std::time::Duration;
 use devlend_fabric::conn::Stream;
 use devlend_fabric::{Credit, HelloStatus, FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
 
-use crate::block::io::{SessionIo, Throttled};
+use crate::block::io::{DeviceIo, SessionIo, Throttled};
 use crate::device::Device;
 use crate::qos::Group;
 use crate::session::end::End;
@@ -69,6 +69,36 @@ impl BlockIo {
             0
         }
     }
+
+    /// Runs `engine` on the session's device I/O under the holder's limits: the one
+    /// place that dispatches on the [`SessionIo`] the session got.
+    fn run<E: Engine>(self, engine: E) -> E::End {
+        let BlockIo {
+            dev,
+            io,
+            group,
+            note,
+        } = self;
+        let group = Some(group);
+        match io {
+            SessionIo::Uring(io) => {
+                engine.run(Throttled::new(io, group, Arc::clone(&dev), note), &dev)
+            }
+            SessionIo::Inline(io) => {
+                engine.run(Throttled::new(io, group, Arc::clone(&dev), note), &dev)
+            }
+        }
+    }
+}
+
+/// A transport's block engine, run by [`BlockIo::run`] on whichever [`DeviceIo`] the
+/// session got.
+trait Engine {
+    /// How the engine's session ended.
+    type End;
+
+    /// Serves the session to its end on `io`, the device I/O of `dev`.
+    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>) -> Self::End;
 }
 
 /// A block session over TCP.
@@ -98,24 +128,40 @@ pub(super) fn open_tcp<'a>(at: &Opening<'a>) -> Result<Opened<Box<dyn TcpSession
 
 impl TcpSession for Tcp {
     fn serve(self: Box<Self>, sock: &Stream, peer: SocketAddr) -> End {
-        use crate::session::tcp::engine::run;
         let Tcp {
-            io: e,
+            io,
             frame_timeout,
             credit,
         } = *self;
         tracing::debug!(%peer, "session serving");
-        let group = Some(e.group);
-        match e.io {
-            SessionIo::Uring(io) => {
-                let io = Throttled::new(io, group, Arc::clone(&e.dev), e.note);
-                run(io, &e.dev, sock, peer, frame_timeout, credit)
-            }
-            SessionIo::Inline(io) => {
-                let io = Throttled::new(io, group, Arc::clone(&e.dev), e.note);
-                run(io, &e.dev, sock, peer, frame_timeout, credit)
-            }
-        }
+        io.run(TcpRun {
+            sock,
+            peer,
+            frame_timeout,
+            credit,
+        })
+    }
+}
+
+/// The TCP engine's arguments beside its device I/O.
+struct TcpRun<'s> {
+    sock: &'s Stream,
+    peer: SocketAddr,
+    frame_timeout: Duration,
+    credit: bool,
+}
+
+impl Engine for TcpRun<'_> {
+    type End = End;
+
+    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>) -> End {
+        let TcpRun {
+            sock,
+            peer,
+            frame_timeout,
+            credit,
+        } = self;
+        super::tcp::engine::run(io, dev, sock, peer, frame_timeout, credit)
     }
 }
 
@@ -130,10 +176,11 @@ mod rdma {
     use devlend_fabric::rdma::verbs::Connection;
     use devlend_fabric::HelloStatus;
 
-    use super::BlockIo;
-    use crate::block::io::{SessionIo, Throttled};
+    use super::{BlockIo, Engine};
+    use crate::block::io::DeviceIo;
+    use crate::block::rdma::{run, End, Slot, IO_SLOTS, RING_ENTRIES};
+    use crate::device::Device;
     use crate::session::open::{Opened, Opening, RdmaSession, Refused};
-    use crate::session::rdma::block::{run, End, Slot, IO_SLOTS, RING_ENTRIES};
     use crate::MAX_TRANSFER_BYTES;
 
     /// A block session over RDMA: its registered I/O buffers and its device I/O.
@@ -176,19 +223,13 @@ mod rdma {
         }
 
         fn serve(self: Box<Self>, mut conn: Connection, stop: &AtomicBool, peer: &str) {
-            let Rdma { io: e, mut slots } = *self;
-            let dev = Arc::clone(&e.dev);
-            let group = Some(e.group);
-            let end = match e.io {
-                SessionIo::Uring(io) => {
-                    let io = Throttled::new(io, group, Arc::clone(&dev), e.note);
-                    run(io, &dev, &mut conn, &mut slots, stop)
-                }
-                SessionIo::Inline(io) => {
-                    let io = Throttled::new(io, group, Arc::clone(&dev), e.note);
-                    run(io, &dev, &mut conn, &mut slots, stop)
-                }
-            };
+            let Rdma { io, mut slots } = *self;
+            let dev = Arc::clone(&io.dev);
+            let end = io.run(RdmaRun {
+                conn: &mut conn,
+                slots: &mut slots,
+                stop,
+            });
             // The QP goes first (no RDMA into the buffers after), then the buffers' MRs.
             drop(conn);
             drop(slots);
@@ -197,7 +238,22 @@ mod rdma {
         }
     }
 
-    fn log_end(dev: &crate::device::Device, peer: &str, end: End) {
+    /// The RDMA engine's arguments beside its device I/O.
+    struct RdmaRun<'s> {
+        conn: &'s mut Connection,
+        slots: &'s mut [Slot],
+        stop: &'s AtomicBool,
+    }
+
+    impl Engine for RdmaRun<'_> {
+        type End = End;
+
+        fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>) -> End {
+            run(io, dev, self.conn, self.slots, self.stop)
+        }
+    }
+
+    fn log_end(dev: &Device, peer: &str, end: End) {
         let device = &dev.name;
         match end {
             End::Closed => {
