@@ -32,6 +32,7 @@ pub mod error;
 pub mod exposure;
 mod holding;
 mod kind;
+mod kind_view;
 pub mod leases;
 pub mod metrics;
 mod nic;

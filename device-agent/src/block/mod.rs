@@ -20,7 +20,8 @@ use devlend_fabric::handshake::{DEV_DISCARD, DEV_READ_ONLY, DEV_WRITE_ZEROES};
 use devlend_fabric::{BlockGeometry, DeviceDescription, Hello, SECTOR_SIZE};
 
 use crate::config::BlockSpec;
-use crate::kind::{KindView, LentKind};
+use crate::kind::LentKind;
+use crate::kind_view::KindView;
 use crate::session::open::{Opened, Opening, Refused, TcpSession};
 use crate::{
     Error, MAX_DISCARD_SECTORS, MAX_SERIAL_LEN, MAX_TRANSFER_BYTES, MAX_WRITE_ZEROES_SECTORS,
