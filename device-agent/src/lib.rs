@@ -36,6 +36,7 @@ mod kind_view;
 pub mod leases;
 pub mod metrics;
 mod nic;
+mod options;
 pub mod pci;
 pub mod pool_link;
 mod qos;

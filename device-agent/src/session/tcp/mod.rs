@@ -1,6 +1,6 @@
 //! One borrower connection over TCP (or TLS): the handshake ([`handshake`]: read the
 //! hello, admit it, answer it), then the session its kind opens
-//! ([`crate::kind::LentKind::open_tcp`]: a block device's engine (`crate::block::tcp`),
+//! ([`crate::kind::LentKind::open_tcp`]: a block device's engine (`block/tcp/`),
 //! a NIC queue pair ([`crate::nic::pump`]) or a PCI session
 //! ([`crate::pci::session::tcp`])); then the bookkeeping.
 
