@@ -162,7 +162,7 @@ impl LentKind for BlockDevice {
         &'a self,
         at: &Opening<'a>,
     ) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
-        session::open_tcp(at)
+        session::open_tcp(self, at)
     }
 
     #[cfg(feature = "rdma")]
@@ -171,7 +171,7 @@ impl LentKind for BlockDevice {
         at: &Opening<'a>,
         conn: &devlend_fabric::rdma::verbs::Connection,
     ) -> Result<Opened<Box<dyn crate::session::open::RdmaSession + 'a>>, Refused> {
-        session::open_rdma(at, conn)
+        session::open_rdma(self, at, conn)
     }
 
     fn resource_class(&self) -> String {

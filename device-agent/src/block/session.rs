@@ -12,6 +12,7 @@ use devlend_fabric::conn::Stream;
 use devlend_fabric::{Credit, HelloStatus, FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
 
 use crate::block::io::{DeviceIo, SessionIo, Throttled};
+use crate::block::BlockDevice;
 use crate::device::Device;
 use crate::qos::Group;
 use crate::session::end::End;
@@ -33,28 +34,42 @@ fn session_credit() -> Credit {
 }
 
 /// What both transports' block sessions run with.
-struct BlockIo {
+struct BlockIo<'a> {
     dev: Arc<Device>,
-    io: SessionIo,
+    /// The block device the session serves (the kind's own, handed in).
+    block: &'a BlockDevice,
+    io: SessionIo<'a>,
     /// The holder's limits.
     group: Arc<Group>,
     /// Mark the responses of requests held back by the limits.
     note: bool,
 }
 
-impl BlockIo {
-    /// The session's device I/O (`send_from_file`: a read's data may go from the file
-    /// straight to the socket, over TCP).
-    fn open(at: &Opening<'_>, entries: u32, send_from_file: bool) -> Result<BlockIo, Refused> {
-        let io = SessionIo::new(Arc::clone(at.dev), at.options.io, entries, send_from_file)
-            .map_err(|e| {
-                (
-                    HelloStatus::Busy,
-                    format!("cannot set up I/O for the session: {e}"),
-                )
-            })?;
+impl<'a> BlockIo<'a> {
+    /// The session's device I/O on `block` (`send_from_file`: a read's data may go from
+    /// the file straight to the socket, over TCP).
+    fn open(
+        block: &'a BlockDevice,
+        at: &Opening<'_>,
+        entries: u32,
+        send_from_file: bool,
+    ) -> Result<BlockIo<'a>, Refused> {
+        let io = SessionIo::new(
+            Arc::clone(at.dev),
+            block,
+            at.options.io,
+            entries,
+            send_from_file,
+        )
+        .map_err(|e| {
+            (
+                HelloStatus::Busy,
+                format!("cannot set up I/O for the session: {e}"),
+            )
+        })?;
         Ok(BlockIo {
             dev: Arc::clone(at.dev),
+            block,
             io,
             group: Arc::clone(at.claim.group()),
             // A borrower that reads the throttle flag of responses gets it.
@@ -75,18 +90,23 @@ impl BlockIo {
     fn run<E: Engine>(self, engine: E) -> E::End {
         let BlockIo {
             dev,
+            block,
             io,
             group,
             note,
         } = self;
         let group = Some(group);
         match io {
-            SessionIo::Uring(io) => {
-                engine.run(Throttled::new(io, group, Arc::clone(&dev), note), &dev)
-            }
-            SessionIo::Inline(io) => {
-                engine.run(Throttled::new(io, group, Arc::clone(&dev), note), &dev)
-            }
+            SessionIo::Uring(io) => engine.run(
+                Throttled::new(io, group, Arc::clone(&dev), note),
+                &dev,
+                block,
+            ),
+            SessionIo::Inline(io) => engine.run(
+                Throttled::new(io, group, Arc::clone(&dev), note),
+                &dev,
+                block,
+            ),
         }
     }
 }
@@ -97,13 +117,14 @@ trait Engine {
     /// How the engine's session ended.
     type End;
 
-    /// Serves the session to its end on `io`, the device I/O of `dev`.
-    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>) -> Self::End;
+    /// Serves the session to its end on `io`, the device I/O of `block` (the block
+    /// device of `dev`).
+    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>, block: &BlockDevice) -> Self::End;
 }
 
 /// A block session over TCP.
-struct Tcp {
-    io: BlockIo,
+struct Tcp<'a> {
+    io: BlockIo<'a>,
     frame_timeout: Duration,
     /// The borrower keeps within the credit it was granted.
     credit: bool,
@@ -112,8 +133,11 @@ struct Tcp {
 /// Opens a block session over TCP: its device I/O, the throttle note and, to a
 /// borrower that keeps within a stated credit, the session's whole request budget (so
 /// that the session never has to stop reading it).
-pub(super) fn open_tcp<'a>(at: &Opening<'a>) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
-    let io = BlockIo::open(at, TCP_RING_ENTRIES, true)?;
+pub(super) fn open_tcp<'a>(
+    block: &'a BlockDevice,
+    at: &Opening<'a>,
+) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
+    let io = BlockIo::open(block, at, TCP_RING_ENTRIES, true)?;
     let credit = (at.hello.features & FEATURE_CREDIT != 0).then(session_credit);
     Ok(Opened {
         features: io.features(),
@@ -126,7 +150,7 @@ pub(super) fn open_tcp<'a>(at: &Opening<'a>) -> Result<Opened<Box<dyn TcpSession
     })
 }
 
-impl TcpSession for Tcp {
+impl TcpSession for Tcp<'_> {
     fn serve(self: Box<Self>, sock: &Stream, peer: SocketAddr) -> End {
         let Tcp {
             io,
@@ -154,7 +178,7 @@ struct TcpRun<'s> {
 impl Engine for TcpRun<'_> {
     type End = End;
 
-    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>) -> End {
+    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>, _block: &BlockDevice) -> End {
         let TcpRun {
             sock,
             peer,
@@ -179,19 +203,21 @@ mod rdma {
     use super::{BlockIo, Engine};
     use crate::block::io::DeviceIo;
     use crate::block::rdma::{run, End, Slot, IO_SLOTS, RING_ENTRIES};
+    use crate::block::BlockDevice;
     use crate::device::Device;
     use crate::session::open::{Opened, Opening, RdmaSession, Refused};
     use crate::MAX_TRANSFER_BYTES;
 
     /// A block session over RDMA: its registered I/O buffers and its device I/O.
-    struct Rdma {
-        io: BlockIo,
+    struct Rdma<'a> {
+        io: BlockIo<'a>,
         slots: Vec<Slot>,
     }
 
     /// Opens a block session over RDMA: [`IO_SLOTS`] I/O buffers of the largest
     /// transfer registered on `conn`, its device I/O, and the throttle note.
     pub(in crate::block) fn open_rdma<'a>(
+        block: &'a BlockDevice,
         at: &Opening<'a>,
         conn: &Connection,
     ) -> Result<Opened<Box<dyn RdmaSession + 'a>>, Refused> {
@@ -208,7 +234,7 @@ mod rdma {
             })?;
             slots.push(slot);
         }
-        let io = BlockIo::open(at, RING_ENTRIES, false)?;
+        let io = BlockIo::open(block, at, RING_ENTRIES, false)?;
         Ok(Opened {
             features: io.features(),
             credit: None,
@@ -216,7 +242,7 @@ mod rdma {
         })
     }
 
-    impl RdmaSession for Rdma {
+    impl RdmaSession for Rdma<'_> {
         fn reply_slot(&self, _conn: &Connection) -> usize {
             // The first send buffer after the I/O slots' own.
             IO_SLOTS
@@ -248,8 +274,8 @@ mod rdma {
     impl Engine for RdmaRun<'_> {
         type End = End;
 
-        fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>) -> End {
-            run(io, dev, self.conn, self.slots, self.stop)
+        fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>, block: &BlockDevice) -> End {
+            run(io, dev, block, self.conn, self.slots, self.stop)
         }
     }
 
