@@ -7,3 +7,6 @@ mod budget;
 pub(super) mod engine;
 mod rx;
 mod tx;
+
+#[cfg(test)]
+mod tests;
