@@ -76,16 +76,6 @@ impl Device {
         self.kind().device_info()
     }
 
-    /// The block device, for a block device: how the block kind's own code (its
-    /// sessions' device I/O, `block/io/`) reaches its backing from the shared
-    /// [`Device`]; nothing outside it dispatches on this.
-    pub(crate) fn block(&self) -> Option<&BlockDevice> {
-        match &self.backing {
-            Backing::Block(b) => Some(b),
-            Backing::Nic(_) | Backing::Pci(_) => None,
-        }
-    }
-
     /// The traits configured for the device (beyond the derived ones).
     pub(crate) fn traits(&self) -> &[String] {
         &self.spec.traits

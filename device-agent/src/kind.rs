@@ -1,10 +1,11 @@
 //! What every kind of lent device answers, serves and shows ([`LentKind`], one impl per
 //! kind: `block/`, `nic/`, `pci/`), and the kind's own fields as the status views show
-//! them ([`KindView`]). The session layer (`session/`) and the server reach a kind only
-//! through this trait.
+//! them ([`KindView`], in the leaf `kind_view`). The session layer (`session/`) and the
+//! server reach a kind only through this trait.
 
 use devlend_fabric::{DeviceDescription, Hello};
 
+use crate::kind_view::KindView;
 use crate::session::open::{Opened, Opening, Refused, TcpSession};
 
 /// What each kind of lent device answers and shows; one impl per kind.
@@ -88,55 +89,4 @@ pub(crate) trait LentKind {
 
     /// Its own fields, as the status views show them.
     fn view(&self) -> KindView;
-}
-
-/// A lent device's own fields, by kind.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KindView {
-    /// A block device or regular file.
-    Block {
-        /// The backing path.
-        path: std::path::PathBuf,
-        /// Lendable bytes, a multiple of 512.
-        capacity_bytes: u64,
-        /// The logical block size in bytes.
-        block_size: u32,
-        /// Writes, discards and write-zeroes are refused.
-        read_only: bool,
-    },
-    /// A network interface.
-    Net {
-        /// The Linux interface name.
-        interface: String,
-        /// The MAC address the borrower's guest is told.
-        mac: [u8; 6],
-        /// The interface's MTU now, in bytes.
-        mtu: u32,
-        /// Whether its link is up now (up and running).
-        link_up: bool,
-        /// Its frame counters since the lender started.
-        frames: crate::server::NicCounters,
-    },
-    /// A PCIe function.
-    Pci {
-        /// Its address `DDDD:BB:DD.F`.
-        bdf: String,
-        /// The vendor ID from its config space.
-        vendor_id: u16,
-        /// The device ID from its config space.
-        device_id: u16,
-        /// How its DMA is kept coherent with the borrower's guest memory.
-        coherence: crate::config::Coherence,
-    },
-}
-
-impl KindView {
-    /// The kind's name: `block`, `net` or `pci` (as `kind` in the config file).
-    pub fn name(&self) -> &'static str {
-        match self {
-            KindView::Block { .. } => "block",
-            KindView::Net { .. } => "net",
-            KindView::Pci { .. } => "pci",
-        }
-    }
 }

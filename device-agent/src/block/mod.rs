@@ -2,10 +2,14 @@
 //! size, whether it lives in memory), what the handshake answers for it, and what a
 //! hello must ask to be served its block requests. Its sessions ([`session`]) set up
 //! their device I/O ([`crate::block::io`], shared by the TCP and RDMA engines) before
-//! the hello reply.
+//! the hello reply, then run the kind's own engines: over TCP ([`tcp`]: framing,
+//! budget, the engine's loop) or over RDMA (`rdma`).
 
 pub(crate) mod io;
+#[cfg(feature = "rdma")]
+pub(crate) mod rdma;
 mod session;
+mod tcp;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -16,7 +20,8 @@ use devlend_fabric::handshake::{DEV_DISCARD, DEV_READ_ONLY, DEV_WRITE_ZEROES};
 use devlend_fabric::{BlockGeometry, DeviceDescription, Hello, SECTOR_SIZE};
 
 use crate::config::BlockSpec;
-use crate::kind::{KindView, LentKind};
+use crate::kind::LentKind;
+use crate::kind_view::KindView;
 use crate::session::open::{Opened, Opening, Refused, TcpSession};
 use crate::{
     Error, MAX_DISCARD_SECTORS, MAX_SERIAL_LEN, MAX_TRANSFER_BYTES, MAX_WRITE_ZEROES_SECTORS,
@@ -157,7 +162,7 @@ impl LentKind for BlockDevice {
         &'a self,
         at: &Opening<'a>,
     ) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
-        session::open_tcp(at)
+        session::open_tcp(self, at)
     }
 
     #[cfg(feature = "rdma")]
@@ -166,7 +171,7 @@ impl LentKind for BlockDevice {
         at: &Opening<'a>,
         conn: &devlend_fabric::rdma::verbs::Connection,
     ) -> Result<Opened<Box<dyn crate::session::open::RdmaSession + 'a>>, Refused> {
-        session::open_rdma(at, conn)
+        session::open_rdma(self, at, conn)
     }
 
     fn resource_class(&self) -> String {

@@ -1,7 +1,7 @@
 //! A block device's sessions: the device I/O set up before the hello reply (a failure
 //! is answered `Busy`), the credit and the throttle note granted to a borrower that
-//! asks, then the block engine over TCP ([`crate::session::tcp::engine`]) or RDMA
-//! (`crate::session::rdma::block`), its device I/O under the holder's limits
+//! asks, then the block engine over TCP ([`super::tcp::engine`]) or RDMA
+//! (`super::rdma`), its device I/O under the holder's limits
 //! ([`crate::block::io::Throttled`]).
 
 use std::net::SocketAddr;
@@ -11,7 +11,8 @@ use std::time::Duration;
 use devlend_fabric::conn::Stream;
 use devlend_fabric::{Credit, HelloStatus, FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
 
-use crate::block::io::{SessionIo, Throttled};
+use crate::block::io::{DeviceIo, SessionIo, Throttled};
+use crate::block::BlockDevice;
 use crate::device::Device;
 use crate::qos::Group;
 use crate::session::end::End;
@@ -33,28 +34,42 @@ fn session_credit() -> Credit {
 }
 
 /// What both transports' block sessions run with.
-struct BlockIo {
+struct BlockIo<'a> {
     dev: Arc<Device>,
-    io: SessionIo,
+    /// The block device the session serves (the kind's own, handed in).
+    block: &'a BlockDevice,
+    io: SessionIo<'a>,
     /// The holder's limits.
     group: Arc<Group>,
     /// Mark the responses of requests held back by the limits.
     note: bool,
 }
 
-impl BlockIo {
-    /// The session's device I/O (`send_from_file`: a read's data may go from the file
-    /// straight to the socket, over TCP).
-    fn open(at: &Opening<'_>, entries: u32, send_from_file: bool) -> Result<BlockIo, Refused> {
-        let io = SessionIo::new(Arc::clone(at.dev), at.options.io, entries, send_from_file)
-            .map_err(|e| {
-                (
-                    HelloStatus::Busy,
-                    format!("cannot set up I/O for the session: {e}"),
-                )
-            })?;
+impl<'a> BlockIo<'a> {
+    /// The session's device I/O on `block` (`send_from_file`: a read's data may go from
+    /// the file straight to the socket, over TCP).
+    fn open(
+        block: &'a BlockDevice,
+        at: &Opening<'_>,
+        entries: u32,
+        send_from_file: bool,
+    ) -> Result<BlockIo<'a>, Refused> {
+        let io = SessionIo::new(
+            Arc::clone(at.dev),
+            block,
+            at.options.io,
+            entries,
+            send_from_file,
+        )
+        .map_err(|e| {
+            (
+                HelloStatus::Busy,
+                format!("cannot set up I/O for the session: {e}"),
+            )
+        })?;
         Ok(BlockIo {
             dev: Arc::clone(at.dev),
+            block,
             io,
             group: Arc::clone(at.claim.group()),
             // A borrower that reads the throttle flag of responses gets it.
@@ -69,11 +84,47 @@ impl BlockIo {
             0
         }
     }
+
+    /// Runs `engine` on the session's device I/O under the holder's limits: the one
+    /// place that dispatches on the [`SessionIo`] the session got.
+    fn run<E: Engine>(self, engine: E) -> E::End {
+        let BlockIo {
+            dev,
+            block,
+            io,
+            group,
+            note,
+        } = self;
+        let group = Some(group);
+        match io {
+            SessionIo::Uring(io) => engine.run(
+                Throttled::new(io, group, Arc::clone(&dev), note),
+                &dev,
+                block,
+            ),
+            SessionIo::Inline(io) => engine.run(
+                Throttled::new(io, group, Arc::clone(&dev), note),
+                &dev,
+                block,
+            ),
+        }
+    }
+}
+
+/// A transport's block engine, run by [`BlockIo::run`] on whichever [`DeviceIo`] the
+/// session got.
+trait Engine {
+    /// How the engine's session ended.
+    type End;
+
+    /// Serves the session to its end on `io`, the device I/O of `block` (the block
+    /// device of `dev`).
+    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>, block: &BlockDevice) -> Self::End;
 }
 
 /// A block session over TCP.
-struct Tcp {
-    io: BlockIo,
+struct Tcp<'a> {
+    io: BlockIo<'a>,
     frame_timeout: Duration,
     /// The borrower keeps within the credit it was granted.
     credit: bool,
@@ -82,8 +133,11 @@ struct Tcp {
 /// Opens a block session over TCP: its device I/O, the throttle note and, to a
 /// borrower that keeps within a stated credit, the session's whole request budget (so
 /// that the session never has to stop reading it).
-pub(super) fn open_tcp<'a>(at: &Opening<'a>) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
-    let io = BlockIo::open(at, TCP_RING_ENTRIES, true)?;
+pub(super) fn open_tcp<'a>(
+    block: &'a BlockDevice,
+    at: &Opening<'a>,
+) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
+    let io = BlockIo::open(block, at, TCP_RING_ENTRIES, true)?;
     let credit = (at.hello.features & FEATURE_CREDIT != 0).then(session_credit);
     Ok(Opened {
         features: io.features(),
@@ -96,26 +150,42 @@ pub(super) fn open_tcp<'a>(at: &Opening<'a>) -> Result<Opened<Box<dyn TcpSession
     })
 }
 
-impl TcpSession for Tcp {
+impl TcpSession for Tcp<'_> {
     fn serve(self: Box<Self>, sock: &Stream, peer: SocketAddr) -> End {
-        use crate::session::tcp::engine::run;
         let Tcp {
-            io: e,
+            io,
             frame_timeout,
             credit,
         } = *self;
         tracing::debug!(%peer, "session serving");
-        let group = Some(e.group);
-        match e.io {
-            SessionIo::Uring(io) => {
-                let io = Throttled::new(io, group, Arc::clone(&e.dev), e.note);
-                run(io, &e.dev, sock, peer, frame_timeout, credit)
-            }
-            SessionIo::Inline(io) => {
-                let io = Throttled::new(io, group, Arc::clone(&e.dev), e.note);
-                run(io, &e.dev, sock, peer, frame_timeout, credit)
-            }
-        }
+        io.run(TcpRun {
+            sock,
+            peer,
+            frame_timeout,
+            credit,
+        })
+    }
+}
+
+/// The TCP engine's arguments beside its device I/O.
+struct TcpRun<'s> {
+    sock: &'s Stream,
+    peer: SocketAddr,
+    frame_timeout: Duration,
+    credit: bool,
+}
+
+impl Engine for TcpRun<'_> {
+    type End = End;
+
+    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>, _block: &BlockDevice) -> End {
+        let TcpRun {
+            sock,
+            peer,
+            frame_timeout,
+            credit,
+        } = self;
+        super::tcp::engine::run(io, dev, sock, peer, frame_timeout, credit)
     }
 }
 
@@ -130,21 +200,24 @@ mod rdma {
     use devlend_fabric::rdma::verbs::Connection;
     use devlend_fabric::HelloStatus;
 
-    use super::BlockIo;
-    use crate::block::io::{SessionIo, Throttled};
+    use super::{BlockIo, Engine};
+    use crate::block::io::DeviceIo;
+    use crate::block::rdma::{run, End, Slot, IO_SLOTS, RING_ENTRIES};
+    use crate::block::BlockDevice;
+    use crate::device::Device;
     use crate::session::open::{Opened, Opening, RdmaSession, Refused};
-    use crate::session::rdma::block::{run, End, Slot, IO_SLOTS, RING_ENTRIES};
     use crate::MAX_TRANSFER_BYTES;
 
     /// A block session over RDMA: its registered I/O buffers and its device I/O.
-    struct Rdma {
-        io: BlockIo,
+    struct Rdma<'a> {
+        io: BlockIo<'a>,
         slots: Vec<Slot>,
     }
 
     /// Opens a block session over RDMA: [`IO_SLOTS`] I/O buffers of the largest
     /// transfer registered on `conn`, its device I/O, and the throttle note.
     pub(in crate::block) fn open_rdma<'a>(
+        block: &'a BlockDevice,
         at: &Opening<'a>,
         conn: &Connection,
     ) -> Result<Opened<Box<dyn RdmaSession + 'a>>, Refused> {
@@ -161,7 +234,7 @@ mod rdma {
             })?;
             slots.push(slot);
         }
-        let io = BlockIo::open(at, RING_ENTRIES, false)?;
+        let io = BlockIo::open(block, at, RING_ENTRIES, false)?;
         Ok(Opened {
             features: io.features(),
             credit: None,
@@ -169,26 +242,20 @@ mod rdma {
         })
     }
 
-    impl RdmaSession for Rdma {
+    impl RdmaSession for Rdma<'_> {
         fn reply_slot(&self, _conn: &Connection) -> usize {
             // The first send buffer after the I/O slots' own.
             IO_SLOTS
         }
 
         fn serve(self: Box<Self>, mut conn: Connection, stop: &AtomicBool, peer: &str) {
-            let Rdma { io: e, mut slots } = *self;
-            let dev = Arc::clone(&e.dev);
-            let group = Some(e.group);
-            let end = match e.io {
-                SessionIo::Uring(io) => {
-                    let io = Throttled::new(io, group, Arc::clone(&dev), e.note);
-                    run(io, &dev, &mut conn, &mut slots, stop)
-                }
-                SessionIo::Inline(io) => {
-                    let io = Throttled::new(io, group, Arc::clone(&dev), e.note);
-                    run(io, &dev, &mut conn, &mut slots, stop)
-                }
-            };
+            let Rdma { io, mut slots } = *self;
+            let dev = Arc::clone(&io.dev);
+            let end = io.run(RdmaRun {
+                conn: &mut conn,
+                slots: &mut slots,
+                stop,
+            });
             // The QP goes first (no RDMA into the buffers after), then the buffers' MRs.
             drop(conn);
             drop(slots);
@@ -197,7 +264,22 @@ mod rdma {
         }
     }
 
-    fn log_end(dev: &crate::device::Device, peer: &str, end: End) {
+    /// The RDMA engine's arguments beside its device I/O.
+    struct RdmaRun<'s> {
+        conn: &'s mut Connection,
+        slots: &'s mut [Slot],
+        stop: &'s AtomicBool,
+    }
+
+    impl Engine for RdmaRun<'_> {
+        type End = End;
+
+        fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>, block: &BlockDevice) -> End {
+            run(io, dev, block, self.conn, self.slots, self.stop)
+        }
+    }
+
+    fn log_end(dev: &Device, peer: &str, end: End) {
         let device = &dev.name;
         match end {
             End::Closed => {

@@ -1,6 +1,6 @@
 //! One device to lend, of one kind ([`KindSpec`]: a block device, a network interface
-//! or a PCIe function), as the flag `--device NAME=...` ([`super::spec_flag`]) or a
-//! `[[device]]` table ([`super::spec_file`]) gives it, and the checks of each kind.
+//! or a PCIe function), as the flag `--device NAME=...` (`spec_flag.rs`) or a
+//! `[[device]]` table (`spec_file.rs`) gives it, and the checks of each kind.
 
 use std::collections::HashSet;
 use std::path::PathBuf;

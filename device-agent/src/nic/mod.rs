@@ -50,9 +50,9 @@ pub(crate) struct NicStats {
 
 impl NicStats {
     /// The counters now.
-    pub(crate) fn snapshot(&self) -> crate::server::NicCounters {
+    pub(crate) fn snapshot(&self) -> crate::kind_view::NicCounters {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        crate::server::NicCounters {
+        crate::kind_view::NicCounters {
             rx_packets: get(&self.rx_packets),
             rx_bytes: get(&self.rx_bytes),
             tx_packets: get(&self.tx_packets),
@@ -248,9 +248,9 @@ impl crate::kind::LentKind for Nic {
         "NIC".into()
     }
 
-    fn view(&self) -> crate::kind::KindView {
+    fn view(&self) -> crate::kind_view::KindView {
         let link = self.link();
-        crate::kind::KindView::Net {
+        crate::kind_view::KindView::Net {
             interface: self.ifname.clone(),
             mac: self.mac,
             mtu: link.mtu,

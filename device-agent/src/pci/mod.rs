@@ -342,9 +342,9 @@ impl crate::kind::LentKind for PciFunction {
         false
     }
 
-    fn view(&self) -> crate::kind::KindView {
+    fn view(&self) -> crate::kind_view::KindView {
         let (vendor_id, device_id) = self.ids();
-        crate::kind::KindView::Pci {
+        crate::kind_view::KindView::Pci {
             bdf: self.bdf.clone(),
             vendor_id,
             device_id,

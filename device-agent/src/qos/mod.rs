@@ -4,10 +4,10 @@
 //! A device's holder (one borrower, all its sessions) gets one [`Group`] when its first
 //! session opens: the device's configured limits and its lease's (from the lease
 //! token, [`devlend_fabric::qos`]), the tighter of each, as token buckets
-//! ([`bucket`]). Its block sessions draw from the group through
-//! [`crate::block::io::Throttled`], which holds a request that would overdraw until the
-//! buckets allow it, in arrival order, and never fails it; its NIC sessions pace their
-//! frames the same way (`nic/pump.rs`).
+//! ([`bucket`]). Its block sessions draw from the group through the block I/O's
+//! `Throttled` (`block/io/throttled.rs`), which holds a request that would overdraw
+//! until the buckets allow it, in arrival order, and never fails it; its NIC sessions
+//! pace their frames the same way (`nic/pump.rs`).
 //!
 //! A device may name a [`Store`] (`store = "NAME"`, and a `[[store]]` table with the
 //! store's capacity): every holder of a device on that store then also draws from the

@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::config::check_unique;
-use crate::config::IoMode;
 use crate::device::Device;
 use crate::leases::{self, LeaseGuard};
+pub use crate::options::Options;
 use crate::{DeviceSpec, DeviceStatsSnapshot, Error};
 
 impl LenderState {
@@ -25,39 +25,6 @@ impl LenderState {
         hello: &devlend_fabric::Hello,
     ) -> Option<devlend_fabric::lender_proof::LenderProof> {
         hello.prove(self.identity.get()?)
-    }
-}
-
-/// Tunables of a lender beyond its devices and address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Options {
-    /// How long a new connection may take to send its hello, and the lender to send its
-    /// reply (default 10 s).
-    pub handshake_timeout: Duration,
-    /// How long the rest of a request frame may take once its first byte arrived
-    /// (default 30 s); between frames there is no timeout. A peer that stalls inside a
-    /// frame for longer breaks the protocol and its session is closed.
-    pub frame_timeout: Duration,
-    /// Most sessions open at once, over all devices (default 256); the next hello is
-    /// answered `Busy`.
-    pub max_sessions: usize,
-    /// How sessions do device I/O (default: plain system calls for files in memory,
-    /// io_uring otherwise).
-    pub io: IoMode,
-    /// Backing stores that devices share (`store` in a device), with the capacity their
-    /// borrowers divide by weight (default none). Read at start: a reload keeps them.
-    pub stores: Vec<crate::config::StoreSpec>,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options {
-            handshake_timeout: Duration::from_secs(10),
-            frame_timeout: Duration::from_secs(30),
-            max_sessions: 256,
-            io: IoMode::Auto,
-            stores: Vec::new(),
-        }
     }
 }
 

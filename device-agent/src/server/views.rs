@@ -6,7 +6,7 @@ use std::sync::Arc;
 use devlend_fabric::latency::LatencySnapshot;
 
 use super::shared::LenderState;
-pub use crate::kind::KindView;
+pub use crate::kind_view::{KindView, NicCounters};
 use crate::DeviceStatsSnapshot;
 
 /// A lent device as the pool and the status views see it.
@@ -122,21 +122,6 @@ pub struct KindCounters {
     pub latency: LatencySnapshot,
 }
 
-/// A lent network interface's frame counters (since the lender started).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct NicCounters {
-    /// Frames received on the interface and sent to the borrower.
-    pub rx_packets: u64,
-    /// Their bytes.
-    pub rx_bytes: u64,
-    /// Frames from the borrower sent on the interface.
-    pub tx_packets: u64,
-    /// Their bytes.
-    pub tx_bytes: u64,
-    /// Frames dropped either way (borrower too slow, too large, interface refused).
-    pub drops: u64,
-}
-
 impl StatsView {
     /// Each lent interface's device name and frame counters, by name.
     pub fn nics(&self) -> Vec<(String, NicCounters)> {
@@ -144,8 +129,8 @@ impl StatsView {
             .all_devices()
             .iter()
             .filter_map(|d| match d.kind().view() {
-                crate::kind::KindView::Net { frames, .. } => Some((d.name.clone(), frames)),
-                crate::kind::KindView::Block { .. } | crate::kind::KindView::Pci { .. } => None,
+                KindView::Net { frames, .. } => Some((d.name.clone(), frames)),
+                KindView::Block { .. } | KindView::Pci { .. } => None,
             })
             .collect()
     }

@@ -6,13 +6,14 @@
 //! - [`open`]: how an admitted hello becomes its kind's session (each kind opens its
 //!   own through [`crate::kind::LentKind`]);
 //! - [`tcp`]: a TCP (or TLS) connection: handshake, then the block engine
-//!   ([`tcp::engine`]), a NIC queue pair ([`crate::nic`]) or a PCI session
+//!   (`crate::block::tcp`), a NIC queue pair ([`crate::nic`]) or a PCI session
 //!   ([`crate::pci::session::tcp`]);
 //! - [`rdma`] (feature `rdma`): an rdma_cm connection: hello, then the block engine
-//!   over RDMA ([`rdma::block`]) or a PCI session ([`crate::pci::session::rdma`]);
+//!   over RDMA (`crate::block::rdma`) or a PCI session ([`crate::pci::session::rdma`]);
 //! - [`end`]: how a session ended, for the log and the counters.
 //!
-//! Both block engines run their device I/O through [`crate::block::io`]: below this layer.
+//! This layer only reads the hello, admits it and answers it; each kind runs its own
+//! sessions (the block kind's engines and their device I/O live under `crate::block`).
 //! Above it, the server (`server/`) accepts the connections and starts a session each.
 
 pub(crate) mod admit;

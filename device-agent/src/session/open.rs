@@ -14,7 +14,7 @@ use devlend_fabric::{Credit, Hello, HelloReply, HelloStatus};
 
 use crate::device::Device;
 use crate::holding::Claim;
-use crate::server::shared::Options;
+use crate::options::Options;
 use crate::session::end::End;
 
 /// What a kind's session is opened with: the admitted hello and its context.

@@ -23,6 +23,7 @@ use devlend_fabric::RequestHeader;
 use super::request::{Next, Request};
 use super::ring::Ring;
 use super::{block_fd, finished, prepare, watch_data, watch_token, DeviceIo, Event};
+use crate::block::BlockDevice;
 use crate::device::Device;
 
 /// Reads at least this long, from a memory file, are sent with `sendfile`.
@@ -32,8 +33,10 @@ pub(crate) const SENDFILE_MIN: usize = 64 << 10;
 const WATCH_ENTRIES: u32 = 16;
 
 /// A session's device I/O on its own thread.
-pub(crate) struct Inline {
+pub(crate) struct Inline<'a> {
     dev: Arc<Device>,
+    /// The block device: its file, its limits.
+    block: &'a BlockDevice,
     fd: RawFd,
     /// Large reads are left to [`DeviceIo::send_file`].
     send_from_file: bool,
@@ -43,17 +46,21 @@ pub(crate) struct Inline {
     cqes: Vec<(u64, i32)>,
 }
 
-impl Inline {
-    /// Device I/O on `dev`'s backing file; `send_from_file` as for
+impl<'a> Inline<'a> {
+    /// Device I/O on `block`, the block device of `dev`; `send_from_file` as for
     /// [`super::SessionIo::new`].
     ///
     /// # Errors
-    /// `io_uring_setup` failures (the ring of the watches); `Unsupported` for a device
-    /// that is not a block device.
-    pub(crate) fn new(dev: Arc<Device>, send_from_file: bool) -> io::Result<Inline> {
+    /// `io_uring_setup` failures (the ring of the watches).
+    pub(crate) fn new(
+        dev: Arc<Device>,
+        block: &'a BlockDevice,
+        send_from_file: bool,
+    ) -> io::Result<Inline<'a>> {
         Ok(Inline {
-            fd: block_fd(&dev)?,
+            fd: block_fd(block),
             dev,
+            block,
             send_from_file,
             ring: Ring::new(WATCH_ENTRIES)?,
             watching: 0,
@@ -62,9 +69,9 @@ impl Inline {
     }
 }
 
-impl DeviceIo for Inline {
+impl DeviceIo for Inline<'_> {
     fn start(&mut self, mut req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
-        if prepare(&self.dev, &mut req, h) {
+        if prepare(&self.dev, self.block, &mut req, h) {
             if self.send_from_file
                 && req.is_pending_read()
                 && req.range_len() >= SENDFILE_MIN as u64
@@ -81,7 +88,7 @@ impl DeviceIo for Inline {
                     }
                 }
             }
-            finished(&self.dev, &req);
+            finished(&self.dev, self.block, &req);
         }
         out.push(Event::Done(req));
     }

@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use devlend_fabric::{Op, RequestHeader, Status};
 
+use crate::block::BlockDevice;
 use crate::config::IoMode;
 use crate::device::Device;
 
@@ -122,38 +123,39 @@ pub(crate) trait DeviceIo {
 }
 
 /// A session's [`DeviceIo`], as [`IoMode`] chose it for the session's device.
-pub(crate) enum SessionIo {
+pub(crate) enum SessionIo<'a> {
     /// Through io_uring.
-    Uring(Uring),
+    Uring(Uring<'a>),
     /// On the session's thread.
-    Inline(Inline),
+    Inline(Inline<'a>),
 }
 
-impl SessionIo {
-    /// The device I/O of one session on `dev`: [`Inline`] for a file in memory (or
+impl<'a> SessionIo<'a> {
+    /// The device I/O of one session on `block`, the block device of `dev` (its name
+    /// and counters): [`Inline`] for a file in memory (or
     /// every device with [`IoMode::Sync`]), else [`Uring`] with a ring of `entries`
     /// submission entries. `send_from_file`: the session's transport sends a read's
     /// data with [`DeviceIo::send_file`] (a socket), so large reads from a memory file
     /// need not be read into a buffer first.
     ///
     /// # Errors
-    /// `io_uring_setup` failures (ENOMEM, io_uring disabled by the system);
-    /// `Unsupported` for a device that is not a block device.
+    /// `io_uring_setup` failures (ENOMEM, io_uring disabled by the system).
     pub(crate) fn new(
         dev: Arc<Device>,
+        block: &'a BlockDevice,
         mode: IoMode,
         entries: u32,
         send_from_file: bool,
-    ) -> io::Result<SessionIo> {
+    ) -> io::Result<SessionIo<'a>> {
         let inline = match mode {
-            IoMode::Auto => dev.block().is_some_and(|b| b.memory_backed),
+            IoMode::Auto => block.memory_backed,
             IoMode::Uring => false,
             IoMode::Sync => true,
         };
         Ok(if inline {
-            SessionIo::Inline(Inline::new(dev, send_from_file)?)
+            SessionIo::Inline(Inline::new(dev, block, send_from_file)?)
         } else {
-            SessionIo::Uring(Uring::new(dev, entries)?)
+            SessionIo::Uring(Uring::new(dev, block, entries)?)
         })
     }
 }
@@ -175,8 +177,8 @@ fn watch_token(user_data: u64) -> Option<u64> {
 
 /// Sets `req` up from `h`, logging a refusal; whether it needs device I/O (if not, it
 /// is complete: answered with its immediate status).
-fn prepare(dev: &Device, req: &mut Request, h: &RequestHeader) -> bool {
-    if let Some(reason) = req.start(h, dev) {
+fn prepare(dev: &Device, block: &BlockDevice, req: &mut Request, h: &RequestHeader) -> bool {
+    if let Some(reason) = req.start(h, block) {
         tracing::debug!(device = %dev.name, id = h.id, request = ?h.request, reason,
             "request refused");
     }
@@ -184,28 +186,19 @@ fn prepare(dev: &Device, req: &mut Request, h: &RequestHeader) -> bool {
         return true;
     }
     req.complete(0);
-    finished(dev, req);
+    finished(dev, block, req);
     false
 }
 
-/// The backing file of `dev`, which must be a block device.
-///
-/// # Errors
-/// `Unsupported` for a device of another kind: it serves no block requests.
-fn block_fd(dev: &Device) -> io::Result<RawFd> {
-    match dev.block() {
-        Some(b) => Ok(std::os::fd::AsRawFd::as_raw_fd(&b.file)),
-        None => Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "not a block device: it serves no block requests",
-        )),
-    }
+/// The backing file of `block`.
+fn block_fd(block: &BlockDevice) -> RawFd {
+    std::os::fd::AsRawFd::as_raw_fd(&block.file)
 }
 
 /// Records a done request in the device's counters: answered (and its latency, from
 /// [`Request::start`] to now), its bytes when it succeeded, an error (logged with the
 /// errno when the device failed) when it did not.
-pub(crate) fn finished(dev: &Device, req: &Request) {
+pub(crate) fn finished(dev: &Device, block: &BlockDevice, req: &Request) {
     let stats = &dev.stats;
     stats.answered(req.received);
     match (req.status, req.op) {
@@ -215,7 +208,7 @@ pub(crate) fn finished(dev: &Device, req: &Request) {
         (status, op) => {
             stats.request_error();
             if req.errno != 0 {
-                let path = dev.block().map(|b| b.path.display());
+                let path = Some(block.path.display());
                 tracing::warn!(device = %dev.name, path = ?path,
                     ?op, ?status, id = req.id,
                     error = %io::Error::from_raw_os_error(req.errno), "device I/O failed");

@@ -9,7 +9,7 @@ use devlend_fabric::wire::RESPONSE_HEADER_LEN;
 use devlend_fabric::{BlockRequest, Bytes, Op, RequestHeader, ResponseHeader, Status};
 use io_uring::{opcode, squeue, types};
 
-use crate::device::Device;
+use crate::block::BlockDevice;
 use crate::{MAX_DISCARD_SECTORS, MAX_TRANSFER_BYTES, MAX_WRITE_ZEROES_SECTORS};
 
 /// Size in bytes of the zeroed buffer that the write-zeroes fallback writes from, one
@@ -88,15 +88,12 @@ pub(crate) fn check_framing(h: &RequestHeader) -> Result<usize, FramingError> {
 }
 
 /// Why a well-framed request is refused (answered with I/O error, no device I/O).
-pub(crate) fn refuse_reason(r: &BlockRequest, dev: &Device) -> Option<&'static str> {
+pub(crate) fn refuse_reason(r: &BlockRequest, block: &BlockDevice) -> Option<&'static str> {
     let limit = match *r {
         BlockRequest::Flush => return None,
         BlockRequest::Read { .. } | BlockRequest::Write { .. } => None,
         BlockRequest::Discard { sectors, .. } => Some((sectors, MAX_DISCARD_SECTORS)),
         BlockRequest::WriteZeroes { sectors, .. } => Some((sectors, MAX_WRITE_ZEROES_SECTORS)),
-    };
-    let Some(block) = dev.block() else {
-        return Some("not a block device");
     };
     if r.op() != Op::Read && block.read_only {
         return Some("device is read-only");
@@ -210,7 +207,7 @@ impl Request {
     /// already sized (and, for a write, filled). Requests the device cannot serve
     /// (read-only, zero length, beyond a limit or the capacity) become immediate I/O
     /// errors; returns the reason for those.
-    pub(crate) fn start(&mut self, h: &RequestHeader, dev: &Device) -> Option<&'static str> {
+    pub(crate) fn start(&mut self, h: &RequestHeader, block: &BlockDevice) -> Option<&'static str> {
         self.id = h.id;
         self.op = h.op();
         self.received = Some(std::time::Instant::now());
@@ -218,7 +215,7 @@ impl Request {
         self.done = 0;
         self.errno = 0;
         self.status = Status::Ok;
-        let mut reason = refuse_reason(&h.request, dev);
+        let mut reason = refuse_reason(&h.request, block);
         // A range that overflows is refused above: it does no I/O.
         let range = h.request.byte_range().unwrap_or(0..0);
         self.offset = range.start;

@@ -17,6 +17,14 @@ fn device(dir: &tempfile::TempDir, bytes: usize) -> Arc<Device> {
     Arc::new(Device::open(&spec).expect("open"))
 }
 
+/// The block device of `dev`, as the block kind hands it to its device I/O.
+fn block(dev: &Device) -> &BlockDevice {
+    match &dev.backing {
+        crate::device::Backing::Block(b) => b,
+        _ => panic!("a block device"),
+    }
+}
+
 /// A read or a write of `len` bytes at `sector`, its id the sector.
 fn header(op: Op, sector: u64, len: u32) -> RequestHeader {
     let (at, len) = (Sector(sector), Bytes(len));
@@ -67,11 +75,7 @@ fn same_requests_same_counters(mut io: impl DeviceIo, dev: &Device) {
     assert_eq!(beyond.status, Status::IoErr);
     assert_eq!(dev.stats.snapshot().device_ops, ops);
     // Failed by the device: the file shrank under the lender, a read finds its end.
-    dev.block()
-        .expect("a block device")
-        .file
-        .set_len(0)
-        .expect("truncate");
+    block(dev).file.set_len(0).expect("truncate");
     let short = run(&mut io, header(Op::Read, 0, 4096), &[]);
     assert_eq!(short.status, Status::IoErr);
     let s = dev.stats.snapshot();
@@ -89,7 +93,7 @@ fn same_requests_same_counters(mut io: impl DeviceIo, dev: &Device) {
 fn uring_records_latency_bytes_and_errors() {
     let dir = tempfile::tempdir().expect("tempdir");
     let dev = device(&dir, 1 << 20);
-    let io = Uring::new(Arc::clone(&dev), 64).expect("ring");
+    let io = Uring::new(Arc::clone(&dev), block(&dev), 64).expect("ring");
     same_requests_same_counters(io, &dev);
 }
 
@@ -97,7 +101,7 @@ fn uring_records_latency_bytes_and_errors() {
 fn inline_records_latency_bytes_and_errors() {
     let dir = tempfile::tempdir().expect("tempdir");
     let dev = device(&dir, 1 << 20);
-    let io = Inline::new(Arc::clone(&dev), false).expect("ring");
+    let io = Inline::new(Arc::clone(&dev), block(&dev), false).expect("ring");
     same_requests_same_counters(io, &dev);
 }
 
@@ -106,7 +110,7 @@ fn inline_leaves_large_reads_to_send_file_only_when_asked() {
     let dir = tempfile::tempdir().expect("tempdir");
     let dev = device(&dir, 1 << 20);
     let len = inline::SENDFILE_MIN as u32;
-    let mut file = Inline::new(Arc::clone(&dev), true).expect("ring");
+    let mut file = Inline::new(Arc::clone(&dev), block(&dev), true).expect("ring");
     let r = run(&mut file, header(Op::Read, 0, len), &[]);
     assert_eq!(
         r.response().1,
@@ -115,7 +119,7 @@ fn inline_leaves_large_reads_to_send_file_only_when_asked() {
             len: len as usize
         }
     );
-    let mut buffered = Inline::new(Arc::clone(&dev), false).expect("ring");
+    let mut buffered = Inline::new(Arc::clone(&dev), block(&dev), false).expect("ring");
     let r = run(&mut buffered, header(Op::Read, 0, len), &[]);
     assert!(matches!(r.response().1, ResponseData::Buf(b) if b.len() == len as usize));
     assert_eq!(dev.stats.latency().count, 2);
@@ -127,8 +131,8 @@ fn watches_wake_the_wait_with_their_token() {
     let dev = device(&dir, 1 << 20);
     let (a, b) = std::os::unix::net::UnixStream::pair().expect("pair");
     let ios: [SessionIo; 2] = [
-        SessionIo::new(Arc::clone(&dev), IoMode::Uring, 16, false).expect("uring"),
-        SessionIo::new(Arc::clone(&dev), IoMode::Sync, 16, false).expect("inline"),
+        SessionIo::new(Arc::clone(&dev), block(&dev), IoMode::Uring, 16, false).expect("uring"),
+        SessionIo::new(Arc::clone(&dev), block(&dev), IoMode::Sync, 16, false).expect("inline"),
     ];
     for io in ios {
         match io {

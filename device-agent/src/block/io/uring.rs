@@ -18,14 +18,17 @@ use io_uring::types;
 use super::request::{Next, Request};
 use super::ring::Ring;
 use super::{block_fd, finished, prepare, watch_data, watch_token, DeviceIo, Event};
+use crate::block::BlockDevice;
 use crate::device::Device;
 
 /// Operations queued before they are submitted even if the session has more to start.
 const SUBMIT_BATCH: usize = 32;
 
 /// A session's device I/O through its io_uring.
-pub(crate) struct Uring {
+pub(crate) struct Uring<'a> {
     dev: Arc<Device>,
+    /// The block device: its file, its limits.
+    block: &'a BlockDevice,
     fd: RawFd,
     ring: Ring,
     /// Requests owned by the kernel (operations in the ring).
@@ -37,15 +40,20 @@ pub(crate) struct Uring {
     cqes: Vec<(u64, i32)>,
 }
 
-impl Uring {
-    /// A ring of `entries` submission entries for `dev`'s backing file.
+impl<'a> Uring<'a> {
+    /// A ring of `entries` submission entries for `block`, the block device of `dev`.
     ///
     /// # Errors
     /// `io_uring_setup` failures.
-    pub(crate) fn new(dev: Arc<Device>, entries: u32) -> io::Result<Uring> {
+    pub(crate) fn new(
+        dev: Arc<Device>,
+        block: &'a BlockDevice,
+        entries: u32,
+    ) -> io::Result<Uring<'a>> {
         Ok(Uring {
-            fd: block_fd(&dev)?,
+            fd: block_fd(block),
             dev,
+            block,
             ring: Ring::new(entries)?,
             in_ring: 0,
             queued: 0,
@@ -86,9 +94,9 @@ impl Uring {
     }
 }
 
-impl DeviceIo for Uring {
+impl DeviceIo for Uring<'_> {
     fn start(&mut self, mut req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
-        if prepare(&self.dev, &mut req, h) {
+        if prepare(&self.dev, self.block, &mut req, h) {
             self.push(req, out);
         } else {
             out.push(Event::Done(req));
@@ -124,7 +132,7 @@ impl DeviceIo for Uring {
             match req.complete(res) {
                 Next::Again => self.push(req, out),
                 Next::Done => {
-                    finished(&self.dev, &req);
+                    finished(&self.dev, self.block, &req);
                     out.push(Event::Done(req));
                 }
             }

@@ -1,16 +1,15 @@
 //! The lender's RDMA sessions: an rdma_cm listener, and per connection one thread
 //! that answers the hello (with the admission checks of [`crate::session::admit`]),
 //! then serves the session its kind opens
-//! ([`crate::kind::LentKind::open_rdma`]): a block device's engine ([`block`], its
-//! device I/O through [`crate::block::io`] as over TCP), or a PCIe function's session
+//! ([`crate::kind::LentKind::open_rdma`]): a block device's engine
+//! ([`crate::block::rdma`], its device I/O through [`crate::block::io`] as over TCP),
+//! or a PCIe function's session
 //! ([`crate::pci::session::rdma`]); a NIC is lent over TCP only.
 //!
 //! Each session is in the lender's registry beside the TCP ones: when its lease ends
 //! (pool mode) or the lender shuts down, it is told to stop; it then takes no new
 //! request, answers every request it had received, and closes (within
-//! [`block::STOP_CHECK`] plus the time those take).
-
-pub(crate) mod block;
+//! [`crate::block::rdma::STOP_CHECK`] plus the time those take).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,7 +17,7 @@ use std::time::{Duration, Instant};
 use devlend_fabric::rdma::verbs::{lender_shape, Connection, Incoming, Listener};
 use devlend_fabric::{Hello, HelloReply, HelloStatus};
 
-use self::block::{IO_SLOTS, TAG_SEND};
+use crate::block::rdma::{IO_SLOTS, TAG_SEND};
 use crate::server::shared::LenderState;
 use crate::session::admit::admit;
 use crate::session::open::Opening;

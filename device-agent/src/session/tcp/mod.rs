@@ -1,13 +1,10 @@
-//! One borrower connection over TCP (or TLS): the handshake ([`handshake`]), then the
-//! session its kind opens ([`crate::kind::LentKind::open_tcp`]: a block device's
-//! engine ([`engine`]), a NIC queue pair ([`crate::nic::pump`]) or a PCI session
+//! One borrower connection over TCP (or TLS): the handshake ([`handshake`]: read the
+//! hello, admit it, answer it), then the session its kind opens
+//! ([`crate::kind::LentKind::open_tcp`]: a block device's engine (`block/tcp/`),
+//! a NIC queue pair ([`crate::nic::pump`]) or a PCI session
 //! ([`crate::pci::session::tcp`])); then the bookkeeping.
 
-mod budget;
-pub(crate) mod engine;
 mod handshake;
-mod rx;
-mod tx;
 
 use std::io;
 use std::net::{SocketAddr, TcpStream};

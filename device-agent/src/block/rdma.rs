@@ -29,6 +29,7 @@ use devlend_fabric::{BlockRequest, Op};
 
 use crate::block::io::request::{check_framing, refuse_reason, ResponseData};
 use crate::block::io::{DeviceIo, Event, Request};
+use crate::block::BlockDevice;
 use crate::device::Device;
 
 /// Requests a session serves at once (each with its own registered I/O buffer of
@@ -107,6 +108,7 @@ pub(crate) enum End {
 /// The state of one session.
 struct RdmaEngine<'a, I: DeviceIo> {
     dev: &'a Device,
+    block: &'a BlockDevice,
     conn: &'a mut Connection,
     slots: &'a mut [Slot],
     io: I,
@@ -123,12 +125,14 @@ struct RdmaEngine<'a, I: DeviceIo> {
 pub(crate) fn run<I: DeviceIo>(
     io: I,
     dev: &Device,
+    block: &BlockDevice,
     conn: &mut Connection,
     slots: &mut [Slot],
     stop: &AtomicBool,
 ) -> End {
     let mut s = RdmaEngine {
         dev,
+        block,
         conn,
         slots,
         io,
@@ -264,7 +268,7 @@ impl<I: DeviceIo> RdmaEngine<'_, I> {
         slot.busy = true;
         slot.header = h;
         slot.segs = segs;
-        if h.op() == Op::Write && refuse_reason(&h.request, self.dev).is_none() {
+        if h.op() == Op::Write && refuse_reason(&h.request, self.block).is_none() {
             let base = slot.mr.addr();
             let mut at = 0u64;
             let n = slot.segs.len();

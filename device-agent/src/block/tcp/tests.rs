@@ -1,0 +1,257 @@
+//! The TCP block engine driven through a fake [`DeviceIo`] that hands completions back
+//! in the reverse of their start order, or only once the engine sleeps: every response
+//! still answers its own request, and the request budget holds (a borrower with credit
+//! that goes beyond it breaks the protocol; one without is not read beyond it).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use devlend_fabric::conn::Stream;
+use devlend_fabric::wire::RESPONSE_HEADER_LEN;
+use devlend_fabric::{BlockRequest, Bytes, RequestHeader, ResponseHeader, Sector, Status};
+
+use crate::block::io::{DeviceIo, Event, Inline, Request};
+use crate::block::BlockDevice;
+use crate::device::{Backing, Device};
+use crate::session::end::End;
+use crate::DeviceSpec;
+
+/// A [`DeviceIo`] that does the real I/O (`inner`) but holds every finished request
+/// until the next reap (or, with `until_sleep`, until the engine has nothing else to do
+/// and waits), then hands them back newest first.
+struct Reordered<I> {
+    inner: I,
+    /// Finished requests ([`Event::Done`]) not yet handed back.
+    held: Vec<Event>,
+    until_sleep: bool,
+    /// The engine waited while requests were held.
+    slept: bool,
+    /// Requests handed back out of their start order.
+    reordered: Arc<AtomicUsize>,
+}
+
+impl<I: DeviceIo> DeviceIo for Reordered<I> {
+    fn start(&mut self, req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
+        let mut done = Vec::new();
+        self.inner.start(req, h, &mut done);
+        for e in done {
+            match e {
+                done @ Event::Done(_) => self.held.push(done),
+                other => out.push(other),
+            }
+        }
+    }
+
+    fn submit(&mut self) -> std::io::Result<()> {
+        self.inner.submit()
+    }
+
+    fn reap(&mut self, out: &mut Vec<Event>) {
+        self.inner.reap(out);
+        if self.until_sleep && !self.slept {
+            return;
+        }
+        self.slept = false;
+        if self.held.len() > 1 {
+            self.reordered.fetch_add(self.held.len(), Ordering::Relaxed);
+        }
+        out.extend(self.held.drain(..).rev());
+    }
+
+    fn watch(&mut self, fd: RawFd, events: libc::c_short, token: u64) -> std::io::Result<()> {
+        self.inner.watch(fd, events, token)
+    }
+
+    fn wait(&mut self, timeout: Option<Duration>) -> std::io::Result<()> {
+        if self.held.is_empty() {
+            self.inner.wait(timeout)
+        } else {
+            self.slept = true;
+            Ok(())
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight() + self.held.len()
+    }
+
+    fn timed_waits(&self) -> bool {
+        self.inner.timed_waits()
+    }
+
+    fn send_file(&mut self, to: RawFd, offset: u64, len: usize) -> std::io::Result<usize> {
+        self.inner.send_file(to, offset, len)
+    }
+}
+
+fn device(dir: &tempfile::TempDir) -> Arc<Device> {
+    let img = dir.path().join("d.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).expect("image");
+    let spec: DeviceSpec = format!("d={}", img.display()).parse().expect("spec");
+    Arc::new(Device::open(&spec).expect("open"))
+}
+
+fn block(dev: &Device) -> &BlockDevice {
+    match &dev.backing {
+        Backing::Block(b) => b,
+        _ => panic!("a block device"),
+    }
+}
+
+fn frame(id: u64, request: BlockRequest, data: &[u8]) -> Vec<u8> {
+    let mut f = RequestHeader { id, request }.encode().to_vec();
+    f.extend_from_slice(data);
+    f
+}
+
+/// Reads one response: its header and its data.
+fn response(c: &mut TcpStream) -> (ResponseHeader, Vec<u8>) {
+    let mut h = [0u8; RESPONSE_HEADER_LEN];
+    c.read_exact(&mut h).expect("response header");
+    let h = ResponseHeader::decode(&h).expect("decode");
+    let mut data = vec![0u8; h.len.usize()];
+    c.read_exact(&mut data).expect("response data");
+    (h, data)
+}
+
+#[test]
+fn reordered_completions_answer_their_own_requests() {
+    const N: u64 = 8;
+    const LEN: u32 = 4096;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dev = device(&dir);
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let mut client = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+    let (server, peer) = listener.accept().expect("accept");
+    let server = Stream::Tcp(server);
+    let inner = Inline::new(Arc::clone(&dev), block(&dev), false).expect("inline");
+    let reordered = Arc::new(AtomicUsize::new(0));
+    let io = reordered_io(inner, false, &reordered);
+    let (dev_ref, server_ref) = (&dev, &server);
+    std::thread::scope(|s| {
+        let engine = s.spawn(move || {
+            super::engine::run(io, dev_ref, server_ref, peer, Duration::from_secs(5), false)
+        });
+        // Every write in one go, so that several start before a reap.
+        let mut writes = Vec::new();
+        for id in 0..N {
+            let request = BlockRequest::Write {
+                sector: Sector(id * 8),
+                len: Bytes(LEN),
+            };
+            writes.extend(frame(id, request, &vec![id as u8 + 1; LEN as usize]));
+        }
+        client.write_all(&writes).expect("writes");
+        let mut ids: Vec<u64> = (0..N)
+            .map(|_| {
+                let (h, data) = response(&mut client);
+                assert_eq!(h.status, Status::Ok);
+                assert!(data.is_empty());
+                h.id
+            })
+            .collect();
+        ids.sort_unstable();
+        assert_eq!(ids, (0..N).collect::<Vec<_>>());
+        // Reads back: each answer carries its own sector's data.
+        let mut reads = Vec::new();
+        for id in 0..N {
+            let request = BlockRequest::Read {
+                sector: Sector(id * 8),
+                len: Bytes(LEN),
+            };
+            reads.extend(frame(100 + id, request, &[]));
+        }
+        client.write_all(&reads).expect("reads");
+        for _ in 0..N {
+            let (h, data) = response(&mut client);
+            assert_eq!(h.status, Status::Ok);
+            let id = h.id - 100;
+            assert_eq!(data, vec![id as u8 + 1; LEN as usize], "read {id}");
+        }
+        client.shutdown(Shutdown::Write).expect("shutdown");
+        let end = engine.join().expect("engine");
+        assert!(matches!(end, End::PeerClosed), "{end}");
+    });
+    assert!(
+        reordered.load(Ordering::Relaxed) > 0,
+        "no completions were reordered"
+    );
+}
+
+fn reordered_io<I>(inner: I, until_sleep: bool, count: &Arc<AtomicUsize>) -> Reordered<I> {
+    Reordered {
+        inner,
+        held: Vec::new(),
+        until_sleep,
+        slept: false,
+        reordered: Arc::clone(count),
+    }
+}
+
+/// `n` flushes, ids from 0, in one buffer.
+fn flushes(n: usize) -> Vec<u8> {
+    (0..n as u64)
+        .flat_map(|id| frame(id, BlockRequest::Flush, &[]))
+        .collect()
+}
+
+/// Runs the engine (`credit` as granted) on a session whose borrower sent `frames`
+/// before the engine started, its device I/O finishing only when the engine waits;
+/// `answered` responses are read, then the borrower stops writing.
+fn budget_session(credit: bool, frames: &[u8], answered: usize) -> End {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dev = device(&dir);
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let mut client = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+    let (server, peer) = listener.accept().expect("accept");
+    let server = Stream::Tcp(server);
+    client.write_all(frames).expect("frames");
+    let inner = Inline::new(Arc::clone(&dev), block(&dev), false).expect("inline");
+    let io = reordered_io(inner, true, &Arc::new(AtomicUsize::new(0)));
+    let (dev_ref, server_ref) = (&dev, &server);
+    std::thread::scope(|s| {
+        let engine = s.spawn(move || {
+            super::engine::run(
+                io,
+                dev_ref,
+                server_ref,
+                peer,
+                Duration::from_secs(5),
+                credit,
+            )
+        });
+        let mut ids: Vec<u64> = (0..answered)
+            .map(|_| {
+                let (h, _) = response(&mut client);
+                assert_eq!(h.status, Status::Ok);
+                h.id
+            })
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), answered);
+        client.shutdown(Shutdown::Write).expect("shutdown");
+        engine.join().expect("engine")
+    })
+}
+
+#[test]
+fn a_borrower_with_credit_beyond_the_budget_breaks_the_protocol() {
+    let end = budget_session(
+        true,
+        &flushes(crate::MAX_IN_FLIGHT + 1),
+        crate::MAX_IN_FLIGHT,
+    );
+    assert!(matches!(end, End::Protocol(_)), "{end}");
+}
+
+#[test]
+fn a_borrower_without_credit_is_read_as_the_budget_frees() {
+    let n = crate::MAX_IN_FLIGHT + 5;
+    let end = budget_session(false, &flushes(n), n);
+    assert!(matches!(end, End::PeerClosed), "{end}");
+}

@@ -1,0 +1,40 @@
+//! A lender's tunables beyond its devices and address ([`Options`]): what the server
+//! keeps and every session reads. A leaf: it uses nothing of the lender but its config's
+//! types.
+
+use std::time::Duration;
+
+use crate::config::IoMode;
+
+/// Tunables of a lender beyond its devices and address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// How long a new connection may take to send its hello, and the lender to send its
+    /// reply (default 10 s).
+    pub handshake_timeout: Duration,
+    /// How long the rest of a request frame may take once its first byte arrived
+    /// (default 30 s); between frames there is no timeout. A peer that stalls inside a
+    /// frame for longer breaks the protocol and its session is closed.
+    pub frame_timeout: Duration,
+    /// Most sessions open at once, over all devices (default 256); the next hello is
+    /// answered `Busy`.
+    pub max_sessions: usize,
+    /// How sessions do device I/O (default: plain system calls for files in memory,
+    /// io_uring otherwise).
+    pub io: IoMode,
+    /// Backing stores that devices share (`store` in a device), with the capacity their
+    /// borrowers divide by weight (default none). Read at start: a reload keeps them.
+    pub stores: Vec<crate::config::StoreSpec>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            handshake_timeout: Duration::from_secs(10),
+            frame_timeout: Duration::from_secs(30),
+            max_sessions: 256,
+            io: IoMode::Auto,
+            stores: Vec::new(),
+        }
+    }
+}
