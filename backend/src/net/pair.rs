@@ -29,9 +29,8 @@ use devlend_fabric::net::{self, NetMessage, Offload, FEATURE_NET, FEATURE_NET_OF
 use devlend_fabric::reconnect::{Policy, Reconnector};
 use virtio_queue::{Queue, QueueT};
 
-use crate::blk::engine::{DisplayChain, LenderTarget};
-use crate::blk::timer::RetryTimer;
 use crate::guest::GuestMemory;
+use crate::lender::{DisplayChain, LenderTarget, RetryTimer};
 use crate::net::rx::{deliver, Delivery};
 use crate::net::spec::NET_HDR_LEN;
 use crate::virtq::BrokenQueue;
