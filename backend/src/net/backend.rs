@@ -23,10 +23,11 @@ use vmm_sys_util::event::{
 
 use crate::guest::{GuestMemory, Vring};
 use crate::lender::LenderTarget;
-use crate::net::pair::{NetStats, PairEngine, PairQueue};
+use crate::net::pair::{PairEngine, PairQueue};
 use crate::net::spec::{
     config_slice, config_space, features, guest_offloads, CONFIG_LEN, MAX_QUEUE_SIZE,
 };
+use crate::net::stats::NetStats;
 
 type Handler = VringEpollHandler<Arc<NetBackend>>;
 
