@@ -14,6 +14,7 @@ pub mod blk;
 pub mod budget;
 pub mod guest;
 pub mod handover;
+pub mod lender;
 pub mod net;
 pub mod pci;
 mod shared_map;

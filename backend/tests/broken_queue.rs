@@ -8,9 +8,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use devlend_backend::blk::engine::{LenderTarget, QueueEngine, QueueStats};
+use devlend_backend::blk::engine::{QueueEngine, QueueStats};
 use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::GuestMemory;
+use devlend_backend::lender::LenderTarget;
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueT};
@@ -114,7 +115,7 @@ fn an_avail_index_at_most_the_queue_size_ahead_is_not_a_violation() {
 }
 
 fn nic() -> devlend_backend::net::pair::PairEngine {
-    use devlend_backend::net::pair::{NetStats, PairEngine};
+    use devlend_backend::net::{pair::PairEngine, NetStats};
     let stats = Arc::new(NetStats::new(1, true, 1500));
     // Nothing listens: frames transmitted are dropped (counted) and returned.
     let target = LenderTarget::direct("127.0.0.1:9", "nic", [1; 16]);

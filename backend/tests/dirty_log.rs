@@ -14,10 +14,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use devlend_backend::blk::engine::{LenderTarget, QueueEngine, QueueStats};
+use devlend_backend::blk::engine::{QueueEngine, QueueStats};
 use devlend_backend::blk::spec::{S_OK, T_IN};
 use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::GuestMemory;
+use devlend_backend::lender::LenderTarget;
 use devlend_backend::net::rx::{deliver, Delivery};
 use devlend_device_agent::{DeviceSpec, Lender, LenderHandle};
 use vhost_user_backend::bitmap::{AtomicBitmapMmap, BitmapReplace, MemRegionBitmap, MmapLogReg};

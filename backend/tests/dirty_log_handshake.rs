@@ -13,9 +13,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use devlend_backend::blk::backend::BlkBackend;
-use devlend_backend::blk::engine::{LenderTarget, QueueStats};
+use devlend_backend::blk::engine::QueueStats;
 use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::mark_dirty;
+use devlend_backend::lender::LenderTarget;
 use devlend_fabric::BlockGeometry;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};

@@ -15,10 +15,11 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use devlend_backend::blk::engine::{LenderTarget, QueueEngine, QueueStats};
+use devlend_backend::blk::engine::{QueueEngine, QueueStats};
 use devlend_backend::blk::spec::{S_IOERR, S_OK, T_OUT};
 use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::GuestMemory;
+use devlend_backend::lender::LenderTarget;
 use devlend_fabric::wire::REQUEST_HEADER_LEN;
 use devlend_fabric::{
     BlockGeometry, Credit, Hello, HelloReply, Op, RequestHeader, ResponseHeader, Status,

@@ -10,10 +10,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use devlend_backend::blk::engine::{LenderTarget, QueueEngine, QueueStats};
+use devlend_backend::blk::engine::{QueueEngine, QueueStats};
 use devlend_backend::blk::spec::*;
 use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::GuestMemory;
+use devlend_backend::lender::{LenderTarget, Transport};
 use devlend_device_agent::{BlockSpec, DeviceSpec, DeviceStatsSnapshot, Lender, LenderHandle};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
@@ -71,9 +72,7 @@ impl Rig {
             borrower: [1; 16],
             token: Vec::new(),
             tls: None,
-            transport: Default::default(),
-            rdma_exposure: Default::default(),
-            relay: None,
+            transport: Transport::Tcp { relay: None },
             lender_key: None,
         };
         let (_s, reply) =

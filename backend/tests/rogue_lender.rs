@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use devlend_backend::blk::engine::{LenderTarget, QueueEngine, QueueStats};
+use devlend_backend::blk::engine::{QueueEngine, QueueStats};
 use devlend_backend::blk::spec::*;
 use devlend_backend::blk::DeviceLimits;
 use devlend_backend::guest::GuestMemory;
+use devlend_backend::lender::{LenderTarget, Transport};
 use devlend_fabric::handshake::{Hello, DEV_DISCARD};
 use devlend_fabric::wire::{RequestHeader, ResponseHeader, REQUEST_HEADER_LEN};
 use devlend_fabric::{BlockGeometry, HelloReply, Status};
@@ -122,9 +123,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
             borrower: [1; 16],
             token: Vec::new(),
             tls: None,
-            transport: Default::default(),
-            rdma_exposure: Default::default(),
-            relay: None,
+            transport: Transport::Tcp { relay: None },
             lender_key: None,
         },
         limits,

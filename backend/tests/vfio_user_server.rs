@@ -25,12 +25,12 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use devlend_backend::blk::engine::Transport;
 use devlend_backend::pci::{LinkTarget, PciBorrower, MAX_DMA_MAPS};
 use devlend_fabric::pci::{
     Access, IrqInfo as LenderIrq, Message, PciInfo, RegionInfo, FEATURE_PCI, KIND_INFO, KIND_PULL,
     KIND_READ, REPLY,
 };
+use devlend_fabric::transport::Transport;
 use devlend_fabric::{Hello, HelloReply, PciIdentity};
 use vfio_bindings::bindings::vfio::vfio_region_info;
 use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion};

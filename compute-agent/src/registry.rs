@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use devlend_backend::attachment::{Attachment, AttachmentConfig, AttachmentError, Serve};
-use devlend_backend::blk::engine::{new_borrower_id, LenderTarget};
+use devlend_backend::lender::{new_borrower_id, LenderTarget};
 
 use self::served::served;
 use crate::api::{AttachRequest, AttachmentInfo, DeviceKind, KindInfo, VmmPlug, VmmTarget};

@@ -64,8 +64,9 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use devlend_backend::blk::backend::BlkBackend;
-use devlend_backend::blk::engine::{LenderTarget, QueueStats};
+use devlend_backend::blk::engine::QueueStats;
 use devlend_backend::blk::DeviceLimits;
+use devlend_backend::lender::LenderTarget;
 use devlend_device_agent::{BlockSpec, DeviceSpec, Lender, LenderHandle};
 use libfuzzer_sys::fuzz_target;
 use vhost::vhost_user::Listener;

@@ -125,7 +125,7 @@ fn connect(port: u16) -> PciBorrower {
         token: Vec::new(),
         tls: None,
         timeout: Duration::from_secs(10),
-        transport: devlend_backend::blk::engine::Transport::Tcp,
+        transport: devlend_fabric::transport::Transport::Tcp,
         lender_key: None,
     };
     let until = Instant::now() + Duration::from_secs(60);
@@ -643,7 +643,7 @@ impl Raw {
             token: Vec::new(),
             tls: None,
             timeout: Duration::from_secs(10),
-            transport: devlend_backend::blk::engine::Transport::Tcp,
+            transport: devlend_fabric::transport::Transport::Tcp,
             lender_key: None,
         };
         let until = Instant::now() + Duration::from_secs(60);

@@ -224,7 +224,7 @@ fn qemu11_guest_uses_a_lent_nvme_with_its_own_driver() {
             token: Vec::new(),
             tls: None,
             timeout: Duration::from_secs(10),
-            transport: devlend_backend::blk::engine::Transport::Tcp,
+            transport: devlend_fabric::transport::Transport::Tcp,
             lender_key: None,
         };
         let until = Instant::now() + Duration::from_secs(30);

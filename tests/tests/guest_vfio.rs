@@ -133,7 +133,7 @@ fn target(port: u16, id: u8) -> LinkTarget {
         token: Vec::new(),
         tls: None,
         timeout: Duration::from_secs(10),
-        transport: devlend_backend::blk::engine::Transport::Tcp,
+        transport: devlend_fabric::transport::Transport::Tcp,
         lender_key: None,
     }
 }

@@ -177,7 +177,7 @@ fn qemu11_guest_uses_a_lent_edu_through_vfio_user() {
                 token: Vec::new(),
                 tls: None,
                 timeout: Duration::from_secs(10),
-                transport: devlend_backend::blk::engine::Transport::Tcp,
+                transport: devlend_fabric::transport::Transport::Tcp,
                 lender_key: None,
             };
             let until = Instant::now() + Duration::from_secs(30);

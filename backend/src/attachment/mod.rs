@@ -23,10 +23,11 @@ use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::blk::backend::{BlkBackend, DRAIN_TIMEOUT};
-use crate::blk::engine::{LenderTarget, QueueStats};
+use crate::blk::engine::QueueStats;
 use crate::blk::holder::Holder;
 use crate::blk::request::DeviceLimits;
 use crate::blk::spec::MAX_QUEUES;
+use crate::lender::LenderTarget;
 use crate::net::spec::MAX_QUEUE_PAIRS;
 use crate::net::NetStats;
 

@@ -22,7 +22,7 @@ impl Attachment {
             token: config.lender.token.clone(),
             tls: config.lender.tls.clone(),
             timeout: Duration::from_secs(10),
-            transport: config.lender.transport,
+            transport: config.lender.transport.kind(),
             lender_key: config.lender.lender_key,
         };
         // A function just given back by this compute agent (a detach, then an attach at

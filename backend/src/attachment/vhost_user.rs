@@ -42,7 +42,7 @@ impl Attachment {
             });
         }
         if let (Lent::Nic(_), devlend_fabric::transport::Transport::Rdma) =
-            (lent, config.lender.transport)
+            (lent, config.lender.transport.kind())
         {
             return Err(AttachmentError::TcpOnly {
                 device: config.lender.device.clone(),

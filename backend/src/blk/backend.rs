@@ -23,7 +23,7 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
-use crate::blk::engine::{LenderTarget, QueueEngine, QueueStats};
+use crate::blk::engine::{QueueEngine, QueueStats};
 use crate::blk::inflight::InflightRegion;
 use crate::blk::request::DeviceLimits;
 use crate::blk::spec::{
@@ -31,6 +31,7 @@ use crate::blk::spec::{
 };
 use crate::guest::{GuestMemory, Vring};
 use crate::handover::Handover;
+use crate::lender::LenderTarget;
 
 /// How long GET_VRING_BASE and detach wait for requests in flight before failing them.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -91,7 +92,7 @@ impl BlkBackend {
                 // until then ([`crate::handover`]).
                 if !incoming {
                     if let Err(e) = engine.connect() {
-                        tracing::warn!(queue = i, error = %crate::blk::engine::DisplayChain(&e), "cannot open fabric session yet");
+                        tracing::warn!(queue = i, error = %crate::lender::DisplayChain(&e), "cannot open fabric session yet");
                     }
                 }
                 Mutex::new(QueueCell { engine, vring: None, registered: (None, 0, false) })

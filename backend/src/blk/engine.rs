@@ -47,14 +47,10 @@ use crate::blk::link::{FabricFault, QueueLink};
 use crate::blk::request::{DeviceLimits, Scratch};
 use crate::blk::stream::StreamLink;
 use crate::blk::table::RequestTable;
-use crate::blk::timer::RetryTimer;
 use crate::guest::{GuestMemoryRef, HostIov};
+use crate::lender::{DisplayChain, LenderTarget, RetryTimer, Transport};
 
-pub use crate::blk::link::DisplayChain;
 pub use crate::blk::stats::{QueueStats, StatsSnapshot};
-pub use crate::blk::target::{
-    new_borrower_id, LenderTarget, RdmaExposure, Transport, CONNECT_TIMEOUT,
-};
 
 /// The state of one virtqueue of one attachment.
 pub struct QueueEngine {
@@ -128,18 +124,17 @@ fn open_link(
     index: u16,
 ) -> Result<(Box<dyn QueueLink>, HelloReply), ConnectError> {
     match target.transport {
-        Transport::Tcp => {
+        Transport::Tcp { .. } => {
             let (link, reply) = StreamLink::open(target, index)?;
             Ok((Box::new(link), reply))
         }
         #[cfg(feature = "rdma")]
-        Transport::Rdma => {
-            let (link, reply) =
-                crate::blk::rdma::RdmaLink::connect(target, index, target.rdma_exposure)?;
+        Transport::Rdma { exposure } => {
+            let (link, reply) = crate::blk::rdma::RdmaLink::connect(target, index, exposure)?;
             Ok((Box::new(link), reply))
         }
         #[cfg(not(feature = "rdma"))]
-        Transport::Rdma => Err(ConnectError::Rdma {
+        Transport::Rdma { .. } => Err(ConnectError::Rdma {
             addr: target.addr.clone(),
             source: devlend_fabric::rdma::RdmaError::NotCompiled,
         }),
@@ -153,8 +148,8 @@ fn open_link(
 /// Why a session cannot be opened (RDMA not compiled in, no device, no route, ...).
 pub fn probe_transport(target: &LenderTarget) -> Result<(), ConnectError> {
     match target.transport {
-        Transport::Tcp => Ok(()),
-        Transport::Rdma => open_link(target, 0).map(drop),
+        Transport::Tcp { .. } => Ok(()),
+        Transport::Rdma { .. } => open_link(target, 0).map(drop),
     }
 }
 

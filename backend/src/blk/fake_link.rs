@@ -17,7 +17,7 @@ use devlend_fabric::{BlockGeometry, BlockRequest, Bytes, Credit, HelloReply, Op,
 use crate::blk::complete::Completer;
 use crate::blk::link::{check_response, next_request, FabricFault, QueueLink};
 use crate::blk::table::RequestTable;
-use crate::blk::target::LenderTarget;
+use crate::lender::target::LenderTarget;
 
 /// The device the fake lender lends.
 pub(crate) fn geometry() -> BlockGeometry {

@@ -22,8 +22,7 @@ use devlend_fabric::reconnect::{Attempt, Clock, GaveUp, Policy, Reconnector, Sys
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::HelloStatus;
 
-use crate::blk::link::DisplayChain;
-use crate::blk::target::LenderTarget;
+use crate::lender::{DisplayChain, LenderTarget};
 
 /// Queue index of the holding session.
 pub const CONTROL_QUEUE: u16 = u16::MAX;

@@ -6,15 +6,14 @@
 //!   a new one when it is lost; `table`: its table of requests in flight (slots by head,
 //!   ids, the order they go out in, the session's credit, the inflight-buffer marks);
 //!   `pending`: one request's life from pop to used ring; `complete`: returning a chain
-//!   to the guest; `target`: where the device is lent from; `stats`: the attachment's
-//!   counters;
+//!   to the guest; `stats`: the attachment's counters (where the device is lent from,
+//!   the retry timer and the error chain for logs are [`crate::lender`]'s, shared with
+//!   [`crate::net`]);
 //! - `link`: the session as the engine sees it (a trait; in tests, `fake_link`: an
 //!   in-memory lender behind it); `stream`: the stream link (TCP, TLS), with its
 //!   receive framing and its non-blocking send queue (`tx`); `rdma` (cargo feature
 //!   `rdma`): the RDMA link and the guest memory registered on it; `mr_cache`: which
 //!   regions are registered, and until when;
-//! - [`timer`]: the reconnect timer a queue's worker waits on (when to reconnect is
-//!   `devlend_fabric::reconnect`'s);
 //! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
 //!   resubmits what was in flight; [`resubmit`] turns its heads back into chains;
 //! - [`backend`]: the `vhost-user-backend` glue (features, config, workers);
@@ -45,8 +44,6 @@ pub mod spec;
 mod stats;
 mod stream;
 mod table;
-mod target;
-pub mod timer;
 mod tx;
 
 pub use crate::attachment::{Attachment, AttachmentConfig, AttachmentError, Part, Serve};

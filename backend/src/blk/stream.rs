@@ -25,8 +25,8 @@ use crate::blk::complete::Completer;
 use crate::blk::link::{check_response, next_request, FabricFault, QueueLink};
 use crate::blk::spec::S_OK;
 use crate::blk::table::RequestTable;
-use crate::blk::target::LenderTarget;
 use crate::blk::tx::TxQueue;
+use crate::lender::LenderTarget;
 
 /// Most response headers received in one call (when no read is in flight, responses
 /// carry no data, so the stream is headers only).

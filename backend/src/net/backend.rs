@@ -21,12 +21,13 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
-use crate::blk::engine::LenderTarget;
 use crate::guest::{GuestMemory, Vring};
-use crate::net::pair::{NetStats, PairEngine, PairQueue};
+use crate::lender::LenderTarget;
+use crate::net::pair::{PairEngine, PairQueue};
 use crate::net::spec::{
     config_slice, config_space, features, guest_offloads, CONFIG_LEN, MAX_QUEUE_SIZE,
 };
+use crate::net::stats::NetStats;
 
 type Handler = VringEpollHandler<Arc<NetBackend>>;
 

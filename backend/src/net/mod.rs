@@ -6,6 +6,7 @@
 //! - [`pair`]: one queue pair (receiveq + transmitq) over one fabric connection: frames
 //!   each way, held briefly when the guest has posted no buffer, dropped and counted
 //!   when the lender is away, reconnection with backoff;
+//! - [`stats`]: the counters of the pairs, and the link as last reported;
 //! - [`backend`]: the `vhost-user-backend` glue, one worker per queue pair, and the
 //!   serving loop of an attachment.
 
@@ -13,6 +14,7 @@ pub mod backend;
 pub mod pair;
 pub mod rx;
 pub mod spec;
+pub mod stats;
 
 pub use backend::NetBackend;
-pub use pair::{NetStats, NetStatsSnapshot};
+pub use stats::{NetStats, NetStatsSnapshot};

@@ -13,14 +13,13 @@
 //! A lost connection is retried at once, then every 100 ms doubling to 2 s, from the
 //! worker's timer; the lender's link messages set the link state seen by the agent.
 //!
-//! Why this file is over 600 lines: it is one state machine (the session, transmit
-//! backpressure, receive frames held for guest buffers) whose parts share its buffers
-//! and its timer.
+//! The transmit side is in `tx`; a frame into the guest's receive buffers (or held for
+//! them) in `recv`; the counters in [`crate::net::stats`].
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,12 +28,17 @@ use devlend_fabric::net::{self, NetMessage, Offload, FEATURE_NET, FEATURE_NET_OF
 use devlend_fabric::reconnect::{Policy, Reconnector};
 use virtio_queue::{Queue, QueueT};
 
-use crate::blk::engine::{DisplayChain, LenderTarget};
-use crate::blk::timer::RetryTimer;
 use crate::guest::GuestMemory;
+use crate::lender::{DisplayChain, LenderTarget, RetryTimer};
 use crate::net::rx::{deliver, Delivery};
 use crate::net::spec::NET_HDR_LEN;
 use crate::virtq::BrokenQueue;
+
+mod recv;
+mod tx;
+
+use crate::net::stats::{NetStats, PairStats};
+use recv::{count_delivered, count_frames, receive, Rx};
 
 /// Most bytes of frames queued for the lender before the transmitq is left alone.
 pub const OUT_LIMIT: usize = 2 << 20;
@@ -48,163 +52,6 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 const STABLE: Duration = Duration::from_secs(2);
 /// Reconnects ([`devlend_fabric::reconnect`]): no deadline, frames are dropped meanwhile.
 const RETRY: Policy = Policy::backoff(FIRST_BACKOFF, MAX_BACKOFF).stable_after(STABLE);
-
-/// Counters of one queue pair.
-#[derive(Debug, Default)]
-pub struct PairStats {
-    rx_packets: AtomicU64,
-    rx_bytes: AtomicU64,
-    tx_packets: AtomicU64,
-    tx_bytes: AtomicU64,
-    rx_drops: AtomicU64,
-    tx_drops: AtomicU64,
-    errors: AtomicU64,
-    rx_merged: AtomicU64,
-    rx_gso: AtomicU64,
-    tx_gso: AtomicU64,
-}
-
-/// Counters of an attachment's queue pairs, and the lender's link as last reported.
-#[derive(Debug)]
-pub struct NetStats {
-    pairs: Vec<PairStats>,
-    reconnects: AtomicU64,
-    link_up: AtomicBool,
-    connected: AtomicU32,
-    /// Pairs paused ([`PairEngine::pause`]): the guest does not run them (yet), or a
-    /// handover let the NIC go. They are not expected to be connected.
-    paused: AtomicU32,
-    mtu: AtomicU32,
-}
-
-/// A copy of the counters of one queue pair, or of all summed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PairSnapshot {
-    /// Frames delivered to the guest.
-    pub rx_packets: u64,
-    /// Their bytes (Ethernet frames, without the virtio header).
-    pub rx_bytes: u64,
-    /// Frames the guest transmitted and sent to the lender.
-    pub tx_packets: u64,
-    /// Their bytes.
-    pub tx_bytes: u64,
-    /// Received frames dropped: no guest buffer in time, or too large for the buffers.
-    pub rx_drops: u64,
-    /// Transmitted frames dropped: the lender away, or a malformed chain.
-    pub tx_drops: u64,
-    /// Malformed transmit chains, guest ring errors and fabric protocol errors.
-    pub errors: u64,
-    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
-    pub rx_merged: u64,
-    /// Frames delivered larger than the MTU, for the guest's TCP (GUEST_TSO4/6).
-    pub rx_gso: u64,
-    /// Frames the guest left to segment (HOST_TSO4/6), sent whole to the lender.
-    pub tx_gso: u64,
-}
-
-/// A copy of an attachment's NIC counters.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NetStatsSnapshot {
-    /// Summed over the queue pairs.
-    pub total: PairSnapshot,
-    /// Per queue pair.
-    pub pairs: Vec<PairSnapshot>,
-    /// Fabric connections re-established after a loss.
-    pub reconnects: u64,
-    /// The lender's link is up and every queue pair the guest runs is connected to it.
-    pub link_up: bool,
-    /// The lender's link is up, as last reported (whether or not the queue pairs are
-    /// connected).
-    pub lender_link_up: bool,
-    /// The lender's MTU as last reported.
-    pub mtu: u32,
-}
-
-impl NetStats {
-    /// Counters for `pairs` queue pairs; `mtu` as the handshake gave it.
-    pub fn new(pairs: u16, link_up: bool, mtu: u32) -> Self {
-        NetStats {
-            pairs: (0..pairs).map(|_| PairStats::default()).collect(),
-            reconnects: AtomicU64::new(0),
-            link_up: AtomicBool::new(link_up),
-            connected: AtomicU32::new(0),
-            paused: AtomicU32::new(0),
-            mtu: AtomicU32::new(mtu),
-        }
-    }
-
-    /// A copy of the counters.
-    pub fn snapshot(&self) -> NetStatsSnapshot {
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let pairs: Vec<PairSnapshot> = self
-            .pairs
-            .iter()
-            .map(|p| PairSnapshot {
-                rx_packets: get(&p.rx_packets),
-                rx_bytes: get(&p.rx_bytes),
-                tx_packets: get(&p.tx_packets),
-                tx_bytes: get(&p.tx_bytes),
-                rx_drops: get(&p.rx_drops),
-                tx_drops: get(&p.tx_drops),
-                errors: get(&p.errors),
-                rx_merged: get(&p.rx_merged),
-                rx_gso: get(&p.rx_gso),
-                tx_gso: get(&p.tx_gso),
-            })
-            .collect();
-        let mut total = PairSnapshot::default();
-        for p in &pairs {
-            total.rx_packets += p.rx_packets;
-            total.rx_bytes += p.rx_bytes;
-            total.tx_packets += p.tx_packets;
-            total.tx_bytes += p.tx_bytes;
-            total.rx_drops += p.rx_drops;
-            total.tx_drops += p.tx_drops;
-            total.errors += p.errors;
-            total.rx_merged += p.rx_merged;
-            total.rx_gso += p.rx_gso;
-            total.tx_gso += p.tx_gso;
-        }
-        NetStatsSnapshot {
-            total,
-            reconnects: get(&self.reconnects),
-            link_up: self.link_up(),
-            lender_link_up: self.link_up.load(Ordering::Relaxed),
-            mtu: self.mtu.load(Ordering::Relaxed),
-            pairs,
-        }
-    }
-
-    /// Whether the lender's link is up and the queue pairs are connected, but for those
-    /// the guest does not run (at least one connected): what the guest's link should
-    /// show.
-    pub fn link_up(&self) -> bool {
-        let connected = self.connected.load(Ordering::Relaxed) as usize;
-        let paused = self.paused.load(Ordering::Relaxed) as usize;
-        self.link_up.load(Ordering::Relaxed)
-            && connected > 0
-            && connected + paused >= self.pairs.len()
-    }
-
-    /// A new frontend connection's backend is about to make its engines: the sessions
-    /// and pauses of the previous one's (gone with it) no longer count.
-    pub fn new_backend(&self) {
-        self.connected.store(0, Ordering::Relaxed);
-        self.paused.store(0, Ordering::Relaxed);
-    }
-
-    fn disconnected(&self) {
-        let _ = self
-            .connected
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
-    }
-
-    fn unpause(&self) {
-        let _ = self
-            .paused
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
-    }
-}
 
 /// One of a queue pair's two virtqueues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -724,250 +571,7 @@ impl PairEngine {
         self.arm_timer();
         Ok(used)
     }
-
-    /// The guest transmitted: frames go to the lender (or are dropped while it is away).
-    /// Returns whether used entries were added to the transmitq.
-    ///
-    /// A ring the driver corrupted (an avail index more than the queue size ahead, a
-    /// head out of range, a malformed chain) breaks the transmitq: nothing more is
-    /// taken from it until the frontend re-initializes it. A well-formed chain holding a
-    /// bad frame (too short, too long, a bad offload header) is dropped, counted, and
-    /// returned to the guest.
-    ///
-    /// # Errors
-    /// A guest memory error on the rings (the caller breaks the transmitq).
-    pub fn on_tx(
-        &mut self,
-        txq: &mut Queue,
-        mem: &GuestMemory,
-    ) -> Result<bool, virtio_queue::Error> {
-        let mut used = false;
-        if self.tx_broken.is_broken() {
-            return Ok(false);
-        }
-        loop {
-            txq.disable_notification(mem)?;
-            // A corrupt avail index would make this loop spin (virtio-queue takes no
-            // chain, and says more are there).
-            if let Some(why) = crate::virtq::avail_violation(txq, mem)? {
-                self.break_queue(PairQueue::Tx, why);
-                break;
-            }
-            while self.out.len() < OUT_LIMIT {
-                let Some(chain) = txq.pop_descriptor_chain(mem) else {
-                    break;
-                };
-                let head = chain.head_index();
-                if let Some(why) = crate::virtq::head_violation(txq, head)
-                    .or_else(|| crate::virtq::chain_violation(txq, mem, head))
-                {
-                    // Not taken: GET_VRING_BASE names this chain as the next.
-                    txq.set_next_avail(txq.next_avail().wrapping_sub(1));
-                    self.break_queue(PairQueue::Tx, why);
-                    break;
-                }
-                self.take_tx(chain, mem);
-                txq.add_used(mem, head, 0)?;
-                used = true;
-            }
-            self.flush();
-            if self.tx_broken.is_broken() {
-                break;
-            }
-            if self.out.len() >= OUT_LIMIT {
-                // Resumed when the socket drains (the worker watches it for writability).
-                break;
-            }
-            if !txq.enable_notification(mem)? {
-                break;
-            }
-        }
-        Ok(used)
-    }
-
-    fn take_tx(&mut self, chain: virtio_queue::DescriptorChain<&GuestMemory>, mem: &GuestMemory) {
-        let s = &self.stats.pairs[usize::from(self.index)];
-        let Ok(mut r) = chain.reader(mem) else {
-            s.errors.fetch_add(1, Ordering::Relaxed);
-            s.tx_drops.fetch_add(1, Ordering::Relaxed);
-            return;
-        };
-        let total = r.available_bytes();
-        let len = total.saturating_sub(NET_HDR_LEN);
-        if total < NET_HDR_LEN + net::MIN_FRAME_LEN || len > net::MAX_OFFLOAD_FRAME_LEN {
-            s.errors.fetch_add(1, Ordering::Relaxed);
-            s.tx_drops.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        if self.conn.is_none() {
-            s.tx_drops.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        let mut hdr = [0u8; NET_HDR_LEN];
-        if r.read_exact(&mut hdr).is_err() {
-            s.errors.fetch_add(1, Ordering::Relaxed);
-            s.tx_drops.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        // The first 10 bytes of virtio_net_hdr_v1 (num_buffers is for receiving):
-        // what the guest leaves to the device (virtio 1.2 §5.1.6.2).
-        let mut first = [0u8; net::OFFLOAD_LEN];
-        first.copy_from_slice(&hdr[..net::OFFLOAD_LEN]);
-        let offload = Offload::from_bytes(&first);
-        let plain = offload.is_none();
-        let refused = if plain {
-            len > net::MAX_FRAME_LEN
-        } else {
-            // Offloads are offered only when the lender grants them; a restarted lender
-            // that does not cannot complete this frame.
-            !self.offload || offload.validate(len, false).is_err()
-        };
-        if refused {
-            s.errors.fetch_add(1, Ordering::Relaxed);
-            s.tx_drops.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        let start = self.out.len();
-        let data = if plain {
-            self.out
-                .extend_from_slice(&net::header(net::KIND_FRAME, len as u32));
-            start + net::NET_HEADER_LEN
-        } else {
-            self.out.extend_from_slice(&net::header(
-                net::KIND_FRAME_OFFLOAD,
-                (net::OFFLOAD_LEN + len) as u32,
-            ));
-            self.out.extend_from_slice(&first);
-            if offload.gso_type != net::GSO_NONE {
-                s.tx_gso.fetch_add(1, Ordering::Relaxed);
-            }
-            start + net::NET_HEADER_LEN + net::OFFLOAD_LEN
-        };
-        self.out.resize(data + len, 0);
-        if r.read_exact(&mut self.out[data..]).is_err() {
-            self.out.truncate(start);
-            s.errors.fetch_add(1, Ordering::Relaxed);
-            s.tx_drops.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        s.tx_packets.fetch_add(1, Ordering::Relaxed);
-        s.tx_bytes.fetch_add(len as u64, Ordering::Relaxed);
-    }
-
-    /// Writes as much queued output as the socket takes now.
-    pub fn flush(&mut self) {
-        let mut at = 0;
-        let mut failed = None;
-        if let Some(conn) = self.conn.as_ref() {
-            while at < self.out.len() {
-                match (&mut &*conn).write(&self.out[at..]) {
-                    Ok(0) => {
-                        failed = Some("the lender accepts no data".to_owned());
-                        break;
-                    }
-                    Ok(n) => at += n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        failed = Some(e.to_string());
-                        break;
-                    }
-                }
-            }
-        }
-        match failed {
-            Some(why) => self.lose(&why),
-            None => {
-                self.out.drain(..at);
-            }
-        }
-    }
 }
 
 /// Frames held for guest receive buffers: when, what the guest is left to do, the frame.
 type Held = VecDeque<(Instant, Option<Offload>, Vec<u8>)>;
-
-/// What [`receive`] works on: the pair's receive side, borrowed beside the frame.
-struct Rx<'a> {
-    held: &'a mut Held,
-    broken: &'a mut BrokenQueue,
-    stats: &'a PairStats,
-    mergeable: bool,
-}
-
-/// One frame from the lender: straight into the guest's buffers while nothing waits
-/// before it; copied aside (into `held`) only when it has to wait; dropped while the
-/// driver has the receiveq broken. Returns whether used entries were added.
-fn receive(
-    rx: Rx<'_>,
-    rxq: Option<&mut Queue>,
-    mem: &GuestMemory,
-    offload: Option<Offload>,
-    f: &[u8],
-) -> bool {
-    let Rx {
-        held,
-        broken,
-        stats,
-        mergeable,
-    } = rx;
-    if broken.is_broken() {
-        stats.rx_drops.fetch_add(1, Ordering::Relaxed);
-        return false;
-    }
-    let direct = match rxq {
-        Some(q) if held.is_empty() => deliver(q, mem, f, offload.as_ref(), mergeable)
-            .unwrap_or_else(|e| Delivery::Broken(format!("a ring is not in guest memory: {e}"))),
-        _ => Delivery::NoBuffers,
-    };
-    match direct {
-        Delivery::Broken(why) => {
-            broken.break_queue(why);
-            stats.errors.fetch_add(1, Ordering::Relaxed);
-            stats
-                .rx_drops
-                .fetch_add(1 + held.len() as u64, Ordering::Relaxed);
-            held.clear();
-        }
-        Delivery::Done(chains) => {
-            count_delivered(stats, chains, f.len());
-            if offload.is_some_and(|o| o.gso_type != net::GSO_NONE) {
-                stats.rx_gso.fetch_add(1, Ordering::Relaxed);
-            }
-            return true;
-        }
-        Delivery::Unfit => {
-            stats.rx_drops.fetch_add(1, Ordering::Relaxed);
-        }
-        Delivery::NoBuffers => {
-            if held.len() >= HOLD_FRAMES {
-                held.pop_front();
-                stats.rx_drops.fetch_add(1, Ordering::Relaxed);
-            }
-            held.push_back((Instant::now(), offload, f.to_vec()));
-        }
-    }
-    false
-}
-
-/// How many whole frame messages `buf` starts with (for counting drops).
-fn count_frames(buf: &[u8]) -> u64 {
-    let mut n = 0;
-    let mut at = 0;
-    while let Ok(Some((m, len))) = net::decode(&buf[at..]) {
-        if matches!(m, NetMessage::Frame(_) | NetMessage::OffloadFrame(..)) {
-            n += 1;
-        }
-        at += len;
-    }
-    n
-}
-
-/// Counts a frame of `len` bytes delivered to the guest in `chains` receive chains.
-fn count_delivered(stats: &PairStats, chains: u16, len: usize) {
-    if chains > 1 {
-        stats.rx_merged.fetch_add(1, Ordering::Relaxed);
-    }
-    stats.rx_packets.fetch_add(1, Ordering::Relaxed);
-    stats.rx_bytes.fetch_add(len as u64, Ordering::Relaxed);
-}

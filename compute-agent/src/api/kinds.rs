@@ -265,8 +265,8 @@ pub struct NetCounters {
     pub tx_gso: u64,
 }
 
-impl From<devlend_backend::net::pair::PairSnapshot> for NetCounters {
-    fn from(p: devlend_backend::net::pair::PairSnapshot) -> Self {
+impl From<devlend_backend::net::stats::PairSnapshot> for NetCounters {
+    fn from(p: devlend_backend::net::stats::PairSnapshot) -> Self {
         NetCounters {
             rx_packets: p.rx_packets,
             rx_bytes: p.rx_bytes,

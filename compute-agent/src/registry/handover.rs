@@ -12,7 +12,7 @@
 //! [`Registry::cancel_handover`] keeps it.
 
 use devlend_backend::attachment::Attachment;
-use devlend_backend::blk::engine::new_borrower_id;
+use devlend_backend::lender::new_borrower_id;
 use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, TokenSigner};
 
 use super::served::served;

@@ -115,14 +115,19 @@ impl Registry {
             socket: req.socket.clone(),
             lender: LenderTarget {
                 addr: resolved.addr.clone(),
-                relay: resolved.relay.clone(),
                 device: resolved.device.clone(),
                 borrower,
                 token: token.clone(),
                 tls,
                 lender_key,
-                transport: req.transport,
-                rdma_exposure: req.rdma_exposure,
+                transport: match req.transport {
+                    crate::api::Transport::Tcp => devlend_backend::lender::Transport::Tcp {
+                        relay: resolved.relay.clone(),
+                    },
+                    crate::api::Transport::Rdma => devlend_backend::lender::Transport::Rdma {
+                        exposure: req.rdma_exposure,
+                    },
+                },
             },
             num_queues: req.queues,
             poll: std::time::Duration::from_micros(u64::from(req.poll_us)),

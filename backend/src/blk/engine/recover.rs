@@ -10,9 +10,10 @@ use virtio_queue::Queue;
 
 use super::{QueueEngine, MAX_RESENDS};
 use crate::blk::complete::Completer;
-use crate::blk::link::{DisplayChain, FabricFault};
+use crate::blk::link::FabricFault;
 use crate::blk::spec::S_IOERR;
 use crate::guest::GuestMemoryRef;
+use crate::lender::DisplayChain;
 
 /// Reconnect failures are logged at most this often per queue.
 const FAILURE_LOG_EVERY: Duration = Duration::from_secs(10);

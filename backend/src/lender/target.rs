@@ -5,7 +5,8 @@ use std::time::Duration;
 /// Where the device is lent from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LenderTarget {
-    /// `HOST:PORT` of the lender.
+    /// `HOST:PORT` of the lender (with [`Transport::Tcp`]'s `relay`, of the local
+    /// cluster gateway).
     pub addr: String,
     /// Device name on the lender.
     pub device: String,
@@ -14,17 +15,13 @@ pub struct LenderTarget {
     pub borrower: [u8; 16],
     /// The pool's lease token (binary form), sent in every hello; empty in direct mode.
     pub token: Vec<u8>,
-    /// Open every session inside TLS, verifying the lender against this; `None`: plain
-    /// TCP.
+    /// Open every TCP session inside TLS, verifying the lender against this; `None`:
+    /// plain TCP. Over [`Transport::Rdma`] it still covers the holding session, which
+    /// is TCP (RDMA traffic is not encrypted).
     pub tls: Option<devlend_fabric::tls::TlsTarget>,
-    /// The transport of the virtqueues' sessions (the holding session is TCP).
+    /// The transport of the virtqueues' sessions (the holding session is TCP), with
+    /// what only it has.
     pub transport: Transport,
-    /// With [`Transport::Rdma`], what of the guest's memory the lender can reach
-    /// (ignored over TCP).
-    pub rdma_exposure: RdmaExposure,
-    /// A lender in another cluster: `addr` is then the local cluster gateway, asked to
-    /// relay every session to this route (TCP only); `None`: `addr` is the lender.
-    pub relay: Option<devlend_fabric::relay::Route>,
     /// The lender's public key: every session's hello carries a fresh challenge, and a
     /// session whose lender does not prove this key is refused before any request is
     /// sent ([`devlend_fabric::lender_proof`]). `None`: the lender is not verified
@@ -32,7 +29,42 @@ pub struct LenderTarget {
     pub lender_key: Option<devlend_fabric::lease_token::PublicKey>,
 }
 
-pub use devlend_fabric::transport::{RdmaExposure, Transport};
+/// The transport of a target's virtqueue sessions, with its own settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transport {
+    /// TCP, optionally inside TLS ([`LenderTarget::tls`]).
+    Tcp {
+        /// A lender in another cluster: [`LenderTarget::addr`] is then the local
+        /// cluster gateway, asked to relay every session to this route; `None`: `addr`
+        /// is the lender.
+        relay: Option<devlend_fabric::relay::Route>,
+    },
+    /// RDMA (the holding session stays TCP, never relayed).
+    Rdma {
+        /// What of the guest's memory the lender can reach.
+        exposure: RdmaExposure,
+    },
+}
+
+impl Transport {
+    /// Which transport this is, without its settings.
+    pub fn kind(&self) -> devlend_fabric::transport::Transport {
+        match self {
+            Transport::Tcp { .. } => devlend_fabric::transport::Transport::Tcp,
+            Transport::Rdma { .. } => devlend_fabric::transport::Transport::Rdma,
+        }
+    }
+
+    /// The gateway route of every session (TCP only).
+    pub fn relay(&self) -> Option<&devlend_fabric::relay::Route> {
+        match self {
+            Transport::Tcp { relay } => relay.as_ref(),
+            Transport::Rdma { .. } => None,
+        }
+    }
+}
+
+pub use devlend_fabric::transport::RdmaExposure;
 
 impl LenderTarget {
     /// A target in direct mode over plain TCP: `device` of the lender at `addr`, for the
@@ -44,9 +76,7 @@ impl LenderTarget {
             borrower,
             token: Vec::new(),
             tls: None,
-            transport: Transport::Tcp,
-            rdma_exposure: RdmaExposure::Request,
-            relay: None,
+            transport: Transport::Tcp { relay: None },
             lender_key: None,
         }
     }
@@ -65,7 +95,7 @@ impl LenderTarget {
     > {
         let (stream, reply) = devlend_fabric::tcp::open_via(
             &self.addr,
-            self.relay.as_ref(),
+            self.transport.relay(),
             hello,
             CONNECT_TIMEOUT,
             self.tls.as_ref(),
