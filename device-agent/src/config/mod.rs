@@ -48,8 +48,8 @@ pub struct Cli {
     /// A device to lend; repeatable: a block device or file (PATH), a network interface
     /// (`net:IFNAME`), or a PCIe function bound to vfio-pci (`pci:DDDD:BB:DD.F`, with
     /// its coherence mode). Limits (docs/qos.md): `iops_read=N`, `bps_write=N` (bytes a
-    /// second), `tx_pps=N`, ..., `KEY_burst=N`, `weight=N`. Replaces a config-file device
-    /// of the same name.
+    /// second), `tx_pps=N`, ..., `KEY_burst=N`, `weight=N`; N takes K, M, G, T suffixes
+    /// (powers of 1024: 50M is 52428800). Replaces a config-file device of the same name.
     #[arg(
         long = "device",
         value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B][,store=S][,LIMIT=N...] | NAME=net:IFNAME[,mac=M][,LIMIT=N...] | NAME=pci:BDF[,coherence=nvme|mirror]"
@@ -57,7 +57,8 @@ pub struct Cli {
     pub devices: Vec<DeviceSpec>,
     /// A backing store that devices share (`store=NAME` in a device), with the capacity
     /// its borrowers divide by weight: `NAME:bps_total=N,iops_total=N,...` (bytes per
-    /// second, operations per second); repeatable. Replaces a `[[store]]` of that name.
+    /// second, operations per second; N takes K, M, G, T suffixes, powers of 1024);
+    /// repeatable. Replaces a `[[store]]` of that name.
     #[arg(long = "store", value_name = "NAME:KEY=N[,KEY=N...]")]
     pub stores: Vec<StoreSpec>,
     /// TOML config file with `listen`, `log_level`, `log_format`, `metrics_listen` and
