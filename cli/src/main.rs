@@ -11,9 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use devlend_cli::api_client::ApiClient;
-use devlend_cli::bench::options::{
-    parse_secs, parse_size, BenchOptions, Matrix, PeersOptions, Rw, Workload,
-};
+use devlend_cli::bench::options::{parse_secs, BenchOptions, Matrix, PeersOptions, Rw, Workload};
 use devlend_cli::demo::{self, DemoOptions, Frontend};
 use devlend_cli::output::{
     human_bytes, libvirt_target_dev, libvirt_xml, nic_link_words, qemu_args, status_table,
@@ -22,6 +20,7 @@ use devlend_cli::placement;
 use devlend_compute_agent::api::{AttachRequest, KindInfo, RdmaExposure, Transport, VmmTarget};
 use devlend_compute_agent::vmm::cloud_hypervisor;
 use devlend_compute_agent::DEFAULT_API_SOCKET;
+use devlend_fabric::units::parse_size;
 
 /// Lend block devices, NICs and PCIe functions across machines to VMs.
 #[derive(Debug, Parser)]

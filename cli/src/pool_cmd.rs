@@ -14,8 +14,8 @@ use devlend_pool::{PoolServer, ServerConfig};
 
 use crate::pool_auth::{default_admin_key, PoolKey};
 
-use crate::bench::options::parse_size;
 use crate::output::human_bytes;
+use devlend_fabric::units::parse_size;
 
 /// Default pool URL when neither `--pool` nor `DEVLEND_POOL` is given.
 pub const DEFAULT_POOL_URL: &str = "http://127.0.0.1:7400";

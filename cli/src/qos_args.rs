@@ -5,7 +5,7 @@
 use anyhow::{bail, Context, Result};
 use devlend_fabric::qos::Qos;
 
-use crate::bench::options::parse_size;
+use devlend_fabric::units::parse_size;
 
 /// The limit flags of `devlend attach`.
 #[derive(Debug, Clone, Default, clap::Args)]

@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use devlend_daemon::config::CommonFlags;
 use devlend_daemon::logging::LogFormat;
 use serde::{Deserialize, Serialize};
 
@@ -18,25 +19,13 @@ pub const DEFAULT_POOL_KEY_FILE: &str = "/var/lib/devlend/compute-agent/identity
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "devlend-compute-agent", version)]
 pub struct Cli {
-    /// Config file (TOML); default /etc/devlend/compute-agent.toml when it exists.
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
+    /// The config file, logging, metrics and `--print-config`, as every daemon takes them.
+    #[command(flatten)]
+    pub common: CommonFlags,
     /// Path of the control API unix socket (used by `devlend`) [default:
     /// /run/devlend/compute-agent.sock].
     #[arg(long, value_name = "PATH")]
     pub api: Option<PathBuf>,
-    /// Log filter: error, warn, info, debug, trace, or a tracing filter [default: info].
-    #[arg(long, value_name = "FILTER")]
-    pub log_level: Option<String>,
-    /// Log line format [default: human].
-    #[arg(long, value_enum)]
-    pub log_format: Option<LogFormat>,
-    /// Serve Prometheus metrics at http://ADDR/metrics.
-    #[arg(long, value_name = "ADDR:PORT")]
-    pub metrics_listen: Option<SocketAddr>,
-    /// Print the merged configuration (file, then flags) as TOML and exit.
-    #[arg(long)]
-    pub print_config: bool,
     /// Direct mode with authentication: sign a token for each session with the key in
     /// FILE (from `devlend keygen`); lenders given its public key (`--auth-key`) admit
     /// only such borrowers.
@@ -171,7 +160,7 @@ impl Config {
     /// The file cannot be read or has an unknown key or a bad value (named in the error).
     pub fn load(cli: &Cli) -> Result<Config, devlend_daemon::config::ConfigError> {
         let (file, path): (FileConfig, _) =
-            devlend_daemon::config::load(DAEMON, cli.config.as_deref())?;
+            devlend_daemon::config::load(DAEMON, cli.common.config.as_deref())?;
         Ok(Config::merge(&file, cli, path))
     }
 
@@ -184,12 +173,17 @@ impl Config {
             .unwrap_or_else(|| PathBuf::from(DEFAULT_API_SOCKET));
         Config {
             log_level: cli
+                .common
                 .log_level
                 .clone()
                 .or_else(|| file.log_level.clone())
                 .unwrap_or_else(|| "info".into()),
-            log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
-            metrics_listen: cli.metrics_listen.or(file.metrics_listen),
+            log_format: cli
+                .common
+                .log_format
+                .or(file.log_format)
+                .unwrap_or_default(),
+            metrics_listen: cli.common.metrics_listen.or(file.metrics_listen),
             auth_key_file: cli
                 .auth_key_file
                 .clone()

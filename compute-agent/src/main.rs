@@ -14,7 +14,7 @@ fn main() -> ExitCode {
     let (config, log) = match devlend_daemon::startup(
         "devlend-compute-agent",
         Config::load(&cli),
-        cli.print_config,
+        cli.common.print_config,
     ) {
         Ok(x) => x,
         Err(code) => return code,

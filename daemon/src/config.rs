@@ -1,8 +1,31 @@
-//! Loading a daemon's TOML config file.
+//! Loading a daemon's TOML config file, and the flags every daemon takes for it.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
+
+/// The flags the compute and device agents share: the config file, logging, metrics and
+/// `--print-config`. Flattened into each daemon's flags (`#[command(flatten)]`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct CommonFlags {
+    /// Config file (TOML); default /etc/devlend/<daemon>.toml when it exists.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Log filter: error, warn, info, debug, trace, or a tracing filter (e.g.
+    /// `devlend_device_agent=trace`) [default: info].
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+    /// Log line format [default: human].
+    #[arg(long, value_enum)]
+    pub log_format: Option<crate::logging::LogFormat>,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Print the merged configuration (file, then flags) as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
 
 /// The directory of the default config files.
 pub const CONFIG_DIR: &str = "/etc/devlend";

@@ -16,7 +16,7 @@ fn main() -> ExitCode {
     let (config, log) = match devlend_daemon::startup(
         "devlend-device-agent",
         Config::from_cli(&cli),
-        cli.print_config,
+        cli.common.print_config,
     ) {
         Ok(x) => x,
         Err(code) => return code,

@@ -3,6 +3,9 @@
 //!
 //! Every conversion between them is checked: a sector address or count whose byte value
 //! does not fit is a [`UnitError`], never a wrapped number.
+//!
+//! Also the one parser of the sizes and rates operators type ([`parse_size`]): every
+//! size and rate flag and config option takes the same K, M, G, T suffixes.
 
 use crate::SECTOR_SIZE;
 
@@ -147,6 +150,47 @@ impl Sector {
     }
 }
 
+/// Why a size or rate an operator typed does not parse ([`parse_size`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    /// A letter other than K, M, G or T at the end.
+    #[error("unknown size suffix {0:?} (use K, M, G or T)")]
+    UnknownSuffix(char),
+    /// Not a whole number before the suffix.
+    #[error("invalid size {0:?}")]
+    Invalid(String),
+    /// The value does not fit in 64 bits.
+    #[error("size {0:?} is too large")]
+    TooLarge(String),
+}
+
+/// Parses a size or rate: a whole number with an optional K, M, G or T suffix, either
+/// case, each a power of 1024 (`50M` is 52428800, `1K` is 1024). Used by every size
+/// and rate flag and config option (the CLI's sizes and `--qos`, the lender's
+/// `--device` limits and `--store` capacities) so they all read the same.
+///
+/// # Errors
+/// [`SizeError`]: not a number, an unknown suffix, or an overflow.
+pub fn parse_size(s: &str) -> Result<u64, SizeError> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(SizeError::UnknownSuffix(c)),
+            };
+            (&s[..i], 1u64 << shift)
+        }
+        _ => (s, 1),
+    };
+    let n: u64 = num.parse().map_err(|_| SizeError::Invalid(s.to_owned()))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| SizeError::TooLarge(s.to_owned()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,5 +248,32 @@ mod tests {
                 prop_assert_eq!(Sector::at_offset(o), Ok(s));
             }
         }
+    }
+
+    #[test]
+    fn sizes_take_binary_suffixes_in_either_case() {
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("2000"), Ok(2000));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("128k"), Ok(128 << 10));
+        assert_eq!(parse_size("50M"), Ok(52_428_800));
+        assert_eq!(parse_size(" 1G "), Ok(1 << 30));
+        assert_eq!(parse_size("2t"), Ok(2 << 40));
+        assert_eq!(parse_size("4Q"), Err(SizeError::UnknownSuffix('Q')));
+        assert_eq!(parse_size("M"), Err(SizeError::Invalid("M".into())));
+        assert_eq!(parse_size("-1"), Err(SizeError::Invalid("-1".into())));
+        assert_eq!(parse_size("1.5M"), Err(SizeError::Invalid("1.5M".into())));
+        assert_eq!(
+            parse_size("16777216T"),
+            Err(SizeError::TooLarge("16777216T".into()))
+        );
+        assert_eq!(
+            parse_size("4Q").unwrap_err().to_string(),
+            "unknown size suffix 'Q' (use K, M, G or T)"
+        );
+        assert_eq!(
+            parse_size("1.5").unwrap_err().to_string(),
+            "invalid size \"1.5\""
+        );
     }
 }

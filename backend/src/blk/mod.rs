@@ -36,6 +36,7 @@ pub use devlend_fabric::latency;
 mod link;
 #[cfg(any(feature = "rdma", test))]
 mod mr_cache;
+mod nonblock;
 #[cfg(feature = "rdma")]
 mod rdma;
 pub mod request;

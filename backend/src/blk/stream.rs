@@ -344,21 +344,10 @@ fn recv_vectored_nonblocking(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iovs.as_mut_ptr();
     msg.msg_iovlen = cnt;
-    loop {
-        // SAFETY: msg describes `cnt` iovecs, each pointing at writable memory that is
-        // alive for the call (the receive header buffer or guest memory kept alive by
-        // the request in flight).
-        let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
-        if n >= 0 {
-            return Ok(Some(n as usize));
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => return Ok(None),
-            _ => return Err(e),
-        }
-    }
+    // SAFETY: msg describes `cnt` iovecs, each pointing at writable memory that is
+    // alive for the call (the receive header buffer or guest memory kept alive by the
+    // request in flight).
+    super::nonblock::retry(|| unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) })
 }
 
 #[cfg(test)]

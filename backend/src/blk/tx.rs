@@ -151,21 +151,12 @@ fn send_nonblocking(fd: RawFd, iovs: &[libc::iovec]) -> io::Result<Option<usize>
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iovs.as_ptr().cast_mut();
     msg.msg_iovlen = iovs.len();
-    loop {
-        // SAFETY: msg describes `iovs`, each pointing at memory that is mapped and alive
-        // for the call (a header owned by the queue or a guest buffer kept alive by its
-        // request); sendmsg only reads from it.
-        let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        if n >= 0 {
-            return Ok(Some(n as usize));
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => return Ok(None),
-            _ => return Err(e),
-        }
-    }
+    // SAFETY: msg describes `iovs`, each pointing at memory that is mapped and alive for
+    // the call (a header owned by the queue or a guest buffer kept alive by its
+    // request); sendmsg only reads from it.
+    super::nonblock::retry(|| unsafe {
+        libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+    })
 }
 
 #[cfg(test)]

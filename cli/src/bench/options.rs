@@ -167,30 +167,6 @@ pub struct PeersOptions {
     pub poll_us: u32,
 }
 
-/// Parses a byte count: a number with an optional K, M, G or T suffix (powers of 1024).
-///
-/// # Errors
-/// Not a number, an unknown suffix, or an overflow.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let m: u64 = match c.to_ascii_uppercase() {
-                'K' => 1 << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                'T' => 1 << 40,
-                _ => return Err(format!("unknown size suffix {c:?} (use K, M, G or T)")),
-            };
-            (&s[..i], m)
-        }
-        _ => (s, 1),
-    };
-    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?}"))?;
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} is too large"))
-}
-
 /// Parses seconds, fractions allowed (`5`, `0.5`).
 ///
 /// # Errors
@@ -209,10 +185,6 @@ mod tests {
 
     #[test]
     fn sizes_seconds_and_labels() {
-        assert_eq!(parse_size("4K"), Ok(4096));
-        assert_eq!(parse_size("128k"), Ok(128 << 10));
-        assert_eq!(parse_size("1G"), Ok(1 << 30));
-        assert!(parse_size("4Q").is_err());
         assert_eq!(parse_secs("0.5"), Ok(Duration::from_millis(500)));
         assert!(parse_secs("-1").is_err());
         let cells = Matrix::Full.cells(Duration::from_secs(5), Duration::from_secs(1));

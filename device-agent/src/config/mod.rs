@@ -48,8 +48,8 @@ pub struct Cli {
     /// A device to lend; repeatable: a block device or file (PATH), a network interface
     /// (`net:IFNAME`), or a PCIe function bound to vfio-pci (`pci:DDDD:BB:DD.F`, with
     /// its coherence mode). Limits (docs/qos.md): `iops_read=N`, `bps_write=N` (bytes a
-    /// second), `tx_pps=N`, ..., `KEY_burst=N`, `weight=N`. Replaces a config-file device
-    /// of the same name.
+    /// second), `tx_pps=N`, ..., `KEY_burst=N`, `weight=N`; N takes K, M, G, T suffixes
+    /// (powers of 1024: 50M is 52428800). Replaces a config-file device of the same name.
     #[arg(
         long = "device",
         value_name = "NAME=PATH[,ro][,serial=S][,traits=A+B][,store=S][,LIMIT=N...] | NAME=net:IFNAME[,mac=M][,LIMIT=N...] | NAME=pci:BDF[,coherence=nvme|mirror]"
@@ -57,25 +57,13 @@ pub struct Cli {
     pub devices: Vec<DeviceSpec>,
     /// A backing store that devices share (`store=NAME` in a device), with the capacity
     /// its borrowers divide by weight: `NAME:bps_total=N,iops_total=N,...` (bytes per
-    /// second, operations per second); repeatable. Replaces a `[[store]]` of that name.
+    /// second, operations per second; N takes K, M, G, T suffixes, powers of 1024);
+    /// repeatable. Replaces a `[[store]]` of that name.
     #[arg(long = "store", value_name = "NAME:KEY=N[,KEY=N...]")]
     pub stores: Vec<StoreSpec>,
-    /// TOML config file with `listen`, `log_level`, `log_format`, `metrics_listen` and
-    /// `[[device]]` tables; default /etc/devlend/device-agent.toml when it exists.
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
-    /// Log filter (e.g. `info`, `debug`, `devlend_device_agent=trace`) [default: info].
-    #[arg(long, value_name = "FILTER")]
-    pub log_level: Option<String>,
-    /// Log line format [default: human].
-    #[arg(long, value_enum)]
-    pub log_format: Option<LogFormat>,
-    /// Serve Prometheus metrics at http://ADDR/metrics.
-    #[arg(long, value_name = "ADDR:PORT")]
-    pub metrics_listen: Option<std::net::SocketAddr>,
-    /// Print the merged configuration (file, then flags) as TOML and exit.
-    #[arg(long)]
-    pub print_config: bool,
+    /// The config file, logging, metrics and `--print-config`, as every daemon takes them.
+    #[command(flatten)]
+    pub common: devlend_daemon::config::CommonFlags,
     /// Register with the device pool at this URL and serve leased devices only
     /// (overrides `[pool] url`). Without a pool the lender is in direct mode,
     /// unauthenticated.
@@ -329,7 +317,7 @@ impl Config {
 pub const DEFAULT_CONFIG: &str = "/etc/devlend/device-agent.toml";
 
 impl Config {
-    /// Reads the config file named by `cli.config` (if any) and applies the flags over it.
+    /// Reads the config file named by `--config` (if any) and applies the flags over it.
     ///
     /// # Errors
     /// [`Error::ConfigRead`], [`Error::ConfigParse`] (bad TOML, unknown key: the message
@@ -338,7 +326,11 @@ impl Config {
     /// [`Error::NoDevices`].
     pub fn from_cli(cli: &Cli) -> Result<Config, Error> {
         let default = PathBuf::from(DEFAULT_CONFIG);
-        let path = cli.config.as_ref().or(default.exists().then_some(&default));
+        let path = cli
+            .common
+            .config
+            .as_ref()
+            .or(default.exists().then_some(&default));
         let file = match path {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|source| Error::ConfigRead {
@@ -469,12 +461,17 @@ impl Config {
             listen,
             transport: cli.transport.or(file.transport).unwrap_or_default(),
             log_level: cli
+                .common
                 .log_level
                 .clone()
                 .or(file.log_level)
                 .unwrap_or_else(|| "info".into()),
-            log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
-            metrics_listen: cli.metrics_listen.or(file.metrics_listen),
+            log_format: cli
+                .common
+                .log_format
+                .or(file.log_format)
+                .unwrap_or_default(),
+            metrics_listen: cli.common.metrics_listen.or(file.metrics_listen),
             io_mode: cli.io_mode.or(file.io_mode).unwrap_or_default(),
             stores,
             devices,

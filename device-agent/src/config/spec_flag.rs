@@ -5,6 +5,7 @@
 use std::str::FromStr;
 
 use devlend_fabric::qos::{Lane, Qos, LANES};
+use devlend_fabric::units::parse_size;
 
 use super::spec::{BlockSpec, Coherence, DeviceSpec, KindSpec, NetSpec, PciSpec};
 use crate::Error;
@@ -162,8 +163,10 @@ pub(super) fn apply_bursts(q: &mut Qos, bursts: Vec<(Lane, u64)>) -> Result<(), 
 }
 
 /// Applies a limit option `KEY=N` of a device flag (`iops_read=2000`,
-/// `iops_read_burst=400`, `weight=3`, ...) to `q`. `None` when `opt` is not one; an
-/// error for one whose number does not parse.
+/// `iops_read_burst=400`, `bps_read=50M`, `weight=3`, ...) to `q`; the number takes
+/// the K, M, G, T suffixes of every size and rate ([`parse_size`]: powers of 1024, as
+/// the CLI's `--qos`). `None` when `opt` is not one; an error for one whose number
+/// does not parse.
 pub(super) fn qos_option(
     q: &mut Qos,
     bursts: &mut Vec<(Lane, u64)>,
@@ -176,8 +179,9 @@ pub(super) fn qos_option(
         (_, Some(base)) => (Some(lane(base)?), true),
         (k, None) => (Some(lane(k)?), false),
     };
-    let Ok(n) = value.parse::<u64>() else {
-        return Some(Err(format!("{key}: {value:?} is not a whole number")));
+    let n = match parse_size(value) {
+        Ok(n) => n,
+        Err(e) => return Some(Err(format!("{key}: {e}"))),
     };
     match (target, burst) {
         (None, _) => q.weight = Some(u32::try_from(n).unwrap_or(u32::MAX)),

@@ -351,3 +351,17 @@ fn each_kind_prints_back_as_a_table_that_loads() {
         assert_eq!(from_toml(&text).unwrap(), d, "{text}");
     }
 }
+
+/// Limits take the K, M, G, T suffixes (powers of 1024) the CLI's sizes and `--qos`
+/// take (a trial found `--device d=/x.img,bps_read=50M` refused as not a number).
+#[test]
+fn limits_take_size_suffixes() {
+    use devlend_fabric::qos::Lane;
+    let d = spec("d=/x.img,bps_read=50M,bps_read_burst=4m,iops_write=2K").unwrap();
+    let q = &block(&d).qos;
+    assert_eq!(q.get(Lane::BpsRead).unwrap().per_sec, 50 << 20);
+    assert_eq!(q.get(Lane::BpsRead).unwrap().burst, 4 << 20);
+    assert_eq!(q.get(Lane::IopsWrite).unwrap().per_sec, 2048);
+    let msg = spec("d=/x.img,bps_read=50Q").unwrap_err().to_string();
+    assert!(msg.contains("bps_read: unknown size suffix 'Q'"), "{msg}");
+}

@@ -67,7 +67,8 @@ impl StoreSpec {
 impl FromStr for StoreSpec {
     type Err = Error;
 
-    /// Parses `NAME:KEY=N[,KEY=N...]`, e.g. `nvme0:bps_total=2000000000`.
+    /// Parses `NAME:KEY=N[,KEY=N...]`, e.g. `nvme0:bps_total=2000000000` or
+    /// `nvme0:bps_total=2G` (K, M, G, T: powers of 1024).
     ///
     /// # Errors
     /// [`Error::BadSpec`].
@@ -139,6 +140,10 @@ mod tests {
             2_000_000_000
         );
         assert_eq!(s.capacity.get(Lane::IopsRead).unwrap().burst, 50);
+        // The suffixes of every size and rate (powers of 1024), as the CLI takes them.
+        let s: StoreSpec = "nvme0:bps_total=50M,iops_total=400K".parse().unwrap();
+        assert_eq!(s.capacity.get(Lane::BpsTotal).unwrap().per_sec, 52_428_800);
+        assert_eq!(s.capacity.get(Lane::IopsTotal).unwrap().per_sec, 400 << 10);
         for bad in [
             "nvme0",
             "nvme0:",
@@ -146,6 +151,7 @@ mod tests {
             "nvme0:tx_pps=5",
             "nvme0:bps_total=0",
             "nvme0:bps_total=x",
+            "nvme0:bps_total=50Q",
             ":bps_total=5",
             "nvme0:iops_read_burst=5",
         ] {

@@ -10,6 +10,7 @@ use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use devlend_fabric::error::chain;
 use serde::de::DeserializeOwned;
 use uuid::Uuid;
 
@@ -29,11 +30,11 @@ impl IntoResponse for Error {
                 message.clone(),
             ),
             other => {
-                tracing::error!(error = %error_chain(other), "pool request failed");
+                tracing::error!(error = %chain(other), "pool request failed");
                 (
                     StatusCode::INTERNAL_SERVER_ERROR,
                     codes::INTERNAL,
-                    format!("the pool failed: {}", error_chain(other)),
+                    format!("the pool failed: {}", chain(other)),
                 )
             }
         };
@@ -51,17 +52,6 @@ pub fn error_response(status: StatusCode, code: &str, message: String) -> Respon
         }),
     )
         .into_response()
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }
 
 /// A JSON body, parsed with the pool's error shape for its rejections.
