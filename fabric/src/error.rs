@@ -57,12 +57,41 @@ impl From<io::Error> for WireError {
 /// An error and its chain of sources on one line, `outer: inner: innermost`, for logs
 /// and messages.
 pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
+    DisplayChain(e).to_string()
+}
+
+/// Formats an error with its chain of sources, `outer: inner: innermost`, without
+/// allocating: for log lines (`tracing::warn!("{}", DisplayChain(&e))`). The one
+/// error-chain formatter of the workspace; [`chain`] is its `String` form.
+pub struct DisplayChain<'a, E: std::error::Error + ?Sized>(pub &'a E);
+
+impl<E: std::error::Error + ?Sized> std::fmt::Display for DisplayChain<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut src = self.0.source();
+        while let Some(s) = src {
+            write!(f, ": {s}")?;
+            src = s.source();
+        }
+        Ok(())
     }
-    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{chain, DisplayChain};
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot open session")]
+    struct Outer(#[source] std::io::Error);
+
+    #[test]
+    fn a_chain_names_every_source_once_in_order() {
+        let inner = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let e = Outer(inner);
+        assert_eq!(chain(&e), "cannot open session: refused");
+        assert_eq!(DisplayChain(&e).to_string(), chain(&e));
+        let plain = std::io::Error::other("alone");
+        assert_eq!(chain(&plain), "alone");
+    }
 }
