@@ -10,6 +10,7 @@ use devlend_fabric::DeviceDescription;
 
 use crate::block::BlockDevice;
 use crate::config::KindSpec;
+use crate::device_counters::DeviceCounters;
 use crate::kind::LentKind;
 use crate::nic::Nic;
 use crate::pci::PciFunction;
@@ -43,12 +44,10 @@ impl Backing {
 /// An open, lendable device.
 #[derive(Debug)]
 pub(crate) struct Device {
-    /// The name borrowers ask for.
-    pub(crate) name: String,
-    /// Who holds the device, and a handover in progress.
-    pub(crate) holding: crate::holding::Holding,
-    /// The device's counters.
-    pub(crate) stats: DeviceStats,
+    /// Its name and counters, as its kinds and their sessions are handed them.
+    pub(crate) counters: Arc<DeviceCounters>,
+    /// Who holds the device, and a handover in progress (shared with its claims).
+    pub(crate) holding: Arc<crate::holding::Holding>,
     /// What it is.
     pub(crate) backing: Backing,
     /// The spec it was opened from.
@@ -111,11 +110,11 @@ impl Device {
     /// Lets a session use the device ([`crate::holding::claim`]): one borrower at a
     /// time, and the handover of a live migration.
     pub(crate) fn claim(
-        self: &Arc<Self>,
+        &self,
         ask: &crate::holding::Ask<'_>,
         store: Option<Arc<Store>>,
     ) -> Result<crate::holding::Claim, crate::holding::Refusal> {
-        crate::holding::claim(self, self.spec.qos(), ask, store)
+        crate::holding::claim(&self.holding, self.spec.qos(), ask, store)
     }
 
     /// Opens what `spec` lends: a file or block device ([`BlockDevice::open`]), a
@@ -141,9 +140,11 @@ impl Device {
             }
         };
         Ok(Device {
-            name: spec.name.clone(),
+            counters: Arc::new(DeviceCounters {
+                name: spec.name.clone(),
+                stats: DeviceStats::default(),
+            }),
             holding: Default::default(),
-            stats: DeviceStats::default(),
             backing,
             spec: spec.clone(),
         })

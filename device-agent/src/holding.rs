@@ -28,7 +28,6 @@ use std::time::Instant;
 
 use devlend_fabric::qos::Qos;
 
-use crate::device::Device;
 use crate::qos::{Group, Store};
 
 /// Queue index of a borrower's holding session (it carries no I/O).
@@ -106,7 +105,8 @@ impl std::fmt::Display for Refusal {
 
 /// A session's share of a device's ownership; released on drop.
 pub(crate) struct Claim {
-    device: Arc<Device>,
+    /// The holding of the device claimed.
+    holding: Arc<Holding>,
     borrower: [u8; 16],
     group: Arc<Group>,
     /// Taken as the successor of a handover, before the device was handed over.
@@ -131,7 +131,7 @@ impl Drop for Claim {
         if self.borrower == [0; 16] {
             return;
         }
-        let mut s = self.device.holding.lock();
+        let mut s = self.holding.lock();
         let s = &mut *s;
         if let Some(h) = s.holder.as_mut() {
             if h.borrower == self.borrower {
@@ -204,18 +204,18 @@ pub(crate) struct Ask<'a> {
     pub(crate) lease: Option<&'a Qos>,
 }
 
-/// Lets a session of `ask.borrower` use `device` (see the module docs). The holder's
-/// first session sets the limits all its sessions share: the device's own (`own`) and
-/// the lease's, the tighter of each, and the device's `store`. Anonymous sessions share
-/// one group of the device's own limits, only while nobody holds the device.
+/// Lets a session of `ask.borrower` use the device whose holding is `holding` (see the
+/// module docs). The holder's first session sets the limits all its sessions share: the
+/// device's own (`own`) and the lease's, the tighter of each, and the device's `store`.
+/// Anonymous sessions share one group of the device's own limits, only while nobody
+/// holds the device.
 pub(crate) fn claim(
-    device: &Arc<Device>,
+    holding: &Arc<Holding>,
     own: Qos,
     ask: &Ask<'_>,
     store: Option<Arc<Store>>,
 ) -> Result<Claim, Refusal> {
     let borrower = ask.borrower;
-    let holding = &device.holding;
     let mut s = holding.lock();
     let s = &mut *s;
     let new_group = || {
@@ -223,7 +223,7 @@ pub(crate) fn claim(
         Arc::new(Group::new(qos, store.clone(), Instant::now()))
     };
     let made = |group, standby| Claim {
-        device: Arc::clone(device),
+        holding: Arc::clone(holding),
         borrower,
         group,
         standby,

@@ -1,6 +1,7 @@
 //! The handover rules of [`super::claim`].
 
 use super::*;
+use crate::device::Device;
 
 const S: [u8; 16] = [1; 16];
 const D: [u8; 16] = [2; 16];
@@ -30,7 +31,7 @@ fn ask(borrower: [u8; 16], successor_of: Option<[u8; 16]>, queue: u16) -> Ask<'s
 }
 
 fn take(dev: &Arc<Device>, a: Ask<'_>) -> Result<Claim, Refusal> {
-    claim(dev, Qos::default(), &a, None)
+    claim(&dev.holding, Qos::default(), &a, None)
 }
 
 #[test]

@@ -28,6 +28,7 @@
 mod block;
 pub mod config;
 mod device;
+mod device_counters;
 pub mod error;
 pub mod exposure;
 mod holding;

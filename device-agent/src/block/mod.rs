@@ -1,7 +1,7 @@
 //! A lent block device or regular file: opening it (its capacity, its logical block
 //! size, whether it lives in memory), what the handshake answers for it, and what a
 //! hello must ask to be served its block requests. Its sessions ([`session`]) set up
-//! their device I/O ([`crate::block::io`], shared by the TCP and RDMA engines) before
+//! their device I/O ([`io`], shared by the TCP and RDMA engines) before
 //! the hello reply, then run the kind's own engines: over TCP ([`tcp`]: framing,
 //! budget, the engine's loop) or over RDMA (`rdma`).
 

@@ -30,7 +30,7 @@ use devlend_fabric::{BlockRequest, Op};
 use crate::block::io::request::{check_framing, refuse_reason, ResponseData};
 use crate::block::io::{DeviceIo, Event, Request};
 use crate::block::BlockDevice;
-use crate::device::Device;
+use crate::device_counters::DeviceCounters;
 
 /// Requests a session serves at once (each with its own registered I/O buffer of
 /// `max_transfer` bytes); more wait in arrival order.
@@ -107,7 +107,7 @@ pub(crate) enum End {
 
 /// The state of one session.
 struct RdmaEngine<'a, I: DeviceIo> {
-    dev: &'a Device,
+    dev: &'a DeviceCounters,
     block: &'a BlockDevice,
     conn: &'a mut Connection,
     slots: &'a mut [Slot],
@@ -124,7 +124,7 @@ struct RdmaEngine<'a, I: DeviceIo> {
 /// flight.
 pub(crate) fn run<I: DeviceIo>(
     io: I,
-    dev: &Device,
+    dev: &DeviceCounters,
     block: &BlockDevice,
     conn: &mut Connection,
     slots: &mut [Slot],

@@ -13,7 +13,7 @@ use devlend_fabric::{Credit, HelloStatus, FEATURE_CREDIT, FEATURE_THROTTLE_NOTE}
 
 use crate::block::io::{DeviceIo, SessionIo, Throttled};
 use crate::block::BlockDevice;
-use crate::device::Device;
+use crate::device_counters::DeviceCounters;
 use crate::qos::Group;
 use crate::session::end::End;
 use crate::session::open::{Opened, Opening, Refused, TcpSession};
@@ -35,7 +35,7 @@ fn session_credit() -> Credit {
 
 /// What both transports' block sessions run with.
 struct BlockIo<'a> {
-    dev: Arc<Device>,
+    dev: Arc<DeviceCounters>,
     /// The block device the session serves (the kind's own, handed in).
     block: &'a BlockDevice,
     io: SessionIo<'a>,
@@ -119,7 +119,7 @@ trait Engine {
 
     /// Serves the session to its end on `io`, the device I/O of `block` (the block
     /// device of `dev`).
-    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>, block: &BlockDevice) -> Self::End;
+    fn run<I: DeviceIo>(self, io: I, dev: &Arc<DeviceCounters>, block: &BlockDevice) -> Self::End;
 }
 
 /// A block session over TCP.
@@ -178,7 +178,7 @@ struct TcpRun<'s> {
 impl Engine for TcpRun<'_> {
     type End = End;
 
-    fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>, _block: &BlockDevice) -> End {
+    fn run<I: DeviceIo>(self, io: I, dev: &Arc<DeviceCounters>, _block: &BlockDevice) -> End {
         let TcpRun {
             sock,
             peer,
@@ -204,7 +204,7 @@ mod rdma {
     use crate::block::io::DeviceIo;
     use crate::block::rdma::{run, End, Slot, IO_SLOTS, RING_ENTRIES};
     use crate::block::BlockDevice;
-    use crate::device::Device;
+    use crate::device_counters::DeviceCounters;
     use crate::session::open::{Opened, Opening, RdmaSession, Refused};
     use crate::MAX_TRANSFER_BYTES;
 
@@ -274,12 +274,12 @@ mod rdma {
     impl Engine for RdmaRun<'_> {
         type End = End;
 
-        fn run<I: DeviceIo>(self, io: I, dev: &Arc<Device>, block: &BlockDevice) -> End {
+        fn run<I: DeviceIo>(self, io: I, dev: &Arc<DeviceCounters>, block: &BlockDevice) -> End {
             run(io, dev, block, self.conn, self.slots, self.stop)
         }
     }
 
-    fn log_end(dev: &Device, peer: &str, end: End) {
+    fn log_end(dev: &DeviceCounters, peer: &str, end: End) {
         let device = &dev.name;
         match end {
             End::Closed => {

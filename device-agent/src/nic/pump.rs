@@ -59,7 +59,7 @@ const LINK_POLL: Duration = Duration::from_millis(500);
 /// A queue-pair session of a lent interface, opened and not yet served.
 pub(super) struct QueuePair<'a> {
     pub(super) nic: &'a Nic,
-    pub(super) dev: &'a Arc<crate::device::Device>,
+    pub(super) dev: &'a Arc<crate::device_counters::DeviceCounters>,
     pub(super) queue: u16,
     /// The borrower was granted the offloads (frames carry a vnet header).
     pub(super) offload: bool,

@@ -106,7 +106,7 @@ impl Lender {
         self.shared
             .all_devices()
             .iter()
-            .map(|d| d.name.clone())
+            .map(|d| d.counters.name.clone())
             .collect()
     }
 

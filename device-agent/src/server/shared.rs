@@ -154,7 +154,7 @@ impl LenderState {
             .values()
             .cloned()
             .collect();
-        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v.sort_by(|a, b| a.counters.name.cmp(&b.counters.name));
         v
     }
 
@@ -194,7 +194,7 @@ impl LenderState {
             specs.iter().map(|s| s.name.as_str()).collect();
         let names: Vec<String> = map.keys().cloned().collect();
         for name in names {
-            let replaced = opened.iter().any(|d| d.name == name);
+            let replaced = opened.iter().any(|d| d.counters.name == name);
             if wanted.contains(name.as_str()) && !replaced {
                 continue;
             }
@@ -202,15 +202,15 @@ impl LenderState {
             if held {
                 tracing::warn!(device = %name, "device is attached by a borrower; it stays lent until detached");
                 report.kept_held.push(name.clone());
-                opened.retain(|d| d.name != name);
+                opened.retain(|d| d.counters.name != name);
             } else {
                 map.remove(&name);
                 report.removed.push(name);
             }
         }
         for d in opened {
-            report.added.push(d.name.clone());
-            map.insert(d.name.clone(), d);
+            report.added.push(d.counters.name.clone());
+            map.insert(d.counters.name.clone(), d);
         }
         report.added.sort();
         report.removed.sort();
@@ -402,7 +402,7 @@ impl LenderState {
     }
 
     pub(super) fn stats(&self, device: &str) -> Option<DeviceStatsSnapshot> {
-        self.device(device).map(|d| d.stats.snapshot())
+        self.device(device).map(|d| d.counters.stats.snapshot())
     }
 }
 

@@ -45,7 +45,7 @@ impl InventoryView {
                 traits.sort();
                 traits.dedup();
                 LentDevice {
-                    name: d.name.clone(),
+                    name: d.counters.name.clone(),
                     capacity_bytes: kind.capacity_bytes(),
                     resource_class: kind.resource_class(),
                     traits,
@@ -71,7 +71,7 @@ impl StatsView {
         self.0
             .all_devices()
             .iter()
-            .map(|d| (d.name.clone(), d.stats.snapshot()))
+            .map(|d| (d.counters.name.clone(), d.counters.stats.snapshot()))
             .collect()
     }
 
@@ -81,7 +81,13 @@ impl StatsView {
         self.0
             .all_devices()
             .iter()
-            .map(|d| (d.name.clone(), d.stats.snapshot(), d.stats.latency()))
+            .map(|d| {
+                (
+                    d.counters.name.clone(),
+                    d.counters.stats.snapshot(),
+                    d.counters.stats.latency(),
+                )
+            })
             .collect()
     }
 
@@ -91,12 +97,12 @@ impl StatsView {
             .all_devices()
             .iter()
             .map(|d| KindCounters {
-                name: d.name.clone(),
+                name: d.counters.name.clone(),
                 kind: d.kind_name(),
                 block_requests: d.kind().counts_block_requests(),
                 limited: d.kind().is_limited(),
-                stats: d.stats.snapshot(),
-                latency: d.stats.latency(),
+                stats: d.counters.stats.snapshot(),
+                latency: d.counters.stats.latency(),
             })
             .collect()
     }
@@ -129,7 +135,7 @@ impl StatsView {
             .all_devices()
             .iter()
             .filter_map(|d| match d.kind().view() {
-                KindView::Net { frames, .. } => Some((d.name.clone(), frames)),
+                KindView::Net { frames, .. } => Some((d.counters.name.clone(), frames)),
                 KindView::Block { .. } | KindView::Pci { .. } => None,
             })
             .collect()
@@ -167,7 +173,7 @@ impl StatsView {
                         .filter(|g| g.store().is_some())
                         .map(|g| g.share()),
                 };
-                (d.name.clone(), q)
+                (d.counters.name.clone(), q)
             })
             .collect()
     }

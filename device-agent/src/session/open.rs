@@ -1,5 +1,5 @@
 //! How an admitted session becomes the kind's session, whatever the kind:
-//! [`crate::kind::LentKind::open_tcp`] (and `open_rdma`) takes what the session needs
+//! the kind's `LentKind::open_tcp` (and `open_rdma`) takes what the session needs
 //! before the hello reply (a block device's I/O ring, a PCIe function's lend), says what
 //! the reply grants ([`Opened`]), and returns what then serves the session to its end
 //! ([`TcpSession`], [`RdmaSession`]). The transports (`tcp/`, `rdma/`) only read the
@@ -10,17 +10,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use devlend_fabric::conn::Stream;
-use devlend_fabric::{Credit, Hello, HelloReply, HelloStatus};
+use devlend_fabric::{Credit, DeviceDescription, Hello, HelloReply, HelloStatus};
 
-use crate::device::Device;
+use crate::device_counters::DeviceCounters;
 use crate::holding::Claim;
 use crate::options::Options;
 use crate::session::end::End;
 
 /// What a kind's session is opened with: the admitted hello and its context.
 pub(crate) struct Opening<'a> {
-    /// The device, as the server holds it.
-    pub(crate) dev: &'a Arc<Device>,
+    /// The device's name and counters, shared with the device.
+    pub(crate) dev: &'a Arc<DeviceCounters>,
     /// The borrower's hello (queue index, features asked for).
     pub(crate) hello: &'a Hello,
     /// The borrower's claim on the device (its limits group).
@@ -43,16 +43,16 @@ pub(crate) struct Opened<S> {
 }
 
 impl<S> Opened<S> {
-    /// The hello reply that opens the session: `dev` described, what the opening
+    /// The hello reply that opens the session: the device described (`info`), what the opening
     /// grants, the lender's `proof` of its key, in the version of the borrower's `hello`
     /// (both transports answer with it).
     pub(crate) fn reply(
         &self,
-        dev: &Device,
+        info: DeviceDescription,
         hello: &Hello,
         proof: Option<devlend_fabric::lender_proof::LenderProof>,
     ) -> HelloReply {
-        let mut reply = HelloReply::ok(dev.info());
+        let mut reply = HelloReply::ok(info);
         reply.features = self.features;
         reply.credit = self.credit;
         reply.proof = proof;

@@ -24,7 +24,7 @@ use super::request::{Next, Request};
 use super::ring::Ring;
 use super::{block_fd, finished, prepare, watch_data, watch_token, DeviceIo, Event};
 use crate::block::BlockDevice;
-use crate::device::Device;
+use crate::device_counters::DeviceCounters;
 
 /// Reads at least this long, from a memory file, are sent with `sendfile`.
 pub(crate) const SENDFILE_MIN: usize = 64 << 10;
@@ -34,7 +34,7 @@ const WATCH_ENTRIES: u32 = 16;
 
 /// A session's device I/O on its own thread.
 pub(crate) struct Inline<'a> {
-    dev: Arc<Device>,
+    dev: Arc<DeviceCounters>,
     /// The block device: its file, its limits.
     block: &'a BlockDevice,
     fd: RawFd,
@@ -53,7 +53,7 @@ impl<'a> Inline<'a> {
     /// # Errors
     /// `io_uring_setup` failures (the ring of the watches).
     pub(crate) fn new(
-        dev: Arc<Device>,
+        dev: Arc<DeviceCounters>,
         block: &'a BlockDevice,
         send_from_file: bool,
     ) -> io::Result<Inline<'a>> {

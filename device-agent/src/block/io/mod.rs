@@ -39,7 +39,7 @@ use devlend_fabric::{Op, RequestHeader, Status};
 
 use crate::block::BlockDevice;
 use crate::config::IoMode;
-use crate::device::Device;
+use crate::device_counters::DeviceCounters;
 
 pub(crate) use self::inline::Inline;
 pub(crate) use self::request::Request;
@@ -141,7 +141,7 @@ impl<'a> SessionIo<'a> {
     /// # Errors
     /// `io_uring_setup` failures (ENOMEM, io_uring disabled by the system).
     pub(crate) fn new(
-        dev: Arc<Device>,
+        dev: Arc<DeviceCounters>,
         block: &'a BlockDevice,
         mode: IoMode,
         entries: u32,
@@ -177,7 +177,12 @@ fn watch_token(user_data: u64) -> Option<u64> {
 
 /// Sets `req` up from `h`, logging a refusal; whether it needs device I/O (if not, it
 /// is complete: answered with its immediate status).
-fn prepare(dev: &Device, block: &BlockDevice, req: &mut Request, h: &RequestHeader) -> bool {
+fn prepare(
+    dev: &DeviceCounters,
+    block: &BlockDevice,
+    req: &mut Request,
+    h: &RequestHeader,
+) -> bool {
     if let Some(reason) = req.start(h, block) {
         tracing::debug!(device = %dev.name, id = h.id, request = ?h.request, reason,
             "request refused");
@@ -198,7 +203,7 @@ fn block_fd(block: &BlockDevice) -> RawFd {
 /// Records a done request in the device's counters: answered (and its latency, from
 /// [`Request::start`] to now), its bytes when it succeeded, an error (logged with the
 /// errno when the device failed) when it did not.
-pub(crate) fn finished(dev: &Device, block: &BlockDevice, req: &Request) {
+pub(crate) fn finished(dev: &DeviceCounters, block: &BlockDevice, req: &Request) {
     let stats = &dev.stats;
     stats.answered(req.received);
     match (req.status, req.op) {

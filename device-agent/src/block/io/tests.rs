@@ -8,6 +8,7 @@ use devlend_fabric::{BlockRequest, Bytes, Op, RequestHeader, Sector, Status};
 
 use super::request::ResponseData;
 use super::*;
+use crate::device::Device;
 use crate::DeviceSpec;
 
 fn device(dir: &tempfile::TempDir, bytes: usize) -> Arc<Device> {
@@ -70,19 +71,19 @@ fn same_requests_same_counters(mut io: impl DeviceIo, dev: &Device) {
     assert_eq!(r.status, Status::Ok);
     assert_eq!(r.response().1, ResponseData::Buf(&data));
     // Refused without device I/O: beyond the capacity.
-    let ops = dev.stats.snapshot().device_ops;
+    let ops = dev.counters.stats.snapshot().device_ops;
     let beyond = run(&mut io, header(Op::Read, 1 << 20, 4096), &[]);
     assert_eq!(beyond.status, Status::IoErr);
-    assert_eq!(dev.stats.snapshot().device_ops, ops);
+    assert_eq!(dev.counters.stats.snapshot().device_ops, ops);
     // Failed by the device: the file shrank under the lender, a read finds its end.
     block(dev).file.set_len(0).expect("truncate");
     let short = run(&mut io, header(Op::Read, 0, 4096), &[]);
     assert_eq!(short.status, Status::IoErr);
-    let s = dev.stats.snapshot();
+    let s = dev.counters.stats.snapshot();
     assert_eq!(s.bytes_written, 8192);
     assert_eq!(s.bytes_read, 8192);
     assert_eq!(s.request_errors, 2, "{s:?}");
-    let lat = dev.stats.latency();
+    let lat = dev.counters.stats.latency();
     assert_eq!(
         lat.count, 4,
         "every request answered has its latency recorded"
@@ -93,7 +94,7 @@ fn same_requests_same_counters(mut io: impl DeviceIo, dev: &Device) {
 fn uring_records_latency_bytes_and_errors() {
     let dir = tempfile::tempdir().expect("tempdir");
     let dev = device(&dir, 1 << 20);
-    let io = Uring::new(Arc::clone(&dev), block(&dev), 64).expect("ring");
+    let io = Uring::new(Arc::clone(&dev.counters), block(&dev), 64).expect("ring");
     same_requests_same_counters(io, &dev);
 }
 
@@ -101,7 +102,7 @@ fn uring_records_latency_bytes_and_errors() {
 fn inline_records_latency_bytes_and_errors() {
     let dir = tempfile::tempdir().expect("tempdir");
     let dev = device(&dir, 1 << 20);
-    let io = Inline::new(Arc::clone(&dev), block(&dev), false).expect("ring");
+    let io = Inline::new(Arc::clone(&dev.counters), block(&dev), false).expect("ring");
     same_requests_same_counters(io, &dev);
 }
 
@@ -110,7 +111,7 @@ fn inline_leaves_large_reads_to_send_file_only_when_asked() {
     let dir = tempfile::tempdir().expect("tempdir");
     let dev = device(&dir, 1 << 20);
     let len = inline::SENDFILE_MIN as u32;
-    let mut file = Inline::new(Arc::clone(&dev), block(&dev), true).expect("ring");
+    let mut file = Inline::new(Arc::clone(&dev.counters), block(&dev), true).expect("ring");
     let r = run(&mut file, header(Op::Read, 0, len), &[]);
     assert_eq!(
         r.response().1,
@@ -119,10 +120,10 @@ fn inline_leaves_large_reads_to_send_file_only_when_asked() {
             len: len as usize
         }
     );
-    let mut buffered = Inline::new(Arc::clone(&dev), block(&dev), false).expect("ring");
+    let mut buffered = Inline::new(Arc::clone(&dev.counters), block(&dev), false).expect("ring");
     let r = run(&mut buffered, header(Op::Read, 0, len), &[]);
     assert!(matches!(r.response().1, ResponseData::Buf(b) if b.len() == len as usize));
-    assert_eq!(dev.stats.latency().count, 2);
+    assert_eq!(dev.counters.stats.latency().count, 2);
 }
 
 #[test]
@@ -131,8 +132,22 @@ fn watches_wake_the_wait_with_their_token() {
     let dev = device(&dir, 1 << 20);
     let (a, b) = std::os::unix::net::UnixStream::pair().expect("pair");
     let ios: [SessionIo; 2] = [
-        SessionIo::new(Arc::clone(&dev), block(&dev), IoMode::Uring, 16, false).expect("uring"),
-        SessionIo::new(Arc::clone(&dev), block(&dev), IoMode::Sync, 16, false).expect("inline"),
+        SessionIo::new(
+            Arc::clone(&dev.counters),
+            block(&dev),
+            IoMode::Uring,
+            16,
+            false,
+        )
+        .expect("uring"),
+        SessionIo::new(
+            Arc::clone(&dev.counters),
+            block(&dev),
+            IoMode::Sync,
+            16,
+            false,
+        )
+        .expect("inline"),
     ];
     for io in ios {
         match io {

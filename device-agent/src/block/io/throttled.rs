@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use devlend_fabric::{BlockRequest, RequestHeader};
 
 use super::{DeviceIo, Event, Request};
-use crate::device::Device;
+use crate::device_counters::DeviceCounters;
 use crate::qos::{Cost, Group};
 
 /// A request waiting for its holder's buckets.
@@ -26,7 +26,7 @@ struct Held {
 pub(crate) struct Throttled<I> {
     inner: I,
     group: Option<Arc<Group>>,
-    dev: Arc<Device>,
+    dev: Arc<DeviceCounters>,
     held: VecDeque<Held>,
     /// The borrower reads `RESPONSE_THROTTLED` (it was granted
     /// `FEATURE_THROTTLE_NOTE`): mark the responses of held requests.
@@ -45,7 +45,12 @@ fn cost(h: &RequestHeader) -> Cost {
 impl<I: DeviceIo> Throttled<I> {
     /// `inner` under `group`'s limits (`None`, or a group that limits nothing: as it
     /// is). `note`: mark the responses of the requests held back.
-    pub(crate) fn new(inner: I, group: Option<Arc<Group>>, dev: Arc<Device>, note: bool) -> Self {
+    pub(crate) fn new(
+        inner: I,
+        group: Option<Arc<Group>>,
+        dev: Arc<DeviceCounters>,
+        note: bool,
+    ) -> Self {
         Throttled {
             inner,
             group: group.filter(|g| !g.is_unlimited()),

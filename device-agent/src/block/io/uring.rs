@@ -19,14 +19,14 @@ use super::request::{Next, Request};
 use super::ring::Ring;
 use super::{block_fd, finished, prepare, watch_data, watch_token, DeviceIo, Event};
 use crate::block::BlockDevice;
-use crate::device::Device;
+use crate::device_counters::DeviceCounters;
 
 /// Operations queued before they are submitted even if the session has more to start.
 const SUBMIT_BATCH: usize = 32;
 
 /// A session's device I/O through its io_uring.
 pub(crate) struct Uring<'a> {
-    dev: Arc<Device>,
+    dev: Arc<DeviceCounters>,
     /// The block device: its file, its limits.
     block: &'a BlockDevice,
     fd: RawFd,
@@ -46,7 +46,7 @@ impl<'a> Uring<'a> {
     /// # Errors
     /// `io_uring_setup` failures.
     pub(crate) fn new(
-        dev: Arc<Device>,
+        dev: Arc<DeviceCounters>,
         block: &'a BlockDevice,
         entries: u32,
     ) -> io::Result<Uring<'a>> {

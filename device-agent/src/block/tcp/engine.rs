@@ -34,7 +34,7 @@ use super::rx::{recv, Recv, RxBuf, READ_BUF};
 use super::tx::Tx;
 use crate::block::io::request::check_framing;
 use crate::block::io::{DeviceIo, Event, Request};
-use crate::device::Device;
+use crate::device_counters::DeviceCounters;
 use crate::session::end::End;
 use crate::{MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES};
 
@@ -57,7 +57,7 @@ enum Rx {
 
 /// The state of one session.
 struct TcpEngine<'a, I: DeviceIo> {
-    dev: &'a Device,
+    dev: &'a DeviceCounters,
     peer: SocketAddr,
     sock: &'a Stream,
     sock_fd: RawFd,
@@ -94,7 +94,7 @@ struct TcpEngine<'a, I: DeviceIo> {
 /// returns once nothing is in flight.
 pub(crate) fn run<I: DeviceIo>(
     io: I,
-    dev: &Device,
+    dev: &DeviceCounters,
     sock: &Stream,
     peer: SocketAddr,
     frame_timeout: Duration,

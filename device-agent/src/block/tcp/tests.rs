@@ -128,10 +128,10 @@ fn reordered_completions_answer_their_own_requests() {
     let mut client = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
     let (server, peer) = listener.accept().expect("accept");
     let server = Stream::Tcp(server);
-    let inner = Inline::new(Arc::clone(&dev), block(&dev), false).expect("inline");
+    let inner = Inline::new(Arc::clone(&dev.counters), block(&dev), false).expect("inline");
     let reordered = Arc::new(AtomicUsize::new(0));
     let io = reordered_io(inner, false, &reordered);
-    let (dev_ref, server_ref) = (&dev, &server);
+    let (dev_ref, server_ref) = (&*dev.counters, &server);
     std::thread::scope(|s| {
         let engine = s.spawn(move || {
             super::engine::run(io, dev_ref, server_ref, peer, Duration::from_secs(5), false)
@@ -210,9 +210,9 @@ fn budget_session(credit: bool, frames: &[u8], answered: usize) -> End {
     let (server, peer) = listener.accept().expect("accept");
     let server = Stream::Tcp(server);
     client.write_all(frames).expect("frames");
-    let inner = Inline::new(Arc::clone(&dev), block(&dev), false).expect("inline");
+    let inner = Inline::new(Arc::clone(&dev.counters), block(&dev), false).expect("inline");
     let io = reordered_io(inner, true, &Arc::new(AtomicUsize::new(0)));
-    let (dev_ref, server_ref) = (&dev, &server);
+    let (dev_ref, server_ref) = (&*dev.counters, &server);
     std::thread::scope(|s| {
         let engine = s.spawn(move || {
             super::engine::run(

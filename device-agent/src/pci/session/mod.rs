@@ -85,7 +85,7 @@ mod over_rdma {
     /// A PCI session over RDMA, the function taken for it.
     struct Rdma<'a> {
         f: &'a PciFunction,
-        dev: &'a crate::device::Device,
+        dev: &'a crate::device_counters::DeviceCounters,
         _lent: Lent<'a>,
     }
 

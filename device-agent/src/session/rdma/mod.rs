@@ -117,7 +117,7 @@ fn serve(shared: &LenderState, inc: Incoming, id: u64) {
         Err((status, message)) => return refuse(&mut conn, &peer, &hello, status, &message),
     };
     let at = Opening {
-        dev: &dev,
+        dev: &dev.counters,
         hello: &hello,
         claim: &claim,
         options: &shared.options,
@@ -126,18 +126,18 @@ fn serve(shared: &LenderState, inc: Incoming, id: u64) {
         Ok(o) => o,
         Err((status, message)) => return refuse(&mut conn, &peer, &hello, status, &message),
     };
-    let answer = opened.reply(&dev, &hello, shared.proof(&hello));
+    let answer = opened.reply(dev.info(), &hello, shared.proof(&hello));
     let mut msg = Vec::new();
     // Counted before the reply leaves (a borrower with its reply sees the session); the
     // session counts its end.
-    dev.stats.session_opened();
+    dev.counters.stats.session_opened();
     let slot = opened.session.reply_slot(&conn);
     if answer.write_to(&mut msg).is_err() || conn.send_msg(slot, &msg, TAG_SEND | 0xffff).is_err() {
-        dev.stats.session_closed();
+        dev.counters.stats.session_closed();
         devlend_fabric::limited!(warn, %peer, "cannot send the hello reply; closing");
         return;
     }
-    devlend_fabric::limited!(info, %peer, device = %dev.name, kind = %dev.kind_name(), queue = hello.queue_index, "RDMA session opened");
+    devlend_fabric::limited!(info, %peer, device = %dev.counters.name, kind = %dev.kind_name(), queue = hello.queue_index, "RDMA session opened");
     opened.session.serve(conn, &stop, &peer);
 }
 

@@ -100,24 +100,24 @@ pub(super) fn answer<S>(
     opened: &Opened<S>,
 ) -> bool {
     let (dev, hello) = (&a.dev, &a.hello);
-    let reply = opened.reply(dev, hello, shared.proof(hello));
+    let reply = opened.reply(dev.info(), hello, shared.proof(hello));
     // Counted before the reply leaves, so that a borrower that has its reply sees the
     // session in the lender's statistics (`serve` counts its end).
-    dev.stats.session_opened();
+    dev.counters.stats.session_opened();
     if let Err(e) = reply.write_to(&mut &*sock) {
-        dev.stats.session_closed();
-        devlend_fabric::limited!(warn, %peer, device = %dev.name, error = %e, "cannot send the hello reply");
+        dev.counters.stats.session_closed();
+        devlend_fabric::limited!(warn, %peer, device = %dev.counters.name, error = %e, "cannot send the hello reply");
         return false;
     }
     if let Err(e) = sock
         .set_read_timeout(None)
         .and_then(|()| sock.set_write_timeout(None))
     {
-        dev.stats.session_closed();
+        dev.counters.stats.session_closed();
         devlend_fabric::limited!(warn, %peer, error = %e, "cannot clear the handshake timeout; closing");
         return false;
     }
-    devlend_fabric::limited!(info, %peer, device = %dev.name, kind = %dev.kind_name(), queue = hello.queue_index, "session opened");
+    devlend_fabric::limited!(info, %peer, device = %dev.counters.name, kind = %dev.kind_name(), queue = hello.queue_index, "session opened");
     true
 }
 

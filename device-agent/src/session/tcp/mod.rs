@@ -36,7 +36,7 @@ pub(crate) fn serve(shared: &LenderState, sock: TcpStream, peer: SocketAddr, id:
         return;
     };
     let at = Opening {
-        dev: &a.dev,
+        dev: &a.dev.counters,
         hello: &a.hello,
         claim: &a.claim,
         options: &shared.options,
@@ -59,21 +59,21 @@ pub(crate) fn serve(shared: &LenderState, sock: TcpStream, peer: SocketAddr, id:
     } else {
         opened.session.serve(&sock, peer)
     };
-    a.dev.stats.session_closed();
+    a.dev.counters.stats.session_closed();
     log_end(&a.dev, peer, &end);
 }
 
 fn log_end(dev: &Device, peer: SocketAddr, end: &End) {
     match end {
         End::PeerClosed => {
-            devlend_fabric::limited!(info, %peer, device = %dev.name, "session closed")
+            devlend_fabric::limited!(info, %peer, device = %dev.counters.name, "session closed")
         }
         End::Protocol(reason) => {
-            dev.stats.protocol_error();
-            devlend_fabric::limited!(warn, %peer, device = %dev.name, %reason, "protocol error; session closed");
+            dev.counters.stats.protocol_error();
+            devlend_fabric::limited!(warn, %peer, device = %dev.counters.name, %reason, "protocol error; session closed");
         }
         End::Socket(e) | End::Ring(e) => {
-            devlend_fabric::limited!(warn, %peer, device = %dev.name, error = %e, "session closed: {end}");
+            devlend_fabric::limited!(warn, %peer, device = %dev.counters.name, error = %e, "session closed: {end}");
         }
     }
 }
