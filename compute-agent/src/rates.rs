@@ -24,11 +24,7 @@ pub struct RateTracker {
 }
 
 fn latency(c: &IoCounters) -> LatencySnapshot {
-    LatencySnapshot {
-        buckets: c.latency.buckets.clone(),
-        sum_ns: c.latency.sum_ns,
-        count: c.latency.count,
-    }
+    LatencySnapshot::from(&c.latency)
 }
 
 impl RateTracker {

@@ -18,6 +18,7 @@ pub mod conn;
 pub mod error;
 pub mod handshake;
 pub mod identity;
+pub mod io_counters;
 pub mod io_util;
 pub mod kind;
 pub mod latency;

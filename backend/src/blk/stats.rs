@@ -2,7 +2,8 @@
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
-use devlend_fabric::latency::{LatencyHistogram, LatencySnapshot};
+use devlend_fabric::io_counters::IoCounters;
+use devlend_fabric::latency::LatencyHistogram;
 use devlend_fabric::Op;
 
 use crate::blk::spec::S_OK;
@@ -31,51 +32,9 @@ pub struct QueueStats {
     pub(crate) latency: LatencyHistogram,
 }
 
-/// A copy of [`QueueStats`] at one instant.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StatsSnapshot {
-    /// Completed IN requests.
-    pub reads: u64,
-    /// Completed OUT requests.
-    pub writes: u64,
-    /// Completed FLUSH requests.
-    pub flushes: u64,
-    /// Completed DISCARD requests.
-    pub discards: u64,
-    /// Completed WRITE_ZEROES requests.
-    pub write_zeroes: u64,
-    /// Bytes read by completed IN requests.
-    pub bytes_read: u64,
-    /// Bytes written by completed OUT requests.
-    pub bytes_written: u64,
-    /// Requests completed with a status other than OK (IOERR or UNSUPP): the sum of
-    /// the three kinds below.
-    pub errors: u64,
-    /// Refused by the backend itself: invalid guest requests (bad chain, range, type).
-    pub errors_invalid: u64,
-    /// Answered IOERR or UNSUPP by the lender.
-    pub errors_lender: u64,
-    /// Failed because the fabric session was lost or could not be opened.
-    pub errors_fabric: u64,
-    /// Requests answered by the backend itself (GET_ID, invalid requests).
-    pub local: u64,
-    /// Fabric connections re-established after a loss.
-    pub reconnects: u64,
-    /// Requests sent again on a new session after theirs was lost.
-    pub resent: u64,
-    /// Requests resubmitted from the inflight buffer, left in flight by an earlier
-    /// backend (a compute agent restart).
-    pub resubmitted: u64,
-    /// Requests the lender held back for the lease's limits before it ran them
-    /// (`docs/qos.md`).
-    pub throttled: u64,
-    /// Requests in flight to the lender now.
-    pub inflight: u64,
-    /// Requests completed by the lender, per virtqueue.
-    pub per_queue: Vec<u64>,
-    /// Completion latency of the requests the lender completed.
-    pub latency: LatencySnapshot,
-}
+/// A copy of [`QueueStats`] at one instant: the counter set the compute agent's API
+/// reports, declared once in the fabric crate.
+pub type StatsSnapshot = IoCounters;
 
 impl QueueStats {
     /// Counters for a device of `num_queues` virtqueues.
@@ -108,7 +67,7 @@ impl QueueStats {
             throttled: g(&self.throttled),
             inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
             per_queue: self.per_queue.iter().map(g).collect(),
-            latency: self.latency.snapshot(),
+            latency: self.latency.snapshot().into(),
         }
     }
 

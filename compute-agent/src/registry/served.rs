@@ -72,7 +72,7 @@ impl ServedKind for BlockPart {
             block_size: l.block_size,
             read_only: l.read_only,
             serial: String::from_utf8_lossy(&l.serial[..end]).into_owned(),
-            counters: self.stats().into(),
+            counters: self.stats(),
             rates: None,
         })
     }
@@ -86,7 +86,7 @@ impl ServedKind for BlockPart {
     }
 
     fn io_counters(&self) -> Option<IoCounters> {
-        Some(self.stats().into())
+        Some(self.stats())
     }
 }
 
