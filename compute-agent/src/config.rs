@@ -171,19 +171,13 @@ impl Config {
             .clone()
             .or_else(|| file.api.clone())
             .unwrap_or_else(|| PathBuf::from(DEFAULT_API_SOCKET));
+        let common =
+            cli.common
+                .resolve(file.log_level.clone(), file.log_format, file.metrics_listen);
         Config {
-            log_level: cli
-                .common
-                .log_level
-                .clone()
-                .or_else(|| file.log_level.clone())
-                .unwrap_or_else(|| "info".into()),
-            log_format: cli
-                .common
-                .log_format
-                .or(file.log_format)
-                .unwrap_or_default(),
-            metrics_listen: cli.common.metrics_listen.or(file.metrics_listen),
+            log_level: common.log_level,
+            log_format: common.log_format,
+            metrics_listen: common.metrics_listen,
             auth_key_file: cli
                 .auth_key_file
                 .clone()

@@ -27,6 +27,38 @@ pub struct CommonFlags {
     pub print_config: bool,
 }
 
+/// The logging and metrics settings both agents resolve the same way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommonSettings {
+    /// The log filter.
+    pub log_level: String,
+    /// The log line format.
+    pub log_format: crate::logging::LogFormat,
+    /// Where Prometheus metrics are served, if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+impl CommonFlags {
+    /// Each setting from its flag, else from the config file's key (the arguments), else
+    /// its default: `info`, human lines, no metrics endpoint.
+    pub fn resolve(
+        &self,
+        log_level: Option<String>,
+        log_format: Option<crate::logging::LogFormat>,
+        metrics_listen: Option<SocketAddr>,
+    ) -> CommonSettings {
+        CommonSettings {
+            log_level: self
+                .log_level
+                .clone()
+                .or(log_level)
+                .unwrap_or_else(|| "info".into()),
+            log_format: self.log_format.or(log_format).unwrap_or_default(),
+            metrics_listen: self.metrics_listen.or(metrics_listen),
+        }
+    }
+}
+
 /// The directory of the default config files.
 pub const CONFIG_DIR: &str = "/etc/devlend";
 

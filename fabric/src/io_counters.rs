@@ -1,6 +1,7 @@
-//! The I/O counters of one block attachment as a plain value: what the borrower's
-//! backend reads from its queues' counters and what the compute agent's API reports
-//! (the same set, declared once; the JSON field names are the API's).
+//! The I/O counters of one block attachment, and of one queue pair of a lent NIC, as
+//! plain values: what the borrower's backend reads from its queues' counters and what
+//! the compute agent's API reports (each set declared once; the JSON field names are
+//! the API's).
 
 use serde::{Deserialize, Serialize};
 
@@ -90,4 +91,32 @@ impl From<&Latency> for LatencySnapshot {
             count: l.count,
         }
     }
+}
+
+/// Counters of one queue pair of a lent NIC, or of all of them summed.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NetCounters {
+    /// Frames delivered to the guest.
+    pub rx_packets: u64,
+    /// Their bytes (Ethernet frames, without the virtio header).
+    pub rx_bytes: u64,
+    /// Frames the guest transmitted and sent to the lender.
+    pub tx_packets: u64,
+    /// Their bytes.
+    pub tx_bytes: u64,
+    /// Received frames dropped: no guest buffer in time, or too large for the buffers.
+    pub rx_drops: u64,
+    /// Transmitted frames dropped: the lender away, or a malformed chain.
+    pub tx_drops: u64,
+    /// Malformed transmit chains, guest ring errors and fabric protocol errors.
+    pub errors: u64,
+    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
+    #[serde(default)]
+    pub rx_merged: u64,
+    /// Frames delivered larger than the MTU, for the guest's TCP (GUEST_TSO4/6).
+    #[serde(default)]
+    pub rx_gso: u64,
+    /// Frames the guest left to segment (HOST_TSO4/6), sent whole to the lender.
+    #[serde(default)]
+    pub tx_gso: u64,
 }

@@ -30,30 +30,10 @@ pub struct NetStats {
     pub(super) mtu: AtomicU32,
 }
 
-/// A copy of the counters of one queue pair, or of all summed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PairSnapshot {
-    /// Frames delivered to the guest.
-    pub rx_packets: u64,
-    /// Their bytes (Ethernet frames, without the virtio header).
-    pub rx_bytes: u64,
-    /// Frames the guest transmitted and sent to the lender.
-    pub tx_packets: u64,
-    /// Their bytes.
-    pub tx_bytes: u64,
-    /// Received frames dropped: no guest buffer in time, or too large for the buffers.
-    pub rx_drops: u64,
-    /// Transmitted frames dropped: the lender away, or a malformed chain.
-    pub tx_drops: u64,
-    /// Malformed transmit chains, guest ring errors and fabric protocol errors.
-    pub errors: u64,
-    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
-    pub rx_merged: u64,
-    /// Frames delivered larger than the MTU, for the guest's TCP (GUEST_TSO4/6).
-    pub rx_gso: u64,
-    /// Frames the guest left to segment (HOST_TSO4/6), sent whole to the lender.
-    pub tx_gso: u64,
-}
+/// A copy of the counters of one queue pair, or of all summed: the fabric's
+/// [`NetCounters`](devlend_fabric::io_counters::NetCounters), the set the compute
+/// agent's API reports.
+pub type PairSnapshot = devlend_fabric::io_counters::NetCounters;
 
 /// A copy of an attachment's NIC counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use devlend_fabric::pci::{
     Access, Irq, Message, PciInfo, PciStatus, FLAG_MORE, KIND_READ, KIND_WRITE, REPLY,
 };
 
-use super::link::{LinkCounters, LinkError, PageMoves, PciLink, PciWire, Registration};
+use super::link::{LinkCounters, LinkError, PciLink, PciWire};
 
 /// The stand-in lender behind a fake link.
 pub(super) struct FakeLender {
@@ -123,18 +123,6 @@ impl PciWire for FakeWire {
 
     fn max_access(&self) -> u32 {
         self.0.max_access
-    }
-
-    fn page_moves(&self) -> PageMoves {
-        PageMoves::Bytes
-    }
-
-    unsafe fn register(
-        &self,
-        _ptr: *mut u8,
-        _len: usize,
-    ) -> Result<Option<Registration>, LinkError> {
-        Ok(None)
     }
 
     fn name(&self) -> &'static str {

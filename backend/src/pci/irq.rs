@@ -68,14 +68,7 @@ impl PciBorrower {
                 // device may need its interrupts enabled before it is set up: QEMU's
                 // emulated NVMe only signals a vector that was enabled when the queue
                 // using it was created).
-                let have = self
-                    .shared
-                    .lender_irqs
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .get(&index)
-                    .copied()
-                    .unwrap_or(0);
+                let have = self.lender_count(index);
                 self.lender_vectors(index, have.max(end))
             }
             (VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_DATA_EVENTFD)
@@ -102,14 +95,7 @@ impl PciBorrower {
     /// enabled again; it shrinks only to nothing (the borrower drops an interrupt whose
     /// vector has no eventfd).
     fn lender_vectors(&self, index: u32, need: u32) -> io::Result<()> {
-        let have = self
-            .shared
-            .lender_irqs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&index)
-            .copied()
-            .unwrap_or(0);
+        let have = self.lender_count(index);
         if have > 0 && (need == 0 || need > have) {
             self.irq_action(index, IrqAction::Disable, 0)?;
             self.set_lender_count(index, 0);
@@ -119,6 +105,17 @@ impl PciBorrower {
             self.set_lender_count(index, need);
         }
         Ok(())
+    }
+
+    /// How many vectors of `index` the lender signals (0: disabled).
+    fn lender_count(&self, index: u32) -> u32 {
+        self.shared
+            .lender_irqs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&index)
+            .copied()
+            .unwrap_or(0)
     }
 
     fn set_lender_count(&self, index: u32, n: u32) {

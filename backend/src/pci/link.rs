@@ -165,17 +165,24 @@ pub trait PciWire: Send + Sync {
     fn shutdown(&self);
     /// Largest region access in one message, in bytes.
     fn max_access(&self) -> u32;
-    /// How mirror pages cross this transport.
-    fn page_moves(&self) -> PageMoves;
+    /// How mirror pages cross this transport: as bytes in messages unless it says
+    /// otherwise.
+    fn page_moves(&self) -> PageMoves {
+        PageMoves::Bytes
+    }
     /// Registers `len` bytes at `ptr` for the lender's one-sided access, when the
-    /// transport has any; `None` otherwise.
+    /// transport has any; `None` otherwise (the default: a transport without one-sided
+    /// access).
     ///
     /// # Safety
     /// The range must stay mapped for as long as the returned registration lives.
     ///
     /// # Errors
     /// [`LinkError::Send`] when the registration fails.
-    unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Option<Registration>, LinkError>;
+    unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Option<Registration>, LinkError> {
+        let _ = (ptr, len);
+        Ok(None)
+    }
     /// The transport's name, for debugging.
     fn name(&self) -> &'static str;
 }
@@ -392,6 +399,23 @@ impl PciLink {
 impl Drop for PciLink {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// The function the lender describes in its answer to `hello`, after checking the
+/// lender's proof; an answer without a PCIe function fails the handshake.
+pub(crate) fn lent_function(
+    t: &LinkTarget,
+    hello: &Hello,
+    reply: &devlend_fabric::HelloReply,
+) -> Result<devlend_fabric::handshake::PciIdentity, ConnectError> {
+    devlend_fabric::tcp::check_lender(&t.lender, t.lender_key.as_ref(), hello, reply)?;
+    match reply.pci() {
+        Some(pci) if reply.features & devlend_fabric::pci::FEATURE_PCI != 0 => Ok(pci.clone()),
+        _ => Err(ConnectError::Handshake {
+            addr: t.lender.clone(),
+            source: WireError::Invalid("the lender's device is not a PCIe function"),
+        }),
     }
 }
 

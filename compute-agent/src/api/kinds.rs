@@ -148,50 +148,9 @@ impl From<&devlend_backend::pci::PciStats> for PciCounters {
 /// the backend's counter snapshot, declared once in the fabric crate.
 pub use devlend_fabric::io_counters::{IoCounters, Latency};
 
-/// Counters of one queue pair of a lent NIC, or of all of them summed.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct NetCounters {
-    /// Frames delivered to the guest.
-    pub rx_packets: u64,
-    /// Their bytes.
-    pub rx_bytes: u64,
-    /// Frames the guest sent, forwarded to the lender.
-    pub tx_packets: u64,
-    /// Their bytes.
-    pub tx_bytes: u64,
-    /// Received frames dropped (no guest buffer in time).
-    pub rx_drops: u64,
-    /// Transmitted frames dropped (lender away).
-    pub tx_drops: u64,
-    /// Malformed chains, guest ring errors and fabric protocol errors.
-    pub errors: u64,
-    /// Frames delivered that spanned several receive buffers (MRG_RXBUF).
-    #[serde(default)]
-    pub rx_merged: u64,
-    /// Frames delivered larger than the MTU, for the guest's TCP (GUEST_TSO4/6).
-    #[serde(default)]
-    pub rx_gso: u64,
-    /// Frames the guest left to segment (HOST_TSO4/6), sent whole to the lender.
-    #[serde(default)]
-    pub tx_gso: u64,
-}
-
-impl From<devlend_backend::net::stats::PairSnapshot> for NetCounters {
-    fn from(p: devlend_backend::net::stats::PairSnapshot) -> Self {
-        NetCounters {
-            rx_packets: p.rx_packets,
-            rx_bytes: p.rx_bytes,
-            tx_packets: p.tx_packets,
-            tx_bytes: p.tx_bytes,
-            rx_drops: p.rx_drops,
-            tx_drops: p.tx_drops,
-            errors: p.errors,
-            rx_merged: p.rx_merged,
-            rx_gso: p.rx_gso,
-            tx_gso: p.tx_gso,
-        }
-    }
-}
+/// Counters of one queue pair of a lent NIC, or of all of them summed: the backend's
+/// pair snapshot, declared once in the fabric crate.
+pub use devlend_fabric::io_counters::NetCounters;
 
 /// Recent I/O rates of an attachment.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]

@@ -101,8 +101,8 @@ impl ServedKind for NicPart {
             link_up: n.link_up,
             lender_link_up: n.lender_link_up,
             reconnects: n.reconnects,
-            counters: n.total.into(),
-            pairs: n.pairs.into_iter().map(Into::into).collect(),
+            counters: n.total,
+            pairs: n.pairs,
         })
     }
 

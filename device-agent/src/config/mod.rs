@@ -450,6 +450,9 @@ impl Config {
                 "tls_client_ca needs tls_cert and tls_key (client certificates are checked inside TLS)".into(),
             ));
         }
+        let common = cli
+            .common
+            .resolve(file.log_level, file.log_format, file.metrics_listen);
         Ok(Config {
             pool,
             auth_keys,
@@ -460,18 +463,9 @@ impl Config {
             insecure: cli.insecure || file.insecure,
             listen,
             transport: cli.transport.or(file.transport).unwrap_or_default(),
-            log_level: cli
-                .common
-                .log_level
-                .clone()
-                .or(file.log_level)
-                .unwrap_or_else(|| "info".into()),
-            log_format: cli
-                .common
-                .log_format
-                .or(file.log_format)
-                .unwrap_or_default(),
-            metrics_listen: cli.common.metrics_listen.or(file.metrics_listen),
+            log_level: common.log_level,
+            log_format: common.log_format,
+            metrics_listen: common.metrics_listen,
             io_mode: cli.io_mode.or(file.io_mode).unwrap_or_default(),
             stores,
             devices,

@@ -7,8 +7,8 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use devlend_fabric::pci::{Irq, Message, FEATURE_PCI, KIND_MEM_READ, KIND_MEM_WRITE};
-use devlend_fabric::tcp::{self, ConnectError};
+use devlend_fabric::pci::{Irq, Message, KIND_MEM_READ, KIND_MEM_WRITE};
+use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::{Hello, WireError};
 
 use super::{dispatch, LinkCounters, LinkError, LinkTarget, PageMoves, PciWire, Registration};
@@ -100,16 +100,7 @@ fn rdma_connect(
             message: reply.message,
         });
     }
-    tcp::check_lender(&t.lender, t.lender_key.as_ref(), hello, &reply)?;
-    let lent = match reply.pci() {
-        Some(pci) if reply.features & FEATURE_PCI != 0 => pci.clone(),
-        _ => {
-            return Err(ConnectError::Handshake {
-                addr: t.lender.clone(),
-                source: WireError::Invalid("the lender's device is not a PCIe function"),
-            })
-        }
-    };
+    let lent = super::lent_function(t, hello, &reply)?;
     Ok((
         Arc::new(RdmaWire {
             ch: Mutex::new(devlend_fabric::rdma::channel::MsgChannel::new(conn)),

@@ -8,15 +8,11 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use devlend_fabric::conn::Stream;
-use devlend_fabric::pci::{
-    Irq, MemRead, Message, PciStatus, FEATURE_PCI, KIND_MEM_READ, KIND_MEM_WRITE, REPLY,
-};
+use devlend_fabric::pci::{Irq, MemRead, Message, PciStatus, KIND_MEM_READ, KIND_MEM_WRITE, REPLY};
 use devlend_fabric::tcp::{self, ConnectError};
 use devlend_fabric::{Hello, WireError};
 
-use super::{
-    dispatch, GuestMemory, LinkCounters, LinkError, LinkTarget, PageMoves, PciWire, Registration,
-};
+use super::{dispatch, GuestMemory, LinkCounters, LinkError, LinkTarget, PciWire};
 
 /// The stream, and the lock its writers take.
 struct TcpWire {
@@ -36,18 +32,6 @@ impl PciWire for TcpWire {
 
     fn max_access(&self) -> u32 {
         devlend_fabric::pci::MAX_ACCESS
-    }
-
-    fn page_moves(&self) -> PageMoves {
-        PageMoves::Bytes
-    }
-
-    unsafe fn register(
-        &self,
-        _ptr: *mut u8,
-        _len: usize,
-    ) -> Result<Option<Registration>, LinkError> {
-        Ok(None)
     }
 
     fn name(&self) -> &'static str {
@@ -71,16 +55,7 @@ pub(super) fn open(
         source: WireError::Io(e),
     };
     let (stream, reply) = tcp::open(&t.lender, hello, t.timeout, t.tls.as_ref())?;
-    tcp::check_lender(&t.lender, t.lender_key.as_ref(), hello, &reply)?;
-    let lent = match reply.pci() {
-        Some(pci) if reply.features & FEATURE_PCI != 0 => pci.clone(),
-        _ => {
-            return Err(ConnectError::Handshake {
-                addr: t.lender.clone(),
-                source: WireError::Invalid("the lender's device is not a PCIe function"),
-            })
-        }
-    };
+    let lent = super::lent_function(t, hello, &reply)?;
     let write = Arc::new(Mutex::new(()));
     let rx = Reader {
         stream: stream.try_clone().map_err(io)?,
