@@ -3,13 +3,15 @@
 //! hello must ask to be served its block requests. Its sessions ([`session`]) set up
 //! their device I/O ([`io`], shared by the TCP and RDMA engines) before
 //! the hello reply, then run the kind's own engines: over TCP ([`tcp`]: framing,
-//! budget, the engine's loop) or over RDMA (`rdma`).
+//! budget, the engine's loop) or over RDMA (`rdma`), both framing requests and
+//! encoding responses the same way ([`wire`]).
 
 pub(crate) mod io;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
 mod session;
 mod tcp;
+pub(crate) mod wire;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;

@@ -27,8 +27,9 @@ use devlend_fabric::rdma::{decode_request, RdmaError, Segment};
 use devlend_fabric::wire::RequestHeader;
 use devlend_fabric::{BlockRequest, Op};
 
-use crate::block::io::request::{check_framing, refuse_reason, ResponseData};
+use crate::block::io::request::refuse_reason;
 use crate::block::io::{DeviceIo, Event, Request};
+use crate::block::wire::{check_framing, ResponseData};
 use crate::block::BlockDevice;
 use crate::device_counters::DeviceCounters;
 
@@ -244,7 +245,7 @@ impl<I: DeviceIo> RdmaEngine<'_, I> {
                 devlend_fabric::error::chain(&e)
             ))
         })?;
-        check_framing(&h).map_err(|e| End::Protocol(e.to_string()))?;
+        check_framing(&h.request).map_err(|e| End::Protocol(e.to_string()))?;
         self.conn.post_recv(i).map_err(End::Transport)?;
         // A borrower has at most one request per receive buffer outstanding (its
         // virtqueue is at most that large): more is a borrower that ignores its
@@ -294,8 +295,9 @@ impl<I: DeviceIo> RdmaEngine<'_, I> {
     /// Hands slot `s`'s request to the device I/O.
     fn start_io(&mut self, s: usize) {
         let slot = &mut self.slots[s];
-        if let Some(req) = slot.req.take() {
-            self.io.start(req, &slot.header, &mut self.events);
+        if let Some(mut req) = slot.req.take() {
+            req.id = slot.header.id;
+            self.io.start(req, &slot.header.request, &mut self.events);
         }
     }
 

@@ -5,20 +5,18 @@
 //!
 //! Every request is done when [`DeviceIo::start`] returns. A read of
 //! [`SENDFILE_MIN`] bytes or more, on a session that sends with `sendfile`, is not even
-//! read: its response carries its range of the file ([`ResponseData::File`]), sent by
+//! read: its response carries its range of the file (`ResponseData::File`, `block/wire.rs`), sent by
 //! [`DeviceIo::send_file`] with no copy into a buffer of ours.
 //!
 //! The session still sleeps in `io_uring_enter` (its watches are polls in a small
 //! ring), as with [`super::Uring`].
-//!
-//! [`ResponseData::File`]: super::request::ResponseData::File
 
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use devlend_fabric::RequestHeader;
+use devlend_fabric::BlockRequest;
 
 use super::request::{Next, Request};
 use super::ring::Ring;
@@ -70,8 +68,8 @@ impl<'a> Inline<'a> {
 }
 
 impl DeviceIo for Inline<'_> {
-    fn start(&mut self, mut req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
-        if prepare(&self.dev, self.block, &mut req, h) {
+    fn start(&mut self, mut req: Box<Request>, op: &BlockRequest, out: &mut Vec<Event>) {
+        if prepare(&self.dev, self.block, &mut req, op) {
             if self.send_from_file
                 && req.is_pending_read()
                 && req.range_len() >= SENDFILE_MIN as u64

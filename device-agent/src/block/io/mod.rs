@@ -22,7 +22,8 @@
 //!
 //! Below this layer: [`request`] (one request's operations and what each completion
 //! means) and [`ring`] (the io_uring itself). Above it: the block engines of the
-//! sessions (`session/tcp/engine.rs`, `session/rdma/block.rs`).
+//! sessions (`block/tcp/engine.rs`, `block/rdma.rs`), which decode the wire's request
+//! headers and encode its responses (`block/response.rs`).
 
 pub(crate) mod inline;
 pub(crate) mod request;
@@ -35,7 +36,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use devlend_fabric::{Op, RequestHeader, Status};
+use devlend_fabric::{BlockRequest, Op, Status};
 
 use crate::block::BlockDevice;
 use crate::config::IoMode;
@@ -65,10 +66,12 @@ pub(crate) enum Event {
 /// while they are away the session must not touch them (the kernel may be writing
 /// into their buffers).
 pub(crate) trait DeviceIo {
-    /// Sets `req` up from `h` ([`Request::start`]: what the device cannot serve is
-    /// refused with an I/O error, no device I/O) and starts its device I/O. Its
-    /// buffer holds at least the header's data length (a write's data already in it).
-    fn start(&mut self, req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>);
+    /// Sets `req` up for the block operation `op` ([`Request::start`]: what the device
+    /// cannot serve is refused with an I/O error, no device I/O) and starts its device
+    /// I/O. Its buffer holds at least the operation's data length (a write's data
+    /// already in it); its `id` is the session's (the borrower's, over the wire): the
+    /// device I/O never sees a wire header.
+    fn start(&mut self, req: Box<Request>, op: &BlockRequest, out: &mut Vec<Event>);
 
     /// Hands the queued operations to the kernel.
     ///
@@ -114,7 +117,7 @@ pub(crate) trait DeviceIo {
 
     /// Sends `len` bytes of the device at byte `offset` to the socket `to` without
     /// blocking (`sendfile`): the data of a read that [`DeviceIo::start`] finished
-    /// without reading ([`request::ResponseData::File`]). Returns the bytes sent.
+    /// without reading (`ResponseData::File`, `block/wire.rs`). Returns the bytes sent.
     ///
     /// # Errors
     /// The socket's, `WouldBlock` when it is full; `UnexpectedEof` when the device
@@ -175,16 +178,16 @@ fn watch_token(user_data: u64) -> Option<u64> {
     (user_data >= WATCH_BASE - 0xffff).then(|| WATCH_BASE - user_data)
 }
 
-/// Sets `req` up from `h`, logging a refusal; whether it needs device I/O (if not, it
+/// Sets `req` up for `op`, logging a refusal; whether it needs device I/O (if not, it
 /// is complete: answered with its immediate status).
 fn prepare(
     dev: &DeviceCounters,
     block: &BlockDevice,
     req: &mut Request,
-    h: &RequestHeader,
+    op: &BlockRequest,
 ) -> bool {
-    if let Some(reason) = req.start(h, block) {
-        tracing::debug!(device = %dev.name, id = h.id, request = ?h.request, reason,
+    if let Some(reason) = req.start(op, block) {
+        tracing::debug!(device = %dev.name, id = req.id, request = ?op, reason,
             "request refused");
     }
     if req.touches_device() {

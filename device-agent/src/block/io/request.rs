@@ -1,16 +1,17 @@
 //! One block request as it moves through the device-I/O layer: which operation to issue
 //! next (an io_uring entry, or the same as a plain system call), and what a completion
-//! means (continue a short transfer, fall back, or finish with a status); its response.
+//! means (continue a short transfer, fall back, or finish with a status). What the wire
+//! adds around it (a header's framing, the encoded response) is `block/wire.rs`.
 
 use std::os::fd::RawFd;
 use std::sync::OnceLock;
 
 use devlend_fabric::wire::RESPONSE_HEADER_LEN;
-use devlend_fabric::{BlockRequest, Bytes, Op, RequestHeader, ResponseHeader, Status};
+use devlend_fabric::{BlockRequest, Op, Status};
 use io_uring::{opcode, squeue, types};
 
 use crate::block::BlockDevice;
-use crate::{MAX_DISCARD_SECTORS, MAX_TRANSFER_BYTES, MAX_WRITE_ZEROES_SECTORS};
+use crate::{MAX_DISCARD_SECTORS, MAX_WRITE_ZEROES_SECTORS};
 
 /// Size in bytes of the zeroed buffer that the write-zeroes fallback writes from, one
 /// chunk at a time.
@@ -41,50 +42,6 @@ enum Stage {
     ZeroRange,
     /// `write`s from the zero buffer, one chunk at a time: the fallback of write-zeroes.
     ZeroWrite,
-}
-
-/// Why a request header cannot be served at all: the session must end.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum FramingError {
-    /// A read or write length beyond [`MAX_TRANSFER_BYTES`].
-    #[error("{op:?} of {len} bytes exceeds max_transfer ({MAX_TRANSFER_BYTES} bytes)")]
-    TooLong {
-        /// The operation.
-        op: Op,
-        /// Its length in bytes.
-        len: u32,
-    },
-    /// A read or write length that is not a multiple of 512.
-    #[error("{op:?} of {len} bytes is not a multiple of 512 bytes")]
-    Unaligned {
-        /// The operation.
-        op: Op,
-        /// Its length in bytes.
-        len: u32,
-    },
-}
-
-/// Checks what a header must satisfy for the stream to stay in frame: the length of the
-/// data that follows a write, and the buffer a read needs.
-///
-/// Returns the bytes of buffer the request needs (its data length for a read or write,
-/// else 0).
-pub(crate) fn check_framing(h: &RequestHeader) -> Result<usize, FramingError> {
-    match h.request {
-        BlockRequest::Read { len, .. } | BlockRequest::Write { len, .. } => {
-            let (op, len) = (h.op(), len.0);
-            if len > MAX_TRANSFER_BYTES {
-                Err(FramingError::TooLong { op, len })
-            } else if !Bytes(len).is_whole_sectors() {
-                Err(FramingError::Unaligned { op, len })
-            } else {
-                Ok(len as usize)
-            }
-        }
-        BlockRequest::Flush | BlockRequest::Discard { .. } | BlockRequest::WriteZeroes { .. } => {
-            Ok(0)
-        }
-    }
 }
 
 /// Why a well-framed request is refused (answered with I/O error, no device I/O).
@@ -133,9 +90,9 @@ pub(crate) struct Request {
     pub(crate) op: Op,
     stage: Stage,
     /// Byte offset of the range on the device.
-    offset: u64,
+    pub(in crate::block) offset: u64,
     /// Bytes of the range (the data length for read and write).
-    len: u64,
+    pub(in crate::block) len: u64,
     /// Bytes of the range done so far (reads, writes, zero-filling writes).
     done: u64,
     /// Data buffer; its first `len` bytes hold a read's or a write's data.
@@ -147,29 +104,15 @@ pub(crate) struct Request {
     /// Last errno reported by the device, for the log.
     pub(crate) errno: i32,
     /// The encoded response header, once finished.
-    resp: [u8; RESPONSE_HEADER_LEN],
+    pub(in crate::block) resp: [u8; RESPONSE_HEADER_LEN],
     /// When the request was received (for the latency histogram).
     pub(crate) received: Option<std::time::Instant>,
     /// A read whose data is sent straight from the file (`sendfile`) rather than read
     /// into `buf` first.
-    from_file: bool,
+    pub(in crate::block) from_file: bool,
     /// It waited for its holder's limits, and its borrower reads that
     /// (`RESPONSE_THROTTLED`); set by [`super::Throttled`] for every request.
     pub(crate) throttled: bool,
-}
-
-/// Where a response's data comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ResponseData<'a> {
-    /// These bytes (empty when the response has no data).
-    Buf(&'a [u8]),
-    /// `len` bytes of the device at byte `offset`.
-    File {
-        /// Byte offset on the device.
-        offset: u64,
-        /// Bytes.
-        len: usize,
-    },
 }
 
 impl Request {
@@ -203,28 +146,27 @@ impl Request {
         &mut self.buf[..n]
     }
 
-    /// Sets the request up from a header that passed [`check_framing`], with its buffer
-    /// already sized (and, for a write, filled). Requests the device cannot serve
-    /// (read-only, zero length, beyond a limit or the capacity) become immediate I/O
-    /// errors; returns the reason for those.
-    pub(crate) fn start(&mut self, h: &RequestHeader, block: &BlockDevice) -> Option<&'static str> {
-        self.id = h.id;
-        self.op = h.op();
+    /// Sets the request up for `r`, which passed `check_framing` (`block/wire.rs`), with its buffer
+    /// already sized (and, for a write, filled); `id` is left as the session set it.
+    /// Requests the device cannot serve (read-only, zero length, beyond a limit or the
+    /// capacity) become immediate I/O errors; returns the reason for those.
+    pub(crate) fn start(&mut self, r: &BlockRequest, block: &BlockDevice) -> Option<&'static str> {
+        self.op = r.op();
         self.received = Some(std::time::Instant::now());
         self.from_file = false;
         self.done = 0;
         self.errno = 0;
         self.status = Status::Ok;
-        let mut reason = refuse_reason(&h.request, block);
+        let mut reason = refuse_reason(r, block);
         // A range that overflows is refused above: it does no I/O.
-        let range = h.request.byte_range().unwrap_or(0..0);
+        let range = r.byte_range().unwrap_or(0..0);
         self.offset = range.start;
         self.len = range.end - range.start;
-        if reason.is_none() && self.buf.len() < h.request.data_len().usize() {
+        if reason.is_none() && self.buf.len() < r.data_len().usize() {
             // The session sizes the buffer before; never index past it.
             reason = Some("internal: data buffer too small");
         }
-        self.stage = match (reason, h.request) {
+        self.stage = match (reason, *r) {
             (Some(_), _) => Stage::Immediate(Status::IoErr),
             (None, BlockRequest::Read { .. }) => Stage::Read,
             (None, BlockRequest::Write { .. }) => Stage::Write,
@@ -346,7 +288,7 @@ impl Request {
     }
 
     /// Finishes a pending read without reading: its response will carry its range of
-    /// the device straight from the file (see [`ResponseData::File`]).
+    /// the device straight from the file (`ResponseData::File`, `block/wire.rs`).
     pub(crate) fn send_from_file(&mut self) {
         self.from_file = true;
         self.done = self.len;
@@ -399,41 +341,6 @@ impl Request {
         }
     }
 
-    /// Encodes the response header from the final status.
-    pub(crate) fn encode_response(&mut self) {
-        let len = self.response_data_len() as u32;
-        self.resp = ResponseHeader {
-            status: self.status,
-            len: Bytes(len),
-            id: self.id,
-            throttled: self.throttled,
-        }
-        .encode();
-    }
-
-    /// The response header (as last encoded) and the data that follows it: a successful
-    /// read's data, else nothing.
-    pub(crate) fn response(&self) -> (&[u8; RESPONSE_HEADER_LEN], ResponseData<'_>) {
-        let n = self.response_data_len();
-        let data = if self.from_file && n > 0 {
-            ResponseData::File {
-                offset: self.offset,
-                len: n,
-            }
-        } else {
-            ResponseData::Buf(&self.buf[..n])
-        };
-        (&self.resp, data)
-    }
-
-    fn response_data_len(&self) -> usize {
-        if self.op == Op::Read && self.status == Status::Ok {
-            self.len as usize
-        } else {
-            0
-        }
-    }
-
     /// Bytes of request data moved to or from the device (for the counters).
     pub(crate) fn data_bytes(&self) -> u64 {
         if self.status == Status::Ok && matches!(self.op, Op::Read | Op::Write) {
@@ -447,38 +354,6 @@ impl Request {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn hdr(op: Op, len: u32) -> RequestHeader {
-        let sector = devlend_fabric::Sector(0);
-        let request = match op {
-            Op::Read => BlockRequest::Read {
-                sector,
-                len: Bytes(len),
-            },
-            Op::Write => BlockRequest::Write {
-                sector,
-                len: Bytes(len),
-            },
-            Op::Discard => BlockRequest::Discard {
-                sector,
-                sectors: devlend_fabric::Sectors(len),
-            },
-            _ => BlockRequest::Flush,
-        };
-        RequestHeader { id: 1, request }
-    }
-
-    #[test]
-    fn framing_limits() {
-        assert_eq!(check_framing(&hdr(Op::Read, 4096)), Ok(4096));
-        assert_eq!(
-            check_framing(&hdr(Op::Write, MAX_TRANSFER_BYTES)),
-            Ok(4 << 20)
-        );
-        assert!(check_framing(&hdr(Op::Write, MAX_TRANSFER_BYTES + 512)).is_err());
-        assert!(check_framing(&hdr(Op::Read, 100)).is_err());
-        assert_eq!(check_framing(&hdr(Op::Discard, u32::MAX)), Ok(0));
-    }
 
     #[test]
     fn short_transfers_continue_and_zero_bytes_fail() {

@@ -4,9 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use devlend_fabric::{BlockRequest, Bytes, Op, RequestHeader, Sector, Status};
+use devlend_fabric::{BlockRequest, Bytes, Op, Sector, Status};
 
-use super::request::ResponseData;
 use super::*;
 use crate::device::Device;
 use crate::DeviceSpec;
@@ -26,27 +25,24 @@ fn block(dev: &Device) -> &BlockDevice {
     }
 }
 
-/// A read or a write of `len` bytes at `sector`, its id the sector.
-fn header(op: Op, sector: u64, len: u32) -> RequestHeader {
+/// A read or a write of `len` bytes at `sector`.
+fn request(op: Op, sector: u64, len: u32) -> BlockRequest {
     let (at, len) = (Sector(sector), Bytes(len));
-    let request = match op {
+    match op {
         Op::Read => BlockRequest::Read { sector: at, len },
         Op::Write => BlockRequest::Write { sector: at, len },
         _ => panic!("only reads and writes here"),
-    };
-    RequestHeader {
-        id: sector,
-        request,
     }
 }
 
-/// Runs one request to its end; returns it done.
-fn run(io: &mut impl DeviceIo, h: RequestHeader, data: &[u8]) -> Box<Request> {
+/// Runs one request to its end; returns it done. Its id is its first sector.
+fn run(io: &mut impl DeviceIo, op: BlockRequest, data: &[u8]) -> Box<Request> {
     let mut req = Box::new(Request::new());
-    let n = h.request.data_len().usize();
+    req.id = op.sector().0;
+    let n = op.data_len().usize();
     req.buffer(n)[..data.len()].copy_from_slice(data);
     let mut events = Vec::new();
-    io.start(req, &h, &mut events);
+    io.start(req, &op, &mut events);
     loop {
         for ev in events.drain(..) {
             match ev {
@@ -65,19 +61,20 @@ fn run(io: &mut impl DeviceIo, h: RequestHeader, data: &[u8]) -> Box<Request> {
 
 fn same_requests_same_counters(mut io: impl DeviceIo, dev: &Device) {
     let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
-    let w = run(&mut io, header(Op::Write, 8, 8192), &data);
+    let w = run(&mut io, request(Op::Write, 8, 8192), &data);
     assert_eq!(w.status, Status::Ok);
-    let r = run(&mut io, header(Op::Read, 8, 8192), &[]);
+    let r = run(&mut io, request(Op::Read, 8, 8192), &[]);
     assert_eq!(r.status, Status::Ok);
-    assert_eq!(r.response().1, ResponseData::Buf(&data));
+    assert!(!r.from_file);
+    assert_eq!(&r.buf[..8192], &data[..]);
     // Refused without device I/O: beyond the capacity.
     let ops = dev.counters.stats.snapshot().device_ops;
-    let beyond = run(&mut io, header(Op::Read, 1 << 20, 4096), &[]);
+    let beyond = run(&mut io, request(Op::Read, 1 << 20, 4096), &[]);
     assert_eq!(beyond.status, Status::IoErr);
     assert_eq!(dev.counters.stats.snapshot().device_ops, ops);
     // Failed by the device: the file shrank under the lender, a read finds its end.
     block(dev).file.set_len(0).expect("truncate");
-    let short = run(&mut io, header(Op::Read, 0, 4096), &[]);
+    let short = run(&mut io, request(Op::Read, 0, 4096), &[]);
     assert_eq!(short.status, Status::IoErr);
     let s = dev.counters.stats.snapshot();
     assert_eq!(s.bytes_written, 8192);
@@ -112,17 +109,13 @@ fn inline_leaves_large_reads_to_send_file_only_when_asked() {
     let dev = device(&dir, 1 << 20);
     let len = inline::SENDFILE_MIN as u32;
     let mut file = Inline::new(Arc::clone(&dev.counters), block(&dev), true).expect("ring");
-    let r = run(&mut file, header(Op::Read, 0, len), &[]);
-    assert_eq!(
-        r.response().1,
-        ResponseData::File {
-            offset: 0,
-            len: len as usize
-        }
-    );
+    let r = run(&mut file, request(Op::Read, 0, len), &[]);
+    assert!(r.from_file, "left to send_file");
+    assert_eq!((r.offset, r.len), (0, u64::from(len)));
     let mut buffered = Inline::new(Arc::clone(&dev.counters), block(&dev), false).expect("ring");
-    let r = run(&mut buffered, header(Op::Read, 0, len), &[]);
-    assert!(matches!(r.response().1, ResponseData::Buf(b) if b.len() == len as usize));
+    let r = run(&mut buffered, request(Op::Read, 0, len), &[]);
+    assert!(!r.from_file, "read into its buffer");
+    assert_eq!(r.status, Status::Ok);
     assert_eq!(dev.counters.stats.latency().count, 2);
 }
 

@@ -9,7 +9,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use devlend_fabric::{BlockRequest, RequestHeader};
+use devlend_fabric::BlockRequest;
 
 use super::{DeviceIo, Event, Request};
 use crate::device_counters::DeviceCounters;
@@ -18,7 +18,7 @@ use crate::qos::{Cost, Group};
 /// A request waiting for its holder's buckets.
 struct Held {
     req: Box<Request>,
-    header: RequestHeader,
+    op: BlockRequest,
     since: Instant,
 }
 
@@ -34,12 +34,12 @@ pub(crate) struct Throttled<I> {
 }
 
 /// What a request draws from its holder's buckets.
-fn cost(h: &RequestHeader) -> Cost {
-    let bytes = match h.request {
+fn cost(op: &BlockRequest) -> Cost {
+    let bytes = match *op {
         BlockRequest::Read { len, .. } | BlockRequest::Write { len, .. } => u64::from(len.0),
         _ => 0,
     };
-    Cost::block(h.op(), bytes)
+    Cost::block(op.op(), bytes)
 }
 
 impl<I: DeviceIo> Throttled<I> {
@@ -66,14 +66,14 @@ impl<I: DeviceIo> Throttled<I> {
         let group = self.group.as_ref()?;
         let now = Instant::now();
         while let Some(front) = self.held.front() {
-            if let Err(wait) = group.take(&cost(&front.header), now) {
+            if let Err(wait) = group.take(&cost(&front.op), now) {
                 return Some(wait);
             }
             if let Some(h) = self.held.pop_front() {
                 self.dev
                     .stats
                     .throttle_released(now.saturating_duration_since(h.since));
-                self.inner.start(h.req, &h.header, out);
+                self.inner.start(h.req, &h.op, out);
             }
         }
         None
@@ -81,20 +81,20 @@ impl<I: DeviceIo> Throttled<I> {
 }
 
 impl<I: DeviceIo> DeviceIo for Throttled<I> {
-    fn start(&mut self, mut req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
+    fn start(&mut self, mut req: Box<Request>, op: &BlockRequest, out: &mut Vec<Event>) {
         req.throttled = false;
         let Some(group) = &self.group else {
-            return self.inner.start(req, h, out);
+            return self.inner.start(req, op, out);
         };
         let now = Instant::now();
-        if self.held.is_empty() && group.take(&cost(h), now).is_ok() {
-            return self.inner.start(req, h, out);
+        if self.held.is_empty() && group.take(&cost(op), now).is_ok() {
+            return self.inner.start(req, op, out);
         }
         req.throttled = self.note;
         self.dev.stats.throttle_held();
         self.held.push_back(Held {
             req,
-            header: *h,
+            op: *op,
             since: now,
         });
     }
@@ -116,7 +116,7 @@ impl<I: DeviceIo> DeviceIo for Throttled<I> {
 
     fn wait(&mut self, timeout: Option<Duration>) -> io::Result<()> {
         let due = match (&self.group, self.held.front()) {
-            (Some(g), Some(front)) => match g.take_probe(&cost(&front.header)) {
+            (Some(g), Some(front)) => match g.take_probe(&cost(&front.op)) {
                 Duration::ZERO => return Ok(()),
                 d => Some(d),
             },

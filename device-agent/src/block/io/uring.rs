@@ -12,7 +12,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use devlend_fabric::RequestHeader;
+use devlend_fabric::BlockRequest;
 use io_uring::types;
 
 use super::request::{Next, Request};
@@ -95,8 +95,8 @@ impl<'a> Uring<'a> {
 }
 
 impl DeviceIo for Uring<'_> {
-    fn start(&mut self, mut req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
-        if prepare(&self.dev, self.block, &mut req, h) {
+    fn start(&mut self, mut req: Box<Request>, op: &BlockRequest, out: &mut Vec<Event>) {
+        if prepare(&self.dev, self.block, &mut req, op) {
             self.push(req, out);
         } else {
             out.push(Event::Done(req));

@@ -27,13 +27,13 @@ use std::time::{Duration, Instant};
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::wire::REQUEST_HEADER_LEN;
-use devlend_fabric::{Op, RequestHeader};
+use devlend_fabric::{BlockRequest, Op, RequestHeader};
 
 use super::budget::RequestBudget;
 use super::rx::{recv, Recv, RxBuf, READ_BUF};
 use super::tx::Tx;
-use crate::block::io::request::check_framing;
 use crate::block::io::{DeviceIo, Event, Request};
+use crate::block::wire::check_framing;
 use crate::device_counters::DeviceCounters;
 use crate::session::end::End;
 use crate::{MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES};
@@ -50,7 +50,7 @@ enum Rx {
     /// Receiving a write's data into its request.
     Data {
         req: Box<Request>,
-        header: RequestHeader,
+        op: BlockRequest,
         got: usize,
     },
 }
@@ -223,7 +223,7 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
         let mut hb = [0u8; REQUEST_HEADER_LEN];
         hb.copy_from_slice(&data[..REQUEST_HEADER_LEN]);
         let h = RequestHeader::decode(&hb).map_err(|e| End::Protocol(e.to_string()))?;
-        let need = check_framing(&h).map_err(|e| End::Protocol(e.to_string()))?;
+        let need = check_framing(&h.request).map_err(|e| End::Protocol(e.to_string()))?;
         let Some(mut req) = self.budget.acquire(need) else {
             if self.credit {
                 return Err(End::Protocol(format!(
@@ -236,17 +236,18 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
         };
         self.rx.consume(REQUEST_HEADER_LEN);
         self.dev.stats.request(h.op());
+        req.id = h.id;
         req.buffer(need);
         if h.op() == Op::Write && need > 0 {
             self.frame_since.get_or_insert_with(Instant::now);
             self.state = Rx::Data {
                 req,
-                header: h,
+                op: h.request,
                 got: 0,
             };
         } else {
             self.frame_since = None;
-            self.start(req, &h)?;
+            self.start(req, &h.request)?;
         }
         Ok(Some(true))
     }
@@ -277,11 +278,11 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
                 return Ok(Some(true));
             }
         }
-        let Rx::Data { req, header, .. } = std::mem::replace(&mut self.state, Rx::Header) else {
+        let Rx::Data { req, op, .. } = std::mem::replace(&mut self.state, Rx::Header) else {
             return Ok(Some(true));
         };
         self.frame_since = None;
-        self.start(req, &header)?;
+        self.start(req, &op)?;
         Ok(Some(true))
     }
 
@@ -312,10 +313,10 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
     }
 
     /// Starts a request's device I/O; what finished at once is queued for sending.
-    fn start(&mut self, req: Box<Request>, h: &RequestHeader) -> Result<(), End> {
+    fn start(&mut self, req: Box<Request>, op: &BlockRequest) -> Result<(), End> {
         let mut events = std::mem::take(&mut self.events);
         events.clear();
-        self.io.start(req, h, &mut events);
+        self.io.start(req, op, &mut events);
         let lost = self.handle(&mut events);
         self.events = events;
         match lost {

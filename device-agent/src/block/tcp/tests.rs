@@ -35,9 +35,9 @@ struct Reordered<I> {
 }
 
 impl<I: DeviceIo> DeviceIo for Reordered<I> {
-    fn start(&mut self, req: Box<Request>, h: &RequestHeader, out: &mut Vec<Event>) {
+    fn start(&mut self, req: Box<Request>, op: &BlockRequest, out: &mut Vec<Event>) {
         let mut done = Vec::new();
-        self.inner.start(req, h, &mut done);
+        self.inner.start(req, op, &mut done);
         for e in done {
             match e {
                 done @ Event::Done(_) => self.held.push(done),

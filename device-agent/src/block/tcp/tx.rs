@@ -11,8 +11,8 @@ use std::os::fd::RawFd;
 use devlend_fabric::wire::RESPONSE_HEADER_LEN;
 
 use super::budget::RequestBudget;
-use crate::block::io::request::ResponseData;
 use crate::block::io::{DeviceIo, Request};
+use crate::block::wire::ResponseData;
 
 /// Most iovecs per `sendmsg` (Linux UIO_MAXIOV).
 const MAX_IOV: usize = 1024;
