@@ -35,6 +35,8 @@ use crate::net::spec::NET_HDR_LEN;
 use crate::virtq::BrokenQueue;
 
 mod recv;
+#[cfg(test)]
+mod tests;
 mod tx;
 
 use crate::net::stats::{NetStats, PairStats};
@@ -53,6 +55,17 @@ const STABLE: Duration = Duration::from_secs(2);
 /// Reconnects ([`devlend_fabric::reconnect`]): no deadline, frames are dropped meanwhile.
 const RETRY: Policy = Policy::backoff(FIRST_BACKOFF, MAX_BACKOFF).stable_after(STABLE);
 
+/// How a pair opens its fabric session: the lender target's [`LenderTarget::open`]
+/// (TCP or TLS), or a fake lender in the unit tests.
+pub(crate) type PairOpener = Box<
+    dyn FnMut(
+            &LenderTarget,
+            &devlend_fabric::Hello,
+        )
+            -> Result<(Stream, devlend_fabric::HelloReply), devlend_fabric::tcp::ConnectError>
+        + Send,
+>;
+
 /// One of a queue pair's two virtqueues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PairQueue {
@@ -67,6 +80,7 @@ pub struct PairEngine {
     index: u16,
     name: Arc<str>,
     target: LenderTarget,
+    opener: PairOpener,
     stats: Arc<NetStats>,
     conn: Option<Stream>,
     generation: u64,
@@ -109,6 +123,7 @@ impl PairEngine {
             index,
             name,
             target,
+            opener: Box::new(|t, h| t.open(h)),
             stats,
             conn: None,
             generation: 0,
@@ -272,7 +287,7 @@ impl PairEngine {
     pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
         let mut hello = self.target.hello(self.index);
         hello.features |= FEATURE_NET;
-        let (stream, reply) = self.target.open(&hello)?;
+        let (stream, reply) = (self.opener)(&self.target, &hello)?;
         let Some(nic) = reply.nic().filter(|_| reply.features & FEATURE_NET != 0) else {
             return Err(devlend_fabric::tcp::ConnectError::Refused {
                 addr: self.target.addr.clone(),
