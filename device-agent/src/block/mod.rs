@@ -6,6 +6,8 @@
 //! budget, the engine's loop) or over RDMA (`rdma`), both framing requests and
 //! encoding responses the same way ([`wire`]).
 
+#[cfg(test)]
+pub(crate) mod fake_io;
 pub(crate) mod io;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;

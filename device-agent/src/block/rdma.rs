@@ -19,6 +19,7 @@
 //! come back.
 
 use std::collections::VecDeque;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -54,10 +55,80 @@ const TAG_MASK: u64 = 0xff << 40;
 /// Token of the watch on the connection's completion fd.
 const WATCH_CONN: u64 = 0;
 
-/// One I/O buffer and the request using it. `mr` is declared first so that it is
+/// What the engine asks of its RDMA connection: the verbs [`Connection`], or a fake
+/// borrower in the unit tests (`rdma/tests.rs`). The methods are `Connection`'s.
+pub(crate) trait QueuePair {
+    /// Appends the completions ready; [`RdmaError::Disconnected`] once the peer left.
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<(), RdmaError>;
+    /// A descriptor readable when [`QueuePair::poll`] has something.
+    fn fd(&self) -> RawFd;
+    /// The first `len` bytes of receive buffer `i`.
+    fn recv_msg(&self, i: usize, len: usize) -> &[u8];
+    /// Posts receive buffer `i` again.
+    fn post_recv(&mut self, i: usize) -> Result<(), RdmaError>;
+    /// An RDMA READ (`read`) or WRITE of `len` bytes between `local` (of `lkey`) and
+    /// the peer's `remote` (of `rkey`).
+    #[allow(clippy::too_many_arguments)]
+    fn post_rdma(
+        &mut self,
+        read: bool,
+        wr_id: u64,
+        local: u64,
+        lkey: u32,
+        len: u32,
+        remote: u64,
+        rkey: u32,
+        signaled: bool,
+    ) -> Result<(), RdmaError>;
+    /// SENDs `msg` from send buffer `i`, signaled with `wr_id`.
+    fn send_msg(&mut self, i: usize, msg: &[u8], wr_id: u64) -> Result<(), RdmaError>;
+}
+
+impl QueuePair for Connection {
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<(), RdmaError> {
+        Connection::poll(self, out)
+    }
+
+    fn fd(&self) -> RawFd {
+        Connection::fd(self)
+    }
+
+    fn recv_msg(&self, i: usize, len: usize) -> &[u8] {
+        Connection::recv_msg(self, i, len)
+    }
+
+    fn post_recv(&mut self, i: usize) -> Result<(), RdmaError> {
+        Connection::post_recv(self, i)
+    }
+
+    fn post_rdma(
+        &mut self,
+        read: bool,
+        wr_id: u64,
+        local: u64,
+        lkey: u32,
+        len: u32,
+        remote: u64,
+        rkey: u32,
+        signaled: bool,
+    ) -> Result<(), RdmaError> {
+        Connection::post_rdma(self, read, wr_id, local, lkey, len, remote, rkey, signaled)
+    }
+
+    fn send_msg(&mut self, i: usize, msg: &[u8], wr_id: u64) -> Result<(), RdmaError> {
+        Connection::send_msg(self, i, msg, wr_id)
+    }
+}
+
+/// One I/O buffer and the request using it. `_mr` is declared first so that it is
 /// deregistered before `req` frees the buffer.
 pub(crate) struct Slot {
-    mr: Mr,
+    /// The buffer's registration, kept until the slot drops (`None` only for a fake
+    /// connection's slots, in tests).
+    _mr: Option<Mr>,
+    /// The buffer's address and local key, as registered.
+    addr: u64,
+    lkey: u32,
     /// `None` while the request is with the device I/O.
     req: Option<Box<Request>>,
     header: RequestHeader,
@@ -80,7 +151,9 @@ impl Slot {
         // `Slot`; a request the device I/O never gave back is leaked, not freed).
         let mr = unsafe { Mr::register(conn.pd(), buf.as_mut_ptr(), buf.len(), false) }?;
         Ok(Slot {
-            mr,
+            addr: mr.addr(),
+            lkey: mr.lkey(),
+            _mr: Some(mr),
             req: Some(req),
             header: RequestHeader {
                 id: 0,
@@ -89,6 +162,29 @@ impl Slot {
             segs: Vec::new(),
             busy: false,
         })
+    }
+}
+
+impl Slot {
+    /// Slot `index` with an unregistered buffer of `max` bytes, for a fake connection
+    /// that copies to and from its address.
+    #[cfg(test)]
+    pub(crate) fn unregistered(index: usize, max: usize) -> Slot {
+        let mut req = Box::new(Request::new());
+        req.tag = index;
+        let addr = req.buffer(max).as_mut_ptr() as u64;
+        Slot {
+            _mr: None,
+            addr,
+            lkey: 0,
+            req: Some(req),
+            header: RequestHeader {
+                id: 0,
+                request: BlockRequest::Flush,
+            },
+            segs: Vec::new(),
+            busy: false,
+        }
     }
 }
 
@@ -107,10 +203,10 @@ pub(crate) enum End {
 }
 
 /// The state of one session.
-struct RdmaEngine<'a, I: DeviceIo> {
+struct RdmaEngine<'a, I: DeviceIo, Q: QueuePair> {
     dev: &'a DeviceCounters,
     block: &'a BlockDevice,
-    conn: &'a mut Connection,
+    conn: &'a mut Q,
     slots: &'a mut [Slot],
     io: I,
     /// Requests received, waiting for a slot.
@@ -123,11 +219,11 @@ struct RdmaEngine<'a, I: DeviceIo> {
 /// Serves requests until the borrower leaves, breaks the protocol, or `stop` is set
 /// (then: every request received answered); returns once the device I/O has nothing in
 /// flight.
-pub(crate) fn run<I: DeviceIo>(
+pub(crate) fn run<I: DeviceIo, Q: QueuePair>(
     io: I,
     dev: &DeviceCounters,
     block: &BlockDevice,
-    conn: &mut Connection,
+    conn: &mut Q,
     slots: &mut [Slot],
     stop: &AtomicBool,
 ) -> End {
@@ -146,7 +242,7 @@ pub(crate) fn run<I: DeviceIo>(
     end
 }
 
-impl<I: DeviceIo> RdmaEngine<'_, I> {
+impl<I: DeviceIo, Q: QueuePair> RdmaEngine<'_, I, Q> {
     fn run_loop(&mut self, stop: &AtomicBool) -> End {
         let mut stopping = false;
         let mut done: Vec<Completion> = Vec::new();
@@ -270,7 +366,7 @@ impl<I: DeviceIo> RdmaEngine<'_, I> {
         slot.header = h;
         slot.segs = segs;
         if h.op() == Op::Write && refuse_reason(&h.request, self.block).is_none() {
-            let base = slot.mr.addr();
+            let base = slot.addr;
             let mut at = 0u64;
             let n = slot.segs.len();
             for (k, seg) in slot.segs.iter().enumerate() {
@@ -278,7 +374,7 @@ impl<I: DeviceIo> RdmaEngine<'_, I> {
                     true,
                     TAG_READ | s as u64,
                     base + at,
-                    slot.mr.lkey(),
+                    slot.lkey,
                     seg.len,
                     seg.addr,
                     seg.rkey,
@@ -339,14 +435,14 @@ impl<I: DeviceIo> RdmaEngine<'_, I> {
         let (resp, data) = req.response();
         let resp = *resp;
         if matches!(data, ResponseData::Buf(b) if !b.is_empty()) {
-            let base = slot.mr.addr();
+            let base = slot.addr;
             let mut at = 0u64;
             for seg in &slot.segs {
                 self.conn.post_rdma(
                     false,
                     TAG_SEND | s as u64,
                     base + at,
-                    slot.mr.lkey(),
+                    slot.lkey,
                     seg.len,
                     seg.addr,
                     seg.rkey,
@@ -400,3 +496,6 @@ impl<I: DeviceIo> RdmaEngine<'_, I> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
