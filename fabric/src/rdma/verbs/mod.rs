@@ -24,6 +24,8 @@ use super::RdmaError;
 
 mod connection;
 mod setup;
+#[cfg(test)]
+mod tests;
 
 pub use connection::{lender_shape, Completion, Connection, Shape, BORROWER, RECV_BIT};
 pub use setup::{connect, Incoming, Listener};

@@ -110,7 +110,7 @@ fn build(
     Ok(c)
 }
 
-fn to_sockaddr(addr: &str) -> Result<(SocketAddr, libc::sockaddr_storage), RdmaError> {
+pub(super) fn to_sockaddr(addr: &str) -> Result<(SocketAddr, libc::sockaddr_storage), RdmaError> {
     let bad = || RdmaError::BadAddress {
         addr: addr.to_string(),
     };
