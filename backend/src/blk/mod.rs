@@ -16,7 +16,8 @@
 //!   regions are registered, and until when;
 //! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
 //!   resubmits what was in flight; [`resubmit`] turns its heads back into chains;
-//! - [`backend`]: the `vhost-user-backend` glue (features, config, workers);
+//! - [`backend`]: the `vhost-user-backend` glue of a disk (features, config, its queues'
+//!   workers; what every device shares is [`crate::vhost_glue`]'s);
 //! - [`attachment`]: re-exports [`crate::attachment`], the attachment of a lent device
 //!   of any kind (it moved there: it is not block-only).
 
