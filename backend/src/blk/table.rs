@@ -4,9 +4,8 @@
 //! A slot is free, or holds one [`PendingRequest`] (`pending.rs`) from pop until it
 //! is finished ([`RequestTable::finish`]).
 //!
-//! - A request's id is `(sequence << 16) | head`: the table is indexed by head (a head
-//!   cannot be in flight twice), nothing is allocated per request, and the sequence
-//!   part grows with every request, so ids sort in submission order.
+//! - A request's id ([`crate::blk::request_id`]) names its head: the table is indexed
+//!   by head, and ids sort in submission order.
 //! - Every request waits in submission order ([`RequestTable::next_to_send`]) until the
 //!   session's [`Credit`] lets it go; it is then *outstanding* until it is removed.
 //! - When the session is lost, [`RequestTable::forget_session`] makes nothing
@@ -30,6 +29,7 @@ use vm_memory::GuestAddress;
 
 use crate::blk::inflight::InflightQueue;
 use crate::blk::pending::{Finished, PendingRequest};
+use crate::blk::request_id::{head_of, request_id};
 use crate::guest::{GuestMemoryRef, HostIov};
 
 /// The slot of one head descriptor index.
@@ -134,7 +134,7 @@ impl RequestTable {
         mem: GuestMemoryRef,
     ) -> u64 {
         self.seq = self.seq.wrapping_add(1);
-        let id = (self.seq << 16) | u64::from(head);
+        let id = request_id(self.seq, head);
         let op = req.req.op();
         let pending = PendingRequest::new(id, req.req, req.status_addr, std::mem::take(iovs), mem);
         let slot = &mut self.slots[usize::from(head)];
@@ -152,7 +152,7 @@ impl RequestTable {
 
     /// The request in flight with this id, if any (a response's id is checked here).
     pub(crate) fn lookup(&self, id: u64) -> Option<&PendingRequest> {
-        self.pending((id & 0xffff) as u16).filter(|p| p.id() == id)
+        self.pending(head_of(id)).filter(|p| p.id() == id)
     }
 
     /// The request in flight in the slot of `head`, if any.
