@@ -5,8 +5,9 @@
 //! this attachment's lease as its predecessor (see the device agent's `holding`
 //! module). The source gives the device up when the frontend stops the device at the
 //! end of the migration (vhost-user GET_VRING_BASE, after the requests in flight
-//! completed: [`crate::blk::backend::DRAIN_TIMEOUT`]): each queue closes its fabric
-//! session and the holder pauses, so that the lender hands the device to the
+//! completed, or failed after the disk backend's `DRAIN_TIMEOUT`): each queue closes
+//! its fabric session and the holder pauses ([`Holding`]), so that the lender hands the
+//! device to the
 //! destination. The frontend stops only the rings it started, and a guest may start
 //! fewer queues than the device has (one vCPU on a two-queue disk; a VM using one pair
 //! of a two-pair NIC): at the first stop, the queues whose ring is not started close
@@ -23,7 +24,16 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::blk::holder::Control;
+/// What holds the device on the lender for the attachment (its holding session), as a
+/// handover lets it go and takes it back. This module only asks; the holder (in
+/// `blk::holder`) does.
+pub trait Holding: Send + Sync + std::fmt::Debug {
+    /// Lets the device go: closes the holding session and opens none until
+    /// [`Self::resume`].
+    fn pause(&self);
+    /// Holds the device again (the session re-opens at once).
+    fn resume(&self);
+}
 
 /// A handover of one attachment: whether one is asked for, and whether the device was
 /// let go.
@@ -31,12 +41,12 @@ use crate::blk::holder::Control;
 pub struct Handover {
     active: AtomicBool,
     let_go: AtomicBool,
-    holder: Mutex<Option<Arc<Control>>>,
+    holder: Mutex<Option<Arc<dyn Holding>>>,
 }
 
 impl Handover {
     /// A handover for an attachment whose holder is `holder` (none for a PCIe function).
-    pub fn new(holder: Option<Arc<Control>>) -> Self {
+    pub fn new(holder: Option<Arc<dyn Holding>>) -> Self {
         Handover {
             active: AtomicBool::new(false),
             let_go: AtomicBool::new(false),
@@ -101,7 +111,7 @@ impl Handover {
         }
     }
 
-    fn control(&self) -> Option<Arc<Control>> {
+    fn control(&self) -> Option<Arc<dyn Holding>> {
         self.holder
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -7,7 +7,8 @@
 //!
 //! [`net`] is a vhost-user-net backend; [`pci`] a vfio-user server for a lent PCIe
 //! function. [`attachment`] serves one lent device of any kind on its socket. [`virtq`] holds the checks of a virtqueue the driver may have corrupted;
-//! [`budget`] bounds the vhost-user messages a VMM may send an attachment.
+//! [`budget`] bounds the vhost-user messages a VMM may send an attachment;
+//! [`vhost_glue`] is the `vhost-user-backend` glue the block and NIC backends share.
 
 pub mod attachment;
 pub mod blk;
@@ -19,4 +20,5 @@ pub mod net;
 pub mod pci;
 mod shared_map;
 pub mod sigbus;
+pub mod vhost_glue;
 pub mod virtq;

@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use devlend_fabric::io_counters::OpCounters;
 use devlend_fabric::latency::{LatencyHistogram, LatencySnapshot};
 use devlend_fabric::Op;
 
@@ -59,13 +60,9 @@ impl DeviceStatsSnapshot {
 pub(crate) struct DeviceStats {
     sessions_opened: AtomicU64,
     sessions_active: AtomicU64,
-    reads: AtomicU64,
-    writes: AtomicU64,
-    flushes: AtomicU64,
-    discards: AtomicU64,
-    write_zeroes: AtomicU64,
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
+    /// Well-formed requests received by operation; the bytes of the successful reads
+    /// and writes.
+    ops: OpCounters,
     device_ops: AtomicU64,
     request_errors: AtomicU64,
     protocol_errors: AtomicU64,
@@ -100,22 +97,15 @@ impl DeviceStats {
     }
 
     pub(crate) fn request(&self, op: Op) {
-        let c = match op {
-            Op::Read => &self.reads,
-            Op::Write => &self.writes,
-            Op::Flush => &self.flushes,
-            Op::Discard => &self.discards,
-            Op::WriteZeroes => &self.write_zeroes,
-        };
-        c.fetch_add(1, Relaxed);
+        self.ops.request(op);
     }
 
     pub(crate) fn read_bytes(&self, n: u64) {
-        self.bytes_read.fetch_add(n, Relaxed);
+        self.ops.bytes(Op::Read, n);
     }
 
     pub(crate) fn wrote_bytes(&self, n: u64) {
-        self.bytes_written.fetch_add(n, Relaxed);
+        self.ops.bytes(Op::Write, n);
     }
 
     pub(crate) fn device_op(&self) {
@@ -155,27 +145,21 @@ impl DeviceStats {
     }
 
     pub(crate) fn snapshot(&self) -> DeviceStatsSnapshot {
+        let ops = self.ops.snapshot();
         DeviceStatsSnapshot {
             sessions_opened: self.sessions_opened.load(Relaxed),
             sessions_active: self.sessions_active.load(Relaxed),
-            reads: self.reads.load(Relaxed),
-            writes: self.writes.load(Relaxed),
-            flushes: self.flushes.load(Relaxed),
-            discards: self.discards.load(Relaxed),
-            write_zeroes: self.write_zeroes.load(Relaxed),
-            bytes_read: self.bytes_read.load(Relaxed),
-            bytes_written: self.bytes_written.load(Relaxed),
+            reads: ops.reads,
+            writes: ops.writes,
+            flushes: ops.flushes,
+            discards: ops.discards,
+            write_zeroes: ops.write_zeroes,
+            bytes_read: ops.bytes_read,
+            bytes_written: ops.bytes_written,
             device_ops: self.device_ops.load(Relaxed),
             request_errors: self.request_errors.load(Relaxed),
             protocol_errors: self.protocol_errors.load(Relaxed),
-            in_flight: {
-                let received = self.reads.load(Relaxed)
-                    + self.writes.load(Relaxed)
-                    + self.flushes.load(Relaxed)
-                    + self.discards.load(Relaxed)
-                    + self.write_zeroes.load(Relaxed);
-                received.saturating_sub(self.answered.load(Relaxed))
-            },
+            in_flight: ops.requests().saturating_sub(self.answered.load(Relaxed)),
             throttled: self.throttled.load(Relaxed),
             throttle_wait_us: self.throttle_wait_us.load(Relaxed),
             throttle_queued: self

@@ -1,11 +1,15 @@
 //! The I/O counters of one block attachment, and of one queue pair of a lent NIC, as
 //! plain values: what the borrower's backend reads from its queues' counters and what
 //! the compute agent's API reports (each set declared once; the JSON field names are
-//! the API's).
+//! the API's). And the one live, atomic count of block requests by operation
+//! ([`OpCounters`]), that the borrower's backend and the lender both keep.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::{Deserialize, Serialize};
 
 use crate::latency::{LatencySnapshot, BOUNDS_US};
+use crate::Op;
 
 /// I/O counters of a block attachment, since it was created; bytes are data bytes
 /// (headers excluded).
@@ -119,4 +123,172 @@ pub struct NetCounters {
     /// Frames the guest left to segment (HOST_TSO4/6), sent whole to the lender.
     #[serde(default)]
     pub tx_gso: u64,
+}
+
+/// Block requests by operation, and the data bytes the reads and writes moved: the
+/// counters of the I/O path, relaxed atomics. What counts (a completion, a request
+/// received) is the counting side's to say.
+#[derive(Debug, Default)]
+pub struct OpCounters {
+    reads: AtomicU64,
+    writes: AtomicU64,
+    flushes: AtomicU64,
+    discards: AtomicU64,
+    write_zeroes: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+}
+
+impl OpCounters {
+    /// Counts one `op` request and its `len` data bytes ([`Self::bytes`]).
+    pub fn count(&self, op: Op, len: u64) {
+        self.request(op);
+        self.bytes(op, len);
+    }
+
+    /// Counts one `op` request, without its bytes.
+    pub fn request(&self, op: Op) {
+        let c = match op {
+            Op::Read => &self.reads,
+            Op::Write => &self.writes,
+            Op::Flush => &self.flushes,
+            Op::Discard => &self.discards,
+            Op::WriteZeroes => &self.write_zeroes,
+        };
+        c.fetch_add(1, Relaxed);
+    }
+
+    /// Counts `len` data bytes of an `op` request: read or written. The other
+    /// operations move no data (a discard's or a write-zeroes' length is a range).
+    pub fn bytes(&self, op: Op, len: u64) {
+        let c = match op {
+            Op::Read => &self.bytes_read,
+            Op::Write => &self.bytes_written,
+            Op::Flush | Op::Discard | Op::WriteZeroes => return,
+        };
+        c.fetch_add(len, Relaxed);
+    }
+
+    /// Reads every counter.
+    pub fn snapshot(&self) -> OpCounts {
+        OpCounts {
+            reads: self.reads.load(Relaxed),
+            writes: self.writes.load(Relaxed),
+            flushes: self.flushes.load(Relaxed),
+            discards: self.discards.load(Relaxed),
+            write_zeroes: self.write_zeroes.load(Relaxed),
+            bytes_read: self.bytes_read.load(Relaxed),
+            bytes_written: self.bytes_written.load(Relaxed),
+        }
+    }
+}
+
+/// A copy of [`OpCounters`] at one instant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpCounts {
+    /// READ requests.
+    pub reads: u64,
+    /// WRITE requests.
+    pub writes: u64,
+    /// FLUSH requests.
+    pub flushes: u64,
+    /// DISCARD requests.
+    pub discards: u64,
+    /// WRITE_ZEROES requests.
+    pub write_zeroes: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+}
+
+impl OpCounts {
+    /// Requests, all operations together.
+    pub fn requests(&self) -> u64 {
+        self.reads + self.writes + self.flushes + self.discards + self.write_zeroes
+    }
+}
+
+impl From<OpCounts> for IoCounters {
+    /// An attachment's counters with the per-operation ones from `ops`, the others 0.
+    fn from(ops: OpCounts) -> Self {
+        IoCounters {
+            reads: ops.reads,
+            writes: ops.writes,
+            flushes: ops.flushes,
+            discards: ops.discards,
+            write_zeroes: ops.write_zeroes,
+            bytes_read: ops.bytes_read,
+            bytes_written: ops.bytes_written,
+            ..IoCounters::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_operation_counts_apart_and_only_reads_and_writes_move_bytes() {
+        let c = OpCounters::default();
+        c.count(Op::Read, 4096);
+        c.count(Op::Read, 512);
+        c.count(Op::Write, 8192);
+        c.count(Op::Flush, 0);
+        // A discard's and a write-zeroes' length is a range of the disk, not data.
+        c.count(Op::Discard, 1 << 20);
+        c.count(Op::WriteZeroes, 1 << 20);
+        c.count(Op::WriteZeroes, 4096);
+        let s = c.snapshot();
+        assert_eq!(
+            s,
+            OpCounts {
+                reads: 2,
+                writes: 1,
+                flushes: 1,
+                discards: 1,
+                write_zeroes: 2,
+                bytes_read: 4608,
+                bytes_written: 8192,
+            }
+        );
+        assert_eq!(s.requests(), 7);
+    }
+
+    #[test]
+    fn a_request_and_its_bytes_can_be_counted_apart() {
+        // The lender counts a request when it arrives and its bytes once it succeeded.
+        let c = OpCounters::default();
+        c.request(Op::Write);
+        c.request(Op::Read);
+        assert_eq!(
+            (c.snapshot().bytes_read, c.snapshot().bytes_written),
+            (0, 0)
+        );
+        c.bytes(Op::Write, 512);
+        let s = c.snapshot();
+        assert_eq!(
+            (s.reads, s.writes, s.bytes_read, s.bytes_written),
+            (1, 1, 0, 512)
+        );
+    }
+
+    #[test]
+    fn the_snapshot_fills_the_attachments_per_operation_counters_only() {
+        let c = OpCounters::default();
+        c.count(Op::Write, 512);
+        c.count(Op::Discard, 8);
+        let io = IoCounters::from(c.snapshot());
+        assert_eq!((io.writes, io.bytes_written, io.discards), (1, 512, 1));
+        assert_eq!(
+            IoCounters {
+                writes: 0,
+                bytes_written: 0,
+                discards: 0,
+                ..io
+            },
+            IoCounters::default()
+        );
+    }
 }

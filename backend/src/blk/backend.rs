@@ -7,21 +7,18 @@
 //! I/O (GET_VRING_BASE takes them to drain, after the library stopped the ring).
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vhost::vhost_user::message::{
     VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
-use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringT};
+use vhost_user_backend::{VhostUserBackend, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{
-    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
-};
+use vmm_sys_util::event::{EventConsumer, EventNotifier};
 
 use crate::blk::engine::{QueueEngine, QueueStats};
 use crate::blk::inflight::InflightRegion;
@@ -32,18 +29,16 @@ use crate::blk::spec::{
 use crate::guest::{GuestMemory, Vring};
 use crate::handover::Handover;
 use crate::lender::LenderTarget;
+use crate::vhost_glue::{lock, signal_used, FabricWatch, Glue, Handler, RingState, Workers};
 
 /// How long GET_VRING_BASE and detach wait for requests in flight before failing them.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
-type Handler = VringEpollHandler<Arc<BlkBackend>>;
-
 struct QueueCell {
     engine: QueueEngine,
     vring: Option<Vring>,
-    /// The fabric fd registered in the worker's epoll set, its generation, and whether
-    /// for writability too.
-    registered: (Option<RawFd>, u64, bool),
+    /// The fabric socket as registered in the worker's epoll set.
+    watch: FabricWatch,
 }
 
 /// The vhost-user-blk backend of one frontend connection.
@@ -51,24 +46,15 @@ pub struct BlkBackend {
     limits: Arc<DeviceLimits>,
     config: [u8; CONFIG_LEN],
     queues: Vec<Mutex<QueueCell>>,
-    mem: GuestMemoryAtomic<GuestMemory>,
-    handlers: Mutex<Vec<Weak<Handler>>>,
-    exit_fds: Mutex<Vec<(EventNotifier, RawFd)>>,
+    /// Guest memory, epoll handlers, exit eventfds and a live migration's handover of
+    /// the device ([`crate::handover`]); one worker per virtqueue.
+    glue: Glue<BlkBackend>,
     stopping: AtomicBool,
     poll: Duration,
-    /// The guest memory's host ranges, guarded against truncation by the VMM (the
-    /// queues stay stopped from a fault there until a new memory table comes).
-    memory_guard: crate::sigbus::MemoryGuard,
-    /// A live migration's handover of the device ([`crate::handover`]).
-    handover: Arc<Handover>,
 }
 
 /// Longest busy-poll in one event handler call: the locks of the queue are then let go.
 pub const MAX_POLL_SLICE: Duration = Duration::from_millis(1);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 impl BlkBackend {
     /// A backend for `num_queues` virtqueues of attachment `name`; opens one fabric
@@ -95,27 +81,23 @@ impl BlkBackend {
                         tracing::warn!(queue = i, error = %crate::lender::DisplayChain(&e), "cannot open fabric session yet");
                     }
                 }
-                Mutex::new(QueueCell { engine, vring: None, registered: (None, 0, false) })
+                Mutex::new(QueueCell { engine, vring: None, watch: FabricWatch::default() })
             })
             .collect();
         BlkBackend {
             config: config_space(&limits, num_queues),
             limits,
             queues,
-            mem: GuestMemoryAtomic::new(GuestMemory::new()),
-            handlers: Mutex::new(Vec::new()),
-            exit_fds: Mutex::new(Vec::new()),
+            glue: Glue::new(Workers::new(usize::from(num_queues), 1)),
             stopping: AtomicBool::new(false),
             poll: Duration::ZERO,
-            memory_guard: crate::sigbus::MemoryGuard::default(),
-            handover: Arc::new(Handover::default()),
         }
     }
 
     /// Lets the device go when the frontend stops it while `handover` is asked for, and
     /// takes it back when the frontend starts it again ([`crate::handover`]).
     pub fn with_handover(mut self, handover: Arc<Handover>) -> Self {
-        self.handover = handover;
+        self.glue.set_handover(handover);
         self
     }
 
@@ -130,24 +112,24 @@ impl BlkBackend {
     /// The guest memory map that the daemon must be created with (the library updates
     /// it on SET_MEM_TABLE / ADD_MEM_REG).
     pub fn memory(&self) -> GuestMemoryAtomic<GuestMemory> {
-        self.mem.clone()
+        self.glue.memory()
     }
 
     /// The epoll event id of the fabric socket in each worker: above every queue index
     /// and the reserved id `num_queues`.
     pub fn fabric_event(&self) -> u16 {
-        self.queues.len() as u16 + 1
+        self.glue.workers().fabric_event() as u16
     }
 
     /// The epoll event id of each worker's reconnect timer.
     pub fn timer_event(&self) -> u16 {
-        self.queues.len() as u16 + 2
+        self.glue.workers().timer_event() as u16
     }
 
     /// Takes the daemon's per-worker epoll handlers and registers each queue's fabric
     /// socket in its worker.
-    pub fn attach_handlers(&self, handlers: &[Arc<Handler>]) {
-        *lock(&self.handlers) = handlers.iter().map(Arc::downgrade).collect();
+    pub fn attach_handlers(&self, handlers: &[Arc<Handler<BlkBackend>>]) {
+        self.glue.attach_handlers(handlers);
         for q in 0..self.queues.len() {
             let mut cell = lock(&self.queues[q]);
             self.sync_registration(q, &mut cell, true);
@@ -167,30 +149,17 @@ impl BlkBackend {
     fn sync_registration(&self, q: usize, cell: &mut QueueCell, watch: bool) {
         let (fd, gen) = cell.engine.fabric_fd();
         let fd = fd.filter(|_| watch);
-        let out = fd.is_some() && cell.engine.wants_write();
-        if (fd, gen, out) == cell.registered {
+        let now = (fd, gen, fd.is_some() && cell.engine.wants_write());
+        if cell.watch.is(now) {
             return;
         }
-        let Some(handler) = lock(&self.handlers).get(q).and_then(Weak::upgrade) else {
+        let Some(handler) = self.glue.handler(q) else {
             return;
         };
-        let id = u64::from(self.fabric_event());
-        if let Some(old) = cell.registered.0 {
-            // The old socket is closed already (epoll dropped it then) or its number was
-            // reused by the new one; either way a failure here is expected and harmless.
-            let _ = handler.unregister_listener(old, EventSet::IN, id);
+        let id = self.glue.workers().fabric_event();
+        if let Err(e) = cell.watch.update(&*handler, now, id) {
+            tracing::error!(queue = q, error = %e, "cannot watch fabric socket");
         }
-        if let Some(fd) = fd {
-            let events = if out {
-                EventSet::IN | EventSet::OUT
-            } else {
-                EventSet::IN
-            };
-            if let Err(e) = handler.register_listener(fd, events, id) {
-                tracing::error!(queue = q, error = %e, "cannot watch fabric socket");
-            }
-        }
-        cell.registered = (fd, gen, out);
     }
 
     /// Stops taking requests from the guest and waits for those in flight to complete
@@ -218,7 +187,7 @@ impl BlkBackend {
         let Some(vring) = cell.vring.clone() else {
             return Ok(());
         };
-        let mem = self.mem.memory().into_inner();
+        let mem = self.glue.map();
         let mut state = vring.get_mut();
         let used = cell
             .engine
@@ -274,12 +243,7 @@ impl BlkBackend {
     /// Closes the exit eventfds that the library's workers leave open; call once the
     /// daemon (and so every worker thread) is gone.
     pub fn close_exit_fds(&self) {
-        for (_notifier, fd) in lock(&self.exit_fds).drain(..) {
-            // SAFETY: `fd` is the consumer end handed to the library in `exit_event`,
-            // which registered it in a worker's epoll set (now closed with the worker)
-            // and never closes it; nothing else refers to it.
-            unsafe { libc::close(fd) };
-        }
+        self.glue.close_exit_fds();
     }
 }
 
@@ -302,14 +266,9 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
-        VhostUserProtocolFeatures::CONFIG
-            | VhostUserProtocolFeatures::MQ
-            | VhostUserProtocolFeatures::REPLY_ACK
-            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
-            // Dirty-page logging for live migration (vhost-user "Migration"): the log
-            // comes as a shared-memory fd with SET_LOG_BASE.
-            | VhostUserProtocolFeatures::LOG_SHMFD
+        // Requests in flight tracked in the frontend's memory, for a restarted backend
+        // to resubmit.
+        crate::vhost_glue::protocol_features() | VhostUserProtocolFeatures::INFLIGHT_SHMFD
     }
 
     fn get_inflight_fd(
@@ -363,11 +322,11 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemory>) -> io::Result<()> {
-        // `self.mem` is the same atomic the library just updated; requests in flight
+        // The glue's map is the same atomic the library just updated; requests in flight
         // hold the map they were parsed against. Over RDMA each queue registers the new
         // regions now and drops what nobody uses any more.
         let map = mem.memory().into_inner();
-        self.memory_guard.set_memory(&map);
+        self.glue.memory_changed(&map);
         for cell in &self.queues {
             lock(cell).engine.memory_changed(&map);
         }
@@ -375,18 +334,20 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn queues_per_thread(&self) -> Vec<u64> {
-        (0..self.queues.len()).map(|q| 1u64 << q).collect()
+        self.glue.workers().queues_per_thread()
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
-        let keep = notifier.try_clone().ok()?;
-        lock(&self.exit_fds).push((keep, consumer.as_raw_fd()));
-        Some((consumer, notifier))
+        self.glue.exit_event()
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
-        let Some(cell) = self.queues.get(queue_index as usize) else {
+        let Some((q, cell)) = self
+            .glue
+            .workers()
+            .worker_of(queue_index)
+            .and_then(|(q, _)| Some((q, self.queues.get(q)?)))
+        else {
             return Ok(());
         };
         let (drained, letting_go) = {
@@ -397,10 +358,10 @@ impl VhostUserBackend for BlkBackend {
             cell.engine.reset_broken();
             // The end of a live migration: the requests in flight completed above; the
             // queue's session closes so that the lender can hand the device over.
-            let letting_go = self.handover.ring_stopped();
+            let letting_go = self.glue.handover().ring_stopped();
             if letting_go {
                 cell.engine.let_go();
-                self.sync_registration(queue_index as usize, &mut cell, false);
+                self.sync_registration(q, &mut cell, false);
             }
             (drained, letting_go)
         };
@@ -424,7 +385,7 @@ impl VhostUserBackend for BlkBackend {
         if cell.vring.is_none() {
             cell.vring = Some(vring.clone());
         }
-        let mem = self.mem.memory().into_inner();
+        let mem = self.glue.map();
         let mut state = vring.get_mut();
         let queue = state.get_queue_mut();
         if !queue.ready() {
@@ -441,10 +402,8 @@ impl VhostUserBackend for BlkBackend {
             self.sync_registration(thread_id, &mut cell, false);
             return Ok(());
         }
-        if self.handover.is_let_go() {
-            // A migration that failed: the VM runs here again.
-            self.handover.resume();
-        }
+        // A migration that failed: the VM runs here again.
+        self.glue.frontend_runs();
         let result = if device_event == self.fabric_event() {
             cell.engine.process_responses(queue, &mem)
         } else if device_event == self.timer_event() {
@@ -472,11 +431,10 @@ impl VhostUserBackend for BlkBackend {
                 }
             };
         }
-        let queue = state.get_queue_mut();
-        if used && queue.needs_notification(mem.as_ref()).unwrap_or(true) {
-            state.signal_used_queue()?;
+        if used {
+            signal_used(&mut state, &mem)?;
         }
-        if self.memory_guard.lost() {
+        if self.glue.memory_lost() {
             cell.engine.break_queue(crate::sigbus::LOST.into());
         }
         if cell.engine.take_newly_broken() {
@@ -500,7 +458,7 @@ impl BlkBackend {
     fn busy_poll(
         &self,
         engine: &mut QueueEngine,
-        state: &mut vhost_user_backend::VringState<GuestMemoryAtomic<GuestMemory>>,
+        state: &mut RingState,
         mem: &crate::guest::GuestMemoryRef,
         mut used: bool,
     ) -> io::Result<bool> {
@@ -522,7 +480,7 @@ impl BlkBackend {
             }
             // The frontend may add memory while this runs (libblkio maps its buffers
             // after starting the queues): parse each batch against the current map.
-            mem = self.mem.memory().into_inner();
+            mem = self.glue.map();
             let queue = state.get_queue_mut();
             let before = engine.inflight();
             let done = engine

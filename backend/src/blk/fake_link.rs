@@ -41,7 +41,7 @@ pub(crate) struct Received {
 impl Received {
     /// The head of the chain it was made from.
     pub(crate) fn head(&self) -> u16 {
-        (self.id & 0xffff) as u16
+        crate::blk::request_id::head_of(self.id)
     }
 }
 

@@ -22,6 +22,7 @@ use devlend_fabric::reconnect::{Attempt, Clock, GaveUp, Policy, Reconnector, Sys
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::HelloStatus;
 
+use crate::handover::Holding;
 use crate::lender::{DisplayChain, LenderTarget};
 
 /// Queue index of the holding session.
@@ -54,9 +55,9 @@ pub struct Control {
     current: Mutex<Option<Stream>>,
 }
 
-impl Control {
+impl Holding for Control {
     /// Closes the holding session and opens none until [`Self::resume`].
-    pub fn pause(&self) {
+    fn pause(&self) {
         self.paused.store(true, Ordering::Release);
         if let Some(s) = lock(&self.current).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
@@ -65,11 +66,13 @@ impl Control {
 
     /// Holds the device again: the holder re-opens its session at once (retrying while
     /// the lender answers busy).
-    pub fn resume(&self) {
+    fn resume(&self) {
         self.paused.store(false, Ordering::Release);
     }
+}
 
-    /// Whether [`Self::pause`] is in force.
+impl Control {
+    /// Whether [`Holding::pause`] is in force.
     pub fn is_paused(&self) -> bool {
         self.paused.load(Ordering::Acquire)
     }

@@ -22,6 +22,7 @@ use devlend_fabric::wire::{ResponseHeader, REQUEST_HEADER_LEN, RESPONSE_HEADER_L
 use devlend_fabric::{Credit, Op, Status};
 
 use crate::blk::complete::Completer;
+use crate::blk::request_id::head_of;
 use crate::blk::spec::{S_IOERR, S_OK, S_UNSUPP};
 use crate::blk::table::RequestTable;
 use crate::guest::GuestMemoryRef;
@@ -164,7 +165,7 @@ pub(crate) fn check_response(
         return Err(FabricFault::BadLength { got: h.len.0, want });
     }
     Ok(Response {
-        head: (h.id & 0xffff) as u16,
+        head: head_of(h.id),
         status: match h.status {
             Status::Ok => S_OK,
             Status::IoErr => S_IOERR,

@@ -4,7 +4,8 @@
 //! - [`request`]: descriptor chain → validated request, or an immediate status;
 //! - [`engine`]: one virtqueue's requests in flight over one fabric session, resent on
 //!   a new one when it is lost; `table`: its table of requests in flight (slots by head,
-//!   ids, the order they go out in, the session's credit, the inflight-buffer marks);
+//!   ids (`request_id`: `(sequence << 16) | head`), the order they go out in, the
+//!   session's credit, the inflight-buffer marks);
 //!   `pending`: one request's life from pop to used ring; `complete`: returning a chain
 //!   to the guest; `stats`: the attachment's counters (where the device is lent from,
 //!   the retry timer and the error chain for logs are [`crate::lender`]'s, shared with
@@ -16,7 +17,8 @@
 //!   regions are registered, and until when;
 //! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
 //!   resubmits what was in flight; [`resubmit`] turns its heads back into chains;
-//! - [`backend`]: the `vhost-user-backend` glue (features, config, workers);
+//! - [`backend`]: the `vhost-user-backend` glue of a disk (features, config, its queues'
+//!   workers; what every device shares is [`crate::vhost_glue`]'s);
 //! - [`attachment`]: re-exports [`crate::attachment`], the attachment of a lent device
 //!   of any kind (it moved there: it is not block-only).
 
@@ -40,6 +42,7 @@ mod nonblock;
 #[cfg(feature = "rdma")]
 mod rdma;
 pub mod request;
+mod request_id;
 pub mod resubmit;
 pub mod spec;
 mod stats;

@@ -15,7 +15,7 @@ use crate::guest::{mark_iovs_dirty, GuestMemoryRef, HostIov};
 /// in guest memory, and its progress on the sessions it is sent on.
 #[derive(Debug)]
 pub(crate) struct PendingRequest {
-    /// Its id on the wire ([`crate::blk::table`]: `(sequence << 16) | head`).
+    /// Its id on the wire ([`crate::blk::request_id`]: `(sequence << 16) | head`).
     id: u64,
     /// The request as it goes on the wire.
     req: BlockRequest,

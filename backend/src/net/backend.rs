@@ -4,22 +4,19 @@
 //! backend per frontend connection.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use devlend_fabric::net::LinkState;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::Listener;
-use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringEpollHandler, VringT};
+use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringT};
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{
-    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
-};
+use vmm_sys_util::event::{EventConsumer, EventNotifier};
 
 use crate::guest::{GuestMemory, Vring};
 use crate::lender::LenderTarget;
@@ -28,12 +25,12 @@ use crate::net::spec::{
     config_slice, config_space, features, guest_offloads, CONFIG_LEN, MAX_QUEUE_SIZE,
 };
 use crate::net::stats::NetStats;
-
-type Handler = VringEpollHandler<Arc<NetBackend>>;
+use crate::vhost_glue::{lock, signal_used, FabricWatch, Glue, Handler, Workers};
 
 struct PairCell {
     engine: PairEngine,
-    registered: (Option<RawFd>, u64, bool),
+    /// The fabric socket as registered in the worker's epoll set.
+    watch: FabricWatch,
     timer_registered: bool,
     /// The pair's receiveq and transmitq, from the worker's first event.
     vrings: Option<(Vring, Vring)>,
@@ -59,19 +56,11 @@ fn ring_runs(v: &Vring) -> bool {
 pub struct NetBackend {
     pairs: Vec<Mutex<PairCell>>,
     config: [u8; CONFIG_LEN],
-    mem: GuestMemoryAtomic<GuestMemory>,
-    handlers: Mutex<Vec<Weak<Handler>>>,
-    exit_fds: Mutex<Vec<(EventNotifier, RawFd)>>,
+    /// Guest memory, epoll handlers, exit eventfds and a live migration's handover of
+    /// the NIC ([`crate::handover`]); one worker per queue pair.
+    glue: Glue<NetBackend>,
     acked: std::sync::atomic::AtomicU64,
     offload: bool,
-    /// The guest memory's host ranges, guarded against truncation by the VMM.
-    memory_guard: crate::sigbus::MemoryGuard,
-    /// A live migration's handover of the NIC ([`crate::handover`]).
-    handover: Arc<crate::handover::Handover>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl NetBackend {
@@ -102,7 +91,7 @@ impl NetBackend {
                 engine.pause();
                 Ok(Mutex::new(PairCell {
                     engine,
-                    registered: (None, 0, false),
+                    watch: FabricWatch::default(),
                     timer_registered: false,
                     vrings: None,
                 }))
@@ -111,40 +100,28 @@ impl NetBackend {
         Ok(NetBackend {
             pairs: cells,
             config: config_space(link, pairs),
-            mem: GuestMemoryAtomic::new(GuestMemory::new()),
-            handlers: Mutex::new(Vec::new()),
-            exit_fds: Mutex::new(Vec::new()),
+            glue: Glue::new(Workers::new(usize::from(pairs), 2)),
             acked: std::sync::atomic::AtomicU64::new(0),
             offload,
-            memory_guard: crate::sigbus::MemoryGuard::default(),
-            handover: Arc::default(),
         })
     }
 
     /// Lets the NIC go when the frontend stops it while `handover` is asked for, and
     /// takes it back when the frontend starts it again ([`crate::handover`]).
     pub fn with_handover(mut self, handover: Arc<crate::handover::Handover>) -> Self {
-        self.handover = handover;
+        self.glue.set_handover(handover);
         self
     }
 
     /// The guest memory map the daemon must be created with.
     pub fn memory(&self) -> GuestMemoryAtomic<GuestMemory> {
-        self.mem.clone()
-    }
-
-    fn fabric_event(&self) -> u64 {
-        self.pairs.len() as u64 * 2 + 1
-    }
-
-    fn timer_event(&self) -> u64 {
-        self.pairs.len() as u64 * 2 + 2
+        self.glue.memory()
     }
 
     /// Takes the daemon's per-worker handlers, opens each pair's fabric session and
     /// registers its socket and timer.
-    pub fn attach_handlers(&self, handlers: &[Arc<Handler>]) {
-        *lock(&self.handlers) = handlers.iter().map(Arc::downgrade).collect();
+    pub fn attach_handlers(&self, handlers: &[Arc<Handler<NetBackend>>]) {
+        self.glue.attach_handlers(handlers);
         for q in 0..self.pairs.len() {
             let mut cell = lock(&self.pairs[q]);
             cell.engine.start();
@@ -153,50 +130,30 @@ impl NetBackend {
     }
 
     fn sync_registration(&self, q: usize, cell: &mut PairCell) {
-        let Some(handler) = lock(&self.handlers).get(q).and_then(Weak::upgrade) else {
+        let Some(handler) = self.glue.handler(q) else {
             return;
         };
+        let workers = self.glue.workers();
         if !cell.timer_registered {
-            if let Err(e) =
-                handler.register_listener(cell.engine.timer_fd(), EventSet::IN, self.timer_event())
-            {
+            if let Err(e) = handler.register_listener(
+                cell.engine.timer_fd(),
+                EventSet::IN,
+                workers.timer_event(),
+            ) {
                 tracing::error!(pair = q, error = %e, "cannot watch the pair's timer");
             }
             cell.timer_registered = true;
         }
         let now = cell.engine.fabric_fd();
-        if now == cell.registered {
-            return;
+        if let Err(e) = cell.watch.update(&*handler, now, workers.fabric_event()) {
+            tracing::error!(pair = q, error = %e, "cannot watch the fabric socket");
         }
-        let id = self.fabric_event();
-        let set = |out: bool| {
-            if out {
-                EventSet::IN | EventSet::OUT
-            } else {
-                EventSet::IN
-            }
-        };
-        if let Some(old) = cell.registered.0 {
-            // Closed already, or its number reused by the new socket: failure is harmless.
-            let _ = handler.unregister_listener(old, set(cell.registered.2), id);
-        }
-        if let Some(fd) = now.0 {
-            if let Err(e) = handler.register_listener(fd, set(now.2), id) {
-                tracing::error!(pair = q, error = %e, "cannot watch the fabric socket");
-            }
-        }
-        cell.registered = now;
     }
 
     /// Closes the exit eventfds the library's workers leave open; call once the daemon
     /// is gone.
     pub fn close_exit_fds(&self) {
-        for (_notifier, fd) in lock(&self.exit_fds).drain(..) {
-            // SAFETY: `fd` is the consumer end handed to the library in `exit_event`,
-            // registered in a worker's epoll set (closed with the worker) and never
-            // closed by the library; nothing else refers to it.
-            unsafe { libc::close(fd) };
-        }
+        self.glue.close_exit_fds();
     }
 }
 
@@ -207,7 +164,7 @@ impl VhostUserBackend for NetBackend {
     type Vring = Vring;
 
     fn num_queues(&self) -> usize {
-        self.pairs.len() * 2
+        self.glue.workers().num_queues()
     }
 
     fn max_queue_size(&self) -> usize {
@@ -230,13 +187,7 @@ impl VhostUserBackend for NetBackend {
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
-        VhostUserProtocolFeatures::MQ
-            | VhostUserProtocolFeatures::REPLY_ACK
-            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-            | VhostUserProtocolFeatures::CONFIG
-            // Dirty-page logging for live migration (vhost-user "Migration"): the log
-            // comes as a shared-memory fd with SET_LOG_BASE.
-            | VhostUserProtocolFeatures::LOG_SHMFD
+        crate::vhost_glue::protocol_features()
     }
 
     fn set_event_idx(&self, _enabled: bool) {}
@@ -246,30 +197,30 @@ impl VhostUserBackend for NetBackend {
     }
 
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemory>) -> io::Result<()> {
-        self.memory_guard.set_memory(&mem.memory());
+        self.glue.memory_changed(&mem.memory());
         Ok(())
     }
 
     fn queues_per_thread(&self) -> Vec<u64> {
-        (0..self.pairs.len()).map(|q| 0b11u64 << (2 * q)).collect()
+        self.glue.workers().queues_per_thread()
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
-        let keep = notifier.try_clone().ok()?;
-        lock(&self.exit_fds).push((keep, consumer.as_raw_fd()));
-        Some((consumer, notifier))
+        self.glue.exit_event()
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        let Some((pair, place)) = self.glue.workers().worker_of(queue_index) else {
+            return Ok(());
+        };
         // The frontend re-initializes the queue after this: a queue the driver broke is
         // served again then.
-        let side = if queue_index.is_multiple_of(2) {
+        let side = if place == 0 {
             PairQueue::Rx
         } else {
             PairQueue::Tx
         };
-        let Some(cell) = self.pairs.get(queue_index as usize / 2) else {
+        let Some(cell) = self.pairs.get(pair) else {
             return Ok(());
         };
         let letting_go = {
@@ -277,10 +228,10 @@ impl VhostUserBackend for NetBackend {
             cell.engine.reset_broken(side);
             // The end of a live migration: the pair's session closes so that the lender
             // can hand the NIC over.
-            let letting_go = self.handover.ring_stopped();
+            let letting_go = self.glue.handover().ring_stopped();
             if letting_go {
                 cell.engine.pause();
-                self.sync_registration(queue_index as usize / 2, &mut cell);
+                self.sync_registration(pair, &mut cell);
             }
             letting_go
         };
@@ -329,7 +280,7 @@ impl VhostUserBackend for NetBackend {
         if cell.vrings.is_none() {
             cell.vrings = Some((rx.clone(), tx.clone()));
         }
-        let mem = self.mem.memory().into_inner();
+        let mem = self.glue.map();
         let mut rxs = rx.get_mut();
         let mut txs = tx.get_mut();
         let (mut rx_used, mut tx_used) = (false, false);
@@ -338,16 +289,15 @@ impl VhostUserBackend for NetBackend {
         if (rx_ready && rxs.is_enabled()) || (tx_ready && txs.is_enabled()) {
             // The VM runs (again): a NIC let go for a migration that failed is taken
             // back; the pair's session opens (a destination's too).
-            if self.handover.is_let_go() {
-                self.handover.resume();
-            }
+            self.glue.frontend_runs();
             cell.engine.resume();
         }
         let ev = u64::from(device_event);
+        let workers = self.glue.workers();
         // An error here is the guest's (its rings are not in its memory): it breaks
         // that virtqueue, and the worker goes on; returning it would end the worker and
         // with it the NIC.
-        if ev == self.fabric_event() {
+        if ev == workers.fabric_event() {
             if evset.contains(EventSet::OUT) {
                 cell.engine.flush();
                 if tx_ready {
@@ -358,7 +308,7 @@ impl VhostUserBackend for NetBackend {
             let q = rx_ready.then(|| rxs.get_queue_mut());
             let r = cell.engine.on_fabric(q, &mem);
             rx_used |= cell.engine.ring_result(PairQueue::Rx, r);
-        } else if ev == self.timer_event() {
+        } else if ev == workers.timer_event() {
             let q = rx_ready.then(|| rxs.get_queue_mut());
             let r = cell.engine.on_timer(q, &mem);
             rx_used |= cell.engine.ring_result(PairQueue::Rx, r);
@@ -369,28 +319,18 @@ impl VhostUserBackend for NetBackend {
             let r = cell.engine.on_tx(txs.get_queue_mut(), &mem);
             tx_used |= cell.engine.ring_result(PairQueue::Tx, r);
         }
-        if self.memory_guard.lost() {
+        if self.glue.memory_lost() {
             for q in [PairQueue::Rx, PairQueue::Tx] {
                 cell.engine.break_queue(q, crate::sigbus::LOST.into());
             }
         }
         // A used ring that cannot be read for its event index: signal (the guest's
         // loss, not the worker's).
-        if rx_used
-            && rxs
-                .get_queue_mut()
-                .needs_notification(mem.as_ref())
-                .unwrap_or(true)
-        {
-            rxs.signal_used_queue()?;
+        if rx_used {
+            signal_used(&mut rxs, &mem)?;
         }
-        if tx_used
-            && txs
-                .get_queue_mut()
-                .needs_notification(mem.as_ref())
-                .unwrap_or(true)
-        {
-            txs.signal_used_queue()?;
+        if tx_used {
+            signal_used(&mut txs, &mem)?;
         }
         // virtio 1.2 §2.1.2: the device needs a reset. vhost-user's way to say so is
         // the vring's error eventfd (SET_VRING_ERR).

@@ -7,8 +7,9 @@
 //!   each way, held briefly when the guest has posted no buffer, dropped and counted
 //!   when the lender is away, reconnection with backoff;
 //! - [`stats`]: the counters of the pairs, and the link as last reported;
-//! - [`backend`]: the `vhost-user-backend` glue, one worker per queue pair, and the
-//!   serving loop of an attachment.
+//! - [`backend`]: the `vhost-user-backend` glue of a NIC, one worker per queue pair
+//!   (what every device shares is [`crate::vhost_glue`]'s), and the serving loop of an
+//!   attachment.
 
 pub mod backend;
 pub mod pair;
