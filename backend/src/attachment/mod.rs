@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use devlend_fabric::reconnect::{Attempt, GaveUp, Policy, Reconnector, SystemClock};
 use vhost::vhost_user::Listener;
-use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vhost_user_backend::ShutdownHandle;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::blk::backend::{BlkBackend, DRAIN_TIMEOUT};
@@ -35,6 +35,7 @@ pub use self::part::{BlockPart, NicPart, Part};
 pub use crate::blk::holder::{BUSY_RETRY, CONTROL_QUEUE};
 pub use devlend_fabric::DeviceKind;
 
+mod frontends;
 mod part;
 mod pci;
 mod vhost_user;

@@ -3,7 +3,9 @@
 
 use devlend_fabric::DeviceDescription;
 
+use super::frontends::Frontends;
 use super::*;
+use crate::net::NetBackend;
 
 /// What the lender lends, of what vhost-user serves.
 #[derive(Clone, Copy)]
@@ -128,23 +130,33 @@ impl Attachment {
             std::thread::Builder::new()
                 .name(format!("attach-{}", config.lender.device))
                 .spawn(move || {
-                    crate::net::backend::serve(
+                    let frontends = Frontends {
+                        id: &config.id,
+                        socket: &config.socket,
+                        name: format!("devlend-net-{}", config.lender.device),
+                        shared: &shared,
+                    };
+                    let pairs = config.num_queues;
+                    frontends.serve(
                         listener,
-                        &config.id,
-                        &config.lender,
-                        config.num_queues,
-                        &link,
-                        offload,
-                        &net,
-                        &shared.stop,
-                        &shared.handover,
                         |l| wait_for_client(l, &wake, &shared),
-                        |h| {
-                            if let Ok(mut c) = shared.net_handle.lock() {
-                                *c = h;
+                        || {
+                            NetBackend::new(
+                                Arc::from(config.id.as_str()),
+                                &config.lender,
+                                pairs,
+                                &link,
+                                offload,
+                                net.clone(),
+                            )
+                            .map(|b| Arc::new(b.with_handover(shared.handover.clone())))
+                            .map_err(|e| e.to_string())
+                        },
+                        |c| {
+                            if let Ok(mut h) = shared.net_handle.lock() {
+                                *h = c.and_then(|(_, handle)| handle);
                             }
                         },
-                        &shared.connected,
                     )
                 })
                 .map_err(AttachmentError::Thread)?
@@ -200,60 +212,29 @@ fn serve(
     stats: Arc<QueueStats>,
     shared: Arc<Serving>,
 ) {
-    let name = format!("devlend-blk-{}", config.lender.device);
-    let budget = crate::budget::for_attachment();
-    while wait_for_client(&listener, &wake, &shared) {
-        let Some(stream) =
-            crate::budget::accept_admitted(&listener, &budget, &shared.stop, &config.id)
-        else {
-            continue;
-        };
-        let backend = Arc::new(
-            BlkBackend::new(
-                Arc::from(config.id.as_str()),
-                limits.clone(),
-                config.num_queues,
-                &config.lender,
-                stats.clone(),
-                config.reconnect_deadline,
-            )
-            .with_poll(config.poll)
-            .with_handover(shared.handover.clone()),
-        );
-        let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory())
-        {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::error!(attachment = %config.id, error = %e, "cannot create vhost-user daemon");
-                std::thread::sleep(Duration::from_millis(200));
-                continue;
-            }
-        };
-        daemon.set_message_budget(budget.clone());
-        backend.attach_handlers(&daemon.get_epoll_handlers());
-        set_current(&shared, Some((backend.clone(), None)));
-        if let Err(e) = daemon.start_stream(stream) {
-            devlend_fabric::limited!(warn, attachment = %config.id, error = %e, "vhost-user connection failed to start");
-        } else {
-            set_current(&shared, Some((backend.clone(), daemon.shutdown_handle())));
-            shared.connected.store(true, Ordering::Release);
-            devlend_fabric::limited!(info, attachment = %config.id, socket = %config.socket.display(), "frontend connected");
-            if shared.stop.load(Ordering::Acquire) {
-                backend.drain_all(DRAIN_TIMEOUT, false);
-                daemon.request_shutdown();
-            }
-            match daemon.wait() {
-                Ok(()) => {
-                    devlend_fabric::limited!(info, attachment = %config.id, socket = %config.socket.display(), "frontend disconnected")
-                }
-                Err(e) => {
-                    devlend_fabric::limited!(info, attachment = %config.id, socket = %config.socket.display(), error = %e, "frontend connection ended")
-                }
-            }
-            shared.connected.store(false, Ordering::Release);
-        }
-        set_current(&shared, None);
-        drop(daemon);
-        backend.close_exit_fds();
-    }
+    let frontends = Frontends {
+        id: &config.id,
+        socket: &config.socket,
+        name: format!("devlend-blk-{}", config.lender.device),
+        shared: &shared,
+    };
+    frontends.serve(
+        listener,
+        |l| wait_for_client(l, &wake, &shared),
+        || {
+            Ok(Arc::new(
+                BlkBackend::new(
+                    Arc::from(config.id.as_str()),
+                    limits.clone(),
+                    config.num_queues,
+                    &config.lender,
+                    stats.clone(),
+                    config.reconnect_deadline,
+                )
+                .with_poll(config.poll)
+                .with_handover(shared.handover.clone()),
+            ))
+        },
+        |c| set_current(&shared, c),
+    );
 }

@@ -4,14 +4,12 @@
 //! backend per frontend connection.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use devlend_fabric::net::LinkState;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
-use vhost::vhost_user::Listener;
-use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringT};
+use vhost_user_backend::{VhostUserBackend, VringT};
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
@@ -344,73 +342,5 @@ impl VhostUserBackend for NetBackend {
         drop((rxs, txs));
         self.sync_registration(thread_id, &mut cell);
         Ok(())
-    }
-}
-
-/// Serves `listener` for a lent NIC until `stop` is set: each frontend connection gets
-/// a fresh [`NetBackend`] (a daemon cannot serve twice). `wait` blocks until a client is
-/// pending (true) or stop is asked (false); `on_connected` is told of each connection
-/// and disconnection.
-#[allow(clippy::too_many_arguments)]
-pub fn serve(
-    listener: Listener,
-    id: &str,
-    target: &LenderTarget,
-    pairs: u16,
-    link: &LinkState,
-    offload: bool,
-    stats: &Arc<NetStats>,
-    stop: &AtomicBool,
-    handover: &Arc<crate::handover::Handover>,
-    wait: impl Fn(&Listener) -> bool,
-    current: impl Fn(Option<vhost_user_backend::ShutdownHandle>),
-    connected: &AtomicBool,
-) {
-    let name = format!("devlend-net-{}", target.device);
-    let budget = crate::budget::for_attachment();
-    while wait(&listener) {
-        let Some(stream) = crate::budget::accept_admitted(&listener, &budget, stop, id) else {
-            continue;
-        };
-        let backend =
-            match NetBackend::new(Arc::from(id), target, pairs, link, offload, stats.clone()) {
-                Ok(b) => Arc::new(b.with_handover(handover.clone())),
-                Err(e) => {
-                    tracing::error!(attachment = %id, error = %e, "cannot create the backend");
-                    std::thread::sleep(Duration::from_millis(200));
-                    continue;
-                }
-            };
-        let mut daemon = match VhostUserDaemon::new(name.clone(), backend.clone(), backend.memory())
-        {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::error!(attachment = %id, error = %e, "cannot create vhost-user daemon");
-                std::thread::sleep(Duration::from_millis(200));
-                continue;
-            }
-        };
-        daemon.set_message_budget(budget.clone());
-        backend.attach_handlers(&daemon.get_epoll_handlers());
-        if let Err(e) = daemon.start_stream(stream) {
-            devlend_fabric::limited!(warn, attachment = %id, error = %e, "vhost-user connection failed to start");
-        } else {
-            current(daemon.shutdown_handle());
-            connected.store(true, Ordering::Release);
-            devlend_fabric::limited!(info, attachment = %id, "frontend connected");
-            if stop.load(Ordering::Acquire) {
-                daemon.request_shutdown();
-            }
-            match daemon.wait() {
-                Ok(()) => devlend_fabric::limited!(info, attachment = %id, "frontend disconnected"),
-                Err(e) => {
-                    devlend_fabric::limited!(info, attachment = %id, error = %e, "frontend connection ended")
-                }
-            }
-            connected.store(false, Ordering::Release);
-            current(None);
-        }
-        drop(daemon);
-        backend.close_exit_fds();
     }
 }
