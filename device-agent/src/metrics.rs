@@ -95,16 +95,17 @@ impl Collector for DeviceMetrics {
                 continue;
             }
             for (op, n) in [
-                ("read", s.reads),
-                ("write", s.writes),
-                ("flush", s.flushes),
-                ("discard", s.discards),
-                ("write_zeroes", s.write_zeroes),
+                ("read", s.ops.reads),
+                ("write", s.ops.writes),
+                ("flush", s.ops.flushes),
+                ("discard", s.ops.discards),
+                ("write_zeroes", s.ops.write_zeroes),
             ] {
                 f.req.push((l(name, &[("op", op)]), n));
             }
-            f.bytes.push((l(name, &[("op", "read")]), s.bytes_read));
-            f.bytes.push((l(name, &[("op", "write")]), s.bytes_written));
+            f.bytes.push((l(name, &[("op", "read")]), s.ops.bytes_read));
+            f.bytes
+                .push((l(name, &[("op", "write")]), s.ops.bytes_written));
             f.errs
                 .push((l(name, &[("cause", "request")]), s.request_errors));
             f.ops.push((l(name, &[]), s.device_ops));

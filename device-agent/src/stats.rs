@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use devlend_fabric::io_counters::OpCounters;
+use devlend_fabric::io_counters::{OpCounters, OpCounts};
 use devlend_fabric::latency::{LatencyHistogram, LatencySnapshot};
 use devlend_fabric::Op;
 
@@ -14,20 +14,9 @@ pub struct DeviceStatsSnapshot {
     pub sessions_opened: u64,
     /// Sessions of this device open now.
     pub sessions_active: u64,
-    /// Well-formed read requests received (including those answered with an error).
-    pub reads: u64,
-    /// Well-formed write requests received.
-    pub writes: u64,
-    /// Flush requests received.
-    pub flushes: u64,
-    /// Discard requests received.
-    pub discards: u64,
-    /// Write-zeroes requests received.
-    pub write_zeroes: u64,
-    /// Bytes read from the device for successful read requests.
-    pub bytes_read: u64,
-    /// Bytes of request data written to the device by successful write requests.
-    pub bytes_written: u64,
+    /// Well-formed requests received by operation (including those answered with an
+    /// error), and the bytes of the successful reads and writes.
+    pub ops: OpCounts,
     /// Operations issued to the backing file or device (read, write, fdatasync,
     /// fallocate, including the continuations of short transfers and the zero-filling
     /// writes of a write-zeroes fallback). 0 means no I/O reached the device.
@@ -46,13 +35,6 @@ pub struct DeviceStatsSnapshot {
     pub throttle_wait_us: u64,
     /// Requests held back now.
     pub throttle_queued: u64,
-}
-
-impl DeviceStatsSnapshot {
-    /// Requests received, all operations together.
-    pub fn requests(&self) -> u64 {
-        self.reads + self.writes + self.flushes + self.discards + self.write_zeroes
-    }
 }
 
 /// The live counters of one device.
@@ -149,13 +131,7 @@ impl DeviceStats {
         DeviceStatsSnapshot {
             sessions_opened: self.sessions_opened.load(Relaxed),
             sessions_active: self.sessions_active.load(Relaxed),
-            reads: ops.reads,
-            writes: ops.writes,
-            flushes: ops.flushes,
-            discards: ops.discards,
-            write_zeroes: ops.write_zeroes,
-            bytes_read: ops.bytes_read,
-            bytes_written: ops.bytes_written,
+            ops,
             device_ops: self.device_ops.load(Relaxed),
             request_errors: self.request_errors.load(Relaxed),
             protocol_errors: self.protocol_errors.load(Relaxed),

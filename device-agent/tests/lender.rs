@@ -108,10 +108,10 @@ fn random_writes_read_back_and_land_in_the_file() {
     );
 
     let st = fx.stats("disk0");
-    assert_eq!(st.writes, 300);
-    assert_eq!(st.bytes_written, written);
-    assert_eq!(st.bytes_read, size);
-    assert_eq!(st.flushes, 1);
+    assert_eq!(st.ops.writes, 300);
+    assert_eq!(st.ops.bytes_written, written);
+    assert_eq!(st.ops.bytes_read, size);
+    assert_eq!(st.ops.flushes, 1);
     assert_eq!(st.request_errors, 0);
 }
 
@@ -191,8 +191,8 @@ fn many_requests_in_flight_on_one_connection() {
         );
     }
     let st = fx.stats("disk0");
-    assert_eq!((st.writes, st.reads), (N, N));
-    assert_eq!(st.bytes_read, N * 4096);
+    assert_eq!((st.ops.writes, st.ops.reads), (N, N));
+    assert_eq!(st.ops.bytes_read, N * 4096);
 }
 
 #[test]
@@ -202,7 +202,7 @@ fn flush_succeeds_and_is_counted() {
     assert_eq!(c.write(3, &[0xabu8; 1024]), Status::Ok);
     assert_eq!(c.flush(), Status::Ok);
     let st = fx.stats("disk0");
-    assert_eq!(st.flushes, 1);
+    assert_eq!(st.ops.flushes, 1);
     assert_eq!(st.device_ops, 2);
     let mut b = [0u8; 1024];
     std::fs::File::open(fx.path("disk0"))
@@ -276,7 +276,7 @@ fn write_zeroes_with_and_without_unmap() {
         );
     }
     let st = fx.stats("disk0");
-    assert_eq!(st.write_zeroes, 2);
+    assert_eq!(st.ops.write_zeroes, 2);
     assert_eq!(st.request_errors, 0);
 }
 
@@ -376,9 +376,9 @@ fn out_of_range_requests_fail_without_io() {
         st.device_ops, 0,
         "an out-of-range request reached the device"
     );
-    assert_eq!((st.bytes_read, st.bytes_written), (0, 0));
+    assert_eq!((st.ops.bytes_read, st.ops.bytes_written), (0, 0));
     assert_eq!(st.request_errors, cases.len() as u64);
-    assert_eq!(st.requests(), cases.len() as u64);
+    assert_eq!(st.ops.requests(), cases.len() as u64);
     assert_eq!(st.protocol_errors, 0);
     // The last sector itself is in range.
     assert_eq!(c.read(cap - 1, 512).0, Status::Ok);

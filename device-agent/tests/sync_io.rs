@@ -135,7 +135,10 @@ fn flush_discard_and_write_zeroes() {
         assert!(s.iter().all(|&b| b == want), "sector {sector}");
     }
     let st = fx.stats("disk0");
-    assert_eq!((st.flushes, st.discards, st.write_zeroes), (1, 1, 2));
+    assert_eq!(
+        (st.ops.flushes, st.ops.discards, st.ops.write_zeroes),
+        (1, 1, 2)
+    );
     assert_eq!(st.request_errors, 0);
 }
 

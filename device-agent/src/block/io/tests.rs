@@ -77,8 +77,8 @@ fn same_requests_same_counters(mut io: impl DeviceIo, dev: &Device) {
     let short = run(&mut io, request(Op::Read, 0, 4096), &[]);
     assert_eq!(short.status, Status::IoErr);
     let s = dev.counters.stats.snapshot();
-    assert_eq!(s.bytes_written, 8192);
-    assert_eq!(s.bytes_read, 8192);
+    assert_eq!(s.ops.bytes_written, 8192);
+    assert_eq!(s.ops.bytes_read, 8192);
     assert_eq!(s.request_errors, 2, "{s:?}");
     let lat = dev.counters.stats.latency();
     assert_eq!(
