@@ -82,7 +82,7 @@ impl TokenSigner {
     /// Signs `claims` into a token.
     ///
     /// # Errors
-    /// [`TokenError::FieldTooLong`] when a text field exceeds [`MAX_FIELD_LEN`] bytes.
+    /// [`TokenError::FieldTooLong`] when a text field exceeds [`MAX_FIELD_LEN`](super::MAX_FIELD_LEN) bytes.
     pub fn sign(&self, claims: &LeaseClaims) -> Result<LeaseToken, TokenError> {
         let mut body = encode_claims(claims)?;
         let mut msg = SIGNING_CONTEXT.to_vec();
