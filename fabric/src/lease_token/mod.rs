@@ -5,10 +5,10 @@
 //! signature against the pool's public key and the claims against the hello (device,
 //! provider, borrower identity = lease id) and the clock.
 //!
-//! Its parts: `claims` is what a token grants and its binary layout, `keys` the pool's
-//! signing key and the public key lenders verify with. The signature covers
-//! [`SIGNING_CONTEXT`] followed by every byte before it. Text form (JSON, command
-//! lines): unpadded base64url of the binary form.
+//! Its parts: `claims` is what a token grants and its binary layout (also in
+//! `docs/protocol.md`), `keys` the pool's signing key and the public key lenders verify
+//! with. The signature covers [`SIGNING_CONTEXT`] followed by every byte before it.
+//! Text form (JSON, command lines): unpadded base64url of the binary form.
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
