@@ -19,7 +19,7 @@ use crate::lease::{CheckedLease, LeaseError, LeaseKeeper};
 use crate::state::{self, SavedAttachment, StateFile};
 use crate::vmm::cloud_hypervisor::{self as ch, ChError};
 use crate::vmm::link_watch::LinkWatch;
-use crate::vmm::qemu::{self, HotplugError, PlugKind};
+use crate::vmm::qemu::{self, PlugKind};
 
 /// Why an attach or detach was refused.
 #[derive(Debug, thiserror::Error)]
@@ -103,13 +103,14 @@ mod start;
 #[cfg(test)]
 mod tests;
 mod view;
+mod vmm_error;
 
 use lender_key::expected_lender_key;
-pub use plug::VmmError;
 use plug::{plug, unplug};
 pub use resolve::{resolve, Resolved};
 use restore::Restoring;
 use view::{info, kind, restoring_info};
+pub use vmm_error::VmmError;
 
 /// Largest busy-poll budget an attachment may ask for, in microseconds.
 pub const MAX_POLL_US: u32 = 1000;

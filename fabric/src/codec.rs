@@ -1,5 +1,5 @@
 //! The one little-endian codec of every wire format in this crate (and the gateway's
-//! link frames): checked readers and writers over byte slices, and [`layout!`], which
+//! link frames): checked readers and writers over byte slices, and [`layout!`](crate::layout!), which
 //! declares a fixed layout once, as its fields in wire order.
 //!
 //! - [`Reader`] and [`Writer`] move a cursor over a slice. A read or write past its end
@@ -7,7 +7,7 @@
 //!   built in a `Vec` appends its fields with [`push`].
 //! - [`Field`] is what a layout is made of: `u8`, `u16`, `u32`, `u64` (little-endian)
 //!   and byte arrays `[u8; N]`, each with its size on the wire.
-//! - [`layout!`] turns a list of fields into a struct with `read`/`write` (in a larger
+//! - [`layout!`](crate::layout!) turns a list of fields into a struct with `read`/`write` (in a larger
 //!   message) and `decode`/`encode` (a fixed array of exactly its length), and asserts
 //!   at compile time that the sizes of its fields add up to the length the protocol
 //!   declares for it. No offset is written by hand anywhere: a field's place is the sum
@@ -233,7 +233,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Decodes a field (or a [`layout!`]) that must take all of `bytes`.
+/// Decodes a field (or a [`layout!`](crate::layout!)) that must take all of `bytes`.
 ///
 /// # Errors
 /// [`CodecError::Short`] when `bytes` is shorter, [`CodecError::Trailing`] when longer.

@@ -11,7 +11,7 @@
 
 use crate::lease_token::{PublicKey, TokenSigner};
 
-/// [`Hello::features`] bit: the hello carries a challenge and the borrower wants the
+/// [`Hello::features`](crate::Hello::features) bit: the hello carries a challenge and the borrower wants the
 /// lender's [`LenderProof`] in the reply. A lender that has a key grants it.
 pub const FEATURE_LENDER_PROOF: u64 = 1 << 4;
 /// Bytes of the challenge after the hello's token.

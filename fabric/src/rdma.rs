@@ -4,7 +4,7 @@
 //! then the completion SEND).
 //!
 //! The message codec ([`encode_request`], [`decode_request`]) and the errors are always
-//! compiled; the verbs themselves ([`verbs`]: device, PD, CQ, completion channel, QP,
+//! compiled; the verbs themselves (`verbs`: device, PD, CQ, completion channel, QP,
 //! MR, each freed on drop) only with the cargo feature `rdma`. Without it every entry
 //! point returns [`RdmaError::NotCompiled`]. The layout is in `docs/protocol.md`.
 

@@ -461,7 +461,7 @@ impl ServerTls {
 ///
 /// In TLS 1.3 the client finishes its handshake before the server has checked the
 /// client's certificate: a lender that refuses it is heard at the first read (an
-/// alert), which [`TlsError::from_io`] turns into [`TlsError::Refused`] too.
+/// alert), which `TlsError::from_io` turns into [`TlsError::Refused`] too.
 ///
 /// # Errors
 /// [`TlsError::Refused`] (verification, alert), [`TlsError::Io`] (the connection

@@ -2,7 +2,7 @@
 //!
 //! The key is an Ed25519 key generated at the first start and stored as its seed in
 //! table `signing_keys`; every pool instance on the same database signs with it. The
-//! token layout is `devlend_fabric::lease_token` (see `fabric/src/lease_token.rs`).
+//! token layout is `devlend_fabric::lease_token` (see `fabric/src/lease_token/claims.rs`).
 
 use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, PublicKey, TokenSigner};
 

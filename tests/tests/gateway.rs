@@ -654,7 +654,7 @@ fn a_flood_of_malformed_peers_gets_a_bounded_log() {
         drain(&mut s);
     }
     // A peer gateway with a valid certificate: its HELLO (cluster "b"), then a frame of
-    // an unknown kind (layouts in gateway/src/mux.rs).
+    // an unknown kind (layouts in gateway/src/mux/frame.rs).
     let client = devlend_fabric::tls::ClientTls::load(
         Path::new(&certs.path("ca.crt")),
         Some((

@@ -4,24 +4,6 @@
 use super::served::served;
 use super::*;
 
-/// A failure of the VMM glue.
-#[derive(Debug, thiserror::Error)]
-pub enum VmmError {
-    /// QEMU hotplug.
-    #[error("QEMU hotplug failed")]
-    Qemu(#[source] HotplugError),
-    /// Cloud Hypervisor API.
-    #[error("Cloud Hypervisor API failed")]
-    CloudHypervisor(#[source] ChError),
-    /// Live attach of a lent NIC into Cloud Hypervisor is not done yet.
-    #[error("live attach of a NIC into Cloud Hypervisor is not supported; start the VM with --net vhost_user=true,socket=...")]
-    NicIntoCloudHypervisor,
-    /// A PCIe function is not hot-plugged: the VMM is started with its vfio-user
-    /// device (`devlend status --qemu-args`).
-    #[error("a PCIe function is not hot-plugged: start the VMM with its vfio-user device (devlend status --qemu-args)")]
-    NotHotplugged,
-}
-
 pub(super) fn plug(
     target: &VmmTarget,
     id: &str,

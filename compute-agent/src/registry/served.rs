@@ -13,7 +13,7 @@ use crate::api::{AttachRequest, BlockInfo, IoCounters, KindInfo, NicInfo, PciInf
 use crate::vmm::link_watch::LinkWatch;
 use crate::vmm::qemu::PlugKind;
 
-use super::plug::VmmError;
+use super::vmm_error::VmmError;
 use super::RegistryError;
 
 /// What the compute agent does with one kind of attachment.

@@ -33,7 +33,7 @@ crate::layout! {
 /// Layout: `magic: [u8;4] = "DVLD", version: u16, queue_index: u16, features: u64,
 /// borrower: [u8; 16], name_len: u16, token_len: u16`, then `name_len` bytes of UTF-8
 /// device name, then `token_len` bytes of lease token (0 in direct mode; at most
-/// [`MAX_TOKEN_LEN`](crate::lease_token::MAX_TOKEN_LEN)), then with
+/// [`MAX_TOKEN_LEN`]), then with
 /// [`FEATURE_LENDER_PROOF`] the 32-byte challenge.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
@@ -108,7 +108,7 @@ impl Hello {
     ///
     /// # Errors
     /// [`WireError::TooLong`] when the name exceeds [`MAX_NAME_LEN`] or the token
-    /// [`MAX_TOKEN_LEN`](crate::lease_token::MAX_TOKEN_LEN); [`WireError::Io`].
+    /// [`MAX_TOKEN_LEN`]; [`WireError::Io`].
     pub fn write_to(&self, w: &mut impl Write) -> Result<(), WireError> {
         let name = self.device.as_bytes();
         if name.len() > MAX_NAME_LEN {
@@ -153,7 +153,8 @@ impl Hello {
     /// Reads and validates the message.
     ///
     /// The version is returned as sent, so that the lender can answer
-    /// [`HelloStatus::UnsupportedVersion`] rather than drop the connection.
+    /// [`HelloStatus::UnsupportedVersion`](super::HelloStatus::UnsupportedVersion) rather
+    /// than drop the connection.
     ///
     /// # Errors
     /// [`WireError::BadMagic`], [`WireError::TooLong`] (name, token),

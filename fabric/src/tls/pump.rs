@@ -18,7 +18,7 @@ const LINGER: Duration = Duration::from_secs(30);
 /// Starts the pump for an established TLS session on `tcp` and returns the plaintext
 /// end for the engine. `label` names the connection in the pump's logs (e.g. the peer
 /// address). The pump thread ends when both directions have ended, when the engine has
-/// closed its end and everything is sent (or [`LINGER`] has passed), or on the first
+/// closed its end and everything is sent (or `LINGER` has passed), or on the first
 /// TLS or socket error; then it closes the TCP socket and its end of the pair.
 ///
 /// Data the handshake already received (e.g. requests right behind the hello) stays in
