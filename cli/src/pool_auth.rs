@@ -11,6 +11,9 @@ use devlend_pool::api::{EnrollRequest, Principal, Role};
 use devlend_pool::server::{ADMIN_KEY_FILE, DEFAULT_DATA_DIR};
 use devlend_pool::PoolClient;
 
+/// Default pool URL when neither `--pool` nor `DEVLEND_POOL` is given.
+pub const DEFAULT_POOL_URL: &str = "http://127.0.0.1:7400";
+
 /// The compute agent's key, which `devlend attach --class` signs its leases with.
 pub const COMPUTE_KEY_FILE: &str = "/var/lib/devlend/compute-agent/identity.key";
 
@@ -57,7 +60,7 @@ impl PoolKey {
 #[derive(Debug, Clone, Args)]
 pub struct Enroll {
     /// Pool URL.
-    #[arg(long, env = "DEVLEND_POOL", default_value = crate::pool_cmd::DEFAULT_POOL_URL)]
+    #[arg(long, env = "DEVLEND_POOL", default_value = DEFAULT_POOL_URL)]
     pub pool: String,
     /// The role: lender (a provider name) or compute (a compute host name); admin too.
     #[arg(long, value_parser = parse_role)]
@@ -80,7 +83,7 @@ pub struct Enroll {
 #[derive(Debug, Clone, Args)]
 pub struct Join {
     /// Pool URL.
-    #[arg(long, env = "DEVLEND_POOL", default_value = crate::pool_cmd::DEFAULT_POOL_URL)]
+    #[arg(long, env = "DEVLEND_POOL", default_value = DEFAULT_POOL_URL)]
     pub pool: String,
     /// The join token `devlend pool enroll` printed.
     #[arg(long)]

@@ -12,13 +12,10 @@ use devlend_pool::listen::{Limits, TlsFiles};
 use devlend_pool::server::{DEFAULT_DATA_DIR, DEFAULT_LISTEN};
 use devlend_pool::{PoolServer, ServerConfig};
 
-use crate::pool_auth::{default_admin_key, PoolKey};
+use crate::pool_auth::{default_admin_key, PoolKey, DEFAULT_POOL_URL};
 
 use crate::output::human_bytes;
 use devlend_fabric::units::parse_size;
-
-/// Default pool URL when neither `--pool` nor `DEVLEND_POOL` is given.
-pub const DEFAULT_POOL_URL: &str = "http://127.0.0.1:7400";
 
 /// The `devlend pool` subcommands.
 #[derive(Debug, Subcommand)]

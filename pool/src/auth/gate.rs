@@ -1,7 +1,7 @@
 //! The authentication state every request passes: the pool's [`AuthMode`], the nonces
 //! seen per key within the signature window ([`Gate`]), and which routes an unenrolled
 //! or unsigned caller may reach. The HTTP middleware that applies it is
-//! `crate::http::authenticate`.
+//! `http/authenticate.rs`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

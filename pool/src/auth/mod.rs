@@ -11,8 +11,8 @@
 //! - [`request`]: the signature format, used by the client too;
 //! - [`caller`]: what a request's signer may do, checked by each route;
 //! - [`gate`]: the mode, the nonces seen per key, which routes are public; the HTTP
-//!   middleware that applies them is `crate::http::authenticate`. Enrollment (pinning
-//!   keys, join tokens) is `crate::enroll`, beside the service's other operations.
+//!   middleware that applies them is `http/authenticate.rs`. Enrollment (pinning
+//!   keys, join tokens) is `enroll.rs`, beside the service's other operations.
 
 pub mod request;
 
