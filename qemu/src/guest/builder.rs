@@ -7,24 +7,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 
 use super::image::GuestImage;
-use super::initrd::write_initrd;
+use super::initrd::{write_initrd, FileData, GuestFile};
 use super::running::Guest;
 use super::BASE_CMDLINE;
-
-#[derive(Debug, Clone)]
-pub(super) enum FileData {
-    Bytes(Vec<u8>),
-    Host(PathBuf),
-}
-
-#[derive(Debug, Clone)]
-pub(super) struct GuestFile {
-    /// Path inside the guest, without the leading `/`.
-    pub(super) path: String,
-    pub(super) data: FileData,
-    /// Permission bits; `None`: those of the host file (or 0644 for bytes).
-    pub(super) mode: Option<u32>,
-}
 
 /// Describes a guest to boot. Every setter consumes and returns the builder.
 ///
@@ -89,7 +74,7 @@ impl GuestBuilder {
     }
 
     /// The QEMU arguments added with [`Self::arg`], [`Self::args`] and the disk setters,
-    /// in order (a migration's destination replaces some: [`crate::migration`]).
+    /// in order (a migration's destination replaces some: `migration.rs`).
     pub(crate) fn extra_args_mut(&mut self) -> &mut Vec<String> {
         &mut self.extra_args
     }
@@ -303,7 +288,7 @@ impl GuestBuilder {
             None => GuestImage::ensure()?,
         };
         let initrd = dir.join(format!("{}.initrd", self.name));
-        write_initrd(&image.initrd, self, &initrd)?;
+        write_initrd(&image.initrd, self.script.as_deref(), &self.files, &initrd)?;
         Ok(BootFiles {
             kernel: image.kernel,
             initrd,

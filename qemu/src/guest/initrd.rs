@@ -3,24 +3,44 @@
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::builder::{FileData, GuestBuilder};
+/// Where an extra file's contents come from.
+#[derive(Debug, Clone)]
+pub(super) enum FileData {
+    Bytes(Vec<u8>),
+    Host(PathBuf),
+}
+
+/// A file the guest finds in its initramfs.
+#[derive(Debug, Clone)]
+pub(super) struct GuestFile {
+    /// Path inside the guest, without the leading `/`.
+    pub(super) path: String,
+    pub(super) data: FileData,
+    /// Permission bits; `None`: those of the host file (or 0644 for bytes).
+    pub(super) mode: Option<u32>,
+}
 
 /// Writes the per-test initramfs: the base archive, zero padding to a 4-byte
 /// boundary, then an uncompressed newc archive with `/test.sh` and the extra
 /// files. The kernel unpacks concatenated archives in order, later files
 /// replacing earlier ones.
-pub(super) fn write_initrd(base: &Path, builder: &GuestBuilder, out: &Path) -> Result<()> {
+pub(super) fn write_initrd(
+    base: &Path,
+    script: Option<&str>,
+    files: &[GuestFile],
+    out: &Path,
+) -> Result<()> {
     let mut data = fs::read(base).with_context(|| format!("reading {}", base.display()))?;
     data.resize(data.len().next_multiple_of(4), 0);
     let mut cpio = CpioWriter::new(data);
-    if let Some(script) = &builder.script {
+    if let Some(script) = script {
         cpio.file("test.sh", 0o755, script.as_bytes())?;
     }
-    for file in &builder.files {
+    for file in files {
         let path = guest_relative_path(&file.path)?;
         let (contents, host_mode) = match &file.data {
             FileData::Bytes(bytes) => (bytes.clone(), 0o644),

@@ -29,7 +29,7 @@
 //! Set `DEVLEND_TEST_VERBOSE=1` to echo the console of every guest to the
 //! test's stderr as it arrives, each line prefixed with the guest's name.
 //!
-//! A running guest can be live-migrated: [`crate::migration`] starts the destination
+//! A running guest can be live-migrated: `migration.rs` starts the destination
 //! QEMU of a migration from it (same machine, kernel, initramfs, memory and devices,
 //! with `-incoming`), whose console is read like this one's.
 //!

@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use super::builder::GuestBuilder;
 use super::console::{
     describe, find_done, parse_result, spawn_console_reader, spawn_stderr_reader, tail, Console,
     TimedConsole, TimedLine,
 };
 use super::image::GuestImage;
 use super::initrd::write_initrd;
+use super::GuestBuilder;
 use super::{qemu_binary, verbose, DONE_MARKER, ERROR_TAIL_LINES, EXIT_GRACE, READY_MARKER};
 
 /// What a guest's test produced.
@@ -103,7 +103,12 @@ impl Guest {
             .tempdir()
             .context("creating the guest's temporary directory")?;
         let initrd = work_dir.path().join("initrd");
-        write_initrd(&image.initrd, &builder, &initrd)?;
+        write_initrd(
+            &image.initrd,
+            builder.script.as_deref(),
+            &builder.files,
+            &initrd,
+        )?;
         if let Some(disk) = &builder.firmware_disk {
             crate::firmware::write_boot_volume(
                 disk,
