@@ -117,7 +117,12 @@ impl Rig {
     /// session counts are left out, they move asynchronously.
     fn stats(&self) -> (u64, u64, u64, u64) {
         let s: DeviceStatsSnapshot = self.lender.as_ref().unwrap().stats("disk").unwrap();
-        (s.ops.requests(), s.device_ops, s.ops.bytes_read, s.ops.bytes_written)
+        (
+            s.ops.requests(),
+            s.device_ops,
+            s.ops.bytes_read,
+            s.ops.bytes_written,
+        )
     }
 
     fn file(&self) -> Vec<u8> {

@@ -293,12 +293,12 @@ fn run(cli: Cli) -> Result<()> {
                 .unwrap_or_default();
             println!(
                 "  counters:  {} reads, {} writes, {} flushes, {} errors, {} read, {} written",
-                c.reads,
-                c.writes,
-                c.flushes,
+                c.ops.reads,
+                c.ops.writes,
+                c.ops.flushes,
                 c.errors,
-                human_bytes(c.bytes_read),
-                human_bytes(c.bytes_written)
+                human_bytes(c.ops.bytes_read),
+                human_bytes(c.ops.bytes_written)
             );
         }
     }
@@ -310,7 +310,7 @@ fn final_counters(a: &devlend_compute_agent::api::AttachmentInfo) -> String {
     match &a.part {
         KindInfo::Block(b) => format!(
             "{} reads, {} writes, {} errors",
-            b.counters.reads, b.counters.writes, b.counters.errors
+            b.counters.ops.reads, b.counters.ops.writes, b.counters.errors
         ),
         KindInfo::Nic(n) => format!(
             "{} frames received, {} sent, {} errors",

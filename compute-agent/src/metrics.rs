@@ -80,18 +80,18 @@ impl Series {
     fn block(&mut self, a: &AttachmentInfo, b: &BlockInfo) {
         let c = &b.counters;
         for (op, n) in [
-            ("read", c.reads),
-            ("write", c.writes),
-            ("flush", c.flushes),
-            ("discard", c.discards),
-            ("write_zeroes", c.write_zeroes),
+            ("read", c.ops.reads),
+            ("write", c.ops.writes),
+            ("flush", c.ops.flushes),
+            ("discard", c.ops.discards),
+            ("write_zeroes", c.ops.write_zeroes),
         ] {
             self.req.push((labels(a, &[("op", op)]), n));
         }
         self.bytes
-            .push((labels(a, &[("op", "read")]), c.bytes_read));
+            .push((labels(a, &[("op", "read")]), c.ops.bytes_read));
         self.bytes
-            .push((labels(a, &[("op", "write")]), c.bytes_written));
+            .push((labels(a, &[("op", "write")]), c.ops.bytes_written));
         for (kind, n) in [
             ("invalid", c.errors_invalid),
             ("lender", c.errors_lender),

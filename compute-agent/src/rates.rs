@@ -70,13 +70,13 @@ impl RateTracker {
         if secs <= 0.0 {
             return None;
         }
-        let ops = |c: &IoCounters| c.reads + c.writes + c.flushes + c.discards + c.write_zeroes;
+        let ops = |c: &IoCounters| c.ops.requests();
         let lat = latency(b).since(&latency(a));
         Some(Rates {
             window_s: secs,
             iops: ops(b).saturating_sub(ops(a)) as f64 / secs,
-            read_mb_s: b.bytes_read.saturating_sub(a.bytes_read) as f64 / secs / 1e6,
-            write_mb_s: b.bytes_written.saturating_sub(a.bytes_written) as f64 / secs / 1e6,
+            read_mb_s: b.ops.bytes_read.saturating_sub(a.ops.bytes_read) as f64 / secs / 1e6,
+            write_mb_s: b.ops.bytes_written.saturating_sub(a.ops.bytes_written) as f64 / secs / 1e6,
             p99_us: lat.quantile_upper_us(0.99),
             throttled_per_s: b.throttled.saturating_sub(a.throttled) as f64 / secs,
         })
@@ -100,8 +100,8 @@ mod tests {
         };
         t.sample(now, [("a".to_owned(), c.clone())]);
         assert!(t.rates("a").is_none());
-        c.reads = 1000;
-        c.bytes_read = 4_096_000;
+        c.ops.reads = 1000;
+        c.ops.bytes_read = 4_096_000;
         c.latency.buckets[3] = 1000;
         c.latency.count = 1000;
         t.sample(now + Duration::from_secs(2), [("a".to_owned(), c.clone())]);

@@ -15,20 +15,11 @@ use crate::Op;
 /// (headers excluded).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct IoCounters {
-    /// Completed IN requests (reads).
-    pub reads: u64,
-    /// Completed OUT requests (writes).
-    pub writes: u64,
-    /// Completed FLUSH requests.
-    pub flushes: u64,
-    /// Completed DISCARD requests.
-    pub discards: u64,
-    /// Completed WRITE_ZEROES requests.
-    pub write_zeroes: u64,
-    /// Bytes read by completed IN requests.
-    pub bytes_read: u64,
-    /// Bytes written by completed OUT requests.
-    pub bytes_written: u64,
+    /// Requests completed by operation, and their data bytes (JSON: the fields
+    /// `reads`, `writes`, `flushes`, `discards`, `write_zeroes`, `bytes_read`,
+    /// `bytes_written`, beside the others).
+    #[serde(flatten)]
+    pub ops: OpCounts,
     /// Requests completed with a status other than OK (IOERR or UNSUPP): the sum of
     /// the three kinds below.
     pub errors: u64,
@@ -183,12 +174,13 @@ impl OpCounters {
     }
 }
 
-/// A copy of [`OpCounters`] at one instant.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Block requests by operation and their data bytes: a copy of [`OpCounters`] at one
+/// instant, and the per-operation part of [`IoCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpCounts {
-    /// READ requests.
+    /// READ (virtio IN) requests.
     pub reads: u64,
-    /// WRITE requests.
+    /// WRITE (virtio OUT) requests.
     pub writes: u64,
     /// FLUSH requests.
     pub flushes: u64,
@@ -196,9 +188,9 @@ pub struct OpCounts {
     pub discards: u64,
     /// WRITE_ZEROES requests.
     pub write_zeroes: u64,
-    /// Bytes read.
+    /// Bytes read by successful READ requests.
     pub bytes_read: u64,
-    /// Bytes written.
+    /// Bytes written by successful WRITE requests.
     pub bytes_written: u64,
 }
 
@@ -213,13 +205,7 @@ impl From<OpCounts> for IoCounters {
     /// An attachment's counters with the per-operation ones from `ops`, the others 0.
     fn from(ops: OpCounts) -> Self {
         IoCounters {
-            reads: ops.reads,
-            writes: ops.writes,
-            flushes: ops.flushes,
-            discards: ops.discards,
-            write_zeroes: ops.write_zeroes,
-            bytes_read: ops.bytes_read,
-            bytes_written: ops.bytes_written,
+            ops,
             ..IoCounters::default()
         }
     }
@@ -280,12 +266,13 @@ mod tests {
         c.count(Op::Write, 512);
         c.count(Op::Discard, 8);
         let io = IoCounters::from(c.snapshot());
-        assert_eq!((io.writes, io.bytes_written, io.discards), (1, 512, 1));
+        assert_eq!(
+            (io.ops.writes, io.ops.bytes_written, io.ops.discards),
+            (1, 512, 1)
+        );
         assert_eq!(
             IoCounters {
-                writes: 0,
-                bytes_written: 0,
-                discards: 0,
+                ops: OpCounts::default(),
                 ..io
             },
             IoCounters::default()

@@ -63,9 +63,12 @@ fn round_trip(a: &AttachmentInfo) -> Value {
 #[test]
 fn a_block_attachment_shows_its_geometry_and_io_counters_only() {
     let mut counters = IoCounters {
-        reads: 3,
-        writes: 4,
-        bytes_read: 4096,
+        ops: devlend_fabric::io_counters::OpCounts {
+            reads: 3,
+            writes: 4,
+            bytes_read: 4096,
+            ..Default::default()
+        },
         ..IoCounters::default()
     };
     counters.per_queue = vec![7, 0];
