@@ -261,6 +261,26 @@ impl From<CodecError> for QosWireError {
     }
 }
 
+/// A rate or bucket size of the flat form: a number, or a string with the K, M, G or T
+/// suffix every size and rate an operator types takes ([`crate::units::parse_size`]:
+/// powers of 1024), so that `bps_read = "50M"` in a lender's TOML means what
+/// `bps_read=50M` means in its `--device` flag.
+fn size_or_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Value {
+        Number(u64),
+        Text(String),
+    }
+    match Option::<Value>::deserialize(d)? {
+        None => Ok(None),
+        Some(Value::Number(n)) => Ok(Some(n)),
+        Some(Value::Text(t)) => crate::units::parse_size(&t)
+            .map(Some)
+            .map_err(serde::de::Error::custom),
+    }
+}
+
 /// The flat configuration and JSON form of a [`Qos`]: `iops_read = 2000`,
 /// `iops_read_burst = 400`, `bps_read = 52428800`, `weight = 3`, ...
 macro_rules! qos_fields {
@@ -271,10 +291,10 @@ macro_rules! qos_fields {
         pub struct QosFields {
             $(
                 #[doc = concat!("Rate of lane `", stringify!($rate), "`.")]
-                #[serde(default, skip_serializing_if = "Option::is_none")]
+                #[serde(default, deserialize_with = "size_or_number", skip_serializing_if = "Option::is_none")]
                 pub $rate: Option<u64>,
                 #[doc = concat!("Bucket size of lane `", stringify!($rate), "`.")]
-                #[serde(default, skip_serializing_if = "Option::is_none")]
+                #[serde(default, deserialize_with = "size_or_number", skip_serializing_if = "Option::is_none")]
                 pub $burst: Option<u64>,
             )*
             /// Share of a backing store, 1..=10000.
@@ -403,6 +423,20 @@ mod tests {
         ] {
             assert!(Qos::decode(&mut Reader::new(&bad)).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn flat_form_rates_take_the_size_suffixes_of_the_flags() {
+        let q: Qos = serde_json::from_str(
+            r#"{"iops_read": "2000", "bps_write": "50M", "bps_write_burst": "1M",
+                "rx_pps": 10000, "weight": 3}"#,
+        )
+        .unwrap();
+        assert_eq!(q, sample());
+        let err = serde_json::from_str::<Qos>(r#"{"bps_read": "5Q"}"#).unwrap_err();
+        assert!(err.to_string().contains("'Q'"), "{err}");
+        assert!(serde_json::from_str::<Qos>(r#"{"bps_read": "1.5M"}"#).is_err());
+        assert!(serde_json::from_str::<Qos>(r#"{"bps_read": -1}"#).is_err());
     }
 
     #[test]

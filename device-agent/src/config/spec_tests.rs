@@ -365,3 +365,22 @@ fn limits_take_size_suffixes() {
     let msg = spec("d=/x.img,bps_read=50Q").unwrap_err().to_string();
     assert!(msg.contains("bps_read: unknown size suffix 'Q'"), "{msg}");
 }
+
+/// A `[device.qos]` table takes the same suffixes as the flag: `bps_read = "50M"` in
+/// the TOML file means what `bps_read=50M` means in `--device` (numbers still load).
+#[test]
+fn toml_limits_take_the_flags_size_suffixes() {
+    use devlend_fabric::qos::Lane;
+    let d = from_toml(
+        "[device]\nname = \"d\"\npath = \"/x.img\"\n[device.qos]\nbps_read = \"50M\"\nbps_read_burst = \"4m\"\niops_write = 2048\n",
+    )
+    .unwrap();
+    let flag = spec("d=/x.img,bps_read=50M,bps_read_burst=4m,iops_write=2K").unwrap();
+    assert_eq!(block(&d).qos, block(&flag).qos);
+    assert_eq!(block(&d).qos.get(Lane::BpsRead).unwrap().per_sec, 50 << 20);
+    let err =
+        from_toml("[device]\nname = \"d\"\npath = \"/x.img\"\n[device.qos]\nbps_read = \"50Q\"\n")
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("'Q'"), "{err}");
+}
