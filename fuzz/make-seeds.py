@@ -206,7 +206,7 @@ put("pci_decode", "nvme-log-page", nvme(0, sqe(0x02, prp1=0x11800, prp2=0x15000,
                                             cdw10=0x02 | 1023 << 16)))
 
 # --- vhost_sequence: actions, each an opcode byte and its fields (layout at the top of
-# fuzz_targets/vhost_sequence.rs).
+# fuzz_targets/vhost_sequence/main.rs).
 def negotiate(p=0, v=0):
     return bytes([0, p, v])
 

@@ -9,7 +9,7 @@
 #   - libvirt 9.0 (libvirt-daemon, libvirt-daemon-driver-qemu, libvirt-clients): the
 #     libvirt test configures it and starts its daemons itself (tests/src/libvirt.rs);
 #   - Prometheus (prometheus, with promtool): the metrics test runs a private server;
-#   - libfaketime (faketime): tests/tests/pool_outage.rs runs a lender 5 minutes off.
+#   - libfaketime (faketime): tests/tests/pool_outage/ runs a lender 5 minutes off.
 #
 # Idempotent and non-interactive. When everything is present it only checks and
 # exits within a fraction of a second (CI and the test harness call it on every

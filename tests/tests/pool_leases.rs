@@ -2,6 +2,10 @@
 //! registered with it, a borrower, the CLI and the `blkio` frontend, all real processes
 //! on loopback. The pool's own API behaviour (races, generations, bad input, PostgreSQL)
 //! is tested in `pool/tests`.
+//!
+//! Why this file is over 600 lines: a test file: its nine end-to-end tests share one rig
+//! (`Rig`: a pool and a lender registered with it, with the helpers that attach by class
+//! and check I/O, about 210 lines), each test its own so that they run in parallel.
 
 use std::io::{ErrorKind, Read};
 use std::path::{Path, PathBuf};

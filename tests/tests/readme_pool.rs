@@ -42,6 +42,10 @@
 //!
 //! Needs root (namespaces, mounts), iproute2 (`ip`, a bridge), util-linux (`unshare`)
 //! and bash (its `/dev/tcp`); a few seconds.
+//!
+//! Why this file is over 600 lines: a test file with one test, so that the README's
+//! commands run in order on one set of three hosts; its rig (`Lan`, `Host`, `Hosts`,
+//! about 300 lines) serves only this test and could move to a module of its own.
 
 use std::fs::File;
 use std::io::{Read, Write};

@@ -13,7 +13,7 @@
 //!
 //! The request bodies are checked against Cloud Hypervisor's published OpenAPI document
 //! (`components/schemas/DiskConfig`, `VmRemoveDevice`, `PciDeviceInfo`) by
-//! `compute-agent/tests/cloud_hypervisor.rs`; see `docs/cloud-hypervisor.md`.
+//! `compute-agent/tests/cloud_hypervisor/`; see `docs/cloud-hypervisor.md`.
 //!
 //! The API calls are blocking: make them from a plain thread or from
 //! `tokio::task::spawn_blocking`, never from an async task. reqwest's blocking client
