@@ -11,8 +11,8 @@
 //! ([`devlend_fabric::net`]), a PCIe function its regions, interrupts and DMA
 //! ([`pci`]).
 //!
-//! The modules are layered (server → sessions → device I/O → the lent device → leaves;
-//! `docs/architecture.md`).
+//! The modules are layered (server → sessions → lender state → device I/O → the lent
+//! device → the kinds → leaves; `docs/architecture.md`, "The lender's modules").
 //!
 //! Limits (advertised in the handshake, enforced per request):
 //! [`MAX_TRANSFER_BYTES`], [`MAX_DISCARD_SECTORS`], [`MAX_WRITE_ZEROES_SECTORS`]; per

@@ -23,7 +23,7 @@
 //! Below this layer: [`request`] (one request's operations and what each completion
 //! means) and [`ring`] (the io_uring itself). Above it: the block engines of the
 //! sessions (`block/tcp/engine.rs`, `block/rdma.rs`), which decode the wire's request
-//! headers and encode its responses (`block/response.rs`).
+//! headers and encode its responses (`block/wire.rs`).
 
 pub(crate) mod inline;
 pub(crate) mod request;
