@@ -22,7 +22,7 @@ pub enum WireError {
         want: usize,
     },
     /// The handshake did not start with the protocol's magic bytes.
-    #[error("bad magic {0:#04x?}: not a devlend peer")]
+    #[error("bad magic {0:02x?}: not a devlend peer")]
     BadMagic([u8; 4]),
     /// The peer speaks a protocol version this build does not.
     #[error("unsupported protocol version {0}")]
@@ -93,5 +93,16 @@ mod tests {
         assert_eq!(DisplayChain(&e).to_string(), chain(&e));
         let plain = std::io::Error::other("alone");
         assert_eq!(chain(&plain), "alone");
+    }
+
+    /// A peer's garbage is logged on one line (a trial saw the magic pretty-printed
+    /// over six lines).
+    #[test]
+    fn a_bad_magic_reads_on_one_line() {
+        let e = super::WireError::BadMagic([0x41, 0xed, 0x00, 0x01]);
+        assert_eq!(
+            e.to_string(),
+            "bad magic [41, ed, 00, 01]: not a devlend peer"
+        );
     }
 }
