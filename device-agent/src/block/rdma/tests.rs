@@ -76,6 +76,16 @@ impl Borrower {
         unsafe { libc::write(self.event.as_raw_fd(), one.as_ptr().cast(), 8) };
     }
 
+    /// A send-side work request done (`error`: how it failed).
+    fn completed(&mut self, wr_id: u64, error: Option<&'static str>) {
+        self.complete(Completion {
+            wr_id,
+            error,
+            recv: false,
+            byte_len: 0,
+        });
+    }
+
     /// Sends request `id` (`request`, its data at `segs` of the guest memory) in
     /// receive buffer `buf`.
     fn send(&mut self, buf: usize, id: u64, request: BlockRequest, segs: &[Segment]) {
@@ -135,12 +145,7 @@ impl QueuePair for Borrower {
         signaled: bool,
     ) -> Result<(), RdmaError> {
         let Some(range) = self.range(remote, len, rkey) else {
-            self.complete(Completion {
-                wr_id,
-                error: Some("remote access error"),
-                recv: false,
-                byte_len: 0,
-            });
+            self.completed(wr_id, Some("remote access error"));
             return Ok(());
         };
         let local = local as *mut u8;
@@ -164,12 +169,7 @@ impl QueuePair for Borrower {
             };
         }
         if signaled {
-            self.complete(Completion {
-                wr_id,
-                error: None,
-                recv: false,
-                byte_len: 0,
-            });
+            self.completed(wr_id, None);
         }
         Ok(())
     }
@@ -184,12 +184,7 @@ impl QueuePair for Borrower {
         if self.responses.len() >= self.stop_after {
             self.stop.store(true, Ordering::Release);
         }
-        self.complete(Completion {
-            wr_id,
-            error: None,
-            recv: false,
-            byte_len: 0,
-        });
+        self.completed(wr_id, None);
         Ok(())
     }
 }
