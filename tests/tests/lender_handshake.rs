@@ -163,3 +163,51 @@ fn stalled_handshakes_are_closed_in_time_and_capped_per_address() {
         "the refusal is logged:\n{log}"
     );
 }
+
+/// Every connection closed for a hello not done in time is logged, once: by its own
+/// session thread when its read timed out first, or in the sweeper's count. (A trial
+/// saw silent connections closed with nothing logged above debug: the session thread
+/// took its own timeout for the sweeper's close.)
+#[test]
+fn every_silent_connection_closed_in_its_handshake_is_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    sparse_file(&d.join("disk0.img"), 16 << 20).unwrap();
+    let lender = Lender::start(d, &[format!("disk0={}", d.join("disk0.img").display())]).unwrap();
+    let addr: std::net::SocketAddr = lender.addr.parse().unwrap();
+    // Let the connections `Lender::start` probed the port with go first.
+    std::thread::sleep(Duration::from_millis(1000));
+    const SILENT: usize = 6;
+    let mut silent: Vec<TcpStream> = (0..SILENT)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    let t0 = Instant::now();
+    for (i, s) in silent.iter_mut().enumerate() {
+        let left = Duration::from_secs(15).saturating_sub(t0.elapsed());
+        assert!(closed_within(s, left), "silent connection {i} was kept");
+    }
+    // The sweeper runs every 250 ms and the lender logs as it closes.
+    std::thread::sleep(Duration::from_millis(500));
+    let log = lender.proc.log();
+    let own = log
+        .lines()
+        .filter(|l| l.contains("hello not done in time; connection closed"))
+        .count();
+    let swept: usize = log
+        .lines()
+        .filter(|l| l.contains("connections closed: handshake not done in time"))
+        .filter_map(|l| {
+            let at = l.find("closed=")? + "closed=".len();
+            l[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .sum();
+    assert_eq!(
+        own + swept,
+        SILENT,
+        "{own} logged by their session, {swept} by the sweeper:\n{log}"
+    );
+}

@@ -46,9 +46,19 @@ pub(super) fn admit_hello<'s>(
             tracing::debug!(%peer, "peer closed the connection before its hello");
             return None;
         }
-        // Closed by the lender's sweeper (counted in its own line), not by the peer.
-        Err(_) if shared.handshake_overdue(id, std::time::Instant::now()) => {
-            tracing::debug!(%peer, "hello not done in time; connection closed");
+        // Past its deadline: either this read's own timeout fired first (this thread
+        // ends the connection, and says so), or the lender's sweeper closed it (and
+        // counted it in its own line).
+        Err(e) if shared.handshake_overdue(id, std::time::Instant::now()) => {
+            let timed_out = matches!(&e, WireError::Io(io) if matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ));
+            if timed_out {
+                devlend_fabric::limited!(info, %peer, "hello not done in time; connection closed");
+            } else {
+                tracing::debug!(%peer, "hello not done in time; closed by the sweeper");
+            }
             return None;
         }
         Err(e) => {
