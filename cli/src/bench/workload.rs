@@ -215,8 +215,13 @@ fn closed_loop(
     let mut out = Vec::with_capacity(w.iodepth);
     while inflight > 0 {
         out.clear();
-        q.complete(1, STALL_TIMEOUT, &mut out)
-            .with_context(|| format!("queue {qi}"))?;
+        q.complete(1, STALL_TIMEOUT, &mut out).with_context(|| {
+            format!(
+                "queue {qi}: no completion in {} s; is the vhost-user server (the compute \
+                 agent) still running? this frontend (libblkio) does not reconnect",
+                STALL_TIMEOUT.as_secs()
+            )
+        })?;
         let now = Instant::now();
         let measured = now >= clock.ramp_end && now < clock.end;
         for &(slot, ret) in &out {
