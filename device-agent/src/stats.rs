@@ -82,12 +82,10 @@ impl DeviceStats {
         self.ops.request(op);
     }
 
-    pub(crate) fn read_bytes(&self, n: u64) {
-        self.ops.bytes(Op::Read, n);
-    }
-
-    pub(crate) fn wrote_bytes(&self, n: u64) {
-        self.ops.bytes(Op::Write, n);
+    /// Counts the `n` data bytes a successful `op` request moved (none but reads and
+    /// writes move any).
+    pub(crate) fn data_bytes(&self, op: Op, n: u64) {
+        self.ops.bytes(op, n);
     }
 
     pub(crate) fn device_op(&self) {

@@ -36,7 +36,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use devlend_fabric::{BlockRequest, Op, Status};
+use devlend_fabric::{BlockRequest, Status};
 
 use crate::block::BlockDevice;
 use crate::config::IoMode;
@@ -210,9 +210,7 @@ pub(crate) fn finished(dev: &DeviceCounters, block: &BlockDevice, req: &Request)
     let stats = &dev.stats;
     stats.answered(req.received);
     match (req.status, req.op) {
-        (Status::Ok, Op::Read) => stats.read_bytes(req.data_bytes()),
-        (Status::Ok, Op::Write) => stats.wrote_bytes(req.data_bytes()),
-        (Status::Ok, _) => {}
+        (Status::Ok, op) => stats.data_bytes(op, req.data_bytes()),
         (status, op) => {
             stats.request_error();
             if req.errno != 0 {
