@@ -138,6 +138,13 @@ impl Device {
                 })?;
                 Backing::Pci(Box::new(f))
             }
+            KindSpec::PciPf(_) => {
+                return Err(Error::BadSpec {
+                    spec: spec.name.clone(),
+                    reason: "a PF is lent as its VFs (pci::sriov::expand), never opened itself"
+                        .into(),
+                })
+            }
         };
         Ok(Device {
             counters: Arc::new(DeviceCounters {

@@ -228,6 +228,17 @@ pub enum Error {
         #[source]
         source: crate::pci::PciError,
     },
+    /// An SR-IOV PF's virtual functions could not be made ready.
+    #[error("cannot lend the VFs of PCIe function {bdf} (device {device:?})")]
+    Sriov {
+        /// The PF's device.
+        device: String,
+        /// The PF's address.
+        bdf: String,
+        /// Why.
+        #[source]
+        source: crate::pci::sriov::SriovError,
+    },
     /// A thread could not be started.
     #[error("cannot start a thread")]
     Thread(#[source] io::Error),

@@ -46,7 +46,9 @@ mod session;
 pub mod stats;
 
 pub use config::IoMode;
-pub use config::{BlockSpec, Cli, Config, DeviceSpec, KindSpec, NetSpec, PciSpec, StoreSpec};
+pub use config::{
+    BlockSpec, Cli, Config, DeviceSpec, KindSpec, NetSpec, PciSpec, PfSpec, StoreSpec,
+};
 pub use error::Error;
 pub use leases::LeaseGuard;
 pub use server::{

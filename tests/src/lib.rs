@@ -16,6 +16,7 @@ pub mod migration_lab;
 pub mod netns;
 pub mod nvme;
 pub mod postgres;
+pub mod qemu11;
 pub use devlend_qemu::guest;
 pub mod storage_daemon;
 pub mod vhost_raw;

@@ -13,12 +13,12 @@
 //! `/proc/interrupts`). The host checks that the lender's image holds the pattern.
 //!
 //! Needs the chroot at `$DEVLEND_QEMU11_ROOT` (default `/var/cache/devlend/qemu11-root`,
-//! see `guest_vfio_qemu11.rs`). Without it the test says so and passes; with
+//! see `tests/src/qemu11.rs`). Without it the test says so and passes; with
 //! `DEVLEND_REQUIRE_QEMU11=1` it fails instead.
 
+use devlend_tests::qemu11;
 use devlend_tests::shared_libraries as libs;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -46,25 +46,9 @@ devlend-device-agent --listen 0.0.0.0:7700 --insecure --device ssd0=pci:$BDF --l
 sleep 100000
 "#;
 
-/// The NVMe driver and what it needs, in load order (`modinfo -F depends`, plus the
-/// crypto providers that crc-t10dif and crc64-rocksoft look up at run time).
-const MODULES: &[&str] = &[
-    "crypto/crct10dif_common",
-    "crypto/crct10dif_generic",
-    "lib/crc-t10dif",
-    "lib/crc64",
-    "crypto/crc64_rocksoft_generic",
-    "lib/crc64-rocksoft",
-    "block/t10-pi",
-    "drivers/nvme/host/nvme-core",
-    "drivers/nvme/host/nvme",
-];
-
 /// Runs in the QEMU 11 guest (the modules are in /nvme).
 const VMM_SCRIPT: &str = r#"
-for m in crct10dif_common crct10dif_generic crc-t10dif crc64 crc64_rocksoft_generic crc64-rocksoft t10-pi nvme-core nvme; do
-  insmod /nvme/$m.ko || echo "insmod $m failed"
-done
+__INSMOD_NVME__
 n=0
 while [ ! -b /dev/nvme0n1 ] && [ $n -lt 600 ]; do sleep 0.5; n=$((n + 1)); done
 if [ ! -b /dev/nvme0n1 ]; then echo "DEVLEND-RESULT dev=no"; dmesg | grep -i nvme; exit 1; fi
@@ -108,83 +92,14 @@ fn free_port() -> u16 {
         .expect("a free port")
 }
 
-/// Extracts the NVMe modules of the guest kernel's package into `dir`.
-fn nvme_modules(dir: &Path) -> Vec<(String, PathBuf)> {
-    let guest = devlend_qemu::guest::guest_dir();
-    let kver = std::fs::read_to_string(guest.join("KERNEL_VERSION")).expect("KERNEL_VERSION");
-    let kver = kver.trim();
-    let deb = std::fs::read_dir(guest.join("deb"))
-        .expect("the kernel package directory")
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name().is_some_and(|n| {
-                n.to_string_lossy()
-                    .starts_with(&format!("linux-image-{kver}"))
-            })
-        })
-        .expect("the kernel package");
-    let members: Vec<String> = MODULES
-        .iter()
-        .map(|m| format!("./lib/modules/{kver}/kernel/{m}.ko"))
-        .collect();
-    let tar = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "dpkg-deb --fsys-tarfile '{}' | tar -x -C '{}' {}",
-            deb.display(),
-            dir.display(),
-            members.join(" ")
-        ))
-        .status()
-        .expect("dpkg-deb");
-    assert!(tar.success(), "extracting the NVMe modules");
-    MODULES
-        .iter()
-        .zip(&members)
-        .map(|(m, p)| {
-            let name = m.rsplit('/').next().unwrap_or(m);
-            (format!("/nvme/{name}.ko"), dir.join(p))
-        })
-        .collect()
-}
-
-/// own with `/tmp`, `/dev`, `/proc` and the guest image bound in.
-fn qemu11_wrapper(dir: &Path, root: &Path) -> PathBuf {
-    let w = dir.join("qemu11");
-    let script = format!(
-        "#!/bin/sh\nexec unshare -m sh -c 'R={root}; for d in /tmp /dev /var/cache/devlend/guest; do \
-         mkdir -p $R$d; mount --bind $d $R$d; done; mount -t proc proc $R/proc; \
-         exec chroot $R qemu-system-x86_64 \"$@\"' sh \"$@\"\n",
-        root = root.display()
-    );
-    std::fs::write(&w, script).expect("write the wrapper");
-    std::fs::set_permissions(&w, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    w
-}
-
 #[test]
 fn qemu11_guest_uses_a_lent_nvme_with_its_own_driver() {
-    let root = std::env::var_os("DEVLEND_QEMU11_ROOT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/devlend/qemu11-root"));
-    if !root.join("usr/bin/qemu-system-x86_64").exists() {
-        let msg = format!(
-            "no QEMU 11 chroot at {}: see guest_vfio_qemu11.rs",
-            root.display()
-        );
-        assert!(
-            std::env::var_os("DEVLEND_REQUIRE_QEMU11").is_none(),
-            "{msg}"
-        );
-        eprintln!("skipped: {msg}");
-        return;
-    }
+    let Some(root) = qemu11::root() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let image = dir.path().join("nvme.img");
     const IMAGE: u64 = 32 << 20;
     std::fs::write(&image, vec![0u8; IMAGE as usize]).expect("the image");
-    let modules = nvme_modules(dir.path());
+    let modules = qemu11::nvme_modules(dir.path());
     let port = free_port();
     let agent = bin("devlend-device-agent");
     let mut b = Guest::builder()
@@ -245,7 +160,7 @@ fn qemu11_guest_uses_a_lent_nvme_with_its_own_driver() {
         let mut borrower = borrower;
         std::thread::spawn(move || borrower.serve(&server));
 
-        std::env::set_var("DEVLEND_QEMU", qemu11_wrapper(dir.path(), &root));
+        std::env::set_var("DEVLEND_QEMU", qemu11::wrapper(dir.path(), &root));
         let device = format!(
             "{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"path\":\"{}\",\"type\":\"unix\"}}}}",
             sock.display()
@@ -255,7 +170,7 @@ fn qemu11_guest_uses_a_lent_nvme_with_its_own_driver() {
             .memory_mib(256)
             .vcpus(2)
             .args(["-device".to_string(), device])
-            .script(VMM_SCRIPT);
+            .script(VMM_SCRIPT.replace("__INSMOD_NVME__", qemu11::INSMOD_NVME));
         for (guest_path, host_path) in &modules {
             vb = vb.host_file(guest_path.clone(), host_path.clone());
         }

@@ -15,9 +15,9 @@
 //! `apt-get install -t trixie-backports --no-install-recommends qemu-system-x86`. Without
 //! it the test says so and passes; with `DEVLEND_REQUIRE_QEMU11=1` it fails instead.
 
+use devlend_tests::qemu11;
 use devlend_tests::shared_libraries as libs;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use devlend_backend::pci::{LinkTarget, PciBorrower};
@@ -106,38 +106,9 @@ fn free_port() -> u16 {
         .expect("a free port")
 }
 
-/// A `qemu-system-x86_64` that runs QEMU 11 in `root`, in a mount namespace of its
-/// own with `/tmp`, `/dev`, `/proc` and the guest image bound in.
-fn qemu11_wrapper(dir: &Path, root: &Path) -> PathBuf {
-    let w = dir.join("qemu11");
-    let script = format!(
-        "#!/bin/sh\nexec unshare -m sh -c 'R={root}; for d in /tmp /dev /var/cache/devlend/guest; do \
-         mkdir -p $R$d; mount --bind $d $R$d; done; mount -t proc proc $R/proc; \
-         exec chroot $R qemu-system-x86_64 \"$@\"' sh \"$@\"\n",
-        root = root.display()
-    );
-    std::fs::write(&w, script).expect("write the wrapper");
-    std::fs::set_permissions(&w, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    w
-}
-
 #[test]
 fn qemu11_guest_uses_a_lent_edu_through_vfio_user() {
-    let root = std::env::var_os("DEVLEND_QEMU11_ROOT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/devlend/qemu11-root"));
-    if !root.join("usr/bin/qemu-system-x86_64").exists() {
-        let msg = format!(
-            "no QEMU 11 chroot at {}: see the top of this file",
-            root.display()
-        );
-        assert!(
-            std::env::var_os("DEVLEND_REQUIRE_QEMU11").is_none(),
-            "{msg}"
-        );
-        eprintln!("skipped: {msg}");
-        return;
-    }
+    let Some(root) = qemu11::root() else { return };
     let port = free_port();
     let agent = bin("devlend-device-agent");
     let mut b = Guest::builder()
@@ -197,7 +168,7 @@ fn qemu11_guest_uses_a_lent_edu_through_vfio_user() {
             let mut borrower = borrower;
             std::thread::spawn(move || borrower.serve(&server));
 
-            std::env::set_var("DEVLEND_QEMU", qemu11_wrapper(dir.path(), &root));
+            std::env::set_var("DEVLEND_QEMU", qemu11::wrapper(dir.path(), &root));
             let device = format!(
                 "{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"path\":\"{}\",\"type\":\"unix\"}}}}",
                 sock.display()

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 pub(crate) use self::spec::check_unique;
 pub use self::spec::{
-    parse_mac, valid_bdf, BlockSpec, Coherence, DeviceSpec, KindSpec, NetSpec, PciSpec,
+    parse_mac, valid_bdf, BlockSpec, Coherence, DeviceSpec, KindSpec, NetSpec, PciSpec, PfSpec,
 };
 pub use self::store::StoreSpec;
 use crate::Error;

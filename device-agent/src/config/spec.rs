@@ -41,6 +41,11 @@ pub enum KindSpec {
     Net(NetSpec),
     /// A PCIe function bound to `vfio-pci`, lent as a vfio-user device.
     Pci(PciSpec),
+    /// An SR-IOV physical function whose virtual functions are lent, each as a
+    /// [`KindSpec::Pci`] of its own (`crate::pci::sriov` turns it into those at start);
+    /// the physical function itself is the lender's, never lent.
+    #[serde(rename = "pci-pf")]
+    PciPf(PfSpec),
 }
 
 /// A block device or a regular file to lend.
@@ -100,6 +105,34 @@ pub struct PciSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coherence: Option<Coherence>,
 }
+
+/// An SR-IOV physical function (PF) and the virtual functions (VFs) to enable on it,
+/// lent as `NAME-vf0`, `NAME-vf1`, ... (`docs/pci.md`, "SR-IOV").
+///
+/// Flag: `NAME=pci-pf:DDDD:BB:DD.F,vfs=N[,namespaces=1+2:3][,coherence=C]`. File:
+/// `pf = "DDDD:BB:DD.F"`, `vfs = N`, `namespaces = [[1, 2], [3]]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PfSpec {
+    /// The PF's address; it stays bound to its own driver (`nvme`, `igb`, ...), which
+    /// enables the VFs.
+    #[serde(rename = "pf")]
+    pub bdf: String,
+    /// How many VFs to enable and lend: 1 up to the PF's `sriov_totalvfs`.
+    pub vfs: u16,
+    /// For an NVMe PF: the namespace IDs to attach to each VF's controller, in VF order
+    /// (entry 0 for VF 0); a VF past the list gets none attached by the lender (flag:
+    /// `+` between a VF's IDs, `:` between VFs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<Vec<u32>>,
+    /// The VFs' coherence mode, as [`PciSpec::coherence`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coherence: Option<Coherence>,
+}
+
+/// The most VFs a PF spec may ask for (PCIe SR-IOV's NumVFs is 16 bits; real devices
+/// offer at most a few hundred).
+pub const MAX_VFS: u16 = 256;
 
 /// How a lent PCIe function's DMA is kept coherent with the borrower's guest memory
 /// (`docs/pci.md`, `docs/nvme.md`).
@@ -165,6 +198,62 @@ impl PciSpec {
     }
 }
 
+impl PfSpec {
+    /// The PF at `bdf` with `vfs` VFs, no namespaces named, the default coherence.
+    pub fn new(bdf: impl Into<String>, vfs: u16) -> PfSpec {
+        PfSpec {
+            bdf: bdf.into(),
+            vfs,
+            namespaces: Vec::new(),
+            coherence: None,
+        }
+    }
+
+    /// Checks the address, the number of VFs and the namespace lists.
+    fn validate(&self, name: &str) -> Result<(), Error> {
+        if !valid_bdf(&self.bdf) {
+            return Err(Error::BadBdf {
+                name: name.to_owned(),
+                bdf: self.bdf.clone(),
+            });
+        }
+        let bad = |reason: String| {
+            Err(Error::BadSpec {
+                spec: name.to_owned(),
+                reason,
+            })
+        };
+        if self.vfs == 0 || self.vfs > MAX_VFS {
+            return bad(format!(
+                "vfs = {}: a PF lends 1 to {MAX_VFS} VFs (lend a function without VFs as pci:BDF)",
+                self.vfs
+            ));
+        }
+        if self.namespaces.len() > usize::from(self.vfs) {
+            return bad(format!(
+                "namespaces for {} VFs, but vfs = {}",
+                self.namespaces.len(),
+                self.vfs
+            ));
+        }
+        if let Some(list) = self.namespaces.iter().find(|l| l.len() > 1024) {
+            return bad(format!(
+                "{} namespaces for one VF: at most 1024",
+                list.len()
+            ));
+        }
+        if self
+            .namespaces
+            .iter()
+            .flatten()
+            .any(|&n| n == 0 || n == u32::MAX)
+        {
+            return bad("namespace ID 0 or FFFFFFFFh: IDs are 1 to FFFFFFFEh".into());
+        }
+        Ok(())
+    }
+}
+
 impl KindSpec {
     /// The kind's name as the config file spells it: `block`, `net` or `pci`.
     pub fn name(&self) -> &'static str {
@@ -172,6 +261,7 @@ impl KindSpec {
             KindSpec::Block(_) => "block",
             KindSpec::Net(_) => "net",
             KindSpec::Pci(_) => "pci",
+            KindSpec::PciPf(_) => "pci-pf",
         }
     }
 }
@@ -224,7 +314,7 @@ impl DeviceSpec {
         match &self.kind {
             KindSpec::Block(b) => b.qos,
             KindSpec::Net(n) => n.qos,
-            KindSpec::Pci(_) => Qos::default(),
+            KindSpec::Pci(_) | KindSpec::PciPf(_) => Qos::default(),
         }
     }
 
@@ -232,7 +322,7 @@ impl DeviceSpec {
     pub fn store(&self) -> Option<&str> {
         match &self.kind {
             KindSpec::Block(b) => b.store.as_deref(),
-            KindSpec::Net(_) | KindSpec::Pci(_) => None,
+            KindSpec::Net(_) | KindSpec::Pci(_) | KindSpec::PciPf(_) => None,
         }
     }
 
@@ -268,6 +358,7 @@ impl DeviceSpec {
                     });
                 }
             }
+            KindSpec::PciPf(p) => p.validate(&self.name)?,
         }
         for t in &self.traits {
             let ok = !t.is_empty()

@@ -10,20 +10,22 @@ use super::spec::{DeviceSpec, KindSpec};
 
 /// The kinds and the keys of each besides `name`, `kind` and `traits` (serde aliases
 /// included). The first key of each names its backing.
-const KINDS: [(&str, &[&str]); 3] = [
+const KINDS: [(&str, &[&str]); 4] = [
     ("block", &["path", "read_only", "serial", "qos", "store"]),
     ("net", &["net", "interface", "mac", "qos"]),
     ("pci", &["pci", "bdf", "coherence"]),
+    ("pci-pf", &["pf", "vfs", "namespaces", "coherence"]),
 ];
 
 /// The keys that name a device's backing, and the kind each implies when `kind` is
 /// absent.
-const BACKING_KEYS: [(&str, &str); 5] = [
+const BACKING_KEYS: [(&str, &str); 6] = [
     ("path", "block"),
     ("net", "net"),
     ("interface", "net"),
     ("pci", "pci"),
     ("bdf", "pci"),
+    ("pf", "pci-pf"),
 ];
 
 impl<'de> Deserialize<'de> for DeviceSpec {
@@ -49,7 +51,7 @@ fn from_table(mut t: Table) -> Result<DeviceSpec, String> {
             Some((n, _)) => *n,
             None => {
                 return Err(format!(
-                    "{who}: unknown kind `{k}` (expected block, net or pci)"
+                    "{who}: unknown kind `{k}` (expected block, net, pci or pci-pf)"
                 ))
             }
         },
@@ -78,6 +80,7 @@ fn from_table(mut t: Table) -> Result<DeviceSpec, String> {
     let kind = match kind {
         "net" => KindSpec::Net(fields.try_into().map_err(|e| format!("{who}: {e}"))?),
         "pci" => KindSpec::Pci(fields.try_into().map_err(|e| format!("{who}: {e}"))?),
+        "pci-pf" => KindSpec::PciPf(fields.try_into().map_err(|e| format!("{who}: {e}"))?),
         _ => KindSpec::Block(fields.try_into().map_err(|e| format!("{who}: {e}"))?),
     };
     Ok(DeviceSpec { name, traits, kind })
@@ -93,7 +96,7 @@ fn infer_kind(who: &str, t: &Table) -> Result<&'static str, String> {
             "{who}: both `{a}` and `{b}`: a device lends one thing (set `kind` and its keys)"
         )),
         (None, _) => Err(format!(
-            "{who}: no `path`, `net` or `pci` says what it lends (or set `kind`)"
+            "{who}: no `path`, `net`, `pci` or `pf` says what it lends (or set `kind`)"
         )),
     }
 }

@@ -1,18 +1,28 @@
 //! The `--device` flag: `NAME=PATH[,ro][,serial=S][,traits=A+B][,store=S][,LIMIT=N]`,
-//! `NAME=net:IFNAME[,mac=MAC][,LIMIT=N]` or `NAME=pci:DDDD:BB:DD.F[,coherence=C]`
-//! parsed into a [`DeviceSpec`] of its kind.
+//! `NAME=net:IFNAME[,mac=MAC][,LIMIT=N]`, `NAME=pci:DDDD:BB:DD.F[,coherence=C]` or
+//! `NAME=pci-pf:DDDD:BB:DD.F,vfs=N[,namespaces=1+2:3][,coherence=C]` parsed into a
+//! [`DeviceSpec`] of its kind.
 
 use std::str::FromStr;
 
 use devlend_fabric::qos::{Lane, Qos, LANES};
 use devlend_fabric::units::parse_size;
 
-use super::spec::{BlockSpec, Coherence, DeviceSpec, KindSpec, NetSpec, PciSpec};
+use super::spec::{BlockSpec, Coherence, DeviceSpec, KindSpec, NetSpec, PciSpec, PfSpec};
 use crate::Error;
 
 /// The options of any kind, for the message naming one that does not apply to the
 /// kind given.
-const KNOWN_OPTIONS: [&str; 6] = ["ro", "serial", "traits", "store", "mac", "coherence"];
+const KNOWN_OPTIONS: [&str; 8] = [
+    "ro",
+    "serial",
+    "traits",
+    "store",
+    "mac",
+    "coherence",
+    "vfs",
+    "namespaces",
+];
 
 impl FromStr for DeviceSpec {
     type Err = Error;
@@ -37,13 +47,16 @@ impl FromStr for DeviceSpec {
         match backing {
             "" => return Err(bad("empty path".into())),
             "net:" => return Err(bad("empty interface name".into())),
-            "pci:" => return Err(bad("empty PCIe address".into())),
+            "pci:" | "pci-pf:" => return Err(bad("empty PCIe address".into())),
             _ => {}
         }
         let kind: KindSpec = if let Some(ifname) = backing.strip_prefix("net:") {
             NetSpec::new(ifname).into()
         } else if let Some(bdf) = backing.strip_prefix("pci:") {
             PciSpec::new(bdf).into()
+        } else if let Some(bdf) = backing.strip_prefix("pci-pf:") {
+            // vfs is required: 0 until the option sets it, which validate refuses.
+            KindSpec::PciPf(PfSpec::new(bdf, 0))
         } else {
             BlockSpec::new(backing).into()
         };
@@ -84,22 +97,28 @@ impl FromStr for DeviceSpec {
                     }
                     _ => Some(&mut n.qos),
                 },
-                KindSpec::Pci(p) => match opt {
-                    "coherence=nvme" => {
-                        p.coherence = Some(Coherence::Nvme);
+                KindSpec::Pci(p) if key == "coherence" => {
+                    p.coherence = Some(coherence(value).map_err(bad)?);
+                    continue;
+                }
+                KindSpec::PciPf(p) => match key {
+                    "coherence" => {
+                        p.coherence = Some(coherence(value).map_err(bad)?);
                         continue;
                     }
-                    "coherence=mirror" => {
-                        p.coherence = Some(Coherence::Mirror);
+                    "vfs" => {
+                        p.vfs = value
+                            .parse()
+                            .map_err(|_| bad(format!("vfs={value:?} is not a number")))?;
                         continue;
                     }
-                    _ if key == "coherence" => {
-                        return Err(bad(format!(
-                            "unknown coherence {value:?} (expected nvme or mirror)"
-                        )))
+                    "namespaces" => {
+                        p.namespaces = namespace_lists(value).map_err(bad)?;
+                        continue;
                     }
                     _ => None,
                 },
+                KindSpec::Pci(_) => None,
             };
             let not_of_kind = || Error::NotOfKind {
                 device: name.to_owned(),
@@ -116,7 +135,7 @@ impl FromStr for DeviceSpec {
                 None if is_limit(key) => return Err(not_of_kind()),
                 None => {
                     return Err(bad(format!(
-                        "unknown option {opt:?} (expected ro, serial=S, traits=A+B, store=NAME, mac=MAC, coherence=nvme|mirror, or a limit such as iops_read=N)"
+                        "unknown option {opt:?} (expected ro, serial=S, traits=A+B, store=NAME, mac=MAC, coherence=nvme|mirror, vfs=N, namespaces=1+2:3, or a limit such as iops_read=N)"
                     )))
                 }
             }
@@ -125,7 +144,7 @@ impl FromStr for DeviceSpec {
             KindSpec::Block(BlockSpec { qos, .. }) | KindSpec::Net(NetSpec { qos, .. }) => {
                 apply_bursts(qos, bursts).map_err(bad)?;
             }
-            KindSpec::Pci(_) => {}
+            KindSpec::Pci(_) | KindSpec::PciPf(_) => {}
         }
         spec.validate()?;
         Ok(spec)
@@ -138,6 +157,44 @@ fn flag_options(kind: &KindSpec) -> &'static [&'static str] {
         KindSpec::Block(_) => &["ro", "serial", "store"],
         KindSpec::Net(_) => &["mac"],
         KindSpec::Pci(_) => &["coherence"],
+        KindSpec::PciPf(_) => &["coherence", "vfs", "namespaces"],
+    }
+}
+
+/// A coherence option's value.
+fn coherence(value: &str) -> Result<Coherence, String> {
+    match value {
+        "nvme" => Ok(Coherence::Nvme),
+        "mirror" => Ok(Coherence::Mirror),
+        _ => Err(format!(
+            "unknown coherence {value:?} (expected nvme or mirror)"
+        )),
+    }
+}
+
+/// `namespaces=1+2:3`: VF 0 gets namespaces 1 and 2, VF 1 gets 3 (an empty entry,
+/// as in `1::3`, gives that VF none).
+fn namespace_lists(value: &str) -> Result<Vec<Vec<u32>>, String> {
+    value
+        .split(':')
+        .map(|vf| {
+            vf.split('+')
+                .filter(|n| !n.is_empty())
+                .map(|n| {
+                    parse_nsid(n).ok_or_else(|| {
+                        format!("namespaces: {n:?} is not a namespace ID (decimal, or hex with 0x)")
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// A namespace ID, decimal or `0x` hex.
+fn parse_nsid(s: &str) -> Option<u32> {
+    match s.strip_prefix("0x") {
+        Some(h) => u32::from_str_radix(h, 16).ok(),
+        None => s.parse().ok(),
     }
 }
 

@@ -23,6 +23,7 @@ pub(crate) mod lending;
 pub(crate) mod mirror;
 pub(crate) mod nvme;
 pub(crate) mod session;
+pub mod sriov;
 
 use std::io;
 use std::os::fd::AsRawFd;

@@ -64,6 +64,13 @@ impl Lender {
             return Err(Error::NoDevices);
         }
         check_unique(&devices)?;
+        let devices = crate::pci::sriov::expand(
+            &devices,
+            crate::pci::sriov::Mode::Start,
+            &Default::default(),
+            &crate::pci::sriov::kernel_admin,
+        )?;
+        check_unique(&devices)?;
         let min = Duration::from_millis(1);
         options.handshake_timeout = options.handshake_timeout.max(min);
         options.frame_timeout = options.frame_timeout.max(min);

@@ -146,7 +146,7 @@ impl LenderState {
             .cloned()
     }
 
-    pub(super) fn all_devices(&self) -> Vec<Arc<Device>> {
+    pub(crate) fn all_devices(&self) -> Vec<Arc<Device>> {
         let mut v: Vec<_> = self
             .devices
             .read()
@@ -162,6 +162,13 @@ impl LenderState {
     /// stop being lent unless a borrower holds them (then they stay, with a warning), and
     /// a changed spec counts as removed + added.
     pub(super) fn reload(&self, specs: &[DeviceSpec]) -> Result<ReloadReport, Error> {
+        check_unique(specs)?;
+        let specs = &crate::pci::sriov::expand(
+            specs,
+            crate::pci::sriov::Mode::Reload,
+            &Default::default(),
+            &crate::pci::sriov::kernel_admin,
+        )?;
         check_unique(specs)?;
         // Stores are read at start: a device may name only one of those.
         if let Some((spec, store)) = specs

@@ -26,10 +26,16 @@ pub(crate) fn admit<'s>(
         ));
     }
     let Some(dev) = shared.device(&hello.device) else {
-        return Err((
-            HelloStatus::NoSuchDevice,
-            format!("no device {:?} is lent here", hello.device),
-        ));
+        let names: Vec<String> = shared
+            .all_devices()
+            .iter()
+            .map(|d| d.counters.name.clone())
+            .collect();
+        let reason = match crate::pci::sriov::unknown_device_hint(&hello.device, &names) {
+            Some(hint) => format!("no device {:?} is lent here: {hint}", hello.device),
+            None => format!("no device {:?} is lent here", hello.device),
+        };
+        return Err((HelloStatus::NoSuchDevice, reason));
     };
     // What the kind serves: a NIC frames, a PCIe function queue 0 with feature PCI.
     dev.kind()
