@@ -9,15 +9,20 @@
 //! controller and 2 to VF 1's, binds the VFs to vfio-pci and lends them as `ssd-vf0`
 //! and `ssd-vf1` (through the NVMe mediator, the default for their class).
 //!
-//! On the host, two borrowers (one per VF) serve vfio-user, and two QEMU 11 guests
-//! with 2 vCPUs each boot at the same time, one per VF. Each guest's own `nvme` driver
+//! The lender registers with a pool on the host (reached at 10.0.2.2): the pool lists
+//! one item per VF, of the VF's class, with the traits `NVME` (the spec's), `SRIOV_VF`
+//! and `PF_SSD`. Two compute hosts, each a compute agent in a network namespace of its
+//! own (A under this host's name, B as `host-b`), each lease a VF of PF `ssd` through
+//! the pool (`devlend attach --class PCI_1B36_0010 --trait SRIOV_VF --trait PF_SSD
+//! --kind pci`) and get the two VFs; two QEMU 11 guests with 2 vCPUs each boot at the
+//! same time, one on each compute agent's socket. Each guest's own `nvme` driver
 //! finds its VF, sees only its own namespace (by its size), writes its own pattern
-//! with O_DIRECT, reads it back, then writes it again from both vCPUs at once. After
-//! both are done the host finds each pattern in its own namespace's image and not in
-//! the other's.
+//! with O_DIRECT, reads it back, then writes it again from both vCPUs at once, on an
+//! I/O queue each. After both are done the host finds each pattern in its own
+//! namespace's image and not in the other's.
 //!
-//! Then VF 0 changes hands: a holder enables its controller and is detached while its
-//! VMM is still connected; the lender resets the VF (FLR), and the next holder finds
+//! Then host A's VF changes hands through the pool: a holder enables its controller and
+//! is detached while its VMM is still connected; the lender resets the VF (FLR), and the next holder finds
 //! its controller disabled with nothing of the first one's queues in its registers, and
 //! uses it (enable, an I/O queue, Identify). Asking for the PF, or for a VF the PF does
 //! not have, is refused with what the lender has.
@@ -29,8 +34,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use devlend_backend::pci::{LinkTarget, PciBorrower, PciHandle};
+use devlend_backend::pci::{LinkTarget, PciBorrower};
+use devlend_pool::api::{DeviceQuery, DeviceState, Role};
 use devlend_qemu::guest::Guest;
+use devlend_tests::agents::{Borrower, Pool};
+use devlend_tests::netns::{ip, Netns};
 use devlend_tests::shared_libraries as libs;
 use devlend_tests::{nvme, qemu11};
 
@@ -46,13 +54,16 @@ devlend-modprobe vfio vfio_iommu_type1 vfio_virqfd irqbypass vfio_pci_core vfio_
 ip link set lo up
 ip addr add 10.0.2.15/24 dev eth0
 ip link set eth0 up
+# The compute hosts' connections arrive from their own addresses (QEMU's user network
+# keeps a source that is not loopback): answer them through the gateway.
+ip route add default via 10.0.2.2
 for d in /sys/bus/pci/devices/*; do
   if [ "$(cat $d/class)" = 0x010802 ] && [ -e $d/sriov_totalvfs ]; then PF=$(basename $d); fi
 done
 n=0
 while [ ! -e /sys/bus/pci/devices/$PF/nvme ] && [ $n -lt 300 ]; do sleep 0.2; n=$((n + 1)); done
 echo "sriov: pf=$PF driver=$(basename $(readlink /sys/bus/pci/devices/$PF/driver)) totalvfs=$(cat /sys/bus/pci/devices/$PF/sriov_totalvfs)"
-devlend-device-agent --listen 0.0.0.0:7700 --insecure --device ssd=pci-pf:$PF,vfs=2,namespaces=1:2 --log-level info 2>&1 | sed 's/^/lender: /' &
+devlend-device-agent --config /lender.toml --device ssd=pci-pf:$PF,vfs=2,namespaces=1:2,traits=NVME --log-level info 2>&1 | sed 's/^/lender: /' &
 sleep 100000
 "#;
 
@@ -109,28 +120,92 @@ fn target(port: u16, device: &str, borrower: u8) -> LinkTarget {
     }
 }
 
-/// Connects to `device`, retrying while the lender is busy (quiescing a VF).
-fn connect(port: u16, device: &str, borrower: u8) -> PciBorrower {
-    let until = Instant::now() + Duration::from_secs(60);
-    loop {
-        match PciBorrower::connect(&target(port, device, borrower)) {
-            Ok(b) => return b,
-            Err(e) if Instant::now() < until => {
-                eprintln!("borrower {device}: {e}; retrying");
-                std::thread::sleep(Duration::from_millis(500));
-            }
-            Err(e) => panic!("borrower {device}: {}", devlend_fabric::error::chain(&e)),
-        }
-    }
+/// Two compute hosts, A (this host's name) and B (`host-b`), each a compute agent in a
+/// network namespace of its own, routed to this host (the pool, the lender's port).
+struct Host {
+    ns: Netns,
+    dir: PathBuf,
+    name: Option<&'static str>,
+    agent: Borrower,
 }
 
-/// Serves `borrower` on `sock` in a thread; returns its handle.
-fn serve(borrower: PciBorrower, sock: &Path) -> PciHandle {
-    let server = borrower.listen(sock).expect("listen");
-    let handle = borrower.handle();
-    let mut borrower = borrower;
-    std::thread::spawn(move || borrower.serve(&server));
-    handle
+impl Host {
+    fn new(parent: &Path, n: u8, name: Option<&'static str>) -> Host {
+        let ns = Netns::new(n).expect("a network namespace");
+        ip(&[
+            "-n",
+            &ns.name,
+            "route",
+            "add",
+            "default",
+            "via",
+            &ns.host_ip,
+        ])
+        .expect("route");
+        let dir = parent.join(format!("host{n}"));
+        std::fs::create_dir_all(&dir).expect("the host's directory");
+        let agent = Borrower::start_in(&dir, Some(&ns.name), &format!("compute-{n}"), &[])
+            .expect("a compute agent");
+        Host {
+            ns,
+            dir,
+            name,
+            agent,
+        }
+    }
+
+    /// `devlend attach --kind pci` of a VF of PF `ssd` placed by the pool, for `vm`;
+    /// the attachment's JSON. The CLI runs under this host's name (a UTS namespace for
+    /// B), as it would on that host.
+    fn attach_vf(&self, pool_port: u16, vm: &str, sock: &Path) -> serde_json::Value {
+        let mut cmd = match self.name {
+            None => Command::new(bin("devlend")),
+            Some(h) => {
+                let mut c = Command::new("unshare");
+                c.args([
+                    "--uts",
+                    "sh",
+                    "-c",
+                    &format!("hostname {h} && exec \"$0\" \"$@\""),
+                ])
+                .arg(bin("devlend"));
+                c
+            }
+        };
+        let out = cmd
+            .arg("--api")
+            .arg(&self.agent.api)
+            .args(["attach", "--class", "PCI_1B36_0010", "--trait", "SRIOV_VF"])
+            .args(["--trait", "PF_SSD", "--kind", "pci", "--vm", vm, "--pool"])
+            .arg(format!("http://{}:{pool_port}", self.ns.host_ip))
+            .arg("--pool-key")
+            .arg(Borrower::pool_key(&self.dir))
+            .arg("--socket")
+            .arg(sock)
+            .arg("--json")
+            .output()
+            .expect("devlend attach");
+        assert!(
+            out.status.success(),
+            "attach on {:?}: {}\n{}",
+            self.name,
+            String::from_utf8_lossy(&out.stderr),
+            self.agent.proc.log()
+        );
+        serde_json::from_slice(&out.stdout).expect("the attachment's JSON")
+    }
+
+    fn detach(&self, sock: &Path) {
+        let out = self
+            .agent
+            .cli(&["detach", &sock.display().to_string()])
+            .expect("devlend detach");
+        assert!(
+            out.status.success(),
+            "detach: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 fn md5(dir: &Path, b: &[u8]) -> String {
@@ -163,6 +238,43 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
     }
     let modules = qemu11::nvme_modules(dir.path());
     let port = free_port();
+    // The pool, on every address of this host: the lender's guest reaches it at
+    // 10.0.2.2 (QEMU's user network: this host's loopback), the compute hosts at their
+    // namespaces' host addresses.
+    let pool_port = free_port();
+    let pool = Pool::serve(
+        dir.path(),
+        "pool",
+        &format!("0.0.0.0:{pool_port}"),
+        &format!("http://127.0.0.1:{pool_port}"),
+        &dir.path().join("pool"),
+        &[],
+    )
+    .expect("the pool");
+    let lender_key = dir.path().join("lender.key");
+    pool.enroll(Role::Lender, "sriov-lender", &lender_key)
+        .expect("enroll the lender");
+    let hosts = [
+        Host::new(dir.path(), 1, None),
+        Host::new(dir.path(), 2, Some("host-b")),
+    ];
+    pool.enroll(
+        Role::Compute,
+        &devlend_daemon::host_name(),
+        &Borrower::pool_key(&hosts[0].dir),
+    )
+    .expect("enroll host A");
+    pool.enroll(Role::Compute, "host-b", &Borrower::pool_key(&hosts[1].dir))
+        .expect("enroll host B");
+    let config = dir.path().join("lender.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"0.0.0.0:7700\"\nkey_file = \"/lender.key\"\n[pool]\nurl = \"http://10.0.2.2:{pool_port}\"\nprovider = \"sriov-lender\"\nadvertise = \"{}:{port}\"\n",
+            hosts[0].ns.host_ip
+        ),
+    )
+    .expect("the lender's config");
     let agent = bin("devlend-device-agent");
     let mut b = Guest::builder()
         .name("sriov-lender")
@@ -189,10 +301,12 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
             "-device".to_string(),
             "nvme-ns,drive=nsb,bus=nvme0,nsid=2,detached=on".to_string(),
             "-nic".to_string(),
-            format!("user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:{port}-:7700"),
+            format!("user,model=virtio-net-pci,hostfwd=tcp:0.0.0.0:{port}-:7700"),
         ])
         .script(LENDER_SCRIPT.replace("__INSMOD_NVME__", qemu11::INSMOD_NVME))
-        .host_file("/bin/devlend-device-agent", &agent);
+        .host_file("/bin/devlend-device-agent", &agent)
+        .host_file("/lender.key", &lender_key)
+        .host_file("/lender.toml", &config);
     for (guest_path, host_path) in &modules {
         b = b.host_file(guest_path.clone(), host_path.clone());
     }
@@ -208,7 +322,47 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
         lender
             .wait_for_text("listening", Duration::from_secs(300))
             .expect("the lender listens");
-        scenario(dir.path(), &root, port, &modules, &images);
+        let admin = pool.admin().expect("the pool's admin client");
+        let until = Instant::now() + Duration::from_secs(60);
+        let vfs = loop {
+            let q = DeviceQuery {
+                traits: vec!["SRIOV_VF".into(), "PF_SSD".into()],
+                ..Default::default()
+            };
+            let v = admin.devices(&q).unwrap_or_default();
+            if v.iter()
+                .filter(|d| d.state == DeviceState::Available)
+                .count()
+                == 2
+            {
+                break v;
+            }
+            assert!(Instant::now() < until, "the VFs are in the pool: {v:#?}");
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        let mut names: Vec<_> = vfs.iter().map(|d| d.name.as_str()).collect();
+        names.sort();
+        assert_eq!(names, ["ssd-vf0", "ssd-vf1"], "one pool item per VF");
+        for d in &vfs {
+            assert_eq!(d.resource_class, "PCI_1B36_0010");
+            for t in ["NVME", "SRIOV_VF", "PF_SSD"] {
+                assert!(
+                    d.traits.iter().any(|x| x == t),
+                    "{}: {t} in {:?}",
+                    d.name,
+                    d.traits
+                );
+            }
+        }
+        scenario(
+            dir.path(),
+            &root,
+            port,
+            &modules,
+            &images,
+            &hosts,
+            pool_port,
+        );
     }));
     for l in lender
         .console()
@@ -216,6 +370,12 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
         .filter(|l| l.contains("lender: ") || l.contains("sriov: "))
     {
         eprintln!("{l}");
+    }
+    if result.is_err() {
+        eprintln!("--- pool ---\n{}", pool.proc.log());
+        for h in &hosts {
+            eprintln!("--- compute {:?} ---\n{}", h.name, h.agent.proc.log());
+        }
     }
     lender.kill();
     if let Err(p) = result {
@@ -229,6 +389,8 @@ fn scenario(
     port: u16,
     modules: &[(String, PathBuf)],
     images: &[PathBuf; 2],
+    hosts: &[Host; 2],
+    pool_port: u16,
 ) {
     // The PF is the lender's, and a VF past the two it has does not exist.
     for (asked, said) in [
@@ -242,24 +404,32 @@ fn scenario(
         assert!(msg.contains(said), "{asked}: {msg}");
     }
 
-    let handles: Vec<PciHandle> = ["ssd-vf0", "ssd-vf1"]
+    // Each compute host leases a VF of PF ssd through the pool: the two VFs, at once.
+    let socks: Vec<PathBuf> = hosts.iter().map(|h| h.dir.join("ssd.sock")).collect();
+    let vf_of: Vec<usize> = hosts
         .iter()
-        .enumerate()
-        .map(|(i, vf)| {
-            let b = connect(port, vf, i as u8 + 1);
-            assert!(b.handle().mediated(), "{vf}: an NVMe VF is mediated");
-            serve(b, &dir.join(format!("{vf}.sock")))
+        .zip(["vm-a", "vm-b"])
+        .zip(&socks)
+        .map(|((h, vm), sock)| {
+            let a = h.attach_vf(pool_port, vm, sock);
+            assert_eq!(a["coherence"], "mediated", "an NVMe VF is mediated: {a}");
+            match a["device"].as_str() {
+                Some("ssd-vf0") => 0,
+                Some("ssd-vf1") => 1,
+                other => panic!("{vm} leased {other:?}: {a}"),
+            }
         })
         .collect();
+    assert_ne!(vf_of[0], vf_of[1], "two hosts, two VFs");
 
     std::env::set_var("DEVLEND_QEMU", qemu11::wrapper(dir, root));
     let mut vms: Vec<Guest> = ["a", "b"]
         .iter()
-        .enumerate()
-        .map(|(i, tag)| {
+        .zip(&socks)
+        .map(|(tag, sock)| {
             let device = format!(
                 "{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"path\":\"{}\",\"type\":\"unix\"}}}}",
-                dir.join(format!("ssd-vf{i}.sock")).display()
+                sock.display()
             );
             let script = VMM_SCRIPT
                 .replace("__INSMOD_NVME__", qemu11::INSMOD_NVME)
@@ -276,8 +446,9 @@ fn scenario(
             vb.boot().expect("boot a QEMU 11 guest")
         })
         .collect();
-    let mut md5s = Vec::new();
-    for ((vm, tag), size) in vms.iter_mut().zip(["a", "b"]).zip([IMAGE_A, IMAGE_B]) {
+    // Per VF (its namespace, its image): the pattern's md5 and the guest's tag.
+    let mut written: [(String, &str); 2] = Default::default();
+    for ((vm, tag), &vf) in vms.iter_mut().zip(["a", "b"]).zip(&vf_of) {
         let out = vm.wait_done(Duration::from_secs(900));
         for l in vm
             .console()
@@ -288,6 +459,7 @@ fn scenario(
         }
         let out = out.expect("the QEMU 11 guest's script");
         let get = |k: &str| out.result(k).unwrap_or("").to_string();
+        let size = [IMAGE_A, IMAGE_B][vf];
         assert_eq!(
             get("dev"),
             "yes",
@@ -296,7 +468,8 @@ fn scenario(
         assert_eq!(
             get("sectors"),
             (size / 512).to_string(),
-            "vm-{tag} sees its own namespace"
+            "vm-{tag} sees its VF's namespace {}",
+            vf + 1
         );
         assert_eq!(get("namespaces"), "1", "vm-{tag} sees one namespace only");
         assert_eq!(get("verify"), "ok", "vm-{tag}: the pattern read back");
@@ -306,47 +479,47 @@ fn scenario(
             "2",
             "vm-{tag}: an I/O queue per vCPU (the VF has 4 queues and 3 interrupts)"
         );
-        md5s.push(get("md5"));
+        written[vf] = (get("md5"), tag);
     }
     for (i, img) in images.iter().enumerate() {
         let data = std::fs::read(img).expect("read the image");
+        let (md5sum, tag) = &written[i];
         for at in [256usize, 512, 1024] {
             let at = at * 4096;
             assert_eq!(
-                md5(dir, &data[at..at + 65536]),
-                md5s[i],
-                "namespace {} holds its guest's pattern at byte {at}",
+                &md5(dir, &data[at..at + 65536]),
+                md5sum,
+                "namespace {} holds vm-{tag}'s pattern at byte {at}",
                 i + 1
             );
         }
-        let other = ["b", "a"][i];
+        let other = written[1 - i].1;
         assert!(
             !contains(&data, format!("devlend-sriov-{other}-").as_bytes()),
             "namespace {} holds nothing of vm-{other}",
             i + 1
         );
     }
-    for (i, h) in handles.iter().enumerate() {
-        let c = h.link_counters();
-        eprintln!(
-            "ssd-vf{i}: {} messages, {} bytes sent; {} bytes received",
-            c.msgs_sent.load(std::sync::atomic::Ordering::Relaxed),
-            c.bytes_sent.load(std::sync::atomic::Ordering::Relaxed),
-            c.bytes_received.load(std::sync::atomic::Ordering::Relaxed)
-        );
-    }
 
-    // VF 0 changes hands. A holder enables its controller and creates queues, and
-    // is detached while its VMM is still connected (so that no reset comes from the
-    // VMM); the next holder finds the VF reset, and working.
-    handles[0].disconnect();
-    let first = serve(connect(port, "ssd-vf0", 3), &dir.join("first.sock"));
-    let mut d = nvme::start(&dir.join("first.sock"));
+    // Host A's VF changes hands. A holder enables its controller and creates queues,
+    // and is detached while its VMM is still connected (so that no reset comes from
+    // the VMM); the next holder finds the VF reset, and working.
+    let a = &hosts[0];
+    a.detach(&socks[0]);
+    let first = a.dir.join("first.sock");
+    let got = a.attach_vf(pool_port, "vm-c", &first);
+    assert_eq!(
+        got["device"],
+        ["ssd-vf0", "ssd-vf1"][vf_of[0]],
+        "the VF A gave back"
+    );
+    let mut d = nvme::start(&first);
     assert_eq!(d.r32(0x1c) & 1, 1, "the first holder's controller is ready");
-    first.disconnect();
+    a.detach(&first);
     drop(d);
-    let next = serve(connect(port, "ssd-vf0", 4), &dir.join("next.sock"));
-    let mut d = nvme::join(&dir.join("next.sock"));
+    let next = a.dir.join("next.sock");
+    a.attach_vf(pool_port, "vm-d", &next);
+    let mut d = nvme::join(&next);
     let regs: Vec<(u64, u32)> = [0x14u64, 0x1c, 0x24, 0x28, 0x30]
         .iter()
         .map(|&o| (o, d.r32(o)))
@@ -370,6 +543,6 @@ fn scenario(
         "the VF's controller has the subsystem's serial"
     );
     drop(d);
-    next.disconnect();
-    handles[1].disconnect();
+    a.detach(&next);
+    hosts[1].detach(&socks[1]);
 }
