@@ -17,6 +17,7 @@ pub mod netns;
 pub mod nvme;
 pub mod postgres;
 pub mod qemu11;
+pub mod sriov;
 pub use devlend_qemu::guest;
 pub mod storage_daemon;
 pub mod vhost_raw;

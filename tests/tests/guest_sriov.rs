@@ -9,6 +9,10 @@
 //! controller and 2 to VF 1's, binds the VFs to vfio-pci and lends them as `ssd-vf0`
 //! and `ssd-vf1` (through the NVMe mediator, the default for their class).
 //!
+//! A first lender readies the VFs and is killed with SIGKILL; a second one, on the same
+//! configuration, finds them ready (nothing enabled, assigned or brought online again)
+//! and lends the same functions under the same names.
+//!
 //! The lender registers with a pool on the host (reached at 10.0.2.2): the pool lists
 //! one item per VF, of the VF's class, with the traits `NVME` (the spec's), `SRIOV_VF`
 //! and `PF_SSD`. Two compute hosts, each a compute agent in a network namespace of its
@@ -39,8 +43,7 @@ use devlend_pool::api::{DeviceQuery, DeviceState, Role};
 use devlend_qemu::guest::Guest;
 use devlend_tests::agents::{Borrower, Pool};
 use devlend_tests::netns::{ip, Netns};
-use devlend_tests::shared_libraries as libs;
-use devlend_tests::{nvme, qemu11};
+use devlend_tests::{nvme, qemu11, sriov};
 
 fn bin(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -48,22 +51,23 @@ fn bin(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// Runs after `sriov::PRELUDE` in the lender's guest: a first lender readies the VFs
+/// and is killed (SIGKILL) once it listens; a second one, on the same configuration,
+/// finds them ready and lends them.
 const LENDER_SCRIPT: &str = r#"
-__INSMOD_NVME__
-devlend-modprobe vfio vfio_iommu_type1 vfio_virqfd irqbypass vfio_pci_core vfio_pci
-ip link set lo up
-ip addr add 10.0.2.15/24 dev eth0
-ip link set eth0 up
-# The compute hosts' connections arrive from their own addresses (QEMU's user network
-# keeps a source that is not loopback): answer them through the gateway.
-ip route add default via 10.0.2.2
-for d in /sys/bus/pci/devices/*; do
-  if [ "$(cat $d/class)" = 0x010802 ] && [ -e $d/sriov_totalvfs ]; then PF=$(basename $d); fi
-done
+DEV="--config /lender.toml --device ssd=pci-pf:$PF,vfs=2,namespaces=1:2,traits=NVME --log-level info"
+devlend-device-agent $DEV > /tmp/first.log 2>&1 &
 n=0
-while [ ! -e /sys/bus/pci/devices/$PF/nvme ] && [ $n -lt 300 ]; do sleep 0.2; n=$((n + 1)); done
-echo "sriov: pf=$PF driver=$(basename $(readlink /sys/bus/pci/devices/$PF/driver)) totalvfs=$(cat /sys/bus/pci/devices/$PF/sriov_totalvfs)"
-devlend-device-agent --config /lender.toml --device ssd=pci-pf:$PF,vfs=2,namespaces=1:2,traits=NVME --log-level info 2>&1 | sed 's/^/lender: /' &
+while ! grep -q "addr=0.0.0.0:7700" /tmp/first.log && [ $n -lt 600 ]; do sleep 0.2; n=$((n + 1)); done
+sed 's/^/first: /' /tmp/first.log
+killall -9 devlend-device-agent
+sleep 1
+devlend-device-agent $DEV > /tmp/second.log 2>&1 &
+n=0
+while ! grep -q "addr=0.0.0.0:7700" /tmp/second.log && [ $n -lt 600 ]; do sleep 0.2; n=$((n + 1)); done
+sed 's/^/second: /' /tmp/second.log
+echo "sriov: the second lender is up"
+tail -n 0 -f /tmp/second.log | sed 's/^/lender: /' &
 sleep 100000
 "#;
 
@@ -275,53 +279,42 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
         ),
     )
     .expect("the lender's config");
-    let agent = bin("devlend-device-agent");
-    let mut b = Guest::builder()
-        .name("sriov-lender")
-        .memory_mib(768)
-        .kernel_arg("intel_iommu=on iommu=pt")
-        .args([
-            "-machine".to_string(),
-            "kernel-irqchip=split".to_string(),
-            "-device".to_string(),
-            "intel-iommu,intremap=on,caching-mode=on".to_string(),
-            "-device".to_string(),
-            "nvme-subsys,id=subsys0".to_string(),
-            "-device".to_string(),
-            "pcie-root-port,id=sriov-rp,chassis=9,slot=9".to_string(),
-            "-device".to_string(),
-            "nvme,id=nvme0,bus=sriov-rp,serial=pf0,subsys=subsys0,sriov_max_vfs=2,sriov_vq_flexible=8,sriov_vi_flexible=6"
-                .to_string(),
-            "-drive".to_string(),
-            format!("file={},if=none,id=nsa,format=raw", images[0].display()),
-            "-device".to_string(),
-            "nvme-ns,drive=nsa,bus=nvme0,nsid=1,detached=on".to_string(),
-            "-drive".to_string(),
-            format!("file={},if=none,id=nsb,format=raw", images[1].display()),
-            "-device".to_string(),
-            "nvme-ns,drive=nsb,bus=nvme0,nsid=2,detached=on".to_string(),
-            "-nic".to_string(),
-            format!("user,model=virtio-net-pci,hostfwd=tcp:0.0.0.0:{port}-:7700"),
-        ])
-        .script(LENDER_SCRIPT.replace("__INSMOD_NVME__", qemu11::INSMOD_NVME))
-        .host_file("/bin/devlend-device-agent", &agent)
+    let lender = sriov::lender("sriov-lender", &images, true, port, &modules, LENDER_SCRIPT)
         .host_file("/lender.key", &lender_key)
         .host_file("/lender.toml", &config);
-    for (guest_path, host_path) in &modules {
-        b = b.host_file(guest_path.clone(), host_path.clone());
-    }
-    let mut files = libs(&agent);
-    files.push("/lib64/ld-linux-x86-64.so.2".into());
-    files.sort();
-    files.dedup();
-    for f in files {
-        b = b.host_file(f.clone(), f);
-    }
-    let mut lender = b.boot().expect("boot the lender's guest");
+    let mut lender = lender.boot().expect("boot the lender's guest");
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         lender
-            .wait_for_text("listening", Duration::from_secs(300))
-            .expect("the lender listens");
+            .wait_for_text("sriov: the second lender is up", Duration::from_secs(300))
+            .expect("the lender listens, after a restart");
+        // The restart found the VFs ready: nothing was enabled, assigned or brought
+        // online again, and the same functions are lent.
+        let console = lender.console();
+        let count = |prefix: &str, what: &str| {
+            console
+                .lines()
+                .filter(|l| l.contains(prefix) && l.contains(what))
+                .count()
+        };
+        assert_eq!(count("first: ", "SR-IOV virtual functions enabled"), 1);
+        assert_eq!(count("first: ", "NVMe secondary controller online"), 2);
+        let ready = |prefix: &str| -> Vec<String> {
+            console
+                .lines()
+                .filter(|l| l.contains(prefix) && l.contains("PCIe function ready"))
+                .filter_map(|l| l.split("bdf=").nth(1))
+                .filter_map(|r| r.split_whitespace().next())
+                .map(str::to_owned)
+                .collect()
+        };
+        assert_eq!(count("second: ", "SR-IOV virtual functions enabled"), 0);
+        assert_eq!(count("second: ", "NVMe secondary controller online"), 0);
+        assert_eq!(ready("first: ").len(), 2, "{console}");
+        assert_eq!(
+            ready("second: "),
+            ready("first: "),
+            "the same VFs, lent again"
+        );
         let admin = pool.admin().expect("the pool's admin client");
         let until = Instant::now() + Duration::from_secs(60);
         let vfs = loop {
@@ -364,11 +357,11 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
             pool_port,
         );
     }));
-    for l in lender
-        .console()
-        .lines()
-        .filter(|l| l.contains("lender: ") || l.contains("sriov: "))
-    {
+    for l in lender.console().lines().filter(|l| {
+        ["lender: ", "sriov: ", "first: ", "second: "]
+            .iter()
+            .any(|p| l.contains(p))
+    }) {
         eprintln!("{l}");
     }
     if result.is_err() {
