@@ -535,7 +535,90 @@ fn scenario(
         b"pf0",
         "the VF's controller has the subsystem's serial"
     );
+    full_queue_of_writes(&mut d, vf_of[0] as u32 + 1);
     drop(d);
     a.detach(&next);
     hosts[1].detach(&socks[1]);
+}
+
+/// A guest that submits a whole queue of 128 KiB writes with one doorbell: the lender
+/// fetches them as the commands waiting for the controller leave room (16 MiB), not all
+/// at once (128 MiB here; 64 such queues would be 32 GiB), so the SQ head in the first
+/// completion is far behind the tail; and every write still completes.
+fn full_queue_of_writes(d: &mut nvme::Driver, nsid: u32) {
+    const ENTRIES: u32 = 1024;
+    const SQ: u64 = 0x4_0000;
+    const CQ: u64 = 0x5_0000;
+    let n = ENTRIES - 1;
+    d.ok(
+        false,
+        nvme::sqe(0x06, nsid, nvme::IOVA + nvme::IDENT, 0, [0; 6]),
+        "Identify Namespace",
+    );
+    let qs = (ENTRIES - 1) << 16 | 2;
+    d.ok(
+        false,
+        nvme::sqe(0x05, 0, nvme::IOVA + CQ, 0, [qs, 1 << 16 | 3, 0, 0, 0, 0]),
+        "create I/O CQ 2",
+    );
+    d.ok(
+        false,
+        nvme::sqe(0x01, 0, nvme::IOVA + SQ, 0, [qs, 2 << 16 | 1, 0, 0, 0, 0]),
+        "create I/O SQ 2",
+    );
+    // 128 KiB of data: PRP 1 and a list of the 31 pages after it.
+    d.mem.write(nvme::DATA, &[0xa5; 128 << 10]);
+    let list: Vec<u8> = (1..32u64)
+        .flat_map(|k| (nvme::IOVA + nvme::DATA + k * 4096).to_le_bytes())
+        .collect();
+    d.mem.write(nvme::LIST, &list);
+    for i in 0..n {
+        let mut e = nvme::sqe(
+            0x01,
+            nsid,
+            nvme::IOVA + nvme::DATA,
+            nvme::IOVA + nvme::LIST,
+            [(i * 256) % 32768, 0, 255, 0, 0, 0],
+        );
+        e[2..4].copy_from_slice(&(i as u16).to_le_bytes());
+        d.mem.write(SQ + u64::from(i) * 64, &e);
+    }
+    d.w32(0x1000 + 8 * 2, n);
+    let mut heads = Vec::new();
+    let until = Instant::now() + Duration::from_secs(300);
+    for i in 0..n {
+        let c = loop {
+            let c = d.mem.read(CQ + u64::from(i) * 16, 16);
+            if u16::from_le_bytes([c[14], c[15]]) & 1 == 1 {
+                break c;
+            }
+            assert!(
+                Instant::now() < until,
+                "{i} of {n} writes completed; heads {heads:?}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(
+            u16::from_le_bytes([c[14], c[15]]) >> 1,
+            0,
+            "write {i}'s status"
+        );
+        heads.push(u16::from_le_bytes([c[8], c[9]]));
+    }
+    d.w32(0x1000 + 8 * 2 + 4, n);
+    eprintln!(
+        "SQ heads in the completions: first {}, then {:?}",
+        heads[0],
+        &heads[1..8]
+    );
+    assert!(
+        heads[0] <= 512,
+        "the first completion says the lender had fetched {} of {n} entries",
+        heads[0]
+    );
+    assert_eq!(
+        heads.last().copied(),
+        Some(n as u16),
+        "all fetched in the end"
+    );
 }

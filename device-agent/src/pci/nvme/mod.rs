@@ -61,6 +61,15 @@ pub(crate) const MAX_ENTRIES: u32 = 4096;
 /// Pages of bounce buffers (16 MiB): commands that find no room wait in their queue's
 /// pending list until completions free some.
 const ARENA_PAGES: usize = 4096;
+/// Most bytes of commands fetched from the guest and waiting for the controller
+/// (`Sq::pending`), all queues together (16 MiB, as the bounce buffers): past it, new
+/// entries stay in the guest's SQ, unfetched, until completions make room. Without it
+/// a guest could make the lender hold a full queue's writes per queue (64 queues of
+/// 4096 entries of 128 KiB).
+pub(crate) const MAX_PENDING_BYTES: usize = 16 << 20;
+/// How long a doorbell waits for the controller to make room under
+/// [`MAX_PENDING_BYTES`] before it leaves the rest in the guest's queue.
+const MAKE_ROOM_FOR: std::time::Duration = std::time::Duration::from_secs(10);
 /// IOVA of the bounce buffers in the function's domain; shadow queues follow.
 const ARENA_IOVA: u64 = 1 << 32;
 
@@ -104,6 +113,9 @@ struct Sq {
     cqid: u16,
     /// Next guest entry to fetch (the SQ head the guest is told).
     head: u16,
+    /// The guest's last tail doorbell: entries from `head` up to it are submitted but
+    /// not fetched yet.
+    tail: u16,
     shadow: DmaBuf,
     /// Next free shadow slot.
     sh_tail: u16,
@@ -111,6 +123,8 @@ struct Sq {
     sh_head: u16,
     /// Commands checked and fetched, waiting for a shadow slot or bounce pages.
     pending: VecDeque<Prepared>,
+    /// What `pending` holds, bytes ([`Prepared::cost`]).
+    pending_bytes: usize,
 }
 
 /// A guest completion queue and its shadow.
@@ -159,6 +173,13 @@ struct Prepared {
     /// Data for the controller ([`Dir::ToDevice`]).
     data: Vec<u8>,
     post: Post,
+}
+
+impl Prepared {
+    /// The bytes it holds while it waits: its entry and the data fetched for it.
+    fn cost(&self) -> usize {
+        SQE + self.data.len()
+    }
 }
 
 /// A command at the controller.

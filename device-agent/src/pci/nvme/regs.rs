@@ -170,6 +170,8 @@ impl Mediator {
                 sh_tail: 0,
                 sh_head: 0,
                 pending: VecDeque::new(),
+                tail: 0,
+                pending_bytes: 0,
             },
         );
         self.cqs.insert(0, new_cq(self.acq, cq_n, 0, cq));

@@ -21,7 +21,28 @@ impl Mediator {
             tracing::info!(qid, tail, "SQ tail past the queue; ignored");
             return;
         }
-        let (guest, size, mut head) = (sq.guest, sq.size, sq.head);
+        if let Some(sq) = self.sqs.get_mut(&qid) {
+            sq.tail = tail;
+        }
+        self.fetch(f, g, qid);
+        // Entries an earlier doorbell left unfetched (the controller was stuck then).
+        self.fetch_waiting(f, g);
+    }
+
+    /// Fetches the entries of SQ `qid` between its head and the guest's tail, checks
+    /// them and queues them for the controller. While the commands waiting hold
+    /// [`MAX_PENDING_BYTES`] or more, it first drains the controller's completions to
+    /// make room ([`Self::make_room`]: guest memory is read on this thread only, so
+    /// the doorbell waits); what it still cannot fetch stays in the guest's queue (the
+    /// SQ head the guest is told stops before it) until the next doorbell.
+    pub(super) fn fetch(&mut self, f: &PciFunction, g: &mut dyn GuestAccess, qid: u16) {
+        let Some(sq) = self.sqs.get(&qid) else {
+            return;
+        };
+        let (guest, size, first, tail) = (sq.guest, sq.size, sq.head, sq.tail);
+        if first == tail {
+            return;
+        }
         if !self.inside(guest, (usize::from(size) * SQE) as u64) {
             tracing::warn!(
                 qid,
@@ -29,10 +50,11 @@ impl Mediator {
             );
             return;
         }
-        // Fetch the new entries, in at most two runs (the queue wraps).
-        let n = (usize::from(tail) + usize::from(size) - usize::from(head)) % usize::from(size);
+        // Read the new entries, in at most two runs (the queue wraps): 64 bytes each,
+        // at most a queue's worth.
+        let n = (usize::from(tail) + usize::from(size) - usize::from(first)) % usize::from(size);
         let mut raw = vec![0u8; n * SQE];
-        let mut got = 0;
+        let (mut got, mut head) = (0, first);
         while got < n {
             let run = (usize::from(size) - usize::from(head)).min(n - got);
             let iova = guest + (usize::from(head) * SQE) as u64;
@@ -43,15 +65,27 @@ impl Mediator {
             got += run;
             head = ((usize::from(head) + run) % usize::from(size)) as u16;
         }
-        if let Some(sq) = self.sqs.get_mut(&qid) {
-            sq.head = tail;
-        }
-        for e in raw.chunks_exact(SQE) {
+        for (k, e) in raw.chunks_exact(SQE).enumerate() {
+            if self.pending_bytes() >= MAX_PENDING_BYTES && !self.make_room(f, g) {
+                break;
+            }
+            if self
+                .sqs
+                .get(&qid)
+                .is_none_or(|s| s.head != ((usize::from(first) + k) % usize::from(size)) as u16)
+            {
+                // Draining deleted or reset the queue meanwhile.
+                break;
+            }
+            if let Some(sq) = self.sqs.get_mut(&qid) {
+                sq.head = ((usize::from(first) + k + 1) % usize::from(size)) as u16;
+            }
             let mut sqe = [0u8; SQE];
             sqe.copy_from_slice(e);
             match self.prepare(g, qid, sqe) {
                 Ok(p) => {
                     if let Some(sq) = self.sqs.get_mut(&qid) {
+                        sq.pending_bytes += p.cost();
                         sq.pending.push_back(p);
                     }
                 }
@@ -70,6 +104,48 @@ impl Mediator {
         }
         self.submit_pending(f, qid);
         self.flush_cq_for_sq(g, qid);
+    }
+
+    /// What the commands waiting for the controller hold, all queues together.
+    pub(super) fn pending_bytes(&self) -> usize {
+        self.sqs.values().map(|s| s.pending_bytes).sum()
+    }
+
+    /// Drains the controller's completions until the commands waiting hold less than
+    /// [`MAX_PENDING_BYTES`]: they wait for bounce pages or shadow slots, which
+    /// completions free. `false` when the controller completes nothing for
+    /// [`MAKE_ROOM_FOR`].
+    fn make_room(&mut self, f: &PciFunction, g: &mut dyn GuestAccess) -> bool {
+        let until = std::time::Instant::now() + MAKE_ROOM_FOR;
+        loop {
+            let cqids: Vec<u16> = self.cqs.keys().copied().collect();
+            for cqid in cqids {
+                if let Err(e) = self.drain(f, g, cqid) {
+                    tracing::warn!(cqid, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
+                }
+            }
+            if self.pending_bytes() < MAX_PENDING_BYTES {
+                return true;
+            }
+            if std::time::Instant::now() >= until {
+                tracing::warn!("the controller completed nothing for 10 s; submission entries left in the guest's queue");
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    /// Fetches what the guest submitted and [`Self::fetch`] left in its queues.
+    pub(super) fn fetch_waiting(&mut self, f: &PciFunction, g: &mut dyn GuestAccess) {
+        let waiting: Vec<u16> = self
+            .sqs
+            .iter()
+            .filter(|(_, s)| s.head != s.tail)
+            .map(|(q, _)| *q)
+            .collect();
+        for q in waiting {
+            self.fetch(f, g, q);
+        }
     }
 
     /// Checks one command and fetches what it needs from guest memory.
@@ -205,6 +281,8 @@ impl Mediator {
                             sh_tail: 0,
                             sh_head: 0,
                             pending: VecDeque::new(),
+                            tail: 0,
+                            pending_bytes: 0,
                         }),
                     )
                 }
@@ -250,6 +328,7 @@ impl Mediator {
             let Some(mut p) = sq.pending.pop_front() else {
                 break;
             };
+            sq.pending_bytes = sq.pending_bytes.saturating_sub(p.cost());
             let mut sqe = p.sqe;
             match (&p.post, first) {
                 (Post::CreateSq(_, s), _) => {
