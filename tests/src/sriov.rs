@@ -101,12 +101,10 @@ pub fn with_binary(mut b: GuestBuilder, guest_path: &str, path: &Path) -> GuestB
     b
 }
 
-/// Borrows `device` from the lender at `127.0.0.1:port` as borrower `id` (retrying for
-/// up to 60 s while the lender starts or quiesces it) and serves it over vfio-user at
-/// `sock`, in a thread; returns its handle.
-pub fn borrow(port: u16, device: &str, id: u8, sock: &Path) -> devlend_backend::pci::PciHandle {
-    use devlend_backend::pci::{LinkTarget, PciBorrower};
-    let target = LinkTarget {
+/// What a borrower `id` (its 16 bytes all `id`) dials for `device` at the lender on
+/// `127.0.0.1:port`: TCP, no token, no TLS.
+pub fn target(port: u16, device: &str, id: u8) -> devlend_backend::pci::LinkTarget {
+    devlend_backend::pci::LinkTarget {
         lender: format!("127.0.0.1:{port}"),
         device: device.into(),
         borrower: [id; 16],
@@ -115,7 +113,15 @@ pub fn borrow(port: u16, device: &str, id: u8, sock: &Path) -> devlend_backend::
         timeout: std::time::Duration::from_secs(10),
         transport: devlend_fabric::transport::Transport::Tcp,
         lender_key: None,
-    };
+    }
+}
+
+/// Borrows `device` from the lender at `127.0.0.1:port` as borrower `id` (retrying for
+/// up to 60 s while the lender starts or quiesces it) and serves it over vfio-user at
+/// `sock`, in a thread; returns its handle.
+pub fn borrow(port: u16, device: &str, id: u8, sock: &Path) -> devlend_backend::pci::PciHandle {
+    use devlend_backend::pci::PciBorrower;
+    let target = target(port, device, id);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let borrower = loop {
         match PciBorrower::connect(&target) {

@@ -87,7 +87,12 @@ fn run(dir: &Path, images: &[PathBuf], script: &str, devices: &[&str]) -> Vec<f6
     let handles: Vec<_> = devices
         .iter()
         .enumerate()
-        .map(|(i, d)| sriov::borrow(port, d, i as u8 + 1, &dir.join(format!("{d}.sock"))))
+        .map(|(i, d)| {
+            // The socket a previous round served on stays behind.
+            let sock = dir.join(format!("{d}.sock"));
+            let _ = std::fs::remove_file(&sock);
+            sriov::borrow(port, d, i as u8 + 1, &sock)
+        })
         .collect();
     let mut vms: Vec<Guest> = devices
         .iter()

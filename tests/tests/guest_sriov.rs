@@ -38,10 +38,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use devlend_backend::pci::{LinkTarget, PciBorrower};
+use devlend_backend::pci::PciBorrower;
 use devlend_pool::api::{DeviceQuery, DeviceState, Role};
 use devlend_qemu::guest::Guest;
-use devlend_tests::agents::{Borrower, Pool};
+use devlend_tests::agents::{free_port, Borrower, Pool};
 use devlend_tests::netns::{ip, Netns};
 use devlend_tests::{nvme, qemu11, sriov};
 
@@ -103,26 +103,6 @@ echo "DEVLEND-RESULT verify2=$ok"
 grep nvme /proc/interrupts
 echo "DEVLEND-RESULT io_queues=$(grep -c 'nvme0q[1-9]' /proc/interrupts)"
 "#;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-fn target(port: u16, device: &str, borrower: u8) -> LinkTarget {
-    LinkTarget {
-        lender: format!("127.0.0.1:{port}"),
-        device: device.into(),
-        borrower: [borrower; 16],
-        token: Vec::new(),
-        tls: None,
-        timeout: Duration::from_secs(10),
-        transport: devlend_fabric::transport::Transport::Tcp,
-        lender_key: None,
-    }
-}
 
 /// Two compute hosts, A (this host's name) and B (`host-b`), each a compute agent in a
 /// network namespace of its own, routed to this host (the pool, the lender's port).
@@ -241,11 +221,11 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
             .expect("the image");
     }
     let modules = qemu11::nvme_modules(dir.path());
-    let port = free_port();
+    let port = free_port().expect("a port");
     // The pool, on every address of this host: the lender's guest reaches it at
     // 10.0.2.2 (QEMU's user network: this host's loopback), the compute hosts at their
     // namespaces' host addresses.
-    let pool_port = free_port();
+    let pool_port = free_port().expect("a port");
     let pool = Pool::serve(
         dir.path(),
         "pool",
@@ -390,7 +370,7 @@ fn scenario(
         ("ssd", "borrow one of its VFs, ssd-vf0 to ssd-vf1"),
         ("ssd-vf2", "has VFs ssd-vf0 to ssd-vf1 only"),
     ] {
-        let Err(e) = PciBorrower::connect(&target(port, asked, 7)) else {
+        let Err(e) = PciBorrower::connect(&sriov::target(port, asked, 7)) else {
             panic!("{asked}: lent")
         };
         let msg = devlend_fabric::error::chain(&e);
