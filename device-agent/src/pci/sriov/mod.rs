@@ -149,7 +149,7 @@ pub(crate) fn kernel_admin(sysfs: &Sysfs, pf: &str) -> Result<Box<dyn Admin>, Sr
 ///
 /// # Errors
 /// [`Error::Sriov`] naming the PF's device; [`Error::BadSpec`] for a PF or VF also
-/// given as `pci:`.
+/// given as `pci:`, or a PF spec that [`DeviceSpec::validate`] refuses.
 pub(crate) fn expand(
     specs: &[DeviceSpec],
     mode: Mode,
@@ -163,6 +163,8 @@ pub(crate) fn expand(
             out.push(spec.clone());
             continue;
         };
+        // A spec built in code, not parsed, may not have been checked (vfs = 0).
+        spec.validate()?;
         let err = |source| Error::Sriov {
             device: spec.name.clone(),
             bdf: pf.bdf.clone(),

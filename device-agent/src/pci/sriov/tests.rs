@@ -349,3 +349,15 @@ fn a_borrower_asking_for_a_pf_or_a_vf_that_is_not_there_is_told_what_is() {
     assert_eq!(hint("other-vf0"), None);
     assert_eq!(hint("ssd-vfx"), None);
 }
+
+#[test]
+fn a_pf_spec_built_in_code_with_no_vfs_is_refused_not_divided_by() {
+    let dir = tempfile::tempdir().unwrap();
+    let sys = sysfs(dir.path(), 2, "nvme", "0x010802");
+    let ctrl = nvme_ctrl(2);
+    let opener = move |_: &Sysfs, _: &str| Ok(Box::new(Fake(Rc::clone(&ctrl))) as Box<dyn Admin>);
+    let msg = expand(&pf_spec(0, vec![]), Mode::Start, &sys, &opener)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("vfs = 0"), "{msg}");
+}
