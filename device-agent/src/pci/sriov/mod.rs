@@ -1,13 +1,13 @@
 //! SR-IOV: a physical function (PF) that the lender keeps, and its virtual functions
 //! (VFs), each lent as a PCIe function of its own (`docs/pci.md`, "SR-IOV").
 //!
-//! [`expand`] turns each [`KindSpec::PciPf`] of a device list into one
+//! `expand` turns each [`KindSpec::PciPf`] of a device list into one
 //! [`KindSpec::Pci`] per VF, named `NAME-vfI`, after making the VFs exist: it enables
 //! them on the PF (`sriov_numvfs`, with automatic driver probing off), for an NVMe PF
 //! gives each VF's secondary controller its queue and interrupt resources, brings it
 //! online and attaches the namespaces the spec names (`nvme_admin`), and binds each VF
 //! to vfio-pci. It is idempotent: a lender restart finds the VFs as it left them and
-//! lends them under the same names. At a reload ([`Mode::Reload`]) the number of VFs
+//! lends them under the same names. At a reload (`Mode::Reload`) the number of VFs
 //! cannot change: the VFs are open, perhaps lent.
 
 pub(crate) mod nvme_admin;
