@@ -384,3 +384,58 @@ fn toml_limits_take_the_flags_size_suffixes() {
             .to_string();
     assert!(err.contains("'Q'"), "{err}");
 }
+
+fn pf(d: &DeviceSpec) -> &super::PfSpec {
+    match &d.kind {
+        KindSpec::PciPf(p) => p,
+        other => panic!("{other:?} is not an SR-IOV PF"),
+    }
+}
+
+#[test]
+fn parses_sriov_physical_functions_as_flags_and_tables() {
+    let s =
+        spec("ssd=pci-pf:0000:03:00.0,vfs=2,namespaces=1+3:2,coherence=nvme,traits=NVME").unwrap();
+    assert_eq!(s.kind.name(), "pci-pf");
+    let p = pf(&s);
+    assert_eq!((p.bdf.as_str(), p.vfs), ("0000:03:00.0", 2));
+    assert_eq!(p.namespaces, [vec![1, 3], vec![2]]);
+    assert_eq!(p.coherence, Some(Coherence::Nvme));
+    assert_eq!(s.traits, ["NVME"]);
+    // An empty entry gives that VF no namespace; IDs may be hex.
+    let s = spec("ssd=pci-pf:0000:03:00.0,vfs=3,namespaces=0x10::2").unwrap();
+    assert_eq!(pf(&s).namespaces, [vec![16], vec![], vec![2]]);
+
+    let t = from_toml(
+        "[device]\nname = \"ssd\"\npf = \"0000:03:00.0\"\nvfs = 2\nnamespaces = [[1, 3], [2]]\n",
+    )
+    .unwrap();
+    assert_eq!(pf(&t).namespaces, [vec![1, 3], vec![2]]);
+    assert_eq!(t.kind.name(), "pci-pf", "the kind inferred from `pf`");
+    let e = from_toml("[device]\nname = \"ssd\"\npf = \"0000:03:00.0\"\nvfs = 2\npath = \"/x\"\n")
+        .unwrap_err();
+    assert!(e.contains("both"), "{e}");
+}
+
+#[test]
+fn refuses_bad_sriov_physical_functions_saying_why() {
+    let err = |s: &str| spec(s).unwrap_err().to_string();
+    let chain = |s: &str| devlend_fabric::error::chain(&spec(s).unwrap_err());
+    assert!(chain("ssd=pci-pf:0000:03:00.0").contains("vfs = 0"));
+    assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=300").contains("1 to 256 VFs"));
+    assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=x").contains("is not a number"));
+    assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=1,namespaces=1:2").contains("namespaces for 2 VFs"));
+    assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=1,namespaces=0").contains("namespace ID 0"));
+    assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=1,namespaces=a").contains("not a namespace ID"));
+    assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=1,coherence=x").contains("unknown coherence"));
+    assert!(err("ssd=pci-pf:0000:03:00,vfs=1").contains("0000:03:00"));
+    assert!(spec("ssd=pci-pf:").is_err());
+    // Options of other kinds, and limits, which a PCIe function does not take yet.
+    for bad in ["ro", "serial=S", "mac=52:54:00:00:00:01", "iops_read=5"] {
+        let e = chain(&format!("ssd=pci-pf:0000:03:00.0,vfs=1,{bad}"));
+        assert!(e.contains("pci-pf"), "{bad}: {e}");
+    }
+    // vfs and namespaces belong to pci-pf only.
+    let e = chain("fpga=pci:0000:03:00.0,vfs=2");
+    assert!(e.contains("vfs") && e.contains("pci"), "{e}");
+}
