@@ -66,10 +66,27 @@ pub const INSMOD_NVME: &str = "for m in crct10dif_common crct10dif_generic crc-t
     crc64_rocksoft_generic crc64-rocksoft t10-pi nvme-core nvme; do \
     insmod /nvme/$m.ko || echo \"insmod $m failed\"; done";
 
+/// An igb PF's driver and what it needs, in load order.
+pub const IGB_MODULES: &[&str] = &[
+    "drivers/dca/dca",
+    "drivers/i2c/algos/i2c-algo-bit",
+    "drivers/net/ethernet/intel/igb/igb",
+];
+
+/// An igb VF's driver.
+pub const IGBVF_MODULES: &[&str] = &["drivers/net/ethernet/intel/igbvf/igbvf"];
+
 /// Extracts [`NVME_MODULES`] of the guest kernel's package into `dir`; returns each as
 /// (its path in the guest, `/nvme/NAME.ko`; its path on the host), for
 /// `GuestBuilder::host_file`.
 pub fn nvme_modules(dir: &Path) -> Vec<(String, PathBuf)> {
+    kernel_modules(dir, NVME_MODULES, "/nvme")
+}
+
+/// Extracts `modules` (paths under the kernel's `kernel/` without `.ko`) of the guest
+/// kernel's package into `dir`; returns each as (its path in the guest,
+/// `GUEST_DIR/NAME.ko`; its path on the host), for `GuestBuilder::host_file`.
+pub fn kernel_modules(dir: &Path, modules: &[&str], guest_dir: &str) -> Vec<(String, PathBuf)> {
     let guest = devlend_qemu::guest::guest_dir();
     let kver = std::fs::read_to_string(guest.join("KERNEL_VERSION")).expect("KERNEL_VERSION");
     let kver = kver.trim();
@@ -84,7 +101,7 @@ pub fn nvme_modules(dir: &Path) -> Vec<(String, PathBuf)> {
             })
         })
         .expect("the kernel package");
-    let members: Vec<String> = NVME_MODULES
+    let members: Vec<String> = modules
         .iter()
         .map(|m| format!("./lib/modules/{kver}/kernel/{m}.ko"))
         .collect();
@@ -98,13 +115,13 @@ pub fn nvme_modules(dir: &Path) -> Vec<(String, PathBuf)> {
         ))
         .status()
         .expect("dpkg-deb");
-    assert!(tar.success(), "extracting the NVMe modules");
-    NVME_MODULES
+    assert!(tar.success(), "extracting the kernel modules {modules:?}");
+    modules
         .iter()
         .zip(&members)
         .map(|(m, p)| {
             let name = m.rsplit('/').next().unwrap_or(m);
-            (format!("/nvme/{name}.ko"), dir.join(p))
+            (format!("{guest_dir}/{name}.ko"), dir.join(p))
         })
         .collect()
 }
