@@ -73,8 +73,20 @@ pub const IGB_MODULES: &[&str] = &[
     "drivers/net/ethernet/intel/igb/igb",
 ];
 
-/// An igb VF's driver.
-pub const IGBVF_MODULES: &[&str] = &["drivers/net/ethernet/intel/igbvf/igbvf"];
+/// The start of a QEMU 11 guest's script on a lent NVMe: loads the driver (the modules
+/// in `/nvme`), waits up to 5 min for `/dev/nvme0n1` (exits 1 without it), and reports
+/// `dev` and the namespace's `sectors`.
+pub fn nvme_guest_prelude() -> String {
+    format!(
+        r#"{INSMOD_NVME}
+n=0
+while [ ! -b /dev/nvme0n1 ] && [ $n -lt 600 ]; do sleep 0.5; n=$((n + 1)); done
+if [ ! -b /dev/nvme0n1 ]; then echo "DEVLEND-RESULT dev=no"; dmesg | grep -i nvme; exit 1; fi
+echo "DEVLEND-RESULT dev=yes"
+echo "DEVLEND-RESULT sectors=$(cat /sys/block/nvme0n1/size)"
+"#
+    )
+}
 
 /// Extracts [`NVME_MODULES`] of the guest kernel's package into `dir`; returns each as
 /// (its path in the guest, `/nvme/NAME.ko`; its path on the host), for

@@ -31,10 +31,8 @@ devlend-device-agent --listen 0.0.0.0:7700 --insecure --device ssd=pci-pf:$PF,vf
 sleep 100000
 "#;
 
+/// Runs after `qemu11::nvme_guest_prelude`.
 const VM_SCRIPT: &str = r#"
-__INSMOD_NVME__
-n=0
-while [ ! -b /dev/nvme0n1 ] && [ $n -lt 600 ]; do sleep 0.5; n=$((n + 1)); done
 /bin/devlend-randread /dev/nvme0n1 32 __SECONDS__
 "#;
 
@@ -49,11 +47,11 @@ fn vm(name: &str, sock: &Path, modules: &[(String, PathBuf)]) -> Guest {
         .memory_mib(256)
         .vcpus(2)
         .args(["-device".to_string(), device])
-        .script(
-            VM_SCRIPT
-                .replace("__INSMOD_NVME__", qemu11::INSMOD_NVME)
-                .replace("__SECONDS__", &SECONDS.to_string()),
-        );
+        .script(format!(
+            "{}{}",
+            qemu11::nvme_guest_prelude(),
+            VM_SCRIPT.replace("__SECONDS__", &SECONDS.to_string())
+        ));
     let tool = devlend_tests::agents::bin("devlend-randread").expect("devlend-randread");
     b = sriov::with_binary(b, "/bin/devlend-randread", &tool);
     for (g, h) in modules {

@@ -46,14 +46,8 @@ devlend-device-agent --listen 0.0.0.0:7700 --insecure --device ssd0=pci:$BDF --l
 sleep 100000
 "#;
 
-/// Runs in the QEMU 11 guest (the modules are in /nvme).
+/// Runs in the QEMU 11 guest after `qemu11::nvme_guest_prelude`.
 const VMM_SCRIPT: &str = r#"
-__INSMOD_NVME__
-n=0
-while [ ! -b /dev/nvme0n1 ] && [ $n -lt 600 ]; do sleep 0.5; n=$((n + 1)); done
-if [ ! -b /dev/nvme0n1 ]; then echo "DEVLEND-RESULT dev=no"; dmesg | grep -i nvme; exit 1; fi
-echo "DEVLEND-RESULT dev=yes"
-echo "DEVLEND-RESULT sectors=$(cat /sys/block/nvme0n1/size)"
 echo "DEVLEND-RESULT model=$(cat /sys/class/nvme/nvme0/serial | tr -d ' ')"
 echo "DEVLEND-RESULT hwqueues=$(ls /sys/block/nvme0n1/mq | wc -l)"
 dmesg | grep -i nvme
@@ -170,7 +164,7 @@ fn qemu11_guest_uses_a_lent_nvme_with_its_own_driver() {
             .memory_mib(256)
             .vcpus(2)
             .args(["-device".to_string(), device])
-            .script(VMM_SCRIPT.replace("__INSMOD_NVME__", qemu11::INSMOD_NVME));
+            .script(format!("{}{VMM_SCRIPT}", qemu11::nvme_guest_prelude()));
         for (guest_path, host_path) in &modules {
             vb = vb.host_file(guest_path.clone(), host_path.clone());
         }
