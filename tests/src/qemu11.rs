@@ -137,3 +137,16 @@ pub fn kernel_modules(dir: &Path, modules: &[&str], guest_dir: &str) -> Vec<(Str
         })
         .collect()
 }
+
+/// The md5 of `bytes` as `md5sum` prints it, to compare with what a guest's script
+/// reports, through a file in `dir`.
+pub fn md5_hex(dir: &Path, bytes: &[u8]) -> String {
+    let p = dir.join("md5-slice");
+    std::fs::write(&p, bytes).expect("write the slice");
+    let o = Command::new("md5sum").arg(&p).output().expect("md5sum");
+    String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .to_string()
+}

@@ -19,7 +19,6 @@
 use devlend_tests::qemu11;
 use devlend_tests::shared_libraries as libs;
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use devlend_backend::pci::{LinkTarget, PciBorrower};
@@ -206,16 +205,7 @@ fn qemu11_guest_uses_a_lent_nvme_with_its_own_driver() {
         );
         // The lender's image holds the pattern.
         let img = std::fs::read(&image).expect("read the image");
-        let md5 = |b: &[u8]| {
-            let p = dir.path().join("slice");
-            std::fs::write(&p, b).expect("write the slice");
-            let o = Command::new("md5sum").arg(&p).output().expect("md5sum");
-            String::from_utf8_lossy(&o.stdout)
-                .split_whitespace()
-                .next()
-                .unwrap_or("")
-                .to_string()
-        };
+        let md5 = |b: &[u8]| qemu11::md5_hex(dir.path(), b);
         let at = 256 * 4096;
         assert_eq!(
             md5(&img[at..at + 65536]),

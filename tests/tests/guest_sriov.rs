@@ -217,17 +217,6 @@ impl Host {
     }
 }
 
-fn md5(dir: &Path, b: &[u8]) -> String {
-    let p = dir.join("slice");
-    std::fs::write(&p, b).expect("write the slice");
-    let o = Command::new("md5sum").arg(&p).output().expect("md5sum");
-    String::from_utf8_lossy(&o.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or("")
-        .to_string()
-}
-
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
@@ -523,7 +512,7 @@ fn scenario(lab: Lab<'_>) {
         for at in [256usize, 512, 1024] {
             let at = at * 4096;
             assert_eq!(
-                &md5(dir, &data[at..at + 65536]),
+                &qemu11::md5_hex(dir, &data[at..at + 65536]),
                 md5sum,
                 "namespace {} holds vm-{tag}'s pattern at byte {at}",
                 i + 1

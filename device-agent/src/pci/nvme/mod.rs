@@ -213,6 +213,9 @@ pub(crate) struct Mediator {
     inflight: HashMap<(u16, u16), Inflight>,
     /// Bytes per logical block by namespace.
     lba: HashMap<u32, usize>,
+    /// A fetch left submitted entries in a guest's queue because the controller gave no
+    /// room (`Mediator::fetch_waiting` retries them at the next doorbell).
+    unfetched: bool,
     pub(crate) stats: NvmeStats,
 }
 
@@ -247,6 +250,7 @@ impl Mediator {
             cqs: BTreeMap::new(),
             inflight: HashMap::new(),
             lba: HashMap::new(),
+            unfetched: false,
             stats: NvmeStats::default(),
         })
     }

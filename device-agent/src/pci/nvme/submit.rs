@@ -60,22 +60,28 @@ impl Mediator {
             let iova = guest + (usize::from(head) * SQE) as u64;
             if let Err(e) = g.read(iova, &mut raw[got * SQE..(got + run) * SQE]) {
                 tracing::warn!(qid, error = %devlend_fabric::error::chain(&e), "cannot fetch submission entries");
+                // Tried again at the next doorbell, of any queue.
+                self.unfetched = true;
                 return;
             }
             got += run;
             head = ((usize::from(head) + run) % usize::from(size)) as u16;
         }
+        // What the commands waiting hold, kept up to date here rather than summed over
+        // every queue per entry: only draining (in make_room) takes from it.
+        let mut waiting = self.pending_bytes();
         for (k, e) in raw.chunks_exact(SQE).enumerate() {
-            if self.pending_bytes() >= MAX_PENDING_BYTES && !self.make_room(f, g) {
-                break;
-            }
-            if self
-                .sqs
-                .get(&qid)
-                .is_none_or(|s| s.head != ((usize::from(first) + k) % usize::from(size)) as u16)
-            {
-                // Draining deleted or reset the queue meanwhile.
-                break;
+            if waiting >= MAX_PENDING_BYTES {
+                if !self.make_room(f, g) {
+                    self.unfetched = true;
+                    break;
+                }
+                let at = ((usize::from(first) + k) % usize::from(size)) as u16;
+                if self.sqs.get(&qid).is_none_or(|s| s.head != at) {
+                    // Draining deleted or reset the queue meanwhile.
+                    break;
+                }
+                waiting = self.pending_bytes();
             }
             if let Some(sq) = self.sqs.get_mut(&qid) {
                 sq.head = ((usize::from(first) + k + 1) % usize::from(size)) as u16;
@@ -85,6 +91,7 @@ impl Mediator {
             match self.prepare(g, qid, sqe) {
                 Ok(p) => {
                     if let Some(sq) = self.sqs.get_mut(&qid) {
+                        waiting += p.cost();
                         sq.pending_bytes += p.cost();
                         sq.pending.push_back(p);
                     }
@@ -118,25 +125,25 @@ impl Mediator {
     fn make_room(&mut self, f: &PciFunction, g: &mut dyn GuestAccess) -> bool {
         let until = std::time::Instant::now() + MAKE_ROOM_FOR;
         loop {
-            let cqids: Vec<u16> = self.cqs.keys().copied().collect();
-            for cqid in cqids {
-                if let Err(e) = self.drain(f, g, cqid) {
-                    tracing::warn!(cqid, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
-                }
-            }
+            // As after a quiet interval: every shadow CQ drained.
+            self.on_interrupt(f, g, None);
             if self.pending_bytes() < MAX_PENDING_BYTES {
                 return true;
             }
             if std::time::Instant::now() >= until {
-                tracing::warn!("the controller completed nothing for 10 s; submission entries left in the guest's queue");
+                devlend_fabric::limited!(warn, "the controller completed nothing for 10 s; submission entries left in the guest's queue");
                 return false;
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
 
-    /// Fetches what the guest submitted and [`Self::fetch`] left in its queues.
+    /// Fetches what the guest submitted and [`Self::fetch`] left in its queues when the
+    /// controller gave no room; nothing to do (and no scan of the queues) otherwise.
     pub(super) fn fetch_waiting(&mut self, f: &PciFunction, g: &mut dyn GuestAccess) {
+        if !std::mem::take(&mut self.unfetched) {
+            return;
+        }
         let waiting: Vec<u16> = self
             .sqs
             .iter()
