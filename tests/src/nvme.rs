@@ -48,6 +48,11 @@ pub struct Memory {
     ptr: *mut u8,
 }
 
+// SAFETY: the mapping is the Memory's own until it is dropped, and every access to it
+// is a volatile byte copy through `&self`: moving it to another thread (a second
+// driver running beside the first) shares nothing.
+unsafe impl Send for Memory {}
+
 impl Default for Memory {
     fn default() -> Self {
         Self::new()

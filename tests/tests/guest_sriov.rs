@@ -35,10 +35,17 @@
 //! uses it (enable, an I/O queue, Identify). Asking for the PF, or for a VF the PF does
 //! not have, is refused with what the lender has.
 //!
+//! Limits: the PF has `iops_read=100`, which its VFs' holders share. A test driver on
+//! host A's VF sends 200 reads with one doorbell (about 100/s), then on both VFs at
+//! once (the sum about 100/s, each its share); a lease of `--max-iops 40` holds its VF
+//! to that; a lease with limits on the igb VF, which the lender mirrors and so cannot
+//! hold to any, is refused.
+//!
 //! Why this file is over 600 lines: one test, so that every check runs on one boot of
 //! the lender's guest (its NVMe and igb PFs, their VFs, the pool, two compute hosts):
 //! the scripts (about 110 lines), the compute hosts (about 110), the test's setup
-//! (about 210), the scenario (about 190) and the full queue of writes (about 70).
+//! (about 210), the scenario (about 190) and the full queue of writes (about 70); the
+//! limits are in `guest_sriov/limits.rs`.
 //!
 //! Needs the QEMU 11 chroot (`tests/src/qemu11.rs`); without it the test says so and
 //! passes (`DEVLEND_REQUIRE_QEMU11=1` makes that a failure).
@@ -53,6 +60,10 @@ use devlend_qemu::guest::Guest;
 use devlend_tests::agents::{free_port, Borrower, Pool};
 use devlend_tests::netns::{ip, Netns};
 use devlend_tests::{nvme, qemu11, sriov};
+
+/// The limits' checks (a file of its own: this one holds the rest of the test).
+#[path = "guest_sriov/limits.rs"]
+mod limits;
 
 fn bin(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -72,7 +83,7 @@ n=0
 while [ ! -d /sys/bus/pci/devices/$IGB/net ] && [ $n -lt 300 ]; do sleep 0.2; n=$((n + 1)); done
 IF=$(ls /sys/bus/pci/devices/$IGB/net)
 echo "sriov: igb pf=$IGB if=$IF"
-DEV="--config /lender.toml --device ssd=pci-pf:$PF,vfs=2,namespaces=1:2,traits=NVME --device nic=pci-pf:$IGB,vfs=1 --log-level info"
+DEV="--config /lender.toml --device ssd=pci-pf:$PF,vfs=2,namespaces=1:2,iops_read=__PF_IOPS__,traits=NVME --device nic=pci-pf:$IGB,vfs=1 --log-level info"
 devlend-device-agent $DEV > /tmp/first.log 2>&1 &
 n=0
 while ! grep -q "addr=0.0.0.0:7700" /tmp/first.log && [ $n -lt 600 ]; do sleep 0.2; n=$((n + 1)); done
@@ -154,11 +165,13 @@ impl Host {
     /// the attachment's JSON. The CLI runs under this host's name (a UTS namespace for
     /// B), as it would on that host.
     fn attach_vf(&self, pool_port: u16, vm: &str, sock: &Path) -> serde_json::Value {
-        self.attach(pool_port, vm, sock, "PCI_1B36_0010", "PF_SSD")
+        self.attach(pool_port, vm, sock, "PCI_1B36_0010", "PF_SSD", &[])
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// `devlend attach --kind pci` of a function of `class` with `SRIOV_VF` and
-    /// `pf_trait`, placed by the pool.
+    /// `pf_trait`, placed by the pool, with `extra` arguments (a lease's limits); the
+    /// attachment's JSON, or what the CLI and the compute agent said.
     fn attach(
         &self,
         pool_port: u16,
@@ -166,7 +179,8 @@ impl Host {
         sock: &Path,
         class: &str,
         pf_trait: &str,
-    ) -> serde_json::Value {
+        extra: &[&str],
+    ) -> Result<serde_json::Value, String> {
         let mut cmd = match self.name {
             None => Command::new(bin("devlend")),
             Some(h) => {
@@ -192,16 +206,18 @@ impl Host {
             .arg("--socket")
             .arg(sock)
             .arg("--json")
+            .args(extra)
             .output()
             .expect("devlend attach");
-        assert!(
-            out.status.success(),
-            "attach on {:?}: {}\n{}",
-            self.name,
-            String::from_utf8_lossy(&out.stderr),
-            self.agent.proc.log()
-        );
-        serde_json::from_slice(&out.stdout).expect("the attachment's JSON")
+        if !out.status.success() {
+            return Err(format!(
+                "attach on {:?}: {}\n{}",
+                self.name,
+                String::from_utf8_lossy(&out.stderr),
+                self.agent.proc.log()
+            ));
+        }
+        Ok(serde_json::from_slice(&out.stdout).expect("the attachment's JSON"))
     }
 
     fn detach(&self, sock: &Path) {
@@ -273,7 +289,8 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
         ),
     )
     .expect("the lender's config");
-    let mut lender = sriov::lender("sriov-lender", &images, true, port, &modules, LENDER_SCRIPT)
+    let script = LENDER_SCRIPT.replace("__PF_IOPS__", &limits::PF_READ_IOPS.to_string());
+    let mut lender = sriov::lender("sriov-lender", &images, true, port, &modules, &script)
         .args([
             "-device",
             "pcie-root-port,id=igb-rp,chassis=10,slot=10",
@@ -568,9 +585,9 @@ fn scenario(lab: Lab<'_>) {
         "the VF's controller has the subsystem's serial"
     );
     full_queue_of_writes(&mut d, vf_of[0] as u32 + 1);
+    limits::check(lab, &mut d, &vf_of);
     drop(d);
     a.detach(&next);
-    hosts[1].detach(&socks[1]);
 }
 
 /// A guest that submits a whole queue of 128 KiB writes with one doorbell: the lender
@@ -652,5 +669,15 @@ fn full_queue_of_writes(d: &mut nvme::Driver, nsid: u32) {
         heads.last().copied(),
         Some(n as u16),
         "all fetched in the end"
+    );
+    d.ok(
+        false,
+        nvme::sqe(0x00, 0, 0, 0, [2, 0, 0, 0, 0, 0]),
+        "delete I/O SQ 2",
+    );
+    d.ok(
+        false,
+        nvme::sqe(0x04, 0, 0, 0, [2, 0, 0, 0, 0, 0]),
+        "delete I/O CQ 2",
     );
 }

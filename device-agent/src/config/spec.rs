@@ -104,6 +104,15 @@ pub struct PciSpec {
     /// 01:08:02), `mirror` for any other function.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coherence: Option<Coherence>,
+    /// Limits on whoever borrows it, the `iops_*`/`bps_*` lanes and `weight`, as a block
+    /// device's (`docs/qos.md`): the NVMe mediator holds commands back in the guest's
+    /// submission queues, so they apply in coherence mode `nvme` only.
+    #[serde(default, skip_serializing_if = "Qos::is_empty")]
+    pub qos: Qos,
+    /// The store its borrowers share (a `[[store]]` name), as a block device's; a VF
+    /// of a PF with limits has its PF's (`pf:NAME`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
 }
 
 /// An SR-IOV physical function (PF) and the virtual functions (VFs) to enable on it,
@@ -128,6 +137,12 @@ pub struct PfSpec {
     /// The VFs' coherence mode, as [`PciSpec::coherence`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coherence: Option<Coherence>,
+    /// The PF's limits (`iops_*`/`bps_*`, no weight): what all its VFs' borrowers
+    /// together may do, divided among those busy by their leases' weights, as a
+    /// store's capacity (the store `pf:NAME`, `docs/qos.md`). Each VF's own lease
+    /// limits apply on top.
+    #[serde(default, skip_serializing_if = "Qos::is_empty")]
+    pub qos: Qos,
 }
 
 /// The most VFs a PF spec may ask for (PCIe SR-IOV's NumVFs is 16 bits; real devices
@@ -194,6 +209,8 @@ impl PciSpec {
         PciSpec {
             bdf: bdf.into(),
             coherence: None,
+            qos: Qos::default(),
+            store: None,
         }
     }
 }
@@ -206,6 +223,7 @@ impl PfSpec {
             vfs,
             namespaces: Vec::new(),
             coherence: None,
+            qos: Qos::default(),
         }
     }
 
@@ -250,7 +268,10 @@ impl PfSpec {
         {
             return bad("namespace ID 0 or FFFFFFFFh: IDs are 1 to FFFFFFFEh".into());
         }
-        Ok(())
+        if self.qos.weight.is_some() {
+            return bad("a PF's limits bound its VFs together: weights are the VFs' borrowers' (their leases')".into());
+        }
+        check_lanes(name, &self.qos, "pci-pf")
     }
 }
 
@@ -309,20 +330,24 @@ impl DeviceSpec {
         DeviceSpec::new(name, BlockSpec::new(path))
     }
 
-    /// The limits configured for the device (none for a PCIe function).
+    /// The limits configured for the device (a PF's are its VFs' store's capacity,
+    /// not a device's: none here).
     pub fn qos(&self) -> Qos {
         match &self.kind {
             KindSpec::Block(b) => b.qos,
             KindSpec::Net(n) => n.qos,
-            KindSpec::Pci(_) | KindSpec::PciPf(_) => Qos::default(),
+            KindSpec::Pci(p) => p.qos,
+            KindSpec::PciPf(_) => Qos::default(),
         }
     }
 
-    /// The backing store the device shares, if configured (block devices only).
+    /// The backing store the device shares, if configured (block devices and PCIe
+    /// functions).
     pub fn store(&self) -> Option<&str> {
         match &self.kind {
             KindSpec::Block(b) => b.store.as_deref(),
-            KindSpec::Net(_) | KindSpec::Pci(_) | KindSpec::PciPf(_) => None,
+            KindSpec::Pci(p) => p.store.as_deref(),
+            KindSpec::Net(_) | KindSpec::PciPf(_) => None,
         }
     }
 
@@ -357,6 +382,15 @@ impl DeviceSpec {
                         bdf: p.bdf.clone(),
                     });
                 }
+                if p.coherence == Some(Coherence::Mirror)
+                    && (!p.qos.limits.iter().all(Option::is_none) || p.store.is_some())
+                {
+                    return Err(Error::BadSpec {
+                        spec: self.name.clone(),
+                        reason: "limits and stores apply to a function in coherence nvme only (the lender sees no command of a mirrored function)".into(),
+                    });
+                }
+                check_lanes(&self.name, &p.qos, "pci")?;
             }
             KindSpec::PciPf(p) => p.validate(&self.name)?,
         }
@@ -401,7 +435,7 @@ impl BlockSpec {
                 return bad("holds a NUL byte");
             }
         }
-        check_lanes(name, &self.qos, false)
+        check_lanes(name, &self.qos, "block")
     }
 
     /// The serial as sent in the handshake: the given serial, else the device's `name`
@@ -435,12 +469,14 @@ impl NetSpec {
                 _ => return bad_name("mac is not a unicast aa:bb:cc:dd:ee:ff address"),
             }
         }
-        check_lanes(name, &self.qos, true)
+        check_lanes(name, &self.qos, "net")
     }
 }
 
-/// Checks `qos` on its own, and that its lanes are NIC lanes (`net`) or block lanes.
-fn check_lanes(name: &str, qos: &Qos, net: bool) -> Result<(), Error> {
+/// Checks `qos` on its own, and that its lanes are NIC lanes (kind `net`) or block
+/// lanes (any other kind).
+fn check_lanes(name: &str, qos: &Qos, kind: &'static str) -> Result<(), Error> {
+    let net = kind == "net";
     qos.validate().map_err(|e| Error::BadSpec {
         spec: name.to_owned(),
         reason: e.to_string(),
@@ -453,7 +489,7 @@ fn check_lanes(name: &str, qos: &Qos, net: bool) -> Result<(), Error> {
         return Err(Error::NotOfKind {
             device: name.to_owned(),
             field: lane.name().to_owned(),
-            kind: if net { "net" } else { "block" },
+            kind,
         });
     }
     Ok(())

@@ -13,8 +13,8 @@ use super::spec::{DeviceSpec, KindSpec};
 const KINDS: [(&str, &[&str]); 4] = [
     ("block", &["path", "read_only", "serial", "qos", "store"]),
     ("net", &["net", "interface", "mac", "qos"]),
-    ("pci", &["pci", "bdf", "coherence"]),
-    ("pci-pf", &["pf", "vfs", "namespaces", "coherence"]),
+    ("pci", &["pci", "bdf", "coherence", "qos", "store"]),
+    ("pci-pf", &["pf", "vfs", "namespaces", "coherence", "qos"]),
 ];
 
 /// The keys that name a device's backing, and the kind each implies when `kind` is

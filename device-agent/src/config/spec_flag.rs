@@ -1,6 +1,7 @@
 //! The `--device` flag: `NAME=PATH[,ro][,serial=S][,traits=A+B][,store=S][,LIMIT=N]`,
-//! `NAME=net:IFNAME[,mac=MAC][,LIMIT=N]`, `NAME=pci:DDDD:BB:DD.F[,coherence=C]` or
-//! `NAME=pci-pf:DDDD:BB:DD.F,vfs=N[,namespaces=1+2:3][,coherence=C]` parsed into a
+//! `NAME=net:IFNAME[,mac=MAC][,LIMIT=N]`,
+//! `NAME=pci:DDDD:BB:DD.F[,coherence=C][,store=S][,LIMIT=N]` or
+//! `NAME=pci-pf:DDDD:BB:DD.F,vfs=N[,namespaces=1+2:3][,coherence=C][,LIMIT=N]` parsed into a
 //! [`DeviceSpec`] of its kind.
 
 use std::str::FromStr;
@@ -97,10 +98,17 @@ impl FromStr for DeviceSpec {
                     }
                     _ => Some(&mut n.qos),
                 },
-                KindSpec::Pci(p) if key == "coherence" => {
-                    p.coherence = Some(coherence(value).map_err(bad)?);
-                    continue;
-                }
+                KindSpec::Pci(p) => match key {
+                    "coherence" => {
+                        p.coherence = Some(coherence(value).map_err(bad)?);
+                        continue;
+                    }
+                    "store" if opt.contains('=') => {
+                        p.store = Some(value.to_owned());
+                        continue;
+                    }
+                    _ => Some(&mut p.qos),
+                },
                 KindSpec::PciPf(p) => match key {
                     "coherence" => {
                         p.coherence = Some(coherence(value).map_err(bad)?);
@@ -116,9 +124,8 @@ impl FromStr for DeviceSpec {
                         p.namespaces = namespace_lists(value).map_err(bad)?;
                         continue;
                     }
-                    _ => None,
+                    _ => Some(&mut p.qos),
                 },
-                KindSpec::Pci(_) => None,
             };
             let not_of_kind = || Error::NotOfKind {
                 device: name.to_owned(),
@@ -131,8 +138,6 @@ impl FromStr for DeviceSpec {
             let limit = qos.and_then(|q| qos_option(q, &mut bursts, opt));
             match limit {
                 Some(r) => r.map_err(bad)?,
-                // A limit on a PCIe function.
-                None if is_limit(key) => return Err(not_of_kind()),
                 None => {
                     return Err(bad(format!(
                         "unknown option {opt:?} (expected ro, serial=S, traits=A+B, store=NAME, mac=MAC, coherence=nvme|mirror, vfs=N, namespaces=1+2:3, or a limit such as iops_read=N)"
@@ -141,10 +146,12 @@ impl FromStr for DeviceSpec {
             }
         }
         match &mut spec.kind {
-            KindSpec::Block(BlockSpec { qos, .. }) | KindSpec::Net(NetSpec { qos, .. }) => {
+            KindSpec::Block(BlockSpec { qos, .. })
+            | KindSpec::Net(NetSpec { qos, .. })
+            | KindSpec::Pci(PciSpec { qos, .. })
+            | KindSpec::PciPf(PfSpec { qos, .. }) => {
                 apply_bursts(qos, bursts).map_err(bad)?;
             }
-            KindSpec::Pci(_) | KindSpec::PciPf(_) => {}
         }
         spec.validate()?;
         Ok(spec)
@@ -156,7 +163,7 @@ fn flag_options(kind: &KindSpec) -> &'static [&'static str] {
     match kind {
         KindSpec::Block(_) => &["ro", "serial", "store"],
         KindSpec::Net(_) => &["mac"],
-        KindSpec::Pci(_) => &["coherence"],
+        KindSpec::Pci(_) => &["coherence", "store"],
         KindSpec::PciPf(_) => &["coherence", "vfs", "namespaces"],
     }
 }
@@ -196,12 +203,6 @@ fn parse_nsid(s: &str) -> Option<u32> {
         Some(h) => u32::from_str_radix(h, 16).ok(),
         None => s.parse().ok(),
     }
-}
-
-/// Whether `key` names a limit option (`weight`, a lane, or a lane's `_burst`).
-fn is_limit(key: &str) -> bool {
-    let base = key.strip_suffix("_burst").unwrap_or(key);
-    key == "weight" || LANES.iter().any(|(_, n)| *n == base)
 }
 
 /// Sets the bucket sizes of `bursts` (from [`qos_option`]) on their lanes, after all

@@ -172,9 +172,12 @@ fn flag_options_of_another_kind_name_the_option_and_the_kind() {
         ("f=pci:0000:00:03.0,ro", "ro", "pci"),
         ("f=pci:0000:00:03.0,serial=S", "serial", "pci"),
         ("f=pci:0000:00:03.0,mac=02:00:00:00:00:01", "mac", "pci"),
-        ("f=pci:0000:00:03.0,store=nvme0", "store", "pci"),
-        ("f=pci:0000:00:03.0,iops_read=10", "iops_read", "pci"),
-        ("f=pci:0000:00:03.0,weight=2", "weight", "pci"),
+        ("f=pci:0000:00:03.0,tx_bps=10", "tx_bps", "pci"),
+        (
+            "ssd=pci-pf:0000:00:03.0,vfs=1,store=nvme0",
+            "store",
+            "pci-pf",
+        ),
     ] {
         let err = spec(flag).unwrap_err();
         let name = flag.split('=').next().unwrap();
@@ -184,7 +187,7 @@ fn flag_options_of_another_kind_name_the_option_and_the_kind() {
             "{flag}"
         );
     }
-    // Traits apply to every kind; limits to block devices and NICs, on their lanes.
+    // Traits apply to every kind; limits to every kind, on its lanes.
     assert_eq!(
         spec("f=pci:0000:00:03.0,traits=FPGA").unwrap().traits,
         ["FPGA"]
@@ -295,8 +298,8 @@ fn table_keys_of_another_kind_name_the_key_and_the_kind() {
             "device `f`: `serial` does not apply to kind `pci`",
         ),
         (
-            "name = \"f\"\nkind = \"pci\"\npci = \"0000:00:03.0\"\nqos = { weight = 2 }",
-            "device `f`: `qos` does not apply to kind `pci`",
+            "name = \"f\"\nkind = \"pci\"\npci = \"0000:00:03.0\"\nmac = \"52:54:00:00:00:01\"",
+            "device `f`: `mac` does not apply to kind `pci`",
         ),
         (
             "name = \"f\"\nkind = \"pci\"\npath = \"/x\"",
@@ -430,12 +433,69 @@ fn refuses_bad_sriov_physical_functions_saying_why() {
     assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=1,coherence=x").contains("unknown coherence"));
     assert!(err("ssd=pci-pf:0000:03:00,vfs=1").contains("0000:03:00"));
     assert!(spec("ssd=pci-pf:").is_err());
-    // Options of other kinds, and limits, which a PCIe function does not take yet.
-    for bad in ["ro", "serial=S", "mac=52:54:00:00:00:01", "iops_read=5"] {
+    // Options of other kinds, and NIC lanes.
+    for bad in [
+        "ro",
+        "serial=S",
+        "mac=52:54:00:00:00:01",
+        "tx_pps=5",
+        "store=s",
+    ] {
         let e = chain(&format!("ssd=pci-pf:0000:03:00.0,vfs=1,{bad}"));
         assert!(e.contains("pci-pf"), "{bad}: {e}");
     }
     // vfs and namespaces belong to pci-pf only.
     let e = chain("fpga=pci:0000:03:00.0,vfs=2");
     assert!(e.contains("vfs") && e.contains("pci"), "{e}");
+}
+
+/// A PCIe function takes a block device's limits and store (the NVMe mediator enforces
+/// them), a PF takes limits that bound its VFs together; a mirrored function, a PF's
+/// weight and NIC lanes are refused, saying why.
+#[test]
+fn pci_functions_and_pfs_take_block_limits() {
+    use devlend_fabric::qos::Lane;
+    let s = spec("f=pci:0000:03:00.0,iops_read=2K,iops_read_burst=100,store=s,weight=3").unwrap();
+    let p = pci(&s);
+    assert_eq!(p.qos.get(Lane::IopsRead).unwrap().per_sec, 2048);
+    assert_eq!(p.qos.get(Lane::IopsRead).unwrap().burst, 100);
+    assert_eq!((p.qos.weight, p.store.as_deref()), (Some(3), Some("s")));
+    assert_eq!(s.qos(), p.qos);
+    assert_eq!(s.store(), Some("s"));
+    let t = from_toml(
+        "[device]\nname = \"f\"\npci = \"0000:03:00.0\"\nstore = \"s\"\n[device.qos]\niops_read = \"2K\"\niops_read_burst = 100\nweight = 3\n",
+    )
+    .unwrap();
+    assert_eq!(t, s, "the table and the flag agree");
+
+    let s = spec("ssd=pci-pf:0000:03:00.0,vfs=2,bps_total=1G").unwrap();
+    assert_eq!(pf(&s).qos.get(Lane::BpsTotal).unwrap().per_sec, 1 << 30);
+    assert_eq!(
+        s.qos(),
+        Default::default(),
+        "a PF is not a device of its own"
+    );
+    let t = from_toml(
+        "[device]\nname = \"ssd\"\npf = \"0000:03:00.0\"\nvfs = 2\n[device.qos]\nbps_total = \"1G\"\n",
+    )
+    .unwrap();
+    assert_eq!(t, s);
+
+    let chain = |s: &str| devlend_fabric::error::chain(&spec(s).unwrap_err());
+    assert!(
+        chain("f=pci:0000:03:00.0,coherence=mirror,iops_read=5").contains("coherence nvme only")
+    );
+    assert!(chain("f=pci:0000:03:00.0,coherence=mirror,store=s").contains("coherence nvme only"));
+    assert!(
+        spec("f=pci:0000:03:00.0,coherence=mirror,weight=5").is_ok(),
+        "a weight alone limits nothing"
+    );
+    assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=2,weight=5").contains("weights are the VFs'"));
+    assert_eq!(
+        spec("f=pci:0000:03:00.0,rx_pps=5").unwrap_err().to_string(),
+        "device `f`: `rx_pps` does not apply to kind `pci`"
+    );
+    assert!(
+        chain("f=pci:0000:03:00.0,iops_read_burst=5").contains("iops_read_burst without iops_read")
+    );
 }

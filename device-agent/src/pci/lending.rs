@@ -66,7 +66,7 @@ pub(crate) struct Lending<'a> {
     pub(crate) maps: Vec<Mirror>,
     /// Bytes of all `maps`.
     mapped: u64,
-    table: &'a IrqTable,
+    pub(crate) table: &'a IrqTable,
     /// The first refusal within a push that spans several messages, answered at its end.
     pub(crate) push_error: Option<Refusal>,
 }

@@ -64,6 +64,16 @@ impl Lender {
             return Err(Error::NoDevices);
         }
         check_unique(&devices)?;
+        // A PF's limits are a store its VFs share.
+        for store in devices.iter().filter_map(crate::pci::sriov::pf_store) {
+            if options.stores.iter().any(|s| s.name == store.name) {
+                return Err(Error::BadSpec {
+                    spec: store.name,
+                    reason: "a store of this name is configured, and it names a PF's limits (rename the store)".into(),
+                });
+            }
+            options.stores.push(store);
+        }
         let devices = crate::pci::sriov::expand(
             &devices,
             crate::pci::sriov::Mode::Start,

@@ -144,6 +144,9 @@ impl Mediator {
             }
             Post::DeleteSq(q) if ok => {
                 self.sqs.remove(&q);
+                if let Some(t) = &mut self.throttle {
+                    t.forget(q);
+                }
                 self.inflight.retain(|(s, _), _| *s != q);
             }
             Post::DeleteCq(q) if ok => {

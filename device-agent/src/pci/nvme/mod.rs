@@ -23,7 +23,8 @@
 //! Files: here the mediator's state and the DMA maps it checks against; [`regs`],
 //! [`submit`] and [`complete`] the three parts above; [`cmd`] and [`spec`] the checks
 //! and the specification's constants (std only: the fuzz target `pci_decode` compiles
-//! them by path); [`dma`] the lender memory the controller reaches.
+//! them by path); [`dma`] the lender memory the controller reaches; [`throttle`] the
+//! holder's limits, which leave I/O commands in the guest's queues until they may go.
 
 pub(crate) mod cmd;
 mod complete;
@@ -31,6 +32,7 @@ pub(crate) mod dma;
 mod regs;
 pub(crate) mod spec;
 mod submit;
+pub(crate) mod throttle;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -70,6 +72,8 @@ pub(crate) const MAX_PENDING_BYTES: usize = 16 << 20;
 /// How long a doorbell waits for the controller to make room under
 /// [`MAX_PENDING_BYTES`] before it leaves the rest in the guest's queue.
 const MAKE_ROOM_FOR: std::time::Duration = std::time::Duration::from_secs(10);
+/// Entries a fetch reads at a time under limits (4 KiB): it may stop at any of them.
+const THROTTLED_BATCH: usize = 64;
 /// IOVA of the bounce buffers in the function's domain; shadow queues follow.
 const ARENA_IOVA: u64 = 1 << 32;
 
@@ -216,6 +220,8 @@ pub(crate) struct Mediator {
     /// A fetch left submitted entries in a guest's queue because the controller gave no
     /// room (`Mediator::fetch_waiting` retries them at the next doorbell).
     unfetched: bool,
+    /// The holder's limits, if any limit applies.
+    throttle: Option<throttle::Throttle>,
     pub(crate) stats: NvmeStats,
 }
 
@@ -225,11 +231,14 @@ fn mem_err(e: &GuestError) -> Status {
 }
 
 impl Mediator {
-    /// A mediator for `f`, reading its CAP.
+    /// A mediator for `f`, reading its CAP, under the holder's limits `throttle`.
     ///
     /// # Errors
     /// When CAP cannot be read.
-    pub(crate) fn new(f: &PciFunction) -> std::io::Result<Mediator> {
+    pub(crate) fn new(
+        f: &PciFunction,
+        throttle: Option<throttle::Throttle>,
+    ) -> std::io::Result<Mediator> {
         let mut cap = [0u8; 8];
         f.pread(0, REG_CAP, &mut cap[..4])?;
         f.pread(0, REG_CAP + 4, &mut cap[4..])?;
@@ -251,6 +260,7 @@ impl Mediator {
             inflight: HashMap::new(),
             lba: HashMap::new(),
             unfetched: false,
+            throttle,
             stats: NvmeStats::default(),
         })
     }

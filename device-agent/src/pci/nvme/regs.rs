@@ -185,6 +185,9 @@ impl Mediator {
     /// reset before it identifies its namespaces again.
     pub(crate) fn drop_queues(&mut self) {
         self.sqs.clear();
+        if let Some(t) = &mut self.throttle {
+            t.forget_all();
+        }
         self.cqs.clear();
         self.inflight.clear();
         if let Some(a) = &mut self.arena {

@@ -3,6 +3,8 @@
 //! read it, their PRPs rewritten to bounce buffers, copied into the shadow SQ, and the
 //! controller's doorbell rung. A refused command is completed to the guest at once.
 
+use std::time::Instant;
+
 use super::*;
 
 impl Mediator {
@@ -34,7 +36,9 @@ impl Mediator {
     /// [`MAX_PENDING_BYTES`] or more, it first drains the controller's completions to
     /// make room ([`Self::make_room`]: guest memory is read on this thread only, so
     /// the doorbell waits); what it still cannot fetch stays in the guest's queue (the
-    /// SQ head the guest is told stops before it) until the next doorbell.
+    /// SQ head the guest is told stops before it) until the next doorbell. Under the
+    /// holder's limits ([`super::throttle`]) it also stops at an I/O command the
+    /// buckets cannot pay for yet, and reads that queue again when they can.
     pub(super) fn fetch(&mut self, f: &PciFunction, g: &mut dyn GuestAccess, qid: u16) {
         let Some(sq) = self.sqs.get(&qid) else {
             return;
@@ -50,44 +54,89 @@ impl Mediator {
             );
             return;
         }
-        // Read the new entries, in at most two runs (the queue wraps): 64 bytes each,
-        // at most a queue's worth.
+        if qid != 0
+            && self
+                .throttle
+                .as_ref()
+                .is_some_and(|t| t.waits(qid, Instant::now()))
+        {
+            // Its first entry waits for the limits: not read again until they can pay.
+            self.unfetched = true;
+            return;
+        }
         let n = (usize::from(tail) + usize::from(size) - usize::from(first)) % usize::from(size);
-        let mut raw = vec![0u8; n * SQE];
+        // Under limits a fetch may stop at any entry: read a few at a time, not the
+        // whole queue at each wake-up.
+        let batch = if self.throttle.is_some() {
+            THROTTLED_BATCH
+        } else {
+            n
+        };
+        let mut done = 0;
+        while done < n {
+            let m = batch.min(n - done);
+            if !self.fetch_run(f, g, qid, m) {
+                break;
+            }
+            done += m;
+        }
+        self.submit_pending(f, qid);
+        self.flush_cq_for_sq(g, qid);
+    }
+
+    /// Reads `m` entries of SQ `qid` from its head, checks them and queues them for
+    /// the controller; `false` when it stopped before the last (no room, the limits, a
+    /// failed read).
+    fn fetch_run(&mut self, f: &PciFunction, g: &mut dyn GuestAccess, qid: u16, m: usize) -> bool {
+        let Some(sq) = self.sqs.get(&qid) else {
+            return false;
+        };
+        let (guest, size, first) = (sq.guest, usize::from(sq.size), usize::from(sq.head));
+        // In at most two runs (the queue wraps): 64 bytes each.
+        let mut raw = vec![0u8; m * SQE];
         let (mut got, mut head) = (0, first);
-        while got < n {
-            let run = (usize::from(size) - usize::from(head)).min(n - got);
-            let iova = guest + (usize::from(head) * SQE) as u64;
+        while got < m {
+            let run = (size - head).min(m - got);
+            let iova = guest + (head * SQE) as u64;
             if let Err(e) = g.read(iova, &mut raw[got * SQE..(got + run) * SQE]) {
                 tracing::warn!(qid, error = %devlend_fabric::error::chain(&e), "cannot fetch submission entries");
                 // Tried again at the next doorbell, of any queue.
                 self.unfetched = true;
-                return;
+                return false;
             }
             got += run;
-            head = ((usize::from(head) + run) % usize::from(size)) as u16;
+            head = (head + run) % size;
         }
         // What the commands waiting hold, kept up to date here rather than summed over
         // every queue per entry: only draining (in make_room) takes from it.
         let mut waiting = self.pending_bytes();
         for (k, e) in raw.chunks_exact(SQE).enumerate() {
+            let at = ((first + k) % size) as u16;
             if waiting >= MAX_PENDING_BYTES {
                 if !self.make_room(f, g) {
                     self.unfetched = true;
-                    break;
+                    return false;
                 }
-                let at = ((usize::from(first) + k) % usize::from(size)) as u16;
                 if self.sqs.get(&qid).is_none_or(|s| s.head != at) {
                     // Draining deleted or reset the queue meanwhile.
-                    break;
+                    return false;
                 }
                 waiting = self.pending_bytes();
             }
-            if let Some(sq) = self.sqs.get_mut(&qid) {
-                sq.head = ((usize::from(first) + k + 1) % usize::from(size)) as u16;
-            }
             let mut sqe = [0u8; SQE];
             sqe.copy_from_slice(e);
+            if let (Some(t), true) = (self.throttle.as_mut(), qid != 0) {
+                let lba = &self.lba;
+                if !t.admit(qid, at, &sqe, |ns| lba.get(&ns).copied(), Instant::now()) {
+                    // Left in the guest's queue, and the entries behind it, until the
+                    // buckets can pay (`fetch_waiting`).
+                    self.unfetched = true;
+                    return false;
+                }
+            }
+            if let Some(sq) = self.sqs.get_mut(&qid) {
+                sq.head = ((first + k + 1) % size) as u16;
+            }
             match self.prepare(g, qid, sqe) {
                 Ok(p) => {
                     if let Some(sq) = self.sqs.get_mut(&qid) {
@@ -109,8 +158,7 @@ impl Mediator {
                 }
             }
         }
-        self.submit_pending(f, qid);
-        self.flush_cq_for_sq(g, qid);
+        true
     }
 
     /// What the commands waiting for the controller hold, all queues together.
@@ -139,11 +187,13 @@ impl Mediator {
     }
 
     /// Fetches what the guest submitted and [`Self::fetch`] left in its queues when the
-    /// controller gave no room; nothing to do (and no scan of the queues) otherwise.
-    pub(super) fn fetch_waiting(&mut self, f: &PciFunction, g: &mut dyn GuestAccess) {
-        if !std::mem::take(&mut self.unfetched) {
+    /// controller gave no room, or the holder's limits held it back and are due now;
+    /// nothing to do (and no scan of the queues) otherwise.
+    pub(crate) fn fetch_waiting(&mut self, f: &PciFunction, g: &mut dyn GuestAccess) {
+        if !self.unfetched || self.wake_at().is_some_and(|t| t > Instant::now()) {
             return;
         }
+        self.unfetched = false;
         let waiting: Vec<u16> = self
             .sqs
             .iter()
@@ -152,6 +202,17 @@ impl Mediator {
             .collect();
         for q in waiting {
             self.fetch(f, g, q);
+        }
+    }
+
+    /// When the holder's limits can pay for a command they left in a guest's queue: the
+    /// session's loop calls [`Self::fetch_waiting`] then (`None`: nothing waits for
+    /// them).
+    pub(crate) fn wake_at(&self) -> Option<Instant> {
+        if self.unfetched {
+            self.throttle.as_ref()?.due()
+        } else {
+            None
         }
     }
 

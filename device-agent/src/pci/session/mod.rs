@@ -20,13 +20,27 @@ use devlend_fabric::conn::Stream;
 use devlend_fabric::pci::FEATURE_PCI;
 use devlend_fabric::HelloStatus;
 
+use crate::config::Coherence;
+use crate::pci::nvme::throttle::Throttle;
 use crate::pci::{Lent, PciFunction};
 use crate::session::end::End;
 use crate::session::open::{Opened, Opening, Refused, TcpSession};
 
-/// Takes `f` for the session being opened.
-fn lend<'a>(f: &'a PciFunction, at: &Opening<'_>) -> Result<Lent<'a>, Refused> {
-    f.try_lend().ok_or_else(|| {
+/// Takes `f` for the session being opened, with the holder's limits: the mediator's
+/// to enforce; a mirrored function under limits is refused, since the lender sees
+/// none of its commands.
+fn lend<'a>(f: &'a PciFunction, at: &Opening<'_>) -> Result<(Lent<'a>, Option<Throttle>), Refused> {
+    let throttle = Throttle::new(at.claim.group(), at.dev);
+    if throttle.is_some() && f.coherence == Coherence::Mirror {
+        return Err((
+            HelloStatus::BadRequest,
+            format!(
+                "PCIe function {:?} is lent in coherence mirror, where the lender cannot enforce limits: lease it without limits, or lend it in coherence nvme",
+                at.hello.device
+            ),
+        ));
+    }
+    let lent = f.try_lend().ok_or_else(|| {
         (
             HelloStatus::Busy,
             format!(
@@ -34,13 +48,15 @@ fn lend<'a>(f: &'a PciFunction, at: &Opening<'_>) -> Result<Lent<'a>, Refused> {
                 at.hello.device
             ),
         )
-    })
+    })?;
+    Ok((lent, throttle))
 }
 
 /// A PCI session over TCP, the function taken for it.
 struct Tcp<'a> {
     f: &'a PciFunction,
     _lent: Lent<'a>,
+    throttle: Option<Throttle>,
     frame_timeout: Duration,
 }
 
@@ -49,13 +65,14 @@ pub(super) fn open_tcp<'a>(
     f: &'a PciFunction,
     at: &Opening<'a>,
 ) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
-    let lent = lend(f, at)?;
+    let (lent, throttle) = lend(f, at)?;
     Ok(Opened {
         features: FEATURE_PCI,
         credit: None,
         session: Box::new(Tcp {
             f,
             _lent: lent,
+            throttle,
             frame_timeout: at.options.frame_timeout,
         }),
     })
@@ -63,7 +80,7 @@ pub(super) fn open_tcp<'a>(
 
 impl TcpSession for Tcp<'_> {
     fn serve(self: Box<Self>, sock: &Stream, peer: SocketAddr) -> End {
-        tcp::serve(self.f, sock, peer, self.frame_timeout)
+        tcp::serve(self.f, sock, peer, self.throttle, self.frame_timeout)
     }
 }
 
@@ -78,6 +95,7 @@ mod over_rdma {
     use devlend_fabric::rdma::verbs::Connection;
 
     use super::{lend, rdma};
+    use crate::pci::nvme::throttle::Throttle;
     use crate::pci::{Lent, PciFunction};
     use crate::session::end::End;
     use crate::session::open::{Opened, Opening, RdmaSession, Refused};
@@ -87,6 +105,7 @@ mod over_rdma {
         f: &'a PciFunction,
         dev: &'a crate::device_counters::DeviceCounters,
         _lent: Lent<'a>,
+        throttle: Option<Throttle>,
     }
 
     /// Opens a PCI session over RDMA: takes the function, grants feature PCI.
@@ -94,7 +113,7 @@ mod over_rdma {
         f: &'a PciFunction,
         at: &Opening<'a>,
     ) -> Result<Opened<Box<dyn RdmaSession + 'a>>, Refused> {
-        let lent = lend(f, at)?;
+        let (lent, throttle) = lend(f, at)?;
         Ok(Opened {
             features: FEATURE_PCI,
             credit: None,
@@ -102,6 +121,7 @@ mod over_rdma {
                 f,
                 dev: at.dev,
                 _lent: lent,
+                throttle,
             }),
         })
     }
@@ -115,7 +135,7 @@ mod over_rdma {
         fn serve(self: Box<Self>, conn: Connection, stop: &AtomicBool, peer: &str) {
             let dev = self.dev;
             let device = &dev.name;
-            let end = rdma::serve(self.f, conn, stop);
+            let end = rdma::serve(self.f, conn, self.throttle, stop);
             dev.stats.session_closed();
             match end {
                 End::PeerClosed => {

@@ -41,6 +41,7 @@ use crate::pci::guest::AccessCounters;
 use crate::pci::irq::IrqTable;
 use crate::pci::lending::{invalid, Answer, Lending};
 use crate::pci::mirror::Remote;
+use crate::pci::nvme::throttle::Throttle;
 use crate::pci::nvme::{Handled, Mediator};
 use crate::pci::PciFunction;
 use crate::session::end::End;
@@ -64,7 +65,12 @@ fn transport(e: ChannelError) -> End {
 /// Serves one borrower's PCI session on `conn` (handshake answered) until it closes,
 /// breaks the protocol or `stop` is set (the lender shutting down, the lease ended),
 /// then quiesces the function.
-pub(crate) fn serve(f: &PciFunction, conn: Connection, stop: &AtomicBool) -> End {
+pub(crate) fn serve(
+    f: &PciFunction,
+    conn: Connection,
+    throttle: Option<Throttle>,
+    stop: &AtomicBool,
+) -> End {
     let table = match IrqTable::new() {
         Ok(t) => t,
         Err(e) => return End::Socket(e),
@@ -73,7 +79,7 @@ pub(crate) fn serve(f: &PciFunction, conn: Connection, stop: &AtomicBool) -> End
     let mut med = match f.coherence {
         Coherence::Mirror => None,
         Coherence::Nvme => {
-            let m = match Mediator::new(f) {
+            let m = match Mediator::new(f, throttle) {
                 Ok(m) => m,
                 Err(e) => return End::Socket(e),
             };
@@ -166,24 +172,27 @@ fn run(
                     revents: 0,
                 }),
         );
+        let poll_ms = match med.as_ref() {
+            None => STOP_CHECK,
+            Some(md) => md.m.wake_at().map_or(MEDIATED_IDLE_LOOK, |t| {
+                t.saturating_duration_since(std::time::Instant::now())
+                    .clamp(Duration::from_millis(1), MEDIATED_IDLE_LOOK)
+            }),
+        }
+        .as_millis() as libc::c_int;
         // SAFETY: `pfds` is a live array of `pfds.len()` pollfds; every fd stays open
         // for the call (the channel and the Arcs in `fds`).
-        let n = unsafe {
-            libc::poll(
-                pfds.as_mut_ptr(),
-                pfds.len() as libc::nfds_t,
-                if med.is_some() {
-                    MEDIATED_IDLE_LOOK.as_millis() as libc::c_int
-                } else {
-                    STOP_CHECK.as_millis() as libc::c_int
-                },
-            )
-        };
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, poll_ms) };
         if n <= 0 {
             if let Some(md) = med.as_mut() {
                 // A quiet interval: look at every queue, lest an interrupt was lost.
                 md.with(ch, table, |m, g| m.on_interrupt(f, g, None));
             }
+        }
+        if let Some(md) = med.as_mut() {
+            // Commands the holder's limits left in the guest's queues, when they may go
+            // (nothing to do, and no scan, otherwise).
+            md.with(ch, table, |m, g| m.fetch_waiting(f, g));
         }
         for (p, (index, vector, efd)) in pfds[1..].iter().zip(&fds) {
             if p.revents & libc::POLLIN == 0 || efd.read().is_err() {

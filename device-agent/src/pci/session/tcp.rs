@@ -29,6 +29,7 @@ use crate::pci::guest::tcp::TcpMediated;
 use crate::pci::guest::AccessCounters;
 use crate::pci::irq::IrqTable;
 use crate::pci::lending::{invalid, Answer, Lending};
+use crate::pci::nvme::throttle::Throttle;
 use crate::pci::nvme::Mediator;
 use crate::pci::PciFunction;
 use crate::session::end::End;
@@ -49,6 +50,7 @@ pub(crate) fn serve(
     f: &PciFunction,
     sock: &Stream,
     peer: SocketAddr,
+    throttle: Option<Throttle>,
     frame_timeout: Duration,
 ) -> End {
     let table = match IrqTable::new() {
@@ -57,7 +59,7 @@ pub(crate) fn serve(
     };
     let writer = Mutex::new(());
     let nvme = match f.coherence {
-        Coherence::Nvme => match Mediator::new(f) {
+        Coherence::Nvme => match Mediator::new(f, throttle) {
             Ok(m) => Some(TcpMediated {
                 mediator: Mutex::new(m),
                 counters: Mutex::new(AccessCounters::default()),
@@ -95,22 +97,39 @@ fn send(sock: &Stream, writer: &Mutex<()>, m: &Message) -> Result<(), WireError>
     m.write_to(&mut &*sock)
 }
 
-/// Reads one message: the first byte without a timeout, the rest within
-/// `frame_timeout`.
-fn read_message(sock: &Stream, frame_timeout: Duration) -> Result<Message, WireError> {
+/// Reads one message: the first byte within `wait` (`None`: however long it takes;
+/// `Ok(None)` when `wait` passed with nothing), the rest within `frame_timeout`.
+fn read_message(
+    sock: &Stream,
+    frame_timeout: Duration,
+    wait: Option<Duration>,
+) -> Result<Option<Message>, WireError> {
     let mut first = [0u8; 1];
+    if wait.is_some() {
+        sock.set_read_timeout(wait)?;
+    }
     loop {
         match (&mut &*sock).read(&mut first) {
             Ok(0) => return Err(WireError::Closed),
             Ok(_) => break,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if wait.is_some()
+                    && matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+            {
+                sock.set_read_timeout(None)?;
+                return Ok(None);
+            }
             Err(e) => return Err(WireError::Io(e)),
         }
     }
     sock.set_read_timeout(Some(frame_timeout))?;
     let m = Message::read_from(&mut first.as_slice().chain(sock));
     sock.set_read_timeout(None)?;
-    m
+    m.map(Some)
 }
 
 /// Waits on the enabled vectors' eventfds and sends a [`KIND_IRQ`] for each signal.
@@ -195,8 +214,32 @@ fn run(
     frame_timeout: Duration,
 ) -> End {
     loop {
-        let m = match read_message(sock, frame_timeout) {
-            Ok(m) => m,
+        // Commands the holder's limits left in the guest's queues are fetched when
+        // they may go, by this thread (the one that reads guest memory over TCP).
+        let wake = lending.nvme.and_then(|n| {
+            let m = n.mediator.lock().unwrap_or_else(PoisonError::into_inner);
+            m.wake_at()
+        });
+        let wait = wake.map(|t| {
+            t.saturating_duration_since(std::time::Instant::now())
+                .max(Duration::from_millis(1))
+        });
+        let m = match read_message(sock, frame_timeout, wait) {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                if let Some(n) = lending.nvme {
+                    n.with(lending.table, true, |m, g| m.fetch_waiting(lending.f, g));
+                    let broken = n
+                        .broken
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .take();
+                    if let Some(reason) = broken {
+                        return End::Protocol(reason);
+                    }
+                }
+                continue;
+            }
             Err(WireError::Closed) => return End::PeerClosed,
             Err(WireError::Io(e)) => return End::Socket(e),
             Err(e) => return End::Protocol(e.to_string()),

@@ -22,7 +22,7 @@ use self::nvme_admin::{
     ACT_PRIMARY_FLEXIBLE, ACT_SECONDARY_ASSIGN, ACT_SECONDARY_ONLINE, STATUS_NS_ALREADY_ATTACHED,
 };
 use self::sysfs::Sysfs;
-use crate::config::{DeviceSpec, KindSpec, PciSpec, PfSpec};
+use crate::config::{DeviceSpec, KindSpec, PciSpec, PfSpec, StoreSpec};
 use crate::Error;
 
 /// The trait every VF's pool item carries.
@@ -183,6 +183,8 @@ pub(crate) fn expand(
                 kind: KindSpec::Pci(PciSpec {
                     bdf: bdf.clone(),
                     coherence: pf.coherence,
+                    qos: Default::default(),
+                    store: pf_store(spec).map(|s| s.name),
                 }),
             });
         }
@@ -208,6 +210,18 @@ pub(crate) fn expand(
         }
     }
     Ok(out)
+}
+
+/// The store whose capacity is PF `spec`'s limits, which its VFs' borrowers share
+/// (`pf:NAME`); `None` for a PF without limits, or a spec of another kind.
+pub(crate) fn pf_store(spec: &DeviceSpec) -> Option<StoreSpec> {
+    match &spec.kind {
+        KindSpec::PciPf(pf) if pf.qos.limits.iter().any(Option::is_some) => Some(StoreSpec {
+            name: format!("pf:{}", spec.name),
+            capacity: pf.qos,
+        }),
+        _ => None,
+    }
 }
 
 /// The trait naming a VF's PF: `PF_` and the PF device's name in upper case, other
