@@ -73,6 +73,9 @@ pub const IGB_MODULES: &[&str] = &[
     "drivers/net/ethernet/intel/igb/igb",
 ];
 
+/// An igb VF's driver.
+pub const IGBVF_MODULES: &[&str] = &["drivers/net/ethernet/intel/igbvf/igbvf"];
+
 /// The start of a QEMU 11 guest's script on a lent NVMe: loads the driver (the modules
 /// in `/nvme`), waits up to 5 min for `/dev/nvme0n1` (exits 1 without it), and reports
 /// `dev` and the namespace's `sectors`.

@@ -27,7 +27,10 @@
 //!
 //! The same lender guest has an emulated `igb` NIC (SR-IOV) behind another root port,
 //! its PF on the `igb` driver, lent as `nic=pci-pf:BDF,vfs=1`: the lender enables its
-//! VF without virtualization management, binds it and the pool lists it (`PF_NIC`).
+//! VF without virtualization management, binds it and the pool lists it (`PF_NIC`). At
+//! the end a QEMU 11 guest on host B leases the VF (the generic mirror), and its own
+//! `igbvf` driver pings the PF's address and sends 64 KiB over TCP to a listener there,
+//! which finds the same md5.
 //!
 //! Then host A's VF changes hands through the pool: a holder enables its controller and
 //! is detached while its VMM is still connected; the lender resets the VF (FLR), and the next holder finds
@@ -82,6 +85,8 @@ done
 n=0
 while [ ! -d /sys/bus/pci/devices/$IGB/net ] && [ $n -lt 300 ]; do sleep 0.2; n=$((n + 1)); done
 IF=$(ls /sys/bus/pci/devices/$IGB/net)
+ip addr add 192.168.77.1/24 dev $IF
+ip link set $IF up
 echo "sriov: igb pf=$IGB if=$IF"
 DEV="--config /lender.toml --device ssd=pci-pf:$PF,vfs=2,namespaces=1:2,iops_read=__PF_IOPS__,traits=NVME --device nic=pci-pf:$IGB,vfs=1 --log-level info"
 devlend-device-agent $DEV > /tmp/first.log 2>&1 &
@@ -94,9 +99,40 @@ devlend-device-agent $DEV > /tmp/second.log 2>&1 &
 n=0
 while ! grep -q "addr=0.0.0.0:7700" /tmp/second.log && [ $n -lt 600 ]; do sleep 0.2; n=$((n + 1)); done
 sed 's/^/second: /' /tmp/second.log
+(timeout 600 nc -l -p 5000 > /tmp/recv; echo "sriov: received $(md5sum /tmp/recv | cut -d' ' -f1) $(stat -c %s /tmp/recv)") &
 echo "sriov: the second lender is up"
 tail -n 0 -f /tmp/second.log | sed 's/^/lender: /' &
 sleep 100000
+"#;
+
+/// Runs in the QEMU 11 guest on the igb VF: its own `igbvf` driver, pings to the PF's
+/// address on the lender (until 3 are answered, within 2 min), and 64 KiB over TCP to a
+/// listener there.
+const IGBVF_SCRIPT: &str = r#"
+insmod /kmod/igbvf.ko || echo "insmod igbvf failed"
+n=0
+while [ ! -e /sys/class/net/eth0 ] && [ $n -lt 600 ]; do sleep 0.5; n=$((n + 1)); done
+echo "DEVLEND-RESULT mac=$(cat /sys/class/net/eth0/address)"
+ip link set eth0 up
+ip addr add 192.168.77.2/24 dev eth0
+n=0
+while [ "$(cat /sys/class/net/eth0/carrier 2>/dev/null)" != 1 ] && [ $n -lt 300 ]; do sleep 0.2; n=$((n + 1)); done
+got=0; n=0
+while [ $got -lt 3 ] && [ $n -lt 60 ]; do
+  if ping -c 1 -W 2 192.168.77.1 > /dev/null 2>&1; then got=$((got + 1)); fi
+  n=$((n + 1))
+done
+echo "DEVLEND-RESULT pings=$got of $n"
+dd if=/dev/urandom of=/tmp/up bs=1K count=64 2>/dev/null
+echo "DEVLEND-RESULT md5=$(md5sum /tmp/up | cut -d' ' -f1)"
+t0=$(date +%s)
+nc 192.168.77.1 5000 < /tmp/up && echo "DEVLEND-RESULT sent=yes"
+# What nc wrote may still be in this kernel's send queue: let it go before power-off.
+n=0
+while [ $n -lt 300 ] && awk 'NR > 1 && $4 != "0A" { split($5, q, ":"); if (q[1] != "00000000") busy = 1 } END { exit !busy }' /proc/net/tcp; do sleep 0.2; n=$((n + 1)); done
+echo "DEVLEND-RESULT seconds=$(( $(date +%s) - t0 ))"
+for c in rx_packets tx_packets rx_dropped rx_errors tx_errors; do printf "%s=%s " $c $(cat /sys/class/net/eth0/statistics/$c); done; echo
+dmesg | grep -i igbvf | tail -20
 "#;
 
 /// Runs in each QEMU 11 guest after `qemu11::nvme_guest_prelude`; `__TAG__` names the
@@ -291,6 +327,8 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
     .expect("the lender's config");
     let script = LENDER_SCRIPT.replace("__PF_IOPS__", &limits::PF_READ_IOPS.to_string());
     let mut lender = sriov::lender("sriov-lender", &images, true, port, &modules, &script)
+        // The igb VF's mirror of its guest's 128 MiB needs 320 MiB of the lender's.
+        .memory_mib(1280)
         .args([
             "-device",
             "pcie-root-port,id=igb-rp,chassis=10,slot=10",
@@ -387,6 +425,7 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
             images: &images,
             hosts: &hosts,
             pool_port,
+            lender: &lender,
         });
     }));
     for l in lender.console().lines().filter(|l| {
@@ -410,7 +449,7 @@ fn two_vms_use_two_vfs_of_one_nvme_with_their_own_drivers() {
 
 /// What the scenario works with: the test's directory, the QEMU 11 chroot, the lender's
 /// forwarded port, the NVMe modules, the namespaces' images, the two compute hosts, the
-/// pool's port.
+/// pool's port and the lender's guest.
 #[derive(Clone, Copy)]
 struct Lab<'a> {
     dir: &'a Path,
@@ -420,6 +459,7 @@ struct Lab<'a> {
     images: &'a [PathBuf; 2],
     hosts: &'a [Host; 2],
     pool_port: u16,
+    lender: &'a Guest,
 }
 
 fn scenario(lab: Lab<'_>) {
@@ -431,6 +471,7 @@ fn scenario(lab: Lab<'_>) {
         images,
         hosts,
         pool_port,
+        lender,
     } = lab;
     // The PF is the lender's, and a VF past the two it has does not exist.
     for (asked, said) in [
@@ -588,6 +629,59 @@ fn scenario(lab: Lab<'_>) {
     limits::check(lab, &mut d, &vf_of);
     drop(d);
     a.detach(&next);
+    igbvf_traffic(dir, &hosts[1], pool_port, lender);
+}
+
+/// The igb NIC's VF, leased by host B, passes traffic with the guest's own igbvf
+/// driver: pings to the PF's address on the lender and a TCP transfer, the bytes
+/// checked there (the PF's internal switch loops VF traffic back to the PF).
+fn igbvf_traffic(dir: &Path, b: &Host, pool_port: u16, lender: &Guest) {
+    let nic = b.dir.join("nic.sock");
+    let got = b
+        .attach(pool_port, "vm-igbvf", &nic, "PCI_8086_10CA", "PF_NIC", &[])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(got["coherence"], "mirror", "a NIC VF is mirrored: {got}");
+    let device = format!(
+        "{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"path\":\"{}\",\"type\":\"unix\"}}}}",
+        nic.display()
+    );
+    let mut vb = Guest::builder()
+        .name("vm-igbvf")
+        // The generic mirror costs the lender 2.5 times the guest memory mapped for DMA.
+        .memory_mib(128)
+        .args(["-device".to_string(), device])
+        .script(IGBVF_SCRIPT);
+    for (g, h) in qemu11::kernel_modules(dir, qemu11::IGBVF_MODULES, "/kmod") {
+        vb = vb.host_file(g, h);
+    }
+    let mut vm = vb.boot().expect("boot the igbvf guest");
+    let out = vm.wait_done(Duration::from_secs(600));
+    for l in vm.console().lines() {
+        eprintln!("vm-igbvf: {l}");
+    }
+    let out = out.expect("the igbvf guest's script");
+    // No MAC given by the PF's administrator: igbvf picks one and registers it with the
+    // PF through the mailbox, which the VF's traffic then needs.
+    let mac = out.result("mac").unwrap_or_default();
+    assert!(
+        mac.len() == 17 && mac != "00:00:00:00:00:00",
+        "the VF's MAC: {mac:?}"
+    );
+    let pings = out.result("pings").unwrap_or_default();
+    assert!(
+        pings.starts_with("3 of"),
+        "pings answered through the VF: {pings}"
+    );
+    assert_eq!(out.result("sent"), Some("yes"), "the TCP transfer");
+    let md5 = out.result("md5").expect("the sent bytes' md5").to_string();
+    let line = lender
+        .wait_for_text("sriov: received", Duration::from_secs(60))
+        .expect("the lender's listener got the transfer");
+    assert!(
+        line.contains(&format!("{md5} 65536")),
+        "the lender received what the VF sent: {line}"
+    );
+    b.detach(&nic);
 }
 
 /// A guest that submits a whole queue of 128 KiB writes with one doorbell: the lender

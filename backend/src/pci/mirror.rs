@@ -1,12 +1,13 @@
 //! Coherence mode `mirror`: the DMA-mapped guest pages pushed to the lender's mirror
-//! before a BAR write, and the mirror pages pulled into guest memory after an interrupt.
+//! before a BAR write, and the mirror pages pulled into guest memory after an interrupt;
+//! of a page that changed, only the bytes that changed move (`changed_runs`).
 
 use std::io;
 use std::sync::atomic::Ordering;
 
 use devlend_fabric::pci::{
-    decode_pages, decode_ranges, encode_page, encode_range, page_cost, Message, Range, FLAG_MORE,
-    KIND_PULL, KIND_PUSH, MAX_ACCESS, MIRROR_PAGE, RDMA_MAX_RANGES,
+    changed_runs, decode_pages, decode_ranges, encode_page, encode_range, page_cost, Message,
+    Range, FLAG_MORE, KIND_PULL, KIND_PUSH, MAX_ACCESS, MIRROR_PAGE, RDMA_MAX_RANGES,
 };
 use vm_memory::VolatileSlice;
 
@@ -47,31 +48,37 @@ impl PciBorrower {
                 if shadow == buf.as_slice() {
                     continue;
                 }
-                shadow.copy_from_slice(&buf);
                 pushed += 1;
-                let iova = m.iova + off as u64;
-                if ranges {
-                    run = match run {
-                        Some((start, len))
-                            if start + u64::from(len) == iova
-                                && len as usize + page <= RDMA_MAX_RUN =>
-                        {
-                            Some((start, len + page as u32))
-                        }
-                        Some((start, len)) => {
-                            self.push_range(&mut chunk, Range { iova: start, len })?;
-                            Some((iova, page as u32))
-                        }
-                        None => Some((iova, page as u32)),
-                    };
-                    continue;
+                // Only the bytes the guest changed: the function may have written
+                // others of the page since the last pull, which a whole page would undo.
+                let mut runs = Vec::new();
+                changed_runs(shadow, &buf, |o, n| runs.push((o, n)));
+                shadow.copy_from_slice(&buf);
+                for (o, n) in runs {
+                    let iova = m.iova + (off + o) as u64;
+                    if ranges {
+                        run = match run {
+                            Some((start, len))
+                                if start + u64::from(len) == iova
+                                    && len as usize + n <= RDMA_MAX_RUN =>
+                            {
+                                Some((start, len + n as u32))
+                            }
+                            Some((start, len)) => {
+                                self.push_range(&mut chunk, Range { iova: start, len })?;
+                                Some((iova, n as u32))
+                            }
+                            None => Some((iova, n as u32)),
+                        };
+                        continue;
+                    }
+                    if chunk.len() + page_cost(n) > MAX_ACCESS as usize {
+                        let mut msg = Message::new(KIND_PUSH, std::mem::take(&mut chunk));
+                        msg.flags = FLAG_MORE;
+                        self.shared.link.send(&msg).map_err(link_err)?;
+                    }
+                    encode_page(iova, &buf[o..o + n], &mut chunk);
                 }
-                if chunk.len() + page_cost(page) > MAX_ACCESS as usize {
-                    let mut msg = Message::new(KIND_PUSH, std::mem::take(&mut chunk));
-                    msg.flags = FLAG_MORE;
-                    self.shared.link.send(&msg).map_err(link_err)?;
-                }
-                encode_page(iova, &buf, &mut chunk);
             }
             // Runs do not cross maps (each has its own registration).
             if let Some((start, len)) = run.take() {
@@ -118,6 +125,7 @@ pub(super) fn pull(shared: &Borrowed, maps: &mut [GuestMap]) -> Result<(), LinkE
     let replies = shared.link.call(Message::new(KIND_PULL, Vec::new()))?;
     let protocol = |e: devlend_fabric::WireError| LinkError::Protocol(e.to_string());
     let mut n = 0;
+    let mut last_page: Option<u64> = None;
     for r in &replies {
         let moved: Vec<(u64, Option<&[u8]>, usize)> = match shared.link.page_moves() {
             PageMoves::Ranges => decode_ranges(&r.payload)
@@ -163,7 +171,12 @@ pub(super) fn pull(shared: &Borrowed, maps: &mut [GuestMap]) -> Result<(), LinkE
                     }
                 }
             }
-            n += len.div_ceil(MIRROR_PAGE as usize) as u64;
+            // Pages, not runs: the runs of one page count it once (they come in order).
+            let page = MIRROR_PAGE;
+            let (first, end) = (iova / page, (iova + len as u64).div_ceil(page));
+            let from = last_page.map_or(first, |l| first.max(l + 1));
+            n += end.saturating_sub(from);
+            last_page = Some(last_page.map_or(end - 1, |l| l.max(end - 1)));
         }
     }
     shared.stats.pages_pulled.fetch_add(n, Ordering::Relaxed);

@@ -117,6 +117,40 @@ fn a_bar_write_pushes_the_changed_guest_pages_first() {
     );
     assert_eq!(b.stats().pages_pushed.load(Ordering::Relaxed), 1);
     assert_eq!(b.handle().dma_mapped_bytes(), 2 * MIRROR_PAGE);
+    // Only the bytes the guest wrote move, not their page: the function may have
+    // written the rest of it since (a descriptor written back beside the one the driver
+    // fills), and a whole page would put the guest's old copy back over that.
+    let pushed: Vec<(u64, Vec<u8>)> = lender
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|m| m.kind == KIND_PUSH)
+        .flat_map(|m| {
+            devlend_fabric::pci::decode_pages(&m.payload)
+                .unwrap()
+                .into_iter()
+                .map(|p| (p.iova, p.data.to_vec()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(pushed, [(0x10_1000, b"doorbell data".to_vec())]);
+    guest.write_all_at(b"X", page as u64 + 100).unwrap();
+    b.region_write(0, 0, &[3]).unwrap();
+    let last = lender
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|m| m.kind == KIND_PUSH)
+        .cloned();
+    let pages = last.expect("a second push");
+    let pages = devlend_fabric::pci::decode_pages(&pages.payload).unwrap();
+    assert_eq!(
+        pages.iter().map(|p| (p.iova, p.data)).collect::<Vec<_>>(),
+        [(0x10_1064, &b"X"[..])]
+    );
 }
 
 #[test]

@@ -14,7 +14,7 @@
 use std::io;
 use std::ptr::NonNull;
 
-use devlend_fabric::pci::MIRROR_PAGE;
+use devlend_fabric::pci::{changed_runs, MIRROR_PAGE};
 use vm_memory::VolatileSlice;
 
 /// A mirror's registration and the borrower's guest memory behind its range.
@@ -111,8 +111,9 @@ impl Mirror {
         self.synced[off..off + data.len()].copy_from_slice(data);
     }
 
-    /// Calls `out(iova, bytes)` for each page the function changed since it was last
-    /// pushed or pulled, and takes it as synced.
+    /// Calls `out(iova, bytes)` for each run of bytes the function changed since they
+    /// were last pushed or pulled (within a page, exactly those bytes:
+    /// [`changed_runs`]), and takes them as synced.
     pub(crate) fn pull(&mut self, mut out: impl FnMut(u64, &[u8])) {
         let page = MIRROR_PAGE as usize;
         let mut buf = vec![0u8; page];
@@ -126,32 +127,35 @@ impl Mirror {
             s.copy_to(&mut buf[..]);
             let synced = &mut self.synced[off..off + page];
             if synced != buf.as_slice() {
+                // Only the bytes the function changed: the guest may have written
+                // others of the page since the last push, which a whole page would undo.
+                changed_runs(synced, &buf, |o, n| {
+                    out(self.iova + (off + o) as u64, &buf[o..o + n]);
+                });
                 synced.copy_from_slice(&buf);
-                out(self.iova + off as u64, &buf);
             }
         }
     }
 
-    /// Calls `out(offset, len)` for each run of consecutive pages (at most `max_run`
-    /// bytes, a multiple of [`MIRROR_PAGE`]) that the function changed since they were
-    /// last pushed or pulled, and takes them as synced. Same comparison, and cost, as
+    /// Calls `out(offset, len)` for each run of consecutive bytes (at most `max_run`)
+    /// that the function changed since they were last pushed or pulled, and takes them
+    /// as synced. Same comparison, and cost, as
     /// [`Mirror::pull`]; the caller moves the bytes (RDMA WRITE from the mirror).
     #[cfg(feature = "rdma")]
     pub(crate) fn changed_runs(&mut self, max_run: usize, mut out: impl FnMut(usize, usize)) {
-        let page = MIRROR_PAGE as usize;
         let base = self.iova;
         let mut run: Option<(usize, usize)> = None;
-        self.pull(|iova, _| {
-            let off = (iova - base) as usize;
+        self.pull(|iova, bytes| {
+            let (off, n) = ((iova - base) as usize, bytes.len());
             run = match run {
-                Some((start, len)) if start + len == off && len + page <= max_run => {
-                    Some((start, len + page))
+                Some((start, len)) if start + len == off && len + n <= max_run => {
+                    Some((start, len + n))
                 }
                 Some((start, len)) => {
                     out(start, len);
-                    Some((off, page))
+                    Some((off, n))
                 }
-                None => Some((off, page)),
+                None => Some((off, n)),
             };
         });
         if let Some((start, len)) = run {
@@ -214,12 +218,26 @@ mod tests {
         let s = m.slice().subslice(2 * 4096 + 5, 3).unwrap();
         s.copy_from(&[1u8, 2, 3][..]);
         m.pull(|iova, d| pulled.push((iova, d.to_vec())));
-        assert_eq!(pulled.len(), 1);
-        assert_eq!(pulled[0].0, 0x10_2000);
-        assert_eq!(&pulled[0].1[5..8], &[1, 2, 3]);
+        assert_eq!(
+            pulled,
+            [(0x10_2005, vec![1, 2, 3])],
+            "the bytes that changed"
+        );
         pulled.clear();
         m.pull(|iova, d| pulled.push((iova, d.to_vec())));
         assert!(pulled.is_empty());
+        // A push of other bytes of a page the function wrote, not yet pulled (a driver
+        // filling descriptor 0 while the device writes descriptor 2 back): the
+        // function's bytes stay, and the next pull has them.
+        m.slice()
+            .subslice(3 * 4096 + 32, 2)
+            .unwrap()
+            .copy_from(&[5u8, 5][..]);
+        m.push(0x10_3000, &[6; 16]);
+        m.pull(|iova, d| pulled.push((iova, d.to_vec())));
+        assert_eq!(pulled, [(0x10_3020, vec![5, 5])]);
+        assert_eq!(m.read(3 * 4096, 2), vec![6, 6]);
+        pulled.clear();
         assert!(m.contains(0x10_3000, 4096) && !m.contains(0x10_3000, 4097));
         assert!(m.overlaps(0x0f_f000, 0x2000) && !m.overlaps(0x14_0000, 0x1000));
     }
@@ -230,9 +248,9 @@ mod tests {
         let mut m = Mirror::new(0x10_0000, 8 * 4096).unwrap();
         for page in [1usize, 2, 3, 5] {
             m.slice()
-                .subslice(page * 4096, 1)
+                .subslice(page * 4096, 4096)
                 .unwrap()
-                .copy_from(&[9u8][..]);
+                .copy_from(&[9u8; 4096][..]);
         }
         let mut runs = Vec::new();
         m.changed_runs(2 * 4096, |off, len| runs.push((off, len)));
@@ -244,6 +262,14 @@ mod tests {
         runs.clear();
         m.changed_runs(1 << 20, |off, len| runs.push((off, len)));
         assert!(runs.is_empty(), "taken as synced");
+        // Two bytes apart in one page: two runs, the byte between them not moved.
+        m.slice()
+            .subslice(6 * 4096 + 10, 3)
+            .unwrap()
+            .copy_from(&[1u8, 0, 1][..]);
+        m.changed_runs(1 << 20, |off, len| runs.push((off, len)));
+        assert_eq!(runs, [(6 * 4096 + 10, 1), (6 * 4096 + 12, 1)]);
+        runs.clear();
         // A READ landed in page 7: taken as synced, not reported by the next pull.
         m.slice()
             .subslice(7 * 4096, 2)

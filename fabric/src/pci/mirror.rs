@@ -77,6 +77,34 @@ pub struct Page<'a> {
     pub data: &'a [u8],
 }
 
+/// Calls `out(offset, len)` for each run of bytes where `new` differs from `old` (two
+/// copies of one page), exactly: a byte that did not change is in no run.
+///
+/// Pushes and pulls move these runs, not whole pages: the two ends write the same page
+/// at once (a driver fills descriptor `i` while the device writes descriptor `j` back),
+/// and a whole page would put back the other end's old bytes over what it wrote since.
+pub fn changed_runs(old: &[u8], new: &[u8], mut out: impl FnMut(usize, usize)) {
+    let n = old.len().min(new.len());
+    let mut i = 0;
+    while i < n {
+        // Skip equal words quickly, then equal bytes.
+        while i + 8 <= n && old[i..i + 8] == new[i..i + 8] {
+            i += 8;
+        }
+        while i < n && old[i] == new[i] {
+            i += 1;
+        }
+        if i == n {
+            break;
+        }
+        let start = i;
+        while i < n && old[i] != new[i] {
+            i += 1;
+        }
+        out(start, i - start);
+    }
+}
+
 /// Appends one [`Page`] to a push or pull payload.
 pub fn encode_page(iova: u64, data: &[u8], out: &mut Vec<u8>) {
     RangeEntry::new(iova, data.len() as u32).push(out);
@@ -111,4 +139,29 @@ pub fn decode_pages(p: &[u8]) -> Result<Vec<Page<'_>>, WireError> {
         pages.push(Page { iova: h.iova, data });
     }
     Ok(pages)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::changed_runs;
+
+    fn runs(old: &[u8], new: &[u8]) -> Vec<(usize, usize)> {
+        let mut v = Vec::new();
+        changed_runs(old, new, |o, n| v.push((o, n)));
+        v
+    }
+
+    #[test]
+    fn changed_runs_are_exactly_the_changed_bytes() {
+        let old = [0u8; 64];
+        assert!(runs(&old, &old).is_empty());
+        let mut new = old;
+        new[0] = 1;
+        new[9..12].copy_from_slice(&[1, 1, 1]);
+        new[13] = 1;
+        new[63] = 1;
+        assert_eq!(runs(&old, &new), [(0, 1), (9, 3), (13, 1), (63, 1)]);
+        let all = [1u8; 64];
+        assert_eq!(runs(&old, &all), [(0, 64)]);
+    }
 }

@@ -95,7 +95,7 @@ pub use from_lender::{Irq, MemRead};
 pub use info::{IrqInfo, PciInfo, RegionInfo, INFO_MEDIATED, INFO_RESET};
 pub use message::{Message, PciStatus};
 pub use mirror::{
-    decode_pages, decode_ranges, encode_page, encode_range, page_cost, Page, Range,
+    changed_runs, decode_pages, decode_ranges, encode_page, encode_range, page_cost, Page, Range,
     RDMA_MAX_ACCESS, RDMA_MAX_MESSAGE, RDMA_MAX_RANGES,
 };
 pub use requests::{Access, DmaRange, IrqAction, IrqSet, RemoteDmaRange};
