@@ -136,6 +136,13 @@ impl Device {
                     bdf: p.bdf.clone(),
                     source,
                 })?;
+                let limited = p.qos.limits.iter().any(Option::is_some) || p.store.is_some();
+                if limited && f.coherence == crate::config::Coherence::Mirror {
+                    return Err(Error::BadSpec {
+                        spec: spec.name.clone(),
+                        reason: "limits and stores apply to a function in coherence nvme only (the lender sees no command of a mirrored function)".into(),
+                    });
+                }
                 Backing::Pci(Box::new(f))
             }
             KindSpec::PciPf(_) => {

@@ -380,4 +380,51 @@ impl Driver {
         });
         nq
     }
+
+    /// Identify Namespace `nsid` into [`IDENT`] (the mediator learns its block size).
+    pub fn identify_namespace(&mut self, nsid: u32) -> Done {
+        self.ok(
+            false,
+            sqe(0x06, nsid, IOVA + IDENT, 0, [0; 6]),
+            "Identify Namespace",
+        )
+    }
+
+    /// Creates I/O queue pair `qid` of `entries` entries, its SQ at `sq` and its CQ at
+    /// `cq` of guest memory, the CQ on MSI-X vector 1; the caller writes the entries and
+    /// rings the doorbells itself.
+    pub fn create_queue_pair(&mut self, qid: u16, entries: u32, sq: u64, cq: u64) {
+        let qs = (entries - 1) << 16 | u32::from(qid);
+        self.ok(
+            false,
+            sqe(0x05, 0, IOVA + cq, 0, [qs, 1 << 16 | 3, 0, 0, 0, 0]),
+            "create I/O CQ",
+        );
+        self.ok(
+            false,
+            sqe(
+                0x01,
+                0,
+                IOVA + sq,
+                0,
+                [qs, u32::from(qid) << 16 | 1, 0, 0, 0, 0],
+            ),
+            "create I/O SQ",
+        );
+    }
+
+    /// Deletes I/O queue pair `qid` (its SQ, then its CQ).
+    pub fn delete_queue_pair(&mut self, qid: u16) {
+        let q = u32::from(qid);
+        self.ok(
+            false,
+            sqe(0x00, 0, 0, 0, [q, 0, 0, 0, 0, 0]),
+            "delete I/O SQ",
+        );
+        self.ok(
+            false,
+            sqe(0x04, 0, 0, 0, [q, 0, 0, 0, 0, 0]),
+            "delete I/O CQ",
+        );
+    }
 }

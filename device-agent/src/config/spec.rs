@@ -268,6 +268,12 @@ impl PfSpec {
         {
             return bad("namespace ID 0 or FFFFFFFFh: IDs are 1 to FFFFFFFEh".into());
         }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(n) = self.namespaces.iter().flatten().find(|&&n| !seen.insert(n)) {
+            return bad(format!(
+                "namespace {n} is named twice: a namespace is attached to one VF's controller only (two VMs sharing a namespace would see each other's data)"
+            ));
+        }
         if self.qos.weight.is_some() {
             return bad("a PF's limits bound its VFs together: weights are the VFs' borrowers' (their leases')".into());
         }

@@ -429,6 +429,9 @@ fn refuses_bad_sriov_physical_functions_saying_why() {
     assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=x").contains("is not a number"));
     assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=1,namespaces=1:2").contains("namespaces for 2 VFs"));
     assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=1,namespaces=0").contains("namespace ID 0"));
+    // A trial attached namespace 1 to both VFs' controllers: their VMs shared it.
+    assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=2,namespaces=1:1").contains("named twice"));
+    assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=2,namespaces=1+2:2").contains("namespace 2"));
     assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=1,namespaces=a").contains("not a namespace ID"));
     assert!(chain("ssd=pci-pf:0000:03:00.0,vfs=1,coherence=x").contains("unknown coherence"));
     assert!(err("ssd=pci-pf:0000:03:00,vfs=1").contains("0000:03:00"));

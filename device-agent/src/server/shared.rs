@@ -163,6 +163,15 @@ impl LenderState {
     /// a changed spec counts as removed + added.
     pub(super) fn reload(&self, specs: &[DeviceSpec]) -> Result<ReloadReport, Error> {
         check_unique(specs)?;
+        // A PF's limits are a store, read at start like the others: say that a change
+        // waits for a restart, rather than take it silently.
+        for store in specs.iter().filter_map(crate::pci::sriov::pf_store) {
+            if let Some(s) = self.stores.get(&store.name) {
+                if s.capacity != store.capacity {
+                    tracing::warn!(store = %store.name, "a PF's limits changed: they are read at start only; restart the lender to apply them");
+                }
+            }
+        }
         let specs = &crate::pci::sriov::expand(
             specs,
             crate::pci::sriov::Mode::Reload,

@@ -43,7 +43,7 @@ pub(crate) fn check(lab: Lab<'_>, d: &mut nvme::Driver, vf_of: &[usize]) {
     let b_sock = b.dir.join("b2.sock");
     b.attach_vf(lab.pool_port, "vm-e", &b_sock);
     let mut db = nvme::start(&b_sock);
-    identify_namespace(&mut db, ns(vf_of[1]));
+    db.identify_namespace(ns(vf_of[1]));
     let (ta, tb) = std::thread::scope(|s| {
         let other = s.spawn(|| timed_burst(&mut db, ns(vf_of[1]), 0x02, 200));
         let ta = timed_burst(d, ns(vf_of[0]), 0x02, 200);
@@ -75,7 +75,7 @@ pub(crate) fn check(lab: Lab<'_>, d: &mut nvme::Driver, vf_of: &[usize]) {
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let mut db = nvme::start(&b_sock);
-    identify_namespace(&mut db, ns(vf_of[1]));
+    db.identify_namespace(ns(vf_of[1]));
     let leased = rate(120, timed_burst(&mut db, ns(vf_of[1]), 0x02, 120));
     eprintln!("limits: 120 reads under a lease of {LEASE_IOPS}/s at {leased:.0}/s");
     assert!(
@@ -99,15 +99,6 @@ pub(crate) fn check(lab: Lab<'_>, d: &mut nvme::Driver, vf_of: &[usize]) {
     assert!(e.contains("cannot enforce limits"), "{e}");
 }
 
-/// Identify Namespace `nsid`: the mediator learns its block size.
-fn identify_namespace(d: &mut nvme::Driver, nsid: u32) {
-    d.ok(
-        false,
-        nvme::sqe(0x06, nsid, nvme::IOVA + nvme::IDENT, 0, [0; 6]),
-        "Identify Namespace",
-    );
-}
-
 /// Submits `n` (at most 255) one-block commands of `opcode` (01h write, 02h read) on
 /// namespace `nsid` with one doorbell, on an I/O queue pair 2 made for them and
 /// deleted after; how long until the last completed.
@@ -117,17 +108,7 @@ fn timed_burst(d: &mut nvme::Driver, nsid: u32, opcode: u8, n: u32) -> Duration 
     const CQ: u64 = 0x7_0000;
     assert!(n < ENTRIES);
     d.mem.write(CQ, &[0; ENTRIES as usize * 16]);
-    let qs = (ENTRIES - 1) << 16 | 2;
-    d.ok(
-        false,
-        nvme::sqe(0x05, 0, nvme::IOVA + CQ, 0, [qs, 1 << 16 | 3, 0, 0, 0, 0]),
-        "create I/O CQ 2",
-    );
-    d.ok(
-        false,
-        nvme::sqe(0x01, 0, nvme::IOVA + SQ, 0, [qs, 2 << 16 | 1, 0, 0, 0, 0]),
-        "create I/O SQ 2",
-    );
+    d.create_queue_pair(2, ENTRIES, SQ, CQ);
     for i in 0..n {
         let mut e = nvme::sqe(opcode, nsid, nvme::IOVA + nvme::DATA, 0, [i, 0, 0, 0, 0, 0]);
         e[2..4].copy_from_slice(&(i as u16).to_le_bytes());
@@ -150,15 +131,6 @@ fn timed_burst(d: &mut nvme::Driver, nsid: u32, opcode: u8, n: u32) -> Duration 
     }
     let took = t0.elapsed();
     d.w32(0x1000 + 8 * 2 + 4, n);
-    d.ok(
-        false,
-        nvme::sqe(0x00, 0, 0, 0, [2, 0, 0, 0, 0, 0]),
-        "delete I/O SQ 2",
-    );
-    d.ok(
-        false,
-        nvme::sqe(0x04, 0, 0, 0, [2, 0, 0, 0, 0, 0]),
-        "delete I/O CQ 2",
-    );
+    d.delete_queue_pair(2);
     took
 }

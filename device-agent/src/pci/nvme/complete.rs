@@ -33,7 +33,7 @@ impl Mediator {
                 tracing::debug!(cqid, "completions found without an interrupt");
             }
             if let Err(e) = self.drain(f, g, cqid) {
-                tracing::warn!(cqid, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
+                devlend_fabric::limited!(warn, cqid, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
             }
         }
     }
@@ -64,7 +64,12 @@ impl Mediator {
                 freed_sqs.push(sqid);
             }
             let Some(cmd) = self.inflight.remove(&(sqid, cid)) else {
-                tracing::warn!(sqid, cid, "completion of no command in flight; dropped");
+                devlend_fabric::limited!(
+                    warn,
+                    sqid,
+                    cid,
+                    "completion of no command in flight; dropped"
+                );
                 continue;
             };
             if !self.complete(g, sqid, cid, cmd, ok)? {
@@ -82,7 +87,7 @@ impl Mediator {
             if let Some(cq) = self.cqs.get(&cqid) {
                 let off = REG_DOORBELLS + (2 * u64::from(cqid) + 1) * self.stride;
                 if let Err(e) = f.pwrite(0, off, &u32::from(cq.sh_head).to_le_bytes()) {
-                    tracing::warn!(cqid, error = %e, "cannot ring the controller's CQ doorbell");
+                    devlend_fabric::limited!(warn, cqid, error = %e, "cannot ring the controller's CQ doorbell");
                 }
             }
         }
@@ -125,7 +130,8 @@ impl Mediator {
                 }
             },
             Post::CreateSq(q, sq) if ok => {
-                tracing::info!(
+                devlend_fabric::limited!(
+                    info,
                     qid = q,
                     entries = sq.size,
                     cqid = sq.cqid,
@@ -134,7 +140,8 @@ impl Mediator {
                 self.sqs.insert(q, *sq);
             }
             Post::CreateCq(q, cq) if ok => {
-                tracing::info!(
+                devlend_fabric::limited!(
+                    info,
                     qid = q,
                     entries = cq.size,
                     vector = cq.vector,
@@ -161,7 +168,12 @@ impl Mediator {
                 .iter()
                 .all(|&(iova, n)| self.inside(iova, n as u64))
             {
-                tracing::info!(sqid, cid, "a command's buffers were unmapped while it ran");
+                devlend_fabric::limited!(
+                    info,
+                    sqid,
+                    cid,
+                    "a command's buffers were unmapped while it ran"
+                );
                 return Ok(false);
             }
             let mut o = 0;

@@ -226,7 +226,7 @@ pub(crate) struct Mediator {
 }
 
 fn mem_err(e: &GuestError) -> Status {
-    tracing::warn!(error = %devlend_fabric::error::chain(e), "guest memory access failed");
+    devlend_fabric::limited!(warn, error = %devlend_fabric::error::chain(e), "guest memory access failed");
     DATA_TRANSFER_ERROR
 }
 

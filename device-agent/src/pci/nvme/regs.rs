@@ -77,7 +77,7 @@ impl Mediator {
             o if (REG_ASQ..REG_ASQ + 8).contains(&o) => set64(&mut self.asq, REG_ASQ)?,
             o if (REG_ACQ..REG_ACQ + 8).contains(&o) => set64(&mut self.acq, REG_ACQ)?,
             REG_NSSR => {
-                tracing::info!("NVM subsystem reset by the guest ignored");
+                devlend_fabric::limited!(info, "NVM subsystem reset by the guest ignored");
             }
             _ => {
                 let Some((qid, cq)) = self.doorbell(off) else {
@@ -111,7 +111,10 @@ impl Mediator {
             .map_err(|e| io(format!("writing CC: {e}")))?;
         if was && !en {
             self.drop_queues();
-            tracing::info!("NVMe controller disabled by the guest; queues dropped");
+            devlend_fabric::limited!(
+                info,
+                "NVMe controller disabled by the guest; queues dropped"
+            );
         }
         Ok(())
     }
@@ -175,7 +178,7 @@ impl Mediator {
             },
         );
         self.cqs.insert(0, new_cq(self.acq, cq_n, 0, cq));
-        tracing::info!(sq_n, cq_n, "NVMe admin queues shadowed");
+        devlend_fabric::limited!(info, sq_n, cq_n, "NVMe admin queues shadowed");
         Ok(())
     }
 

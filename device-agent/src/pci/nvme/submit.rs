@@ -16,11 +16,15 @@ impl Mediator {
         tail: u16,
     ) {
         let Some(sq) = self.sqs.get(&qid) else {
-            tracing::info!(qid, "tail doorbell of a queue that does not exist; ignored");
+            devlend_fabric::limited!(
+                info,
+                qid,
+                "tail doorbell of a queue that does not exist; ignored"
+            );
             return;
         };
         if tail >= sq.size {
-            tracing::info!(qid, tail, "SQ tail past the queue; ignored");
+            devlend_fabric::limited!(info, qid, tail, "SQ tail past the queue; ignored");
             return;
         }
         if let Some(sq) = self.sqs.get_mut(&qid) {
@@ -48,7 +52,8 @@ impl Mediator {
             return;
         }
         if !self.inside(guest, (usize::from(size) * SQE) as u64) {
-            tracing::warn!(
+            devlend_fabric::limited!(
+                warn,
                 qid,
                 "the guest's submission queue is no longer inside the DMA maps; doorbell ignored"
             );
@@ -99,7 +104,7 @@ impl Mediator {
             let run = (size - head).min(m - got);
             let iova = guest + (head * SQE) as u64;
             if let Err(e) = g.read(iova, &mut raw[got * SQE..(got + run) * SQE]) {
-                tracing::warn!(qid, error = %devlend_fabric::error::chain(&e), "cannot fetch submission entries");
+                devlend_fabric::limited!(warn, qid, error = %devlend_fabric::error::chain(&e), "cannot fetch submission entries");
                 // Tried again at the next doorbell, of any queue.
                 self.unfetched = true;
                 return false;
@@ -125,8 +130,20 @@ impl Mediator {
             }
             let mut sqe = [0u8; SQE];
             sqe.copy_from_slice(e);
-            if let (Some(t), true) = (self.throttle.as_mut(), qid != 0) {
+            // A command the mediator will refuse costs nothing: the checks that need no
+            // guest memory run first (a PRP list's entries are checked later, and a
+            // command refused for them has paid).
+            let refused = || {
+                cmd::check_common(&sqe, true).is_err()
+                    || cmd::io_transfer(&sqe, |ns| self.lba.get(&ns).copied()).is_ok_and(|t| {
+                        t.len > 0 && !self.inside(le64(&sqe, 24) & !(PAGE as u64 - 1), PAGE as u64)
+                    })
+            };
+            if qid != 0 && self.throttle.is_some() && !refused() {
                 let lba = &self.lba;
+                let Some(t) = self.throttle.as_mut() else {
+                    continue;
+                };
                 if !t.admit(qid, at, &sqe, |ns| lba.get(&ns).copied(), Instant::now()) {
                     // Left in the guest's queue, and the entries behind it, until the
                     // buckets can pay (`fetch_waiting`).
@@ -147,7 +164,8 @@ impl Mediator {
                 }
                 Err(status) => {
                     self.stats.refused += 1;
-                    tracing::info!(
+                    devlend_fabric::limited!(
+                        info,
                         qid,
                         opcode = sqe[0],
                         sct = status.sct,
@@ -172,6 +190,17 @@ impl Mediator {
     /// [`MAKE_ROOM_FOR`].
     fn make_room(&mut self, f: &PciFunction, g: &mut dyn GuestAccess) -> bool {
         let until = std::time::Instant::now() + MAKE_ROOM_FOR;
+        // What was fetched goes to the controller first: with nothing in flight,
+        // nothing would complete to make room.
+        let waiting: Vec<u16> = self
+            .sqs
+            .iter()
+            .filter(|(_, s)| !s.pending.is_empty())
+            .map(|(q, _)| *q)
+            .collect();
+        for q in waiting {
+            self.submit_pending(f, q);
+        }
         loop {
             // As after a quiet interval: every shadow CQ drained.
             self.on_interrupt(f, g, None);
@@ -319,7 +348,7 @@ impl Mediator {
                     return Err(DATA_TRANSFER_ERROR);
                 }
                 let shadow = self.alloc(bytes).map_err(|e| {
-                    tracing::warn!(error = %e, "cannot allocate a shadow queue");
+                    devlend_fabric::limited!(warn, error = %e, "cannot allocate a shadow queue");
                     INTERNAL_ERROR
                 })?;
                 let entries = entries as u16;
@@ -445,7 +474,7 @@ impl Mediator {
         if rung {
             let off = REG_DOORBELLS + 2 * u64::from(qid) * stride;
             if let Err(e) = f.pwrite(0, off, &u32::from(sq.sh_tail).to_le_bytes()) {
-                tracing::warn!(qid, error = %e, "cannot ring the controller's SQ doorbell");
+                devlend_fabric::limited!(warn, qid, error = %e, "cannot ring the controller's SQ doorbell");
             }
         }
     }
@@ -469,7 +498,7 @@ impl Mediator {
     pub(super) fn flush_cq_for_sq(&mut self, g: &mut dyn GuestAccess, sqid: u16) {
         if let Some(cqid) = self.sqs.get(&sqid).map(|s| s.cqid) {
             if let Err(e) = self.post_backlog(g, cqid, true) {
-                tracing::warn!(error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
+                devlend_fabric::limited!(warn, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
             }
         }
     }
@@ -489,7 +518,7 @@ impl Mediator {
         if !self.inside(base, bytes) {
             // Said only when completions are dropped, not at every idle look.
             if !cq.backlog.is_empty() {
-                tracing::warn!(cqid, dropped = cq.backlog.len(), "the guest's completion queue is no longer inside the DMA maps; its completions are dropped");
+                devlend_fabric::limited!(warn, cqid, dropped = cq.backlog.len(), "the guest's completion queue is no longer inside the DMA maps; its completions are dropped");
             }
             if let Some(cq) = self.cqs.get_mut(&cqid) {
                 cq.backlog.clear();
@@ -527,17 +556,21 @@ impl Mediator {
 
     pub(super) fn cq_head(&mut self, g: &mut dyn GuestAccess, qid: u16, head: u16) {
         let Some(cq) = self.cqs.get_mut(&qid) else {
-            tracing::info!(qid, "head doorbell of a queue that does not exist; ignored");
+            devlend_fabric::limited!(
+                info,
+                qid,
+                "head doorbell of a queue that does not exist; ignored"
+            );
             return;
         };
         if head >= cq.size {
-            tracing::info!(qid, head, "CQ head past the queue; ignored");
+            devlend_fabric::limited!(info, qid, head, "CQ head past the queue; ignored");
             return;
         }
         cq.head = head;
         if !cq.backlog.is_empty() {
             if let Err(e) = self.post_backlog(g, qid, true) {
-                tracing::warn!(error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
+                devlend_fabric::limited!(warn, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
             }
         }
     }

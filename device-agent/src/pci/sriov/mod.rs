@@ -22,7 +22,7 @@ use self::nvme_admin::{
     ACT_PRIMARY_FLEXIBLE, ACT_SECONDARY_ASSIGN, ACT_SECONDARY_ONLINE, STATUS_NS_ALREADY_ATTACHED,
 };
 use self::sysfs::Sysfs;
-use crate::config::{DeviceSpec, KindSpec, PciSpec, PfSpec, StoreSpec};
+use crate::config::{Coherence, DeviceSpec, KindSpec, PciSpec, PfSpec, StoreSpec};
 use crate::Error;
 
 /// The trait every VF's pool item carries.
@@ -54,6 +54,9 @@ pub enum SriovError {
         /// Its driver, or "no driver".
         driver: String,
     },
+    /// Limits on a PF whose VFs are lent through the generic mirror.
+    #[error("limits on a PF whose VFs are lent in coherence mirror, where the lender sees none of their DMA and cannot enforce them: remove the limits (only NVMe VFs, through the mediator, take limits)")]
+    LimitsOnMirror,
     /// At a reload, the PF has a different number of VFs than the spec asks.
     #[error("the PF has {current} VFs and the configuration now asks for {asked}; the VFs are open (perhaps lent), so the number changes only at a lender restart")]
     VfsChanged {
@@ -305,6 +308,11 @@ fn prepare(
         }
     }
     let nvme = sysfs.class(&pf.bdf)? == CLASS_NVME;
+    // Limits need the mediator: refused before anything is changed on the PF.
+    let mirrored = pf.coherence == Some(Coherence::Mirror) || (pf.coherence.is_none() && !nvme);
+    if mirrored && pf.qos.limits.iter().any(Option::is_some) {
+        return Err(SriovError::LimitsOnMirror);
+    }
     let mut queue = if nvme {
         Some(admin(sysfs, &pf.bdf)?)
     } else {

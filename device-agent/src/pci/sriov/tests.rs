@@ -361,3 +361,30 @@ fn a_pf_spec_built_in_code_with_no_vfs_is_refused_not_divided_by() {
         .to_string();
     assert!(msg.contains("vfs = 0"), "{msg}");
 }
+
+/// Limits on a PF whose VFs would be mirrored (a NIC, or `coherence=mirror`) are
+/// refused before the VFs are enabled: a trial found the VFs enabled, then every
+/// borrower refused. An NVMe PF's limits become its VFs' store.
+#[test]
+fn limits_on_a_mirrored_pf_are_refused_before_anything_changes() {
+    use devlend_fabric::qos::{Lane, Qos};
+    let dir = tempfile::tempdir().unwrap();
+    let sys = sysfs(dir.path(), 2, "igb", "0x020000");
+    let no_admin = |_: &Sysfs, _: &str| -> Result<Box<dyn Admin>, SriovError> {
+        panic!("an igb PF has no admin queue")
+    };
+    let mut specs = pf_spec(2, vec![]);
+    let KindSpec::PciPf(p) = &mut specs[0].kind else {
+        unreachable!()
+    };
+    p.qos = Qos::default().with(Lane::IopsRead, 100, 0);
+    let e = expand(&specs, Mode::Start, &sys, &no_admin).unwrap_err();
+    let msg = devlend_fabric::error::chain(&e);
+    assert!(msg.contains("coherence mirror"), "{msg}");
+    let numvfs = dir.path().join("devices").join(PF).join("sriov_numvfs");
+    assert_eq!(std::fs::read_to_string(numvfs).unwrap(), "0\n");
+    assert_eq!(
+        super::pf_store(&specs[0]).map(|s| s.name),
+        Some("pf:ssd".to_string())
+    );
+}
