@@ -639,6 +639,7 @@ fn scenario(lab: Lab<'_>) {
         "the VF's controller has the subsystem's serial"
     );
     full_queue_of_writes(&mut d, vf_of[0] as u32 + 1);
+    repeated_creates(&mut d, lender);
     limits::check(lab, &mut d, &vf_of);
     drop(d);
     a.detach(&next);
@@ -695,6 +696,89 @@ fn igbvf_traffic(dir: &Path, b: &Host, pool_port: u16, lender: &Guest) {
         "the lender received what the VF sent: {line}"
     );
     b.detach(&nic);
+}
+
+/// A guest that sends 12 creates of one I/O SQ (2048 entries) with one admin doorbell:
+/// the mediator refuses all but the first itself (Invalid Queue Identifier), since each
+/// would pin a shadow queue of 128 KiB until the controller refused it (a trial's 4000
+/// pinned 500 MiB of the lender's guest). The first is created, and deleted after.
+fn repeated_creates(d: &mut nvme::Driver, lender: &Guest) {
+    const N: u16 = 12;
+    const SQ: u64 = 0x8_0000;
+    let refusals = |g: &Guest| {
+        g.console()
+            .lines()
+            .filter(|l| l.contains("command refused") && l.contains("opcode=1 sct=1 sc=1"))
+            .count()
+    };
+    let before = refusals(lender);
+    d.ok(
+        false,
+        nvme::sqe(
+            0x05,
+            0,
+            nvme::IOVA + 0xA_0000,
+            0,
+            [15 << 16 | 3, 1 << 16 | 3, 0, 0, 0, 0],
+        ),
+        "create I/O CQ 3",
+    );
+    let (sq, cq, entries) = (d.admin.sq, d.admin.cq, d.admin.entries);
+    let mut tail = d.admin.tail;
+    for _ in 0..N {
+        d.cid = d.cid.wrapping_add(1);
+        let mut e = nvme::sqe(
+            0x01,
+            0,
+            nvme::IOVA + SQ,
+            0,
+            [2047 << 16 | 3, 3 << 16 | 1, 0, 0, 0, 0],
+        );
+        e[2..4].copy_from_slice(&d.cid.to_le_bytes());
+        d.mem.write(sq + u64::from(tail) * 64, &e);
+        tail = (tail + 1) % entries;
+    }
+    d.admin.tail = tail;
+    d.w32(0x1000, u32::from(tail));
+    let mut statuses = Vec::new();
+    let until = Instant::now() + Duration::from_secs(60);
+    while statuses.len() < usize::from(N) {
+        let c = d.mem.read(cq + u64::from(d.admin.head) * 16, 16);
+        let st = u16::from_le_bytes([c[14], c[15]]);
+        if (st & 1 == 1) != d.admin.phase {
+            assert!(Instant::now() < until, "completions: {statuses:x?}");
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        statuses.push(st >> 1);
+        d.admin.head = (d.admin.head + 1) % entries;
+        if d.admin.head == 0 {
+            d.admin.phase = !d.admin.phase;
+        }
+    }
+    d.w32(0x1004, u32::from(d.admin.head));
+    while d.admin.irq.read().is_ok() {}
+    assert_eq!(
+        statuses.iter().filter(|&&s| s == 0).count(),
+        1,
+        "{statuses:x?}"
+    );
+    // Invalid Queue Identifier, Do Not Retry: from the mediator, and without it from
+    // the controller (the log lines below tell which).
+    assert!(
+        statuses.iter().all(|&s| s == 0 || s == 0x4101),
+        "{statuses:x?}"
+    );
+    let until = Instant::now() + Duration::from_secs(10);
+    while refusals(lender) < before + usize::from(N) - 1 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        refusals(lender) - before,
+        usize::from(N) - 1,
+        "the mediator refused the creates of a queue being created, not the controller"
+    );
+    d.delete_queue_pair(3);
 }
 
 /// A guest that submits a whole queue of 128 KiB writes with one doorbell: the lender
