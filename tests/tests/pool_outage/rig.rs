@@ -51,7 +51,14 @@ pub(crate) struct Rig {
     pub(crate) sock: PathBuf,
     pub(crate) lease: uuid::Uuid,
     pub(crate) dir: tempfile::TempDir,
+    /// One rig at a time, released last: the tests time leases of 3 s, and two rigs
+    /// (pools, PostgreSQL, agents, loads) on a 2-core machine made renewals late
+    /// enough for leases to expire in full runs, which never happened alone.
+    _serial: std::sync::MutexGuard<'static, ()>,
 }
+
+/// Held by the [`Rig`] alive.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The lender's config: `listen` (advertised as `advertise`), the pool at `pool_url`,
 /// a heartbeat every `heartbeat_ms`, disk0.
@@ -122,6 +129,10 @@ pub(crate) fn start_lender(
 
 impl Rig {
     pub(crate) fn new(o: Opts) -> Rig {
+        // A test that failed poisons it: the next still runs.
+        let serial = SERIAL
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         let net = o.netns.map(|(n, k)| Net::new(n, k));
@@ -223,6 +234,7 @@ impl Rig {
             borrower_restarts: 0,
             sock,
             lease,
+            _serial: serial,
         }
     }
 
