@@ -22,6 +22,8 @@ impl PciBorrower {
         let ranges = self.shared.link.page_moves() == PageMoves::Ranges;
         let page = MIRROR_PAGE as usize;
         let mut buf = vec![0u8; page];
+        // A changed page's runs of changed bytes, reused from page to page.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
         let mut chunk = Vec::new();
         let mut pushed = 0u64;
         // Over RDMA: the run of changed pages being built (IOVA, bytes).
@@ -51,10 +53,10 @@ impl PciBorrower {
                 pushed += 1;
                 // Only the bytes the guest changed: the function may have written
                 // others of the page since the last pull, which a whole page would undo.
-                let mut runs = Vec::new();
+                runs.clear();
                 changed_runs(shadow, &buf, |o, n| runs.push((o, n)));
                 shadow.copy_from_slice(&buf);
-                for (o, n) in runs {
+                for &(o, n) in &runs {
                     let iova = m.iova + (off + o) as u64;
                     if ranges {
                         run = match run {

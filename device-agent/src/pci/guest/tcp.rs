@@ -28,6 +28,9 @@ pub(crate) struct TcpMediated<'a> {
     pub(crate) sock: &'a Stream,
     pub(crate) writer: &'a Mutex<()>,
     pub(crate) timeout: Duration,
+    /// Whether the holder's limits apply (the request loop then asks the mediator when
+    /// to fetch what they held back; otherwise it never needs to).
+    pub(crate) throttled: bool,
 }
 
 impl TcpMediated<'_> {

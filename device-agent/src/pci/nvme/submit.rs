@@ -130,21 +130,17 @@ impl Mediator {
             }
             let mut sqe = [0u8; SQE];
             sqe.copy_from_slice(e);
-            // A command the mediator will refuse costs nothing: the checks that need no
-            // guest memory run first (a PRP list's entries are checked later, and a
-            // command refused for them has paid).
-            let refused = || {
-                cmd::check_common(&sqe, true).is_err()
-                    || cmd::io_transfer(&sqe, |ns| self.lba.get(&ns).copied()).is_ok_and(|t| {
-                        t.len > 0 && !self.inside(le64(&sqe, 24) & !(PAGE as u64 - 1), PAGE as u64)
-                    })
-            };
-            if qid != 0 && self.throttle.is_some() && !refused() {
-                let lba = &self.lba;
-                let Some(t) = self.throttle.as_mut() else {
-                    continue;
-                };
-                if !t.admit(qid, at, &sqe, |ns| lba.get(&ns).copied(), Instant::now()) {
+            if let (Some(t), true) = (self.throttle.as_mut(), qid != 0) {
+                let (lba, maps) = (&self.lba, &self.maps);
+                let ok = t.admit(
+                    qid,
+                    at,
+                    &sqe,
+                    |ns| lba.get(&ns).copied(),
+                    |iova| cmd::inside_maps(maps, iova, PAGE as u64),
+                    Instant::now(),
+                );
+                if !ok {
                     // Left in the guest's queue, and the entries behind it, until the
                     // buckets can pay (`fetch_waiting`).
                     self.unfetched = true;
@@ -232,6 +228,11 @@ impl Mediator {
         for q in waiting {
             self.fetch(f, g, q);
         }
+    }
+
+    /// Whether the holder's limits apply to this session's commands.
+    pub(crate) fn throttled(&self) -> bool {
+        self.throttle.is_some()
     }
 
     /// When the holder's limits can pay for a command they left in a guest's queue: the

@@ -10,8 +10,9 @@
 //! Costs, as a virtio-blk request's (`Cost::block`): Read and Compare are reads of
 //! (NLB + 1) logical blocks; Write a write of them; Write Zeroes and Dataset
 //! Management a write of no data bytes; Flush counts on `iops_total` only. Admin
-//! commands cost nothing; a command the mediator refuses costs nothing either (it is
-//! completed at once with its status, never reaching the controller).
+//! commands cost nothing; a command the mediator refuses on what it checks without
+//! guest memory costs nothing either (it is completed at once with its status, never
+//! reaching the controller).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use std::time::Instant;
 use devlend_fabric::Op;
 
 use super::cmd;
-use super::spec::{io, SQE};
+use super::spec::{io, le64, PAGE, SQE};
 use crate::device_counters::DeviceCounters;
 use crate::qos::{Cost, Group};
 
@@ -55,16 +56,18 @@ impl Throttle {
     }
 
     /// Whether I/O command `sqe`, entry `at` of SQ `qid`, may be fetched now: its cost
-    /// is taken if so. `lba_bytes` gives a namespace's logical block size.
+    /// is taken if so. `lba_bytes` gives a namespace's logical block size, `mapped`
+    /// whether the page at an IOVA is inside the guest's DMA maps.
     pub(super) fn admit(
         &mut self,
         qid: u16,
         at: u16,
         sqe: &[u8; SQE],
         lba_bytes: impl Fn(u32) -> Option<usize>,
+        mapped: impl Fn(u64) -> bool,
         now: Instant,
     ) -> bool {
-        let Some(cost) = cost(sqe, lba_bytes) else {
+        let Some(cost) = cost(sqe, lba_bytes, mapped) else {
             return true;
         };
         match self.group.take(&cost, now) {
@@ -135,10 +138,20 @@ impl Drop for Throttle {
     }
 }
 
-/// What I/O command `sqe` draws from the buckets; `None` for one the mediator refuses
-/// (an unknown opcode, a namespace whose format it has not seen).
-fn cost(sqe: &[u8; SQE], lba_bytes: impl Fn(u32) -> Option<usize>) -> Option<Cost> {
+/// What I/O command `sqe` draws from the buckets; `None` for one the mediator will
+/// refuse on what it can check without guest memory: its common fields, an unknown
+/// opcode, a namespace whose format it has not seen, PRP 1 outside the DMA maps
+/// (`mapped`). One refused later, for its PRP list's entries, has paid.
+fn cost(
+    sqe: &[u8; SQE],
+    lba_bytes: impl Fn(u32) -> Option<usize>,
+    mapped: impl Fn(u64) -> bool,
+) -> Option<Cost> {
+    cmd::check_common(sqe, true).ok()?;
     let t = cmd::io_transfer(sqe, lba_bytes).ok()?;
+    if t.len > 0 && !mapped(le64(sqe, 24) & !(PAGE as u64 - 1)) {
+        return None;
+    }
     let op = match sqe[0] {
         io::READ | io::COMPARE => Op::Read,
         io::WRITE => Op::Write,
@@ -171,6 +184,11 @@ mod tests {
         (ns == 1).then_some(4096)
     }
 
+    /// The guest's DMA maps: its first 1 MiB.
+    fn mapped(iova: u64) -> bool {
+        iova < 1 << 20
+    }
+
     fn throttle(q: Qos) -> (Throttle, Arc<DeviceCounters>) {
         let dev = Arc::new(DeviceCounters {
             name: "vf".into(),
@@ -182,7 +200,7 @@ mod tests {
 
     #[test]
     fn commands_cost_what_their_blocks_move() {
-        let c = |e| cost(&e, lba).expect("a cost");
+        let c = |e| cost(&e, lba, mapped).expect("a cost");
         assert_eq!(c(sqe(io::READ, 1, 7)), Cost::block(Op::Read, 8 * 4096));
         assert_eq!(c(sqe(io::WRITE, 1, 0)), Cost::block(Op::Write, 4096));
         assert_eq!(
@@ -191,8 +209,15 @@ mod tests {
         );
         assert_eq!(c(sqe(io::FLUSH, 1, 0)), Cost::block(Op::Flush, 0));
         // Refused by the mediator anyway: no cost.
-        assert_eq!(cost(&sqe(io::READ, 2, 0), lba), None);
-        assert_eq!(cost(&sqe(0x7f, 1, 0), lba), None);
+        assert_eq!(cost(&sqe(io::READ, 2, 0), lba, mapped), None);
+        assert_eq!(cost(&sqe(0x7f, 1, 0), lba, mapped), None);
+        let mut outside = sqe(io::READ, 1, 0);
+        outside[24..32].copy_from_slice(&0x9000_0123u64.to_le_bytes());
+        assert_eq!(cost(&outside, lba, mapped), None, "PRP 1 outside the maps");
+        assert_eq!(
+            cost(&outside, lba, |_| true),
+            Some(Cost::block(Op::Read, 4096))
+        );
     }
 
     #[test]
@@ -213,10 +238,13 @@ mod tests {
         let read = sqe(io::READ, 1, 0);
         // A command goes while no bucket it draws from is in debt (it may put one in).
         for at in 0..2 {
-            assert!(t.admit(1, at, &read, lba, now));
+            assert!(t.admit(1, at, &read, lba, mapped, now));
         }
-        assert!(t.admit(1, 2, &read, lba, now));
-        assert!(!t.admit(1, 3, &read, lba, now), "the burst is spent");
+        assert!(t.admit(1, 2, &read, lba, mapped, now));
+        assert!(
+            !t.admit(1, 3, &read, lba, mapped, now),
+            "the burst is spent"
+        );
         let due = t.due().expect("a wake-up");
         assert!(
             due > now && due <= now + Duration::from_millis(110),
@@ -225,12 +253,12 @@ mod tests {
         );
         assert!(t.waits(1, now) && !t.waits(2, now) && !t.waits(1, due));
         // Asked again before it is due: still held, counted once.
-        assert!(!t.admit(1, 3, &read, lba, now + Duration::from_millis(10)));
+        assert!(!t.admit(1, 3, &read, lba, mapped, now + Duration::from_millis(10)));
         assert_eq!(dev.stats.snapshot().throttled, 1);
         assert_eq!(dev.stats.snapshot().throttle_queued, 1);
         // Writes draw from no read lane: not held.
-        assert!(t.admit(2, 0, &sqe(io::WRITE, 1, 0), lba, now));
-        assert!(t.admit(1, 3, &read, lba, due + Duration::from_millis(1)));
+        assert!(t.admit(2, 0, &sqe(io::WRITE, 1, 0), lba, mapped, now));
+        assert!(t.admit(1, 3, &read, lba, mapped, due + Duration::from_millis(1)));
         assert_eq!(t.due(), None);
         let s = dev.stats.snapshot();
         assert_eq!((s.throttled, s.throttle_queued), (1, 0));
@@ -242,10 +270,10 @@ mod tests {
         let (mut t, dev) = throttle(Qos::default().with(Lane::IopsTotal, 1, 1));
         let now = Instant::now();
         let flush = sqe(io::FLUSH, 1, 0);
-        assert!(t.admit(3, 0, &flush, lba, now));
-        assert!(t.admit(3, 1, &flush, lba, now));
-        assert!(!t.admit(3, 2, &flush, lba, now));
-        assert!(!t.admit(4, 7, &flush, lba, now));
+        assert!(t.admit(3, 0, &flush, lba, mapped, now));
+        assert!(t.admit(3, 1, &flush, lba, mapped, now));
+        assert!(!t.admit(3, 2, &flush, lba, mapped, now));
+        assert!(!t.admit(4, 7, &flush, lba, mapped, now));
         assert_eq!(dev.stats.snapshot().throttle_queued, 2);
         t.forget(3);
         assert_eq!(dev.stats.snapshot().throttle_queued, 1);

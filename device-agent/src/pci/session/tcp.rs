@@ -61,6 +61,7 @@ pub(crate) fn serve(
     let nvme = match f.coherence {
         Coherence::Nvme => match Mediator::new(f, throttle) {
             Ok(m) => Some(TcpMediated {
+                throttled: m.throttled(),
                 mediator: Mutex::new(m),
                 counters: Mutex::new(AccessCounters::default()),
                 broken: Mutex::new(None),
@@ -216,7 +217,7 @@ fn run(
     loop {
         // Commands the holder's limits left in the guest's queues are fetched when
         // they may go, by this thread (the one that reads guest memory over TCP).
-        let wake = lending.nvme.and_then(|n| {
+        let wake = lending.nvme.filter(|n| n.throttled).and_then(|n| {
             let m = n.mediator.lock().unwrap_or_else(PoisonError::into_inner);
             m.wake_at()
         });
