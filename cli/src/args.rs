@@ -229,7 +229,10 @@ pub(crate) struct AttachArgs {
     /// With --class: prefer devices on this NUMA node (trait NUMA_<n>).
     #[arg(long, requires = "class")]
     pub(crate) numa_node: Option<u32>,
-    /// With --class: the VM the lease is for (the lease's consumer).
+    /// With --kind pci: the VM the function is lent to (1..=64 of letters, digits, `.`,
+    /// `_`, `-`). PCIe functions attached with the same --vm on this compute host are one
+    /// VM's: the lender lets their DMA reach each other's BARs (peer-to-peer). With
+    /// --class: the VM the lease is for (the lease's consumer).
     #[arg(long, value_name = "NAME")]
     pub(crate) vm: Option<String>,
     /// With --class: lease time to live in seconds; the compute agent renews it every

@@ -60,6 +60,7 @@ pub(crate) fn run(api: &Path, args: AttachArgs) -> Result<()> {
     if !rdma_exposure.is_request() && transport != Transport::Rdma {
         bail!("--rdma-exposure guest-memory applies to --transport rdma only");
     }
+    let pci_vm = pci_vm(vm.as_deref(), kind, class.is_some())?;
     let api = ApiClient::new(api)?;
     let (lender, device, claimed) = match (lender, device, class) {
         (Some(l), Some(d), _) => (l, d, None),
@@ -140,6 +141,7 @@ pub(crate) fn run(api: &Path, args: AttachArgs) -> Result<()> {
             CliKind::Device => devlend_compute_agent::api::AttachKind::Device,
             CliKind::Pci => devlend_compute_agent::api::AttachKind::Pci,
         },
+        vm: pci_vm,
         handover_token: None,
     });
     let a = match attached {
@@ -157,14 +159,17 @@ pub(crate) fn run(api: &Path, args: AttachArgs) -> Result<()> {
     match &a.part {
         KindInfo::Pci(p) => {
             println!(
-                "attached PCIe function {} ({}) as {}",
+                "attached PCIe function {} ({}) as {}{}",
                 a.device,
                 if p.bdf.is_empty() {
                     "-"
                 } else {
                     p.bdf.as_str()
                 },
-                a.id
+                a.id,
+                p.vm.as_ref().map_or(String::new(), |vm| format!(
+                    ", VM {vm} (peer-to-peer with its other PCIe functions)"
+                ))
             );
             println!("vfio-user socket: {}\n", a.socket.display());
             println!("{}", devlend_cli::output::vfio_user_args(&a));
@@ -225,4 +230,55 @@ pub(crate) fn run(api: &Path, args: AttachArgs) -> Result<()> {
         (Vmm::CloudHypervisor, KindInfo::Pci(_)) => {}
     }
     Ok(())
+}
+
+/// The request's `vm` for `--vm`: a PCIe function's VM (`--kind pci`), checked here so
+/// that a bad name fails before a lease is taken; `None` for other kinds. Without
+/// `--class` (where `--vm` is the lease's consumer), `--vm` needs `--kind pci`.
+fn pci_vm(vm: Option<&str>, kind: CliKind, leased: bool) -> Result<Option<String>> {
+    let Some(vm) = vm else {
+        return Ok(None);
+    };
+    if kind != CliKind::Pci {
+        if leased {
+            return Ok(None);
+        }
+        bail!(
+            "--vm names the VM a PCIe function is lent to (peer-to-peer between its functions): it needs --kind pci (or, with --class, names the lease's consumer)"
+        );
+    }
+    if !devlend_compute_agent::api::valid_vm_name(vm) {
+        bail!(
+            "--vm {vm:?}: a VM name is 1..={} letters, digits, '.', '_' or '-'",
+            devlend_compute_agent::api::MAX_VM_NAME
+        );
+    }
+    Ok(Some(vm.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_goes_with_a_pci_function_and_is_refused_for_a_device_without_class() {
+        assert_eq!(pci_vm(None, CliKind::Device, false).unwrap(), None);
+        assert_eq!(
+            pci_vm(Some("vm-1"), CliKind::Pci, false)
+                .unwrap()
+                .as_deref(),
+            Some("vm-1")
+        );
+        assert_eq!(
+            pci_vm(Some("vm-1"), CliKind::Pci, true).unwrap().as_deref(),
+            Some("vm-1"),
+            "a leased PCIe function joins its consumer VM's group"
+        );
+        // With --class, --vm is the lease's consumer only for a device.
+        assert_eq!(pci_vm(Some("vm-1"), CliKind::Device, true).unwrap(), None);
+        let e = pci_vm(Some("vm-1"), CliKind::Device, false).unwrap_err();
+        assert!(e.to_string().contains("--kind pci"), "{e}");
+        let e = pci_vm(Some("vm 1"), CliKind::Pci, false).unwrap_err();
+        assert!(e.to_string().contains("1..=64"), "{e}");
+    }
 }

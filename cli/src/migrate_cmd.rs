@@ -206,6 +206,7 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
                 transport: Default::default(),
                 rdma_exposure: Default::default(),
                 kind: Default::default(),
+                vm: None,
                 handover_token,
             })?;
             let args = incoming_args(&a, &incoming);

@@ -103,6 +103,13 @@ pub struct AttachRequest {
     /// do not apply).
     #[serde(default, skip_serializing_if = "AttachKind::is_device")]
     pub kind: AttachKind,
+    /// With `kind` `pci`: the VM the function is lent to, a name the operator chooses
+    /// (1..=64 of letters, digits, `.`, `_`, `-`; [`valid_vm_name`]). The PCIe
+    /// functions attached with the same `vm` on this compute agent are one VM's: their
+    /// lenders let their DMA reach each other's BARs (peer-to-peer, `docs/pci.md`).
+    /// Refused for other kinds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm: Option<String>,
     /// The destination of a live migration: the handover token that the source's
     /// compute agent issued (`POST /v1/attachments/{id}/handover` there). The
     /// attachment stands by for the device and takes it when the source lets it go at
@@ -170,6 +177,18 @@ impl AttachKind {
     pub fn is_device(&self) -> bool {
         *self == AttachKind::Device
     }
+}
+
+/// Longest [`AttachRequest::vm`], in bytes.
+pub const MAX_VM_NAME: usize = 64;
+
+/// Whether `name` is a VM name [`AttachRequest::vm`] accepts: 1..=[`MAX_VM_NAME`]
+/// ASCII letters, digits, `.`, `_` and `-`.
+pub fn valid_vm_name(name: &str) -> bool {
+    (1..=MAX_VM_NAME).contains(&name.len())
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
 }
 
 impl AttachRequest {

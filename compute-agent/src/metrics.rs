@@ -16,7 +16,9 @@
 //!   `devlend_attachment_nic_reconnects_total`, `devlend_attachment_nic_link_up`;
 //! - a PCIe function: `devlend_attachment_pci_region_accesses_total{op}` (`read`,
 //!   `write`), `devlend_attachment_pci_pages_total{dir}` (`push`, `pull`),
-//!   `devlend_attachment_pci_irqs_total`, `devlend_attachment_pci_dma_mapped_bytes`.
+//!   `devlend_attachment_pci_irqs_total`, `devlend_attachment_pci_dma_mapped_bytes`,
+//!   `devlend_attachment_pci_dma_bytes_total{path}` (what the lender reports moving for
+//!   the function's DMA: `guest_read`, `guest_write`, `peer`).
 //!
 //! And `devlend_attachments`, by `kind` and `state` (`served`, `restoring`).
 
@@ -74,6 +76,7 @@ struct Series {
     pci_pages: Vec<(Labels, u64)>,
     pci_irqs: Vec<(Labels, u64)>,
     pci_dma: Vec<(Labels, i64)>,
+    pci_dma_bytes: Vec<(Labels, u64)>,
 }
 
 impl Series {
@@ -143,6 +146,13 @@ impl Series {
         self.pci_pages
             .push((labels(a, &[("dir", "pull")]), c.pages_pulled));
         self.pci_irqs.push((labels(a, &[]), c.irqs));
+        for (path, n) in [
+            ("guest_read", c.guest_read_bytes),
+            ("guest_write", c.guest_written_bytes),
+            ("peer", c.peer_bytes),
+        ] {
+            self.pci_dma_bytes.push((labels(a, &[("path", path)]), n));
+        }
         self.pci_dma.push((
             labels(a, &[]),
             i64::try_from(p.dma_mapped_bytes).unwrap_or(i64::MAX),
@@ -318,6 +328,12 @@ fn pci_metrics(enc: &mut DescriptorEncoder, s: &Series) -> Result<(), std::fmt::
         "devlend_attachment_pci_dma_mapped_bytes",
         "Bytes of the VMM's memory mapped for the function's DMA.",
         &s.pci_dma,
+    )?;
+    counter(
+        enc,
+        "devlend_attachment_pci_dma_bytes",
+        "Bytes the lender reports moving for the function's DMA, by path: guest memory read (guest_read) or written (guest_write), or straight to or from another function of the VM (peer).",
+        &s.pci_dma_bytes,
     )
 }
 
@@ -397,6 +413,21 @@ mod tests {
                 .any(|n| n == "devlend_attachment_pci_dma_mapped_bytes"),
             "{pci:?}"
         );
+        assert!(
+            pci.iter().any(|n| n == "devlend_attachment_pci_dma_bytes"),
+            "{pci:?}"
+        );
+        for path in ["guest_read", "guest_write", "peer"] {
+            let series = text
+                .lines()
+                .find(|l| {
+                    l.starts_with("devlend_attachment_pci_dma_bytes_total{")
+                        && l.contains("attachment=\"fpga0\"")
+                        && l.contains(&format!("path=\"{path}\""))
+                })
+                .unwrap_or_else(|| panic!("no {path} series:\n{text}"));
+            assert!(series.ends_with(" 0"), "{series}");
+        }
         for (id, names, own) in [
             ("disk0", &disk, None),
             ("nic0", &nic, Some("devlend_attachment_nic_")),

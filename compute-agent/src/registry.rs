@@ -104,6 +104,7 @@ mod start;
 mod tests;
 mod view;
 mod vmm_error;
+mod vms;
 
 use lender_key::expected_lender_key;
 use plug::{plug, unplug};
@@ -139,6 +140,8 @@ pub struct Registry {
     /// This compute agent's cluster and its cluster gateway (`HOST:PORT`), for lenders
     /// addressed `CLUSTER/LENDER`.
     gateway: Option<(String, String)>,
+    /// The identity of each VM named by a PCIe function's `vm` ([`vms`]).
+    vms: vms::VmIdentities,
 }
 
 fn valid_id(id: &str) -> bool {
@@ -308,6 +311,21 @@ impl Registry {
                 "poll_us {} is above the maximum of {MAX_POLL_US} µs",
                 req.poll_us
             )));
+        }
+        if let Some(vm) = &req.vm {
+            if req.kind != crate::api::AttachKind::Pci {
+                return Err(RegistryError::BadRequest(
+                    "vm applies to kind pci only: it names the VM PCIe functions are lent to \
+                     (peer-to-peer between them)"
+                        .into(),
+                ));
+            }
+            if !crate::api::valid_vm_name(vm) {
+                return Err(RegistryError::BadRequest(format!(
+                    "invalid vm {vm:?}: 1..={} letters, digits, '.', '_' or '-'",
+                    crate::api::MAX_VM_NAME
+                )));
+            }
         }
         if req.kind == crate::api::AttachKind::Pci && req.vmm.is_some() {
             return Err(RegistryError::BadRequest(

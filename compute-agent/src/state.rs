@@ -6,7 +6,9 @@
 //! at start the agent serves each attachment again on the same socket, with the same
 //! borrower identity and token, so that the lender admits it, a QEMU started with
 //! `reconnect-ms` joins again, and the requests that were in flight are resubmitted
-//! from the vhost-user inflight buffer. The VMM plug is remembered, not redone.
+//! from the vhost-user inflight buffer. The VMM plug is remembered, not redone. A PCIe
+//! function's VM (the request's `vm`) is saved with its request: restored, it joins its
+//! VM's peer group again, under an identity the restarted agent gives that name.
 //!
 //! By default the file lives beside the API socket (`/run/devlend/compute-agent.state.json`
 //! for the default socket): `/run` is emptied at boot, when the VMs are gone too.
@@ -28,7 +30,8 @@ pub const VERSION: u32 = 1;
 pub struct SavedAttachment {
     /// The attachment id.
     pub id: String,
-    /// The request it was made with (its `vmm` is not acted on again at restore).
+    /// The request it was made with (its `vmm` is not acted on again at restore; its
+    /// `vm`, a PCIe function's VM, is).
     pub request: AttachRequest,
     /// The borrower identity sent in every hello, hex (32 digits).
     pub borrower: String,
@@ -305,6 +308,24 @@ mod tests {
         assert_eq!(v["kind"], "nic");
         let back: SavedAttachment = serde_json::from_value(v).expect("read back");
         assert_eq!(back, s);
+    }
+
+    /// A PCIe function's VM is saved with its request, so that the restored function
+    /// joins its VM's peer group again; a request without one writes no key.
+    #[test]
+    fn a_pci_attachments_vm_is_saved_with_its_request() {
+        let mut s = saved("f");
+        s.request = serde_json::from_str(
+            r#"{"lender":"h:1","device":"fn0","socket":"/run/f.sock","kind":"pci","vm":"vm-1"}"#,
+        )
+        .expect("request");
+        let v = serde_json::to_value(&s).expect("json");
+        assert_eq!(v["request"]["vm"], "vm-1");
+        let back: SavedAttachment = serde_json::from_value(v).expect("read back");
+        assert_eq!(back.request.vm.as_deref(), Some("vm-1"));
+        assert_eq!(back.kind(), DeviceKind::Pci);
+        let v = serde_json::to_value(saved("a")).expect("json");
+        assert!(v["request"].get("vm").is_none(), "{v}");
     }
 
     #[test]

@@ -64,6 +64,13 @@ pub struct AttachmentConfig {
     /// before the socket is bound, so that a VMM reconnecting to it never meets a
     /// backend of another kind. `None`: whatever the lender lends.
     pub expect: Option<DeviceKind>,
+    /// A PCIe function ([`Serve::VfioUser`]): the identity of the VM it is lent to
+    /// (random, not all zero; the same for every function of that VM), sent to the
+    /// lender at each connect before any DMA map so that the VM's functions reach
+    /// each other's BARs (peer-to-peer; [`crate::pci::PciBorrower::connect_in_group`]).
+    /// A lender's refusal fails the attachment. `None`: no peer group. Ignored for
+    /// other kinds.
+    pub peer_group: Option<[u8; devlend_fabric::pci::VM_ID_LEN]>,
 }
 
 /// What an attachment asks the lender for, and how it serves it.

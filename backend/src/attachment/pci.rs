@@ -28,8 +28,9 @@ impl Attachment {
         // A function just given back by this compute agent (a detach, then an attach at
         // once) may still be quiescing on the lender, which answers busy meanwhile.
         let borrower = Reconnector::new(PCI_BUSY)
-            .run(&SystemClock, |_| {
-                match crate::pci::PciBorrower::connect(&target) {
+            .run(
+                &SystemClock,
+                |_| match crate::pci::PciBorrower::connect_in_group(&target, config.peer_group) {
                     Ok(b) => Attempt::Done(b),
                     Err(
                         e @ crate::pci::PciError::Connect(
@@ -40,8 +41,8 @@ impl Attachment {
                         ),
                     ) => Attempt::Failed(e),
                     Err(e) => Attempt::Refused(e),
-                }
-            })
+                },
+            )
             .map_err(|g| match g {
                 GaveUp::Refused(e) | GaveUp::Deadline(e) => AttachmentError::Pci(e),
                 GaveUp::Stopped => unreachable!("attaching is never stopped"),

@@ -1,5 +1,6 @@
 //! An in-memory [`PciWire`] for tests: a stand-in lender that answers every request at
-//! once, from regions it keeps, and records what it was sent, in order.
+//! once, from regions it keeps, and records what it was sent, in order; its one-way
+//! messages (interrupts, DMA counters notes) go through the link's own dispatch.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,7 +11,8 @@ use devlend_fabric::pci::{
     Access, Irq, Message, PciInfo, PciStatus, FLAG_MORE, KIND_READ, KIND_WRITE, REPLY,
 };
 
-use super::link::{LinkCounters, LinkError, PciLink, PciWire};
+use super::link::{dispatch, CounterNotes, LinkCounters, LinkError, PciLink, PciWire};
+use super::PciStats;
 
 /// The stand-in lender behind a fake link.
 pub(super) struct FakeLender {
@@ -22,6 +24,8 @@ pub(super) struct FakeLender {
     pub refuse: Mutex<Option<u8>>,
     replies: Mutex<Option<Sender<Message>>>,
     irqs: Mutex<Option<Sender<Irq>>>,
+    /// The session's DMA counters notes (granted or not).
+    notes: CounterNotes,
     closed: Arc<AtomicBool>,
     max_access: u32,
 }
@@ -42,6 +46,23 @@ impl FakeLender {
         if let Some(tx) = &*self.irqs.lock().unwrap_or_else(PoisonError::into_inner) {
             let _ = tx.send(irq);
         }
+    }
+
+    /// Sends a one-way message `m` as the lender would, through the reader's dispatch:
+    /// a message that ends the session loses it; `false` then.
+    pub fn send_one_way(&self, m: Message) -> bool {
+        let kept = {
+            let replies = self.replies.lock().unwrap_or_else(PoisonError::into_inner);
+            let irqs = self.irqs.lock().unwrap_or_else(PoisonError::into_inner);
+            match (&*replies, &*irqs) {
+                (Some(r), Some(i)) => dispatch(m, r, i, &self.notes),
+                _ => false,
+            }
+        };
+        if !kept {
+            self.lose();
+        }
+        kept
     }
 
     /// Loses the session, as a broken network would (the reader ends).
@@ -131,20 +152,32 @@ impl PciWire for FakeWire {
 }
 
 /// A link to a fresh stand-in lender whose region accesses are at most `max_access`
-/// bytes, describing the function as `lent`; with the lender and the interrupts.
+/// bytes, describing the function as `lent`, granted DMA counters notes; with the
+/// lender and the interrupts.
 pub(super) fn fake_link(
     max_access: u32,
     lent: devlend_fabric::handshake::PciIdentity,
 ) -> (PciLink, Arc<FakeLender>, Receiver<Irq>) {
+    fake_link_with(max_access, lent, true)
+}
+
+/// As [`fake_link`], with DMA counters notes granted (`counters`) or not.
+pub(super) fn fake_link_with(
+    max_access: u32,
+    lent: devlend_fabric::handshake::PciIdentity,
+    counters: bool,
+) -> (PciLink, Arc<FakeLender>, Receiver<Irq>) {
     let (reply_tx, reply_rx) = mpsc::channel();
     let (irq_tx, irq_rx) = mpsc::channel();
     let closed = Arc::new(AtomicBool::new(false));
+    let stats = Arc::new(PciStats::default());
     let lender = Arc::new(FakeLender {
         regions: Mutex::new(HashMap::new()),
         log: Mutex::new(Vec::new()),
         refuse: Mutex::new(None),
         replies: Mutex::new(Some(reply_tx)),
         irqs: Mutex::new(Some(irq_tx)),
+        notes: CounterNotes::new(counters, Arc::clone(&stats)),
         closed: Arc::clone(&closed),
         max_access,
     });
@@ -154,6 +187,7 @@ pub(super) fn fake_link(
         reply_rx,
         closed,
         Arc::new(LinkCounters::default()),
+        stats,
     );
     (link, lender, irq_rx)
 }

@@ -3,8 +3,10 @@
 //!
 //! One reader thread reads every message: replies go to the caller waiting in
 //! [`PciLink::call`] (one call at a time), [`KIND_IRQ`] messages to the interrupt channel
-//! returned by [`PciLink::connect`]. When the connection ends, both channels close: calls
-//! fail with [`LinkError::Closed`] and the interrupt channel's receiver ends.
+//! returned by [`PciLink::connect`], and the lender's DMA counters ([`KIND_COUNTERS`],
+//! asked for with [`FEATURE_PCI_COUNTERS`]) into the link's [`PciStats`] (`notes`).
+//! When the connection ends, both channels close: calls fail with [`LinkError::Closed`]
+//! and the interrupt channel's receiver ends.
 //!
 //! Transports: a TCP (or TLS) stream, or an RDMA connection (rdma_cm; each message one
 //! SEND, at most [`devlend_fabric::pci::RDMA_MAX_MESSAGE`] bytes). Over RDMA the
@@ -22,6 +24,7 @@
 //! Each transport is a [`PciWire`]: `tcp` (the stream and its reader) and `rdma`
 //! (the connection and its reader); tests use an in-memory one.
 
+mod notes;
 #[cfg(feature = "rdma")]
 mod rdma;
 mod tcp;
@@ -32,12 +35,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use devlend_fabric::pci::{
-    Irq, Message, PciInfo, PciStatus, FEATURE_PCI, FLAG_MORE, KIND_INFO, KIND_IRQ, PCI_HEADER_LEN,
-    REPLY,
+    DmaCounters, Irq, Message, PciInfo, PciStatus, FEATURE_PCI, FEATURE_PCI_COUNTERS, FLAG_MORE,
+    KIND_COUNTERS, KIND_INFO, KIND_IRQ, PCI_HEADER_LEN, REPLY,
 };
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::tls::TlsTarget;
 use devlend_fabric::{Hello, WireError};
+
+pub(crate) use notes::CounterNotes;
+
+use super::PciStats;
 
 /// Why a request to the lender failed.
 #[derive(Debug, thiserror::Error)]
@@ -213,6 +220,8 @@ pub struct PciLink {
     closed: Arc<AtomicBool>,
     replies: Mutex<Receiver<Message>>,
     counters: Arc<LinkCounters>,
+    /// The function's counters: the reader adds the lender's DMA counters to them.
+    stats: Arc<PciStats>,
 }
 
 impl std::fmt::Debug for PciLink {
@@ -224,9 +233,10 @@ impl std::fmt::Debug for PciLink {
 }
 
 impl PciLink {
-    /// Connects, performs the handshake asking for [`FEATURE_PCI`], starts the reader
-    /// (which serves the lender's guest memory accesses from `memory`, over TCP) and
-    /// fetches the function's [`PciInfo`].
+    /// Connects, performs the handshake asking for [`FEATURE_PCI`] and
+    /// [`FEATURE_PCI_COUNTERS`], starts the reader (which serves the lender's guest memory
+    /// accesses from `memory`, over TCP, and adds its DMA counters to [`Self::stats`])
+    /// and fetches the function's [`PciInfo`].
     ///
     /// # Errors
     /// [`ConnectError`] (including the lender's refusal: `Busy` while another borrower
@@ -236,7 +246,7 @@ impl PciLink {
         memory: Arc<dyn GuestMemory>,
     ) -> Result<(PciLink, PciInfo, Receiver<Irq>), ConnectError> {
         let mut hello = Hello::new(&t.device, 0);
-        hello.features = FEATURE_PCI;
+        hello.features = FEATURE_PCI | FEATURE_PCI_COUNTERS;
         hello.borrower = t.borrower;
         hello.token = t.token.clone();
         if t.lender_key.is_some() {
@@ -250,16 +260,17 @@ impl PciLink {
         let (irq_tx, irq_rx) = mpsc::channel();
         let counters = Arc::new(LinkCounters::default());
         let closed = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(PciStats::default());
         // With the lender's description of the function (its address), from the
         // handshake.
         let (wire, lent) = match t.transport {
-            devlend_fabric::transport::Transport::Tcp => {
-                tcp::open(t, &hello, memory, reply_tx, irq_tx, &counters, &closed)?
-            }
+            devlend_fabric::transport::Transport::Tcp => tcp::open(
+                t, &hello, memory, reply_tx, irq_tx, &counters, &stats, &closed,
+            )?,
             #[cfg(feature = "rdma")]
             devlend_fabric::transport::Transport::Rdma => {
                 drop(memory);
-                rdma::open(t, &hello, reply_tx, irq_tx, &counters, &closed)?
+                rdma::open(t, &hello, reply_tx, irq_tx, &counters, &stats, &closed)?
             }
             #[cfg(not(feature = "rdma"))]
             devlend_fabric::transport::Transport::Rdma => {
@@ -270,7 +281,7 @@ impl PciLink {
                 });
             }
         };
-        let link = PciLink::over(wire, lent, reply_rx, closed, counters);
+        let link = PciLink::over(wire, lent, reply_rx, closed, counters, stats);
         let info = link
             .call(Message::new(KIND_INFO, Vec::new()))
             .map_err(|e| {
@@ -286,14 +297,15 @@ impl PciLink {
         Ok((link, info, irq_rx))
     }
 
-    /// A session over `wire`, whose reader hands replies on to `replies` and sets
-    /// `closed` when it ends.
+    /// A session over `wire`, whose reader hands replies on to `replies`, adds the
+    /// lender's DMA counters to `stats` and sets `closed` when it ends.
     pub(crate) fn over(
         wire: Box<dyn PciWire>,
         lent: devlend_fabric::handshake::PciIdentity,
         replies: Receiver<Message>,
         closed: Arc<AtomicBool>,
         counters: Arc<LinkCounters>,
+        stats: Arc<PciStats>,
     ) -> PciLink {
         PciLink {
             lent,
@@ -301,6 +313,7 @@ impl PciLink {
             closed,
             replies: Mutex::new(replies),
             counters,
+            stats,
         }
     }
 
@@ -361,6 +374,19 @@ impl PciLink {
         &self.counters
     }
 
+    /// The function's counters. The link itself adds what the lender's DMA counters
+    /// notes say ([`PciStats::lender_guest_read_bytes`],
+    /// [`PciStats::lender_guest_written_bytes`], [`PciStats::peer_bytes`]); a
+    /// [`super::PciBorrower`] served over the link counts the rest in them.
+    pub fn stats(&self) -> &PciStats {
+        &self.stats
+    }
+
+    /// The counters, shared (with the borrower served over the link).
+    pub(crate) fn shared_stats(&self) -> Arc<PciStats> {
+        Arc::clone(&self.stats)
+    }
+
     /// How mirror pages cross the session: with their bytes (TCP), or as ranges the
     /// lender moves one-sided (RDMA).
     pub fn page_moves(&self) -> PageMoves {
@@ -419,8 +445,24 @@ pub(crate) fn lent_function(
     }
 }
 
+/// The DMA counters notes of the session the lender answered `hello` with `reply`: it
+/// sends them only when both asked for and granted [`FEATURE_PCI_COUNTERS`].
+pub(crate) fn counter_notes(
+    hello: &Hello,
+    reply: &devlend_fabric::HelloReply,
+    stats: &Arc<PciStats>,
+) -> CounterNotes {
+    let granted = hello.features & reply.features & FEATURE_PCI_COUNTERS != 0;
+    CounterNotes::new(granted, Arc::clone(stats))
+}
+
 /// Hands one message from the lender on; `false` when the session must close.
-pub(crate) fn dispatch(m: Message, replies: &Sender<Message>, irqs: &Sender<Irq>) -> bool {
+pub(crate) fn dispatch(
+    m: Message,
+    replies: &Sender<Message>,
+    irqs: &Sender<Irq>,
+    notes: &CounterNotes,
+) -> bool {
     if m.kind == KIND_IRQ {
         match Irq::decode(&m.payload) {
             Ok(irq) => {
@@ -432,8 +474,21 @@ pub(crate) fn dispatch(m: Message, replies: &Sender<Message>, irqs: &Sender<Irq>
                 false
             }
         }
+    } else if m.kind == KIND_COUNTERS && notes.granted() {
+        match DmaCounters::decode(&m.payload) {
+            Ok(c) => {
+                notes.add(c);
+                true
+            }
+            Err(e) => {
+                devlend_fabric::limited!(warn, error = %e, "malformed DMA counters note; closing the session");
+                false
+            }
+        }
     } else if m.kind & REPLY == 0 {
-        tracing::warn!(
+        // A counters note the handshake did not grant is one of these too.
+        devlend_fabric::limited!(
+            warn,
             kind = m.kind,
             "request from the lender; closing the session"
         );

@@ -34,6 +34,15 @@
 //! [`devlend_fabric::pci::KIND_MEM_WRITE`]), served by the link's reader from the DMA
 //! maps ([`guest_mem`]). The borrower then neither pushes, pulls nor keeps a shadow.
 //!
+//! # Peer-to-peer (one VM's functions)
+//!
+//! A borrower given the VM's identity ([`PciBorrower::connect_in_group`]) sends it to
+//! the lender ([`devlend_fabric::pci::KIND_PEER_GROUP`]) right after the INFO, before
+//! any DMA map; the lender then lets the function's DMA reach the BARs of the other
+//! functions it lends to that VM. A lender that refuses fails the connect. The lender's
+//! DMA counters notes (guest memory read and written, bytes moved to or from a peer)
+//! land in [`PciStats`].
+//!
 //! Modules, one job each: `dma` (the DMA maps), `mirror` (pushes and pulls of the
 //! mirror), `irq` (interrupts both ways), `server` (the vfio-user side), [`link`]
 //! (the fabric session) and `guest_mem` (a mediated function's guest memory accesses).
@@ -55,7 +64,9 @@ use std::io;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use devlend_fabric::pci::{Access, Message, PciInfo, INFO_MEDIATED, KIND_READ};
+use devlend_fabric::pci::{
+    Access, Message, PciInfo, PeerGroup, INFO_MEDIATED, KIND_PEER_GROUP, KIND_READ, VM_ID_LEN,
+};
 use devlend_fabric::CoherenceMode;
 
 use irq::irq_loop;
@@ -82,6 +93,13 @@ pub enum PciError {
     /// The interrupt thread could not be started.
     #[error("starting the interrupt thread")]
     Thread(#[source] io::Error),
+    /// The lender did not put the function in the VM's peer group: its refusal (with
+    /// its reason), or the session failing meanwhile.
+    #[error("joining the VM's peer group on the lender")]
+    PeerGroup(#[source] LinkError),
+    /// A VM identity of zeros, which no lender accepts (it must be random).
+    #[error("a VM identity of zeros: it must be random")]
+    ZeroVm,
     /// The lender's handshake description and its INFO disagree on how the function's
     /// DMA is kept coherent: a lender that cannot be served safely.
     #[error("the lender describes the function as {described:?} but its INFO says {info:?}")]
@@ -125,6 +143,14 @@ pub struct PciStats {
     pub pages_pulled: AtomicU64,
     /// Interrupts delivered to the VMM.
     pub irqs: AtomicU64,
+    /// Bytes of guest memory the lender read for the function (a mediated function's
+    /// fetches), as its DMA counters notes say; summed over sessions.
+    pub lender_guest_read_bytes: AtomicU64,
+    /// Bytes the lender wrote to guest memory from the function, as its notes say.
+    pub lender_guest_written_bytes: AtomicU64,
+    /// Bytes the function moved straight to or from a peer function's BAR
+    /// (peer-to-peer, never through guest memory), as the lender's notes say.
+    pub peer_bytes: AtomicU64,
 }
 
 /// What the vfio-user thread and the interrupt thread share.
@@ -139,9 +165,12 @@ struct Borrowed {
     eventfds: Mutex<HashMap<(u32, u32), File>>,
     /// Vectors enabled on the lender, by interrupt index (from vector 0).
     lender_irqs: Mutex<HashMap<u32, u32>>,
-    stats: PciStats,
+    /// Shared with the link, whose reader adds the lender's DMA counters.
+    stats: Arc<PciStats>,
     /// Its address and IDs.
     identity: PciIdentity,
+    /// The VM's identity sent to the lender, if any.
+    peer_group: Option<[u8; VM_ID_LEN]>,
 }
 
 /// A handle on a [`PciBorrower`] served by another thread: its counters, and a way to
@@ -187,6 +216,12 @@ impl PciHandle {
     /// The function's address and IDs.
     pub fn identity(&self) -> &PciIdentity {
         &self.0.identity
+    }
+
+    /// The VM's identity the function was put in the peer group of, if any
+    /// ([`PciBorrower::connect_in_group`]).
+    pub fn peer_group(&self) -> Option<[u8; VM_ID_LEN]> {
+        self.0.peer_group
     }
 
     /// Bytes of the VMM's memory mapped for DMA now (summed over its DMA maps).
@@ -243,20 +278,41 @@ impl PciBorrower {
     /// # Errors
     /// [`PciError::Connect`] (the lender's refusal included), [`PciError::Thread`].
     pub fn connect(target: &LinkTarget) -> Result<PciBorrower, PciError> {
+        PciBorrower::connect_in_group(target, None)
+    }
+
+    /// As [`Self::connect`], and with `peer_group` (the identity of the VM the
+    /// function is lent to, random and the same for all of that VM's functions) has
+    /// the lender put the function in that VM's peer group, before any DMA map: the
+    /// function's DMA then reaches the BARs of the VM's other functions on that lender,
+    /// and theirs its BARs. `None`: no peer group (as [`Self::connect`]).
+    ///
+    /// # Errors
+    /// As [`Self::connect`]; [`PciError::PeerGroup`] when the lender refuses (its
+    /// reason in the source), [`PciError::ZeroVm`].
+    pub fn connect_in_group(
+        target: &LinkTarget,
+        peer_group: Option<[u8; VM_ID_LEN]>,
+    ) -> Result<PciBorrower, PciError> {
+        if peer_group == Some([0; VM_ID_LEN]) {
+            return Err(PciError::ZeroVm);
+        }
         let maps = Arc::new(guest_mem::Maps::default());
         let (link, info, irqs) =
             PciLink::connect(target, Arc::clone(&maps) as Arc<dyn GuestMemory>)
                 .map_err(PciError::Connect)?;
-        PciBorrower::start(link, info, irqs, maps)
+        PciBorrower::start(link, info, irqs, maps, peer_group)
     }
 
-    /// Checks the lender's description against its INFO, reads the function's IDs when
+    /// Checks the lender's description against its INFO, joins the VM's peer group
+    /// (first thing after the INFO, before any DMA map), reads the function's IDs when
     /// the lender did not describe them, and starts the interrupt thread.
     fn start(
         link: PciLink,
         info: PciInfo,
         irqs: std::sync::mpsc::Receiver<devlend_fabric::pci::Irq>,
         maps: Arc<guest_mem::Maps>,
+        peer_group: Option<[u8; VM_ID_LEN]>,
     ) -> Result<PciBorrower, PciError> {
         let lent = link.lent();
         // A version 2 lender describes the function (a vendor ID is never 0) with its
@@ -275,6 +331,10 @@ impl PciBorrower {
             });
         }
         maps.set_mediated(info_mode == CoherenceMode::Mediated);
+        if let Some(vm) = peer_group {
+            link.call(Message::new(KIND_PEER_GROUP, PeerGroup { vm }.encode()))
+                .map_err(PciError::PeerGroup)?;
+        }
         // A version 2 lender describes the IDs; from a version 1 lender (zeros) they are
         // read from the function's config space.
         let ids = if lent.vendor_id != 0 || lent.device_id != 0 {
@@ -292,12 +352,13 @@ impl PciBorrower {
         };
         let shared = Arc::new(Borrowed {
             identity,
+            stats: link.shared_stats(),
             link,
             info,
             maps,
             eventfds: Mutex::new(HashMap::new()),
             lender_irqs: Mutex::new(HashMap::new()),
-            stats: PciStats::default(),
+            peer_group,
         });
         let s = Arc::clone(&shared);
         std::thread::Builder::new()

@@ -1,6 +1,7 @@
 //! The borrower's logic driven through the in-memory link ([`super::fake_link`]): region
 //! accesses forwarded and answered, the mirror pushed before a BAR write, refusals and a
-//! lost session reported to the VMM as errnos.
+//! lost session reported to the VMM as errnos; the VM's peer group joined before any
+//! DMA map, and the lender's DMA counters notes.
 
 use std::io;
 use std::os::unix::fs::FileExt as _;
@@ -9,13 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use devlend_fabric::pci::{
-    Access, Irq, KIND_DMA_MAP, KIND_PUSH, KIND_READ, KIND_SET_IRQS, KIND_WRITE, MIRROR_PAGE,
+    Access, DmaCounters, Irq, Message, KIND_COUNTERS, KIND_DMA_MAP, KIND_PEER_GROUP, KIND_PUSH,
+    KIND_READ, KIND_SET_IRQS, KIND_WRITE, MIRROR_PAGE,
 };
 use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
 use vfio_user::{DmaMapFlags, ServerBackend};
 
-use super::fake_link::{fake_link, info, FakeLender};
-use super::{guest_mem, PciBorrower};
+use super::fake_link::{fake_link, fake_link_with, info, FakeLender};
+use super::{guest_mem, LinkError, PciBorrower, PciError};
 
 const CONFIG: u32 = VFIO_PCI_CONFIG_REGION_INDEX;
 
@@ -28,7 +30,32 @@ fn borrower(max_access: u32, config: &[u8]) -> (PciBorrower, Arc<FakeLender>) {
         .lock()
         .unwrap()
         .insert(CONFIG, config.to_vec());
-    let b = PciBorrower::start(link, info(), irqs, Arc::new(guest_mem::Maps::default())).unwrap();
+    let b = PciBorrower::start(
+        link,
+        info(),
+        irqs,
+        Arc::new(guest_mem::Maps::default()),
+        None,
+    )
+    .unwrap();
+    (b, lender)
+}
+
+/// A borrower over a fake link of the VM `vm` (its peer group), or the reason it did
+/// not start, with the lender.
+fn borrower_of_vm(
+    vm: [u8; 16],
+    refuse: Option<u8>,
+) -> (Result<PciBorrower, PciError>, Arc<FakeLender>) {
+    let (link, lender, irqs) = fake_link(64, Default::default());
+    *lender.refuse.lock().unwrap() = refuse;
+    let b = PciBorrower::start(
+        link,
+        info(),
+        irqs,
+        Arc::new(guest_mem::Maps::default()),
+        Some(vm),
+    );
     (b, lender)
 }
 
@@ -201,4 +228,134 @@ fn an_interrupt_reaches_the_vmms_eventfd_of_its_vector() {
     }
     assert_eq!(b.stats().irqs.load(Ordering::Relaxed), 1);
     assert_eq!(seen.metadata().unwrap().len(), 8);
+}
+
+#[test]
+fn the_vms_peer_group_is_joined_first_and_before_any_dma_map() {
+    let vm = *b"vm-identity-0001";
+    let (b, lender) = borrower_of_vm(vm, None);
+    let mut b = b.unwrap();
+    assert_eq!(b.handle().peer_group(), Some(vm));
+    let file = tempfile::tempfile().unwrap();
+    file.set_len(MIRROR_PAGE).unwrap();
+    b.dma_map(
+        DmaMapFlags::READ_WRITE,
+        0,
+        0x10_0000,
+        MIRROR_PAGE,
+        Some(file),
+    )
+    .unwrap();
+    // The INFO came with the link; the peer group is the first request after it.
+    assert_eq!(
+        lender.kinds(),
+        vec![KIND_PEER_GROUP, KIND_READ, KIND_DMA_MAP]
+    );
+    let log = lender.log.lock().unwrap();
+    let group = devlend_fabric::pci::PeerGroup::decode(&log[0].payload).unwrap();
+    assert_eq!(group.vm, vm);
+}
+
+#[test]
+fn a_borrower_without_a_vm_sends_no_peer_group() {
+    let (b, lender) = borrower(64, &[]);
+    assert_eq!(b.handle().peer_group(), None);
+    assert!(!lender.kinds().contains(&KIND_PEER_GROUP));
+}
+
+#[test]
+fn a_refused_peer_group_fails_the_borrower_with_the_lenders_reason() {
+    let (b, lender) = borrower_of_vm([3; 16], Some(KIND_PEER_GROUP));
+    let Err(e) = b else {
+        panic!("a borrower the lender kept out of its VM's peer group was started");
+    };
+    match &e {
+        PciError::PeerGroup(LinkError::Refused { reason, .. }) => {
+            assert_eq!(reason, "refused by the fake lender")
+        }
+        other => panic!("{other:?}"),
+    }
+    let said = devlend_fabric::error::chain(&e);
+    assert!(
+        said.contains("peer group") && said.contains("refused by the fake lender"),
+        "{said}"
+    );
+    // Nothing else was asked, and the session is given up.
+    assert_eq!(lender.kinds(), vec![KIND_PEER_GROUP]);
+    assert!(!lender.send_one_way(Message::new(KIND_COUNTERS, DmaCounters::default().encode())));
+}
+
+#[test]
+fn a_vm_identity_of_zeros_is_refused_before_connecting() {
+    let target = super::LinkTarget {
+        lender: "127.0.0.1:1".into(),
+        device: "fn0".into(),
+        borrower: [7; 16],
+        token: Vec::new(),
+        tls: None,
+        timeout: Duration::from_millis(100),
+        transport: devlend_fabric::transport::Transport::Tcp,
+        lender_key: None,
+    };
+    assert!(matches!(
+        PciBorrower::connect_in_group(&target, Some([0; 16])),
+        Err(PciError::ZeroVm)
+    ));
+}
+
+fn note(guest_read: u64, guest_written: u64, peer: u64) -> Message {
+    let c = DmaCounters {
+        guest_read,
+        guest_written,
+        peer,
+    };
+    Message::new(KIND_COUNTERS, c.encode())
+}
+
+fn lender_counters(b: &PciBorrower) -> (u64, u64, u64) {
+    let s = b.stats();
+    (
+        s.lender_guest_read_bytes.load(Ordering::Relaxed),
+        s.lender_guest_written_bytes.load(Ordering::Relaxed),
+        s.peer_bytes.load(Ordering::Relaxed),
+    )
+}
+
+#[test]
+fn the_lenders_dma_counters_notes_land_in_the_stats() {
+    let (b, lender) = borrower(64, &[]);
+    assert!(lender.send_one_way(note(4096, 512, 1 << 20)));
+    assert_eq!(lender_counters(&b), (4096, 512, 1 << 20));
+    // Totals of the session: the next note replaces them, it does not add to them.
+    assert!(lender.send_one_way(note(8192, 512, 3 << 20)));
+    assert_eq!(lender_counters(&b), (8192, 512, 3 << 20));
+    assert_eq!(
+        b.handle().stats().peer_bytes.load(Ordering::Relaxed),
+        3 << 20
+    );
+    assert!(!b.handle().session_closed());
+}
+
+#[test]
+fn a_malformed_dma_counters_note_ends_the_session() {
+    let (b, lender) = borrower(64, &[]);
+    assert!(!lender.send_one_way(Message::new(KIND_COUNTERS, vec![1; 23])));
+    assert!(b.handle().session_closed());
+    assert_eq!(lender_counters(&b), (0, 0, 0));
+}
+
+#[test]
+fn a_dma_counters_note_not_granted_ends_the_session_as_any_unexpected_message() {
+    let (link, lender, irqs) = fake_link_with(64, Default::default(), false);
+    let b = PciBorrower::start(
+        link,
+        info(),
+        irqs,
+        Arc::new(guest_mem::Maps::default()),
+        None,
+    )
+    .unwrap();
+    assert!(!lender.send_one_way(note(1, 2, 3)));
+    assert!(b.handle().session_closed());
+    assert_eq!(lender_counters(&b), (0, 0, 0));
 }

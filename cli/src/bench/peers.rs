@@ -207,6 +207,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         transport: Default::default(),
         rdma_exposure: Default::default(),
         kind: Default::default(),
+        vm: None,
         handover_token: None,
     })?;
     let attach = format!(

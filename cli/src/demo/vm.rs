@@ -171,6 +171,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
         transport: Default::default(),
         rdma_exposure: Default::default(),
         kind: Default::default(),
+        vm: None,
         handover_token: None,
     })?;
     guest.wait_for_line(

@@ -10,7 +10,8 @@ use super::link::nic_link_column;
 /// The `devlend status` tables, one per kind, each with that kind's own columns: disks
 /// with the rates of the last seconds (IOPS, MB/s read and written, p99 latency upper
 /// bound; [`disk_table`]), lent NICs with their frame counters ([`nic_table`]), PCIe
-/// functions with their address, IDs and DMA-mapped bytes ([`pci_table`]); then a line
+/// functions with their address, IDs, VM, DMA-mapped and peer-to-peer bytes
+/// ([`pci_table`]); then a line
 /// per attachment with lease limits or waiting to be restored.
 pub fn status_table(list: &[AttachmentInfo]) -> String {
     if list.is_empty() {
@@ -113,11 +114,12 @@ pub fn nic_table(list: &[(&AttachmentInfo, &NicInfo)]) -> String {
 }
 
 /// One line per borrowed PCIe function: its address on the lender, vendor:device IDs,
-/// coherence mode, DMA-mapped bytes, region accesses, mirror pages each way and
-/// interrupts.
+/// coherence mode, VM (`-` for none), DMA-mapped bytes, region accesses, mirror pages
+/// each way, interrupts, and the bytes it moved peer-to-peer (to or from another
+/// function of its VM, as the lender reports them).
 pub fn pci_table(list: &[(&AttachmentInfo, &PciInfo)]) -> String {
     let mut out = format!(
-        "{:<14} {:<10} {:<21} {:<9} {:<13} {:<9} {:<8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}  {:<11} {}\n",
+        "{:<14} {:<10} {:<21} {:<9} {:<13} {:<9} {:<8} {:<10} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9}  {:<11} {}\n",
         "PCI",
         "DEVICE",
         "LENDER",
@@ -125,12 +127,14 @@ pub fn pci_table(list: &[(&AttachmentInfo, &PciInfo)]) -> String {
         "BDF",
         "ID",
         "MODE",
+        "VM",
         "DMA",
         "RD",
         "WR",
         "PUSHED",
         "PULLED",
         "IRQS",
+        "P2P",
         "STATE",
         "SOCKET"
     );
@@ -141,7 +145,7 @@ pub fn pci_table(list: &[(&AttachmentInfo, &PciInfo)]) -> String {
             _ => "-".to_owned(),
         };
         out.push_str(&format!(
-            "{:<14} {:<10} {:<21} {:<9} {:<13} {:<9} {:<8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}  {:<11} {}\n",
+            "{:<14} {:<10} {:<21} {:<9} {:<13} {:<9} {:<8} {:<10} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9}  {:<11} {}\n",
             a.id,
             a.device,
             a.lender,
@@ -153,12 +157,14 @@ pub fn pci_table(list: &[(&AttachmentInfo, &PciInfo)]) -> String {
                 Some(CoherenceMode::Mediated) => "mediated",
                 None => "-",
             },
+            p.vm.as_deref().unwrap_or("-"),
             human_bytes(p.dma_mapped_bytes),
             c.region_reads,
             c.region_writes,
             c.pages_pushed,
             c.pages_pulled,
             c.irqs,
+            human_bytes(c.peer_bytes),
             state(a),
             a.socket.display()
         ));

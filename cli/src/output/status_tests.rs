@@ -97,12 +97,16 @@ fn pci() -> AttachmentInfo {
             device_id: Some(0x11e8),
             coherence: Some(CoherenceMode::Mirror),
             dma_mapped_bytes: 2 << 20,
+            vm: Some("vm-blue".into()),
             counters: PciCounters {
                 region_reads: 41,
                 region_writes: 42,
                 pages_pushed: 43,
                 pages_pulled: 44,
                 irqs: 45,
+                guest_read_bytes: 1 << 10,
+                guest_written_bytes: 2 << 10,
+                peer_bytes: 3 << 20,
             },
         }),
     )
@@ -245,16 +249,35 @@ fn each_kind_has_its_own_table_and_columns() {
         "43",
         "44",
         "45",
+        "vm-blue",
+        "3.0 MiB",
     ] {
         assert!(line.contains(want), "{want} in {line}");
     }
     let (head, _) = table(&out, "PCI ", "fpga0");
-    for want in ["BDF", "ID", "MODE", "DMA", "IRQS"] {
+    for want in ["BDF", "ID", "MODE", "VM", "DMA", "IRQS", "P2P"] {
         assert!(head.iter().any(|h| h.contains(want)), "{want} in {head:?}");
     }
     assert!(!head
         .iter()
         .any(|h| h.contains("IOPS") || h.contains("SIZE") || h.contains("ERRORS")));
+}
+
+/// A function without a VM shows `-` in the VM column, and no peer-to-peer bytes.
+#[test]
+fn a_pci_function_without_a_vm_shows_a_dash() {
+    let mut a = pci();
+    if let KindInfo::Pci(p) = &mut a.part {
+        p.vm = None;
+        p.counters.peer_bytes = 0;
+    }
+    let out = status_table(&[a]);
+    let head: Vec<&str> = out.lines().next().unwrap().split_whitespace().collect();
+    let row: Vec<&str> = out.lines().nth(1).unwrap().split_whitespace().collect();
+    let col = |name: &str| head.iter().position(|h| *h == name).unwrap();
+    assert_eq!(row[col("VM")], "-", "{out}");
+    // The human-readable sizes are two words: the P2P column is counted from the end.
+    assert_eq!(row[row.len() - 4..row.len() - 2], ["0", "B"], "{out}");
 }
 
 #[test]
@@ -289,5 +312,9 @@ fn status_json_has_each_kinds_own_fields() {
     assert_eq!(v[2]["kind"], "pci");
     assert_eq!(v[2]["bdf"], "0000:03:00.0");
     assert_eq!(v[2]["dma_mapped_bytes"], 2 << 20);
+    assert_eq!(v[2]["vm"], "vm-blue");
+    assert_eq!(v[2]["counters"]["peer_bytes"], 3 << 20);
+    assert_eq!(v[2]["counters"]["guest_read_bytes"], 1 << 10);
+    assert_eq!(v[2]["counters"]["guest_written_bytes"], 2 << 10);
     assert!(v[2].get("serial").is_none() && v[2].get("queues").is_none());
 }

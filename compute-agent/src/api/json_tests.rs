@@ -173,12 +173,16 @@ fn a_pci_attachment_shows_its_address_ids_coherence_and_dma_bytes() {
         device_id: Some(0x11e8),
         coherence: Some(CoherenceMode::Mirror),
         dma_mapped_bytes: 1 << 20,
+        vm: Some("vm-1".into()),
         counters: PciCounters {
             region_reads: 5,
             region_writes: 6,
             pages_pushed: 7,
             pages_pulled: 8,
             irqs: 9,
+            guest_read_bytes: 10,
+            guest_written_bytes: 11,
+            peer_bytes: 12,
         },
     }));
     let v = round_trip(&a);
@@ -190,6 +194,7 @@ fn a_pci_attachment_shows_its_address_ids_coherence_and_dma_bytes() {
             "device_id",
             "coherence",
             "dma_mapped_bytes",
+            "vm",
             "counters",
         ],
     );
@@ -199,15 +204,27 @@ fn a_pci_attachment_shows_its_address_ids_coherence_and_dma_bytes() {
     assert_eq!(v["device_id"], 0x11e8);
     assert_eq!(v["coherence"], "mirror");
     assert_eq!(v["dma_mapped_bytes"], 1 << 20);
+    assert_eq!(v["vm"], "vm-1");
     assert_eq!(
         v["counters"],
-        json!({"region_reads": 5, "region_writes": 6, "pages_pushed": 7, "pages_pulled": 8, "irqs": 9})
+        json!({
+            "region_reads": 5, "region_writes": 6, "pages_pushed": 7, "pages_pulled": 8,
+            "irqs": 9, "guest_read_bytes": 10, "guest_written_bytes": 11, "peer_bytes": 12,
+        })
     );
     let mediated = shared(KindInfo::Pci(PciInfo {
         coherence: Some(CoherenceMode::Mediated),
         ..PciInfo::default()
     }));
-    assert_eq!(round_trip(&mediated)["coherence"], "mediated");
+    let v = round_trip(&mediated);
+    assert_eq!(v["coherence"], "mediated");
+    assert!(v.get("vm").is_none(), "no vm, no key: {v}");
+    // An older agent's counters, without the lender's DMA bytes, read as zeros.
+    let old: PciCounters = serde_json::from_value(
+        json!({"region_reads": 1, "region_writes": 2, "pages_pushed": 3, "pages_pulled": 4, "irqs": 5}),
+    )
+    .expect("an older agent's counters");
+    assert_eq!((old.irqs, old.peer_bytes, old.guest_read_bytes), (5, 0, 0));
     assert_eq!(a.kind(), DeviceKind::Pci);
     assert!(a.block().is_none() && a.nic().is_none());
 }
@@ -292,6 +309,7 @@ fn the_openapi_document_describes_every_kind_exactly() {
             device_id: Some(0x0010),
             coherence: Some(CoherenceMode::Mediated),
             dma_mapped_bytes: 4096,
+            vm: Some("vm-1".into()),
             counters: PciCounters::default(),
         }),
     ];
@@ -369,6 +387,7 @@ fn the_openapi_document_describes_the_requests() {
     for body in [
         json!({"lender": "10.0.0.9:7700", "device": "disk0", "socket": "/run/devlend/d.sock"}),
         json!({"lender": "10.0.0.9:7700", "device": "fn0", "socket": "/run/devlend/f.sock", "kind": "pci"}),
+        json!({"lender": "10.0.0.9:7700", "device": "fn1", "socket": "/run/devlend/g.sock", "kind": "pci", "vm": "vm-1.a_b"}),
         json!({
             "id": "vol1", "lender": "", "device": "west/lender1/disk0", "socket": "/s",
             "queues": 4, "queue_size": 512, "poll_us": 50, "reconnect_deadline_s": 60,
@@ -385,6 +404,15 @@ fn the_openapi_document_describes_the_requests() {
             assert!(errs.is_empty(), "{v}: {errs:#?}");
         }
     }
+    for vm in ["", "vm 1", &"v".repeat(65)] {
+        let bad = json!({"lender": "l", "device": "d", "socket": "/s", "kind": "pci", "vm": vm});
+        assert!(
+            !schema_errors(&doc, "AttachRequest", &bad).is_empty(),
+            "{vm:?}"
+        );
+        assert!(!valid_vm_name(vm), "{vm:?}");
+    }
+    assert!(valid_vm_name(&"v".repeat(64)));
     let bad = json!({"lender": "l", "device": "d", "socket": "/s", "queue": 2});
     assert!(serde_json::from_value::<AttachRequest>(bad.clone()).is_err());
     assert!(!schema_errors(&doc, "AttachRequest", &bad).is_empty());

@@ -112,6 +112,10 @@ pub struct PciInfo {
     pub coherence: Option<CoherenceMode>,
     /// Bytes of the VMM's memory mapped for the function's DMA now.
     pub dma_mapped_bytes: u64,
+    /// The VM it was attached for (the request's `vm`: its peer group); absent when
+    /// none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm: Option<String>,
     /// Counters since this compute agent started serving it.
     pub counters: PciCounters,
 }
@@ -129,6 +133,17 @@ pub struct PciCounters {
     pub pages_pulled: u64,
     /// Interrupts delivered to the VMM.
     pub irqs: u64,
+    /// Bytes of guest memory the lender read for the function (a mediated function's
+    /// fetches), as the lender reports them (absent in answers of older agents).
+    #[serde(default)]
+    pub guest_read_bytes: u64,
+    /// Bytes the lender wrote to guest memory from the function, as it reports them.
+    #[serde(default)]
+    pub guest_written_bytes: u64,
+    /// Bytes the function moved straight to or from another function of its VM
+    /// (peer-to-peer, never through guest memory), as the lender reports them.
+    #[serde(default)]
+    pub peer_bytes: u64,
 }
 
 impl From<&devlend_backend::pci::PciStats> for PciCounters {
@@ -140,6 +155,9 @@ impl From<&devlend_backend::pci::PciStats> for PciCounters {
             pages_pushed: s.pages_pushed.load(Relaxed),
             pages_pulled: s.pages_pulled.load(Relaxed),
             irqs: s.irqs.load(Relaxed),
+            guest_read_bytes: s.lender_guest_read_bytes.load(Relaxed),
+            guest_written_bytes: s.lender_guest_written_bytes.load(Relaxed),
+            peer_bytes: s.peer_bytes.load(Relaxed),
         }
     }
 }

@@ -127,7 +127,7 @@ impl ServedKind for NicPart {
 }
 
 impl ServedKind for PciHandle {
-    fn info(&self, _req: &AttachRequest) -> KindInfo {
+    fn info(&self, req: &AttachRequest) -> KindInfo {
         let id = self.identity();
         KindInfo::Pci(PciInfo {
             bdf: id.bdf.clone(),
@@ -135,6 +135,7 @@ impl ServedKind for PciHandle {
             device_id: id.device_id,
             coherence: Some(self.coherence()),
             dma_mapped_bytes: self.dma_mapped_bytes(),
+            vm: req.vm.clone(),
             counters: self.stats().into(),
         })
     }

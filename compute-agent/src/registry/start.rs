@@ -110,6 +110,12 @@ impl Registry {
             (None, None, None, None) => (new_borrower_id(), Vec::new()),
         };
         let lender_key = expected_lender_key(req.lender_key.as_deref(), &token)?;
+        // A PCIe function of a named VM joins that VM's peer group (a restored one
+        // too: its saved request names the VM).
+        let peer_group = match (req.kind, &req.vm) {
+            (crate::api::AttachKind::Pci, Some(vm)) => Some(self.vms.identity(vm)),
+            _ => None,
+        };
         let mut attachment = Attachment::start(AttachmentConfig {
             id: id.to_owned(),
             socket: req.socket.clone(),
@@ -137,6 +143,7 @@ impl Registry {
                 crate::api::AttachKind::Pci => Serve::VfioUser,
             },
             expect: restore.as_ref().and_then(|r| r.kind),
+            peer_group,
         })
         .map_err(RegistryError::Start)?;
         let keeper = match checked.map(|c| c.bind_and_keep(id)).transpose() {

@@ -56,3 +56,29 @@ fn a_nic_over_rdma_is_refused_saying_it_goes_over_tcp() {
     }
     assert!(!sock.exists(), "the socket was bound");
 }
+
+/// A VM name is for PCIe functions only, and must be a name: both refused before
+/// anything starts, saying why.
+#[test]
+fn a_vm_is_refused_for_other_kinds_and_when_malformed() {
+    let req = |v: serde_json::Value| -> AttachRequest { serde_json::from_value(v).unwrap() };
+    let base = serde_json::json!({
+        "lender": "127.0.0.1:1", "device": "d", "socket": "/nonexistent/devlend-vm.sock",
+        "vm": "vm-1",
+    });
+    match Registry::default().attach(req(base.clone())) {
+        Err(RegistryError::BadRequest(m)) => assert!(m.contains("kind pci"), "{m}"),
+        other => panic!("a disk with a vm: {:?}", other.map(|i| i.id)),
+    }
+    for bad in ["", "vm/1", "vm 1", &"v".repeat(65)] {
+        let mut v = base.clone();
+        v["kind"] = "pci".into();
+        v["vm"] = bad.into();
+        match Registry::default().attach(req(v)) {
+            Err(RegistryError::BadRequest(m)) => {
+                assert!(m.contains("invalid vm") && m.contains("1..=64"), "{m}")
+            }
+            other => panic!("vm {bad:?}: {:?}", other.map(|i| i.id)),
+        }
+    }
+}

@@ -52,7 +52,7 @@ pub(super) fn restoring_info(r: &Restoring) -> AttachmentInfo {
             n.queue_pairs = q.queues;
             n.queue_size = q.queue_size;
         }
-        KindInfo::Pci(_) => {}
+        KindInfo::Pci(p) => p.vm.clone_from(&q.vm),
     }
     AttachmentInfo {
         id: r.saved.id.clone(),

@@ -541,6 +541,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
         transport: Default::default(),
         rdma_exposure: Default::default(),
         kind: Default::default(),
+        vm: None,
         handover_token: None,
     };
     let info = registry.attach(req("vm1-d")).expect("attach");

@@ -188,6 +188,43 @@ impl VirtConfig {
         }
     }
 
+    /// Where the borrower placed each memory BAR (by BAR index 0..6): its address, or
+    /// `None` for a BAR that is absent, an I/O BAR, the upper half of a 64-bit one, at
+    /// address 0, or being sized (every address bit set).
+    pub(crate) fn bar_addresses(&self) -> [Option<u64>; 6] {
+        let dword = |o: usize| {
+            u32::from_le_bytes([
+                self.emul[o],
+                self.emul[o + 1],
+                self.emul[o + 2],
+                self.emul[o + 3],
+            ])
+        };
+        let mut out = [None; 6];
+        let mut i = 0;
+        while i < 6 {
+            let (mask, flags) = self.bars[i];
+            let is64 = (flags >> 1) & 3 == 2;
+            if mask == 0 || flags & 1 == 1 {
+                i += 1;
+                continue;
+            }
+            let (hi_mask, hi) = if is64 && i + 1 < 6 {
+                (self.bars[i + 1].0, dword(BAR0 + 4 * (i + 1)))
+            } else {
+                (0, 0)
+            };
+            let lo = dword(BAR0 + 4 * i) & mask;
+            let addr = u64::from(lo) | (u64::from(hi & hi_mask) << 32);
+            let sizing = lo == mask && hi & hi_mask == hi_mask;
+            if addr != 0 && !sizing {
+                out[i] = Some(addr);
+            }
+            i += if is64 { 2 } else { 1 };
+        }
+        out
+    }
+
     /// Applies a borrower's write of `data` at `off` to the emulated bytes, and returns
     /// what to write to the function: for each byte, `Some(value)` when it has forwarded
     /// bits (the value holds only those bits), else `None`. The range must lie within
@@ -306,6 +343,38 @@ mod tests {
         assert_eq!(read(&c, &l.initial, 0x42, 1) & 0x70, 0x20);
         c.write(0x42, &[0x71]); // 128 asked
         assert_eq!(read(&c, &l.initial, 0x42, 1) & 0x70, 0x20, "cut to 4");
+    }
+
+    #[test]
+    fn bar_addresses_are_what_the_borrower_placed_and_not_while_sized() {
+        let mut cfg = vec![0u8; 256];
+        // BAR0: 64-bit memory, 16 KiB; BAR2: 64-bit prefetchable, 1 MiB; BAR4: I/O.
+        cfg[0x10..0x14].copy_from_slice(&0x4u32.to_le_bytes());
+        cfg[0x18..0x1c].copy_from_slice(&0xcu32.to_le_bytes());
+        cfg[0x20..0x24].copy_from_slice(&0x1u32.to_le_bytes());
+        let l = Layout {
+            bar_sizes: [16 << 10, 0, 1 << 20, 0, 256, 0, 0],
+            initial: cfg,
+        };
+        let mut c = VirtConfig::new(&l);
+        assert_eq!(c.bar_addresses(), [None; 6], "at reset every BAR is at 0");
+        c.write(0x10, &0xfebf_0000u32.to_le_bytes());
+        c.write(0x18, &0xffff_ffffu32.to_le_bytes());
+        c.write(0x1c, &0xffff_ffffu32.to_le_bytes());
+        c.write(0x20, &0xc000u32.to_le_bytes());
+        let a = c.bar_addresses();
+        assert_eq!(a[0], Some(0xfebf_0000));
+        assert_eq!(a[2], None, "being sized");
+        assert_eq!(a[4], None, "an I/O BAR");
+        c.write(0x18, &0x0000_0000u32.to_le_bytes());
+        c.write(0x1c, &0x0000_0008u32.to_le_bytes());
+        assert_eq!(c.bar_addresses()[2], Some(0x8_0000_0000));
+        c.write(0x18, &0x1234_5678u32.to_le_bytes());
+        assert_eq!(
+            c.bar_addresses()[2],
+            Some(0x8_1230_0000),
+            "only the address bits the size allows"
+        );
     }
 
     #[test]

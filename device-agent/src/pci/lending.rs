@@ -18,8 +18,8 @@
 use std::sync::{Arc, PoisonError};
 
 use devlend_fabric::pci::{
-    Access, DmaRange, IrqAction, IrqSet, Message, PciStatus, KIND_DMA_MAP, KIND_DMA_UNMAP,
-    KIND_INFO, KIND_READ, KIND_RESET, KIND_SET_IRQS, KIND_WRITE,
+    Access, DmaRange, IrqAction, IrqSet, Message, PciStatus, PeerGroup, KIND_DMA_MAP,
+    KIND_DMA_UNMAP, KIND_INFO, KIND_PEER_GROUP, KIND_READ, KIND_RESET, KIND_SET_IRQS, KIND_WRITE,
 };
 use devlend_fabric::WireError;
 use vfio_bindings::bindings::vfio::{
@@ -30,7 +30,9 @@ use vmm_sys_util::eventfd::EventFd;
 use super::config::VirtConfig;
 use super::mirror::Mirror;
 use super::nvme::Handled;
+use super::peer::{Membership, Window};
 use super::PciFunction;
+use crate::config::Coherence;
 use crate::pci::guest::tcp::TcpMediated;
 use crate::pci::irq::IrqTable;
 
@@ -69,6 +71,8 @@ pub(crate) struct Lending<'a> {
     pub(crate) table: &'a IrqTable,
     /// The first refusal within a push that spans several messages, answered at its end.
     pub(crate) push_error: Option<Refusal>,
+    /// Its VM's peer group, once the borrower named the VM (`peer`).
+    peer: Option<Membership>,
 }
 
 impl<'a> Lending<'a> {
@@ -82,6 +86,7 @@ impl<'a> Lending<'a> {
             mapped: 0,
             table,
             push_error: None,
+            peer: None,
         }
     }
 
@@ -108,6 +113,7 @@ impl<'a> Lending<'a> {
                 }
                 self.f.device.reset();
                 self.cfg = VirtConfig::new(&self.f.layout);
+                self.refresh_windows();
                 if let Some(nv) = self.nvme {
                     nv.with(self.table, true, |m, _| m.reset());
                 }
@@ -122,6 +128,9 @@ impl<'a> Lending<'a> {
                 .map(|()| Vec::new()),
             KIND_DMA_UNMAP => self
                 .dma_unmap(DmaRange::decode(&m.payload)?)
+                .map(|()| Vec::new()),
+            KIND_PEER_GROUP => self
+                .join_peers(PeerGroup::decode(&m.payload)?)
                 .map(|()| Vec::new()),
             _ => return Err(WireError::Invalid("PCI request kind")),
         })
@@ -222,7 +231,65 @@ impl<'a> Lending<'a> {
                 .pwrite(a.region, a.offset + start as u64, &run)
                 .map_err(io)?;
         }
+        // The command register (memory decoding) or a BAR: where peers reach it.
+        let touched = |o: u64, n: u64| a.offset < o + n && o < a.offset + data.len() as u64;
+        if touched(0x04, 2) || touched(0x10, 24) {
+            self.refresh_windows();
+        }
         Ok(())
+    }
+
+    /// Joins the peer group of the borrower's VM: the other functions this lender lends
+    /// to it reach this one's BARs by DMA, and it theirs.
+    fn join_peers(&mut self, g: PeerGroup) -> Result<(), Refusal> {
+        if self.peer.is_some() {
+            return Err(invalid("this session has named its VM already"));
+        }
+        let f = self.f;
+        let identity = f.coherence == Coherence::Mirror;
+        self.peer = Some(Membership::join(
+            g.vm,
+            &f.bdf,
+            &f.container,
+            identity,
+            &f.reach,
+        ));
+        self.refresh_windows();
+        Ok(())
+    }
+
+    /// Tells the peer group where the guest placed this function's memory BARs: each
+    /// one VFIO lets be mapped, with memory decoding on, at an address other than 0
+    /// (none of a mediated function's BAR 0, whose doorbells are the mediator's).
+    fn refresh_windows(&mut self) {
+        let Some(m) = &self.peer else {
+            return;
+        };
+        let f = self.f;
+        let mut cmd = [0u8; 2];
+        let decoding = f
+            .pread(VFIO_PCI_CONFIG_REGION_INDEX, 0x04, &mut cmd)
+            .is_ok()
+            && cmd[0] & 0x02 != 0;
+        let mediated = f.coherence == Coherence::Nvme;
+        let windows = if decoding {
+            self.cfg
+                .bar_addresses()
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !(mediated && *i == 0))
+                .filter_map(|(i, a)| {
+                    Some(Window {
+                        bar: i as u8,
+                        guest: (*a)?,
+                        map: f.bar_maps[i].clone()?,
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        m.update(windows);
     }
 
     fn set_irqs(&mut self, s: IrqSet) -> Result<(), Refusal> {
@@ -369,6 +436,8 @@ impl<'a> Lending<'a> {
     /// Leaves the function as the next borrower should find it.
     pub(crate) fn quiesce(&mut self) {
         let f = self.f;
+        // Out of its VM's peer group first: no peer reaches it any more, nor it them.
+        self.peer = None;
         let enabled: Vec<u32> = {
             let mut t = self
                 .table

@@ -22,6 +22,7 @@ pub(crate) mod irq;
 pub(crate) mod lending;
 pub(crate) mod mirror;
 pub(crate) mod nvme;
+pub(crate) mod peer;
 pub(crate) mod session;
 pub mod sriov;
 
@@ -34,7 +35,8 @@ use std::sync::Arc;
 use devlend_fabric::pci::{IrqInfo, PciInfo, RegionInfo, INFO_MEDIATED, INFO_RESET};
 use vfio_bindings::bindings::vfio::{
     VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
-    VFIO_PCI_ROM_REGION_INDEX, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
+    VFIO_PCI_ROM_REGION_INDEX, VFIO_REGION_INFO_FLAG_MMAP, VFIO_REGION_INFO_FLAG_READ,
+    VFIO_REGION_INFO_FLAG_WRITE,
 };
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioError};
 
@@ -89,6 +91,11 @@ pub(crate) struct PciFunction {
     pub(crate) coherence: Coherence,
     /// Set while a borrower's session holds the function.
     lent: AtomicBool,
+    /// Its memory BARs that VFIO lets be mapped, by BAR index: what the IOMMU domains
+    /// of its peers map (`peer`).
+    pub(crate) bar_maps: [Option<Arc<peer::BarMap>>; 6],
+    /// The peers' BARs the current lending reaches (`peer`).
+    pub(crate) reach: Arc<peer::Reach>,
 }
 
 impl std::fmt::Debug for PciFunction {
@@ -158,7 +165,24 @@ impl PciFunction {
             },
             coherence: Coherence::Mirror,
             lent: AtomicBool::new(false),
+            bar_maps: Default::default(),
+            reach: Arc::default(),
         };
+        for (i, m) in f.bar_maps.iter_mut().enumerate() {
+            let (size, flags) = (
+                f.device.get_region_size(i as u32),
+                f.device.get_region_flags(i as u32),
+            );
+            if size < 4096 || size % 4096 != 0 || flags & VFIO_REGION_INFO_FLAG_MMAP == 0 {
+                continue;
+            }
+            match peer::BarMap::new(f.device.as_raw_fd(), f.offsets[i], size) {
+                Ok(b) => *m = Some(Arc::new(b)),
+                Err(e) => {
+                    tracing::debug!(bdf, bar = i, error = %e, "a BAR VFIO does not let be mapped: no peer reaches it")
+                }
+            }
+        }
         let cfg_size = f.info.regions[VFIO_PCI_CONFIG_REGION_INDEX as usize].size;
         let mut initial = vec![0u8; cfg_size.min(4096) as usize];
         f.pread(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut initial)

@@ -2,7 +2,10 @@
 
 use std::io::{Read, Write};
 
-use super::{FLAG_MORE, KIND_INFO, KIND_IRQ, KIND_MEM_WRITE, MAX_PAYLOAD, PCI_HEADER_LEN, REPLY};
+use super::{
+    FLAG_MORE, KIND_COUNTERS, KIND_INFO, KIND_IRQ, KIND_PEER_GROUP, MAX_PAYLOAD, PCI_HEADER_LEN,
+    REPLY,
+};
 use crate::codec::{self, Writer};
 use crate::io_util::read_exact_or_eof;
 use crate::WireError;
@@ -145,7 +148,9 @@ impl Message {
         read_exact_or_eof(r, &mut b)?;
         let h = Header::decode(&b);
         let kind = h.kind;
-        if !matches!(kind & !REPLY, KIND_INFO..=KIND_MEM_WRITE) && kind != KIND_IRQ {
+        if !matches!(kind & !REPLY, KIND_INFO..=KIND_PEER_GROUP)
+            && !matches!(kind, KIND_IRQ | KIND_COUNTERS)
+        {
             return Err(WireError::Invalid("PCI message kind"));
         }
         let status = PciStatus::from_u8(h.status)?;

@@ -17,12 +17,13 @@
 //!
 //! Modules, one job each: `message` (the header and [`Message`]), `info` ([`PciInfo`]),
 //! `requests` (region access, interrupts, DMA maps), `mirror` (pushes and pulls) and
-//! `from_lender` (guest memory reads, interrupts).
+//! `from_lender` (guest memory reads, interrupts), `peer` (peer groups, DMA counters).
 
 mod from_lender;
 mod info;
 mod message;
 mod mirror;
+mod peer;
 mod requests;
 #[cfg(test)]
 mod tests;
@@ -88,8 +89,22 @@ pub const KIND_MEM_READ: u8 = 0x49;
 /// write sent before a [`KIND_IRQ`] is in guest memory before that interrupt reaches
 /// the VMM. Not answered; a page outside the maps ends the session.
 pub const KIND_MEM_WRITE: u8 = 0x4a;
+/// Request, at most once per session, before the borrower's first DMA map: the VM the
+/// function is lent to ([`PeerGroup`]). The lender maps the BARs of the other functions
+/// it lends to the same VM into this function's DMA space at the addresses the guest
+/// gave them, and this function's BARs into theirs (peer-to-peer, `docs/pci.md`); no
+/// payload in the reply.
+pub const KIND_PEER_GROUP: u8 = 0x4b;
 /// Lender to borrower, unsolicited: the function raised an interrupt ([`Irq`]).
 pub const KIND_IRQ: u8 = 0x50;
+/// Lender to borrower, one-way, to a borrower granted [`FEATURE_PCI_COUNTERS`]: what
+/// the lender moved for the function's DMA so far ([`DmaCounters`]), sent when it
+/// changed, after the completions that changed it.
+pub const KIND_COUNTERS: u8 = 0x51;
+
+/// [`crate::Hello::features`] bit, with [`FEATURE_PCI`]: the borrower reads
+/// [`KIND_COUNTERS`] notes. A lender sends them only to a borrower it granted this.
+pub const FEATURE_PCI_COUNTERS: u64 = 1 << 6;
 
 pub use from_lender::{Irq, MemRead};
 pub use info::{IrqInfo, PciInfo, RegionInfo, INFO_MEDIATED, INFO_RESET};
@@ -98,6 +113,7 @@ pub use mirror::{
     changed_runs, decode_pages, decode_ranges, encode_page, encode_range, page_cost, Page, Range,
     RDMA_MAX_ACCESS, RDMA_MAX_MESSAGE, RDMA_MAX_RANGES,
 };
+pub use peer::{DmaCounters, PeerGroup, VM_ID_LEN};
 pub use requests::{Access, DmaRange, IrqAction, IrqSet, RemoteDmaRange};
 
 /// A payload that must be exactly one `T`; `what` names it in the error.

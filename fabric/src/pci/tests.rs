@@ -45,6 +45,26 @@ fn messages_round_trip_and_garbage_is_refused() {
 }
 
 #[test]
+fn peer_group_and_counters_messages_are_read_and_the_kinds_past_them_refused() {
+    for m in [
+        Message::new(KIND_PEER_GROUP, PeerGroup { vm: [1; 16] }.encode()),
+        Message::new(KIND_PEER_GROUP | REPLY, Vec::new()),
+        Message::new(KIND_COUNTERS, DmaCounters::default().encode()),
+    ] {
+        let back = Message::read_from(&mut m.encode().as_slice()).unwrap();
+        assert_eq!(back, m);
+    }
+    for kind in [
+        KIND_PEER_GROUP + 1,
+        KIND_COUNTERS + 1,
+        KIND_COUNTERS | REPLY,
+    ] {
+        let b = Message::new(kind, Vec::new()).encode();
+        assert!(Message::read_from(&mut b.as_slice()).is_err(), "{kind:#x}");
+    }
+}
+
+#[test]
 fn info_pages_and_ranges_round_trip() {
     let info = PciInfo {
         regions: vec![

@@ -1,6 +1,6 @@
 //! The PCI session over RDMA (rdma_cm; each message one SEND): the [`PciWire`] that
 //! sends on the connection and registers guest memory for the lender's one-sided
-//! access, and the reader thread.
+//! access, and the reader thread (which adds up the lender's DMA counters notes).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
@@ -11,7 +11,10 @@ use devlend_fabric::pci::{Irq, Message, KIND_MEM_READ, KIND_MEM_WRITE};
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::{Hello, WireError};
 
-use super::{dispatch, LinkCounters, LinkError, LinkTarget, PageMoves, PciWire, Registration};
+use super::{
+    counter_notes, dispatch, CounterNotes, LinkCounters, LinkError, LinkTarget, PageMoves,
+    PciStats, PciWire, Registration,
+};
 
 /// An RDMA connection shared by the callers and the reader thread.
 struct RdmaWire {
@@ -54,23 +57,25 @@ impl PciWire for Arc<RdmaWire> {
 }
 
 /// Opens the RDMA connection, checks the lender's answer and starts the reader thread,
-/// which hands replies and interrupts on and sets `closed` when it ends.
+/// which hands replies and interrupts on, adds the lender's DMA counters to `stats` and
+/// sets `closed` when it ends.
 pub(super) fn open(
     t: &LinkTarget,
     hello: &Hello,
     replies: Sender<Message>,
     irqs: Sender<Irq>,
     counters: &Arc<LinkCounters>,
+    stats: &Arc<PciStats>,
     closed: &Arc<AtomicBool>,
 ) -> Result<(Box<dyn PciWire>, devlend_fabric::handshake::PciIdentity), ConnectError> {
-    let (wire, lent) = rdma_connect(t, hello)?;
+    let (wire, lent, notes) = rdma_connect(t, hello, stats)?;
     let reader = Arc::clone(&wire);
     let c = Arc::clone(counters);
     let done = Arc::clone(closed);
     std::thread::Builder::new()
         .name("devlend-pci-rx".into())
         .spawn(move || {
-            rdma_read_loop(&reader, &replies, &irqs, &c);
+            rdma_read_loop(&reader, &replies, &irqs, &c, &notes);
             done.store(true, Ordering::Release);
         })
         .map_err(|e| ConnectError::Handshake {
@@ -80,11 +85,20 @@ pub(super) fn open(
     Ok((Box::new(wire), lent))
 }
 
+/// What [`rdma_connect`] opens: the connection, the function the lender describes, and
+/// the session's DMA counters notes.
+type Opened = (
+    Arc<RdmaWire>,
+    devlend_fabric::handshake::PciIdentity,
+    CounterNotes,
+);
+
 /// Opens the RDMA connection and checks the lender's answer.
 fn rdma_connect(
     t: &LinkTarget,
     hello: &Hello,
-) -> Result<(Arc<RdmaWire>, devlend_fabric::handshake::PciIdentity), ConnectError> {
+    stats: &Arc<PciStats>,
+) -> Result<Opened, ConnectError> {
     let (conn, reply) =
         devlend_fabric::rdma::verbs::connect(&t.lender, hello, t.timeout).map_err(|source| {
             ConnectError::Rdma {
@@ -101,12 +115,14 @@ fn rdma_connect(
         });
     }
     let lent = super::lent_function(t, hello, &reply)?;
+    let notes = counter_notes(hello, &reply, stats);
     Ok((
         Arc::new(RdmaWire {
             ch: Mutex::new(devlend_fabric::rdma::channel::MsgChannel::new(conn)),
             closed: AtomicBool::new(false),
         }),
         lent,
+        notes,
     ))
 }
 
@@ -116,6 +132,7 @@ fn rdma_read_loop(
     replies: &Sender<Message>,
     irqs: &Sender<Irq>,
     counters: &LinkCounters,
+    notes: &CounterNotes,
 ) {
     let fd = w.ch.lock().unwrap_or_else(PoisonError::into_inner).fd();
     loop {
@@ -143,7 +160,7 @@ fn rdma_read_loop(
                 close_rdma(w);
                 return;
             }
-            if !dispatch(m, replies, irqs) {
+            if !dispatch(m, replies, irqs, notes) {
                 close_rdma(w);
                 return;
             }

@@ -1,6 +1,6 @@
 //! The PCI session over a TCP (or TLS) stream: the [`PciWire`] that writes messages on
 //! the stream, and the reader thread, which also serves a mediated function's lender
-//! its guest memory accesses.
+//! its guest memory accesses and adds up its DMA counters notes.
 
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,7 +12,10 @@ use devlend_fabric::pci::{Irq, MemRead, Message, PciStatus, KIND_MEM_READ, KIND_
 use devlend_fabric::tcp::{self, ConnectError};
 use devlend_fabric::{Hello, WireError};
 
-use super::{dispatch, GuestMemory, LinkCounters, LinkError, LinkTarget, PciWire};
+use super::{
+    counter_notes, dispatch, CounterNotes, GuestMemory, LinkCounters, LinkError, LinkTarget,
+    PciStats, PciWire,
+};
 
 /// The stream, and the lock its writers take.
 struct TcpWire {
@@ -40,7 +43,9 @@ impl PciWire for TcpWire {
 }
 
 /// Opens the stream, checks the lender's answer and starts the reader thread, which
-/// hands replies and interrupts on and sets `closed` when it ends.
+/// hands replies and interrupts on, adds the lender's DMA counters to `stats` and sets
+/// `closed` when it ends.
+#[allow(clippy::too_many_arguments)] // What the reader thread is given, one by one.
 pub(super) fn open(
     t: &LinkTarget,
     hello: &Hello,
@@ -48,6 +53,7 @@ pub(super) fn open(
     replies: Sender<Message>,
     irqs: Sender<Irq>,
     counters: &Arc<LinkCounters>,
+    stats: &Arc<PciStats>,
     closed: &Arc<AtomicBool>,
 ) -> Result<(Box<dyn PciWire>, devlend_fabric::handshake::PciIdentity), ConnectError> {
     let io = |e: std::io::Error| ConnectError::Handshake {
@@ -62,6 +68,7 @@ pub(super) fn open(
         write: Arc::clone(&write),
         memory,
         counters: Arc::clone(counters),
+        notes: counter_notes(hello, &reply, stats),
     };
     let done = Arc::clone(closed);
     std::thread::Builder::new()
@@ -81,6 +88,8 @@ struct Reader {
     write: Arc<Mutex<()>>,
     memory: Arc<dyn GuestMemory>,
     counters: Arc<LinkCounters>,
+    /// The session's DMA counters notes.
+    notes: CounterNotes,
 }
 
 impl Reader {
@@ -144,7 +153,7 @@ fn read_loop(rx: &Reader, replies: Sender<Message>, irqs: Sender<Irq>) {
             }
             continue;
         }
-        if !dispatch(m, &replies, &irqs) {
+        if !dispatch(m, &replies, &irqs, &rx.notes) {
             let _ = stream.shutdown(Shutdown::Both);
             return;
         }

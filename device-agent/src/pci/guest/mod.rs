@@ -50,6 +50,14 @@ pub(crate) trait GuestAccess {
     /// # Errors
     /// [`GuestError`].
     fn interrupt(&mut self, vector: u32) -> Result<(), GuestError>;
+
+    /// Sends the borrower the mediator's DMA counters (a
+    /// [`devlend_fabric::pci::KIND_COUNTERS`] note; the mediator sends one only to a
+    /// borrower that reads them).
+    ///
+    /// # Errors
+    /// [`GuestError`].
+    fn counters(&mut self, c: &devlend_fabric::pci::DmaCounters) -> Result<(), GuestError>;
 }
 
 /// Fabric traffic of the lender's guest memory accesses (messages and bytes, headers

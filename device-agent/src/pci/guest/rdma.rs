@@ -162,4 +162,13 @@ impl GuestAccess for RdmaGuest<'_> {
             .send(&Message::new(KIND_IRQ, Irq { index, vector }.encode()))
             .map_err(wire)
     }
+
+    fn counters(&mut self, c: &devlend_fabric::pci::DmaCounters) -> Result<(), GuestError> {
+        self.ch
+            .send(&Message::new(
+                devlend_fabric::pci::KIND_COUNTERS,
+                c.encode(),
+            ))
+            .map_err(wire)
+    }
 }

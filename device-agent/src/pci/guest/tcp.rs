@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::pci::{
-    encode_page, page_cost, Irq, MemRead, Message, PciStatus, KIND_IRQ, KIND_MEM_READ,
-    KIND_MEM_WRITE, MAX_ACCESS, PCI_HEADER_LEN, REPLY,
+    encode_page, page_cost, DmaCounters, Irq, MemRead, Message, PciStatus, KIND_COUNTERS, KIND_IRQ,
+    KIND_MEM_READ, KIND_MEM_WRITE, MAX_ACCESS, PCI_HEADER_LEN, REPLY,
 };
 use devlend_fabric::WireError;
 
@@ -171,5 +171,9 @@ impl GuestAccess for TcpGuest<'_> {
         };
         self.count(|c| c.irqs += 1);
         self.send(&Message::new(KIND_IRQ, Irq { index, vector }.encode()))
+    }
+
+    fn counters(&mut self, c: &DmaCounters) -> Result<(), GuestError> {
+        self.send(&Message::new(KIND_COUNTERS, c.encode()))
     }
 }

@@ -36,6 +36,7 @@ impl Mediator {
                 devlend_fabric::limited!(warn, cqid, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
             }
         }
+        self.note_counters(g);
     }
 
     pub(super) fn drain(
@@ -112,8 +113,11 @@ impl Mediator {
         ok: bool,
     ) -> Result<bool, GuestError> {
         let mut data = Vec::new();
+        if cmd.peer && ok {
+            self.dma.peer += cmd.len as u64;
+        }
         if let (Some((first, n)), Some(arena)) = (cmd.bounce, self.arena.as_mut()) {
-            if ok && cmd.dir == Dir::FromDevice {
+            if ok && cmd.dir == Dir::FromDevice && !cmd.peer {
                 data = vec![0u8; cmd.len];
                 arena.buf.read(first * PAGE, &mut data);
             }
@@ -187,6 +191,7 @@ impl Mediator {
                 })
                 .collect();
             g.write(&pages)?;
+            self.dma.guest_written += data.len() as u64;
         }
         Ok(true)
     }
@@ -211,5 +216,79 @@ impl Mediator {
         id[520..522].copy_from_slice(&oncs.to_le_bytes());
         id[522..524].fill(0);
         id[536..540].fill(0);
+    }
+}
+
+impl Mediator {
+    /// Writes the backlog of CQ `cqid` to the guest's queue as far as it has room, then
+    /// raises its interrupt when anything was written and `irq`.
+    pub(super) fn post_backlog(
+        &mut self,
+        g: &mut dyn GuestAccess,
+        cqid: u16,
+        irq: bool,
+    ) -> Result<(), GuestError> {
+        let Some(cq) = self.cqs.get(&cqid) else {
+            return Ok(());
+        };
+        let (base, bytes) = (cq.guest, (usize::from(cq.size) * CQE) as u64);
+        if !self.inside(base, bytes) {
+            // Said only when completions are dropped, not at every idle look.
+            if !cq.backlog.is_empty() {
+                devlend_fabric::limited!(warn, cqid, dropped = cq.backlog.len(), "the guest's completion queue is no longer inside the DMA maps; its completions are dropped");
+            }
+            if let Some(cq) = self.cqs.get_mut(&cqid) {
+                cq.backlog.clear();
+            }
+            return Ok(());
+        }
+        let Some(cq) = self.cqs.get_mut(&cqid) else {
+            return Ok(());
+        };
+        let mut out: Vec<(u64, [u8; CQE])> = Vec::new();
+        while !cq.full() {
+            let Some(mut e) = cq.backlog.pop_front() else {
+                break;
+            };
+            let st = le16(&e, 14) & !1 | u16::from(cq.phase);
+            e[14..16].copy_from_slice(&st.to_le_bytes());
+            out.push((cq.guest + (usize::from(cq.tail) * CQE) as u64, e));
+            cq.tail = (cq.tail + 1) % cq.size;
+            if cq.tail == 0 {
+                cq.phase = !cq.phase;
+            }
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.stats.completed += out.len() as u64;
+        let vector = cq.vector;
+        let pages: Vec<(u64, &[u8])> = out.iter().map(|(i, e)| (*i, &e[..])).collect();
+        g.write(&pages)?;
+        if irq {
+            g.interrupt(u32::from(vector))?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn cq_head(&mut self, g: &mut dyn GuestAccess, qid: u16, head: u16) {
+        let Some(cq) = self.cqs.get_mut(&qid) else {
+            devlend_fabric::limited!(
+                info,
+                qid,
+                "head doorbell of a queue that does not exist; ignored"
+            );
+            return;
+        };
+        if head >= cq.size {
+            devlend_fabric::limited!(info, qid, head, "CQ head past the queue; ignored");
+            return;
+        }
+        cq.head = head;
+        if !cq.backlog.is_empty() {
+            if let Err(e) = self.post_backlog(g, qid, true) {
+                devlend_fabric::limited!(warn, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
+            }
+        }
     }
 }

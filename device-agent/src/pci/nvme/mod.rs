@@ -24,11 +24,13 @@
 //! [`submit`] and [`complete`] the three parts above; [`cmd`] and [`spec`] the checks
 //! and the specification's constants (std only: the fuzz target `pci_decode` compiles
 //! them by path); [`dma`] the lender memory the controller reaches; [`throttle`] the
-//! holder's limits, which leave I/O commands in the guest's queues until they may go.
+//! holder's limits, which leave I/O commands in the guest's queues until they may go;
+//! [`peer`] commands whose buffers lie in peers' BARs.
 
 pub(crate) mod cmd;
 mod complete;
 pub(crate) mod dma;
+mod peer;
 mod regs;
 pub(crate) mod spec;
 mod submit;
@@ -37,7 +39,7 @@ pub(crate) mod throttle;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
-use devlend_fabric::pci::PciStatus;
+use devlend_fabric::pci::{DmaCounters, PciStatus};
 use vfio_ioctls::VfioContainer;
 
 use self::cmd::{Dir, Segment};
@@ -177,6 +179,9 @@ struct Prepared {
     /// Data for the controller ([`Dir::ToDevice`]).
     data: Vec<u8>,
     post: Post,
+    /// Its buffers lie in peers' BARs (`crate::pci::peer`): their IOVAs in the
+    /// function's domain, given to the controller as they are (nothing bounced).
+    peer: Option<Vec<Segment>>,
 }
 
 impl Prepared {
@@ -194,6 +199,8 @@ struct Inflight {
     len: usize,
     segs: Vec<Segment>,
     post: Post,
+    /// Its buffers lie in peers' BARs: nothing to push to guest memory.
+    peer: bool,
 }
 
 /// The mediator of one lending of an NVMe controller.
@@ -223,6 +230,12 @@ pub(crate) struct Mediator {
     /// The holder's limits, if any limit applies.
     throttle: Option<throttle::Throttle>,
     pub(crate) stats: NvmeStats,
+    /// The peers' BARs this lending reaches (`crate::pci::peer`).
+    reach: Arc<crate::pci::peer::Reach>,
+    /// What the mediator moved for the function's DMA, and what the borrower was last
+    /// told of it (when it reads [`devlend_fabric::pci::KIND_COUNTERS`] notes).
+    pub(crate) dma: DmaCounters,
+    noted: Option<DmaCounters>,
 }
 
 fn mem_err(e: &GuestError) -> Status {
@@ -231,13 +244,15 @@ fn mem_err(e: &GuestError) -> Status {
 }
 
 impl Mediator {
-    /// A mediator for `f`, reading its CAP, under the holder's limits `throttle`.
+    /// A mediator for `f`, reading its CAP, under the holder's limits `throttle`; it
+    /// notes its DMA counters to the borrower when `notes`.
     ///
     /// # Errors
     /// When CAP cannot be read.
     pub(crate) fn new(
         f: &PciFunction,
         throttle: Option<throttle::Throttle>,
+        notes: bool,
     ) -> std::io::Result<Mediator> {
         let mut cap = [0u8; 8];
         f.pread(0, REG_CAP, &mut cap[..4])?;
@@ -262,6 +277,9 @@ impl Mediator {
             unfetched: false,
             throttle,
             stats: NvmeStats::default(),
+            reach: Arc::clone(&f.reach),
+            dma: DmaCounters::default(),
+            noted: notes.then(DmaCounters::default),
         })
     }
 
@@ -296,6 +314,18 @@ impl Mediator {
 
     fn inside(&self, iova: u64, len: u64) -> bool {
         cmd::inside_maps(&self.maps, iova, len)
+    }
+
+    /// Tells the borrower what moved, when it changed since it was last told and the
+    /// borrower reads such notes.
+    fn note_counters(&mut self, g: &mut dyn GuestAccess) {
+        if self.noted.is_some_and(|n| n != self.dma) {
+            if let Err(e) = g.counters(&self.dma) {
+                devlend_fabric::limited!(debug, error = %devlend_fabric::error::chain(&e), "cannot send the DMA counters");
+                return;
+            }
+            self.noted = Some(self.dma);
+        }
     }
 }
 

@@ -274,8 +274,11 @@ impl Mediator {
             Post::None
         };
         let max = self.max_transfer();
-        let maps = &self.maps;
-        let inside = |iova: u64, len: u64| cmd::inside_maps(maps, iova, len);
+        let (maps, reach) = (&self.maps, &self.reach);
+        // An I/O command's buffers may lie in peers' BARs instead (PRP lists stay in
+        // guest memory: they are read through it).
+        let in_peer = |iova: u64, len: u64| qid != 0 && reach.translate(iova, len).is_some();
+        let inside = |iova: u64, len: u64| cmd::inside_maps(maps, iova, len) || in_peer(iova, len);
         let segs = cmd::prp_segments(
             le64(&sqe, 24),
             le64(&sqe, 32),
@@ -284,6 +287,17 @@ impl Mediator {
             |iova, buf| g.read(iova, buf).map_err(|e| mem_err(&e)),
             inside,
         )?;
+        if let Some(peer) = peer::in_peers(&segs, maps, reach)? {
+            return Ok(Prepared {
+                sqe,
+                dir: t.dir,
+                len: t.len,
+                segs,
+                data: Vec::new(),
+                post,
+                peer: Some(peer),
+            });
+        }
         let mut data = Vec::new();
         if t.dir == Dir::ToDevice {
             data = vec![0u8; t.len];
@@ -292,6 +306,7 @@ impl Mediator {
                 g.read(iova, &mut data[o..o + n]).map_err(|e| mem_err(&e))?;
                 o += n;
             }
+            self.dma.guest_read += t.len as u64;
         }
         Ok(Prepared {
             sqe,
@@ -300,6 +315,7 @@ impl Mediator {
             segs,
             data,
             post,
+            peer: None,
         })
     }
 
@@ -427,7 +443,11 @@ impl Mediator {
                 break;
             }
             let data_pages = p.len.div_ceil(PAGE);
-            let pages = data_pages + usize::from(data_pages > 2);
+            // A peer's BAR holds the data: only a PRP list is the mediator's.
+            let pages = match &p.peer {
+                Some(_) => usize::from(data_pages > 2),
+                None => data_pages + usize::from(data_pages > 2),
+            };
             let first = if pages > 0 {
                 match arena.alloc(pages) {
                     Some(i) => Some(i),
@@ -442,6 +462,22 @@ impl Mediator {
             sq.pending_bytes = sq.pending_bytes.saturating_sub(p.cost());
             let mut sqe = p.sqe;
             match (&p.post, first) {
+                _ if p.peer.is_some() => {
+                    let pages = peer::prp_pages(p.peer.as_deref().unwrap_or_default());
+                    let prp2 = match (pages.len(), first) {
+                        (0 | 1, _) => 0,
+                        (2, _) => pages[1],
+                        (_, Some(i)) => {
+                            let list: Vec<u8> =
+                                pages[1..].iter().flat_map(|a| a.to_le_bytes()).collect();
+                            arena.buf.write(i * PAGE, &list);
+                            arena.iova(i)
+                        }
+                        (_, None) => 0,
+                    };
+                    sqe[24..32].copy_from_slice(&pages.first().copied().unwrap_or(0).to_le_bytes());
+                    sqe[32..40].copy_from_slice(&prp2.to_le_bytes());
+                }
                 (Post::CreateSq(_, s), _) => {
                     sqe[24..32].copy_from_slice(&s.shadow.iova.to_le_bytes())
                 }
@@ -482,6 +518,7 @@ impl Mediator {
                     len: p.len,
                     segs: std::mem::take(&mut p.segs),
                     post: p.post,
+                    peer: p.peer.is_some(),
                 },
             );
         }
@@ -512,78 +549,6 @@ impl Mediator {
     pub(super) fn flush_cq_for_sq(&mut self, g: &mut dyn GuestAccess, sqid: u16) {
         if let Some(cqid) = self.sqs.get(&sqid).map(|s| s.cqid) {
             if let Err(e) = self.post_backlog(g, cqid, true) {
-                devlend_fabric::limited!(warn, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
-            }
-        }
-    }
-
-    /// Writes the backlog of CQ `cqid` to the guest's queue as far as it has room, then
-    /// raises its interrupt when anything was written and `irq`.
-    pub(super) fn post_backlog(
-        &mut self,
-        g: &mut dyn GuestAccess,
-        cqid: u16,
-        irq: bool,
-    ) -> Result<(), GuestError> {
-        let Some(cq) = self.cqs.get(&cqid) else {
-            return Ok(());
-        };
-        let (base, bytes) = (cq.guest, (usize::from(cq.size) * CQE) as u64);
-        if !self.inside(base, bytes) {
-            // Said only when completions are dropped, not at every idle look.
-            if !cq.backlog.is_empty() {
-                devlend_fabric::limited!(warn, cqid, dropped = cq.backlog.len(), "the guest's completion queue is no longer inside the DMA maps; its completions are dropped");
-            }
-            if let Some(cq) = self.cqs.get_mut(&cqid) {
-                cq.backlog.clear();
-            }
-            return Ok(());
-        }
-        let Some(cq) = self.cqs.get_mut(&cqid) else {
-            return Ok(());
-        };
-        let mut out: Vec<(u64, [u8; CQE])> = Vec::new();
-        while !cq.full() {
-            let Some(mut e) = cq.backlog.pop_front() else {
-                break;
-            };
-            let st = le16(&e, 14) & !1 | u16::from(cq.phase);
-            e[14..16].copy_from_slice(&st.to_le_bytes());
-            out.push((cq.guest + (usize::from(cq.tail) * CQE) as u64, e));
-            cq.tail = (cq.tail + 1) % cq.size;
-            if cq.tail == 0 {
-                cq.phase = !cq.phase;
-            }
-        }
-        if out.is_empty() {
-            return Ok(());
-        }
-        self.stats.completed += out.len() as u64;
-        let vector = cq.vector;
-        let pages: Vec<(u64, &[u8])> = out.iter().map(|(i, e)| (*i, &e[..])).collect();
-        g.write(&pages)?;
-        if irq {
-            g.interrupt(u32::from(vector))?;
-        }
-        Ok(())
-    }
-
-    pub(super) fn cq_head(&mut self, g: &mut dyn GuestAccess, qid: u16, head: u16) {
-        let Some(cq) = self.cqs.get_mut(&qid) else {
-            devlend_fabric::limited!(
-                info,
-                qid,
-                "head doorbell of a queue that does not exist; ignored"
-            );
-            return;
-        };
-        if head >= cq.size {
-            devlend_fabric::limited!(info, qid, head, "CQ head past the queue; ignored");
-            return;
-        }
-        cq.head = head;
-        if !cq.backlog.is_empty() {
-            if let Err(e) = self.post_backlog(g, qid, true) {
                 devlend_fabric::limited!(warn, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
             }
         }

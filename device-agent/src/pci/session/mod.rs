@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use devlend_fabric::conn::Stream;
-use devlend_fabric::pci::FEATURE_PCI;
+use devlend_fabric::pci::{FEATURE_PCI, FEATURE_PCI_COUNTERS};
 use devlend_fabric::HelloStatus;
 
 use crate::config::Coherence;
@@ -58,6 +58,8 @@ struct Tcp<'a> {
     _lent: Lent<'a>,
     throttle: Option<Throttle>,
     frame_timeout: Duration,
+    /// The borrower reads DMA counter notes.
+    notes: bool,
 }
 
 /// Opens a PCI session over TCP: takes the function, grants feature PCI.
@@ -66,21 +68,30 @@ pub(super) fn open_tcp<'a>(
     at: &Opening<'a>,
 ) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
     let (lent, throttle) = lend(f, at)?;
+    let notes = at.hello.features & FEATURE_PCI_COUNTERS;
     Ok(Opened {
-        features: FEATURE_PCI,
+        features: FEATURE_PCI | notes,
         credit: None,
         session: Box::new(Tcp {
             f,
             _lent: lent,
             throttle,
             frame_timeout: at.options.frame_timeout,
+            notes: notes != 0,
         }),
     })
 }
 
 impl TcpSession for Tcp<'_> {
     fn serve(self: Box<Self>, sock: &Stream, peer: SocketAddr) -> End {
-        tcp::serve(self.f, sock, peer, self.throttle, self.frame_timeout)
+        tcp::serve(
+            self.f,
+            sock,
+            peer,
+            self.throttle,
+            self.frame_timeout,
+            self.notes,
+        )
     }
 }
 
@@ -91,7 +102,7 @@ pub(super) use self::over_rdma::open_rdma;
 mod over_rdma {
     use std::sync::atomic::AtomicBool;
 
-    use devlend_fabric::pci::FEATURE_PCI;
+    use devlend_fabric::pci::{FEATURE_PCI, FEATURE_PCI_COUNTERS};
     use devlend_fabric::rdma::verbs::Connection;
 
     use super::{lend, rdma};
@@ -106,6 +117,7 @@ mod over_rdma {
         dev: &'a crate::device_counters::DeviceCounters,
         _lent: Lent<'a>,
         throttle: Option<Throttle>,
+        notes: bool,
     }
 
     /// Opens a PCI session over RDMA: takes the function, grants feature PCI.
@@ -114,14 +126,16 @@ mod over_rdma {
         at: &Opening<'a>,
     ) -> Result<Opened<Box<dyn RdmaSession + 'a>>, Refused> {
         let (lent, throttle) = lend(f, at)?;
+        let notes = at.hello.features & FEATURE_PCI_COUNTERS;
         Ok(Opened {
-            features: FEATURE_PCI,
+            features: FEATURE_PCI | notes,
             credit: None,
             session: Box::new(Rdma {
                 f,
                 dev: at.dev,
                 _lent: lent,
                 throttle,
+                notes: notes != 0,
             }),
         })
     }
@@ -135,7 +149,7 @@ mod over_rdma {
         fn serve(self: Box<Self>, conn: Connection, stop: &AtomicBool, peer: &str) {
             let dev = self.dev;
             let device = &dev.name;
-            let end = rdma::serve(self.f, conn, self.throttle, stop);
+            let end = rdma::serve(self.f, conn, self.throttle, stop, self.notes);
             dev.stats.session_closed();
             match end {
                 End::PeerClosed => {

@@ -70,6 +70,7 @@ pub(crate) fn serve(
     conn: Connection,
     throttle: Option<Throttle>,
     stop: &AtomicBool,
+    notes: bool,
 ) -> End {
     let table = match IrqTable::new() {
         Ok(t) => t,
@@ -79,7 +80,7 @@ pub(crate) fn serve(
     let mut med = match f.coherence {
         Coherence::Mirror => None,
         Coherence::Nvme => {
-            let m = match Mediator::new(f, throttle) {
+            let m = match Mediator::new(f, throttle, notes) {
                 Ok(m) => m,
                 Err(e) => return End::Socket(e),
             };
@@ -105,7 +106,7 @@ pub(crate) fn serve(
     if let Some(md) = &mut med {
         // Bus mastering is off and the function reset: the shadow queues can go.
         md.m.reset();
-        tracing::info!(stats = ?md.m.stats, fabric = ?md.counters, "NVMe mediator ends");
+        tracing::info!(stats = ?md.m.stats, dma = ?md.m.dma, fabric = ?md.counters, "NVMe mediator ends");
     }
     tracing::info!(bdf = %f.bdf, "function quiesced for the next borrower");
     drop(med);

@@ -41,7 +41,8 @@ const IRQ_POLL: Duration = Duration::from_millis(200);
 const NVME_IDLE_POLL: Duration = Duration::from_millis(10);
 
 /// Serves one borrower's session on `f` until it closes or breaks the protocol, then
-/// quiesces the function.
+/// quiesces the function; the mediator notes its DMA counters to the borrower when
+/// `notes`.
 ///
 /// Between messages the lender waits as long as the borrower likes; once a message has
 /// begun, the rest of it must arrive within `frame_timeout`, else the session ends (a
@@ -52,6 +53,7 @@ pub(crate) fn serve(
     peer: SocketAddr,
     throttle: Option<Throttle>,
     frame_timeout: Duration,
+    notes: bool,
 ) -> End {
     let table = match IrqTable::new() {
         Ok(t) => t,
@@ -59,7 +61,7 @@ pub(crate) fn serve(
     };
     let writer = Mutex::new(());
     let nvme = match f.coherence {
-        Coherence::Nvme => match Mediator::new(f, throttle) {
+        Coherence::Nvme => match Mediator::new(f, throttle, notes) {
             Ok(m) => Some(TcpMediated {
                 throttled: m.throttled(),
                 mediator: Mutex::new(m),
@@ -87,7 +89,7 @@ pub(crate) fn serve(
     if let Some(n) = &nvme {
         let m = n.mediator.lock().unwrap_or_else(PoisonError::into_inner);
         let c = n.counters.lock().unwrap_or_else(PoisonError::into_inner);
-        tracing::info!(%peer, stats = ?m.stats, fabric = ?*c, "NVMe mediator ends");
+        tracing::info!(%peer, stats = ?m.stats, dma = ?m.dma, fabric = ?*c, "NVMe mediator ends");
     }
     tracing::info!(%peer, bdf = %f.bdf, "function quiesced for the next borrower");
     end
