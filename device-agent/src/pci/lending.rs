@@ -289,6 +289,7 @@ impl<'a> Lending<'a> {
         } else {
             Vec::new()
         };
+        tracing::debug!(bdf = %f.bdf, decoding, windows = windows.len(), "peer windows");
         m.update(windows);
     }
 

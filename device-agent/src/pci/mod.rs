@@ -174,6 +174,15 @@ impl PciFunction {
                 f.device.get_region_flags(i as u32),
             );
             if size < 4096 || size % 4096 != 0 || flags & VFIO_REGION_INFO_FLAG_MMAP == 0 {
+                if size > 0 {
+                    tracing::debug!(
+                        bdf,
+                        bar = i,
+                        size,
+                        flags,
+                        "a BAR VFIO does not let be mapped: no peer reaches it"
+                    );
+                }
                 continue;
             }
             match peer::BarMap::new(f.device.as_raw_fd(), f.offsets[i], size) {
