@@ -68,7 +68,7 @@ devlend-device-agent --listen 0.0.0.0:7700 --insecure --device src=pci:$SRC --de
 n=0
 while ! grep -q "addr=0.0.0.0:7700" /tmp/lender.log && [ $n -lt 600 ]; do sleep 0.2; n=$((n + 1)); done
 echo "p2p: the lender is up"
-tail -n +1 -f /tmp/lender.log | sed 's/^/lender: /' &
+tail -n +1 -f /tmp/lender.log | while read -r l; do echo "lender: $l"; done &
 sleep 100000
 "#;
 
@@ -200,17 +200,29 @@ impl CmbVmm {
 /// `src`'s driver on this host: reads [`BYTES`] at [`SLBA`] with PRPs at `to` (a PRP
 /// list in its guest memory); the completion's (SCT, SC).
 fn read_to(d: &mut nvme::Driver, to: u64) -> (u16, u16) {
-    let pages = (BYTES / 4096) as u64;
+    read_n(d, to, BYTES)
+}
+
+/// As [`read_to`], `bytes` (a multiple of 512) to `to` at any dword offset: PRP 1 is
+/// `to`, the list holds each page after it.
+fn read_n(d: &mut nvme::Driver, to: u64, bytes: usize) -> (u16, u16) {
+    let first = to & !0xfff;
+    let pages = (to + bytes as u64 - first).div_ceil(4096);
     let list: Vec<u8> = (1..pages)
-        .flat_map(|k| (to + k * 4096).to_le_bytes())
+        .flat_map(|k| (first + k * 4096).to_le_bytes())
         .collect();
     d.mem.write(nvme::LIST, &list);
+    let prp2 = match pages {
+        1 => 0,
+        2 => first + 4096,
+        _ => IOVA + nvme::LIST,
+    };
     let e = sqe(
         0x02,
         1,
         to,
-        IOVA + nvme::LIST,
-        [SLBA as u32, 0, (BYTES / 512 - 1) as u32, 0, 0, 0],
+        prp2,
+        [SLBA as u32, 0, (bytes / 512 - 1) as u32, 0, 0, 0],
     );
     d.run(true, e).sc()
 }
@@ -381,6 +393,20 @@ fn moves_and_decoding(agent: &Borrower, dir: &Path, port: u16) {
     assert_eq!(cmb.read(), vec![0x11; BYTES], "nothing landed");
     assert_eq!(read_to(&mut src, BAR2_MOVED), (0, 0), "the new address");
     assert_eq!(fnv1a(&cmb.read()), fnv1a(&pattern()));
+    // 8 KiB at an offset into the page: three PRP entries (a list) for two pages of
+    // data (a trial found PRP 2 given as 0 there).
+    cmb.fill(0);
+    assert_eq!(
+        read_n(&mut src, BAR2_MOVED + 0x200, 8192),
+        (0, 0),
+        "8 KiB at +0x200"
+    );
+    let got = cmb.read();
+    assert_eq!(
+        &got[0x200..0x200 + 8192],
+        &pattern()[..8192],
+        "the unaligned read"
+    );
     cmb.fill(0x22);
     cmb.decode(false);
     assert_eq!(
@@ -394,6 +420,11 @@ fn moves_and_decoding(agent: &Borrower, dir: &Path, port: u16) {
         vec![0x22; BYTES],
         "nothing landed while it was off"
     );
+    // A VMM that leaves memory decoding off: the next holder must still find the
+    // function usable (a trial found every later session failing with EIO).
+    src.client
+        .region_write(CONFIG, 4, &[0, 0])
+        .expect("decoding off");
     drop(src);
     drop(cmb);
     for s in &socks {

@@ -32,6 +32,28 @@ pub(crate) struct Layout {
     pub(crate) initial: Vec<u8>,
 }
 
+/// The BARs (by index) that hold a function's MSI-X table or pending bit array (PCI
+/// 3.0 §6.8.2.4, .5: the BIR of the table and PBA offset registers), from its config
+/// space `initial`: the lender virtualizes MSI-X, so no peer may reach them.
+pub(crate) fn msix_bars(initial: &[u8]) -> Vec<usize> {
+    let b = |o: usize| initial.get(o).copied().unwrap_or(0);
+    let mut out = Vec::new();
+    if b(0x06) & 0x10 == 0 {
+        return out;
+    }
+    let mut p = usize::from(b(0x34) & !3);
+    let mut hops = 0;
+    while p >= 0x40 && p + 12 <= initial.len() && hops < 48 {
+        if b(p) == CAP_MSIX {
+            out.push(usize::from(b(p + 4) & 7));
+            out.push(usize::from(b(p + 8) & 7));
+        }
+        p = usize::from(b(p + 1) & !3);
+        hops += 1;
+    }
+    out
+}
+
 /// The virtual config space of one lending.
 #[derive(Debug, Clone)]
 pub(crate) struct VirtConfig {
@@ -343,6 +365,26 @@ mod tests {
         assert_eq!(read(&c, &l.initial, 0x42, 1) & 0x70, 0x20);
         c.write(0x42, &[0x71]); // 128 asked
         assert_eq!(read(&c, &l.initial, 0x42, 1) & 0x70, 0x20, "cut to 4");
+    }
+
+    #[test]
+    fn msix_table_and_pba_bars_are_found_through_the_capability_list() {
+        let mut cfg = vec![0u8; 256];
+        cfg[0x06] = 0x10;
+        cfg[0x34] = 0x40;
+        cfg[0x40] = CAP_MSI;
+        cfg[0x41] = 0x60;
+        cfg[0x60] = CAP_MSIX;
+        cfg[0x64..0x68].copy_from_slice(&0x2000_0003u32.to_le_bytes());
+        cfg[0x68..0x6c].copy_from_slice(&0x3000_0004u32.to_le_bytes());
+        assert_eq!(msix_bars(&cfg), vec![3, 4]);
+        cfg[0x06] = 0;
+        assert_eq!(msix_bars(&cfg), Vec::<usize>::new(), "no capability list");
+        let mut looped = vec![0u8; 256];
+        looped[0x06] = 0x10;
+        looped[0x34] = 0x40;
+        looped[0x41] = 0x40;
+        assert_eq!(msix_bars(&looped), Vec::<usize>::new(), "a loop ends");
     }
 
     #[test]

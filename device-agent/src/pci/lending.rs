@@ -73,6 +73,9 @@ pub(crate) struct Lending<'a> {
     pub(crate) push_error: Option<Refusal>,
     /// Its VM's peer group, once the borrower named the VM (`peer`).
     peer: Option<Membership>,
+    /// Memory decoding as this lending's borrower last set it (off until it does: the
+    /// function's own bit is on between lendings, for the lender).
+    decoding: bool,
 }
 
 impl<'a> Lending<'a> {
@@ -87,6 +90,7 @@ impl<'a> Lending<'a> {
             table,
             push_error: None,
             peer: None,
+            decoding: false,
         }
     }
 
@@ -113,6 +117,7 @@ impl<'a> Lending<'a> {
                 }
                 self.f.device.reset();
                 self.cfg = VirtConfig::new(&self.f.layout);
+                self.decoding = false;
                 self.refresh_windows();
                 if let Some(nv) = self.nvme {
                     nv.with(self.table, true, |m, _| m.reset());
@@ -233,6 +238,9 @@ impl<'a> Lending<'a> {
         }
         // The command register (memory decoding) or a BAR: where peers reach it.
         let touched = |o: u64, n: u64| a.offset < o + n && o < a.offset + data.len() as u64;
+        if touched(0x04, 1) {
+            self.decoding = data[(0x04 - a.offset) as usize] & 0x02 != 0;
+        }
         if touched(0x04, 2) || touched(0x10, 24) {
             self.refresh_windows();
         }
@@ -266,11 +274,7 @@ impl<'a> Lending<'a> {
             return;
         };
         let f = self.f;
-        let mut cmd = [0u8; 2];
-        let decoding = f
-            .pread(VFIO_PCI_CONFIG_REGION_INDEX, 0x04, &mut cmd)
-            .is_ok()
-            && cmd[0] & 0x02 != 0;
+        let decoding = self.decoding;
         let mediated = f.coherence == Coherence::Nvme;
         let windows = if decoding {
             self.cfg
@@ -455,17 +459,24 @@ impl<'a> Lending<'a> {
                 tracing::warn!(bdf = %f.bdf, index, error = %e, "cannot disable an interrupt index");
             }
         }
-        // Bus mastering off first: no DMA into a mirror about to be freed.
-        let mut cmd = [0u8; 2];
-        if f.pread(VFIO_PCI_CONFIG_REGION_INDEX, 0x04, &mut cmd)
-            .is_ok()
-        {
-            cmd[0] &= !0x04;
-            if let Err(e) = f.pwrite(VFIO_PCI_CONFIG_REGION_INDEX, 0x04, &cmd) {
-                tracing::warn!(bdf = %f.bdf, error = %e, "cannot turn bus mastering off");
+        // Bus mastering off first: no DMA into a mirror about to be freed. Memory
+        // decoding on, as VFIO opened it: the next session (its mediator) reads BAR 0
+        // before its borrower writes the command register, and a borrower that turned
+        // decoding off must not leave the function unusable.
+        let command = |what: &str| {
+            let mut cmd = [0u8; 2];
+            if f.pread(VFIO_PCI_CONFIG_REGION_INDEX, 0x04, &mut cmd)
+                .is_ok()
+            {
+                cmd[0] = (cmd[0] & !0x04) | 0x02;
+                if let Err(e) = f.pwrite(VFIO_PCI_CONFIG_REGION_INDEX, 0x04, &cmd) {
+                    tracing::warn!(bdf = %f.bdf, error = %e, "cannot {what}");
+                }
             }
-        }
+        };
+        command("turn bus mastering off");
         f.device.reset();
+        command("turn memory decoding back on after the reset");
         if let Some(nv) = self.nvme {
             // Bus mastering is off: the shadow queues and bounce buffers can go.
             nv.with(self.table, false, |m, _| m.reset());

@@ -202,6 +202,12 @@ impl PciFunction {
         }
         bar_sizes[6] = f.info.regions[VFIO_PCI_ROM_REGION_INDEX as usize].size;
         f.layout = config::Layout { bar_sizes, initial };
+        // The MSI-X table and PBA are virtualized here: no peer writes them.
+        for i in config::msix_bars(&f.layout.initial) {
+            if let Some(m) = f.bar_maps.get_mut(i) {
+                *m = None;
+            }
+        }
         let id = |o: usize| {
             let b = |i: usize| f.layout.initial.get(i).copied().unwrap_or(0xff);
             format!("{:04x}", u16::from_le_bytes([b(o), b(o + 1)]))

@@ -443,9 +443,10 @@ impl Mediator {
                 break;
             }
             let data_pages = p.len.div_ceil(PAGE);
-            // A peer's BAR holds the data: only a PRP list is the mediator's.
+            // A peer's BAR holds the data: only a PRP list is the mediator's, needed when
+            // the entries (which follow PRP 1's offset, not the length) are more than 2.
             let pages = match &p.peer {
-                Some(_) => usize::from(data_pages > 2),
+                Some(segs) => usize::from(peer::prp_pages(segs).len() > 2),
                 None => data_pages + usize::from(data_pages > 2),
             };
             let first = if pages > 0 {
