@@ -443,7 +443,8 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
     //   front-end asked for it (need_reply);
     // - GET_CONFIG gets a reply with a zero-length payload, SET_DEVICE_STATE_FD and
     //   CHECK_DEVICE_STATE a non-zero value, GET_SHARED_OBJECT a reply without an fd.
-    // Anything else has no error reply in the spec: the error is returned and the
+    // - every other request with a reply body gets a reply without one (below).
+    // An unknown code without need_reply has no reply: the error is returned and the
     // caller closes the connection.
     fn send_error_reply(
         &mut self,
@@ -463,6 +464,12 @@ impl<S: VhostUserBackendReqHandler> BackendReqHandler<S> {
             }
             Ok(FrontendReq::GET_SHARED_OBJECT) => self.send_reply_message(hdr, &VhostUserEmpty),
             Ok(code) if !has_reply_body(code) => self.send_ack_message(hdr, Err(err)),
+            // devlend patch: a request whose reply has a body and no error form of its
+            // own (GET_VRING_BASE out of range, GET_FEATURES before its time, ...) gets
+            // its reply with no body: the front-end asked for a reply and gets one, sees
+            // that it is not the size the request's reply has, and fails that request
+            // (QEMU: "Received bad msg size"); the session goes on.
+            Ok(_) => self.send_reply_message(hdr, &VhostUserEmpty),
             // devlend patch: a request code this back-end does not know has no reply of
             // its own that it could know of; a front-end that asked for an ack gets a
             // failed one (spec "REPLY_ACK": the reply's request code is the request's).
@@ -1665,11 +1672,16 @@ mod tests {
         );
         let mut frontend_endpoint = Endpoint::<VhostUserMsgHeader<FrontendReq>>::from_stream(p2);
 
-        std::thread::spawn(move || {
-            let hdr = VhostUserMsgHeader::new(FrontendReq::GET_SHMEM_CONFIG, 0, 0);
-            let _ = frontend_endpoint.send_message(&hdr, &VhostUserEmpty, None);
-        });
-        assert!(handler.handle_request().is_err());
+        let hdr = VhostUserMsgHeader::new(FrontendReq::GET_SHMEM_CONFIG, 0, 0);
+        frontend_endpoint
+            .send_message(&hdr, &VhostUserEmpty, None)
+            .unwrap();
+        // devlend: refused with a reply without a body; the session goes on.
+        handler.handle_request().unwrap();
+        let (reply, _) = frontend_endpoint.recv_header().unwrap();
+        assert!(reply.is_reply());
+        assert_eq!(reply.get_code().unwrap(), FrontendReq::GET_SHMEM_CONFIG);
+        assert_eq!(reply.get_size(), 0);
     }
 
     // devlend: a handler past SET_OWNER with REPLY_ACK and `proto` negotiated, and the
@@ -2014,11 +2026,18 @@ mod tests {
             0
         );
 
-        // GET_VRING_BASE has no error reply in the spec: the request fails (and the
-        // caller closes the connection), without a panic.
+        // GET_VRING_BASE has no error reply in the spec: it gets its reply without a
+        // body (the front-end fails that request), and the session goes on.
         let hdr = VhostUserMsgHeader::new(FrontendReq::GET_VRING_BASE, 0, 8);
         ep.send_message(&hdr, &state(bad, 0), None).unwrap();
-        assert!(handler.handle_request().is_err());
+        handler.handle_request().unwrap();
+        let (reply, _) = ep.recv_header().unwrap();
+        assert_eq!(reply.get_code().unwrap(), FrontendReq::GET_VRING_BASE);
+        assert_eq!(reply.get_size(), 0);
+        assert_eq!(
+            ack_of(&mut handler, &mut ep, code, &state(0, 0x10), &[], None),
+            0
+        );
     }
 
     #[test]
