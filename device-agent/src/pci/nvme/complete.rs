@@ -36,7 +36,7 @@ impl Mediator {
                 devlend_fabric::limited!(warn, cqid, error = %devlend_fabric::error::chain(&e), "cannot complete to the guest");
             }
         }
-        self.note_counters(g);
+        self.note_counters(g, vector.is_none());
     }
 
     pub(super) fn drain(

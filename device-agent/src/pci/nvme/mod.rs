@@ -236,7 +236,14 @@ pub(crate) struct Mediator {
     /// told of it (when it reads [`devlend_fabric::pci::KIND_COUNTERS`] notes).
     pub(crate) dma: DmaCounters,
     noted: Option<DmaCounters>,
+    /// When the borrower was last told (`noted`): notes go at most every
+    /// [`NOTE_INTERVAL`] while interrupts come, and on the next quiet look after.
+    noted_at: Option<std::time::Instant>,
 }
+
+/// Shortest time between two counter notes while the function's interrupts come: a
+/// note is a fabric message, which a completion per interrupt would otherwise pay.
+const NOTE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
 
 fn mem_err(e: &GuestError) -> Status {
     devlend_fabric::limited!(warn, error = %devlend_fabric::error::chain(e), "guest memory access failed");
@@ -280,6 +287,7 @@ impl Mediator {
             reach: Arc::clone(&f.reach),
             dma: DmaCounters::default(),
             noted: notes.then(DmaCounters::default),
+            noted_at: None,
         })
     }
 
@@ -317,15 +325,26 @@ impl Mediator {
     }
 
     /// Tells the borrower what moved, when it changed since it was last told and the
-    /// borrower reads such notes.
-    fn note_counters(&mut self, g: &mut dyn GuestAccess) {
-        if self.noted.is_some_and(|n| n != self.dma) {
-            if let Err(e) = g.counters(&self.dma) {
-                devlend_fabric::limited!(debug, error = %devlend_fabric::error::chain(&e), "cannot send the DMA counters");
-                return;
-            }
-            self.noted = Some(self.dma);
+    /// borrower reads such notes: on a `quiet` look (no interrupt: the session's idle
+    /// poll), or when [`NOTE_INTERVAL`] passed since the last note.
+    fn note_counters(&mut self, g: &mut dyn GuestAccess, quiet: bool) {
+        if !self.noted.is_some_and(|n| n != self.dma) {
+            return;
         }
+        let now = std::time::Instant::now();
+        if !quiet
+            && self
+                .noted_at
+                .is_some_and(|t| now.duration_since(t) < NOTE_INTERVAL)
+        {
+            return;
+        }
+        if let Err(e) = g.counters(&self.dma) {
+            devlend_fabric::limited!(debug, error = %devlend_fabric::error::chain(&e), "cannot send the DMA counters");
+            return;
+        }
+        self.noted = Some(self.dma);
+        self.noted_at = Some(now);
     }
 }
 
