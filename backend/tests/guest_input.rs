@@ -74,6 +74,7 @@ impl Rig {
             tls: None,
             transport: Transport::Tcp { relay: None },
             lender_key: None,
+            holder: None,
         };
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();

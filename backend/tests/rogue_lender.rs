@@ -125,6 +125,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
             tls: None,
             transport: Transport::Tcp { relay: None },
             lender_key: None,
+            holder: None,
         },
         limits,
         stats.clone(),

@@ -627,6 +627,7 @@ fn target(lender: &str) -> LinkTarget {
         timeout: Duration::from_secs(5),
         transport: Transport::Tcp,
         lender_key: None,
+        holder: None,
     }
 }
 

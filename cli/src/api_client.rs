@@ -96,10 +96,16 @@ impl ApiClient {
     ///
     /// # Errors
     /// No such attachment, or one that cannot migrate; the agent is unreachable.
-    pub fn handover(&self, id: &str, compute_host: Option<&str>) -> Result<HandoverInfo> {
+    pub fn handover(
+        &self,
+        id: &str,
+        compute_host: Option<&str>,
+        to_key: Option<&str>,
+    ) -> Result<HandoverInfo> {
         let url = format!("http://localhost/v1/attachments/{id}/handover");
         let body = devlend_compute_agent::api::HandoverRequest {
             compute_host: compute_host.map(str::to_owned),
+            to_key: to_key.map(str::to_owned),
         };
         let r = self.check(self.http.post(url).json(&body).send())?;
         r.json().context("bad answer from the compute agent")

@@ -32,6 +32,12 @@ pub enum MigrateCmd {
         /// (the pool grants it a lease that takes the device over).
         #[arg(long, value_name = "HOST")]
         to: Option<String>,
+        /// In direct mode: the destination compute agent's public key (its
+        /// `--auth-key-file`'s, as `devlend keygen` printed it). The token names it as
+        /// its holder, so only the destination can present it; without it, the token
+        /// names this agent's own key (hosts that share one key file).
+        #[arg(long, value_name = "KEY")]
+        to_key: Option<String>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -125,8 +131,13 @@ pub fn incoming_args(a: &AttachmentInfo, incoming: &str) -> String {
 pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
     let client = ApiClient::new(api)?;
     match cmd {
-        MigrateCmd::Handover { id, to, json } => {
-            let h = client.handover(&id, to.as_deref())?;
+        MigrateCmd::Handover {
+            id,
+            to,
+            to_key,
+            json,
+        } => {
+            let h = client.handover(&id, to.as_deref(), to_key.as_deref())?;
             if json {
                 return print_json(&h);
             }

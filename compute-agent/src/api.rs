@@ -149,6 +149,11 @@ pub struct HandoverRequest {
     /// pool); it holds the new lease.
     #[serde(default)]
     pub compute_host: Option<String>,
+    /// In direct mode: the destination compute agent's public key (base64url, as
+    /// `devlend keygen` prints it), which the token names as its holder: only the agent
+    /// that holds it can present the token. `None`: this agent's own key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_key: Option<String>,
 }
 
 /// Where a source attachment is in a live migration's handover.

@@ -497,6 +497,7 @@ mod tests {
             qos: None,
             successor_of: None,
             epoch: None,
+            holder_key: None,
         };
         edit(&mut c);
         pool.sign(&c).unwrap()

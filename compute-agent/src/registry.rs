@@ -123,8 +123,9 @@ pub struct Registry {
     /// Ids and sockets of attachments being set up.
     pending: Mutex<Vec<(String, std::path::PathBuf)>>,
     rates: crate::rates::RateTracker,
-    /// Signs the tokens of direct (lease-less) attachments, when configured.
-    signer: Option<devlend_fabric::lease_token::TokenSigner>,
+    /// Signs the tokens of direct (lease-less) attachments, when configured; they name
+    /// it as their holder.
+    signer: Option<devlend_fabric::holder_proof::HolderKey>,
     /// Signs this compute host's pool requests (lease bind, renew, release), and the
     /// CA for `https://` pools.
     pool: crate::lease::PoolAccess,
@@ -179,10 +180,37 @@ impl Registry {
     }
 
     /// Authenticates direct attachments: each gets a token signed with `signer`
-    /// (claims: its borrower identity, the device, an empty provider, a 10-year expiry),
-    /// which a lender given the public key (`--auth-key`) checks.
+    /// (claims: its borrower identity, the device, an empty provider, a 10-year expiry,
+    /// and `signer`'s public key as the holder's), which a lender given the public key
+    /// (`--auth-key`) checks, with the proof of holding `signer` in every handshake.
     pub fn set_signer(&mut self, signer: devlend_fabric::lease_token::TokenSigner) {
-        self.signer = Some(signer);
+        self.signer = Some(devlend_fabric::holder_proof::HolderKey::new(signer));
+    }
+
+    /// The key of this agent that `token` names as its holder (the pool key for a pool
+    /// lease granted to this host, the direct-mode key for its own tokens and for
+    /// handovers to it); `None` for a bearer token, or one that names a key this agent
+    /// does not have (the lender refuses it either way).
+    pub(crate) fn holder_for(
+        &self,
+        token: &[u8],
+    ) -> Option<devlend_fabric::holder_proof::HolderKey> {
+        if token.is_empty() {
+            return None;
+        }
+        let named = devlend_fabric::lease_token::LeaseToken::from_bytes(token.to_vec())
+            .claims_unverified()
+            .ok()?
+            .holder_key?;
+        let pool = self
+            .pool
+            .identity
+            .as_ref()
+            .map(|k| devlend_fabric::holder_proof::HolderKey(std::sync::Arc::clone(k)));
+        [self.signer.clone(), pool]
+            .into_iter()
+            .flatten()
+            .find(|k| k.public_key().to_bytes() == named)
     }
 
     /// Saves the attachments to `path` after every attach and detach, for

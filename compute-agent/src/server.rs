@@ -119,7 +119,7 @@ async fn handover(
         }
     };
     blocking("handover", move || {
-        r.handover(&id, req.compute_host.as_deref())
+        r.handover(&id, req.compute_host.as_deref(), req.to_key.as_deref())
     })
     .await
 }

@@ -21,13 +21,19 @@
 //!
 //! **Direct mode** ([`LeaseGuard::direct`]): tokens signed by the borrowers' own keys; no
 //! pool renews or ends them: a token is good until its own expiry.
+//!
+//! **Possession** (both modes): a token names its holder's key, and the borrower signs
+//! the lender's nonce of each handshake with it ([`devlend_fabric::holder_proof`]); a
+//! token that names no holder key is a bearer token, refused unless the operator allows
+//! them ([`LeaseGuard::allow_bearer_tokens`]).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use devlend_fabric::lease_token::{LeaseToken, PublicKey};
+use devlend_fabric::holder_proof;
+use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, PublicKey};
 use devlend_fabric::{Hello, HelloStatus};
 
 /// How often the lender checks the leases of its open sessions.
@@ -114,6 +120,8 @@ pub struct LeaseGuard {
     keys: Vec<PublicKey>,
     provider: String,
     pool_mode: bool,
+    /// Tokens that name no holder key are taken (`--allow-bearer-tokens`).
+    bearer: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
     file: Option<FenceFile>,
 }
@@ -128,6 +136,7 @@ impl LeaseGuard {
             keys: vec![key],
             provider: provider.to_owned(),
             pool_mode: true,
+            bearer: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(State::default()),
             file: None,
         }
@@ -179,9 +188,18 @@ impl LeaseGuard {
             keys,
             provider: String::new(),
             pool_mode: false,
+            bearer: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(State::default()),
             file: None,
         }
+    }
+
+    /// Takes tokens that name no holder key when `allow` (bearer
+    /// tokens: of a pool or compute agent from before proof of possession, or of a pool
+    /// with `--insecure-open-api`). Anyone who saw such a token on the wire can use it.
+    pub fn allow_bearer_tokens(&self, allow: bool) {
+        self.bearer
+            .store(allow, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The provider name tokens must carry.
@@ -222,6 +240,7 @@ impl LeaseGuard {
             }
         }
         let claims = verified.map_err(|e| format!("lease token refused: {e}"))?;
+        self.check_possession(hello, &claims)?;
         if claims.provider != self.provider {
             return Err(format!(
                 "lease token is for provider {:?}, this lender is {:?}",
@@ -289,6 +308,25 @@ impl LeaseGuard {
             },
             raised,
         ))
+    }
+
+    /// The borrower proved possession of the token's holder key for this handshake, or
+    /// the token is a bearer token and those are allowed.
+    fn check_possession(&self, hello: &Hello, claims: &LeaseClaims) -> Result<(), String> {
+        let Some(k) = claims.holder_key else {
+            return if self.bearer.load(std::sync::atomic::Ordering::Relaxed) {
+                Ok(())
+            } else {
+                Err("the lease token names no holder key (a bearer token, from a pool or compute agent without proof of possession): refused (a lender takes such tokens with --allow-bearer-tokens)".into())
+            };
+        };
+        let key = PublicKey::from_bytes(&k)
+            .map_err(|_| "the lease token's holder key is not an Ed25519 key".to_owned())?;
+        let Some(held) = hello.held.as_ref() else {
+            return Err(holder_proof::HolderError::Missing.to_string());
+        };
+        holder_proof::check(Some(held), &hello.possession_message(&held.nonce), &key)
+            .map_err(|e| e.to_string())
     }
 
     /// Whether the lease may still be served: in pool mode, while its epoch is not
@@ -385,7 +423,25 @@ pub fn hex(id: &[u8; 16]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use devlend_fabric::holder_proof::{Held, Possession};
     use devlend_fabric::lease_token::{LeaseClaims, TokenSigner};
+
+    /// The compute host's key that the test tokens name as holder.
+    fn holder() -> TokenSigner {
+        TokenSigner::from_seed([0x42; 32])
+    }
+
+    /// What the lender reads from a borrower that holds `key`: the token, and the
+    /// signature of a fresh nonce.
+    fn proved(mut h: Hello, key: &TokenSigner) -> Hello {
+        let nonce = holder_proof::nonce().unwrap();
+        let p = Possession::sign(key, &h.possession_message(&nonce), h.token.clone());
+        h.held = Some(Held {
+            nonce,
+            signature: p.signature,
+        });
+        h
+    }
 
     fn hello(signer: &TokenSigner, provider: &str, device: &str, expires: u64) -> Hello {
         leased(signer, provider, device, expires, 9, None, None)
@@ -410,11 +466,12 @@ mod tests {
             qos: None,
             successor_of: successor_of.map(|p| [p; 16]),
             epoch,
+            holder_key: Some(holder().public_key().to_bytes()),
         };
         let mut h = Hello::new(device, 0);
         h.borrower = [lease; 16];
         h.token = signer.sign(&claims).unwrap().as_bytes().to_vec();
-        h
+        proved(h, &holder())
     }
 
     fn direct_hello(signer: &TokenSigner, lease: u8, successor_of: Option<u8>) -> Hello {
@@ -428,11 +485,72 @@ mod tests {
             qos: None,
             successor_of: successor_of.map(|p| [p; 16]),
             epoch: None,
+            holder_key: Some(signer.public_key().to_bytes()),
         };
         let mut h = Hello::new("disk0", 0);
         h.borrower = [lease; 16];
         h.token = signer.sign(&claims).unwrap().as_bytes().to_vec();
-        h
+        proved(h, signer)
+    }
+
+    #[test]
+    fn a_token_opens_only_with_its_holders_signature_of_this_handshake() {
+        let pool = TokenSigner::from_seed([8; 32]);
+        let g = LeaseGuard::new(pool.public_key(), "p");
+        let h = leased(&pool, "p", "disk0", u64::MAX, 1, Some(1), None);
+        assert!(g.admit(&h, 0).is_ok());
+        // The token replayed as captured: no signature (a hello that sent it in the
+        // clear, as before proof of possession).
+        let mut bare = h.clone();
+        bare.held = None;
+        let e = g.admit(&bare, 0).unwrap_err();
+        assert_eq!(e.0, HelloStatus::Denied);
+        assert!(e.1.contains("did not prove possession"), "{}", e.1);
+        // The captured signature under the lender's next nonce.
+        let mut replayed = h.clone();
+        if let Some(held) = replayed.held.as_mut() {
+            held.nonce = holder_proof::nonce().unwrap();
+        }
+        let e = g.admit(&replayed, 0).unwrap_err();
+        assert!(e.1.contains("does not verify"), "{}", e.1);
+        // Another host's key signing this very handshake.
+        let mut thief = h.clone();
+        thief.held = None;
+        let e = g
+            .admit(&proved(thief, &TokenSigner::from_seed([9; 32])), 0)
+            .unwrap_err();
+        assert!(e.1.contains("does not verify"), "{}", e.1);
+        // Signed for another queue than the hello's.
+        let mut other_queue = h.clone();
+        other_queue.queue_index = 1;
+        assert!(g.admit(&other_queue, 0).is_err());
+    }
+
+    #[test]
+    fn bearer_tokens_are_refused_unless_allowed() {
+        let pool = TokenSigner::from_seed([8; 32]);
+        let claims = LeaseClaims {
+            lease_id: [3; 16],
+            expires_at_ms: u64::MAX,
+            provider: "p".into(),
+            device: "disk0".into(),
+            consumer: "vm".into(),
+            provider_key: None,
+            qos: None,
+            successor_of: None,
+            epoch: Some(1),
+            holder_key: None,
+        };
+        let mut h = Hello::new("disk0", 0);
+        h.borrower = [3; 16];
+        h.token = pool.sign(&claims).unwrap().as_bytes().to_vec();
+        let e = LeaseGuard::new(pool.public_key(), "p")
+            .admit(&h, 0)
+            .unwrap_err();
+        assert!(e.1.contains("--allow-bearer-tokens"), "{}", e.1);
+        let g = LeaseGuard::new(pool.public_key(), "p");
+        g.allow_bearer_tokens(true);
+        assert!(g.admit(&h, 0).is_ok());
     }
 
     #[test]

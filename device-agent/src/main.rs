@@ -62,6 +62,7 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     // The lender's own key: it proves who the lender is to borrowers that ask, and signs
     // its pool requests.
     let key = config.load_key()?;
+    let previous_key = config.load_previous_key()?;
     let pool_health = devlend_daemon::pool_health::PoolHealth::default();
     // Beside the key: the pool key pinned at first contact and the lease fences.
     let state_file = config
@@ -72,6 +73,10 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     if let Some(k) = &key {
         tracing::info!(key = %k.public_key().to_text(), "this lender's key: borrowers verify it with --lender-key or through the pool's lease");
         lender.prove_with(std::sync::Arc::clone(k));
+    }
+    if let Some(old) = previous_key {
+        tracing::info!(key = %old.public_key().to_text(), "key rotation: this lender also proves its previous key to the borrowers that ask for it");
+        lender.also_prove_with(old);
     }
     if let Some((cert, tls)) = tls {
         tracing::info!(
@@ -101,6 +106,9 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
             })?;
             let session =
                 PoolSession::connect(p, STARTUP_WAIT, key, state_file, pool_health.clone())?;
+            session
+                .guard()
+                .allow_bearer_tokens(config.allow_bearer_tokens);
             lender.require_leases(session.guard());
             Some(session)
         }
@@ -114,9 +122,9 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
                 keys = keys.len(),
                 "direct mode: serving borrowers whose tokens verify with a configured key"
             );
-            lender.require_leases(std::sync::Arc::new(
-                devlend_device_agent::LeaseGuard::direct(keys),
-            ));
+            let guard = devlend_device_agent::LeaseGuard::direct(keys);
+            guard.allow_bearer_tokens(config.allow_bearer_tokens);
+            lender.require_leases(std::sync::Arc::new(guard));
             None
         }
         None if client_certs => {
@@ -134,6 +142,9 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
             None
         }
     };
+    if config.allow_bearer_tokens {
+        tracing::warn!("--allow-bearer-tokens: lease tokens that name no holder key are taken; anyone who saw one on the wire can open its device");
+    }
     // Registered, and the live leases known, before the first session is served.
     let link = pool
         .map(|session| PoolLink::start(session, lender.inventory_view()))

@@ -14,6 +14,11 @@ use crate::lease_token::{PublicKey, TokenSigner};
 /// [`Hello::features`](crate::Hello::features) bit: the hello carries a challenge and the borrower wants the
 /// lender's [`LenderProof`] in the reply. A lender that has a key grants it.
 pub const FEATURE_LENDER_PROOF: u64 = 1 << 4;
+/// [`Hello::features`](crate::Hello::features) bit, with [`FEATURE_LENDER_PROOF`]: the
+/// 32-byte public key the borrower expects follows the challenge, so that a lender
+/// that holds several keys (during a key rotation: its new one and its previous one)
+/// proves the one asked for. A lender that holds none of them proves its current key.
+pub const FEATURE_LENDER_KEY_HINT: u64 = 1 << 8;
 /// Bytes of the challenge after the hello's token.
 pub const CHALLENGE_LEN: usize = 32;
 /// Bytes of a proof in the reply: the public key (32) and the signature (64).

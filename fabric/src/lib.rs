@@ -17,6 +17,7 @@ pub mod codec;
 pub mod conn;
 pub mod error;
 pub mod handshake;
+pub mod holder_proof;
 pub mod identity;
 pub mod io_counters;
 pub mod io_util;

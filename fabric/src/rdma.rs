@@ -126,6 +126,10 @@ pub enum RdmaError {
         /// The rdma_cm event or error.
         reason: String,
     },
+    /// The lender did not prove the key the borrower expects, so the borrower did not
+    /// send its token ([`crate::holder_proof`]).
+    #[error("the lender is not the one expected")]
+    WrongLender(#[source] crate::lender_proof::ProofError),
     /// A step of connection setup took too long.
     #[error("timed out {what}")]
     Timeout {

@@ -359,7 +359,27 @@ fn exchange_hello(
     };
     hello.write_to(io).map_err(hs)?;
     io.flush().map_err(|e| hs(WireError::Io(e)))?;
-    let reply = HelloReply::read_from(io).map_err(hs)?;
+    let mut reply = HelloReply::read_from(io).map_err(hs)?;
+    if reply.status == HelloStatus::Prove {
+        // The lender proved itself: now the token, and the proof of holding its key.
+        let Some(holder) = hello.holder.as_ref() else {
+            return Err(hs(WireError::Invalid(
+                "an interim reply to a hello that proves nothing",
+            )));
+        };
+        let possession = crate::holder_proof::answer(hello, holder, &reply).map_err(|source| {
+            ConnectError::WrongLender {
+                addr: addr.to_owned(),
+                source,
+            }
+        })?;
+        possession.write_to(io).map_err(hs)?;
+        io.flush().map_err(|e| hs(WireError::Io(e)))?;
+        reply = HelloReply::read_from(io).map_err(hs)?;
+        if reply.status == HelloStatus::Prove {
+            return Err(hs(WireError::Invalid("a second interim reply")));
+        }
+    }
     if reply.status != HelloStatus::Ok {
         return Err(ConnectError::Refused {
             addr: addr.to_owned(),

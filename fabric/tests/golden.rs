@@ -201,6 +201,7 @@ fn lease_token() {
         qos: None,
         successor_of: None,
         epoch: None,
+        holder_key: None,
     };
     let signer = TokenSigner::from_seed([0x5e; 32]);
     let t = signer.sign(&claims).unwrap();

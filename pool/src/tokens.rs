@@ -23,8 +23,14 @@ pub async fn load_signer(store: &Store) -> Result<TokenSigner> {
 }
 
 /// The claims of `lease`'s token: lease id bytes, expiry, provider, device, consumer,
-/// and the key enrolled for the provider (a version 2 token), if any.
-pub fn claims(lease: &Lease, provider_key: Option<&PublicKey>) -> LeaseClaims {
+/// the key enrolled for the provider (a version 2 token), if any, and the key enrolled
+/// for its compute host, if any: the holder, who proves it holds that key in every
+/// handshake (`devlend_fabric::holder_proof`).
+pub fn claims(
+    lease: &Lease,
+    provider_key: Option<&PublicKey>,
+    holder_key: Option<&PublicKey>,
+) -> LeaseClaims {
     LeaseClaims {
         lease_id: *lease.id.as_bytes(),
         expires_at_ms: lease.expires_at_ms,
@@ -35,11 +41,16 @@ pub fn claims(lease: &Lease, provider_key: Option<&PublicKey>) -> LeaseClaims {
         qos: lease.qos,
         successor_of: lease.successor_of.map(|u| *u.as_bytes()),
         epoch: Some(lease.epoch),
+        holder_key: holder_key.map(PublicKey::to_bytes),
     }
 }
 
-/// Signs `lease` into a token, binding the provider's enrolled key when it has one: the
-/// borrower then makes the lender prove that key in the handshake.
+/// Signs `lease` into a token, binding the provider's enrolled key when it has one (the
+/// borrower then makes the lender prove that key in the handshake) and the compute
+/// host's enrolled key when it has one (the lender then makes the borrower prove it: a
+/// token seen on the wire opens nothing). A pool with `--insecure-open-api` and no
+/// enrolled compute host issues bearer tokens, which lenders refuse unless started with
+/// `--allow-bearer-tokens`.
 ///
 /// # Errors
 /// [`crate::error::Error::Token`] when a field is too long for the token (names are
@@ -50,7 +61,11 @@ pub async fn sign(signer: &TokenSigner, store: &Store, lease: &Lease) -> Result<
         .principal_by_name(Role::Lender, &lease.provider)
         .await?
         .and_then(|p| PublicKey::from_text(&p.public_key).ok());
-    Ok(signer.sign(&claims(lease, key.as_ref()))?)
+    let holder = store
+        .principal_by_name(Role::Compute, &lease.compute_host)
+        .await?
+        .and_then(|p| PublicKey::from_text(&p.public_key).ok());
+    Ok(signer.sign(&claims(lease, key.as_ref(), holder.as_ref()))?)
 }
 
 /// The text form of `key` as `GET /v1/signing-key` gives it.

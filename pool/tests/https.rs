@@ -428,3 +428,99 @@ fn a_request_whose_body_comes_too_slowly_is_answered_408_and_closed() {
     let mut quick = TcpStream::connect(pool.server.addr()).unwrap();
     assert_eq!(&get_signing_key(&mut quick).unwrap(), b"HTTP/1.1 200");
 }
+
+/// A connection to `to` from the loopback address `from` (127.0.0.0/8 is all local).
+fn connect_from(from: &str, to: std::net::SocketAddr) -> std::io::Result<TcpStream> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    s.bind(
+        &format!("{from}:0")
+            .parse::<std::net::SocketAddr>()
+            .unwrap()
+            .into(),
+    )?;
+    s.connect(&to.into())?;
+    Ok(s.into())
+}
+
+/// Slowloris (issue 39): from four addresses, 240 connections dribble a request's
+/// headers a byte at a time (each reconnects when the pool drops it) and 160 more sit
+/// idle after connecting. Meanwhile a real client's signed request, on a fresh
+/// connection each time, is answered within a second, every time.
+#[test]
+fn slow_and_idle_clients_do_not_delay_a_signed_request() {
+    let limits = Limits {
+        header_timeout: Duration::from_secs(2),
+        ..Limits::default()
+    };
+    let pool = start(Backend::Sqlite, true, limits);
+    let addr = pool.server.addr();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let dropped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut attackers = Vec::new();
+    let mut idle = Vec::new();
+    for a in 2..6 {
+        let from = format!("127.0.0.{a}");
+        idle.extend((0..40).filter_map(|_| connect_from(&from, addr).ok()));
+        for _ in 0..60 {
+            let (from, stop, dropped) = (from.clone(), Arc::clone(&stop), Arc::clone(&dropped));
+            attackers.push(std::thread::spawn(move || {
+                let head = b"GET /v1/devices HTTP/1.1\r\nHost: pool\r\nX-Slow: ";
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(mut s) = connect_from(&from, addr) else {
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    };
+                    for b in head.iter().chain(std::iter::repeat(&b'a')) {
+                        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            return;
+                        }
+                        if s.write_all(&[*b]).is_err() {
+                            dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                }
+            }));
+        }
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let key = Arc::new(TokenSigner::generate().expect("key"));
+    admin(&pool, Some(&pool.ca))
+        .enroll(&EnrollRequest {
+            role: Role::Compute,
+            name: "real-host".into(),
+            public_key: Some(key.public_key().to_text()),
+            ttl_ms: None,
+        })
+        .expect("enroll");
+    let mut slowest = Duration::ZERO;
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        // A fresh connection each time: the client's own kept-alive one would hide a
+        // full accept queue.
+        let client = PoolClient::with_ca(&pool.server.url(), Some(&pool.ca))
+            .expect("client")
+            .with_identity(Arc::clone(&key));
+        let t = Instant::now();
+        client
+            .devices(&Default::default())
+            .expect("a signed request is answered under the attack");
+        slowest = slowest.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    drop(idle);
+    for t in attackers {
+        let _ = t.join();
+    }
+    eprintln!(
+        "slowest signed request under attack: {slowest:?}; slow connections dropped by the pool: {}",
+        dropped.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert!(slowest < Duration::from_secs(1), "{slowest:?}");
+    assert!(
+        dropped.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "the pool dropped no slow client"
+    );
+}

@@ -92,11 +92,13 @@ pub struct ComputeHost {
     pub agent: Borrower,
     /// The lender's `HOST:PORT` as this host reaches it.
     pub lender: String,
+    /// The public key of its `--auth-key-file`: a handover to it names it (`--to-key`).
+    pub public_key: String,
 }
 
 impl ComputeHost {
     /// Starts the compute agent of host `name` in `root/name`, inside `ns` when given,
-    /// with the key file `key`.
+    /// with the key file and public key `key`.
     ///
     /// # Errors
     /// The agent does not start.
@@ -104,9 +106,10 @@ impl ComputeHost {
         name: &'static str,
         root: &Path,
         ns: Option<&str>,
-        key: &Path,
+        key: &(PathBuf, String),
         lender: String,
     ) -> Result<Self> {
+        let (key, public) = key;
         let dir = root.join(name);
         std::fs::create_dir_all(&dir)?;
         let agent = Borrower::start_in(
@@ -120,6 +123,7 @@ impl ComputeHost {
             dir,
             agent,
             lender,
+            public_key: public.clone(),
         })
     }
 
@@ -297,9 +301,10 @@ impl Lab {
         let mut keys = Vec::new();
         for name in ["a", "b", "c"] {
             let key = dir.join(format!("{name}.key"));
+            let public = keygen(&key)?;
             args.push("--auth-key".into());
-            args.push(keygen(&key)?);
-            keys.push(key);
+            args.push(public.clone());
+            keys.push((key, public));
         }
         let mut lender = spawn_in(
             Some(&l.name),
@@ -351,12 +356,17 @@ impl Lab {
         }
     }
 
-    /// `migrate handover` of attachment `id` on host `from`: the token.
+    /// `migrate handover` of attachment `id` on host `from` to the other host (named by
+    /// its key, `--to-key`): the token.
     ///
     /// # Errors
     /// The agent refuses.
     pub fn handover(&self, from: usize, id: &str) -> Result<String> {
-        let v = self.host(from).json(&["migrate", "handover", id])?;
+        // For the other host: its key is the handover's holder.
+        let to = &self.host(1 - from.min(1)).public_key;
+        let v = self
+            .host(from)
+            .json(&["migrate", "handover", id, "--to-key", to])?;
         v["handover_token"]
             .as_str()
             .map(str::to_owned)

@@ -113,6 +113,7 @@ pub fn target(port: u16, device: &str, id: u8) -> devlend_backend::pci::LinkTarg
         timeout: std::time::Duration::from_secs(10),
         transport: devlend_fabric::transport::Transport::Tcp,
         lender_key: None,
+        holder: None,
     }
 }
 

@@ -127,6 +127,7 @@ fn connect(port: u16) -> PciBorrower {
         timeout: Duration::from_secs(10),
         transport: devlend_fabric::transport::Transport::Tcp,
         lender_key: None,
+        holder: None,
     };
     let until = Instant::now() + Duration::from_secs(60);
     loop {
@@ -645,6 +646,7 @@ impl Raw {
             timeout: Duration::from_secs(10),
             transport: devlend_fabric::transport::Transport::Tcp,
             lender_key: None,
+            holder: None,
         };
         let until = Instant::now() + Duration::from_secs(60);
         let (link, info, irqs) = loop {

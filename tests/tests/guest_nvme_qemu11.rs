@@ -134,6 +134,7 @@ fn qemu11_guest_uses_a_lent_nvme_with_its_own_driver() {
             timeout: Duration::from_secs(10),
             transport: devlend_fabric::transport::Transport::Tcp,
             lender_key: None,
+            holder: None,
         };
         let until = Instant::now() + Duration::from_secs(30);
         let borrower = loop {

@@ -17,6 +17,9 @@
 //! when it RDMA-reads guest memory outside the requests it was sent, or a request's
 //! buffer after answering it; with `--rdma-exposure guest-memory` both reads work, and
 //! the cost of per-request registration is measured against it in the same run.
+//! A compute agent with a key proves possession of its token over RDMA while 1000
+//! half-open rdma_cm connections (`devlend-rdma-flood`) come from another address:
+//! the lender's handshake caps hold them to 64, the attach works and verifies.
 //! Last, the lender's shutdown must
 //! stop the RDMA sessions of the attachment still open.
 //! On the host (no RDMA device), `--transport rdma` must fail at once and say why.
@@ -163,6 +166,34 @@ devlend attach --api /run/devlend/ca.sock --lender 10.9.0.1:7700 --device disk0 
 devlend bench --socket /run/devlend/tcp.sock --rw randread --bs 4K --iodepth 16 --runtime 3 --ramp 1 > /tmp/bench-tcp 2>&1 || true
 tail -n 3 /tmp/bench-tcp | sed 's/^/DEVLEND-BENCH tcp: /'
 devlend detach --api /run/devlend/ca.sock disk0 > /dev/null
+# Proof of possession over RDMA, and the handshake caps under a flood (issue 39): a
+# lender that trusts one compute agent's key, and that agent; from another address of
+# this host, 1000 rdma_cm connections that never send a hello, and meanwhile the keyed
+# attach over RDMA, verified.
+ip addr add 10.9.0.2/24 dev d0
+devlend keygen --out /tmp/auth.key > /tmp/auth.pub
+truncate -s 64M /srv/disk5.img
+devlend-device-agent --listen 10.9.0.1:7702 --transport rdma --auth-key "$(cat /tmp/auth.pub)" --device disk5=/srv/disk5.img --log-level info > /tmp/lender3.log 2>&1 &
+L3PID=$!
+devlend-compute-agent --api /run/devlend/ca2.sock --auth-key-file /tmp/auth.key --log-level warn > /tmp/ca2.log 2>&1 &
+devlend-wait-for /run/devlend/ca2.sock 30
+sleep 1
+devlend-rdma-flood --lender 10.9.0.1:7702 --from 10.9.0.2 --count 1000 --hold-secs 8 > /tmp/flood.out 2> /tmp/flood.err &
+FPID=$!
+sleep 2
+if devlend attach --api /run/devlend/ca2.sock --lender 10.9.0.1:7702 --device disk5 --socket /run/devlend/keyed.sock --queues 2 --transport rdma > /dev/null 2>/tmp/keyed.err; then
+  if devlend verify --socket /run/devlend/keyed.sock --queues 2 --span 4M --rounds 2 --out /tmp/expected-keyed > /tmp/keyed-verify.log 2>&1; then echo "DEVLEND-RESULT keyed_verify=ok"; else echo "DEVLEND-RESULT keyed_verify=failed"; sed 's/^/keyed: /' /tmp/keyed-verify.log; fi
+  devlend detach --api /run/devlend/ca2.sock disk5 > /dev/null
+else
+  echo "DEVLEND-RESULT keyed_verify=not-attached"
+  sed 's/^/keyed: /' /tmp/keyed.err
+fi
+wait $FPID || true
+cat /tmp/flood.out
+sed 's/^/flood: /' /tmp/flood.err
+echo "DEVLEND-RESULT flood_logged=$(grep -c 'RDMA connection request rejected' /tmp/lender3.log)"
+echo "DEVLEND-RESULT keyed_rdma_sessions=$(grep -c 'RDMA session opened' /tmp/lender3.log)"
+kill $L3PID 2>/dev/null || true
 # A lender shutdown closes the RDMA sessions of disk1 (attached, I/O running) too.
 devlend bench --socket /run/devlend/fault.sock --rw randread --bs 4K --iodepth 4 --runtime 60 --ramp 0 > /dev/null 2>&1 &
 BPID=$!
@@ -193,6 +224,7 @@ fn rdma_on_soft_roce_in_a_guest() {
         "devlend-device-agent",
         "devlend-compute-agent",
         "devlend-rogue-rdma-lender",
+        "devlend-rdma-flood",
     ] {
         let p = bin(name);
         files.extend(libs(&p));
@@ -219,6 +251,8 @@ fn rdma_on_soft_roce_in_a_guest() {
             || l.contains("lender: ")
             || l.contains("rogue: ")
             || l.contains("proof: ")
+            || l.contains("keyed: ")
+            || l.contains("flood: ")
     }) {
         eprintln!("{l}");
     }
@@ -341,6 +375,36 @@ fn rdma_on_soft_roce_in_a_guest() {
     assert!(
         console.contains("is not the one expected") || console.contains("did not prove its key"),
         "the refusal names the lender's key"
+    );
+    // Proof of possession over RDMA: the keyed compute agent's attach works and
+    // verifies, while 1000 half-open rdma_cm connections from another address come in;
+    // the lender takes at most its per-address cap of them into a handshake at once,
+    // rejects the rest at the connection request, and logs that rate-limited.
+    assert_eq!(
+        out.result("keyed_verify"),
+        Some("ok"),
+        "a keyed attach over RDMA during the flood"
+    );
+    assert!(num("keyed_rdma_sessions") >= 2, "both queues over RDMA");
+    let (established, rejected, logged, secs) = (
+        num("flood_established"),
+        num("flood_rejected"),
+        num("flood_logged"),
+        num("flood_secs"),
+    );
+    eprintln!(
+        "flood: {established} half-open connections taken in {secs} s, {rejected} rejected, {logged} log lines"
+    );
+    // 64 at once from one address; each is dropped at its 10 s deadline, which frees
+    // its place for the next.
+    assert!(
+        established > 0 && established <= 64 * (1 + secs.div_ceil(10)),
+        "half-open RDMA connections taken from one address: {established} in {secs} s"
+    );
+    assert_eq!(established + rejected, 1000);
+    assert!(
+        logged > 0 && logged < rejected,
+        "rejections logged, rate-limited: {logged} lines for {rejected}"
     );
     let iops_request = num_f("iops_request");
     let iops_gm = num_f("iops_guest_memory");

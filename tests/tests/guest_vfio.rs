@@ -135,6 +135,7 @@ fn target(port: u16, id: u8) -> LinkTarget {
         timeout: Duration::from_secs(10),
         transport: devlend_fabric::transport::Transport::Tcp,
         lender_key: None,
+        holder: None,
     }
 }
 

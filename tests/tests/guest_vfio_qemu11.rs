@@ -150,6 +150,7 @@ fn qemu11_guest_uses_a_lent_edu_through_vfio_user() {
                 timeout: Duration::from_secs(10),
                 transport: devlend_fabric::transport::Transport::Tcp,
                 lender_key: None,
+                holder: None,
             };
             let until = Instant::now() + Duration::from_secs(30);
             let borrower = loop {

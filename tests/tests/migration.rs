@@ -315,6 +315,20 @@ fn a_handover_is_refused_to_others_and_a_cancelled_migration_keeps_the_disk() ->
         "forged token refused: {}",
         String::from_utf8_lossy(&out.stderr).trim()
     );
+    // The real token, replayed by C (whose key the lender trusts) while B stands by:
+    // it names B's key, which C cannot prove (issue 39; before, C was taken as the
+    // destination and both were served).
+    let out = lab.prepare(&lab.c, &token, "disk0", &c_sock)?;
+    ensure!(
+        !out.status.success(),
+        "migrate prepare on C took the device with B's handover token"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        err.contains("possession"),
+        "C's replay refused for another reason: {err}"
+    );
+    eprintln!("replayed handover token refused: {}", err.trim());
     ensure!(!c_sock.exists(), "a refused attach left its socket");
     ensure!(
         lab.c.attachment_ids()?.is_empty(),

@@ -174,15 +174,15 @@ fn a_pool_leased_disk_migrates_and_its_lease_moves_with_the_vm() -> Result<()> {
 }
 
 /// Small extension: make a direct-mode key file at the path (the agents are started
-/// with one, as the lab's are), returning the path.
+/// with one, as the lab's are), returning the path and the public key.
 trait TapKeygen {
-    fn tap_keygen(&self) -> Result<std::path::PathBuf>;
+    fn tap_keygen(&self) -> Result<(std::path::PathBuf, String)>;
 }
 
 impl TapKeygen for std::path::PathBuf {
-    fn tap_keygen(&self) -> Result<std::path::PathBuf> {
-        keygen(self)?;
-        Ok(self.clone())
+    fn tap_keygen(&self) -> Result<(std::path::PathBuf, String)> {
+        let public = keygen(self)?;
+        Ok((self.clone(), public))
     }
 }
 

@@ -129,7 +129,8 @@ impl Rig {
         self.client
             .create_lease(&LeaseRequest {
                 consumer: "vm-test".into(),
-                compute_host: "test".into(),
+                // The enrolled compute host: its key is the tokens' holder key.
+                compute_host: devlend_daemon::host_name(),
                 ttl_ms: Some(ttl_ms),
                 device_id: Some(id),
                 generation: Some(generation),
@@ -156,9 +157,10 @@ impl Rig {
     }
 }
 
-/// Opens a session on `device` with `token` as `borrower`; the lender's status.
+/// Opens a session on `device` with `token` as `borrower`, proving possession with the
+/// compute host's enrolled key (what the pool's tokens name); the lender's status.
 fn hello(
-    addr: &str,
+    r: &Rig,
     device: &str,
     borrower: [u8; 16],
     token: Vec<u8>,
@@ -166,7 +168,15 @@ fn hello(
     let mut h = Hello::new(device, 0);
     h.borrower = borrower;
     h.token = token;
-    match connect_as(addr, &h, Duration::from_secs(5)) {
+    let (key, _) =
+        devlend_fabric::identity::load_or_create(&Borrower::pool_key(r.dir.path())).unwrap();
+    if !h.token.is_empty() {
+        h.holder = Some(devlend_fabric::holder_proof::Holder {
+            key: devlend_fabric::holder_proof::HolderKey::new(key),
+            lender: None,
+        });
+    }
+    match connect_as(&r.lender.addr, &h, Duration::from_secs(5)) {
         Ok((s, _)) => Ok(s),
         Err(ConnectError::Refused {
             status, message, ..
@@ -307,7 +317,6 @@ fn placement_leases_attaches_serves_io_and_detach_releases() {
 #[test]
 fn the_lender_admits_only_the_right_token() {
     let r = rig();
-    let addr = &r.lender.addr;
     let g = r.lease("disk0", 60_000);
     let id = *g.lease.id.as_bytes();
     let token = token_bytes(&g);
@@ -318,21 +327,21 @@ fn the_lender_admits_only_the_right_token() {
         Ok(_) => panic!("{what}: session opened"),
     };
     // No token at all (direct-mode hello).
-    let m = denied(hello(addr, "disk0", id, Vec::new()), "no token");
+    let m = denied(hello(&r, "disk0", id, Vec::new()), "no token");
     assert!(m.contains("no lease token"), "{m}");
     // The token of disk0 does not open disk1.
-    let m = denied(hello(addr, "disk1", id, token.clone()), "other device");
+    let m = denied(hello(&r, "disk1", id, token.clone()), "other device");
     assert!(m.contains("disk0"), "{m}");
     // Someone else presenting the token under another identity.
     denied(
-        hello(addr, "disk0", [0x42; 16], token.clone()),
+        hello(&r, "disk0", [0x42; 16], token.clone()),
         "other borrower",
     );
     // An altered token: the lease id inside flipped, or the expiry pushed out.
     for i in [1, 17, 25] {
         let mut t = token.clone();
         t[i] ^= 0x80;
-        let m = denied(hello(addr, "disk0", id, t), "altered token");
+        let m = denied(hello(&r, "disk0", id, t), "altered token");
         assert!(m.contains("signature") || m.contains("malformed"), "{m}");
     }
     // A token signed by another key, with claims that would otherwise pass.
@@ -348,15 +357,16 @@ fn the_lender_admits_only_the_right_token() {
             qos: None,
             successor_of: None,
             epoch: None,
+            holder_key: None,
         })
         .unwrap();
     let m = denied(
-        hello(addr, "disk0", id, forged.as_bytes().to_vec()),
+        hello(&r, "disk0", id, forged.as_bytes().to_vec()),
         "forged token",
     );
     assert!(m.contains("signature"), "{m}");
     // The right token opens the session.
-    hello(addr, "disk0", id, token).expect("valid token refused");
+    hello(&r, "disk0", id, token).expect("valid token refused");
     assert!(r.lender.proc.log().contains("lease check failed"));
 }
 
@@ -368,7 +378,7 @@ fn an_ended_lease_ends_its_sessions() {
     //    lender reported its sessions, it closed this one at the token's expiry.)
     let g = r.lease("disk1", 1500);
     let id = *g.lease.id.as_bytes();
-    let mut s = hello(&r.lender.addr, "disk1", id, token_bytes(&g)).expect("session");
+    let mut s = hello(&r, "disk1", id, token_bytes(&g)).expect("session");
     s.set_read_timeout(Some(Duration::from_millis(4500)))
         .unwrap();
     let mut b = [0u8; 1];
@@ -386,7 +396,7 @@ fn an_ended_lease_ends_its_sessions() {
     let t0 = Instant::now();
     loop {
         std::thread::sleep(Duration::from_millis(700));
-        match hello(&r.lender.addr, "disk1", id, token_bytes(&g)) {
+        match hello(&r, "disk1", id, token_bytes(&g)) {
             Err((HelloStatus::Denied, m)) => {
                 assert!(m.contains("ended"), "{m}");
                 break;

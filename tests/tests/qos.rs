@@ -304,11 +304,23 @@ fn an_iops_limit_and_a_bandwidth_limit_hold_within_ten_percent_without_errors() 
     Ok(())
 }
 
-/// Opens a session on `device` with `token` as `borrower`: refused or not.
-fn hello(addr: &str, device: &str, borrower: [u8; 16], token: Vec<u8>) -> Result<(), ConnectError> {
+/// Opens a session on `device` with `token` as `borrower`, proving possession with the
+/// compute host's enrolled key `key` (what the pool's tokens name): refused or not.
+fn hello(
+    addr: &str,
+    key: &Path,
+    device: &str,
+    borrower: [u8; 16],
+    token: Vec<u8>,
+) -> Result<(), ConnectError> {
     let mut h = Hello::new(device, 0);
     h.borrower = borrower;
     h.token = token;
+    let (key, _) = devlend_fabric::identity::load_or_create(key).expect("the compute key");
+    h.holder = Some(devlend_fabric::holder_proof::Holder {
+        key: devlend_fabric::holder_proof::HolderKey::new(key),
+        lender: None,
+    });
     connect_as(addr, &h, Duration::from_secs(5)).map(drop)
 }
 
@@ -351,14 +363,27 @@ fn a_token_whose_limits_were_altered_is_refused() -> Result<()> {
         .context("the rate in the token")?;
     let mut lifted = bytes.clone();
     lifted[at..at + 8].copy_from_slice(&2_000_000u64.to_le_bytes());
-    match hello(&r.lender.addr, "solo", id, lifted) {
+    match hello(
+        &r.lender.addr,
+        &Borrower::pool_key(r.dir.path()),
+        "solo",
+        id,
+        lifted,
+    ) {
         Err(ConnectError::Refused { message, .. }) => {
             ensure!(message.contains("signature"), "{message}")
         }
         other => anyhow::bail!("an altered token was not refused: {other:?}"),
     }
     // The same lease with its token as signed opens.
-    hello(&r.lender.addr, "solo", id, bytes).map_err(|e| anyhow::anyhow!("{e}"))?;
+    hello(
+        &r.lender.addr,
+        &Borrower::pool_key(r.dir.path()),
+        "solo",
+        id,
+        bytes,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(())
 }
 

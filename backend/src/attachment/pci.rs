@@ -24,6 +24,7 @@ impl Attachment {
             timeout: Duration::from_secs(10),
             transport: config.lender.transport.kind(),
             lender_key: config.lender.lender_key,
+            holder: config.lender.holder.clone(),
         };
         // A function just given back by this compute agent (a detach, then an attach at
         // once) may still be quiescing on the lender, which answers busy meanwhile.

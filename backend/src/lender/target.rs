@@ -27,6 +27,11 @@ pub struct LenderTarget {
     /// sent ([`devlend_fabric::lender_proof`]). `None`: the lender is not verified
     /// (unless TLS verifies it).
     pub lender_key: Option<devlend_fabric::lease_token::PublicKey>,
+    /// The key the token names as its holder: the hello then proves possession of it
+    /// and sends the token only after the lender proved itself
+    /// ([`devlend_fabric::holder_proof`]). `None`: the token is sent in the hello (a
+    /// bearer token, which lenders refuse unless told otherwise).
+    pub holder: Option<devlend_fabric::holder_proof::HolderKey>,
 }
 
 /// The transport of a target's virtqueue sessions, with its own settings.
@@ -78,6 +83,7 @@ impl LenderTarget {
             tls: None,
             transport: Transport::Tcp { relay: None },
             lender_key: None,
+            holder: None,
         }
     }
 
@@ -137,10 +143,26 @@ impl LenderTarget {
             | devlend_fabric::FEATURE_THROTTLE_NOTE;
         h.borrower = self.borrower;
         h.token.clone_from(&self.token);
-        if self.lender_key.is_some() {
-            h.ask_proof();
+        if let Some(k) = &self.lender_key {
+            h.ask_proof_of(k);
         }
+        h.holder = holder(&self.token, self.holder.as_ref(), self.lender_key);
         h
+    }
+}
+
+/// What a hello proves possession with: `key`, when there is a token to send.
+pub fn holder(
+    token: &[u8],
+    key: Option<&devlend_fabric::holder_proof::HolderKey>,
+    lender: Option<devlend_fabric::lease_token::PublicKey>,
+) -> Option<devlend_fabric::holder_proof::Holder> {
+    match key {
+        Some(k) if !token.is_empty() => Some(devlend_fabric::holder_proof::Holder {
+            key: k.clone(),
+            lender,
+        }),
+        _ => None,
     }
 }
 

@@ -147,6 +147,8 @@ pub struct LinkTarget {
     /// The lender's public key, proven in every handshake; `None`: not verified
     /// (as the block target's `lender_key`).
     pub lender_key: Option<devlend_fabric::lease_token::PublicKey>,
+    /// The key the token names as its holder (as the block target's `holder`).
+    pub holder: Option<devlend_fabric::holder_proof::HolderKey>,
 }
 
 /// How the pages of a mirror cross a transport.
@@ -249,9 +251,10 @@ impl PciLink {
         hello.features = FEATURE_PCI | FEATURE_PCI_COUNTERS;
         hello.borrower = t.borrower;
         hello.token = t.token.clone();
-        if t.lender_key.is_some() {
-            hello.ask_proof();
+        if let Some(k) = &t.lender_key {
+            hello.ask_proof_of(k);
         }
+        hello.holder = crate::lender::target::holder(&t.token, t.holder.as_ref(), t.lender_key);
         let bad = |what: &'static str| ConnectError::Handshake {
             addr: t.lender.clone(),
             source: WireError::Invalid(what),

@@ -296,6 +296,7 @@ fn a_vm_identity_of_zeros_is_refused_before_connecting() {
         timeout: Duration::from_millis(100),
         transport: devlend_fabric::transport::Transport::Tcp,
         lender_key: None,
+        holder: None,
     };
     assert!(matches!(
         PciBorrower::connect_in_group(&target, Some([0; 16])),

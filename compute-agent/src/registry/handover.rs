@@ -100,7 +100,18 @@ impl Registry {
     /// migrate (a PCIe function: QEMU's vfio-user client has no migration support) and a
     /// pool lease without `to`; [`RegistryError::Conflict`] while a handover is pending;
     /// [`RegistryError::Lease`] for the pool's refusal.
-    pub fn handover(&self, id: &str, to: Option<&str>) -> Result<HandoverInfo, RegistryError> {
+    pub fn handover(
+        &self,
+        id: &str,
+        to: Option<&str>,
+        to_key: Option<&str>,
+    ) -> Result<HandoverInfo, RegistryError> {
+        let to_key = to_key
+            .map(|k| {
+                devlend_fabric::lease_token::PublicKey::from_text(k)
+                    .map_err(|e| RegistryError::BadRequest(format!("to_key (--to-key): {e}")))
+            })
+            .transpose()?;
         // What the token needs, read under the lock; the pool is asked without it.
         let (device, lender, from, own, pool, lender_key) = {
             let entries = self.lock();
@@ -121,7 +132,12 @@ impl Registry {
             let pool = e.lease.as_ref().map(|k| (k.client().clone(), k.id()));
             if pool.is_none() && to.is_some() {
                 return Err(RegistryError::BadRequest(
-                    "compute_host (--to) is for an attachment under a pool lease; in direct mode the token is the handover".into(),
+                    "compute_host (--to) is for an attachment under a pool lease; in direct mode the token is the handover (name the destination's key with --to-key)".into(),
+                ));
+            }
+            if pool.is_some() && to_key.is_some() {
+                return Err(RegistryError::BadRequest(
+                    "to_key (--to-key) is for direct mode; under a pool lease the token names the key the pool enrolled for the destination (--to HOST)".into(),
                 ));
             }
             // The lender's key the source checks (`--lender-key`), for the destination to
@@ -171,12 +187,17 @@ impl Registry {
                     qos: own.as_ref().and_then(|c| c.qos),
                     successor_of: Some(from),
                     epoch: None,
+                    // Only the destination may present it: its key, or this agent's
+                    // own for hosts that share a key file.
+                    holder_key: to_key
+                        .or_else(|| self.signer.as_ref().map(|s| s.public_key()))
+                        .map(|k| k.to_bytes()),
                 };
                 // Without a key (a lender without authentication, on loopback) nothing
                 // checks the signature: any key will do.
                 let ephemeral;
                 let signer = match &self.signer {
-                    Some(s) => s,
+                    Some(s) => &*s.0,
                     None => {
                         ephemeral = TokenSigner::generate().map_err(|e| {
                             RegistryError::BadRequest(format!("cannot make a handover key: {e}"))
@@ -290,6 +311,7 @@ mod tests {
             qos: None,
             successor_of: Some([5; 16]),
             epoch: None,
+            holder_key: None,
         };
         edit(&mut c);
         TokenSigner::from_seed([1; 32]).sign(&c).unwrap().to_text()

@@ -54,6 +54,7 @@ mod tests {
                 qos: None,
                 successor_of: None,
                 epoch: None,
+                holder_key: None,
             })
             .unwrap()
             .as_bytes()

@@ -101,8 +101,10 @@ impl Registry {
                     qos: None,
                     successor_of: None,
                     epoch: None,
+                    holder_key: Some(signer.public_key().to_bytes()),
                 };
                 let token = signer
+                    .0
                     .sign(&claims)
                     .map_err(|e| RegistryError::BadRequest(format!("cannot sign a token: {e}")))?;
                 (borrower, token.as_bytes().to_vec())
@@ -126,6 +128,7 @@ impl Registry {
                 token: token.clone(),
                 tls,
                 lender_key,
+                holder: self.holder_for(&token),
                 transport: match req.transport {
                     crate::api::Transport::Tcp => devlend_backend::lender::Transport::Tcp {
                         relay: resolved.relay.clone(),

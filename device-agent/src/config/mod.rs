@@ -81,6 +81,12 @@ pub struct Cli {
     /// first start [default: /var/lib/devlend/device-agent/identity.key].
     #[arg(long, value_name = "FILE")]
     pub key_file: Option<PathBuf>,
+    /// During a key rotation: this lender's previous key file. The lender proves it to
+    /// borrowers that ask for it (the attachments whose leases were granted before the
+    /// rotation), and its current key to every other; remove it once those attachments
+    /// have gone (docs/security.md, "Rotating keys"). In the file: `previous_key_file`.
+    #[arg(long, value_name = "FILE")]
+    pub previous_key_file: Option<PathBuf>,
     /// A one-time join token from `devlend pool enroll --role lender` that enrolls this
     /// lender's key at start (overrides `[pool] join_token`).
     #[arg(long, value_name = "TOKEN")]
@@ -116,6 +122,12 @@ pub struct Cli {
     /// refuses to start (on loopback it is not needed). In the file: `insecure = true`.
     #[arg(long)]
     pub insecure: bool,
+    /// Take lease tokens that name no holder key (bearer tokens: from a pool or compute
+    /// agent older than proof of possession, or a pool run with `--insecure-open-api`
+    /// whose compute hosts have no enrolled key). Anyone who saw such a token on the wire
+    /// can open its device with it. In the file: `allow_bearer_tokens = true`.
+    #[arg(long)]
+    pub allow_bearer_tokens: bool,
 }
 
 /// The `[pool]` table: register with a device pool and enforce its leases.
@@ -173,8 +185,11 @@ struct FileConfig {
     tls_key: Option<PathBuf>,
     tls_client_ca: Option<PathBuf>,
     key_file: Option<PathBuf>,
+    previous_key_file: Option<PathBuf>,
     #[serde(default)]
     insecure: bool,
+    #[serde(default)]
+    allow_bearer_tokens: bool,
     #[serde(default, rename = "device")]
     devices: Vec<DeviceSpec>,
     #[serde(default, rename = "store")]
@@ -263,10 +278,16 @@ pub struct Config {
     /// when it can be; see [`Config::key_path`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub key_file: Option<PathBuf>,
+    /// The previous key during a key rotation (`--previous-key-file`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub previous_key_file: Option<PathBuf>,
     /// Serve without authentication beyond loopback (`--insecure`): see
     /// [`crate::exposure::allow_unauthenticated`].
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub insecure: bool,
+    /// Take lease tokens that name no holder key (`--allow-bearer-tokens`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub allow_bearer_tokens: bool,
     /// Backing stores that devices share, with their capacities.
     #[serde(rename = "store", skip_serializing_if = "Vec::is_empty")]
     pub stores: Vec<StoreSpec>,
@@ -305,6 +326,22 @@ impl Config {
             }
             Err(e) => Err(Error::PoolKey(e)),
         }
+    }
+
+    /// Reads the previous key of a rotation (`previous_key_file`), if configured; it
+    /// must exist (a rotation keeps the old key, it does not make one).
+    ///
+    /// # Errors
+    /// [`Error::PoolKey`] when the file cannot be read or is not a key.
+    pub fn load_previous_key(&self) -> Result<Option<std::sync::Arc<TokenSigner>>, Error> {
+        self.previous_key_file
+            .as_ref()
+            .map(|p| {
+                devlend_fabric::identity::load(p)
+                    .map(std::sync::Arc::new)
+                    .map_err(Error::PoolKey)
+            })
+            .transpose()
     }
 
     /// The configuration as TOML, as `--print-config` shows it (a valid config file).
@@ -460,7 +497,9 @@ impl Config {
             tls_key,
             tls_client_ca,
             key_file: cli.key_file.clone().or(file.key_file),
+            previous_key_file: cli.previous_key_file.clone().or(file.previous_key_file),
             insecure: cli.insecure || file.insecure,
+            allow_bearer_tokens: cli.allow_bearer_tokens || file.allow_bearer_tokens,
             listen,
             transport: cli.transport.or(file.transport).unwrap_or_default(),
             log_level: common.log_level,

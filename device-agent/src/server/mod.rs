@@ -165,6 +165,14 @@ impl Lender {
         }
     }
 
+    /// During a key rotation: also proves `key` (the previous one) to the borrowers
+    /// whose hello names it as the key they expect; others get the current key's proof.
+    pub fn also_prove_with(&self, key: std::sync::Arc<devlend_fabric::lease_token::TokenSigner>) {
+        if self.shared.previous_identity.set(key).is_err() {
+            tracing::warn!("the lender's previous key was already set; keeping the first");
+        }
+    }
+
     /// Also serves RDMA sessions: listens with rdma_cm on `addr` (an `IP:PORT` of an
     /// RDMA device's interface) and serves each connection on its own thread, until
     /// the lender shuts down. The TCP listener stays (holding sessions, TCP borrowers).

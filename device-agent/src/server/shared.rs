@@ -19,12 +19,23 @@ use crate::{DeviceSpec, DeviceStatsSnapshot, Error};
 
 impl LenderState {
     /// The proof for `hello`'s challenge, when it asks for one and this lender has a
-    /// key (without a key, the borrower that asked refuses the session).
+    /// key (without a key, the borrower that asked refuses the session): by the
+    /// previous key of a rotation when the hello names that one, else by the current.
     pub(crate) fn proof(
         &self,
         hello: &devlend_fabric::Hello,
     ) -> Option<devlend_fabric::lender_proof::LenderProof> {
-        hello.prove(self.identity.get()?)
+        let current = self.identity.get()?;
+        let key = match (hello.expected_lender, self.previous_identity.get()) {
+            (Some(asked), Some(previous))
+                if asked == previous.public_key().to_bytes()
+                    && asked != current.public_key().to_bytes() =>
+            {
+                previous
+            }
+            _ => current,
+        };
+        hello.prove(key)
     }
 }
 
@@ -41,6 +52,8 @@ pub(crate) struct LenderState {
     /// This lender's key, which answers the challenges of borrowers that ask it to prove
     /// who it is ([`devlend_fabric::lender_proof`]).
     pub(crate) identity: OnceLock<Arc<devlend_fabric::lease_token::TokenSigner>>,
+    /// During a key rotation, the previous key: proven to borrowers that ask for it.
+    pub(crate) previous_identity: OnceLock<Arc<devlend_fabric::lease_token::TokenSigner>>,
     /// The backing stores of [`Options::stores`], by name.
     stores: HashMap<String, Arc<crate::qos::Store>>,
 }
@@ -68,6 +81,21 @@ struct Tracked {
 pub const MAX_HANDSHAKES: usize = 256;
 /// Connections in their handshake at once from one IP address.
 pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 64;
+
+/// Why one more connection in its handshake from `peer` is too many ([`MAX_HANDSHAKES`]
+/// at all, [`MAX_HANDSHAKES_PER_ADDRESS`] from one address; TCP and RDMA together).
+fn over_handshake_caps(reg: &Registry, peer: IpAddr) -> Option<&'static str> {
+    let (mut all, mut from_peer) = (0, 0);
+    for (ip, _) in reg.streams.values().filter_map(|t| t.handshake) {
+        all += 1;
+        from_peer += usize::from(ip == peer);
+    }
+    if all >= MAX_HANDSHAKES {
+        return Some("too many connections in their handshake");
+    }
+    (from_peer >= MAX_HANDSHAKES_PER_ADDRESS)
+        .then_some("too many connections in their handshake from this address")
+}
 
 /// What [`LenderState::register`] did with an accepted connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,6 +159,7 @@ impl LenderState {
             leases: OnceLock::new(),
             tls: OnceLock::new(),
             identity: OnceLock::new(),
+            previous_identity: OnceLock::new(),
         }
     }
     /// The backing store `dev` sits on, if it names one that is configured.
@@ -257,18 +286,8 @@ impl LenderState {
         if reg.closed {
             return Registered::Closed;
         }
-        let (mut all, mut from_peer) = (0, 0);
-        for (ip, _) in reg.streams.values().filter_map(|t| t.handshake) {
-            all += 1;
-            from_peer += usize::from(ip == peer);
-        }
-        if all >= MAX_HANDSHAKES {
-            return Registered::Refused("too many connections in their handshake");
-        }
-        if from_peer >= MAX_HANDSHAKES_PER_ADDRESS {
-            return Registered::Refused(
-                "too many connections in their handshake from this address",
-            );
+        if let Some(why) = over_handshake_caps(&reg, peer) {
+            return Registered::Refused(why);
         }
         match sock.try_clone() {
             Ok(stream) => {
@@ -320,13 +339,23 @@ impl LenderState {
         closed
     }
 
-    /// Records an RDMA session; returns the flag that tells it to stop, or `None` once
-    /// the lender is shutting down (the session must then close).
+    /// Records an RDMA connection request from `peer`, in its handshake until
+    /// [`Self::handshake_done`], under the same caps as TCP's ([`Self::register`]);
+    /// its session thread holds it to its deadline (`deadline`, from now). Returns the
+    /// flag that tells the session to stop, or why it must be rejected.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    pub(crate) fn register_rdma(&self, id: u64) -> Option<Arc<AtomicBool>> {
+    pub(crate) fn register_rdma(
+        &self,
+        id: u64,
+        peer: IpAddr,
+        deadline: Instant,
+    ) -> Result<Arc<AtomicBool>, Registered> {
         let mut reg = self.registry();
         if reg.closed {
-            return None;
+            return Err(Registered::Closed);
+        }
+        if let Some(why) = over_handshake_caps(&reg, peer) {
+            return Err(Registered::Refused(why));
         }
         let flag = Arc::new(AtomicBool::new(false));
         reg.streams.insert(
@@ -335,10 +364,10 @@ impl LenderState {
                 conn: Conn::Rdma(Arc::clone(&flag)),
                 lease: None,
                 stopping: false,
-                handshake: None,
+                handshake: Some((peer, deadline)),
             },
         );
-        Some(flag)
+        Ok(flag)
     }
 
     pub(crate) fn unregister(&self, id: u64) {
@@ -438,16 +467,26 @@ mod tests {
     use super::*;
     use crate::server::Lender;
 
-    #[test]
-    fn rdma_sessions_are_stopped_when_their_lease_ends_and_at_shutdown() {
+    /// A lender of one 1 MiB file device `d0`, on loopback (the directory holds it).
+    fn lender() -> (tempfile::TempDir, Lender) {
         let dir = tempfile::tempdir().expect("tempdir");
         let img = dir.path().join("d0.img");
         std::fs::write(&img, vec![0u8; 1 << 20]).expect("image");
         let spec: DeviceSpec = format!("d0={}", img.display()).parse().expect("spec");
         let lender = Lender::bind("127.0.0.1:0", vec![spec]).expect("bind");
+        (dir, lender)
+    }
+
+    #[test]
+    fn rdma_sessions_are_stopped_when_their_lease_ends_and_at_shutdown() {
+        let (_dir, lender) = lender();
         let shared = Arc::clone(&lender.shared);
-        let leased = shared.register_rdma(1).expect("registered");
-        let direct = shared.register_rdma(2).expect("registered");
+        let (ip, later) = (
+            IpAddr::from([10, 0, 0, 1]),
+            Instant::now() + Duration::from_secs(10),
+        );
+        let leased = shared.register_rdma(1, ip, later).expect("registered");
+        let direct = shared.register_rdma(2, ip, later).expect("registered");
         shared.set_session_lease(1, [7; 16]);
         // The guard knows no live lease: lease 7 has ended; session 2 has none.
         let guard = LeaseGuard::direct(Vec::new());
@@ -459,11 +498,87 @@ mod tests {
         // Shutdown stops the others and admits no new session.
         shared.close();
         assert!(direct.load(Ordering::Acquire));
-        assert!(shared.register_rdma(3).is_none());
+        assert_eq!(
+            shared.register_rdma(3, ip, later).err(),
+            Some(Registered::Closed)
+        );
         // Shutdown waits for the open ones to go.
         assert_eq!(shared.wait_rdma_sessions(Duration::from_millis(50)), 2);
         shared.unregister(1);
         shared.unregister(2);
         assert_eq!(shared.wait_rdma_sessions(Duration::from_millis(50)), 0);
+    }
+
+    #[test]
+    fn rdma_connection_requests_count_against_the_handshake_caps() {
+        let (_dir, lender) = lender();
+        let shared = Arc::clone(&lender.shared);
+        let later = Instant::now() + Duration::from_secs(10);
+        let flood = IpAddr::from([10, 0, 0, 2]);
+        for id in 0..MAX_HANDSHAKES_PER_ADDRESS as u64 {
+            assert!(
+                shared.register_rdma(id, flood, later).is_ok(),
+                "request {id}"
+            );
+        }
+        assert_eq!(
+            shared.register_rdma(100, flood, later).err(),
+            Some(Registered::Refused(
+                "too many connections in their handshake from this address"
+            ))
+        );
+        // Another address is served; a handshake done no longer counts.
+        let other = IpAddr::from([10, 0, 0, 3]);
+        assert!(shared.register_rdma(101, other, later).is_ok());
+        shared.handshake_done(0);
+        assert!(shared.register_rdma(102, flood, later).is_ok());
+        // The cap over all addresses, RDMA and TCP together.
+        let mut id = 200;
+        let mut taken = 0;
+        for a in 0..8u8 {
+            for _ in 0..MAX_HANDSHAKES_PER_ADDRESS {
+                id += 1;
+                if shared
+                    .register_rdma(id, IpAddr::from([10, 1, 0, a]), later)
+                    .is_ok()
+                {
+                    taken += 1;
+                }
+            }
+        }
+        assert_eq!(taken, MAX_HANDSHAKES - MAX_HANDSHAKES_PER_ADDRESS - 1);
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+        let sock = TcpStream::connect(tcp.local_addr().expect("addr")).expect("connect");
+        assert!(matches!(
+            shared.register(999, &sock, IpAddr::from([10, 2, 0, 1])),
+            Registered::Refused("too many connections in their handshake")
+        ));
+    }
+
+    #[test]
+    fn during_a_rotation_the_key_a_hello_asks_for_is_proven() {
+        use devlend_fabric::lease_token::TokenSigner;
+        let (_dir, lender) = lender();
+        let (old, new) = (
+            TokenSigner::from_seed([1; 32]),
+            TokenSigner::from_seed([2; 32]),
+        );
+        let other = TokenSigner::from_seed([3; 32]);
+        lender.prove_with(Arc::new(TokenSigner::from_seed([2; 32])));
+        let proven = |asked: Option<&TokenSigner>| {
+            let mut h = devlend_fabric::Hello::new("d0", 0);
+            match asked {
+                Some(k) => h.ask_proof_of(&k.public_key()),
+                None => h.ask_proof(),
+            }
+            lender.shared.proof(&h).expect("a proof").key
+        };
+        // Before the previous key is given, the current one answers every hello.
+        assert_eq!(proven(Some(&old)), new.public_key());
+        lender.also_prove_with(Arc::new(TokenSigner::from_seed([1; 32])));
+        assert_eq!(proven(Some(&old)), old.public_key());
+        assert_eq!(proven(Some(&new)), new.public_key());
+        assert_eq!(proven(Some(&other)), new.public_key());
+        assert_eq!(proven(None), new.public_key());
     }
 }

@@ -10,6 +10,8 @@
 //!   ([`crate::pci::session::tcp`]);
 //! - [`rdma`] (feature `rdma`): an rdma_cm connection: hello, then the block engine
 //!   over RDMA (`crate::block::rdma`) or a PCI session ([`crate::pci::session::rdma`]);
+//! - [`possession`]: the borrower's proof that it holds its token's key, read between
+//!   the hello and its admission;
 //! - [`end`]: how a session ended, for the log and the counters.
 //!
 //! This layer only reads the hello, admits it and answers it; each kind runs its own
@@ -19,6 +21,7 @@
 pub(crate) mod admit;
 pub(crate) mod end;
 pub(crate) mod open;
+pub(crate) mod possession;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
 pub(crate) mod tcp;

@@ -4,8 +4,11 @@
 use std::io::{Read, Write};
 
 use super::{HELLO_FIXED_LEN, MAGIC, MAX_NAME_LEN};
+use crate::holder_proof::{Held, Holder, FEATURE_HOLDER_PROOF};
 use crate::lease_token::MAX_TOKEN_LEN;
-use crate::lender_proof::{LenderProof, CHALLENGE_LEN, FEATURE_LENDER_PROOF};
+use crate::lender_proof::{
+    LenderProof, CHALLENGE_LEN, FEATURE_LENDER_KEY_HINT, FEATURE_LENDER_PROOF,
+};
 use crate::{io_util::read_exact_or_eof, WireError, PROTOCOL_VERSION};
 
 crate::layout! {
@@ -34,7 +37,10 @@ crate::layout! {
 /// borrower: [u8; 16], name_len: u16, token_len: u16`, then `name_len` bytes of UTF-8
 /// device name, then `token_len` bytes of lease token (0 in direct mode; at most
 /// [`MAX_TOKEN_LEN`]), then with
-/// [`FEATURE_LENDER_PROOF`] the 32-byte challenge.
+/// [`FEATURE_LENDER_PROOF`] the 32-byte challenge, then with [`FEATURE_LENDER_KEY_HINT`]
+/// the 32-byte lender key the borrower expects. With [`FEATURE_HOLDER_PROOF`] the
+/// token is not in the hello (`token_len` 0): it follows the lender's interim reply in a
+/// [`crate::holder_proof::Possession`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Protocol version the borrower speaks.
@@ -56,6 +62,18 @@ pub struct Hello {
     /// A challenge the lender must sign ([`crate::lender_proof`]); sent after the token,
     /// with [`FEATURE_LENDER_PROOF`] in `features`, exactly when present.
     pub challenge: Option<[u8; CHALLENGE_LEN]>,
+    /// The lender key the borrower expects to be proven, sent after the challenge
+    /// with [`FEATURE_LENDER_KEY_HINT`] (only with a challenge): a lender rotating its
+    /// key proves the one asked for.
+    pub expected_lender: Option<[u8; 32]>,
+    /// The borrower's side only, never on the wire as such: the key that proves
+    /// possession of the token ([`crate::holder_proof`]). When set, the hello asks for
+    /// [`FEATURE_HOLDER_PROOF`] and carries no token; the token goes in the
+    /// [`Possession`](crate::holder_proof::Possession) after the lender proved itself.
+    pub holder: Option<Holder>,
+    /// The lender's side only: the nonce it sent and the holder's signature, once the
+    /// possession message was read (its token is then in `token`).
+    pub held: Option<Held>,
 }
 
 impl Hello {
@@ -69,7 +87,35 @@ impl Hello {
             device: device.to_owned(),
             token: Vec::new(),
             challenge: None,
+            expected_lender: None,
+            holder: None,
+            held: None,
         }
+    }
+
+    /// Asks `lender` to prove its key: a fresh challenge, and `lender` as the key
+    /// expected ([`FEATURE_LENDER_KEY_HINT`]).
+    pub fn ask_proof_of(&mut self, lender: &crate::lease_token::PublicKey) {
+        self.ask_proof();
+        self.expected_lender = Some(lender.to_bytes());
+    }
+
+    /// Whether this hello asks to prove possession of its token's holder key (the token
+    /// then follows the lender's interim reply).
+    pub fn proves_possession(&self) -> bool {
+        self.features & FEATURE_HOLDER_PROOF != 0
+    }
+
+    /// What the holder signs for this hello's token, under the lender's `nonce`.
+    pub fn possession_message(&self, nonce: &[u8; crate::holder_proof::NONCE_LEN]) -> Vec<u8> {
+        crate::holder_proof::message(
+            nonce,
+            self.challenge.as_ref(),
+            &self.borrower,
+            self.queue_index,
+            &self.device,
+            &self.token,
+        )
     }
 
     /// Asks the lender to prove who it is: a fresh challenge (none if the system has no
@@ -118,18 +164,32 @@ impl Hello {
                 limit: MAX_NAME_LEN as u64,
             });
         }
-        if self.token.len() > MAX_TOKEN_LEN {
+        // With a holder key the token waits for the lender's proof.
+        let token: &[u8] = if self.holder.is_some() {
+            &[]
+        } else {
+            &self.token
+        };
+        if token.len() > MAX_TOKEN_LEN {
             return Err(WireError::TooLong {
                 what: "lease token",
-                len: self.token.len() as u64,
+                len: token.len() as u64,
                 limit: MAX_TOKEN_LEN as u64,
             });
         }
-        let mut b =
-            Vec::with_capacity(HELLO_FIXED_LEN + name.len() + self.token.len() + CHALLENGE_LEN);
-        let features = match self.challenge {
+        let mut b = Vec::with_capacity(HELLO_FIXED_LEN + name.len() + token.len() + CHALLENGE_LEN);
+        let mut features = match self.challenge {
             Some(_) => self.features | FEATURE_LENDER_PROOF,
             None => self.features & !FEATURE_LENDER_PROOF,
+        };
+        let hint = self.expected_lender.filter(|_| self.challenge.is_some());
+        features = match hint {
+            Some(_) => features | FEATURE_LENDER_KEY_HINT,
+            None => features & !FEATURE_LENDER_KEY_HINT,
+        };
+        features = match self.holder {
+            Some(_) => features | FEATURE_HOLDER_PROOF,
+            None => features & !FEATURE_HOLDER_PROOF,
         };
         let fixed = HelloFixed {
             magic: MAGIC,
@@ -138,13 +198,16 @@ impl Hello {
             features,
             borrower: self.borrower,
             name_len: name.len() as u16,
-            token_len: self.token.len() as u16,
+            token_len: token.len() as u16,
         };
         fixed.push(&mut b);
         b.extend_from_slice(name);
-        b.extend_from_slice(&self.token);
+        b.extend_from_slice(token);
         if let Some(c) = &self.challenge {
             b.extend_from_slice(c);
+        }
+        if let Some(k) = &hint {
+            b.extend_from_slice(k);
         }
         w.write_all(&b)?;
         Ok(())
@@ -186,23 +249,39 @@ impl Hello {
         if name_len == 0 {
             return Err(WireError::Invalid("empty device name"));
         }
+        if f.features & FEATURE_HOLDER_PROOF != 0 && token_len != 0 {
+            return Err(WireError::Invalid(
+                "a hello proving possession carries its token after the lender's proof",
+            ));
+        }
         let challenge_len = if f.features & FEATURE_LENDER_PROOF != 0 {
             CHALLENGE_LEN
         } else {
             0
         };
-        let mut rest = vec![0u8; name_len + token_len + challenge_len];
+        let hint_len = match (f.features & FEATURE_LENDER_KEY_HINT != 0, challenge_len) {
+            (false, _) => 0,
+            (true, 0) => return Err(WireError::Invalid("a lender key hint without a challenge")),
+            (true, _) => 32,
+        };
+        let mut rest = vec![0u8; name_len + token_len + challenge_len + hint_len];
         read_exact_or_eof(r, &mut rest).map_err(|e| match e {
             WireError::Closed => WireError::Truncated {
                 got: HELLO_FIXED_LEN,
-                want: HELLO_FIXED_LEN + name_len + token_len + challenge_len,
+                want: HELLO_FIXED_LEN + name_len + token_len + challenge_len + hint_len,
             },
             e => e,
         })?;
+        let at = name_len + token_len;
         let challenge = (challenge_len != 0).then(|| {
             let mut c = [0u8; CHALLENGE_LEN];
-            c.copy_from_slice(&rest[name_len + token_len..]);
+            c.copy_from_slice(&rest[at..at + CHALLENGE_LEN]);
             c
+        });
+        let expected_lender = (hint_len != 0).then(|| {
+            let mut k = [0u8; 32];
+            k.copy_from_slice(&rest[at + CHALLENGE_LEN..]);
+            k
         });
         rest.truncate(name_len + token_len);
         let token = rest.split_off(name_len);
@@ -217,6 +296,9 @@ impl Hello {
             device,
             token,
             challenge,
+            expected_lender,
+            holder: None,
+            held: None,
         })
     }
 }

@@ -14,6 +14,7 @@
 
 use std::io::{Read, Write};
 
+use crate::holder_proof::{FEATURE_HOLDER_PROOF, NONCE_LEN};
 use crate::lender_proof::{LenderProof, FEATURE_LENDER_PROOF, PROOF_LEN};
 use crate::{codec, io_util::read_exact_or_eof, WireError, PROTOCOL_VERSION};
 
@@ -147,6 +148,10 @@ pub enum HelloStatus {
     Busy = 4,
     /// The session was refused by policy (authentication, lease).
     Denied = 5,
+    /// Not an outcome: the lender's interim reply to a hello with
+    /// [`FEATURE_HOLDER_PROOF`], carrying its proof and a nonce; the borrower answers
+    /// with a [`Possession`](crate::holder_proof::Possession), then reads the outcome.
+    Prove = 6,
 }
 
 impl HelloStatus {
@@ -158,6 +163,7 @@ impl HelloStatus {
             3 => HelloStatus::BadRequest,
             4 => HelloStatus::Busy,
             5 => HelloStatus::Denied,
+            6 => HelloStatus::Prove,
             _ => return Err(WireError::Invalid("hello reply status")),
         })
     }
@@ -169,7 +175,8 @@ impl HelloStatus {
 /// features: u64`, then `msg_len: u16, desc_len: u16, reserved: [u8; 4] = 0`; then with
 /// [`FEATURE_CREDIT`] in `features` the 8-byte credit `requests: u32, bytes: u32`; then
 /// with [`FEATURE_LENDER_PROOF`] the 96-byte proof `key: [u8; 32], signature: [u8; 64]`;
-/// then `desc_len` bytes of [`DeviceDescription`]; then `msg_len` bytes of UTF-8 message.
+/// then with [`FEATURE_HOLDER_PROOF`] the 32-byte nonce of an interim reply
+/// ([`HelloStatus::Prove`]); then `desc_len` bytes of [`DeviceDescription`]; then `msg_len` bytes of UTF-8 message.
 /// Version 1 (`version` 1): the same head, then the 52-byte block-shaped tail of [`v1`],
 /// then the credit, the proof and the message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -188,6 +195,10 @@ pub struct HelloReply {
     /// The lender's answer to the hello's challenge ([`crate::lender_proof`]), after the
     /// credit, with [`FEATURE_LENDER_PROOF`] in `features` exactly when present.
     pub proof: Option<LenderProof>,
+    /// The lender's nonce, in an interim reply ([`HelloStatus::Prove`]) to a hello
+    /// proving possession ([`crate::holder_proof`]), with [`FEATURE_HOLDER_PROOF`] in
+    /// `features` exactly when present.
+    pub nonce: Option<[u8; NONCE_LEN]>,
     /// Why the session was refused (empty on success), at most [`MAX_MESSAGE_LEN`] bytes.
     pub message: String,
 }
@@ -202,6 +213,22 @@ impl HelloReply {
             device: Some(device.into()),
             credit: None,
             proof: None,
+            nonce: None,
+            message: String::new(),
+        }
+    }
+
+    /// The interim reply to a hello proving possession: the lender's `proof` of the
+    /// hello's challenge (if it has a key) and its `nonce`.
+    pub fn prove(proof: Option<LenderProof>, nonce: [u8; NONCE_LEN]) -> Self {
+        HelloReply {
+            version: PROTOCOL_VERSION,
+            status: HelloStatus::Prove,
+            features: FEATURE_HOLDER_PROOF,
+            device: None,
+            credit: None,
+            proof,
+            nonce: Some(nonce),
             message: String::new(),
         }
     }
@@ -220,6 +247,7 @@ impl HelloReply {
             device: None,
             credit: None,
             proof: None,
+            nonce: None,
             message: message[..end].to_owned(),
         }
     }
@@ -267,6 +295,10 @@ impl HelloReply {
             Some(_) => features | FEATURE_LENDER_PROOF,
             None => features & !FEATURE_LENDER_PROOF,
         };
+        features = match self.nonce {
+            Some(_) => features | FEATURE_HOLDER_PROOF,
+            None => features & !FEATURE_HOLDER_PROOF,
+        };
         let mut desc = Vec::new();
         if self.version != 1 {
             if let Some(d) = &self.device {
@@ -274,7 +306,7 @@ impl HelloReply {
             }
         }
         let mut b = Vec::with_capacity(
-            V1_REPLY_FIXED_LEN + CREDIT_LEN + PROOF_LEN + desc.len() + msg.len(),
+            V1_REPLY_FIXED_LEN + CREDIT_LEN + PROOF_LEN + NONCE_LEN + desc.len() + msg.len(),
         );
         ReplyHead {
             magic: MAGIC,
@@ -300,6 +332,9 @@ impl HelloReply {
         }
         if let Some(p) = &self.proof {
             b.extend_from_slice(&p.to_bytes());
+        }
+        if let Some(n) = &self.nonce {
+            b.extend_from_slice(n);
         }
         b.extend_from_slice(&desc);
         b.extend_from_slice(msg);
@@ -379,6 +414,18 @@ impl HelloReply {
         } else {
             None
         };
+        let nonce = if features & FEATURE_HOLDER_PROOF != 0 {
+            if status != HelloStatus::Prove {
+                return Err(WireError::Invalid("a nonce in a reply that is not interim"));
+            }
+            let mut n = [0u8; NONCE_LEN];
+            read_exact_or_eof(r, &mut n)?;
+            Some(n)
+        } else if status == HelloStatus::Prove {
+            return Err(WireError::Invalid("an interim reply without a nonce"));
+        } else {
+            None
+        };
         let mut desc = vec![0u8; desc_len];
         read_exact_or_eof(r, &mut desc)?;
         let mut msg = vec![0u8; msg_len];
@@ -395,6 +442,7 @@ impl HelloReply {
             device,
             credit,
             proof,
+            nonce,
             message: String::from_utf8_lossy(&msg).into_owned(),
         })
     }

@@ -423,3 +423,63 @@ fn a_reply_of_an_unknown_version_is_refused() {
     assert!(speaks(1) && speaks(2) && !speaks(0) && !speaks(3));
     assert!(unsupported_version_message(3).contains("versions 1 to 2"));
 }
+
+#[test]
+fn a_lender_key_hint_and_a_possession_handshake_round_trip() {
+    let key = crate::lease_token::TokenSigner::from_seed([4; 32]);
+    let mut h = Hello::new("disk0", 3);
+    h.borrower = [9; 16];
+    h.token = vec![1, 2, 3];
+    h.ask_proof_of(&key.public_key());
+    h.holder = Some(crate::holder_proof::Holder {
+        key: crate::holder_proof::HolderKey::new(crate::lease_token::TokenSigner::from_seed(
+            [5; 32],
+        )),
+        lender: Some(key.public_key()),
+    });
+    let mut buf = Vec::new();
+    h.write_to(&mut buf).unwrap();
+    // The token waits for the lender's proof; the hint follows the challenge.
+    assert_eq!(buf.len(), HELLO_FIXED_LEN + 5 + 32 + 32);
+    let back = Hello::read_from(&mut buf.as_slice()).unwrap();
+    assert!(back.token.is_empty() && back.proves_possession());
+    assert_eq!(back.expected_lender, Some(key.public_key().to_bytes()));
+    assert_eq!(back.challenge, h.challenge);
+    // A hint without a challenge, and a token in a hello that proves possession, are
+    // protocol errors.
+    let mut bad = buf.clone();
+    bad[8..16].copy_from_slice(
+        &(crate::lender_proof::FEATURE_LENDER_KEY_HINT | crate::holder_proof::FEATURE_HOLDER_PROOF)
+            .to_le_bytes(),
+    );
+    assert!(Hello::read_from(&mut bad.as_slice()).is_err());
+    let mut plain = h.clone();
+    plain.holder = None;
+    let mut bad = Vec::new();
+    plain.write_to(&mut bad).unwrap();
+    let f = u64::from_le_bytes(bad[8..16].try_into().unwrap())
+        | crate::holder_proof::FEATURE_HOLDER_PROOF;
+    bad[8..16].copy_from_slice(&f.to_le_bytes());
+    assert!(Hello::read_from(&mut bad.as_slice()).is_err());
+    // The interim reply carries the proof and the nonce, and only an interim reply may.
+    let nonce = [7; 32];
+    let interim = HelloReply::prove(back.prove(&key), nonce);
+    let mut buf = Vec::new();
+    interim.write_to(&mut buf).unwrap();
+    let got = HelloReply::read_from(&mut buf.as_slice()).unwrap();
+    assert_eq!(got.status, HelloStatus::Prove);
+    assert_eq!(got.nonce, Some(nonce));
+    let p = crate::holder_proof::answer(&h, h.holder.as_ref().unwrap(), &got).unwrap();
+    assert_eq!(p.token, h.token);
+    // A lender that proves another key gets no token.
+    let rogue = HelloReply::prove(
+        back.prove(&crate::lease_token::TokenSigner::from_seed([6; 32])),
+        nonce,
+    );
+    assert!(crate::holder_proof::answer(&h, h.holder.as_ref().unwrap(), &rogue).is_err());
+    let mut ok = HelloReply::refuse(HelloStatus::Denied, "no");
+    ok.nonce = Some(nonce);
+    let mut buf = Vec::new();
+    ok.write_to(&mut buf).unwrap();
+    assert!(HelloReply::read_from(&mut buf.as_slice()).is_err());
+}

@@ -6,10 +6,11 @@
 //! `provider_key: [u8; 32]` (the lender's public key, which the borrower makes the lender
 //! prove in the handshake, [`crate::lender_proof`]); in version 3 instead `flags: u8`
 //! (bit 0: a provider key follows, bit 1: limits follow, bit 2: the id of the lease this
-//! one takes the device over from follows; bit 1 or bit 2 set; other bits 0), then the
+//! one takes the device over from follows; one of bits 1 to 4 set; other bits 0), then the
 //! provider key if bit 0, then `successor_of: [u8; 16]` if bit 2, then the lease's limits
 //! ([`crate::qos`], wire form) if bit 1, then `epoch: u64` if bit 3 (the lease's fencing
-//! epoch, see [`LeaseClaims::epoch`]); then `signature: [u8; 64]`. A token without
+//! epoch, see [`LeaseClaims::epoch`]), then `holder_key: [u8; 32]` if bit 4 (the key the
+//! borrower proves possession of, [`crate::holder_proof`]); then `signature: [u8; 64]`. A token without
 //! limits, predecessor or epoch is version 1 or 2, byte for byte as before; one without
 //! a provider key either is version 1.
 
@@ -26,6 +27,8 @@ pub(super) const FLAG_QOS: u8 = 2;
 const FLAG_SUCCESSOR: u8 = 4;
 /// Version 3 flag: the lease's fencing epoch follows.
 const FLAG_EPOCH: u8 = 8;
+/// Version 3 flag: the holder's key follows.
+const FLAG_HOLDER_KEY: u8 = 16;
 /// Bytes of the claims before the text fields.
 const CLAIMS_HEAD_LEN: usize = 25;
 
@@ -70,6 +73,12 @@ pub struct LeaseClaims {
     /// cannot reach the pool (docs/pool.md, "When a lease ends"). `None`: a token from a
     /// pool before epochs, or a direct-mode token.
     pub epoch: Option<u64>,
+    /// The key of the lease's holder (version 3 tokens with flag bit 4): the compute
+    /// host's enrolled key for a pool lease, the borrower's own key in direct mode, the
+    /// destination's key for a handover. The borrower proves it holds it in the
+    /// handshake ([`crate::holder_proof`]), so a token seen on the wire opens nothing.
+    /// `None`: a bearer token, which lenders refuse unless told otherwise.
+    pub holder_key: Option<[u8; 32]>,
 }
 
 fn put_field(b: &mut Vec<u8>, name: &'static str, v: &str) -> Result<(), TokenError> {
@@ -84,7 +93,7 @@ fn put_field(b: &mut Vec<u8>, name: &'static str, v: &str) -> Result<(), TokenEr
 pub(super) fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     let mut b = Vec::with_capacity(64 + c.provider.len() + c.device.len() + c.consumer.len());
     let version = match (
-        c.qos.is_some() || c.successor_of.is_some() || c.epoch.is_some(),
+        c.qos.is_some() || c.successor_of.is_some() || c.epoch.is_some() || c.holder_key.is_some(),
         c.provider_key.is_some(),
     ) {
         (true, _) => TOKEN_VERSION_FLAGGED,
@@ -114,6 +123,9 @@ pub(super) fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
         if c.epoch.is_some() {
             flags |= FLAG_EPOCH;
         }
+        if c.holder_key.is_some() {
+            flags |= FLAG_HOLDER_KEY;
+        }
         codec::push(&mut b, flags);
     }
     if let Some(k) = &c.provider_key {
@@ -127,6 +139,9 @@ pub(super) fn encode_claims(c: &LeaseClaims) -> Result<Vec<u8>, TokenError> {
     }
     if let Some(e) = c.epoch {
         codec::push(&mut b, e);
+    }
+    if let Some(k) = &c.holder_key {
+        b.extend_from_slice(k);
     }
     Ok(b)
 }
@@ -157,14 +172,16 @@ pub(super) fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
         TOKEN_VERSION_KEYED => FLAG_PROVIDER_KEY,
         _ => {
             let f = r.u8()?;
-            if f & !(FLAG_PROVIDER_KEY | FLAG_QOS | FLAG_SUCCESSOR | FLAG_EPOCH) != 0 {
+            if f & !(FLAG_PROVIDER_KEY | FLAG_QOS | FLAG_SUCCESSOR | FLAG_EPOCH | FLAG_HOLDER_KEY)
+                != 0
+            {
                 return Err(TokenError::Malformed("unknown token flags"));
             }
             // One encoding per token: claims without limits, predecessor or epoch are
             // version 1 or 2.
-            if f & (FLAG_QOS | FLAG_SUCCESSOR | FLAG_EPOCH) == 0 {
+            if f & (FLAG_QOS | FLAG_SUCCESSOR | FLAG_EPOCH | FLAG_HOLDER_KEY) == 0 {
                 return Err(TokenError::Malformed(
-                    "version 3 token without limits, predecessor or epoch",
+                    "version 3 token without limits, predecessor, epoch or holder key",
                 ));
             }
             f
@@ -190,6 +207,11 @@ pub(super) fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
     } else {
         None
     };
+    let holder_key = if flags & FLAG_HOLDER_KEY != 0 {
+        Some(r.array::<32>()?)
+    } else {
+        None
+    };
     let claims = LeaseClaims {
         lease_id: head.lease_id,
         expires_at_ms: head.expires_at_ms,
@@ -200,6 +222,7 @@ pub(super) fn decode_claims(body: &[u8]) -> Result<LeaseClaims, TokenError> {
         qos,
         successor_of,
         epoch,
+        holder_key,
     };
     r.finish()?;
     Ok(claims)

@@ -15,6 +15,7 @@ fn claims() -> LeaseClaims {
         qos: None,
         successor_of: None,
         epoch: None,
+        holder_key: None,
     }
 }
 
@@ -108,7 +109,7 @@ fn a_version_3_token_without_limits_is_refused() {
         assert_eq!(
             decode_claims(&body),
             Err(TokenError::Malformed(
-                "version 3 token without limits, predecessor or epoch"
+                "version 3 token without limits, predecessor, epoch or holder key"
             ))
         );
         body[at] |= FLAG_QOS;
@@ -196,5 +197,28 @@ fn malformed_inputs_are_errors_not_panics() {
     assert_eq!(
         TokenSigner::from_seed([5; 32]).sign(&long),
         Err(TokenError::FieldTooLong("device"))
+    );
+}
+
+#[test]
+fn a_holder_key_round_trips_alone_and_with_every_other_claim() {
+    let signer = TokenSigner::from_seed([5; 32]);
+    let mut c = claims();
+    c.holder_key = Some([0x17; 32]);
+    let t = signer.sign(&c).unwrap();
+    assert_eq!(t.as_bytes()[0], TOKEN_VERSION_FLAGGED);
+    assert_eq!(signer.public_key().verify(&t).unwrap(), c);
+    c.provider_key = Some([0x42; 32]);
+    c.successor_of = Some([3; 16]);
+    c.epoch = Some(9);
+    let t = signer.sign(&c).unwrap();
+    assert_eq!(signer.public_key().verify(&t).unwrap(), c);
+    // The holder key is signed: another one in its place breaks the signature.
+    let mut bytes = t.as_bytes().to_vec();
+    let at = bytes.len() - 64 - 32;
+    bytes[at] ^= 1;
+    assert_eq!(
+        signer.public_key().verify(&LeaseToken::from_bytes(bytes)),
+        Err(TokenError::BadSignature)
     );
 }

@@ -87,7 +87,7 @@ fn main() {
         wait_fd(listener.fd(), Duration::from_millis(200));
         while let Some(inc) = listener.accept() {
             let peer = inc.peer();
-            match inc.establish(lender_shape(4), Duration::from_secs(10)) {
+            match inc.establish(lender_shape(4), Instant::now() + Duration::from_secs(10)) {
                 Ok((conn, i, n)) => {
                     if let Err(e) = session(conn, i, n, &a, &mut found) {
                         eprintln!("rogue: session from {peer} ended: {e}");

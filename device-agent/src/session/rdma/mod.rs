@@ -18,7 +18,7 @@ use devlend_fabric::rdma::verbs::{lender_shape, Connection, Incoming, Listener};
 use devlend_fabric::{Hello, HelloReply, HelloStatus};
 
 use crate::block::rdma::{IO_SLOTS, TAG_SEND};
-use crate::server::shared::LenderState;
+use crate::server::shared::{LenderState, Registered};
 use crate::session::admit::admit;
 use crate::session::open::Opening;
 
@@ -36,10 +36,30 @@ pub(crate) fn accept_loop(shared: Arc<LenderState>, listener: Listener) {
         while let Some(inc) = listener.accept() {
             let id = next_id;
             next_id += 1;
+            // The handshake's deadline counts from the connection request; the caps are
+            // TCP's, counted together with its connections.
+            let deadline = Instant::now() + shared.options.handshake_timeout;
+            let peer = inc
+                .peer_ip()
+                .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+            let stop = match shared.register_rdma(id, peer, deadline) {
+                Ok(stop) => stop,
+                Err(Registered::Refused(why)) => {
+                    devlend_fabric::limited!(warn, %peer, reason = why, "RDMA connection request rejected");
+                    inc.reject();
+                    continue;
+                }
+                Err(_) => {
+                    devlend_fabric::limited!(info, %peer, "lender shutting down; RDMA connection request rejected");
+                    inc.reject();
+                    continue;
+                }
+            };
+            let registered = Unregister(Arc::clone(&shared), id);
             let shared = Arc::clone(&shared);
             let spawned = std::thread::Builder::new()
                 .name(format!("dl-rdma-{id}"))
-                .spawn(move || serve(&shared, inc, id));
+                .spawn(move || serve(&shared, inc, id, &stop, deadline, registered));
             if let Err(e) = spawned {
                 tracing::warn!(error = %e, "cannot start an RDMA session thread");
             }
@@ -48,32 +68,32 @@ pub(crate) fn accept_loop(shared: Arc<LenderState>, listener: Listener) {
 }
 
 /// Removes a session from the registry when it ends.
-struct Registered<'a>(&'a LenderState, u64);
+struct Unregister(Arc<LenderState>, u64);
 
-impl Drop for Registered<'_> {
+impl Drop for Unregister {
     fn drop(&mut self) {
         self.0.unregister(self.1);
     }
 }
 
-fn serve(shared: &LenderState, inc: Incoming, id: u64) {
+fn serve(
+    shared: &LenderState,
+    inc: Incoming,
+    id: u64,
+    stop: &Arc<std::sync::atomic::AtomicBool>,
+    deadline: Instant,
+    _registered: Unregister,
+) {
     let peer = inc.peer();
     let _span = tracing::info_span!("rdma_session", id, %peer).entered();
-    let Some(stop) = shared.register_rdma(id) else {
-        devlend_fabric::limited!(info, %peer, "lender shutting down; RDMA connection not accepted");
-        return;
-    };
-    let _registered = Registered(shared, id);
-    let (mut conn, i, n) = match inc
-        .establish(lender_shape(IO_SLOTS), shared.options.handshake_timeout)
-    {
+    let (mut conn, i, n) = match inc.establish(lender_shape(IO_SLOTS), deadline) {
         Ok(x) => x,
         Err(e) => {
             devlend_fabric::limited!(warn, %peer, error = %devlend_fabric::error::chain(&e), "RDMA connection setup failed");
             return;
         }
     };
-    let hello = match Hello::read_from(&mut conn.recv_msg(i, n)) {
+    let mut hello = match Hello::read_from(&mut conn.recv_msg(i, n)) {
         Ok(h) => h,
         Err(e) => {
             devlend_fabric::limited!(warn, %peer, error = %devlend_fabric::error::chain(&e), "bad hello over RDMA; closing");
@@ -82,6 +102,10 @@ fn serve(shared: &LenderState, inc: Incoming, id: u64) {
     };
     if let Err(e) = conn.post_recv(i) {
         devlend_fabric::limited!(warn, %peer, error = %e, "closing");
+        return;
+    }
+    if hello.proves_possession() && !take_possession(shared, &mut conn, &peer, &mut hello, deadline)
+    {
         return;
     }
     // A lender that requires TLS lends over RDMA only to a borrower that already holds
@@ -137,8 +161,9 @@ fn serve(shared: &LenderState, inc: Incoming, id: u64) {
         devlend_fabric::limited!(warn, %peer, "cannot send the hello reply; closing");
         return;
     }
+    shared.handshake_done(id);
     devlend_fabric::limited!(info, %peer, device = %dev.counters.name, kind = %dev.kind_name(), queue = hello.queue_index, "RDMA session opened");
-    opened.session.serve(conn, &stop, &peer);
+    opened.session.serve(conn, stop, &peer);
 }
 
 /// Answers `hello` with a refusal (in the hello's version), and waits a little for it
@@ -160,6 +185,49 @@ fn refuse(conn: &mut Connection, peer: &str, hello: &Hello, status: HelloStatus,
                 break;
             }
             std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// The interim reply (this lender's proof and a nonce) and the borrower's possession
+/// message, within the handshake timeout; whether the handshake goes on (a failure is
+/// logged, rate-limited, and ends it).
+fn take_possession(
+    shared: &LenderState,
+    conn: &mut Connection,
+    peer: &str,
+    hello: &mut Hello,
+    deadline: Instant,
+) -> bool {
+    let Some((reply, nonce)) = crate::session::possession::interim(shared, hello) else {
+        devlend_fabric::limited!(warn, %peer, "no randomness for a handshake nonce; closing");
+        return false;
+    };
+    let mut msg = Vec::new();
+    if reply.write_to(&mut msg).is_err() || conn.send_msg(0, &msg, TAG_SEND | 0xffff).is_err() {
+        devlend_fabric::limited!(warn, %peer, "cannot send the interim hello reply; closing");
+        return false;
+    }
+    let (i, n) = match conn.wait_recv(deadline, "waiting for the possession message") {
+        Ok(x) => x,
+        Err(e) => {
+            devlend_fabric::limited!(info, %peer, device = %hello.device, error = %devlend_fabric::error::chain(&e), "no possession message after this lender's proof; closing");
+            return false;
+        }
+    };
+    let possession = devlend_fabric::holder_proof::Possession::read_from(&mut conn.recv_msg(i, n));
+    if let Err(e) = conn.post_recv(i) {
+        devlend_fabric::limited!(warn, %peer, error = %e, "closing");
+        return false;
+    }
+    match possession {
+        Ok(p) => {
+            crate::session::possession::take(hello, nonce, p);
+            true
+        }
+        Err(e) => {
+            devlend_fabric::limited!(warn, %peer, device = %hello.device, error = %e, "bad possession message over RDMA; closing");
+            false
         }
     }
 }

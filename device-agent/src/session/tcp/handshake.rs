@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use devlend_fabric::conn::Stream;
 use devlend_fabric::error::chain;
+use devlend_fabric::holder_proof::Possession;
 use devlend_fabric::tls::{self, TlsError};
 use devlend_fabric::{Hello, HelloReply, HelloStatus, WireError};
 
@@ -40,7 +41,7 @@ pub(super) fn admit_hello<'s>(
         devlend_fabric::limited!(warn, %peer, error = %e, "cannot set the handshake timeout; closing");
         return None;
     }
-    let hello = match Hello::read_from(&mut &*sock) {
+    let mut hello = match Hello::read_from(&mut &*sock) {
         Ok(h) => h,
         Err(WireError::Closed) => {
             tracing::debug!(%peer, "peer closed the connection before its hello");
@@ -69,6 +70,9 @@ pub(super) fn admit_hello<'s>(
             return None;
         }
     };
+    if hello.proves_possession() && !take_possession(shared, sock, peer, &mut hello) {
+        return None;
+    }
     match admit(shared, &hello, &peer, id) {
         Ok((dev, _active, claim)) => Some(Admitted {
             dev,
@@ -79,6 +83,40 @@ pub(super) fn admit_hello<'s>(
         Err((status, message)) => {
             refuse(sock, peer, &hello, status, &message);
             None
+        }
+    }
+}
+
+/// The interim reply (this lender's proof and a nonce) and the borrower's possession
+/// message, still under the handshake timeout; whether the handshake goes on (a
+/// failure is logged, rate-limited, and ends it).
+fn take_possession(
+    shared: &LenderState,
+    sock: &Stream,
+    peer: SocketAddr,
+    hello: &mut Hello,
+) -> bool {
+    let Some((reply, nonce)) = super::super::possession::interim(shared, hello) else {
+        devlend_fabric::limited!(warn, %peer, "no randomness for a handshake nonce; closing");
+        return false;
+    };
+    if let Err(e) = reply.write_to(&mut &*sock) {
+        tracing::debug!(%peer, error = %e, "cannot send the interim hello reply");
+        return false;
+    }
+    match Possession::read_from(&mut &*sock) {
+        Ok(p) => {
+            super::super::possession::take(hello, nonce, p);
+            true
+        }
+        Err(WireError::Closed) => {
+            // The borrower did not like the lender's proof (or had none to check).
+            devlend_fabric::limited!(info, %peer, device = %hello.device, "borrower closed the handshake after this lender's proof");
+            false
+        }
+        Err(e) => {
+            devlend_fabric::limited!(warn, %peer, device = %hello.device, error = %e, "bad possession message; closing");
+            false
         }
     }
 }

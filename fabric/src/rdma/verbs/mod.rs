@@ -28,7 +28,7 @@ mod setup;
 mod tests;
 
 pub use connection::{lender_shape, Completion, Connection, Shape, BORROWER, RECV_BIT};
-pub use setup::{connect, Incoming, Listener};
+pub use setup::{connect, open_connection, Incoming, Listener};
 
 fn os_err() -> io::Error {
     io::Error::last_os_error()

@@ -193,8 +193,58 @@ fn connect_once(
     hello: &Hello,
     timeout: Duration,
 ) -> Result<(Connection, HelloReply), RdmaError> {
+    let mut c = open_connection(None, addr, timeout)?;
+    let mut msg = Vec::new();
+    hello
+        .write_to(&mut msg)
+        .map_err(|e| RdmaError::WorkRequest(format!("encoding the hello: {e}")))?;
+    c.send_msg(0, &msg, 0)?;
+    let deadline = Instant::now() + timeout;
+    let reply = read_reply(&mut c, deadline, addr)?;
+    if reply.status != crate::HelloStatus::Prove {
+        return Ok((c, reply));
+    }
+    // The lender proved itself: now the token, and the proof of holding its key.
+    let Some(holder) = hello.holder.as_ref() else {
+        return Err(RdmaError::Connect {
+            addr: addr.to_string(),
+            reason: "an interim reply to a hello that proves nothing".into(),
+        });
+    };
+    let possession =
+        crate::holder_proof::answer(hello, holder, &reply).map_err(RdmaError::WrongLender)?;
+    let msg = possession
+        .to_bytes()
+        .map_err(|e| RdmaError::WorkRequest(format!("encoding the possession message: {e}")))?;
+    c.send_msg(0, &msg, 0)?;
+    let reply = read_reply(&mut c, deadline, addr)?;
+    if reply.status == crate::HelloStatus::Prove {
+        return Err(RdmaError::Connect {
+            addr: addr.to_string(),
+            reason: "a second interim reply".into(),
+        });
+    }
+    Ok((c, reply))
+}
+
+/// Opens an RDMA connection to `addr` (`IP:PORT`, rdma_cm) from the local address `src`
+/// (`IP`; `None`: the one the route picks), up to the connection's establishment; no
+/// handshake message is sent.
+///
+/// # Errors
+/// [`RdmaError`] for the transport (no device, no route, no resources, rejected,
+/// timeout).
+pub fn open_connection(
+    src: Option<&str>,
+    addr: &str,
+    timeout: Duration,
+) -> Result<Connection, RdmaError> {
     check_devices()?;
     let (_, mut ss) = to_sockaddr(addr)?;
+    let mut src_ss = match src {
+        Some(ip) => Some(to_sockaddr(&format!("{ip}:0"))?.1),
+        None => None,
+    };
     let events = EventChannel::new()?;
     let id = CmId::new(&events)?;
     let ms = timeout.as_millis().clamp(1, 60_000) as i32;
@@ -203,11 +253,14 @@ fn connect_once(
         stage,
         source: os_err(),
     };
-    // SAFETY: id is live; ss is a valid socket address for the call.
+    // SAFETY: id is live; ss (and src_ss when given) are valid socket addresses for
+    // the call.
     if unsafe {
         rdma_resolve_addr(
             id.0,
-            std::ptr::null_mut(),
+            src_ss.as_mut().map_or(std::ptr::null_mut(), |s| {
+                (s as *mut libc::sockaddr_storage).cast()
+            }),
             (&mut ss as *mut libc::sockaddr_storage).cast(),
             ms,
         )
@@ -234,7 +287,7 @@ fn connect_once(
         "resolving the RDMA route",
     )?;
     let ctx = id.verbs();
-    let mut c = build(id, events, BORROWER, addr.to_string())?;
+    let c = build(id, events, BORROWER, addr.to_string())?;
     let mut p = conn_param(ctx);
     // SAFETY: the id has a QP; p is valid for the call.
     if unsafe { rdma_connect(c.id.0, &mut p) } != 0 {
@@ -250,12 +303,12 @@ fn connect_once(
         addr,
         "connecting",
     )?;
-    let mut msg = Vec::new();
-    hello
-        .write_to(&mut msg)
-        .map_err(|e| RdmaError::WorkRequest(format!("encoding the hello: {e}")))?;
-    c.send_msg(0, &msg, 0)?;
-    let deadline = Instant::now() + timeout;
+    Ok(c)
+}
+
+/// Waits for the lender's next handshake message (skipping send completions) and reads
+/// it as a hello reply.
+fn read_reply(c: &mut Connection, deadline: Instant, addr: &str) -> Result<HelloReply, RdmaError> {
     loop {
         let wc = c.wait(deadline, "waiting for the hello reply")?;
         if let Some(e) = wc.error {
@@ -271,7 +324,7 @@ fn connect_once(
                     }
                 })?;
             c.post_recv(i)?;
-            return Ok((c, reply));
+            return Ok(reply);
         }
     }
 }
@@ -290,7 +343,7 @@ fn expect(
     let mut reason = format!("{} (status {status}) while {what}", event_name(ev));
     if ev == rdma_cm_event_type::RDMA_CM_EVENT_REJECTED {
         reason
-            .push_str(": nothing serves RDMA there (is the lender started with --transport rdma?)");
+            .push_str(": nothing serves RDMA there (is the lender started with --transport rdma?), or the lender turned the request away (too many connections in their handshake)");
     }
     if matches!(
         ev,
@@ -391,15 +444,28 @@ impl Incoming {
         }
     }
 
+    /// The peer's IP address (`None` for an address of another family).
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        self.peer().parse::<SocketAddr>().ok().map(|a| a.ip())
+    }
+
+    /// Refuses the connection request (the peer sees it rejected at once) and frees it.
+    pub fn reject(self) {
+        // SAFETY: the id is live and has a pending connection request; no private data.
+        unsafe { rdma_reject(self.0 .0, std::ptr::null(), 0) };
+    }
+
     /// Moves the id to its own event channel, builds the QP, accepts, and waits for the
-    /// hello (first message). Returns the connection and the hello's bytes' location.
+    /// hello (first message) until `deadline` (the whole of it: the handshake's
+    /// deadline, counted from the connection request). Returns the connection and the
+    /// hello's bytes' location.
     ///
     /// # Errors
     /// Resources, a peer that goes away, or a timeout.
     pub fn establish(
         self,
         shape: Shape,
-        timeout: Duration,
+        deadline: Instant,
     ) -> Result<(Connection, usize, usize), RdmaError> {
         let peer = self.peer();
         let events = EventChannel::new()?;
@@ -420,11 +486,11 @@ impl Incoming {
         expect(
             &c.events,
             rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
-            timeout,
+            deadline.saturating_duration_since(Instant::now()),
             &peer,
             "accepting",
         )?;
-        let (i, n) = c.wait_recv(Instant::now() + timeout, "waiting for the hello")?;
+        let (i, n) = c.wait_recv(deadline, "waiting for the hello")?;
         Ok((c, i, n))
     }
 }
