@@ -75,6 +75,7 @@ impl Rig {
             transport: Transport::Tcp { relay: None },
             lender_key: None,
             holder: None,
+            mint: None,
         };
         let (_s, reply) =
             devlend_fabric::tcp::connect(&target.addr, "disk", 0, Duration::from_secs(5)).unwrap();

@@ -126,6 +126,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
             transport: Transport::Tcp { relay: None },
             lender_key: None,
             holder: None,
+            mint: None,
         },
         limits,
         stats.clone(),

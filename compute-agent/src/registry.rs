@@ -87,8 +87,11 @@ type Started = (
     Vec<u8>,
 );
 
-/// Lifetime of the token of a direct attachment (10 years): it lives as long as the
-/// attachment; the key, not the expiry, is what protects it.
+/// Lifetime of a direct-mode handover token (10 years): the destination presents it
+/// for as long as its attachment lives, and cannot mint another (the source signed it);
+/// the destination's key, which it names, is what protects it. An attachment's own
+/// tokens are minted for each hello instead
+/// (`devlend_backend::lender::target::MINTED_TOKEN_LIFETIME_MS`).
 const DIRECT_TOKEN_LIFETIME_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
 
 use devlend_fabric::lease_token::now_ms;
@@ -179,12 +182,29 @@ impl Registry {
         self.pool.ca_file = Some(ca_file);
     }
 
-    /// Authenticates direct attachments: each gets a token signed with `signer`
-    /// (claims: its borrower identity, the device, an empty provider, a 10-year expiry,
-    /// and `signer`'s public key as the holder's), which a lender given the public key
+    /// Authenticates direct attachments: each gets tokens signed with `signer` (claims:
+    /// its borrower identity, the device, an empty provider, `signer`'s public key as
+    /// the holder's, and an expiry 5 minutes on: a fresh token for every hello), which a lender given the public key
     /// (`--auth-key`) checks, with the proof of holding `signer` in every handshake.
     pub fn set_signer(&mut self, signer: devlend_fabric::lease_token::TokenSigner) {
         self.signer = Some(devlend_fabric::holder_proof::HolderKey::new(signer));
+    }
+
+    /// How to mint `token` afresh for every hello: when it is this agent's own
+    /// direct-mode token (no provider, no predecessor, its holder key this agent's
+    /// `--auth-key-file` key). Handover tokens, which another agent signed, are not.
+    pub(crate) fn mint_for(&self, token: &[u8]) -> Option<devlend_backend::lender::target::Mint> {
+        let key = self.signer.as_ref()?;
+        let claims = devlend_fabric::lease_token::LeaseToken::from_bytes(token.to_vec())
+            .claims_unverified()
+            .ok()?;
+        (claims.provider.is_empty()
+            && claims.successor_of.is_none()
+            && claims.holder_key == Some(key.public_key().to_bytes()))
+        .then(|| devlend_backend::lender::target::Mint {
+            key: key.clone(),
+            claims,
+        })
     }
 
     /// The key of this agent that `token` names as its holder (the pool key for a pool

@@ -217,6 +217,9 @@ pub enum Error {
     /// This lender's key (`key_file`) cannot be read or made.
     #[error("the lender's key")]
     PoolKey(#[source] devlend_fabric::identity::IdentityError),
+    /// The previous key of a rotation (`previous_key_file`) cannot be read.
+    #[error("the lender's previous key (--previous-key-file)")]
+    PreviousKey(#[source] devlend_fabric::identity::IdentityError),
     /// A PCIe function could not be opened through VFIO.
     #[error("cannot lend PCIe function {bdf} as device {device:?}")]
     Pci {

@@ -20,7 +20,9 @@
 //! is away still fences what it fenced before (docs/pool.md, "When a lease ends").
 //!
 //! **Direct mode** ([`LeaseGuard::direct`]): tokens signed by the borrowers' own keys; no
-//! pool renews or ends them: a token is good until its own expiry.
+//! pool renews or ends them. A token that names its holder's key (every compute agent
+//! mints one for each hello, valid minutes) may open sessions until its expiry, and
+//! those live on; a bearer token's sessions end at its expiry.
 //!
 //! **Possession** (both modes): a token names its holder's key, and the borrower signs
 //! the lender's nonce of each handshake with it ([`devlend_fabric::holder_proof`]); a
@@ -292,10 +294,18 @@ impl LeaseGuard {
             leases.retain(|_, t| t.servable(fences));
         }
         if st.leases.len() < MAX_TRACKED {
+            // Direct mode: a token that names its holder's key is minted for each
+            // hello, valid minutes; its expiry bounds when it may open a session, and
+            // the sessions it opened live on. A bearer token ends its sessions at its
+            // expiry, as before.
+            let expires_at_ms = match claims.holder_key {
+                Some(_) if !self.pool_mode => u64::MAX,
+                _ => claims.expires_at_ms,
+            };
             st.leases.entry(claims.lease_id).or_insert(Tracked {
                 device: claims.device.clone(),
                 epoch,
-                expires_at_ms: claims.expires_at_ms,
+                expires_at_ms,
                 key: signer,
                 told: false,
             });
@@ -603,13 +613,36 @@ mod tests {
         assert!(g
             .admit(&hello(&other, "lender-a", "d0", 2000), 1000)
             .is_err());
-        // Direct mode: a token is good until its own expiry.
+        // Direct mode: a token that names its holder (minted for each hello) opens
+        // sessions until its expiry, and those live on.
         let d = LeaseGuard::direct(vec![signer.public_key()]);
         let h = hello(&signer, "", "d0", 2000);
         assert!(d.admit(&h, 1000).is_ok());
         assert!(d.is_live(&[9; 16], 1999));
-        assert!(!d.is_live(&[9; 16], 2000));
-        assert!(d.admit(&h, 2000).is_err());
+        assert!(d.is_live(&[9; 16], 2000));
+        let e = d.admit(&h, 2000).unwrap_err();
+        assert!(e.1.contains("expired"), "{}", e.1);
+        // A bearer token (allowed) is good until its own expiry, sessions included.
+        let d = LeaseGuard::direct(vec![signer.public_key()]);
+        d.allow_bearer_tokens(true);
+        let claims = LeaseClaims {
+            lease_id: [4; 16],
+            expires_at_ms: 2000,
+            provider: String::new(),
+            device: "d0".into(),
+            consumer: "vm".into(),
+            provider_key: None,
+            qos: None,
+            successor_of: None,
+            epoch: None,
+            holder_key: None,
+        };
+        let mut h = Hello::new("d0", 0);
+        h.borrower = [4; 16];
+        h.token = signer.sign(&claims).unwrap().as_bytes().to_vec();
+        assert!(d.admit(&h, 1000).is_ok());
+        assert!(d.is_live(&[4; 16], 1999));
+        assert!(!d.is_live(&[4; 16], 2000));
     }
 
     #[test]

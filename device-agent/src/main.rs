@@ -74,7 +74,15 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
         tracing::info!(key = %k.public_key().to_text(), "this lender's key: borrowers verify it with --lender-key or through the pool's lease");
         lender.prove_with(std::sync::Arc::clone(k));
     }
-    if let Some(old) = previous_key {
+    if let Some(old) = previous_key.filter(|old| {
+        let same = key
+            .as_ref()
+            .is_some_and(|k| k.public_key() == old.public_key());
+        if same {
+            tracing::warn!("--previous-key-file holds this lender's current key: nothing to rotate from; ignored");
+        }
+        !same
+    }) {
         tracing::info!(key = %old.public_key().to_text(), "key rotation: this lender also proves its previous key to the borrowers that ask for it");
         lender.also_prove_with(old);
     }

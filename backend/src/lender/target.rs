@@ -32,6 +32,36 @@ pub struct LenderTarget {
     /// ([`devlend_fabric::holder_proof`]). `None`: the token is sent in the hello (a
     /// bearer token, which lenders refuse unless told otherwise).
     pub holder: Option<devlend_fabric::holder_proof::HolderKey>,
+    /// Direct mode with this agent's own key: every hello carries a token minted for
+    /// it from these claims, valid [`MINTED_TOKEN_LIFETIME_MS`] (instead of `token`).
+    pub mint: Option<Mint>,
+}
+
+/// How long a token minted for one hello is valid, in ms: the lender admits it within
+/// this time, and the session it opens lives on.
+pub const MINTED_TOKEN_LIFETIME_MS: u64 = 5 * 60 * 1000;
+
+/// The claims of an attachment's own direct-mode tokens and the key that signs them
+/// (and proves possession of them): a fresh token for each hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mint {
+    /// Signs the tokens; their holder key.
+    pub key: devlend_fabric::holder_proof::HolderKey,
+    /// The claims; the expiry is set at each mint.
+    pub claims: devlend_fabric::lease_token::LeaseClaims,
+}
+
+impl Mint {
+    /// A token of these claims expiring [`MINTED_TOKEN_LIFETIME_MS`] from now.
+    ///
+    /// # Errors
+    /// A claim too long for a token.
+    pub fn token(&self) -> Result<Vec<u8>, devlend_fabric::lease_token::TokenError> {
+        let mut c = self.claims.clone();
+        c.expires_at_ms =
+            devlend_fabric::lease_token::now_ms().saturating_add(MINTED_TOKEN_LIFETIME_MS);
+        Ok(self.key.0.sign(&c)?.as_bytes().to_vec())
+    }
 }
 
 /// The transport of a target's virtqueue sessions, with its own settings.
@@ -84,6 +114,7 @@ impl LenderTarget {
             transport: Transport::Tcp { relay: None },
             lender_key: None,
             holder: None,
+            mint: None,
         }
     }
 
@@ -142,11 +173,14 @@ impl LenderTarget {
             | devlend_fabric::FEATURE_CREDIT
             | devlend_fabric::FEATURE_THROTTLE_NOTE;
         h.borrower = self.borrower;
-        h.token.clone_from(&self.token);
+        h.token = match self.mint.as_ref().map(Mint::token) {
+            Some(Ok(t)) => t,
+            _ => self.token.clone(),
+        };
         if let Some(k) = &self.lender_key {
             h.ask_proof_of(k);
         }
-        h.holder = holder(&self.token, self.holder.as_ref(), self.lender_key);
+        h.holder = holder(&h.token, self.holder.as_ref(), self.lender_key);
         h
     }
 }
@@ -187,3 +221,52 @@ pub fn new_borrower_id() -> [u8; 16] {
 
 /// Timeout of one connect + handshake attempt to the lender.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, TokenSigner};
+
+    #[test]
+    fn every_hello_carries_a_freshly_minted_token_bound_to_the_key() {
+        let key = devlend_fabric::holder_proof::HolderKey::new(TokenSigner::from_seed([3; 32]));
+        let claims = LeaseClaims {
+            lease_id: [1; 16],
+            expires_at_ms: 1,
+            provider: String::new(),
+            device: "disk0".into(),
+            consumer: "vm".into(),
+            provider_key: None,
+            qos: None,
+            successor_of: None,
+            epoch: None,
+            holder_key: Some(key.public_key().to_bytes()),
+        };
+        let mut t = LenderTarget::direct("127.0.0.1:1", "disk0", [1; 16]);
+        t.token = vec![9; 4];
+        t.holder = Some(key.clone());
+        t.mint = Some(Mint {
+            key: key.clone(),
+            claims: claims.clone(),
+        });
+        let h = t.hello(0);
+        let got = key
+            .public_key()
+            .verify(&LeaseToken::from_bytes(h.token.clone()))
+            .expect("signed by the key");
+        let now = devlend_fabric::lease_token::now_ms();
+        assert!(got.expires_at_ms > now && got.expires_at_ms <= now + MINTED_TOKEN_LIFETIME_MS);
+        assert_eq!(
+            LeaseClaims {
+                expires_at_ms: 1,
+                ..got
+            },
+            claims
+        );
+        // Possession is proven with the key the token names.
+        assert_eq!(h.holder.map(|x| x.key), Some(key));
+        // Without a mint, the stored token goes out.
+        t.mint = None;
+        assert_eq!(t.hello(0).token, vec![9; 4]);
+    }
+}

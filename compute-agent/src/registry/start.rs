@@ -93,7 +93,8 @@ impl Registry {
                 let borrower = new_borrower_id();
                 let claims = devlend_fabric::lease_token::LeaseClaims {
                     lease_id: borrower,
-                    expires_at_ms: now_ms().saturating_add(DIRECT_TOKEN_LIFETIME_MS),
+                    expires_at_ms: now_ms()
+                        .saturating_add(devlend_backend::lender::target::MINTED_TOKEN_LIFETIME_MS),
                     provider: String::new(),
                     device: resolved.device.clone(),
                     consumer: id.to_owned(),
@@ -110,6 +111,16 @@ impl Registry {
                 (borrower, token.as_bytes().to_vec())
             }
             (None, None, None, None) => (new_borrower_id(), Vec::new()),
+        };
+        // This agent's own direct-mode token (a new one, or a restored one): minted
+        // afresh for every hello, and now.
+        let mint = self.mint_for(&token);
+        let token = match mint
+            .as_ref()
+            .map(devlend_backend::lender::target::Mint::token)
+        {
+            Some(Ok(t)) => t,
+            _ => token,
         };
         let lender_key = expected_lender_key(req.lender_key.as_deref(), &token)?;
         // A PCIe function of a named VM joins that VM's peer group (a restored one
@@ -129,6 +140,7 @@ impl Registry {
                 tls,
                 lender_key,
                 holder: self.holder_for(&token),
+                mint,
                 transport: match req.transport {
                     crate::api::Transport::Tcp => devlend_backend::lender::Transport::Tcp {
                         relay: resolved.relay.clone(),

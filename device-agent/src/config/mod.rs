@@ -339,7 +339,7 @@ impl Config {
             .map(|p| {
                 devlend_fabric::identity::load(p)
                     .map(std::sync::Arc::new)
-                    .map_err(Error::PoolKey)
+                    .map_err(Error::PreviousKey)
             })
             .transpose()
     }

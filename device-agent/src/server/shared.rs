@@ -33,6 +33,14 @@ impl LenderState {
             {
                 previous
             }
+            (Some(asked), previous)
+                if asked != current.public_key().to_bytes()
+                    && previous.is_none_or(|p| asked != p.public_key().to_bytes()) =>
+            {
+                // It will refuse this lender: say why here too.
+                devlend_fabric::limited!(warn, device = %hello.device, expected = %devlend_fabric::lease_token::PublicKey::from_bytes(&asked).map(|k| k.to_text()).unwrap_or_default(), "the borrower expects a lender key this lender does not hold (its lease predates a key rotation? keep the old key with --previous-key-file)");
+                current
+            }
             _ => current,
         };
         hello.prove(key)

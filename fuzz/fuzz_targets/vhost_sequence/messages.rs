@@ -326,6 +326,10 @@ impl<'w> Run<'w> {
             ..msg(req::GET_VRING_BASE, &state(i, 0), &[])
         });
         if let Some(Outcome::Reply(r, _)) = out {
+            // No body: refused (an index out of range, before SET_OWNER, ...).
+            if r.payload.is_empty() {
+                return;
+            }
             if r.payload.len() != 8 {
                 panic!("GET_VRING_BASE {i}: a reply of {} bytes", r.payload.len());
             }
@@ -434,6 +438,10 @@ impl<'w> Run<'w> {
                 ..msg(req::GET_INFLIGHT_FD, &p, &[])
             });
             if let Some(Outcome::Reply(r, mut fds)) = out {
+                // No body and no fd: refused (without its protocol feature, ...).
+                if r.payload.is_empty() && fds.is_empty() {
+                    return;
+                }
                 if r.payload.len() != 24 || fds.len() != 1 {
                     panic!(
                         "GET_INFLIGHT_FD: a reply of {} bytes with {} fds",

@@ -160,7 +160,10 @@ impl<'w> Run<'w> {
             if let Some(qm) = self.q.get_mut(q).filter(|_| rest_zero) {
                 match (code, &out) {
                     (req::SET_VRING_KICK, o) if o.accepted() => qm.started = true,
-                    (req::GET_VRING_BASE, Outcome::Reply(..)) => qm.started = false,
+                    // A reply without a body is a refusal: the queue runs on.
+                    (req::GET_VRING_BASE, Outcome::Reply(r, _)) if !r.payload.is_empty() => {
+                        qm.started = false
+                    }
                     _ => {}
                 }
             }
