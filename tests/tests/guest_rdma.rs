@@ -19,7 +19,9 @@
 //! the cost of per-request registration is measured against it in the same run.
 //! A compute agent with a key proves possession of its token over RDMA while 1000
 //! half-open rdma_cm connections (`devlend-rdma-flood`) come from another address:
-//! the lender's handshake caps hold them to 64, the attach works and verifies.
+//! the lender's handshake caps hold them to 64, the attach works and verifies. A
+//! session of that agent recorded on plain TCP (`devlend-capture relay`) and replayed
+//! over RDMA (`devlend-capture replay-rdma`) is refused.
 //! Last, the lender's shutdown must
 //! stop the RDMA sessions of the attachment still open.
 //! On the host (no RDMA device), `--transport rdma` must fail at once and say why.
@@ -193,6 +195,17 @@ cat /tmp/flood.out
 sed 's/^/flood: /' /tmp/flood.err
 echo "DEVLEND-RESULT flood_logged=$(grep -c 'RDMA connection request rejected' /tmp/lender3.log)"
 echo "DEVLEND-RESULT keyed_rdma_sessions=$(grep -c 'RDMA session opened' /tmp/lender3.log)"
+# A session captured on plain TCP (a relay records what the keyed compute agent sends
+# through it), replayed over RDMA at the real lender once the device is free: refused.
+devlend-capture relay 10.9.0.1:7800 10.9.0.1:7702 /tmp/capture > /dev/null 2>&1 &
+CPID=$!
+sleep 1
+devlend attach --api /run/devlend/ca2.sock --lender 10.9.0.1:7800 --device disk5 --socket /run/devlend/captured.sock --queues 1 > /dev/null 2>/tmp/captured.err || sed 's/^/keyed: /' /tmp/captured.err
+devlend verify --socket /run/devlend/captured.sock --queues 1 --span 1M --rounds 1 --out /tmp/expected-captured > /dev/null 2>&1 || echo "keyed: verify through the relay failed"
+devlend detach --api /run/devlend/ca2.sock disk5 > /dev/null
+kill $CPID 2>/dev/null || true
+devlend-capture replay-rdma 10.9.0.1:7702 /tmp/capture.0 2>&1 | sed 's/^devlend-capture/keyed: devlend-capture/'
+echo "DEVLEND-RESULT replay_refusals=$(grep -c 'does not verify with the token' /tmp/lender3.log)"
 kill $L3PID 2>/dev/null || true
 # A lender shutdown closes the RDMA sessions of disk1 (attached, I/O running) too.
 devlend bench --socket /run/devlend/fault.sock --rw randread --bs 4K --iodepth 4 --runtime 60 --ramp 0 > /dev/null 2>&1 &
@@ -210,8 +223,10 @@ fn rdma_on_soft_roce_in_a_guest() {
     let mut b = Guest::builder()
         .name("rdma")
         // The initramfs holds three devlend binaries with debug info (~320 MB) and the
-        // disks live in its tmpfs (half the RAM).
-        .memory_mib(1536)
+        // disks live in its tmpfs (half the RAM). The flood's 64 half-open connections
+        // hold about 7 MiB of registered buffers each on the keyed lender (~450 MiB):
+        // with 1536 MiB that lender was killed for memory.
+        .memory_mib(2048)
         .vcpus(2)
         .script(SCRIPT);
     let mut files = vec![
@@ -225,6 +240,7 @@ fn rdma_on_soft_roce_in_a_guest() {
         "devlend-compute-agent",
         "devlend-rogue-rdma-lender",
         "devlend-rdma-flood",
+        "devlend-capture",
     ] {
         let p = bin(name);
         files.extend(libs(&p));
@@ -402,6 +418,13 @@ fn rdma_on_soft_roce_in_a_guest() {
         "half-open RDMA connections taken from one address: {established} in {secs} s"
     );
     assert_eq!(established + rejected, 1000);
+    // A session recorded on plain TCP and replayed over RDMA opens nothing.
+    assert_eq!(
+        out.result("replay_status"),
+        Some("Denied"),
+        "a captured session replayed over RDMA"
+    );
+    assert!(num("replay_refusals") >= 1, "the lender says why");
     assert!(
         logged > 0 && logged < rejected,
         "rejections logged, rate-limited: {logged} lines for {rejected}"

@@ -187,10 +187,11 @@ impl Hello {
             Some(_) => features | FEATURE_LENDER_KEY_HINT,
             None => features & !FEATURE_LENDER_KEY_HINT,
         };
-        features = match self.holder {
-            Some(_) => features | FEATURE_HOLDER_PROOF,
-            None => features & !FEATURE_HOLDER_PROOF,
-        };
+        // With a holder key the bit is set; without one, a hello as read (the lender's
+        // side) keeps the bit it came with, so that it encodes back to its bytes.
+        if self.holder.is_some() {
+            features |= FEATURE_HOLDER_PROOF;
+        }
         let fixed = HelloFixed {
             magic: MAGIC,
             version: self.version,
