@@ -207,6 +207,40 @@ kill $CPID 2>/dev/null || true
 devlend-capture replay-rdma 10.9.0.1:7702 /tmp/capture.0 2>&1 | sed 's/^devlend-capture/keyed: devlend-capture/'
 echo "DEVLEND-RESULT replay_refusals=$(grep -c 'does not verify with the token' /tmp/lender3.log)"
 kill $L3PID 2>/dev/null || true
+# The same in pool mode: a pool on this host, a lender registered with it (advertising
+# the relay, so that borrowers go through it), a compute agent whose enrolled key the
+# lease's token names. Its session is recorded on TCP; the agent is killed (its lease
+# stays live, the device is free); the recording, replayed over RDMA: refused.
+hostname devguest
+mkdir -p /tmp/pool
+devlend pool serve --listen 127.0.0.1:7400 --data-dir /tmp/pool > /tmp/pool.log 2>&1 &
+for i in $(seq 50); do [ -f /tmp/pool/admin.key ] && break; sleep 0.2; done
+sleep 1
+PADM="--pool http://127.0.0.1:7400 --pool-key /tmp/pool/admin.key"
+devlend keygen --out /tmp/c3.key > /tmp/c3.pub
+devlend pool enroll $PADM --role compute --name devguest --public-key "$(cat /tmp/c3.pub)" > /dev/null 2>/tmp/enroll.err || sed 's/^/pool: /' /tmp/enroll.err
+LJT=$(devlend pool enroll $PADM --role lender --name lr 2>/tmp/enroll.err) || sed 's/^/pool: /' /tmp/enroll.err
+truncate -s 64M /srv/disk6.img
+devlend-capture relay 10.9.0.1:7801 10.9.0.1:7703 /tmp/pcapture > /dev/null 2>&1 &
+PCPID=$!
+devlend-device-agent --listen 10.9.0.1:7703 --transport rdma --pool http://127.0.0.1:7400 --provider lr --advertise 10.9.0.1:7801 --key-file /tmp/l4.key --pool-join-token "$LJT" --device disk6=/srv/disk6.img --log-level info > /tmp/lender4.log 2>&1 &
+L4PID=$!
+for i in $(seq 100); do devlend pool devices $PADM 2>/dev/null | grep -q disk6 && break; sleep 0.2; done
+devlend-compute-agent --api /run/devlend/ca3.sock --pool-key-file /tmp/c3.key --state-file /tmp/ca3.state --log-level warn > /tmp/ca3.log 2>&1 &
+C3PID=$!
+devlend-wait-for /run/devlend/ca3.sock 30
+if devlend attach --api /run/devlend/ca3.sock --pool http://127.0.0.1:7400 --pool-key /tmp/c3.key --class BLOCK --vm vm-r --socket /run/devlend/pooled.sock --queues 1 > /dev/null 2>/tmp/pooled.err; then
+  devlend verify --socket /run/devlend/pooled.sock --queues 1 --span 1M --rounds 1 --out /tmp/expected-pooled > /dev/null 2>&1 && echo "DEVLEND-RESULT pool_verify=ok"
+else
+  sed 's/^/pool: /' /tmp/pooled.err
+  tail -n 5 /tmp/lender4.log | sed 's/^/pool: /'
+fi
+kill -9 $C3PID
+sleep 1
+kill $PCPID 2>/dev/null || true
+devlend-capture replay-rdma 10.9.0.1:7703 /tmp/pcapture.0 2>&1 | sed -e 's/replay_status/pool_replay_status/' -e 's/^devlend-capture/pool: devlend-capture/'
+echo "DEVLEND-RESULT pool_replay_refusals=$(grep -c 'does not verify with the token' /tmp/lender4.log)"
+kill $L4PID 2>/dev/null || true
 # A lender shutdown closes the RDMA sessions of disk1 (attached, I/O running) too.
 devlend bench --socket /run/devlend/fault.sock --rw randread --bs 4K --iodepth 4 --runtime 60 --ramp 0 > /dev/null 2>&1 &
 BPID=$!
@@ -269,6 +303,7 @@ fn rdma_on_soft_roce_in_a_guest() {
             || l.contains("proof: ")
             || l.contains("keyed: ")
             || l.contains("flood: ")
+            || l.contains("pool: ")
     }) {
         eprintln!("{l}");
     }
@@ -425,6 +460,19 @@ fn rdma_on_soft_roce_in_a_guest() {
         "a captured session replayed over RDMA"
     );
     assert!(num("replay_refusals") >= 1, "the lender says why");
+    // And in pool mode: the recorded session of a compute agent whose enrolled key the
+    // lease's token names, replayed over RDMA while the lease is live.
+    assert_eq!(
+        out.result("pool_verify"),
+        Some("ok"),
+        "pool-mode attach through the relay"
+    );
+    assert_eq!(
+        out.result("pool_replay_status"),
+        Some("Denied"),
+        "a captured pool-mode session replayed over RDMA"
+    );
+    assert!(num("pool_replay_refusals") >= 1, "the lender says why");
     assert!(
         logged > 0 && logged < rejected,
         "rejections logged, rate-limited: {logged} lines for {rejected}"
