@@ -510,6 +510,38 @@ impl Borrower {
             "attach", "--lender", lender, "--device", device, "--socket", &s, "--queues", &q,
         ])
     }
+
+    /// Attaches a BLOCK device of the pool at `pool_url` by class for VM `vm-1` on
+    /// `socket` with `queues` queues, signing with the compute host's pool key of `dir`
+    /// ([`Self::pool_key`]).
+    ///
+    /// # Errors
+    /// As [`Self::cli_json`].
+    pub fn attach_class(
+        &self,
+        pool_url: &str,
+        dir: &Path,
+        socket: &Path,
+        queues: u16,
+    ) -> Result<serde_json::Value> {
+        let key = Self::pool_key(dir).display().to_string();
+        let (s, q) = (socket.display().to_string(), queues.to_string());
+        self.cli_json(&[
+            "attach",
+            "--pool",
+            pool_url,
+            "--pool-key",
+            &key,
+            "--class",
+            "BLOCK",
+            "--vm",
+            "vm-1",
+            "--socket",
+            &s,
+            "--queues",
+            &q,
+        ])
+    }
 }
 
 /// Creates a sparse file of `len` bytes.

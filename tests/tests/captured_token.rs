@@ -257,22 +257,7 @@ fn a_replayed_pool_lease_session_is_refused() {
     }
     let mut b = Borrower::start(dir.path()).unwrap();
     let sock = dir.path().join("vm.sock");
-    let key = Borrower::pool_key(dir.path()).display().to_string();
-    let a = b
-        .cli_json(&[
-            "attach",
-            "--pool",
-            &pool.url,
-            "--pool-key",
-            &key,
-            "--class",
-            "BLOCK",
-            "--vm",
-            "vm-1",
-            "--socket",
-            &sock.display().to_string(),
-        ])
-        .unwrap();
+    let a = b.attach_class(&pool.url, dir.path(), &sock, 1).unwrap();
     io(&sock);
     assert!(a["id"].is_string(), "{a}");
     // The compute agent dies: its sessions close, the device is free, and its lease

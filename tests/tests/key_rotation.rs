@@ -67,23 +67,7 @@ fn join_token(pool: &Pool, name: &str) -> String {
 }
 
 fn attach(b: &Borrower, pool: &Pool, dir: &Path, sock: &Path) -> serde_json::Value {
-    let key = Borrower::pool_key(dir).display().to_string();
-    b.cli_json(&[
-        "attach",
-        "--pool",
-        &pool.url,
-        "--pool-key",
-        &key,
-        "--class",
-        "BLOCK",
-        "--vm",
-        "vm-1",
-        "--queues",
-        "1",
-        "--socket",
-        &sock.display().to_string(),
-    ])
-    .unwrap()
+    b.attach_class(&pool.url, dir, sock, 1).unwrap()
 }
 
 #[test]
