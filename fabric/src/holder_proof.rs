@@ -129,14 +129,12 @@ pub fn message(
     m
 }
 
-/// A fresh random nonce.
+/// A fresh random nonce: 32 random bytes, as a challenge is.
 ///
 /// # Errors
 /// The system's random source failed.
 pub fn nonce() -> Result<[u8; NONCE_LEN], getrandom::Error> {
-    let mut n = [0u8; NONCE_LEN];
-    getrandom::fill(&mut n)?;
-    Ok(n)
+    crate::lender_proof::challenge()
 }
 
 /// The borrower's answer to the lender's `interim` reply to `hello`: checks the

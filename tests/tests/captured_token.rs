@@ -1,5 +1,5 @@
 //! A captured credential opens nothing (issue 39). A relay between a compute agent and
-//! its lender records every byte the compute agent sent, on plain TCP without TLS, over
+//! its lender (`devlend-capture relay`) records every byte the compute agent sent, on plain TCP without TLS, over
 //! a whole session: the hellos, the proofs of possession, the I/O. Once the device is
 //! free again, those bytes are replayed at the real lender from another host (a thread
 //! in a network namespace): every replayed connection is refused (`Denied`), because
@@ -11,57 +11,48 @@
 //! Before proof of possession, the hello carried the token itself and the replay opened
 //! the device (this test then fails at "a replayed connection opened a session").
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::Write;
+use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use devlend_cli::blk_client::{BlkClient, BlkOp};
 use devlend_fabric::{HelloReply, HelloStatus};
 use devlend_pool::api::{DeviceQuery, DeviceState, Role};
-use devlend_tests::agents::{bin, free_port, sparse_file, Borrower, Lender, Pool};
+use devlend_tests::agents::{
+    bin, free_port, sparse_file, wait_listening, Borrower, Lender, Pool, Proc,
+};
 use devlend_tests::netns::Netns;
 
 const MIB: u64 = 1 << 20;
 
-/// What a relay saw the compute agent send, per connection, in order of accept.
-type Captured = Arc<Mutex<Vec<Arc<Mutex<Vec<u8>>>>>>;
+/// What a relay (`devlend-capture relay`, the test tool) saw the compute agent send:
+/// `out.N` for the Nth connection it accepted. The relay runs while this lives.
+struct Captured {
+    _relay: Proc,
+    out: PathBuf,
+}
 
 /// A relay on loopback to `target` that records the bytes each connection's client
-/// sends. Runs until the test ends.
-fn recorder(target: String) -> (String, Captured) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let captured: Captured = Arc::default();
-    let c = Arc::clone(&captured);
-    std::thread::spawn(move || {
-        for client in listener.incoming().flatten() {
-            let Ok(server) = TcpStream::connect(&target) else {
-                continue;
-            };
-            let log = Arc::new(Mutex::new(Vec::new()));
-            c.lock().unwrap().push(Arc::clone(&log));
-            let (mut c_in, mut s_out) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-            std::thread::spawn(move || {
-                let mut b = [0u8; 65536];
-                while let Ok(n) = c_in.read(&mut b) {
-                    if n == 0 || s_out.write_all(&b[..n]).is_err() {
-                        break;
-                    }
-                    log.lock().unwrap().extend_from_slice(&b[..n]);
-                }
-                let _ = s_out.shutdown(std::net::Shutdown::Write);
-            });
-            let (mut s_in, mut c_out) = (server, client);
-            std::thread::spawn(move || {
-                let _ = std::io::copy(&mut s_in, &mut c_out);
-                let _ = c_out.shutdown(std::net::Shutdown::Write);
-            });
-        }
-    });
-    (addr, captured)
+/// sends, in `dir`.
+fn recorder(dir: &Path, target: String) -> (String, Captured) {
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let out = dir.join("capture");
+    let mut relay = Proc::spawn(
+        "capture",
+        &bin("devlend-capture").unwrap(),
+        &[
+            "relay".into(),
+            addr.clone(),
+            target,
+            out.display().to_string(),
+        ],
+        dir,
+    )
+    .unwrap();
+    wait_listening(&mut relay, &addr).unwrap();
+    (addr, Captured { _relay: relay, out })
 }
 
 fn keygen(out: &Path) -> String {
@@ -101,11 +92,32 @@ fn io(sock: &Path) {
 /// Replays each captured connection at `lender` from inside `ns`, one after the other;
 /// the lender's last answer to each (a connection it closed without one: `None`).
 fn replay(ns: &Netns, lender: &str, captured: &Captured) -> Vec<Option<HelloStatus>> {
-    let conns: Vec<Vec<u8>> = captured
-        .lock()
+    // `out.N`, in order of N; the probe of the relay's readiness sent nothing (and made
+    // no file when the lender was not up yet).
+    let name = captured
+        .out
+        .file_name()
         .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let mut files: Vec<(u32, PathBuf)> = std::fs::read_dir(captured.out.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let n = e
+                .file_name()
+                .to_string_lossy()
+                .strip_prefix(&format!("{name}."))?
+                .parse()
+                .ok()?;
+            Some((n, e.path()))
+        })
+        .collect();
+    files.sort();
+    let conns: Vec<Vec<u8>> = files
         .iter()
-        .map(|c| c.lock().unwrap().clone())
+        .map(|(_, p)| std::fs::read(p).unwrap())
+        .filter(|c| !c.is_empty())
         .collect();
     assert!(!conns.is_empty(), "nothing was captured");
     let path = format!("/var/run/netns/{}", ns.name);
@@ -185,7 +197,7 @@ fn a_replayed_direct_mode_session_is_refused() {
         &["--auth-key".into(), public],
     )
     .unwrap();
-    let (relay, captured) = recorder(format!("127.0.0.1:{port}"));
+    let (relay, captured) = recorder(dir.path(), format!("127.0.0.1:{port}"));
     let b = Borrower::start_with(
         dir.path(),
         &["--auth-key-file".into(), key.display().to_string()],
@@ -226,7 +238,7 @@ fn a_replayed_pool_lease_session_is_refused() {
     let ns = Netns::new(41).unwrap();
     let port = free_port().unwrap();
     // Borrowers are sent to the relay, which passes everything on to the lender.
-    let (relay, captured) = recorder(format!("127.0.0.1:{port}"));
+    let (relay, captured) = recorder(dir.path(), format!("127.0.0.1:{port}"));
     let config = dir.path().join("device-agent.toml");
     std::fs::write(
         &config,
