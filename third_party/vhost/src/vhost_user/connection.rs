@@ -619,6 +619,39 @@ impl<R: Req> Endpoint<VhostUserMsgHeader<R>> {
 
         Ok((hdr, files))
     }
+
+    /// Receives a reply as [`Endpoint::recv_body`] does, but reads the header first and
+    /// then exactly the `size` bytes it announces: a reply whose body is not a `T` (a
+    /// back-end's refusal of a request that has no error form in the spec is a reply
+    /// without a body) is read whole and fails with `InvalidMessage`, and the stream
+    /// stays framed. `recv_body` would wait for bytes that never come.
+    pub fn recv_reply_framed<T: ByteValued + Sized + VhostUserMsgValidator + Default>(
+        &mut self,
+    ) -> Result<(VhostUserMsgHeader<R>, T, Option<Vec<File>>)> {
+        let (hdr, files) = self.recv_header_framed()?;
+        let size = hdr.get_size() as usize;
+        let mut buf = vec![0u8; size];
+        if size > 0 {
+            let mut iovs = [iovec {
+                iov_base: buf.as_mut_ptr() as *mut c_void,
+                iov_len: size,
+            }];
+            // SAFETY: the iovec covers `buf`, which we own and which holds `size` bytes.
+            let (bytes, _) = unsafe { self.recv_into_iovec_all(&mut iovs[..])? };
+            if bytes != size {
+                return Err(Error::PartialMessage);
+            }
+        }
+        if size != mem::size_of::<T>() || !hdr.is_valid() {
+            return Err(Error::InvalidMessage);
+        }
+        let mut body = T::default();
+        body.as_mut_slice().copy_from_slice(&buf);
+        if !body.is_valid() {
+            return Err(Error::InvalidMessage);
+        }
+        Ok((hdr, body, files))
+    }
 }
 
 impl<H: MsgHeader> AsRawFd for Endpoint<H> {

@@ -920,7 +920,7 @@ impl FrontendInternal {
         }
         self.check_state()?;
 
-        let (reply, body, rfds) = self.main_sock.recv_body::<T>()?;
+        let (reply, body, rfds) = self.main_sock.recv_reply_framed::<T>()?;
         if !reply.is_reply_for(hdr) || rfds.is_some() || !body.is_valid() {
             return Err(VhostUserError::InvalidMessage);
         }
@@ -936,7 +936,7 @@ impl FrontendInternal {
         }
         self.check_state()?;
 
-        let (reply, body, files) = self.main_sock.recv_body::<T>()?;
+        let (reply, body, files) = self.main_sock.recv_reply_framed::<T>()?;
         if !reply.is_reply_for(hdr) || !body.is_valid() {
             return Err(VhostUserError::InvalidMessage);
         }
@@ -990,7 +990,7 @@ impl FrontendInternal {
         }
         self.check_state()?;
 
-        let (reply, body, rfds) = self.main_sock.recv_body::<VhostUserU64>()?;
+        let (reply, body, rfds) = self.main_sock.recv_reply_framed::<VhostUserU64>()?;
         if !reply.is_reply_for(hdr) || rfds.is_some() || !body.is_valid() {
             return Err(VhostUserError::InvalidMessage);
         }
@@ -1139,6 +1139,32 @@ mod tests {
         let msg = 0x15u32;
         peer.send_message(&hdr, &msg, None).unwrap();
         assert!(frontend.get_features().is_err());
+    }
+
+    // devlend patch: a reply without the body its request expects (a back-end's refusal
+    // of a request that has no error form) fails that request instead of blocking, and
+    // the next reply is read in its place.
+    #[test]
+    fn test_reply_without_body_fails_the_request_and_keeps_the_stream() {
+        let path = temp_path();
+        let (frontend, mut peer) = create_pair(path);
+
+        let hdr = VhostUserMsgHeader::new(FrontendReq::GET_FEATURES, 0x4, 0);
+        peer.send_header(&hdr, None).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let fe = std::thread::spawn(move || {
+            let refused = frontend.get_features();
+            let next = frontend.get_features();
+            tx.send(()).unwrap();
+            (refused, next)
+        });
+        let hdr = VhostUserMsgHeader::new(FrontendReq::GET_FEATURES, 0x4, 8);
+        peer.send_message(&hdr, &VhostUserU64::new(0x15), None).unwrap();
+        rx.recv_timeout(std::time::Duration::from_secs(5))
+            .expect("the frontend blocked on a reply without a body");
+        let (refused, next) = fe.join().unwrap();
+        assert!(refused.is_err());
+        assert_eq!(next.unwrap(), 0x15);
     }
 
     #[test]
