@@ -4,9 +4,11 @@
 //!   `/etc/devlend/<daemon>.toml`), unknown keys refused with the file, key and reason;
 //! - [`logging`]: tracing to stderr, human or JSON, with a level reloadable on SIGHUP;
 //! - [`notify`]: systemd readiness (`Type=notify`) through `sd_notify`;
-//! - [`metrics`]: a Prometheus/OpenMetrics endpoint (`--metrics-listen ADDR`).
+//! - [`metrics`]: a Prometheus/OpenMetrics endpoint (`--metrics-listen ADDR`);
+//! - [`limits`]: the open-files limit raised to the hard one at start.
 
 pub mod config;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod notify;
@@ -23,8 +25,9 @@ pub trait DaemonConfig {
 }
 
 /// The start of every daemon's `main`: a configuration error exits 2 with its causes;
-/// `--print-config` prints and exits 0; otherwise logging is installed and the
-/// configuration and the log handle are returned.
+/// `--print-config` prints and exits 0; otherwise logging is installed, the limit of
+/// open files raised ([`limits::raise_open_files`]), and the configuration and the log
+/// handle are returned.
 ///
 /// # Errors
 /// The exit code to return from `main`.
@@ -46,6 +49,9 @@ pub fn startup<C: DaemonConfig, E: Into<anyhow::Error>>(
         eprintln!("{daemon}: {e}");
         ExitCode::from(2)
     })?;
+    if let Some(n) = limits::raise_open_files() {
+        tracing::debug!(open_files = n, "limit of open files");
+    }
     Ok((config, log))
 }
 

@@ -149,6 +149,8 @@ pub enum Error {
         source: Box<Error>,
     },
     /// Neither `--listen` nor `listen` in the config file was given.
+    #[error("max_sessions {0} is out of range: from 1 to {max}", max = crate::config::MAX_SESSIONS_LIMIT)]
+    BadMaxSessions(u32),
     #[error("no listen address: give --listen ADDR:PORT or `listen` in the config file")]
     NoListen,
     /// No device was given.

@@ -57,6 +57,11 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     let options = devlend_device_agent::Options {
         io: config.io_mode,
         stores: config.stores.clone(),
+        max_sessions: config
+            .max_sessions
+            .map_or(devlend_device_agent::Options::default().max_sessions, |n| {
+                n as usize
+            }),
         ..Default::default()
     };
     // The lender's own key: it proves who the lender is to borrowers that ask, and signs

@@ -128,7 +128,15 @@ pub struct Cli {
     /// can open its device with it. In the file: `allow_bearer_tokens = true`.
     #[arg(long)]
     pub allow_bearer_tokens: bool,
+    /// Most borrower sessions open at once, over all devices (default 256, at most
+    /// 65536); the next hello is answered `Busy`. A session is a thread and a few
+    /// descriptors (docs/performance.md, "Scale"). In the file: `max_sessions = N`.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=MAX_SESSIONS_LIMIT as i64))]
+    pub max_sessions: Option<u32>,
 }
+
+/// The largest `max_sessions` taken.
+pub const MAX_SESSIONS_LIMIT: u32 = 65536;
 
 /// The `[pool]` table: register with a device pool and enforce its leases.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
@@ -190,6 +198,7 @@ struct FileConfig {
     insecure: bool,
     #[serde(default)]
     allow_bearer_tokens: bool,
+    max_sessions: Option<u32>,
     #[serde(default, rename = "device")]
     devices: Vec<DeviceSpec>,
     #[serde(default, rename = "store")]
@@ -288,6 +297,9 @@ pub struct Config {
     /// Take lease tokens that name no holder key (`--allow-bearer-tokens`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub allow_bearer_tokens: bool,
+    /// Most sessions open at once (`--max-sessions`); `None`: the default, 256.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_sessions: Option<u32>,
     /// Backing stores that devices share, with their capacities.
     #[serde(rename = "store", skip_serializing_if = "Vec::is_empty")]
     pub stores: Vec<StoreSpec>,
@@ -487,6 +499,10 @@ impl Config {
                 "tls_client_ca needs tls_cert and tls_key (client certificates are checked inside TLS)".into(),
             ));
         }
+        let max_sessions = cli.max_sessions.or(file.max_sessions);
+        if let Some(n) = max_sessions.filter(|n| !(1..=MAX_SESSIONS_LIMIT).contains(n)) {
+            return Err(Error::BadMaxSessions(n));
+        }
         let common = cli
             .common
             .resolve(file.log_level, file.log_format, file.metrics_listen);
@@ -500,6 +516,7 @@ impl Config {
             previous_key_file: cli.previous_key_file.clone().or(file.previous_key_file),
             insecure: cli.insecure || file.insecure,
             allow_bearer_tokens: cli.allow_bearer_tokens || file.allow_bearer_tokens,
+            max_sessions,
             listen,
             transport: cli.transport.or(file.transport).unwrap_or_default(),
             log_level: common.log_level,

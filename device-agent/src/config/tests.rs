@@ -294,3 +294,32 @@ fn an_auth_key_that_starts_with_a_hyphen_is_a_value() {
     let cli = Cli::try_parse_from(["x", "--auth-key", key, "--auth-key", "AbC"]).unwrap();
     assert_eq!(cli.auth_keys, [key, "AbC"]);
 }
+
+#[test]
+fn max_sessions_comes_from_file_or_flag_and_is_bounded() {
+    let f = write_config(
+        "listen = \"0.0.0.0:7700\"\nmax_sessions = 1000\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+    );
+    let path = f.path().to_str().unwrap();
+    let c = Config::from_cli(&Cli::parse_from(["x", "--config", path])).unwrap();
+    assert_eq!(c.max_sessions, Some(1000));
+    assert!(c.to_toml().contains("max_sessions = 1000"));
+    let cli = Cli::parse_from(["x", "--config", path, "--max-sessions", "2048"]);
+    assert_eq!(Config::from_cli(&cli).unwrap().max_sessions, Some(2048));
+    let cli = Cli::parse_from(["x", "--listen", "127.0.0.1:9", "--device", "d=/x"]);
+    let c = Config::from_cli(&cli).unwrap();
+    assert_eq!(c.max_sessions, None);
+    assert!(!c.to_toml().contains("max_sessions"));
+    for bad in ["0", "65537"] {
+        let r = Cli::try_parse_from(["x", "--listen", "127.0.0.1:9", "--max-sessions", bad]);
+        assert!(r.is_err(), "--max-sessions {bad} was taken");
+    }
+    let f = write_config(
+        "listen = \"0.0.0.0:7700\"\nmax_sessions = 0\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+    );
+    let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+    assert!(matches!(
+        Config::from_cli(&cli),
+        Err(Error::BadMaxSessions(0))
+    ));
+}

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Scale of one lender and one compute agent (docs/performance.md, "Scale"): N one-queue
+# disks (sparse files in /dev/shm), each attached once, so the lender holds N sessions
+# and the compute agent N attachments. Prints, for both agents: RSS, threads, open
+# descriptors and CPU over an idle minute; the time the N attaches took; and attachment
+# 0's 4K randread QD1 p50 alone (before the others) and among the N-1 idle others.
+#
+# usage: contrib/scale.sh [N] [BIN_DIR]
+#   N defaults to 1000; BIN_DIR (holding devlend, devlend-device-agent and
+#   devlend-compute-agent) to target/release. IDLE_S (default 60) is the idle window.
+set -euo pipefail
+
+n=${1:-1000}
+bin=${2:-target/release}
+idle=${IDLE_S:-60}
+work=$(mktemp -d /tmp/devlend-scale.XXXXXX)
+shm=/dev/shm/devlend-scale-$$
+pids=()
+
+cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$shm"
+}
+trap cleanup EXIT
+
+mkdir -p "$shm"
+port=$((47900 + RANDOM % 90))
+{
+    echo "listen = \"127.0.0.1:$port\""
+    echo "max_sessions = $((n + 16))"
+    echo 'io_mode = "sync"'
+    for i in $(seq 0 $((n - 1))); do
+        truncate -s 64M "$shm/d$i.img"
+        printf '[[device]]\nname = "d%s"\npath = "%s/d%s.img"\n' "$i" "$shm" "$i"
+    done
+} >"$work/lender.toml"
+dd if=/dev/urandom of="$shm/d0.img" bs=1M count=64 conv=notrunc status=none
+
+"$bin/devlend-device-agent" --config "$work/lender.toml" >"$work/lender.log" 2>&1 &
+lender=$!
+"$bin/devlend-compute-agent" --api "$work/api.sock" >"$work/borrower.log" 2>&1 &
+borrower=$!
+pids=("$lender" "$borrower")
+for _ in $(seq 100); do [ -S "$work/api.sock" ] && break; sleep 0.1; done
+
+attach() {
+    "$bin/devlend" --api "$work/api.sock" attach --lender "127.0.0.1:$port" --device "d$1" \
+        --socket "$work/d$1.sock" --queues 1 >/dev/null
+}
+qd1_p50() {
+    "$bin/devlend" bench --socket "$work/d0.sock" --rw randread --bs 4K --iodepth 1 \
+        --runtime 5 --ramp 1 --json |
+        python3 -c 'import json,sys; print(round(json.load(sys.stdin)["figures"]["latency"]["p50_us"], 1))'
+}
+# proc_figures PID: RSS in MiB, threads, descriptors.
+proc_figures() {
+    local rss threads fds
+    rss=$(awk '/^VmRSS:/ {printf "%.1f", $2 / 1024}' "/proc/$1/status")
+    threads=$(awk '/^Threads:/ {print $2}' "/proc/$1/status")
+    fds=$(find "/proc/$1/fd" -mindepth 1 -maxdepth 1 | wc -l)
+    echo "$rss $threads $fds"
+}
+# cpu_ticks PID: user + system clock ticks so far.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+attach 0
+alone=$(qd1_p50)
+start=$(date +%s.%N)
+for i in $(seq 1 $((n - 1))); do attach "$i"; done
+took=$(python3 -c "import sys; print(round($(date +%s.%N) - $start, 1))")
+sleep 5
+l0=$(cpu_ticks "$lender")
+b0=$(cpu_ticks "$borrower")
+sleep "$idle"
+l1=$(cpu_ticks "$lender")
+b1=$(cpu_ticks "$borrower")
+hz=$(getconf CLK_TCK)
+among=$(qd1_p50)
+
+read -r lrss lthr lfd <<<"$(proc_figures "$lender")"
+read -r brss bthr bfd <<<"$(proc_figures "$borrower")"
+pct() { python3 -c "print(round(100 * ($2 - $1) / $hz / $idle, 2))"; }
+echo
+echo "N = $n one-queue disks, one lender, one compute agent ($(nproc) CPUs: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'))"
+echo "attach of disks 1..$((n - 1)), one after another: $took s"
+printf '%-14s %9s %8s %12s %14s\n' agent "RSS MiB" threads descriptors "idle CPU %"
+printf '%-14s %9s %8s %12s %14s\n' lender "$lrss" "$lthr" "$lfd" "$(pct "$l0" "$l1")"
+printf '%-14s %9s %8s %12s %14s\n' compute-agent "$brss" "$bthr" "$bfd" "$(pct "$b0" "$b1")"
+echo "attachment 0, 4K randread QD1 p50: alone $alone µs, among $((n - 1)) idle others $among µs"
