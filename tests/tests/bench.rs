@@ -119,6 +119,13 @@ fn peers_quick_matrix_runs_every_server() {
     assert!(checks
         .iter()
         .any(|c| c["target"].as_str().unwrap().contains("QD1 p50")));
+    // The floor of the same run: devlend's QD1 p50 against qsd-local's + a round trip.
+    assert!(f(&r, &["floor", "round_trip", "p50_us"]) > 0.0, "{r}");
+    assert!(f(&r, &["floor", "one_stream_mb_per_s"]) > 0.0, "{r}");
+    assert!(checks.iter().any(|c| c["target"]
+        .as_str()
+        .unwrap()
+        .contains("devlend - qsd-local")));
     assert!(r["machine"]["nproc"].as_u64().unwrap() > 0);
     assert!(r["commands"]["qsd-nbd-chain"].as_array().unwrap().len() == 2);
     // Everything it started is gone: the sockets were in its work directory.

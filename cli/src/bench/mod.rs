@@ -7,8 +7,10 @@
 //! - [`stats`]: latency histograms (hdrhistogram) and the figures of a window;
 //! - [`procstat`]: CPU seconds and peak RSS of server processes over the window;
 //! - [`peers`]: devlend, qsd-local and qsd-nbd-chain on one backing file;
+//! - [`floor`]: one loopback TCP round trip and stream on this machine, the floor;
 //! - [`report`]: tables, ratios, targets, JSON.
 
+pub mod floor;
 pub mod options;
 pub mod peers;
 pub mod procstat;
@@ -17,6 +19,7 @@ pub mod stats;
 pub mod workload;
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -169,10 +172,18 @@ fn peers_run(
         .map(|t| (t.name.to_owned(), t.commands.clone()))
         .collect();
     drop(peers);
+    // Measured with the servers gone, for as long as a cell runs (at most 3 s a part).
+    let window = opts
+        .workload
+        .runtime
+        .clamp(Duration::from_millis(200), Duration::from_secs(3));
+    progress.set("floor: loopback TCP round trips and streams".into());
+    let floor = floor::measure(window)?;
     Ok(PeersReport::new(
         Machine::this(peers::qsd_version()),
         command,
         commands,
         out,
+        Some(floor),
     ))
 }

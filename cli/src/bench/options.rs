@@ -108,7 +108,7 @@ impl Workload {
 /// Which cells `--peers` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Matrix {
-    /// The six cells of the performance targets.
+    /// The seven cells of the performance targets.
     Full,
     /// Two short cells (4K randread QD1 and 4K randwrite QD32): a smoke test.
     Quick,
@@ -133,6 +133,7 @@ impl Matrix {
                 w(Rw::Read, 128 << 10, 8, 1),
                 w(Rw::Write, 128 << 10, 8, 1),
                 w(Rw::Randread, 4096, 32, 2),
+                w(Rw::Read, 128 << 10, 8, 2),
             ],
             Matrix::Quick => vec![w(Rw::Randread, 4096, 1, 1), w(Rw::Randwrite, 4096, 32, 1)],
         }
@@ -197,7 +198,8 @@ mod tests {
                 "4k-randwrite-qd32",
                 "128k-read-qd8",
                 "128k-write-qd8",
-                "4k-randread-qd32-q2"
+                "4k-randread-qd32-q2",
+                "128k-read-qd8-q2"
             ]
         );
         assert!(cells.iter().all(|c| c.validate().is_ok()));

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use super::floor::Floor;
 use super::options::{Rw, Workload};
 use super::procstat::ProcFigures;
 use super::stats::Figures;
@@ -134,7 +135,12 @@ pub struct Check {
     pub met: bool,
 }
 
-fn check(target: String, value: Option<f64>, relation: &'static str, bound: f64) -> Check {
+pub(super) fn check(
+    target: String,
+    value: Option<f64>,
+    relation: &'static str,
+    bound: f64,
+) -> Check {
     let met = match value {
         Some(v) if relation == ">=" => v >= bound,
         Some(v) => v <= bound,
@@ -197,6 +203,8 @@ pub struct PeersReport {
     pub commands: BTreeMap<String, Vec<String>>,
     /// The cells, in the order run.
     pub cells: Vec<Cell>,
+    /// What this machine's loopback carries, measured in the same run.
+    pub floor: Option<Floor>,
     /// The performance targets that this matrix covers.
     pub checks: Vec<Check>,
 }
@@ -211,19 +219,24 @@ impl PeersReport {
         command: String,
         commands: BTreeMap<String, Vec<String>>,
         cells: Vec<Cell>,
+        floor: Option<Floor>,
     ) -> Self {
-        let checks = targets(&cells);
+        let mut checks = targets(&cells);
+        if let Some(f) = &floor {
+            checks.extend(super::floor::checks(&cells, f));
+        }
         PeersReport {
             machine,
             command,
             commands,
             cells,
+            floor,
             checks,
         }
     }
 }
 
-fn find(cells: &[Cell], rw: Rw, bs: usize, qd: usize, queues: usize) -> Option<&Cell> {
+pub(super) fn find(cells: &[Cell], rw: Rw, bs: usize, qd: usize, queues: usize) -> Option<&Cell> {
     cells.iter().find(|c| {
         c.runs.first().is_some_and(|r| {
             let w = &r.workload;
@@ -390,7 +403,16 @@ pub fn peers_table(rep: &PeersReport) -> String {
         "machine: {} CPUs, {}, Linux {}, {}",
         m.nproc, m.cpu_model, m.kernel, m.qemu
     );
-    let _ = writeln!(out, "command: {}\n", rep.command);
+    let _ = writeln!(out, "command: {}", rep.command);
+    if let Some(f) = &rep.floor {
+        let _ = writeln!(
+            out,
+            "floor: loopback TCP round trip (48 B out, 4 KiB back) p50 {:.1} µs, p99 {:.1} µs; \
+             one TCP stream {:.0} MB/s, two {:.0} MB/s",
+            f.round_trip.p50_us, f.round_trip.p99_us, f.one_stream_mb_per_s, f.two_streams_mb_per_s
+        );
+    }
+    out.push('\n');
     if !rep.checks.is_empty() {
         let _ = writeln!(out, "targets:");
         for c in &rep.checks {
@@ -486,6 +508,14 @@ mod tests {
             "devlend bench --peers".into(),
             BTreeMap::new(),
             cells,
+            Some(Floor {
+                round_trip: LatencySummary {
+                    p50_us: 6.0,
+                    ..Default::default()
+                },
+                one_stream_mb_per_s: 400.0,
+                two_streams_mb_per_s: 700.0,
+            }),
         );
         let by = |s: &str| {
             rep.checks
@@ -499,8 +529,19 @@ mod tests {
         assert!(by("128K seq read").met);
         assert!(by("CPU per I/O").met);
         assert_eq!(by("RSS of the devlend-agent").value, Some(8.0));
+        // 40 µs against qsd-local's 30: 10 µs over it, at the bound.
+        let gap = by("devlend - qsd-local");
+        assert_eq!(gap.value, Some(10.0));
+        assert!(gap.met);
+        // 3000 IOPS of 128 KiB is 393 MB/s: 0.98 of one 400 MB/s stream, met with one
+        // queue, missed with two (1.6 asked).
+        let one = by("(1 queue) / one loopback TCP stream");
+        assert!((one.value.unwrap() - 0.98304).abs() < 1e-9 && one.met);
+        assert!(!by("(2 queues) / one loopback TCP stream").met);
         let table = peers_table(&rep);
         assert!(table.contains("devlend/qsd-nbd-chain") && table.contains("[met]"));
+        assert!(table.contains("[MISSED] 128K read QD8 MB/s, devlend (2 queues)"));
+        assert!(table.contains("one TCP stream 400 MB/s, two 700 MB/s"));
     }
 
     /// A run with no server process measured (no --pid) has no CPU or RSS figure: it
