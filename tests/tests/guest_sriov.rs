@@ -30,7 +30,11 @@
 //! VF without virtualization management, binds it and the pool lists it (`PF_NIC`). At
 //! the end a QEMU 11 guest on host B leases the VF (the generic mirror), and its own
 //! `igbvf` driver pings the PF's address and sends 64 KiB over TCP to a listener there,
-//! which finds the same md5.
+//! which finds the same md5. The transfer may take up to 3 connections: in the full
+//! suite (not alone) its connection has been reset after about ten segments, the
+//! sender's socket gone in 4 s with no FIN_WAIT2 or TIME_WAIT; the cause is not found
+//! yet. Each connection's bytes are a file of their own on the lender, and only one
+//! that holds all 64 KiB is reported.
 //!
 //! Then host A's VF changes hands through the pool: a holder enables its controller and
 //! is detached while its VMM is still connected; the lender resets the VF (FLR), and the next holder finds
@@ -99,11 +103,21 @@ devlend-device-agent $DEV > /tmp/second.log 2>&1 &
 n=0
 while ! grep -q "addr=0.0.0.0:7700" /tmp/second.log && [ $n -lt 600 ]; do sleep 0.2; n=$((n + 1)); done
 sed 's/^/second: /' /tmp/second.log
-# The transfer's bytes, reported once all 64 KiB are here (not at its end of stream:
-# the sender's guest may power off before its FIN gets through).
-(timeout 1800 nc -l -p 5000 > /tmp/recv &
- while [ "$(stat -c %s /tmp/recv 2>/dev/null)" != 65536 ]; do sleep 0.5; done
- echo "sriov: received $(md5sum /tmp/recv | cut -d' ' -f1) $(stat -c %s /tmp/recv)") &
+# Each connection's bytes go to a file of their own; the first that holds all 64 KiB
+# is reported (not at its end of stream: the sender's guest may power off before its
+# FIN gets through). One that ends short is reported, and the next one taken.
+(i=0
+ while [ $i -lt 3 ]; do
+   i=$((i + 1))
+   timeout 1800 nc -l -p 5000 > /tmp/recv.$i &
+   pid=$!
+   while [ "$(stat -c %s /tmp/recv.$i 2>/dev/null)" != 65536 ] && kill -0 $pid 2>/dev/null; do sleep 0.5; done
+   if [ "$(stat -c %s /tmp/recv.$i)" = 65536 ]; then
+     echo "sriov: received $(md5sum /tmp/recv.$i | cut -d' ' -f1) 65536"
+     break
+   fi
+   echo "sriov: connection $i ended after $(stat -c %s /tmp/recv.$i) bytes"
+ done) &
 echo "sriov: the second lender is up"
 tail -n 0 -f /tmp/second.log | sed 's/^/lender: /' &
 sleep 100000
@@ -130,13 +144,26 @@ echo "DEVLEND-RESULT pings=$got of $n"
 dd if=/dev/urandom of=/tmp/up bs=1K count=64 2>/dev/null
 echo "DEVLEND-RESULT md5=$(md5sum /tmp/up | cut -d' ' -f1)"
 t0=$(date +%s)
-nc 192.168.77.1 5000 < /tmp/up && echo "DEVLEND-RESULT sent=yes"
-# What nc wrote may still be in this kernel's send queue, unacknowledged: let it go
-# before power-off (a frame the mirror's pull delivers half-written is dropped, and
-# TCP's retransmission timer backs off: under load a transfer has taken 3 minutes).
-# Busy: a socket with bytes queued, or one established or closing (01, 04, 08, 09, 0B).
-n=0
-while [ $n -lt 1500 ] && awk 'NR > 1 { split($5, q, ":"); if (q[1] != "00000000" || $4 ~ /^(01|04|08|09|0B)$/) busy = 1 } END { exit !busy }' /proc/net/tcp; do sleep 0.2; n=$((n + 1)); done
+# Up to 3 connections: one the lender's side resets (it ends with no FIN_WAIT2 or
+# TIME_WAIT socket to port 5000, 1388 in /proc/net/tcp) is sent again. In the full
+# suite a connection has been reset after about ten segments (cause not found yet);
+# the lender reports only a connection that brought all 64 KiB.
+attempt=0
+sent=no
+while [ $attempt -lt 3 ]; do
+  attempt=$((attempt + 1))
+  nc 192.168.77.1 5000 < /tmp/up && sent=yes
+  # What nc wrote may still be in this kernel's send queue, unacknowledged: let it go
+  # before power-off (a frame the mirror's pull delivers half-written is dropped, and
+  # TCP's retransmission timer backs off: under load a transfer has taken 3 minutes).
+  # Busy: a socket with bytes queued, or one established or closing (01, 04, 08, 09, 0B).
+  n=0
+  while [ $n -lt 1500 ] && awk 'NR > 1 { split($5, q, ":"); if (q[1] != "00000000" || $4 ~ /^(01|04|08|09|0B)$/) busy = 1 } END { exit !busy }' /proc/net/tcp; do sleep 0.2; n=$((n + 1)); done
+  awk 'NR > 1 && $3 ~ /:1388$/ && ($4 == "05" || $4 == "06") { ok = 1 } END { exit !ok }' /proc/net/tcp && break
+  echo "sriov: connection $attempt was reset ($(( $(date +%s) - t0 )) s)"
+done
+echo "DEVLEND-RESULT sent=$sent"
+echo "DEVLEND-RESULT connections=$attempt"
 echo "DEVLEND-RESULT seconds=$(( $(date +%s) - t0 ))"
 for c in rx_packets tx_packets rx_dropped rx_errors tx_errors; do printf "%s=%s " $c $(cat /sys/class/net/eth0/statistics/$c); done; echo
 dmesg | grep -i igbvf | tail -20
