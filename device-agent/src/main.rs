@@ -54,16 +54,14 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     } else {
         None
     };
-    let options = devlend_device_agent::Options {
+    let mut options = devlend_device_agent::Options {
         io: config.io_mode,
         stores: config.stores.clone(),
-        max_sessions: config
-            .max_sessions
-            .map_or(devlend_device_agent::Options::default().max_sessions, |n| {
-                n as usize
-            }),
         ..Default::default()
     };
+    if let Some(n) = config.max_sessions {
+        options.max_sessions = n as usize;
+    }
     // The lender's own key: it proves who the lender is to borrowers that ask, and signs
     // its pool requests.
     let key = config.load_key()?;

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use super::options::Rw;
-use super::report::{check, find, Cell, Check};
+use super::report::{check, find, Cell, Check, LOCAL};
 use super::stats::{Latencies, LatencySummary};
 
 /// Bytes of a round trip's request: a block request header.
@@ -122,45 +122,27 @@ fn streams(n: usize, window: Duration) -> Result<f64> {
 /// + 10 µs; one queue's 128K reads at least 0.9 of one stream, two queues' 1.6.
 pub fn checks(cells: &[Cell], floor: &Floor) -> Vec<Check> {
     let mut out = Vec::new();
-    let p50 = |c: &Cell, who: &str| {
-        c.runs
-            .iter()
-            .find(|r| r.target == who)
-            .map(|r| r.figures.latency.p50_us)
-    };
-    let mb = |c: &Cell| {
-        c.runs
-            .iter()
-            .find(|r| r.target == "devlend")
-            .map(|r| r.figures.mb_per_s)
-    };
+    let p50 = |c: &Cell, who: &str| c.run(who).map(|r| r.figures.latency.p50_us);
     if let Some(c) = find(cells, Rw::Randread, 4096, 1, 1) {
-        let gap = p50(c, "devlend")
-            .zip(p50(c, "qsd-local"))
-            .map(|(d, q)| d - q);
+        let gap = p50(c, "devlend").zip(p50(c, LOCAL)).map(|(d, q)| d - q);
         out.push(check(
-            "4K randread QD1 p50, devlend - qsd-local, µs".into(),
+            format!("4K randread QD1 p50, devlend - {LOCAL}, µs"),
             gap,
             "<=",
             10.0,
         ));
     }
-    let one = floor.one_stream_mb_per_s;
-    if let Some(c) = find(cells, Rw::Read, 128 << 10, 8, 1) {
-        out.push(check(
-            "128K read QD8 MB/s, devlend (1 queue) / one loopback TCP stream".into(),
-            mb(c).map(|v| v / one),
-            ">=",
-            0.9,
-        ));
-    }
-    if let Some(c) = find(cells, Rw::Read, 128 << 10, 8, 2) {
-        out.push(check(
-            "128K read QD8 MB/s, devlend (2 queues) / one loopback TCP stream".into(),
-            mb(c).map(|v| v / one),
-            ">=",
-            1.6,
-        ));
+    for (queues, bound) in [(1, 0.9), (2, 1.6)] {
+        if let Some(c) = find(cells, Rw::Read, 128 << 10, 8, queues) {
+            let what = if queues == 1 { "1 queue" } else { "2 queues" };
+            out.push(check(
+                format!("128K read QD8 MB/s, devlend ({what}) / one loopback TCP stream"),
+                c.run("devlend")
+                    .map(|r| r.figures.mb_per_s / floor.one_stream_mb_per_s),
+                ">=",
+                bound,
+            ));
+        }
     }
     out
 }

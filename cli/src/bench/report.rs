@@ -115,7 +115,8 @@ impl Cell {
         }
     }
 
-    fn run(&self, target: &str) -> Option<&RunReport> {
+    /// The run of `target` in this cell.
+    pub(super) fn run(&self, target: &str) -> Option<&RunReport> {
         self.runs.iter().find(|r| r.target == target)
     }
 }
@@ -210,7 +211,8 @@ pub struct PeersReport {
 }
 
 const CHAIN: &str = "qsd-nbd-chain";
-const LOCAL: &str = "qsd-local";
+/// The name of the qemu-storage-daemon that serves the file on this host.
+pub(super) const LOCAL: &str = "qsd-local";
 
 impl PeersReport {
     /// Builds the report and evaluates the targets.
