@@ -242,3 +242,65 @@ fn bench_fails_when_requests_fail() {
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(f(&r, &["figures", "errors"]) > 0.0, "{r}");
 }
+
+/// `bench/ab-bins.sh` with one build on both sides, one short round: each workload's
+/// runs are in its TSV, and its table has a line per workload with three ratios.
+#[test]
+fn ab_bins_alternates_two_builds_and_prints_ratios() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bins = bin("devlend").unwrap();
+    let bins = bins.parent().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tsv = dir.path().join("runs.tsv");
+    let out = Command::new("bash")
+        .arg(root.join("bench/ab-bins.sh"))
+        .args([bins, bins])
+        .arg("1")
+        .env("AB_RUNTIME", "1")
+        .env("AB_SIZE_MIB", "64")
+        .env("AB_WORKLOADS", "randread 4K 1,read 128K 8")
+        .env("AB_RESULTS", &tsv)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let runs = std::fs::read_to_string(&tsv).unwrap();
+    let runs: Vec<Vec<&str>> = runs.lines().map(|l| l.split('\t').collect()).collect();
+    assert_eq!(runs.len(), 4, "{runs:?}");
+    for r in &runs {
+        assert_eq!(r.len(), 6, "{r:?}");
+        for v in &r[3..] {
+            assert!(v.parse::<f64>().is_ok_and(|v| v > 0.0), "{r:?}");
+        }
+    }
+    for w in ["randread 4K QD1", "read 128K QD8"] {
+        let line = stdout.lines().find(|l| l.starts_with(w)).expect(w);
+        let ratios: Vec<f64> = line
+            .split_whitespace()
+            .skip(3)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        assert_eq!(ratios.len(), 9, "{line}");
+        assert!(ratios.iter().all(|r| r.is_finite() && *r > 0.0), "{line}");
+    }
+    let missing = Command::new("bash")
+        .arg(root.join("bench/ab-bins.sh"))
+        .args([dir.path(), bins])
+        .output()
+        .unwrap();
+    assert_eq!(
+        missing.status.code(),
+        Some(2),
+        "a directory without the builds"
+    );
+    let not_a_commit = Command::new("bash")
+        .arg(root.join("bench/ab.sh"))
+        .arg("no-such-revision")
+        .output()
+        .unwrap();
+    assert_eq!(not_a_commit.status.code(), Some(2));
+}

@@ -91,6 +91,8 @@ if ! devlend-nvme-p2p read $SRC $DST 2 __SLBA__ __BYTES__; then
   devlend-nvme-p2p fill $DST 2 __BYTES__ 0
   devlend-nvme-p2p read $SRC $DST 2 __SLBA__ __BYTES__
 fi
+# A second read-back: tells a CMB that holds other bytes from a read-back that saw them.
+devlend-nvme-p2p dump $DST 2 __BYTES__
 "#;
 
 /// FNV-1a, 64 bits, as `devlend-nvme-p2p` prints it.
@@ -99,6 +101,31 @@ fn fnv1a(b: &[u8]) -> String {
         (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3)
     });
     format!("{h:016x}")
+}
+
+/// The pages (4 KiB) whose hashes in `pages` (as `devlend-nvme-p2p` prints them)
+/// are not those of `want`'s, each with what it matches: a page of zeros, another
+/// page of `want`, or nothing known.
+fn differing_pages(pages: &str, want: &[u8]) -> String {
+    let hash = |p: &[u8]| fnv1a(p)[8..].to_string();
+    let known: Vec<String> = want.chunks(4096).map(hash).collect();
+    let zeros = hash(&[0u8; 4096]);
+    let got: Vec<&str> = pages.split(',').collect();
+    if got.len() != known.len() {
+        return format!("{} page hashes, not {}: {pages:?}", got.len(), known.len());
+    }
+    let differ: Vec<String> = got
+        .iter()
+        .zip(&known)
+        .enumerate()
+        .filter(|(_, (g, k))| **g != k.as_str())
+        .map(|(i, (g, _))| match known.iter().position(|k| k == g) {
+            _ if *g == zeros => format!("{i}=zeros"),
+            Some(j) => format!("{i}=page {j}"),
+            None => format!("{i}=other"),
+        })
+        .collect();
+    format!("[{}]", differ.join(" "))
 }
 
 /// The pattern written at [`SLBA`] of `src`'s image.
@@ -350,12 +377,16 @@ fn in_one_vm(agent: &Borrower, dir: &Path, root: &Path, port: u16) {
     }
     assert_eq!(get("fill"), "ok", "the CMB cleared through BAR 2");
     assert_eq!(get("p2p_status"), "0x0000", "the read into the peer's CMB");
+    let want = pattern();
     assert_eq!(
         get("p2p_hash"),
-        fnv1a(&pattern()),
-        "the CMB holds the pattern (head {:?})",
-        get("p2p_head")
+        fnv1a(&want),
+        "the CMB holds the pattern (head {:?}; pages that differ: {}; read back again: {})",
+        get("p2p_head"),
+        differing_pages(&get("p2p_pages"), &want),
+        differing_pages(&get("dump_pages"), &want),
     );
+    assert_eq!(get("dump_hash"), fnv1a(&want), "the second read-back");
     std::env::remove_var("DEVLEND_QEMU");
     // The bytes went from `src` to `cmb` on the lender: counted as peer-to-peer, and
     // not through guest memory (only the Identify data, 4 KiB per command, went there).
@@ -466,4 +497,20 @@ fn isolation(agent: &Borrower, dir: &Path, port: u16) {
     for s in &socks {
         detach(agent, s);
     }
+}
+
+#[test]
+fn differing_pages_names_zeros_and_moved_pages() {
+    let want = pattern();
+    let h = |p: &[u8]| fnv1a(p)[8..].to_string();
+    let mut got: Vec<String> = want.chunks(4096).map(h).collect();
+    assert_eq!(differing_pages(&got.join(","), &want), "[]");
+    got[3] = h(&[0u8; 4096]);
+    got[5] = h(&want[..4096]);
+    got[7] = "deadbeef".into();
+    assert_eq!(
+        differing_pages(&got.join(","), &want),
+        "[3=zeros 5=page 0 7=other]"
+    );
+    assert!(differing_pages("", &want).starts_with("1 page hashes"));
 }

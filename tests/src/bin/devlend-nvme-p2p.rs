@@ -407,12 +407,46 @@ fn map_dst(bdf: &str, bar: u8, bytes: usize) -> Res<Map> {
     Ok(map)
 }
 
-/// Reads `bytes` at the start of `map` and prints their hash and head.
+/// Waits until the word at `off` of `map` reads `word`, the last of a series of writes.
+///
+/// BAR writes are posted (QEMU's vfio-user client sends them without waiting for a
+/// reply), so some may still be on their way when another controller's DMA lands in
+/// the BAR: a read of the same BAR is answered only after all of them, as a driver
+/// flushes posted writes on PCIe. Behind thousands of writes the read can outlast the
+/// client's wait for a reply, and then reads all-ones: it is read again.
+fn flush(map: &Map, off: usize, word: u32) -> Res<()> {
+    let deadline = Instant::now() + MIN_TIMEOUT;
+    loop {
+        let got = map.r32(off);
+        if got == word {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "the BAR's word at {off:#x} reads {got:#x}, not {word:#x}"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Reads `bytes` at the start of `map` and prints their hash, head and each page's
+/// hash (for a test to name the pages that differ).
 fn dump(map: &Map, bytes: usize, key: &str) {
     let words = (0..bytes / 4).map(|i| map.r32(i * 4));
     let data: Vec<u8> = words.flat_map(u32::to_le_bytes).collect();
     println!("DEVLEND-RESULT {key}_hash={:016x}", fnv1a(&data));
     println!("DEVLEND-RESULT {key}_head={}", head(&data));
+    println!("DEVLEND-RESULT {key}_pages={}", pages(&data));
+}
+
+/// Each page's FNV-1a hash (low 32 bits, hex), comma-separated.
+fn pages(data: &[u8]) -> String {
+    let hashes: Vec<String> = data
+        .chunks(PAGE)
+        .map(|p| format!("{:08x}", fnv1a(p) as u32))
+        .collect();
+    hashes.join(",")
 }
 
 fn fnv1a(data: &[u8]) -> u64 {
@@ -449,7 +483,9 @@ fn run(cmd: Cmd) -> Res<i32> {
         }
         Cmd::Fill(dst, bar, bytes, val) => {
             let map = map_dst(&dst, bar, bytes)?;
-            (0..bytes / 4).for_each(|i| map.w32(i * 4, u32::from_ne_bytes([val; 4])));
+            let word = u32::from_ne_bytes([val; 4]);
+            (0..bytes / 4).for_each(|i| map.w32(i * 4, word));
+            flush(&map, bytes - 4, word)?;
             println!("DEVLEND-RESULT fill=ok");
         }
         Cmd::Dump(dst, bar, bytes) => dump(&map_dst(&dst, bar, bytes)?, bytes, "dump"),
@@ -512,6 +548,9 @@ mod tests {
         assert_eq!(fnv1a(b"a"), 0xaf63dc4c8601ec8c);
         assert_eq!(fnv1a(b""), 0xcbf29ce484222325);
         assert_eq!(head(b"AB\0\n z\xff"), "AB.. z.");
+        let two = [vec![b'a'; PAGE], vec![0; PAGE]].concat();
+        let (a, z) = (fnv1a(&two[..PAGE]) as u32, fnv1a(&two[PAGE..]) as u32);
+        assert_eq!(pages(&two), format!("{a:08x},{z:08x}"));
     }
 
     #[test]
