@@ -101,7 +101,8 @@ impl PublicKey {
     /// Parses the text form: unpadded base64url of the 32 key bytes.
     ///
     /// # Errors
-    /// [`TokenError::BadKey`] when it is not base64url of 32 bytes or not a valid point.
+    /// [`TokenError::BadKey`] when it is not base64url of 32 bytes, not a valid point or
+    /// a weak one ([`Self::from_bytes`]).
     pub fn from_text(text: &str) -> Result<Self, TokenError> {
         let bytes = URL_SAFE_NO_PAD
             .decode(text.trim())
@@ -109,9 +110,7 @@ impl PublicKey {
         let bytes: [u8; 32] = bytes
             .try_into()
             .map_err(|_| TokenError::BadKey("not 32 bytes"))?;
-        VerifyingKey::from_bytes(&bytes)
-            .map(PublicKey)
-            .map_err(|_| TokenError::BadKey("not an Ed25519 public key"))
+        Self::from_bytes(&bytes)
     }
 
     /// The text form: unpadded base64url.
@@ -127,11 +126,18 @@ impl PublicKey {
     /// A key from its 32 bytes.
     ///
     /// # Errors
-    /// [`TokenError::BadKey`] when they are not a valid point.
+    /// [`TokenError::BadKey`] when they are not a valid point, or a point of small order
+    /// (such as the 32 zero bytes): no signature verifies under one of those
+    /// (`verify_strict`), so a token bound to it could never be used.
     pub fn from_bytes(bytes: &[u8; 32]) -> Result<Self, TokenError> {
-        VerifyingKey::from_bytes(bytes)
-            .map(PublicKey)
-            .map_err(|_| TokenError::BadKey("not an Ed25519 public key"))
+        let key = VerifyingKey::from_bytes(bytes)
+            .map_err(|_| TokenError::BadKey("not an Ed25519 public key"))?;
+        if key.is_weak() {
+            return Err(TokenError::BadKey(
+                "a weak Ed25519 key (a point of small order)",
+            ));
+        }
+        Ok(PublicKey(key))
     }
 
     /// Checks a signature made by [`TokenSigner::sign_message`] with the same

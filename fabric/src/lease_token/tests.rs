@@ -222,3 +222,21 @@ fn a_holder_key_round_trips_alone_and_with_every_other_claim() {
         Err(TokenError::BadSignature)
     );
 }
+
+#[test]
+fn weak_keys_are_refused() {
+    // The 32 zero bytes decode to a point of order 4; so does the identity (1, 0..).
+    let zero = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+    assert!(matches!(
+        PublicKey::from_text(zero),
+        Err(TokenError::BadKey(_))
+    ));
+    let mut identity = [0u8; 32];
+    identity[0] = 1;
+    assert!(matches!(
+        PublicKey::from_bytes(&identity),
+        Err(TokenError::BadKey(_))
+    ));
+    let good = TokenSigner::from_seed([5; 32]).public_key();
+    assert_eq!(PublicKey::from_bytes(&good.to_bytes()), Ok(good));
+}
