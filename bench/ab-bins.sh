@@ -14,10 +14,16 @@
 #   AB_RUNTIME   seconds per workload after a 1 s ramp (5)
 #   AB_CLIENT    the `devlend` that runs the benchmark for both builds (AFTER's), so
 #                that only the agents differ; each build attaches with its own CLI
-#   AB_WORKLOADS workloads, "RW BS QD" separated by commas
-#                ("randread 4K 32,randwrite 4K 32,read 128K 8,randread 4K 1")
+#   AB_WORKLOADS workloads, "RW BS QD [QUEUES]" separated by commas; QUEUES of the
+#                2 the attachment has, 2 by default ("randread 4K 32,randwrite 4K 32,
+#                read 128K 8,randread 4K 1 1": QD1 on one queue is one request at a time)
 #   AB_RESULTS   where the runs are written as TSV (a temporary file)
 #   AB_SIZE_MIB  the file's size in MiB (1024)
+#   AB_LENDER_ARGS_BEFORE, AB_LENDER_ARGS_AFTER, AB_ATTACH_ARGS_BEFORE,
+#   AB_ATTACH_ARGS_AFTER
+#                more arguments for each build's device agent and `devlend attach`
+#                (split on spaces): one build twice, with and without a flag, is an
+#                A/B of that flag (`--poll-us 50`)
 set -euo pipefail
 
 usage="usage: ab-bins.sh BEFORE_BIN_DIR AFTER_BIN_DIR [ROUNDS]"
@@ -48,28 +54,38 @@ size_mib=${AB_SIZE_MIB:-1024}
 # Written once so reads hit real pages, not a sparse file's holes.
 dd if=/dev/urandom of="$image" bs=1M count="$size_mib" status=none
 
-IFS=, read -r -a workloads <<<"${AB_WORKLOADS:-randread 4K 32,randwrite 4K 32,read 128K 8,randread 4K 1}"
+IFS=, read -r -a workloads <<<"${AB_WORKLOADS:-randread 4K 32,randwrite 4K 32,read 128K 8,randread 4K 1 1}"
 
 # run_build LABEL BIN_DIR ROUND: one lender and one borrower of that build, every workload.
 run_build() {
     local label=$1 bin=$2 round=$3
-    local dir=$work/$label-$round port
+    local dir=$work/$label-$round port lender_args attach_args
+    if [ "$label" = before ]; then
+        read -r -a lender_args <<<"${AB_LENDER_ARGS_BEFORE:-}"
+        read -r -a attach_args <<<"${AB_ATTACH_ARGS_BEFORE:-}"
+    else
+        read -r -a lender_args <<<"${AB_LENDER_ARGS_AFTER:-}"
+        read -r -a attach_args <<<"${AB_ATTACH_ARGS_AFTER:-}"
+    fi
     mkdir -p "$dir"
     port=$((47100 + RANDOM % 800))
     "$bin/devlend-device-agent" --listen "127.0.0.1:$port" --device "disk0=$image" \
-        >"$dir/lender.log" 2>&1 &
+        "${lender_args[@]}" >"$dir/lender.log" 2>&1 &
     local lender=$!
     "$bin/devlend-compute-agent" --api "$dir/api.sock" >"$dir/borrower.log" 2>&1 &
     local borrower=$!
     pids=("$lender" "$borrower")
     for _ in $(seq 50); do [ -S "$dir/api.sock" ] && break; sleep 0.1; done
     "$bin/devlend" --api "$dir/api.sock" attach --lender "127.0.0.1:$port" --device disk0 \
-        --socket "$dir/d.sock" --queues 2 >/dev/null
+        --socket "$dir/d.sock" --queues 2 "${attach_args[@]}" >/dev/null
     for w in "${workloads[@]}"; do
-        read -r rw bs qd <<<"$w"
-        local out
+        local rw bs qd nq name out
+        read -r rw bs qd nq <<<"$w"
+        nq=${nq:-2}
+        name="$rw $bs QD$qd"
+        [ "$nq" = 2 ] || name="$name ${nq}q"
         out=$("$client" bench --socket "$dir/d.sock" --rw "$rw" --bs "$bs" \
-            --iodepth "$qd" --queues 2 --runtime "$runtime" --ramp 1 \
+            --iodepth "$qd" --queues "$nq" --runtime "$runtime" --ramp 1 \
             --pid "$lender" --pid "$borrower" --json)
         local figures
         figures=$(python3 -c '
@@ -77,8 +93,7 @@ import json, sys
 r = json.load(sys.stdin)
 cpu = r.get("cpu_us_per_io")
 print("%s\t%s\t%s" % (r["figures"]["iops"], r["figures"]["latency"]["p50_us"], "" if cpu is None else cpu))' <<<"$out")
-        printf '%s\t%s\t%s %s QD%s\t%s\n' "$round" "$label" "$rw" "$bs" "$qd" "$figures" |
-            tee -a "$results"
+        printf '%s\t%s\t%s\t%s\n' "$round" "$label" "$name" "$figures" | tee -a "$results"
     done
     kill "$borrower" "$lender" 2>/dev/null || true
     wait "$borrower" "$lender" 2>/dev/null || true

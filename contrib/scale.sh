@@ -8,11 +8,16 @@
 # usage: contrib/scale.sh [N] [BIN_DIR]
 #   N defaults to 1000; BIN_DIR (holding devlend, devlend-device-agent and
 #   devlend-compute-agent) to target/release. IDLE_S (default 60) is the idle window.
+#   POLL_US (default 0) is the lender's and every attachment's --poll-us; with WARM_S
+#   (default 0) each attachment first serves WARM_S seconds of 4K QD1 reads, so that
+#   every worker has polled before the idle window.
 set -euo pipefail
 
 n=${1:-1000}
 bin=${2:-target/release}
 idle=${IDLE_S:-60}
+poll=${POLL_US:-0}
+warm=${WARM_S:-0}
 work=$(mktemp -d /tmp/devlend-scale.XXXXXX)
 shm=/dev/shm/devlend-scale-$$
 pids=()
@@ -30,6 +35,7 @@ port=$((47900 + RANDOM % 90))
     echo "listen = \"127.0.0.1:$port\""
     echo "max_sessions = $((n + 16))"
     echo 'io_mode = "sync"'
+    echo "poll_us = $poll"
     for i in $(seq 0 $((n - 1))); do
         truncate -s 64M "$shm/d$i.img"
         printf '[[device]]\nname = "d%s"\npath = "%s/d%s.img"\n' "$i" "$shm" "$i"
@@ -46,7 +52,7 @@ for _ in $(seq 100); do [ -S "$work/api.sock" ] && break; sleep 0.1; done
 
 attach() {
     "$bin/devlend" --api "$work/api.sock" attach --lender "127.0.0.1:$port" --device "d$1" \
-        --socket "$work/d$1.sock" --queues 1 >/dev/null
+        --socket "$work/d$1.sock" --queues 1 --poll-us "$poll" >/dev/null
 }
 qd1_p50() {
     "$bin/devlend" bench --socket "$work/d0.sock" --rw randread --bs 4K --iodepth 1 \
@@ -69,6 +75,12 @@ alone=$(qd1_p50)
 start=$(date +%s.%N)
 for i in $(seq 1 $((n - 1))); do attach "$i"; done
 took=$(python3 -c "import sys; print(round($(date +%s.%N) - $start, 1))")
+if [ "$warm" != 0 ]; then
+    for i in $(seq 0 $((n - 1))); do
+        "$bin/devlend" bench --socket "$work/d$i.sock" --rw randread --bs 4K --iodepth 1 \
+            --runtime "$warm" --ramp 0 >/dev/null
+    done
+fi
 sleep 5
 l0=$(cpu_ticks "$lender")
 b0=$(cpu_ticks "$borrower")
@@ -82,7 +94,7 @@ read -r lrss lthr lfd <<<"$(proc_figures "$lender")"
 read -r brss bthr bfd <<<"$(proc_figures "$borrower")"
 pct() { python3 -c "print(round(100 * ($2 - $1) / $hz / $idle, 2))"; }
 echo
-echo "N = $n one-queue disks, one lender, one compute agent ($(nproc) CPUs: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'))"
+echo "N = $n one-queue disks, one lender, one compute agent ($(nproc) CPUs: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), poll_us $poll, warm-up ${warm} s each"
 echo "attach of disks 1..$((n - 1)), one after another: $took s"
 printf '%-14s %9s %8s %12s %14s\n' agent "RSS MiB" threads descriptors "idle CPU %"
 printf '%-14s %9s %8s %12s %14s\n' lender "$lrss" "$lthr" "$lfd" "$(pct "$l0" "$l1")"

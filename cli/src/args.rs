@@ -197,7 +197,8 @@ pub(crate) enum Cmd {
         /// Work directory for --peers (default: a temporary one in /dev/shm).
         #[arg(long, requires = "peers")]
         dir: Option<PathBuf>,
-        /// devlend's busy-poll budget in microseconds for --peers (0: interrupt-driven).
+        /// devlend's adaptive polling maximum in microseconds for --peers, on the
+        /// lender (`--poll-us`) and the attachment (0: interrupt-driven).
         #[arg(long, default_value_t = 0, requires = "peers")]
         poll_us: u32,
         /// Print JSON.
@@ -264,8 +265,9 @@ pub(crate) struct AttachArgs {
     /// Virtqueue size to give the VMM (a power of two, 64..=1024).
     #[arg(long, default_value_t = 256)]
     pub(crate) queue_size: u16,
-    /// Busy-poll budget in microseconds of each queue's worker before it sleeps
-    /// (0: interrupt-driven). Lower latency for more CPU.
+    /// Most microseconds each queue's worker polls before it sleeps, an adaptive
+    /// window grown while requests follow each other within it (0: interrupt-driven).
+    /// Lower latency for more CPU.
     #[arg(long, default_value_t = 0)]
     pub(crate) poll_us: u32,
     /// Seconds requests wait for a lost fabric session (the lender restarting, the

@@ -52,9 +52,10 @@ pub struct AttachRequest {
     #[serde(default = "default_queue_size")]
     pub queue_size: u16,
     /// Busy-poll budget in microseconds (0..=1000): after handling events, each queue's
-    /// worker polls the guest's ring and the fabric until nothing happened for this long
-    /// before it sleeps again (0, the default: interrupt-driven, no spinning). Costs CPU
-    /// for lower latency.
+    /// worker polls the guest's ring and the fabric after its last work before it sleeps
+    /// again, for an adaptive window of at most this long: grown while work follows
+    /// within it, dropped to 0 after a longer wait (0, the default: interrupt-driven,
+    /// no spinning). Costs CPU for lower latency.
     #[serde(default)]
     pub poll_us: u32,
     /// Seconds requests wait for a lost fabric session to come back (0..=3600; default

@@ -148,9 +148,13 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
-    /// Neither `--listen` nor `listen` in the config file was given.
+    /// `max_sessions` in the config file out of range.
     #[error("max_sessions {0} is out of range: from 1 to {max}", max = crate::config::MAX_SESSIONS_LIMIT)]
     BadMaxSessions(u32),
+    /// `poll_us` in the config file above its limit.
+    #[error("poll_us {0} is out of range: from 0 to {max}", max = crate::config::MAX_POLL_US)]
+    BadPollUs(u32),
+    /// Neither `--listen` nor `listen` in the config file was given.
     #[error("no listen address: give --listen ADDR:PORT or `listen` in the config file")]
     NoListen,
     /// No device was given.

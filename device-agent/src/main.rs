@@ -62,6 +62,9 @@ fn run(cli: &Cli, config: Config, log: &devlend_daemon::logging::LogHandle) -> a
     if let Some(n) = config.max_sessions {
         options.max_sessions = n as usize;
     }
+    if let Some(us) = config.poll_us {
+        options.poll = std::time::Duration::from_micros(u64::from(us));
+    }
     // The lender's own key: it proves who the lender is to borrowers that ask, and signs
     // its pool requests.
     let key = config.load_key()?;

@@ -19,6 +19,10 @@ pub struct Options {
     /// Most sessions open at once, over all devices (default 256); the next hello is
     /// answered `Busy`.
     pub max_sessions: usize,
+    /// The most a block session over TCP polls its socket and device I/O after its
+    /// last work before it sleeps: an adaptive window
+    /// ([`devlend_fabric::poll_window::PollWindow`]), 0 to sleep at once (default 0).
+    pub poll: Duration,
     /// How sessions do device I/O (default: plain system calls for files in memory,
     /// io_uring otherwise).
     pub io: IoMode,
@@ -33,6 +37,7 @@ impl Default for Options {
             handshake_timeout: Duration::from_secs(10),
             frame_timeout: Duration::from_secs(30),
             max_sessions: 256,
+            poll: Duration::ZERO,
             io: IoMode::Auto,
             stores: Vec::new(),
         }

@@ -27,6 +27,7 @@ pub mod lease_token;
 pub mod lender_proof;
 pub mod net;
 pub mod pci;
+pub mod poll_window;
 pub mod qos;
 pub mod ratelimit;
 pub mod rdma;

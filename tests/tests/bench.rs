@@ -137,7 +137,10 @@ fn busy_poll_mode_moves_data_intact() {
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("disk0.img");
     sparse_file(&img, 16 * MIB).unwrap();
-    let lender = Lender::start(dir.path(), &[format!("disk0={}", img.display())]).unwrap();
+    let addr = format!("127.0.0.1:{}", devlend_tests::agents::free_port().unwrap());
+    let devices = [format!("disk0={}", img.display())];
+    let polling = ["--poll-us".to_string(), "200".into()];
+    let lender = Lender::start_with(dir.path(), &addr, &devices, &polling).unwrap();
     let borrower = Borrower::start(dir.path()).unwrap();
     let sock = dir.path().join("disk0.sock");
     let s = sock.display().to_string();
@@ -177,6 +180,22 @@ fn busy_poll_mode_moves_data_intact() {
     assert!(c.run(0, &reads).unwrap().iter().all(|&r| r == 0));
     let (a, b) = c.buffer().split_at(MIB as usize);
     assert!(a == &b[..MIB as usize], "data read back differs");
+    // Idle after that work: neither side polls on (the window drops to 0, or runs out
+    // with no event to start it again).
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let pids = [lender.proc.pid(), borrower.proc.pid()];
+    let before: Vec<u64> = pids.iter().map(|&p| cpu_ticks(p)).collect();
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let used: Vec<u64> = pids
+        .iter()
+        .zip(&before)
+        .map(|(&p, b)| cpu_ticks(p) - b)
+        .collect();
+    let hz = 100; // USER_HZ on Linux.
+    assert!(
+        used.iter().all(|&t| t < hz * 3 / 10),
+        "idle for 3 s, the lender and the compute agent used {used:?} ticks of {hz}/s"
+    );
     drop(c);
     // Too long a poll is refused.
     let out = borrower
@@ -194,6 +213,15 @@ fn busy_poll_mode_moves_data_intact() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("poll"));
+}
+
+/// User and system CPU clock ticks of process `pid` so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command (which may hold spaces) in parentheses.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
 }
 
 #[test]
@@ -243,8 +271,9 @@ fn bench_fails_when_requests_fail() {
     assert!(f(&r, &["figures", "errors"]) > 0.0, "{r}");
 }
 
-/// `bench/ab-bins.sh` with one build on both sides, one short round: each workload's
-/// runs are in its TSV, and its table has a line per workload with three ratios.
+/// `bench/ab-bins.sh` with one build on both sides (the after side polling), one short
+/// round: each workload's runs are in its TSV, and its table has a line per workload
+/// with three ratios.
 #[test]
 fn ab_bins_alternates_two_builds_and_prints_ratios() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -260,6 +289,9 @@ fn ab_bins_alternates_two_builds_and_prints_ratios() {
         .env("AB_SIZE_MIB", "64")
         .env("AB_WORKLOADS", "randread 4K 1,read 128K 8")
         .env("AB_RESULTS", &tsv)
+        // The after side polls (lender and attachment): the flags are taken.
+        .env("AB_LENDER_ARGS_AFTER", "--poll-us 50")
+        .env("AB_ATTACH_ARGS_AFTER", "--poll-us 50")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -8,9 +8,10 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use devlend_fabric::poll_window::PollWindow;
 use vhost::vhost_user::message::{
     VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
@@ -39,6 +40,10 @@ struct QueueCell {
     vring: Option<Vring>,
     /// The fabric socket as registered in the worker's epoll set.
     watch: FabricWatch,
+    /// How long the worker polls after its last work ([`BlkBackend::with_poll`]).
+    poll: PollWindow,
+    /// When the worker last found work (polling on).
+    last_work: Option<Instant>,
 }
 
 /// The vhost-user-blk backend of one frontend connection.
@@ -81,7 +86,13 @@ impl BlkBackend {
                         tracing::warn!(queue = i, error = %crate::lender::DisplayChain(&e), "cannot open fabric session yet");
                     }
                 }
-                Mutex::new(QueueCell { engine, vring: None, watch: FabricWatch::default() })
+                Mutex::new(QueueCell {
+                    engine,
+                    vring: None,
+                    watch: FabricWatch::default(),
+                    poll: PollWindow::new(Duration::ZERO),
+                    last_work: None,
+                })
             })
             .collect();
         BlkBackend {
@@ -101,11 +112,16 @@ impl BlkBackend {
         self
     }
 
-    /// Makes each queue's worker busy-poll the guest's ring and the fabric for `poll`
-    /// after it handled an event, before it sleeps again (zero: interrupt-driven, the
-    /// default). Lower latency, for CPU time.
+    /// Makes each queue's worker busy-poll the guest's ring and the fabric after it
+    /// handled an event, before it sleeps again, for an adaptive window of at most
+    /// `poll` ([`PollWindow`]: grown while the next work comes within `poll`, dropped
+    /// to 0 after a longer wait, so an idle queue polls not at all). Zero: interrupt-
+    /// driven, the default. Lower latency, for CPU time.
     pub fn with_poll(mut self, poll: Duration) -> Self {
         self.poll = poll;
+        for q in &mut self.queues {
+            q.get_mut().unwrap_or_else(PoisonError::into_inner).poll = PollWindow::new(poll);
+        }
         self
     }
 
@@ -422,14 +438,23 @@ impl VhostUserBackend for BlkBackend {
             false
         });
         if !self.poll.is_zero() {
-            used = match self.busy_poll(&mut cell.engine, &mut state, &mem, used) {
-                Ok(u) => u,
-                Err(e) => {
-                    cell.engine
-                        .break_queue(format!("a ring is not in guest memory: {e}"));
-                    false
-                }
-            };
+            let now = Instant::now();
+            if let Some(last) = cell.last_work.replace(now) {
+                cell.poll.waited(now - last);
+            }
+            let window = cell.poll.window();
+            if !window.is_zero() {
+                let QueueCell {
+                    engine, last_work, ..
+                } = &mut *cell;
+                used = match self.busy_poll(engine, &mut state, &mem, used, window, last_work) {
+                    Ok(u) => u,
+                    Err(e) => {
+                        engine.break_queue(format!("a ring is not in guest memory: {e}"));
+                        false
+                    }
+                };
+            }
         }
         if used {
             signal_used(&mut state, &mem)?;
@@ -452,20 +477,23 @@ impl VhostUserBackend for BlkBackend {
 
 impl BlkBackend {
     /// Busy-polls the guest's ring and the fabric socket until nothing happened for
-    /// [`Self::with_poll`]'s budget (at most [`MAX_POLL_SLICE`] per call, so that the
-    /// vhost-user message thread gets the locks). Signals the guest as requests
-    /// complete; returns whether used entries were added since the last signal.
+    /// `window` (at most [`MAX_POLL_SLICE`] per call, so that the vhost-user message
+    /// thread gets the locks), recording in `last_work` when work was last found.
+    /// Signals the guest as requests complete; returns whether used entries were added
+    /// since the last signal.
     fn busy_poll(
         &self,
         engine: &mut QueueEngine,
         state: &mut RingState,
         mem: &crate::guest::GuestMemoryRef,
         mut used: bool,
+        window: Duration,
+        last_work: &mut Option<Instant>,
     ) -> io::Result<bool> {
         let mut mem = mem.clone();
         let start = Instant::now();
-        let mut last_work = start;
-        while last_work.elapsed() < self.poll
+        let mut last = start;
+        while last.elapsed() < window
             && start.elapsed() < MAX_POLL_SLICE
             && !self.stopping.load(Ordering::Acquire)
         {
@@ -491,7 +519,8 @@ impl BlkBackend {
                 .map_err(io::Error::other)?;
             if done || sent || engine.inflight() != before {
                 used |= done | sent;
-                last_work = Instant::now();
+                last = Instant::now();
+                *last_work = Some(last);
             } else {
                 std::hint::spin_loop();
             }

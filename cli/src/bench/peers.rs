@@ -73,7 +73,8 @@ pub struct Setup<'a> {
     pub size: u64,
     /// Queues each server offers.
     pub queues: u16,
-    /// devlend's busy-poll budget in microseconds (0: interrupt-driven).
+    /// devlend's adaptive polling maximum in microseconds, on the lender and the
+    /// borrower (0: interrupt-driven).
     pub poll_us: u32,
 }
 
@@ -174,12 +175,16 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
     let lender_bin = sibling_binary("devlend-device-agent")?;
     let borrower_bin = sibling_binary("devlend-compute-agent")?;
     let addr = format!("127.0.0.1:{}", free_port()?);
-    let largs = vec![
+    let mut largs = vec![
         "--listen".to_owned(),
         addr.clone(),
         "--device".into(),
         format!("disk0={}", image.display()),
     ];
+    // Polling on both hops: the lender's sessions too.
+    if setup.poll_us > 0 {
+        largs.extend(["--poll-us".to_owned(), setup.poll_us.to_string()]);
+    }
     let mut lender = Daemon::spawn("bench-device-agent", &lender_bin, &largs, dir)?;
     lender.wait_until("devlend-device-agent", || TcpStream::connect(&addr).is_ok())?;
     let api = dir.join("compute-agent.sock");

@@ -126,6 +126,8 @@ trait Engine {
 struct Tcp<'a> {
     io: BlockIo<'a>,
     frame_timeout: Duration,
+    /// The most the session polls before sleeping ([`crate::options::Options::poll`]).
+    poll: Duration,
     /// The borrower keeps within the credit it was granted.
     credit: bool,
 }
@@ -144,6 +146,7 @@ pub(super) fn open_tcp<'a>(
         credit,
         session: Box::new(Tcp {
             frame_timeout: at.options.frame_timeout,
+            poll: at.options.poll,
             credit: credit.is_some(),
             io,
         }),
@@ -155,6 +158,7 @@ impl TcpSession for Tcp<'_> {
         let Tcp {
             io,
             frame_timeout,
+            poll,
             credit,
         } = *self;
         tracing::debug!(%peer, "session serving");
@@ -162,6 +166,7 @@ impl TcpSession for Tcp<'_> {
             sock,
             peer,
             frame_timeout,
+            poll,
             credit,
         })
     }
@@ -172,6 +177,7 @@ struct TcpRun<'s> {
     sock: &'s Stream,
     peer: SocketAddr,
     frame_timeout: Duration,
+    poll: Duration,
     credit: bool,
 }
 
@@ -183,9 +189,10 @@ impl Engine for TcpRun<'_> {
             sock,
             peer,
             frame_timeout,
+            poll,
             credit,
         } = self;
-        super::tcp::engine::run(io, dev, sock, peer, frame_timeout, credit)
+        super::tcp::engine::run(io, dev, sock, peer, frame_timeout, credit, poll)
     }
 }
 

@@ -133,10 +133,18 @@ pub struct Cli {
     /// descriptors (docs/performance.md, "Scale"). In the file: `max_sessions = N`.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=MAX_SESSIONS_LIMIT as i64))]
     pub max_sessions: Option<u32>,
+    /// Most µs a block session over TCP polls before it sleeps, an adaptive window
+    /// (0..=1000, default 0: sleep at once). Lower QD1 latency for CPU time
+    /// (docs/performance.md, "Adaptive polling"). In the file: `poll_us = N`.
+    #[arg(long, value_name = "µs", value_parser = clap::value_parser!(u32).range(0..=MAX_POLL_US as i64))]
+    pub poll_us: Option<u32>,
 }
 
 /// The largest `max_sessions` taken.
 pub const MAX_SESSIONS_LIMIT: u32 = 65536;
+
+/// The largest `poll_us` taken: 1 ms.
+pub const MAX_POLL_US: u32 = 1000;
 
 /// The `[pool]` table: register with a device pool and enforce its leases.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
@@ -199,6 +207,7 @@ struct FileConfig {
     #[serde(default)]
     allow_bearer_tokens: bool,
     max_sessions: Option<u32>,
+    poll_us: Option<u32>,
     #[serde(default, rename = "device")]
     devices: Vec<DeviceSpec>,
     #[serde(default, rename = "store")]
@@ -300,6 +309,9 @@ pub struct Config {
     /// Most sessions open at once (`--max-sessions`); `None`: the default, 256.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_sessions: Option<u32>,
+    /// Most µs a block session polls before it sleeps (`--poll-us`); `None`: 0.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poll_us: Option<u32>,
     /// Backing stores that devices share, with their capacities.
     #[serde(rename = "store", skip_serializing_if = "Vec::is_empty")]
     pub stores: Vec<StoreSpec>,
@@ -503,6 +515,10 @@ impl Config {
         if let Some(n) = max_sessions.filter(|n| !(1..=MAX_SESSIONS_LIMIT).contains(n)) {
             return Err(Error::BadMaxSessions(n));
         }
+        let poll_us = cli.poll_us.or(file.poll_us);
+        if let Some(n) = poll_us.filter(|n| *n > MAX_POLL_US) {
+            return Err(Error::BadPollUs(n));
+        }
         let common = cli
             .common
             .resolve(file.log_level, file.log_format, file.metrics_listen);
@@ -517,6 +533,7 @@ impl Config {
             insecure: cli.insecure || file.insecure,
             allow_bearer_tokens: cli.allow_bearer_tokens || file.allow_bearer_tokens,
             max_sessions,
+            poll_us,
             listen,
             transport: cli.transport.or(file.transport).unwrap_or_default(),
             log_level: common.log_level,

@@ -323,3 +323,30 @@ fn max_sessions_comes_from_file_or_flag_and_is_bounded() {
         Err(Error::BadMaxSessions(0))
     ));
 }
+
+#[test]
+fn poll_us_comes_from_file_or_flag_and_is_bounded() {
+    let f = write_config(
+        "listen = \"0.0.0.0:7700\"\npoll_us = 50\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+    );
+    let path = f.path().to_str().unwrap();
+    let c = Config::from_cli(&Cli::parse_from(["x", "--config", path])).unwrap();
+    assert_eq!(c.poll_us, Some(50));
+    assert!(c.to_toml().contains("poll_us = 50"));
+    let cli = Cli::parse_from(["x", "--config", path, "--poll-us", "0"]);
+    assert_eq!(Config::from_cli(&cli).unwrap().poll_us, Some(0));
+    let cli = Cli::parse_from(["x", "--listen", "127.0.0.1:9", "--device", "d=/x"]);
+    let c = Config::from_cli(&cli).unwrap();
+    assert_eq!(c.poll_us, None);
+    assert!(!c.to_toml().contains("poll_us"));
+    let r = Cli::try_parse_from(["x", "--listen", "127.0.0.1:9", "--poll-us", "1001"]);
+    assert!(r.is_err(), "--poll-us 1001 was taken");
+    let f = write_config(
+        "listen = \"0.0.0.0:7700\"\npoll_us = 5000\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+    );
+    let cli = Cli::parse_from(["x", "--config", f.path().to_str().unwrap()]);
+    assert!(matches!(
+        Config::from_cli(&cli),
+        Err(Error::BadPollUs(5000))
+    ));
+}

@@ -17,7 +17,9 @@
 //!
 //! It sleeps in [`DeviceIo::wait`], waiting for a device completion or for the socket,
 //! watched by one-shot polls in the same ring, so that a request costs no thread
-//! hand-off. When the reading ends (EOF, protocol error, shutdown) the session finishes
+//! hand-off. With polling on (`--poll-us`), it first goes on looping without progress
+//! for an adaptive window after its last work ([`PollWindow`]), so that a request that
+//! follows soon finds it awake. When the reading ends (EOF, protocol error, shutdown) the session finishes
 //! every request in flight, answers them if the socket still takes writes, and returns.
 
 use std::io;
@@ -32,6 +34,8 @@ use devlend_fabric::{BlockRequest, Op, RequestHeader};
 use super::budget::RequestBudget;
 use super::rx::{recv, Recv, RxBuf, READ_BUF};
 use super::tx::Tx;
+use devlend_fabric::poll_window::PollWindow;
+
 use crate::block::io::{DeviceIo, Event, Request};
 use crate::block::wire::check_framing;
 use crate::device_counters::DeviceCounters;
@@ -88,6 +92,10 @@ struct TcpEngine<'a, I: DeviceIo> {
     events: Vec<Event>,
     poll_in: bool,
     poll_out: bool,
+    /// How long the thread polls after its last work before it sleeps.
+    poll: PollWindow,
+    /// When the thread last made progress.
+    last_work: Instant,
 }
 
 /// Serves requests on an open session until the peer leaves or breaks the protocol;
@@ -99,6 +107,7 @@ pub(crate) fn run<I: DeviceIo>(
     peer: SocketAddr,
     frame_timeout: Duration,
     credit: bool,
+    poll: Duration,
 ) -> End {
     if let Err(e) = sock.set_nonblocking(true) {
         return End::Socket(e);
@@ -124,6 +133,8 @@ pub(crate) fn run<I: DeviceIo>(
         events: Vec::with_capacity(256),
         poll_in: false,
         poll_out: false,
+        poll: PollWindow::new(poll),
+        last_work: Instant::now(),
     };
     s.run_loop()
 }
@@ -144,6 +155,16 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
                 break;
             }
             if progress {
+                if self.poll.enabled() {
+                    let now = Instant::now();
+                    self.poll.waited(now - self.last_work);
+                    self.last_work = now;
+                }
+                continue;
+            }
+            let window = self.poll.window();
+            if !window.is_zero() && self.last_work.elapsed() < window {
+                std::hint::spin_loop();
                 continue;
             }
             if let Err(e) = self.sleep() {

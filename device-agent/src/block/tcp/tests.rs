@@ -49,7 +49,17 @@ fn reordered_completions_answer_their_own_requests() {
     let (dev_ref, server_ref) = (&*dev.counters, &server);
     std::thread::scope(|s| {
         let engine = s.spawn(move || {
-            super::engine::run(io, dev_ref, server_ref, peer, Duration::from_secs(5), false)
+            // Polling on: the same answers from a thread that spins before it sleeps.
+            let poll = Duration::from_micros(50);
+            super::engine::run(
+                io,
+                dev_ref,
+                server_ref,
+                peer,
+                Duration::from_secs(5),
+                false,
+                poll,
+            )
         });
         // Every write in one go, so that several start before a reap.
         let mut writes = Vec::new();
@@ -127,6 +137,7 @@ fn budget_session(credit: bool, frames: &[u8], answered: usize) -> End {
                 peer,
                 Duration::from_secs(5),
                 credit,
+                Duration::ZERO,
             )
         });
         let mut ids: Vec<u64> = (0..answered)
