@@ -55,7 +55,6 @@ pub struct BlkBackend {
     /// the device ([`crate::handover`]); one worker per virtqueue.
     glue: Glue<BlkBackend>,
     stopping: AtomicBool,
-    poll: Duration,
 }
 
 /// Longest busy-poll in one event handler call: the locks of the queue are then let go.
@@ -101,7 +100,6 @@ impl BlkBackend {
             queues,
             glue: Glue::new(Workers::new(usize::from(num_queues), 1)),
             stopping: AtomicBool::new(false),
-            poll: Duration::ZERO,
         }
     }
 
@@ -118,7 +116,6 @@ impl BlkBackend {
     /// to 0 after a longer wait, so an idle queue polls not at all). Zero: interrupt-
     /// driven, the default. Lower latency, for CPU time.
     pub fn with_poll(mut self, poll: Duration) -> Self {
-        self.poll = poll;
         for q in &mut self.queues {
             q.get_mut().unwrap_or_else(PoisonError::into_inner).poll = PollWindow::new(poll);
         }
@@ -437,7 +434,7 @@ impl VhostUserBackend for BlkBackend {
                 .break_queue(format!("a ring is not in guest memory: {e}"));
             false
         });
-        if !self.poll.is_zero() {
+        if cell.poll.enabled() {
             let now = Instant::now();
             if let Some(last) = cell.last_work.replace(now) {
                 cell.poll.waited(now - last);
