@@ -65,8 +65,13 @@ fn replay_rdma(lender: &str, file: &str) -> Result<String, String> {
     } else {
         None
     };
-    let mut c = devlend_fabric::rdma::verbs::open_connection(None, lender, Duration::from_secs(5))
-        .map_err(|e| e.to_string())?;
+    let mut c = devlend_fabric::rdma::verbs::open_connection(
+        None,
+        lender,
+        devlend_fabric::rdma::verbs::BORROWER,
+        Duration::from_secs(5),
+    )
+    .map_err(|e| e.to_string())?;
     let deadline = Instant::now() + Duration::from_secs(10);
     c.send_msg(0, hello_bytes, 0).map_err(|e| e.to_string())?;
     let mut last = "none".to_owned();

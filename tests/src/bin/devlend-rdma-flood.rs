@@ -6,10 +6,23 @@
 //! `flood_secs=S` (how long the N attempts took, rounded up),
 //! for the test of the lender's handshake caps over RDMA (`tests/tests/guest_rdma.rs`).
 //! It is a test tool, not part of devlend.
+//!
+//! Its connections are shaped for a handshake only (4 buffers of 2 KiB each way, 16 KiB
+//! registered), not as a borrower's session (about 6 MiB): it holds every connection
+//! the lender took until it exits, and a few hundred sessions' buffers were enough to
+//! have it killed for memory in the test's guest before it printed anything.
 
 use std::time::Duration;
 
-use devlend_fabric::rdma::verbs::open_connection;
+use devlend_fabric::rdma::verbs::{open_connection, Shape};
+use devlend_fabric::rdma::MAX_HANDSHAKE_MSG;
+
+/// Enough for a hello and its replies; the flood never sends one.
+const HANDSHAKE_ONLY: Shape = Shape {
+    send: (4, MAX_HANDSHAKE_MSG),
+    recv: (4, MAX_HANDSHAKE_MSG),
+    send_wr: 8,
+};
 
 fn main() {
     let (mut lender, mut from, mut count, mut hold) = (String::new(), None, 1000u32, 5u64);
@@ -32,7 +45,12 @@ fn main() {
     let mut rejected = 0u32;
     let mut last_error = String::new();
     for _ in 0..count {
-        match open_connection(from.as_deref(), &lender, Duration::from_secs(2)) {
+        match open_connection(
+            from.as_deref(),
+            &lender,
+            HANDSHAKE_ONLY,
+            Duration::from_secs(2),
+        ) {
             Ok(c) => open.push(c),
             Err(e) => {
                 rejected += 1;

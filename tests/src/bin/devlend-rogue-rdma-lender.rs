@@ -88,8 +88,12 @@ fn main() {
         while let Some(inc) = listener.accept() {
             let peer = inc.peer();
             match inc.establish(lender_shape(4), Instant::now() + Duration::from_secs(10)) {
-                Ok((conn, i, n)) => {
-                    if let Err(e) = session(conn, i, n, &a, &mut found) {
+                Ok((mut conn, i, n)) => {
+                    if let Err(e) = conn
+                        .grow()
+                        .map_err(|e| e.to_string())
+                        .and_then(|()| session(conn, i, n, &a, &mut found))
+                    {
                         eprintln!("rogue: session from {peer} ended: {e}");
                     }
                 }

@@ -140,6 +140,12 @@ fn serve(
         Ok(x) => x,
         Err((status, message)) => return refuse(&mut conn, &peer, &hello, status, &message),
     };
+    // Only an admitted hello gets the session's buffers (about 6 MiB registered); until
+    // here the connection holds a handshake's few.
+    if let Err(e) = conn.grow() {
+        let message = format!("cannot register the session's buffers: {e}");
+        return refuse(&mut conn, &peer, &hello, HelloStatus::Busy, &message);
+    }
     let at = Opening {
         dev: &dev.counters,
         hello: &hello,

@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use rdma_sys::*;
 
-use super::{os_err, wait_readable, CmId, CompChannel, Cq, EventChannel, MsgPool, Pd};
+use super::buffers::MsgPool;
+use super::{os_err, wait_readable, CmId, CompChannel, Cq, EventChannel, Pd};
 use crate::rdma::{RdmaError, MAX_HANDSHAKE_MSG, MAX_REQUEST_MSG, RECV_DEPTH};
 
 /// A work completion, copied out of the CQ.
@@ -62,6 +63,8 @@ pub struct Connection {
     pub(super) disconnected: bool,
     /// Completions taken during the handshake but not returned yet.
     pub(super) early: Vec<Completion>,
+    /// The buffers and depths it was built for ([`Self::grow`] registers the rest).
+    pub(super) shape: Shape,
 }
 
 // SAFETY: every handle inside is used by one thread at a time (the owner's).
@@ -100,7 +103,7 @@ impl Connection {
     /// # Errors
     /// The verbs error.
     pub fn post_recv(&mut self, i: usize) -> Result<(), RdmaError> {
-        let mut sge = self.recv.sge(i, self.recv.size);
+        let mut sge = self.recv.sge(i, self.recv.size());
         // SAFETY: all-zero is a valid ibv_recv_wr.
         let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = RECV_BIT | i as u64;
@@ -117,6 +120,25 @@ impl Connection {
         Ok(())
     }
 
+    /// Registers the rest of the buffers of the connection's shape and posts the new
+    /// receive buffers. An accepted connection ([`super::Incoming::establish`]) has only
+    /// [`super::HANDSHAKE_BUFFERS`] each way until then (16 KiB against about 6 MiB
+    /// for a lender's session): a lender calls it once the hello is admitted, before
+    /// its reply, so that a connection that never proves anything holds little. A
+    /// no-op when they are all there.
+    ///
+    /// # Errors
+    /// The verbs error (registering or posting).
+    pub fn grow(&mut self) -> Result<(), RdmaError> {
+        let old = self.recv.count();
+        self.send.grow(&self.pd, self.shape.send.0)?;
+        self.recv.grow(&self.pd, self.shape.recv.0)?;
+        for i in old..self.recv.count() {
+            self.post_recv(i)?;
+        }
+        Ok(())
+    }
+
     /// The first `len` bytes of receive buffer `i`.
     pub fn recv_msg(&self, i: usize, len: usize) -> &[u8] {
         self.recv.get(i, len)
@@ -129,7 +151,7 @@ impl Connection {
 
     /// Number of send buffers.
     pub fn send_slots(&self) -> usize {
-        self.send.buf.len() / self.send.size
+        self.send.count()
     }
 
     /// Copies `msg` into send buffer `i` and sends it (signaled, id `wr_id`).
@@ -137,7 +159,7 @@ impl Connection {
     /// # Errors
     /// The verbs error.
     pub fn send_msg(&mut self, i: usize, msg: &[u8], wr_id: u64) -> Result<(), RdmaError> {
-        let n = msg.len().min(self.send.size);
+        let n = msg.len().min(self.send.size());
         self.send.get_mut(i)[..n].copy_from_slice(&msg[..n]);
         self.post_send(i, n, wr_id)
     }

@@ -22,11 +22,13 @@ use rdma_sys::*;
 
 use super::RdmaError;
 
+mod buffers;
 mod connection;
 mod setup;
 #[cfg(test)]
 mod tests;
 
+pub use buffers::HANDSHAKE_BUFFERS;
 pub use connection::{lender_shape, Completion, Connection, Shape, BORROWER, RECV_BIT};
 pub use setup::{connect, open_connection, Incoming, Listener};
 
@@ -374,40 +376,5 @@ impl Drop for Cq {
     fn drop(&mut self) {
         // SAFETY: the QP using it is destroyed before (Connection's field order).
         unsafe { ibv_destroy_cq(self.cq) };
-    }
-}
-
-/// A pool of equal registered message buffers.
-struct MsgPool {
-    mr: Mr,
-    buf: Box<[u8]>,
-    size: usize,
-}
-
-impl MsgPool {
-    fn new(pd: &Arc<Pd>, count: usize, size: usize) -> Result<Self, RdmaError> {
-        let mut buf = vec![0u8; count * size].into_boxed_slice();
-        // SAFETY: `buf` lives in the pool beside the MR and is dropped after it
-        // (field order: mr first).
-        let mr = unsafe { Mr::register(pd, buf.as_mut_ptr(), buf.len(), false)? };
-        Ok(MsgPool { mr, buf, size })
-    }
-
-    fn sge(&self, i: usize, len: usize) -> ibv_sge {
-        ibv_sge {
-            addr: self.buf.as_ptr() as u64 + (i * self.size) as u64,
-            length: len.min(self.size) as u32,
-            lkey: self.mr.lkey(),
-        }
-    }
-
-    fn get(&self, i: usize, len: usize) -> &[u8] {
-        let at = i * self.size;
-        &self.buf[at..at + len.min(self.size)]
-    }
-
-    fn get_mut(&mut self, i: usize) -> &mut [u8] {
-        let at = i * self.size;
-        &mut self.buf[at..at + self.size]
     }
 }

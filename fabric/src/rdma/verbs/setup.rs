@@ -9,19 +9,23 @@ use std::time::{Duration, Instant};
 
 use rdma_sys::*;
 
+use super::buffers::MsgPool;
 use super::{
     check_devices, event_name, os_err, resources, set_nonblocking, CmId, CompChannel, Connection,
-    Cq, EventChannel, MsgPool, Pd, Shape, BORROWER, RECV_BIT,
+    Cq, EventChannel, Pd, Shape, BORROWER, HANDSHAKE_BUFFERS, RECV_BIT,
 };
 use crate::rdma::RdmaError;
 use crate::{Hello, HelloReply};
 
 /// Resources built on an id whose device is known (after route resolution or on a
 /// connect request), before the connection is established.
+/// Registers up to `registered` buffers each way at first (queues and the CQ are sized
+/// for the whole `shape`; [`Connection::grow`] registers the rest).
 fn build(
     id: CmId,
     events: EventChannel,
     shape: Shape,
+    registered: usize,
     peer: String,
 ) -> Result<Connection, RdmaError> {
     let ctx = id.verbs();
@@ -69,8 +73,8 @@ fn build(
     if unsafe { rdma_create_qp(id.0, pd.0, &mut attr) } != 0 {
         return Err(resources("a queue pair"));
     }
-    let send = MsgPool::new(&pd, shape.send.0, shape.send.1)?;
-    let recv = MsgPool::new(&pd, shape.recv.0, shape.recv.1)?;
+    let send = MsgPool::new(&pd, shape.send.0.min(registered), shape.send.1)?;
+    let recv = MsgPool::new(&pd, shape.recv.0.min(registered), shape.recv.1)?;
     // SAFETY: plain syscall.
     let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
     if ep < 0 {
@@ -102,8 +106,9 @@ fn build(
         wc: (0..64).map(|_| unsafe { std::mem::zeroed() }).collect(),
         disconnected: false,
         early: Vec::new(),
+        shape,
     };
-    for i in 0..shape.recv.0 {
+    for i in 0..c.recv.count() {
         c.post_recv(i)?;
     }
     c.arm()?;
@@ -193,7 +198,7 @@ fn connect_once(
     hello: &Hello,
     timeout: Duration,
 ) -> Result<(Connection, HelloReply), RdmaError> {
-    let mut c = open_connection(None, addr, timeout)?;
+    let mut c = open_connection(None, addr, BORROWER, timeout)?;
     let mut msg = Vec::new();
     hello
         .write_to(&mut msg)
@@ -228,8 +233,9 @@ fn connect_once(
 }
 
 /// Opens an RDMA connection to `addr` (`IP:PORT`, rdma_cm) from the local address `src`
-/// (`IP`; `None`: the one the route picks), up to the connection's establishment; no
-/// handshake message is sent.
+/// (`IP`; `None`: the one the route picks), with the buffers and queue depths of
+/// `shape` ([`BORROWER`] for a borrower's session, about 6 MiB registered), up to the
+/// connection's establishment; no handshake message is sent.
 ///
 /// # Errors
 /// [`RdmaError`] for the transport (no device, no route, no resources, rejected,
@@ -237,6 +243,7 @@ fn connect_once(
 pub fn open_connection(
     src: Option<&str>,
     addr: &str,
+    shape: Shape,
     timeout: Duration,
 ) -> Result<Connection, RdmaError> {
     check_devices()?;
@@ -287,7 +294,7 @@ pub fn open_connection(
         "resolving the RDMA route",
     )?;
     let ctx = id.verbs();
-    let c = build(id, events, BORROWER, addr.to_string())?;
+    let c = build(id, events, shape, usize::MAX, addr.to_string())?;
     let mut p = conn_param(ctx);
     // SAFETY: the id has a QP; p is valid for the call.
     if unsafe { rdma_connect(c.id.0, &mut p) } != 0 {
@@ -458,7 +465,9 @@ impl Incoming {
     /// Moves the id to its own event channel, builds the QP, accepts, and waits for the
     /// hello (first message) until `deadline` (the whole of it: the handshake's
     /// deadline, counted from the connection request). Returns the connection and the
-    /// hello's bytes' location.
+    /// hello's bytes' location. The queues are sized for `shape`, but only
+    /// [`HANDSHAKE_BUFFERS`] message buffers are registered each way: call
+    /// [`Connection::grow`] once the hello is admitted, before using more.
     ///
     /// # Errors
     /// Resources, a peer that goes away, or a timeout.
@@ -474,7 +483,7 @@ impl Incoming {
             return Err(resources("an event channel for the connection"));
         }
         let ctx = self.0.verbs();
-        let mut c = build(self.0, events, shape, peer.clone())?;
+        let mut c = build(self.0, events, shape, HANDSHAKE_BUFFERS, peer.clone())?;
         let mut p = conn_param(ctx);
         // SAFETY: the id has a QP; p is valid.
         if unsafe { rdma_accept(c.id.0, &mut p) } != 0 {
