@@ -152,7 +152,8 @@ mod tests {
         file.set_len(4096).expect("log size");
         let log = Arc::new(MmapLogReg::from_file(file.as_fd(), 0, 4096).expect("log map"));
         for r in mem.iter() {
-            r.bitmap()
+            // The region's own bitmap (the trait's `bitmap()` is a slice of it).
+            vm_memory::MmapRegion::<BitmapMmapRegion>::bitmap(r)
                 .replace(AtomicBitmapMmap::new(r, Arc::clone(&log)).expect("bitmap"));
         }
         (mem, file)

@@ -26,7 +26,7 @@ use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::Queue;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 const MIB: u64 = 1 << 20;
 /// The log's page size (vhost-user "Migration": `VHOST_LOG_PAGE`), in bytes.
@@ -56,7 +56,9 @@ impl Log {
         let map = Arc::new(MmapLogReg::from_file(file.as_fd(), 0, LOG_LEN).unwrap());
         for region in mem.iter() {
             let bitmap = AtomicBitmapMmap::new(region, Arc::clone(&map)).unwrap();
-            region.bitmap().replace(bitmap);
+            // The region's own bitmap (the trait's `bitmap()` is a slice of it).
+            vm_memory::MmapRegion::<vhost_user_backend::bitmap::BitmapMmapRegion>::bitmap(region)
+                .replace(bitmap);
         }
         Log { file }
     }

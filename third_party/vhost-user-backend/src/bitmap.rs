@@ -4,10 +4,10 @@
 
 use std::ops::Index;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, RwLock};
 use std::{io, ptr};
-use vm_memory::bitmap::{Bitmap, BitmapSlice, WithBitmapSlice};
+use vm_memory::bitmap::{Bitmap, RefSlice, WithBitmapSlice};
 use vm_memory::mmap::NewBitmap;
 use vm_memory::{Address, GuestMemoryRegion};
 
@@ -71,11 +71,18 @@ pub struct BitmapMmapRegion {
     // TODO: To avoid both reader and writer starvation we can replace the `std::sync::RwLock` with
     // `parking_lot::RwLock`.
     inner: Arc<RwLock<Option<AtomicBitmapMmap>>>,
+    // devlend patch: whether `inner` holds a bitmap, read without the lock, so that a
+    // write to guest memory while no log is set takes no lock (a shared atomic written
+    // on every access costs every queue thread a cache-line transfer).
+    logging: Arc<AtomicBool>,
     base_address: usize, // The slice's base address
 }
 
 impl Bitmap for BitmapMmapRegion {
     fn mark_dirty(&self, offset: usize, len: usize) {
+        if !self.logging.load(Ordering::Acquire) {
+            return;
+        }
         let inner = self.inner.read().unwrap();
         if let Some(bitmap) = inner.as_ref() {
             if let Some(absolute_offset) = self.base_address.checked_add(offset) {
@@ -91,11 +98,10 @@ impl Bitmap for BitmapMmapRegion {
             .is_some_and(|bitmap| bitmap.dirty_at(self.base_address.saturating_add(offset)))
     }
 
+    // devlend patch: a slice borrows the region's bitmap (unpatched, each slice cloned
+    // the `Arc`: two atomic writes to a line shared by every thread, per access).
     fn slice_at(&self, offset: usize) -> <Self as WithBitmapSlice<'_>>::S {
-        Self {
-            inner: Arc::clone(&self.inner),
-            base_address: self.base_address.saturating_add(offset),
-        }
+        RefSlice::new(self, offset)
     }
 }
 
@@ -105,18 +111,19 @@ impl BitmapReplace for BitmapMmapRegion {
     fn replace(&self, bitmap: AtomicBitmapMmap) {
         let mut inner = self.inner.write().unwrap();
         inner.replace(bitmap);
+        self.logging.store(true, Ordering::Release);
     }
 
     // devlend patch: see `BitmapReplace::clear`.
     fn clear(&self) {
-        self.inner.write().unwrap().take();
+        let mut inner = self.inner.write().unwrap();
+        self.logging.store(false, Ordering::Release);
+        inner.take();
     }
 }
 
-impl BitmapSlice for BitmapMmapRegion {}
-
-impl WithBitmapSlice<'_> for BitmapMmapRegion {
-    type S = Self;
+impl<'a> WithBitmapSlice<'a> for BitmapMmapRegion {
+    type S = RefSlice<'a, Self>;
 }
 
 impl NewBitmap for BitmapMmapRegion {
