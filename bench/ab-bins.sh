@@ -76,6 +76,8 @@ run_build() {
     local borrower=$!
     pids=("$lender" "$borrower")
     for _ in $(seq 50); do [ -S "$dir/api.sock" ] && break; sleep 0.1; done
+    # The lender listens (an attach before that is refused).
+    for _ in $(seq 50); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
     "$bin/devlend" --api "$dir/api.sock" attach --lender "127.0.0.1:$port" --device disk0 \
         --socket "$dir/d.sock" --queues 2 "${attach_args[@]}" >/dev/null
     for w in "${workloads[@]}"; do

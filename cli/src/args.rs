@@ -198,9 +198,10 @@ pub(crate) enum Cmd {
         #[arg(long, requires = "peers")]
         dir: Option<PathBuf>,
         /// devlend's adaptive polling maximum in microseconds for --peers, on the
-        /// lender (`--poll-us`) and the attachment (0: interrupt-driven).
-        #[arg(long, default_value_t = 0, requires = "peers")]
-        poll_us: u32,
+        /// lender (`--poll-us`) and the attachment (0: interrupt-driven; default: each
+        /// agent's own, the lender 200 and the attachment 0).
+        #[arg(long, requires = "peers")]
+        poll_us: Option<u32>,
         /// Print JSON.
         #[arg(long)]
         json: bool,

@@ -20,8 +20,9 @@ pub struct Options {
     /// answered `Busy`.
     pub max_sessions: usize,
     /// The most a block session over TCP polls its socket and device I/O after its
-    /// last work before it sleeps: an adaptive window
-    /// ([`devlend_fabric::poll_window::PollWindow`]), 0 to sleep at once (default 0).
+    /// last work before it sleeps: an adaptive window that drops to 0 while the CPUs
+    /// are contended ([`devlend_fabric::poll_window::PollWindow`]), 0 to sleep at once
+    /// (default [`DEFAULT_POLL`]).
     pub poll: Duration,
     /// How sessions do device I/O (default: plain system calls for files in memory,
     /// io_uring otherwise).
@@ -31,13 +32,17 @@ pub struct Options {
     pub stores: Vec<crate::config::StoreSpec>,
 }
 
+/// The default most a block session polls before it sleeps: 200 µs, above one loopback
+/// round trip here (docs/performance.md, "Adaptive polling").
+pub const DEFAULT_POLL: Duration = Duration::from_micros(200);
+
 impl Default for Options {
     fn default() -> Self {
         Options {
             handshake_timeout: Duration::from_secs(10),
             frame_timeout: Duration::from_secs(30),
             max_sessions: 256,
-            poll: Duration::ZERO,
+            poll: DEFAULT_POLL,
             io: IoMode::Auto,
             stores: Vec::new(),
         }

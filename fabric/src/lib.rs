@@ -15,6 +15,7 @@
 
 pub mod codec;
 pub mod conn;
+pub mod cpu_load;
 pub mod error;
 pub mod handshake;
 pub mod holder_proof;

@@ -442,9 +442,12 @@ impl VhostUserBackend for BlkBackend {
             let window = cell.poll.window();
             if !window.is_zero() {
                 let QueueCell {
-                    engine, last_work, ..
+                    engine,
+                    last_work,
+                    poll,
+                    ..
                 } = &mut *cell;
-                used = match self.busy_poll(engine, &mut state, &mem, used, window, last_work) {
+                used = match self.busy_poll(engine, &mut state, &mem, used, poll, last_work) {
                     Ok(u) => u,
                     Err(e) => {
                         engine.break_queue(format!("a ring is not in guest memory: {e}"));
@@ -474,8 +477,9 @@ impl VhostUserBackend for BlkBackend {
 
 impl BlkBackend {
     /// Busy-polls the guest's ring and the fabric socket until nothing happened for
-    /// `window` (at most [`MAX_POLL_SLICE`] per call, so that the vhost-user message
-    /// thread gets the locks), recording in `last_work` when work was last found.
+    /// `poll`'s window (at most [`MAX_POLL_SLICE`] per call, so that the vhost-user
+    /// message thread gets the locks), recording in `last_work` when work was last
+    /// found; a spell in which the worker was preempted stops it ([`PollWindow`]).
     /// Signals the guest as requests complete; returns whether used entries were added
     /// since the last signal.
     fn busy_poll(
@@ -483,17 +487,34 @@ impl BlkBackend {
         engine: &mut QueueEngine,
         state: &mut RingState,
         mem: &crate::guest::GuestMemoryRef,
+        used: bool,
+        poll: &mut PollWindow,
+        last_work: &mut Option<Instant>,
+    ) -> io::Result<bool> {
+        let result = self.poll_rounds(engine, state, mem, used, poll, last_work);
+        poll.end_spell();
+        result
+    }
+
+    fn poll_rounds(
+        &self,
+        engine: &mut QueueEngine,
+        state: &mut RingState,
+        mem: &crate::guest::GuestMemoryRef,
         mut used: bool,
-        window: Duration,
+        poll: &mut PollWindow,
         last_work: &mut Option<Instant>,
     ) -> io::Result<bool> {
         let mut mem = mem.clone();
         let start = Instant::now();
         let mut last = start;
-        while last.elapsed() < window
-            && start.elapsed() < MAX_POLL_SLICE
-            && !self.stopping.load(Ordering::Acquire)
-        {
+        loop {
+            if last.elapsed() >= poll.window()
+                || start.elapsed() >= MAX_POLL_SLICE
+                || self.stopping.load(Ordering::Acquire)
+            {
+                break;
+            }
             let queue = state.get_queue_mut();
             if used
                 && queue
@@ -519,6 +540,7 @@ impl BlkBackend {
                 last = Instant::now();
                 *last_work = Some(last);
             } else {
+                poll.begin_spell();
                 std::hint::spin_loop();
             }
         }

@@ -164,8 +164,10 @@ pub struct PeersOptions {
     pub size: u64,
     /// Work directory for sockets and logs (default: a temporary directory).
     pub dir: Option<PathBuf>,
-    /// Busy-poll budget of devlend's compute agent, in microseconds (0: interrupt-driven).
-    pub poll_us: u32,
+    /// devlend's adaptive polling maximum on both agents, in microseconds (0:
+    /// interrupt-driven); `None`: each agent's default (the lender polls, the compute
+    /// agent does not).
+    pub poll_us: Option<u32>,
 }
 
 /// Parses seconds, fractions allowed (`5`, `0.5`).

@@ -74,8 +74,8 @@ pub struct Setup<'a> {
     /// Queues each server offers.
     pub queues: u16,
     /// devlend's adaptive polling maximum in microseconds, on the lender and the
-    /// borrower (0: interrupt-driven).
-    pub poll_us: u32,
+    /// borrower (0: interrupt-driven); `None`: each agent's default.
+    pub poll_us: Option<u32>,
 }
 
 impl Peers {
@@ -182,8 +182,8 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         format!("disk0={}", image.display()),
     ];
     // Polling on both hops: the lender's sessions too.
-    if setup.poll_us > 0 {
-        largs.extend(["--poll-us".to_owned(), setup.poll_us.to_string()]);
+    if let Some(us) = setup.poll_us {
+        largs.extend(["--poll-us".to_owned(), us.to_string()]);
     }
     let mut lender = Daemon::spawn("bench-device-agent", &lender_bin, &largs, dir)?;
     lender.wait_until("devlend-device-agent", || TcpStream::connect(&addr).is_ok())?;
@@ -202,7 +202,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         socket: socket.clone(),
         queues: setup.queues,
         queue_size: 256,
-        poll_us: setup.poll_us,
+        poll_us: setup.poll_us.unwrap_or(0),
         reconnect_deadline_s: 30,
         vmm: None,
         lease: None,
@@ -219,10 +219,9 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
         "devlend attach --lender 127.0.0.1:PORT --device disk0 --socket {} --queues {}{}",
         socket.display(),
         setup.queues,
-        if setup.poll_us > 0 {
-            format!(" --poll-us {}", setup.poll_us)
-        } else {
-            String::new()
+        match setup.poll_us {
+            Some(us) => format!(" --poll-us {us}"),
+            None => String::new(),
         }
     );
     Ok(Target {

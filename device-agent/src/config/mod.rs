@@ -134,8 +134,9 @@ pub struct Cli {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=MAX_SESSIONS_LIMIT as i64))]
     pub max_sessions: Option<u32>,
     /// Most µs a block session over TCP polls before it sleeps, an adaptive window
-    /// (0..=1000, default 0: sleep at once). Lower QD1 latency for CPU time
-    /// (docs/performance.md, "Adaptive polling"). In the file: `poll_us = N`.
+    /// that drops to 0 while the CPUs are contended (0..=1000, default 200; 0: sleep at
+    /// once). Lower QD1 latency for idle CPU time (docs/performance.md, "Adaptive
+    /// polling"). In the file: `poll_us = N`.
     #[arg(long, value_name = "µs", value_parser = clap::value_parser!(u32).range(0..=MAX_POLL_US as i64))]
     pub poll_us: Option<u32>,
 }
@@ -309,7 +310,7 @@ pub struct Config {
     /// Most sessions open at once (`--max-sessions`); `None`: the default, 256.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_sessions: Option<u32>,
-    /// Most µs a block session polls before it sleeps (`--poll-us`); `None`: 0.
+    /// Most µs a block session polls before it sleeps (`--poll-us`); `None`: 200.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub poll_us: Option<u32>,
     /// Backing stores that devices share, with their capacities.

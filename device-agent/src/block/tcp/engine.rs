@@ -17,10 +17,11 @@
 //!
 //! It sleeps in [`DeviceIo::wait`], waiting for a device completion or for the socket,
 //! watched by one-shot polls in the same ring, so that a request costs no thread
-//! hand-off. With polling on (`--poll-us`), it first goes on looping without progress
-//! for an adaptive window after its last work ([`PollWindow`]), so that a request that
-//! follows soon finds it awake. When the reading ends (EOF, protocol error, shutdown) the session finishes
-//! every request in flight, answers them if the socket still takes writes, and returns.
+//! hand-off. With polling on (`--poll-us`, the default), it first goes on looping
+//! without progress for an adaptive window after its last work ([`PollWindow`]), so
+//! that a request that follows soon finds it awake, unless the CPUs are contended.
+//! When the reading ends (EOF, protocol error, shutdown) the session finishes every
+//! request in flight, answers them if the socket still takes writes, and returns.
 
 use std::io;
 use std::net::{Shutdown, SocketAddr};
@@ -156,6 +157,7 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
             }
             if progress {
                 if self.poll.enabled() {
+                    self.poll.end_spell();
                     let now = Instant::now();
                     self.poll.waited(now - self.last_work);
                     self.last_work = now;
@@ -164,9 +166,12 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
             }
             let window = self.poll.window();
             if !window.is_zero() && self.last_work.elapsed() < window {
+                // Checks the CPUs once per spell; a contended one reads 0 next round.
+                self.poll.begin_spell();
                 std::hint::spin_loop();
                 continue;
             }
+            self.poll.end_spell();
             if let Err(e) = self.sleep() {
                 return self.abandon(e);
             }
