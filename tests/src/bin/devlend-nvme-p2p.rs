@@ -407,6 +407,12 @@ fn map_dst(bdf: &str, bar: u8, bytes: usize) -> Res<Map> {
     Ok(map)
 }
 
+/// Posted BAR writes between two reads of a fill: each is one round trip from the
+/// compute agent to the lender (a TCG guest in the tests), so 1,024 of them take well
+/// under QEMU's 5 s wait for a read's reply; 16,384 in a row once outlasted it, and the
+/// function was reset under the fill (its CMB then read all-ones).
+const FLUSH_EVERY: usize = 1024;
+
 /// Waits until the word at `off` of `map` reads `word`, the last of a series of writes.
 ///
 /// BAR writes are posted (QEMU's vfio-user client sends them without waiting for a
@@ -484,8 +490,13 @@ fn run(cmd: Cmd) -> Res<i32> {
         Cmd::Fill(dst, bar, bytes, val) => {
             let map = map_dst(&dst, bar, bytes)?;
             let word = u32::from_ne_bytes([val; 4]);
-            (0..bytes / 4).for_each(|i| map.w32(i * 4, word));
-            flush(&map, bytes - 4, word)?;
+            // A read after every FLUSH_EVERY writes: no read waits behind more posted
+            // writes than the VMM's wait for a reply covers ([`flush`]).
+            for start in (0..bytes / 4).step_by(FLUSH_EVERY) {
+                let end = (start + FLUSH_EVERY).min(bytes / 4);
+                (start..end).for_each(|i| map.w32(i * 4, word));
+                flush(&map, (end - 1) * 4, word)?;
+            }
             println!("DEVLEND-RESULT fill=ok");
         }
         Cmd::Dump(dst, bar, bytes) => dump(&map_dst(&dst, bar, bytes)?, bytes, "dump"),
