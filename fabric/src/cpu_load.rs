@@ -2,7 +2,6 @@
 //! ([`crate::poll_window`]): its own involuntary context switches, and how many threads
 //! the whole machine has runnable against how many CPUs this process may use.
 
-use std::cell::RefCell;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::OnceLock;
@@ -28,21 +27,17 @@ pub fn cpus() -> usize {
     *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
 }
 
-thread_local! {
-    /// Each thread's own open `/proc/loadavg` (a shared one would serialize its readers
-    /// on the file's lock); `None` where it cannot be opened.
-    static LOADAVG: RefCell<Option<File>> = RefCell::new(File::open("/proc/loadavg").ok());
-}
-
 /// Threads runnable on the whole machine now, the caller included (the first number of
-/// `/proc/loadavg`'s fourth field); `None` if it cannot be read.
+/// `/proc/loadavg`'s fourth field); `None` if it cannot be read. One descriptor for the
+/// process, read with `pread` (a lender with 1,000 sessions holds one, not 1,000).
 pub fn runnable_threads() -> Option<usize> {
-    LOADAVG.with(|f| {
-        let f = f.borrow();
-        let mut buf = [0u8; 128];
-        let n = f.as_ref()?.read_at(&mut buf, 0).ok()?;
-        parse_running(buf.get(..n)?)
-    })
+    static LOADAVG: OnceLock<Option<File>> = OnceLock::new();
+    let f = LOADAVG
+        .get_or_init(|| File::open("/proc/loadavg").ok())
+        .as_ref()?;
+    let mut buf = [0u8; 128];
+    let n = f.read_at(&mut buf, 0).ok()?;
+    parse_running(buf.get(..n)?)
 }
 
 /// Whether two threads at least wait for a CPU: more are runnable than this process has

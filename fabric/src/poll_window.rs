@@ -127,7 +127,7 @@ impl PollWindow {
     }
 
     /// Ends the open spell (nothing if none is open): if the thread was preempted
-    /// during it, drops the window to 0 and holds it there ([`PollWindow`]).
+    /// during it, the window reads 0 for a hold ([`PollWindow`]).
     pub fn end_spell(&mut self) {
         if let Some(at_start) = self.spell.take() {
             self.spell_ended(involuntary_switches() > at_start, Instant::now());
@@ -218,12 +218,18 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_preempted_spell_holds_polling_off_for_a_while() {
+    /// A window of at most 200 µs, grown to it by waits of 150 µs.
+    fn grown_to_200us() -> PollWindow {
         let mut w = PollWindow::new(200 * US);
         for _ in 0..10 {
             w.waited(150 * US);
         }
+        w
+    }
+
+    #[test]
+    fn a_preempted_spell_holds_polling_off_for_a_while() {
+        let mut w = grown_to_200us();
         assert_eq!(w.window(), 200 * US);
         // A hold that ends long after this test does.
         let later = Instant::now() + Duration::from_secs(60);
@@ -256,10 +262,7 @@ mod tests {
         w.spell_ended(true, later + Duration::from_secs(1));
         assert_eq!(w.hold, FIRST_HOLD);
         // Once the hold has passed, the window is back whole: no regrowth from 0.
-        let mut w = PollWindow::new(200 * US);
-        for _ in 0..10 {
-            w.waited(150 * US);
-        }
+        let mut w = grown_to_200us();
         w.spell_ended(true, Instant::now() - FIRST_HOLD * 2);
         assert!(!w.held());
         assert_eq!(w.window(), 200 * US);
@@ -290,12 +293,9 @@ mod tests {
         let cpu = usize::try_from(unsafe { libc::sched_getcpu() }).unwrap_or(0);
         let spin = move || {
             pin_to_cpu(cpu);
-            let mut w = PollWindow::new(200 * US);
-            for _ in 0..10 {
-                w.waited(150 * US);
-            }
+            let mut w = grown_to_200us();
             let before = involuntary_switches();
-            // Refused at once where more threads than CPUs are runnable already, or
+            // Refused at once where two threads wait for a CPU already, or
             // preempted while it spins: a hold is set either way.
             w.begin_spell();
             let start = Instant::now();

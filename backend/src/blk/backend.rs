@@ -454,6 +454,7 @@ impl VhostUserBackend for BlkBackend {
                         false
                     }
                 };
+                poll.end_spell();
             }
         }
         if used {
@@ -479,24 +480,11 @@ impl BlkBackend {
     /// Busy-polls the guest's ring and the fabric socket until nothing happened for
     /// `poll`'s window (at most [`MAX_POLL_SLICE`] per call, so that the vhost-user
     /// message thread gets the locks), recording in `last_work` when work was last
-    /// found; a spell in which the worker was preempted stops it ([`PollWindow`]).
+    /// found. Opens a spell of `poll` when a round finds nothing; the caller ends it
+    /// ([`PollWindow::end_spell`]), and a preempted one stops the next polling.
     /// Signals the guest as requests complete; returns whether used entries were added
     /// since the last signal.
     fn busy_poll(
-        &self,
-        engine: &mut QueueEngine,
-        state: &mut RingState,
-        mem: &crate::guest::GuestMemoryRef,
-        used: bool,
-        poll: &mut PollWindow,
-        last_work: &mut Option<Instant>,
-    ) -> io::Result<bool> {
-        let result = self.poll_rounds(engine, state, mem, used, poll, last_work);
-        poll.end_spell();
-        result
-    }
-
-    fn poll_rounds(
         &self,
         engine: &mut QueueEngine,
         state: &mut RingState,
