@@ -75,6 +75,14 @@ pub(crate) trait LentKind {
         Vec::new()
     }
 
+    /// Whether a borrower's new session on a queue fences its earlier sessions of that
+    /// queue before it runs anything (`docs/protocol.md`, "Fencing a queue's earlier
+    /// session"): a block device's requests, resent on the new session, must not run
+    /// beside their copies on the old one.
+    fn fences_earlier_sessions(&self) -> bool {
+        false
+    }
+
     /// Whether it counts block requests (reads, writes, ... and their latency); the
     /// other kinds count sessions, and a NIC its frames.
     fn counts_block_requests(&self) -> bool {

@@ -51,6 +51,8 @@ pub use config::{
 };
 pub use error::Error;
 pub use leases::LeaseGuard;
+#[doc(hidden)]
+pub use options::HoldFirstWrite;
 pub use server::{
     DeviceQos, InventoryView, KindCounters, KindView, Lender, LenderHandle, LentDevice,
     NicCounters, Options, ReloadReport, StatsView,

@@ -2,6 +2,8 @@
 //! keeps and every session reads. A leaf: it uses nothing of the lender but its config's
 //! types.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::IoMode;
@@ -30,7 +32,38 @@ pub struct Options {
     /// Backing stores that devices share (`store` in a device), with the capacity their
     /// borrowers divide by weight (default none). Read at start: a reload keeps them.
     pub stores: Vec<crate::config::StoreSpec>,
+    /// A test hook, never set by the command line or the config: the first block write
+    /// this lender runs waits this long before it is applied, as a slow device would
+    /// hold it (the fence's tests, `docs/protocol.md`). `None` by default.
+    #[doc(hidden)]
+    pub hold_first_write: Option<HoldFirstWrite>,
 }
+
+/// The test hook of [`Options::hold_first_write`]: a hold, taken once.
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub struct HoldFirstWrite(Arc<(Duration, AtomicBool)>);
+
+impl HoldFirstWrite {
+    /// The first write waits `hold`.
+    pub fn new(hold: Duration) -> Self {
+        HoldFirstWrite(Arc::new((hold, AtomicBool::new(true))))
+    }
+
+    /// How long this write waits: the hold for the first caller, then nothing.
+    pub(crate) fn take(&self) -> Option<Duration> {
+        let (hold, armed) = &*self.0;
+        armed.swap(false, Ordering::AcqRel).then_some(*hold)
+    }
+}
+
+impl PartialEq for HoldFirstWrite {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for HoldFirstWrite {}
 
 /// The default most a block session polls before it sleeps: 200 µs, above one loopback
 /// round trip here (docs/performance.md, "Adaptive polling").
@@ -45,6 +78,7 @@ impl Default for Options {
             poll: DEFAULT_POLL,
             io: IoMode::Auto,
             stores: Vec::new(),
+            hold_first_write: None,
         }
     }
 }

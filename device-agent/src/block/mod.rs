@@ -198,6 +198,10 @@ impl LentKind for BlockDevice {
         true
     }
 
+    fn fences_earlier_sessions(&self) -> bool {
+        true
+    }
+
     fn view(&self) -> KindView {
         KindView::Block {
             path: self.path.clone(),

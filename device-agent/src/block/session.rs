@@ -5,6 +5,7 @@
 //! ([`crate::block::io::Throttled`]).
 
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use devlend_fabric::{Credit, HelloStatus, FEATURE_CREDIT, FEATURE_THROTTLE_NOTE}
 use crate::block::io::{DeviceIo, SessionIo, Throttled};
 use crate::block::BlockDevice;
 use crate::device_counters::DeviceCounters;
+use crate::options::HoldFirstWrite;
 use crate::qos::Group;
 use crate::session::end::End;
 use crate::session::open::{Opened, Opening, Refused, TcpSession};
@@ -43,6 +45,8 @@ struct BlockIo<'a> {
     group: Arc<Group>,
     /// Mark the responses of requests held back by the limits.
     note: bool,
+    /// [`crate::options::Options::hold_first_write`].
+    hold: Option<HoldFirstWrite>,
 }
 
 impl<'a> BlockIo<'a> {
@@ -74,6 +78,7 @@ impl<'a> BlockIo<'a> {
             group: Arc::clone(at.claim.group()),
             // A borrower that reads the throttle flag of responses gets it.
             note: at.hello.features & FEATURE_THROTTLE_NOTE != 0,
+            hold: at.options.hold_first_write.clone(),
         })
     }
 
@@ -94,16 +99,17 @@ impl<'a> BlockIo<'a> {
             io,
             group,
             note,
+            hold,
         } = self;
         let group = Some(group);
         match io {
             SessionIo::Uring(io) => engine.run(
-                Throttled::new(io, group, Arc::clone(&dev), note),
+                Throttled::new(io, group, Arc::clone(&dev), note, hold),
                 &dev,
                 block,
             ),
             SessionIo::Inline(io) => engine.run(
-                Throttled::new(io, group, Arc::clone(&dev), note),
+                Throttled::new(io, group, Arc::clone(&dev), note, hold),
                 &dev,
                 block,
             ),
@@ -130,6 +136,8 @@ struct Tcp<'a> {
     poll: Duration,
     /// The borrower keeps within the credit it was granted.
     credit: bool,
+    /// Set when a newer session of its queue fences it.
+    fence: Arc<AtomicBool>,
 }
 
 /// Opens a block session over TCP: its device I/O, the throttle note and, to a
@@ -148,6 +156,7 @@ pub(super) fn open_tcp<'a>(
             frame_timeout: at.options.frame_timeout,
             poll: at.options.poll,
             credit: credit.is_some(),
+            fence: at.fence.clone().unwrap_or_default(),
             io,
         }),
     })
@@ -160,6 +169,7 @@ impl TcpSession for Tcp<'_> {
             frame_timeout,
             poll,
             credit,
+            fence,
         } = *self;
         tracing::debug!(%peer, "session serving");
         io.run(TcpRun {
@@ -168,6 +178,7 @@ impl TcpSession for Tcp<'_> {
             frame_timeout,
             poll,
             credit,
+            fence: &fence,
         })
     }
 }
@@ -179,6 +190,7 @@ struct TcpRun<'s> {
     frame_timeout: Duration,
     poll: Duration,
     credit: bool,
+    fence: &'s AtomicBool,
 }
 
 impl Engine for TcpRun<'_> {
@@ -191,8 +203,15 @@ impl Engine for TcpRun<'_> {
             frame_timeout,
             poll,
             credit,
+            fence,
         } = self;
-        super::tcp::engine::run(io, dev, sock, peer, frame_timeout, credit, poll)
+        let terms = super::tcp::engine::Terms {
+            frame_timeout,
+            credit,
+            poll,
+            fence,
+        };
+        super::tcp::engine::run(io, dev, sock, peer, terms)
     }
 }
 

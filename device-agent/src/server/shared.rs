@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::config::check_unique;
@@ -16,6 +16,9 @@ use crate::device::Device;
 use crate::leases::{self, LeaseGuard};
 pub use crate::options::Options;
 use crate::{DeviceSpec, DeviceStatsSnapshot, Error};
+
+mod fence;
+pub(crate) use fence::QueueKey;
 
 impl LenderState {
     /// The proof for `hello`'s challenge, when it asks for one and this lender has a
@@ -53,6 +56,8 @@ pub(crate) struct LenderState {
     pub(crate) options: Options,
     active: AtomicUsize,
     registry: Mutex<Registry>,
+    /// Signalled when a connection leaves the registry (a fence waits on it).
+    unregistered: Condvar,
     /// Set when the lender serves leased devices only (attached to a pool).
     pub(crate) leases: OnceLock<Arc<LeaseGuard>>,
     /// Set when every connection must be TLS.
@@ -77,6 +82,12 @@ struct Registry {
 /// An open connection and the lease its session was admitted under.
 struct Tracked {
     conn: Conn,
+    /// Set when a newer session of the same queue fences this one (for RDMA, the
+    /// session's stop flag).
+    fence: Arc<AtomicBool>,
+    /// The borrower's queue this session serves, once admitted as one that fences and
+    /// is fenced ([`LenderState::fence_earlier`]).
+    queue: Option<QueueKey>,
     lease: Option<[u8; 16]>,
     /// The session was told to stop (its lease ended).
     stopping: bool,
@@ -164,6 +175,7 @@ impl LenderState {
             options,
             active: AtomicUsize::new(0),
             registry: Mutex::new(Registry::default()),
+            unregistered: Condvar::new(),
             leases: OnceLock::new(),
             tls: OnceLock::new(),
             identity: OnceLock::new(),
@@ -303,6 +315,8 @@ impl LenderState {
                     id,
                     Tracked {
                         conn: Conn::Tcp(stream),
+                        fence: Arc::new(AtomicBool::new(false)),
+                        queue: None,
                         lease: None,
                         stopping: false,
                         handshake: Some((peer, Instant::now() + self.options.handshake_timeout)),
@@ -370,6 +384,8 @@ impl LenderState {
             id,
             Tracked {
                 conn: Conn::Rdma(Arc::clone(&flag)),
+                fence: Arc::clone(&flag),
+                queue: None,
                 lease: None,
                 stopping: false,
                 handshake: Some((peer, deadline)),
@@ -380,6 +396,7 @@ impl LenderState {
 
     pub(crate) fn unregister(&self, id: u64) {
         self.registry().streams.remove(&id);
+        self.unregistered.notify_all();
     }
 
     /// Waits up to `timeout` until no RDMA session is open; returns how many still are.

@@ -1,14 +1,20 @@
 //! The admission checks of a hello that every transport shares: the protocol version,
-//! the device, the lease or key, one borrower per device, the session limit.
+//! the device, the lease or key, one borrower per device, the session limit; and the
+//! fence of a queue's earlier sessions.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use devlend_fabric::handshake::{speaks, unsupported_version_message};
 use devlend_fabric::{Hello, HelloStatus};
 
 use crate::device::Device;
-use crate::holding::{Ask, Claim};
-use crate::server::shared::{ActiveSession, LenderState};
+use crate::holding::{Ask, Claim, CONTROL_QUEUE};
+use crate::server::shared::{ActiveSession, LenderState, QueueKey};
+
+/// The longest a new session waits for the earlier sessions of its queue it fenced to
+/// end, before its hello is answered busy: below the borrower's 3 s handshake timeout.
+pub(crate) const FENCE_WAIT: Duration = Duration::from_secs(2);
 
 /// The admission checks of a hello, shared by every transport: version, device, lease
 /// or key, one borrower per device, the session limit. Returns the device, the
@@ -88,5 +94,31 @@ pub(crate) fn admit<'s>(
             ),
         ));
     };
+    if dev.kind().fences_earlier_sessions()
+        && hello.borrower != [0; 16]
+        && hello.queue_index != CONTROL_QUEUE
+        && !claim.is_standby()
+    {
+        let key = QueueKey {
+            device: hello.device.clone(),
+            borrower: hello.borrower,
+            queue: hello.queue_index,
+        };
+        match shared.fence_earlier(id, key, FENCE_WAIT) {
+            Ok(0) => {}
+            Ok(n) => {
+                devlend_fabric::limited!(info, %peer, device = %hello.device, queue = hello.queue_index, fenced = n, "earlier session of this queue fenced and ended: the new one is served");
+            }
+            Err(left) => {
+                return Err((
+                    HelloStatus::Busy,
+                    format!(
+                        "an earlier session of queue {} still has requests on the device ({left} session(s) not ended within {FENCE_WAIT:?}); retry",
+                        hello.queue_index
+                    ),
+                ));
+            }
+        }
+    }
     Ok((dev, active, claim))
 }

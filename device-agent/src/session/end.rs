@@ -18,4 +18,8 @@ pub(crate) enum End {
     /// io_uring failed.
     #[error("io_uring failed")]
     Ring(#[source] io::Error),
+    /// A newer session of the same borrower and queue fenced this one
+    /// (`docs/protocol.md`, "Fencing a queue's earlier session").
+    #[error("fenced by a newer session of its queue")]
+    Fenced,
 }

@@ -7,6 +7,7 @@
 
 use std::io::Read;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use devlend_fabric::conn::Stream;
@@ -27,6 +28,9 @@ pub(crate) struct Opening<'a> {
     pub(crate) claim: &'a Claim,
     /// The lender's options (I/O mode, frame timeout).
     pub(crate) options: &'a Options,
+    /// Set when a newer session of the same queue fences this one (TCP; an RDMA
+    /// session's stop flag serves as its fence).
+    pub(crate) fence: Option<Arc<AtomicBool>>,
 }
 
 /// A refused opening: the status and the message the borrower reads.

@@ -9,10 +9,11 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use devlend_fabric::BlockRequest;
+use devlend_fabric::{BlockRequest, Op};
 
 use super::{DeviceIo, Event, Request};
 use crate::device_counters::DeviceCounters;
+use crate::options::HoldFirstWrite;
 use crate::qos::{Cost, Group};
 
 /// A request waiting for its holder's buckets.
@@ -31,6 +32,8 @@ pub(crate) struct Throttled<I> {
     /// The borrower reads `RESPONSE_THROTTLED` (it was granted
     /// `FEATURE_THROTTLE_NOTE`): mark the responses of held requests.
     note: bool,
+    /// The test hook of [`crate::options::Options::hold_first_write`].
+    hold: Option<HoldFirstWrite>,
 }
 
 /// What a request draws from its holder's buckets.
@@ -50,6 +53,7 @@ impl<I: DeviceIo> Throttled<I> {
         group: Option<Arc<Group>>,
         dev: Arc<DeviceCounters>,
         note: bool,
+        hold: Option<HoldFirstWrite>,
     ) -> Self {
         Throttled {
             inner,
@@ -57,6 +61,7 @@ impl<I: DeviceIo> Throttled<I> {
             dev,
             held: VecDeque::new(),
             note,
+            hold,
         }
     }
 
@@ -83,6 +88,12 @@ impl<I: DeviceIo> Throttled<I> {
 impl<I: DeviceIo> DeviceIo for Throttled<I> {
     fn start(&mut self, mut req: Box<Request>, op: &BlockRequest, out: &mut Vec<Event>) {
         req.throttled = false;
+        if let Some(hold) = self.hold.as_ref().filter(|_| op.op() == Op::Write) {
+            if let Some(d) = hold.take() {
+                // The test hook: this session's thread is the slow device.
+                std::thread::sleep(d);
+            }
+        }
         let Some(group) = &self.group else {
             return self.inner.start(req, op, out);
         };

@@ -21,11 +21,14 @@
 //! without progress for an adaptive window after its last work ([`PollWindow`]), so
 //! that a request that follows soon finds it awake, unless the CPUs are contended.
 //! When the reading ends (EOF, protocol error, shutdown) the session finishes every
-//! request in flight, answers them if the socket still takes writes, and returns.
+//! request in flight, answers them if the socket still takes writes, and returns. A
+//! session fenced by a newer one of its queue (checked once per round) starts nothing
+//! more, answers nothing more, and returns once the device is done with what it runs.
 
 use std::io;
 use std::net::{Shutdown, SocketAddr};
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use devlend_fabric::conn::Stream;
@@ -97,6 +100,24 @@ struct TcpEngine<'a, I: DeviceIo> {
     poll: PollWindow,
     /// When the thread last made progress.
     last_work: Instant,
+    /// Set by a newer session of the same queue: start nothing more, send nothing more,
+    /// end once what runs on the device is done (`docs/protocol.md`, "Fencing a queue's
+    /// earlier session").
+    fence: &'a AtomicBool,
+    /// The fence was seen.
+    fenced: bool,
+}
+
+/// What a session runs under, beside its device I/O and socket.
+pub(crate) struct Terms<'a> {
+    /// How long the rest of a frame may take once its first byte arrived.
+    pub(crate) frame_timeout: Duration,
+    /// The borrower was granted the session's budget as its credit.
+    pub(crate) credit: bool,
+    /// The most the thread polls after its last work ([`PollWindow`]).
+    pub(crate) poll: Duration,
+    /// Set when a newer session of the same queue fences this one.
+    pub(crate) fence: &'a AtomicBool,
 }
 
 /// Serves requests on an open session until the peer leaves or breaks the protocol;
@@ -106,10 +127,14 @@ pub(crate) fn run<I: DeviceIo>(
     dev: &DeviceCounters,
     sock: &Stream,
     peer: SocketAddr,
-    frame_timeout: Duration,
-    credit: bool,
-    poll: Duration,
+    terms: Terms<'_>,
 ) -> End {
+    let Terms {
+        frame_timeout,
+        credit,
+        poll,
+        fence,
+    } = terms;
     if let Err(e) = sock.set_nonblocking(true) {
         return End::Socket(e);
     }
@@ -136,6 +161,8 @@ pub(crate) fn run<I: DeviceIo>(
         poll_out: false,
         poll: PollWindow::new(poll),
         last_work: Instant::now(),
+        fence,
+        fenced: false,
     };
     s.run_loop()
 }
@@ -144,6 +171,9 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
     fn run_loop(&mut self) -> End {
         loop {
             let mut progress = false;
+            if !self.fenced && self.fence.load(Ordering::Acquire) {
+                self.be_fenced();
+            }
             if self.reading {
                 progress |= self.receive();
             }
@@ -192,6 +222,19 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
             in_flight = self.io.in_flight(), "io_uring failed; abandoning the session");
         let _ = self.sock.shutdown(Shutdown::Both);
         End::Ring(e)
+    }
+
+    /// A newer session of this queue took over: what was received and not started is
+    /// dropped, and so are the responses (the borrower resends those requests there);
+    /// what runs on the device finishes before the session ends.
+    fn be_fenced(&mut self) {
+        self.fenced = true;
+        if self.reading {
+            self.stop_reading(End::Fenced);
+        }
+        self.end = Some(End::Fenced);
+        self.writable = false;
+        self.tx.clear(&mut self.budget);
     }
 
     /// Stops reading frames, recording why (the first reason wins).

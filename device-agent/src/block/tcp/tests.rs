@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,9 +56,12 @@ fn reordered_completions_answer_their_own_requests() {
                 dev_ref,
                 server_ref,
                 peer,
-                Duration::from_secs(5),
-                false,
-                poll,
+                super::engine::Terms {
+                    frame_timeout: Duration::from_secs(5),
+                    credit: false,
+                    poll,
+                    fence: &AtomicBool::new(false),
+                },
             )
         });
         // Every write in one go, so that several start before a reap.
@@ -135,9 +138,12 @@ fn budget_session(credit: bool, frames: &[u8], answered: usize) -> End {
                 dev_ref,
                 server_ref,
                 peer,
-                Duration::from_secs(5),
-                credit,
-                Duration::ZERO,
+                super::engine::Terms {
+                    frame_timeout: Duration::from_secs(5),
+                    credit,
+                    poll: Duration::ZERO,
+                    fence: &AtomicBool::new(false),
+                },
             )
         });
         let mut ids: Vec<u64> = (0..answered)

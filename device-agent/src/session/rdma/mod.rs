@@ -151,6 +151,8 @@ fn serve(
         hello: &hello,
         claim: &claim,
         options: &shared.options,
+        // The session's stop flag is its fence.
+        fence: None,
     };
     let opened = match dev.kind().open_rdma(&at, &conn) {
         Ok(o) => o,

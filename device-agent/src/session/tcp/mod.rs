@@ -40,6 +40,7 @@ pub(crate) fn serve(shared: &LenderState, sock: TcpStream, peer: SocketAddr, id:
         hello: &a.hello,
         claim: &a.claim,
         options: &shared.options,
+        fence: shared.fence_flag(id),
     };
     let opened = match a.dev.kind().open_tcp(&at) {
         Ok(o) => o,
@@ -67,6 +68,9 @@ fn log_end(dev: &Device, peer: SocketAddr, end: &End) {
     match end {
         End::PeerClosed => {
             devlend_fabric::limited!(info, %peer, device = %dev.counters.name, "session closed")
+        }
+        End::Fenced => {
+            devlend_fabric::limited!(info, %peer, device = %dev.counters.name, "session fenced: a newer session of its queue took over; requests not started were dropped, the borrower resends them")
         }
         End::Protocol(reason) => {
             dev.counters.stats.protocol_error();
