@@ -134,7 +134,12 @@ impl Frontends<'_> {
                     daemon.request_shutdown();
                 }
                 match daemon.wait() {
-                    Ok(()) => {
+                    // A VMM that closes its socket (the VM stopped, QEMU quit) ends it
+                    // this way: not an error.
+                    Ok(())
+                    | Err(vhost_user_backend::Error::HandleRequest(
+                        vhost::vhost_user::Error::Disconnected,
+                    )) => {
                         devlend_fabric::limited!(info, attachment = %id, %socket, "frontend disconnected")
                     }
                     Err(e) => {

@@ -312,7 +312,7 @@ mod rdma {
                 devlend_fabric::limited!(info, %peer, %device, "RDMA session closed")
             }
             End::Stopped => {
-                devlend_fabric::limited!(info, %peer, %device, "RDMA session stopped (lease ended or lender shutting down): requests answered, session closed")
+                devlend_fabric::limited!(info, %peer, %device, "RDMA session stopped (lease ended, lender shutting down, or fenced by a newer session of its queue): requests started were answered, session closed")
             }
             End::Protocol(reason) => {
                 dev.stats.protocol_error();
