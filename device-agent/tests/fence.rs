@@ -47,6 +47,21 @@ fn send_write(c: &mut Client, sector: u64, data: &[u8]) {
     c.sock.write_all(&frame).expect("send the write");
 }
 
+/// [`connect_as`], retried while the lender answers busy, for up to 10 s.
+fn connect_retrying_busy(fx: &Fixture, borrower: [u8; 16], queue: u16) -> Client {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        match connect_as(fx, borrower, queue) {
+            Ok(c) => return c,
+            Err(ConnectError::Refused {
+                status: HelloStatus::Busy,
+                ..
+            }) if Instant::now() < end => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => panic!("queue {queue} not admitted: {e}"),
+        }
+    }
+}
+
 fn lender_holding_first_write(hold: Duration) -> Fixture {
     let options = Options {
         hold_first_write: Some(HoldFirstWrite::new(hold)),
@@ -119,17 +134,7 @@ fn a_session_that_cannot_be_fenced_in_time_is_answered_busy() {
         Ok(_) => panic!("admitted while the earlier session still holds a write"),
         Err(e) => panic!("expected busy, got {e}"),
     }
-    let end = Instant::now() + Duration::from_secs(10);
-    let mut new = loop {
-        match connect_as(&fx, borrower, 3) {
-            Ok(c) => break c,
-            Err(ConnectError::Refused {
-                status: HelloStatus::Busy,
-                ..
-            }) if Instant::now() < end => std::thread::sleep(Duration::from_millis(200)),
-            Err(e) => panic!("not admitted after the hold: {e}"),
-        }
-    };
+    let mut new = connect_retrying_busy(&fx, borrower, 3);
     assert_eq!(new.write(0, &generation(2)), Status::Ok);
     assert_eq!(on_file(&fx)[..16], generation(2)[..16]);
 }
@@ -153,18 +158,8 @@ fn other_queues_borrowers_and_anonymous_sessions_are_not_fenced() {
         );
     }
     let a = [1; 16];
-    let end = Instant::now() + Duration::from_secs(10);
-    let mut q0 = loop {
-        // Busy until the anonymous sessions' ends are seen.
-        match connect_as(&fx, a, 0) {
-            Ok(c) => break c,
-            Err(ConnectError::Refused {
-                status: HelloStatus::Busy,
-                ..
-            }) if Instant::now() < end => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => panic!("queue 0: {e}"),
-        }
-    };
+    // Busy until the anonymous sessions' ends are seen.
+    let mut q0 = connect_retrying_busy(&fx, a, 0);
     let mut q1 = connect_as(&fx, a, 1).expect("queue 1");
     for c in [&mut q0, &mut q1] {
         assert_eq!(c.write(8, &generation(3)), Status::Ok);
