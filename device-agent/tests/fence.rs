@@ -173,3 +173,27 @@ fn other_queues_borrowers_and_anonymous_sessions_are_not_fenced() {
     assert!(q1.read(8, BLOCK as u32) == (Status::Ok, generation(3)));
     assert!(q0b.read(8, BLOCK as u32) == (Status::Ok, generation(3)));
 }
+
+/// A lender at its maximum of sessions still admits the reconnect of a borrower's queue:
+/// the earlier session it fences (left alive by a silent cut) is one of those counted.
+#[test]
+fn a_lender_at_its_session_maximum_admits_the_session_that_fences_an_earlier_one() {
+    let options = Options {
+        max_sessions: 1,
+        ..Options::default()
+    };
+    let fx = Fixture::with_options(&[("disk0", MIB, false)], options);
+    let borrower = [5; 16];
+    let mut old = connect_as(&fx, borrower, 0).expect("first session");
+    assert_eq!(old.write(0, &generation(4)), Status::Ok);
+    let mut new = connect_as(&fx, borrower, 0)
+        .expect("the reconnect is admitted though the lender serves its maximum");
+    assert!(new.read(0, BLOCK as u32) == (Status::Ok, generation(4)));
+    assert!(old.is_closed_by_peer(), "the earlier session is fenced");
+    // Another borrower's session is still over the maximum.
+    match connect_as(&fx, [6; 16], 0) {
+        Err(ConnectError::Refused { status, .. }) => assert_eq!(status, HelloStatus::Busy),
+        Ok(_) => panic!("a second borrower admitted past the maximum"),
+        Err(e) => panic!("expected busy, got {e}"),
+    }
+}

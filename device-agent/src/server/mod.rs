@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use devlend_fabric::DeviceDescription;
 
-use self::shared::{LenderState, Registered};
+use self::shared::{LenderState, Registered, Unregister};
 pub use self::shared::{Options, ReloadReport};
 pub use self::views::{
     DeviceQos, InventoryView, KindCounters, KindView, LentDevice, NicCounters, StatsView,
@@ -297,8 +297,8 @@ impl Lender {
             let spawned = std::thread::Builder::new()
                 .name(format!("dl-session-{id}"))
                 .spawn(move || {
+                    let _registered = Unregister(Arc::clone(&shared), id);
                     session::tcp::serve(&shared, sock, peer, id);
-                    shared.unregister(id);
                 });
             match spawned {
                 Ok(h) => sessions.push(h),

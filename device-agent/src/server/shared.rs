@@ -149,6 +149,17 @@ impl Conn {
     }
 }
 
+/// Removes a connection from the registry when dropped: when its session thread ends,
+/// by return or by panic (a registry entry left behind would keep fencing its queue,
+/// every new session of it answered busy).
+pub(crate) struct Unregister(pub(crate) Arc<LenderState>, pub(crate) u64);
+
+impl Drop for Unregister {
+    fn drop(&mut self) {
+        self.0.unregister(self.1);
+    }
+}
+
 /// A session counted among the lender's active sessions until dropped.
 pub(crate) struct ActiveSession<'a>(&'a AtomicUsize);
 

@@ -85,15 +85,8 @@ pub(crate) fn admit<'s>(
             ));
         }
     };
-    let Some(active) = shared.try_activate() else {
-        return Err((
-            HelloStatus::Busy,
-            format!(
-                "the lender serves its maximum of {} sessions",
-                shared.options.max_sessions
-            ),
-        ));
-    };
+    // Before the session count: a session left alive by a silent cut counts among the
+    // active ones, and a lender at its maximum would refuse the reconnect it fences.
     if dev.kind().fences_earlier_sessions()
         && hello.borrower != [0; 16]
         && hello.queue_index != CONTROL_QUEUE
@@ -120,5 +113,14 @@ pub(crate) fn admit<'s>(
             }
         }
     }
+    let Some(active) = shared.try_activate() else {
+        return Err((
+            HelloStatus::Busy,
+            format!(
+                "the lender serves its maximum of {} sessions",
+                shared.options.max_sessions
+            ),
+        ));
+    };
     Ok((dev, active, claim))
 }

@@ -18,7 +18,7 @@ use devlend_fabric::rdma::verbs::{lender_shape, Connection, Incoming, Listener};
 use devlend_fabric::{Hello, HelloReply, HelloStatus};
 
 use crate::block::rdma::{IO_SLOTS, TAG_SEND};
-use crate::server::shared::{LenderState, Registered};
+use crate::server::shared::{LenderState, Registered, Unregister};
 use crate::session::admit::admit;
 use crate::session::open::Opening;
 
@@ -64,15 +64,6 @@ pub(crate) fn accept_loop(shared: Arc<LenderState>, listener: Listener) {
                 tracing::warn!(error = %e, "cannot start an RDMA session thread");
             }
         }
-    }
-}
-
-/// Removes a session from the registry when it ends.
-struct Unregister(Arc<LenderState>, u64);
-
-impl Drop for Unregister {
-    fn drop(&mut self) {
-        self.0.unregister(self.1);
     }
 }
 
