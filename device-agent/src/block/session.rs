@@ -13,6 +13,7 @@ use devlend_fabric::conn::Stream;
 use devlend_fabric::{Credit, HelloStatus, FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
 
 use crate::block::io::{DeviceIo, SessionIo, Throttled};
+use crate::block::tcp::engine::Terms;
 use crate::block::BlockDevice;
 use crate::device_counters::DeviceCounters;
 use crate::options::HoldFirstWrite;
@@ -175,10 +176,12 @@ impl TcpSession for Tcp<'_> {
         io.run(TcpRun {
             sock,
             peer,
-            frame_timeout,
-            poll,
-            credit,
-            fence: &fence,
+            terms: Terms {
+                frame_timeout,
+                credit,
+                poll,
+                fence: &fence,
+            },
         })
     }
 }
@@ -187,31 +190,14 @@ impl TcpSession for Tcp<'_> {
 struct TcpRun<'s> {
     sock: &'s Stream,
     peer: SocketAddr,
-    frame_timeout: Duration,
-    poll: Duration,
-    credit: bool,
-    fence: &'s AtomicBool,
+    terms: Terms<'s>,
 }
 
 impl Engine for TcpRun<'_> {
     type End = End;
 
     fn run<I: DeviceIo>(self, io: I, dev: &Arc<DeviceCounters>, _block: &BlockDevice) -> End {
-        let TcpRun {
-            sock,
-            peer,
-            frame_timeout,
-            poll,
-            credit,
-            fence,
-        } = self;
-        let terms = super::tcp::engine::Terms {
-            frame_timeout,
-            credit,
-            poll,
-            fence,
-        };
-        super::tcp::engine::run(io, dev, sock, peer, terms)
+        super::tcp::engine::run(io, dev, self.sock, self.peer, self.terms)
     }
 }
 
