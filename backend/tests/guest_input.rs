@@ -68,6 +68,7 @@ impl Rig {
             .spawn();
         let target = LenderTarget {
             addr: lender.local_addr().to_string(),
+            alt_addrs: Vec::new(),
             device: "disk".into(),
             borrower: [1; 16],
             token: Vec::new(),

@@ -119,6 +119,7 @@ fn check(misbehave: fn(&mut TcpStream, RequestHeader)) {
         0,
         LenderTarget {
             addr,
+            alt_addrs: Vec::new(),
             device: "d".into(),
             borrower: [1; 16],
             token: Vec::new(),

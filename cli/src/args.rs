@@ -212,9 +212,11 @@ pub(crate) enum Cmd {
 #[derive(Debug, Args)]
 pub(crate) struct AttachArgs {
     /// Lender address, HOST:PORT (direct mode), or CLUSTER/LENDER: a lender named in
-    /// a cluster's gateway, reached through the compute agent's gateway.
+    /// a cluster's gateway, reached through the compute agent's gateway. Given again
+    /// (HOST:PORT each), more paths to the same lender, e.g. one per NIC: the queues
+    /// spread over them and move to another when theirs fails (docs/faults.md, "Paths").
     #[arg(long, required_unless_present_any = ["class", "device"], requires = "device")]
-    pub(crate) lender: Option<String>,
+    pub(crate) lender: Vec<String>,
     /// Device name on the lender (direct mode), or a whole device address
     /// CLUSTER/LENDER/DEVICE without --lender.
     #[arg(long, conflicts_with = "class")]

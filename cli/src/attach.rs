@@ -62,7 +62,9 @@ pub(crate) fn run(api: &Path, args: AttachArgs) -> Result<()> {
     }
     let pci_vm = pci_vm(vm.as_deref(), kind, class.is_some())?;
     let api = ApiClient::new(api)?;
-    let (lender, device, claimed) = match (lender, device, class) {
+    let mut lender = lender.into_iter();
+    let (first, paths) = (lender.next(), lender.collect::<Vec<_>>());
+    let (lender, device, claimed) = match (first, device, class) {
         (Some(l), Some(d), _) => (l, d, None),
         (None, Some(d), None) if d.contains('/') => (String::new(), d, None),
         (None, Some(_), None) => {
@@ -116,6 +118,7 @@ pub(crate) fn run(api: &Path, args: AttachArgs) -> Result<()> {
     let attached = api.attach(&AttachRequest {
         id,
         lender,
+        paths,
         device,
         socket,
         queues,

@@ -203,6 +203,7 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
             let a = client.attach(&AttachRequest {
                 id,
                 lender,
+                paths: Vec::new(),
                 device,
                 socket,
                 queues,

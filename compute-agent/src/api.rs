@@ -40,6 +40,15 @@ pub struct AttachRequest {
     /// its cluster's gateway, reached through this compute agent's gateway (configured
     /// `cluster` and `gateway`); empty when `device` is a whole device address.
     pub lender: String,
+    /// More addresses of the same lender, `HOST:PORT` each (another NIC, another
+    /// network): with any, the attachment has several paths, `lender` first. Each
+    /// virtqueue's session is opened on one of them (queues spread over the paths),
+    /// carries heartbeats, and moves to the next path within about 400 ms when its own
+    /// drops, the lender fencing the old one before the requests are resent
+    /// (`docs/faults.md`, "Paths"). At most 7; direct `lender` only (not through a
+    /// gateway); not with `kind` `pci`. Default: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<String>,
     /// Device name on the lender, or with an empty `lender` a device address
     /// `CLUSTER/LENDER/DEVICE`.
     pub device: String,

@@ -9,7 +9,10 @@
 //!   `devlend_attachment_requests_in_flight`, `devlend_attachment_errors_total{cause}`
 //!   (`invalid`, `lender`, `fabric`), `devlend_attachment_reconnects_total`,
 //!   `devlend_attachment_resent_total`, `devlend_attachment_throttled_total` (requests
-//!   the lender held back for the lease's limits);
+//!   the lender held back for the lease's limits); with several paths to the lender,
+//!   `devlend_attachment_failovers_total`, `devlend_attachment_last_failover_seconds`,
+//!   and by `path` (its address) `devlend_attachment_path_up` and
+//!   `devlend_attachment_path_sessions`;
 //! - a NIC: `devlend_attachment_nic_frames_total{dir}` and
 //!   `devlend_attachment_nic_bytes_total{dir}` (`rx`: to the guest, `tx`: from it),
 //!   `devlend_attachment_nic_drops_total{dir}`, `devlend_attachment_nic_errors_total`,
@@ -64,6 +67,10 @@ struct Series {
     reconnects: Vec<(Labels, u64)>,
     resent: Vec<(Labels, u64)>,
     throttled: Vec<(Labels, u64)>,
+    failovers: Vec<(Labels, u64)>,
+    last_failover: Vec<(Labels, f64)>,
+    path_up: Vec<(Labels, i64)>,
+    path_sessions: Vec<(Labels, i64)>,
     connected: Vec<(Labels, i64)>,
     lat: Vec<HistogramSeries>,
     nic_frames: Vec<(Labels, u64)>,
@@ -106,6 +113,16 @@ impl Series {
         self.reconnects.push((labels(a, &[]), c.reconnects));
         self.resent.push((labels(a, &[]), c.resent));
         self.throttled.push((labels(a, &[]), c.throttled));
+        if !c.paths.is_empty() {
+            self.failovers.push((labels(a, &[]), c.failovers));
+            self.last_failover
+                .push((labels(a, &[]), c.last_failover_us as f64 / 1e6));
+            for p in &c.paths {
+                let l = labels(a, &[("path", &p.addr)]);
+                self.path_up.push((l.clone(), i64::from(p.up)));
+                self.path_sessions.push((l, p.sessions as i64));
+            }
+        }
         self.lat.push(HistogramSeries {
             labels: labels(a, &[]),
             sum: c.latency.sum_ns as f64 / 1e9,
@@ -256,6 +273,30 @@ fn block_metrics(enc: &mut DescriptorEncoder, s: &Series) -> Result<(), std::fmt
         "devlend_attachment_throttled",
         "Requests the lender held back for the lease's limits.",
         &s.throttled,
+    )?;
+    counter(
+        enc,
+        "devlend_attachment_failovers",
+        "Queue sessions moved to another path to the lender after theirs was lost.",
+        &s.failovers,
+    )?;
+    gauge(
+        enc,
+        "devlend_attachment_last_failover_seconds",
+        "How long the last failover took: from the session's loss to the session on the next path.",
+        &s.last_failover,
+    )?;
+    gauge(
+        enc,
+        "devlend_attachment_path_up",
+        "1 unless the last session on this path was lost or its last connect failed.",
+        &s.path_up,
+    )?;
+    gauge(
+        enc,
+        "devlend_attachment_path_sessions",
+        "Queue sessions open on this path now.",
+        &s.path_sessions,
     )?;
     histogram(
         enc,

@@ -50,6 +50,31 @@ pub struct IoCounters {
     pub per_queue: Vec<u64>,
     /// Completion latency histogram of the requests the lender completed.
     pub latency: Latency,
+    /// Queue sessions that moved to another path after theirs was lost (an attachment
+    /// with several paths to its lender).
+    #[serde(default)]
+    pub failovers: u64,
+    /// How long the last failover took, in µs: from the loss of the session (the
+    /// socket's error, or its end) to the session on the next path, open with its
+    /// requests resent. 0 before the first.
+    #[serde(default)]
+    pub last_failover_us: u64,
+    /// The paths to the lender, in order (empty with one path).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<PathState>,
+}
+
+/// One path to the lender, as an attachment with several sees it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PathState {
+    /// Its address, `HOST:PORT`.
+    pub addr: String,
+    /// Queue sessions open on it now.
+    pub sessions: u64,
+    /// False once a session on it was lost or a connect on it failed, until one opens.
+    pub up: bool,
+    /// Sessions lost on it, and connects that failed on it.
+    pub failures: u64,
 }
 
 /// A latency histogram: `buckets[i]` counts the samples at most `bounds_us[i]`

@@ -48,8 +48,8 @@ pub use handshake::{
 pub use kind::DeviceKind;
 pub use units::{Bytes, Sector, Sectors, UnitError};
 pub use wire::{
-    BlockRequest, Op, RequestHeader, ResponseHeader, Status, FEATURE_THROTTLE_NOTE,
-    RESPONSE_THROTTLED,
+    BlockRequest, Op, RequestHeader, ResponseHeader, Status, FEATURE_HEARTBEAT,
+    FEATURE_THROTTLE_NOTE, HEARTBEAT_FRAME, RESPONSE_THROTTLED,
 };
 
 /// Protocol version spoken by this build (the handshake's `version` field). Version 2

@@ -235,8 +235,40 @@ pub fn open_via(
     timeout: Duration,
     tls: Option<&TlsTarget>,
 ) -> Result<(Stream, HelloReply), ConnectError> {
-    match open_once(addr, relay, hello, timeout, tls) {
-        Err(e) if falls_back(hello, &e) => open_once(addr, relay, &v1_hello(hello), timeout, tls),
+    open_with(addr, relay, hello, timeout, tls, None)
+}
+
+/// As [`open_via`], for one of several paths to the lender: once the session is open,
+/// data it sent may stay unacknowledged for `user_timeout` only (`TCP_USER_TIMEOUT`,
+/// instead of [`USER_TIMEOUT_MS`]) before the socket fails, so that a path that dropped
+/// silently is left for another within that bound (with heartbeats,
+/// [`crate::wire::HEARTBEAT_FRAME`]).
+///
+/// # Errors
+/// As [`open_via`].
+pub fn open_path(
+    addr: &str,
+    relay: Option<&crate::relay::Route>,
+    hello: &Hello,
+    timeout: Duration,
+    tls: Option<&TlsTarget>,
+    user_timeout: Duration,
+) -> Result<(Stream, HelloReply), ConnectError> {
+    open_with(addr, relay, hello, timeout, tls, Some(user_timeout))
+}
+
+fn open_with(
+    addr: &str,
+    relay: Option<&crate::relay::Route>,
+    hello: &Hello,
+    timeout: Duration,
+    tls: Option<&TlsTarget>,
+    user_timeout: Option<Duration>,
+) -> Result<(Stream, HelloReply), ConnectError> {
+    match open_once(addr, relay, hello, timeout, tls, user_timeout) {
+        Err(e) if falls_back(hello, &e) => {
+            open_once(addr, relay, &v1_hello(hello), timeout, tls, user_timeout)
+        }
         r => r,
     }
 }
@@ -247,14 +279,31 @@ fn open_once(
     hello: &Hello,
     timeout: Duration,
     tls: Option<&TlsTarget>,
+    user_timeout: Option<Duration>,
 ) -> Result<(Stream, HelloReply), ConnectError> {
     let mut tcp = connect_tcp(addr, timeout)?;
     if let Some(route) = relay {
         request_relay(addr, route, &mut tcp)?;
     }
+    let shorten = |tcp: &TcpStream| match user_timeout {
+        Some(t) => set_int_options(
+            tcp,
+            &[(
+                libc::IPPROTO_TCP,
+                libc::TCP_USER_TIMEOUT,
+                t.as_millis().clamp(1, i32::MAX as u128) as libc::c_int,
+            )],
+        )
+        .map_err(|e| ConnectError::Handshake {
+            addr: addr.to_owned(),
+            source: WireError::Io(e),
+        }),
+        None => Ok(()),
+    };
     let Some(target) = tls else {
         let reply = exchange_hello(addr, hello, &mut tcp, |e| e)?;
         clear_timeouts(addr, &tcp)?;
+        shorten(&tcp)?;
         return Ok((Stream::Tcp(tcp), reply));
     };
     let tls_err = |source| ConnectError::Tls {
@@ -272,6 +321,7 @@ fn open_once(
             _ => e,
         })?
     };
+    shorten(&tcp)?;
     let stream = crate::tls::spawn_pump(conn, tcp, addr).map_err(|e| ConnectError::Handshake {
         addr: addr.to_owned(),
         source: WireError::Io(e),

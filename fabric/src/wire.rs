@@ -329,6 +329,26 @@ pub struct ResponseHeader {
     pub throttled: bool,
 }
 
+/// [`crate::Hello::features`] bit 9: the borrower may send heartbeat frames
+/// ([`HEARTBEAT_FRAME`]) on a block session over a byte stream; a lender that reads them
+/// grants the bit in its reply, and the borrower sends them only then.
+pub const FEATURE_HEARTBEAT: u64 = 1 << 9;
+
+/// Opcode of a heartbeat frame (borrower to lender, with [`FEATURE_HEARTBEAT`]).
+pub const OP_HEARTBEAT: u8 = 0x40;
+
+/// A heartbeat frame: a request header with opcode [`OP_HEARTBEAT`] and every other
+/// byte 0. It asks for nothing: the lender reads it and drops it, takes no credit for
+/// it and sends no response. What it is for is the lender's **TCP** acknowledgement: a
+/// borrower sends one while it waits for responses, so a path that silently dropped
+/// shows as data left unacknowledged past the socket's `TCP_USER_TIMEOUT`
+/// (`docs/protocol.md`, "Paths and heartbeats").
+pub const HEARTBEAT_FRAME: [u8; REQUEST_HEADER_LEN] = {
+    let mut f = [0u8; REQUEST_HEADER_LEN];
+    f[0] = OP_HEARTBEAT;
+    f
+};
+
 /// Response flag: the request waited on the lender for its holder's limits.
 pub const RESPONSE_THROTTLED: u8 = 1;
 

@@ -20,6 +20,7 @@ pub mod qemu11;
 pub mod sriov;
 pub use devlend_qemu::guest;
 pub mod storage_daemon;
+pub mod two_paths;
 pub mod vhost_raw;
 
 /// SHA-256 of `data`, lower-case hex.

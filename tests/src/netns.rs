@@ -83,6 +83,73 @@ impl Netns {
     }
 }
 
+impl Netns {
+    /// A second link into this namespace (another veth pair, another subnet): a
+    /// second path to whatever listens inside on a wildcard address.
+    ///
+    /// # Errors
+    /// `ip` fails.
+    pub fn second_link(&self) -> Result<HostLink> {
+        let host_if = format!("{}h2", self.name);
+        let ns_if = format!("{}n2", self.name);
+        // The first link is 10.<a>.<4n>.0/30; this one is 10.<a>.<4n+1>.0/30.
+        let (prefix, n) = self
+            .host_ip
+            .rsplit_once('.')
+            .and_then(|(net, _)| net.rsplit_once('.'))
+            .context("host address")?;
+        let third: u8 = n.parse().context("host address")?;
+        let host_ip = format!("{prefix}.{}.1", third + 1);
+        let ns_ip = format!("{prefix}.{}.2", third + 1);
+        ip(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", &ns_if,
+        ])?;
+        ip(&["link", "set", &ns_if, "netns", &self.name])?;
+        ip(&["addr", "add", &format!("{host_ip}/30"), "dev", &host_if])?;
+        ip(&["link", "set", &host_if, "up"])?;
+        ip(&[
+            "-n",
+            &self.name,
+            "addr",
+            "add",
+            &format!("{ns_ip}/30"),
+            "dev",
+            &ns_if,
+        ])?;
+        ip(&["-n", &self.name, "link", "set", &ns_if, "up"])?;
+        Ok(HostLink {
+            host_if,
+            host_ip,
+            ns_ip,
+        })
+    }
+}
+
+/// A further link between this namespace and another ([`Netns::second_link`]).
+pub struct HostLink {
+    host_if: String,
+    /// The address of this side.
+    pub host_ip: String,
+    /// The address inside the namespace.
+    pub ns_ip: String,
+}
+
+impl HostLink {
+    /// Takes the link down (packets dropped both ways, no reset: a silent cut) or up.
+    ///
+    /// # Errors
+    /// `ip` fails.
+    pub fn set_link(&self, up: bool) -> Result<()> {
+        ip(&["link", "set", &self.host_if, if up { "up" } else { "down" }])
+    }
+}
+
+impl Drop for HostLink {
+    fn drop(&mut self) {
+        let _ = ip(&["link", "del", &self.host_if]);
+    }
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = ip(&["link", "del", &self.host_if]);
@@ -133,5 +200,49 @@ impl NsLink {
 impl Drop for NsLink {
     fn drop(&mut self) {
         let _ = ip(&["-n", &self.a_ns, "link", "del", &self.a_if]);
+    }
+}
+
+/// While a link is down its subnet's route is gone, and a connect to the lender's
+/// address on it follows the default route instead: in some sandboxes to a proxy that
+/// answers any connection (the path's probe then finds the cut path "reachable"). This
+/// routes the subnets, below their own routes, into a veth whose peer stays down: while
+/// cut, a path answers nothing, as on a real network. Removed on drop.
+pub struct BlackHole {
+    dev: String,
+}
+
+impl BlackHole {
+    /// Routes the /30 subnets of `addrs` into the sink.
+    ///
+    /// # Errors
+    /// `ip` fails, or an address is not IPv4.
+    pub fn new(addrs: &[&str]) -> Result<Self> {
+        let dev = format!("dlbh{}", std::process::id() % 100_000);
+        let _ = ip(&["link", "del", &dev]);
+        ip(&[
+            "link",
+            "add",
+            &dev,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &format!("{dev}p"),
+        ])?;
+        let me = BlackHole { dev };
+        ip(&["link", "set", &me.dev, "up"])?;
+        for a in addrs {
+            let (net, _) = a.rsplit_once('.').context("an IPv4 address")?;
+            let subnet = format!("{net}.0/30");
+            ip(&["route", "add", &subnet, "dev", &me.dev, "metric", "4000"])?;
+        }
+        Ok(me)
+    }
+}
+
+impl Drop for BlackHole {
+    fn drop(&mut self) {
+        let _ = ip(&["link", "del", &self.dev]);
     }
 }

@@ -38,6 +38,8 @@ impl Part {
 pub struct BlockPart {
     pub(super) limits: Arc<DeviceLimits>,
     pub(super) stats: Arc<QueueStats>,
+    /// With several paths: probes the ones marked down (stops with the attachment).
+    pub(super) _probe: Option<crate::blk::probe::PathProbe>,
 }
 
 impl BlockPart {

@@ -84,7 +84,13 @@ impl Attachment {
             }
         };
         let limits = Arc::new(DeviceLimits::from_device_info(geometry));
-        let stats = Arc::new(QueueStats::new(config.num_queues));
+        let lender = &config.lender;
+        let stats = Arc::new(
+            QueueStats::new(config.num_queues)
+                .with_paths((0..lender.path_count()).map(|i| lender.path_addr(i).to_owned())),
+        );
+        let probe = crate::blk::probe::PathProbe::start(&config.id, stats.clone())
+            .map_err(AttachmentError::Thread)?;
         let thread = {
             let (config, limits, stats, shared) = (
                 config.clone(),
@@ -100,7 +106,11 @@ impl Attachment {
         };
         Ok(Attachment {
             hold,
-            part: Part::Block(BlockPart { limits, stats }),
+            part: Part::Block(BlockPart {
+                _probe: probe,
+                limits,
+                stats,
+            }),
             config,
             shared,
             wake,
@@ -121,6 +131,10 @@ impl Attachment {
         if config.num_queues > MAX_QUEUE_PAIRS {
             return Err(AttachmentError::QueuePairs(config.num_queues));
         }
+        // A NIC's queue pairs use the first path only, as with one (no heartbeats
+        // there, so no short user timeout either); the holding session keeps them all.
+        let mut config = config;
+        config.lender.alt_addrs.clear();
         let link = nic.link();
         crate::net::spec::check_link(&link).map_err(AttachmentError::BadLink)?;
         let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));

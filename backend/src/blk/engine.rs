@@ -16,7 +16,8 @@
 //! This file holds the engine's state, its public calls and the paths to the link;
 //! `engine/chain.rs` turns popped chains into requests (and resubmits what an earlier
 //! backend left in flight); `engine/recover.rs` loses and regains the session;
-//! `engine/tests.rs` drives it through a fake lender (`fake_link.rs`).
+//! `engine/paths.rs` moves it between the lender's paths when it has several, and paces
+//! their heartbeats; `engine/tests.rs` drives it through a fake lender (`fake_link.rs`).
 //!
 //! **A lost session costs the guest a delay, not an error.** When the connection fails
 //! (the lender restarts, the network drops it), the requests in flight stay in their
@@ -51,6 +52,7 @@ use crate::guest::{GuestMemoryRef, HostIov};
 use crate::lender::{DisplayChain, LenderTarget, RetryTimer, Transport};
 
 pub use crate::blk::stats::{QueueStats, StatsSnapshot};
+pub use paths::{FAILBACK_AFTER, HEARTBEAT_EVERY};
 
 /// The state of one virtqueue of one attachment.
 pub struct QueueEngine {
@@ -86,6 +88,26 @@ pub struct QueueEngine {
     broken: Option<String>,
     /// The queue broke since the last [`Self::take_newly_broken`].
     newly_broken: bool,
+    /// The path the session is on, or the next is opened on (of
+    /// [`LenderTarget::path_count`]).
+    path: usize,
+    /// The path this queue belongs on while it is up: queues spread over the paths.
+    home: usize,
+    /// Connects refused for good in a row (with several paths, on as many paths).
+    refused_in_row: usize,
+    /// A drain runs: the queue does not change paths.
+    draining: bool,
+    /// When the session last opened away from `home`.
+    away_since: Option<Instant>,
+    /// With several paths: when the session was lost, and on which path, until a new
+    /// one opens (a failover, when on another path).
+    lost: Option<(Instant, usize)>,
+    /// The session was granted heartbeats: while requests are in flight, one goes out
+    /// every [`HEARTBEAT_EVERY`] (the reconnect timer, unused while connected, paces
+    /// them).
+    heartbeat: bool,
+    /// The timer is armed for the next heartbeat.
+    heartbeat_armed: bool,
 }
 
 /// How long requests wait for a lost fabric session to come back before they complete
@@ -101,6 +123,7 @@ const RETRY: Policy = Policy::backoff(Duration::from_millis(100), Duration::from
     .deadline(DEFAULT_RECONNECT_DEADLINE);
 
 mod chain;
+mod paths;
 mod recover;
 #[cfg(test)]
 mod tests;
@@ -117,6 +140,14 @@ type LinkOpener = Box<
 // to a thread. The engine
 // is used by one thread at a time (it lives behind a Mutex).
 unsafe impl Send for QueueEngine {}
+
+impl Drop for QueueEngine {
+    fn drop(&mut self) {
+        // Its session leaves its path's count (a new backend per frontend connection
+        // starts its own).
+        self.close_session(false);
+    }
+}
 
 /// Opens a session for virtqueue `index` of `target` on its transport.
 fn open_link(
@@ -164,7 +195,6 @@ impl QueueEngine {
         QueueEngine {
             name: Arc::from(""),
             index,
-            target,
             limits,
             stats,
             opener: Box::new(open_link),
@@ -187,6 +217,16 @@ impl QueueEngine {
             handoff: false,
             broken: None,
             newly_broken: false,
+            // Queues start spread over the paths (all of them used while all are up).
+            path: usize::from(index) % target.path_count(),
+            home: usize::from(index) % target.path_count(),
+            away_since: None,
+            refused_in_row: 0,
+            draining: false,
+            lost: None,
+            heartbeat: false,
+            heartbeat_armed: false,
+            target,
         }
     }
 
@@ -215,7 +255,39 @@ impl QueueEngine {
     /// # Errors
     /// The connect error, or a device whose capacity changed since attach.
     pub fn connect(&mut self) -> Result<(), ConnectError> {
-        let (link, reply) = (self.opener)(&self.target, self.index)?;
+        match self.open_on(self.path) {
+            Ok((link, reply)) => {
+                self.install(link, reply);
+                Ok(())
+            }
+            Err(e) => {
+                // The next attempt goes to the next path.
+                self.path = self.next_path(self.path);
+                Err(e)
+            }
+        }
+    }
+
+    /// Opens a session for this queue on path `path` (marked down if that fails).
+    fn open_on(&mut self, path: usize) -> Result<(Box<dyn QueueLink>, HelloReply), ConnectError> {
+        let opened = if self.target.path_count() == 1 {
+            (self.opener)(&self.target, self.index)
+        } else {
+            (self.opener)(&self.target.on_path(path), self.index)
+        };
+        // The path failed, unless the lender answered on it (a refusal, busy).
+        if let Err(e) = &opened {
+            if !matches!(e, ConnectError::Refused { .. }) {
+                if let Some(p) = self.stats.path(path) {
+                    p.failed();
+                }
+            }
+        }
+        opened
+    }
+
+    /// Makes `link`, just opened on `self.path`, the queue's session.
+    fn install(&mut self, link: Box<dyn QueueLink>, reply: HelloReply) {
         // A lender of before credit states none: the link knows what it can take.
         let credit = reply.credit.unwrap_or_else(|| link.default_credit());
         self.table.new_session(credit);
@@ -232,14 +304,15 @@ impl QueueEngine {
         self.conn = Some(link);
         self.conn_gen += 1;
         self.retry.connected(Instant::now());
-        Ok(())
+        let multipath = self.target.path_count() > 1;
+        self.opened_on_path(multipath && reply.features & devlend_fabric::FEATURE_HEARTBEAT != 0);
     }
 
     /// Closes the queue's session if no request is in flight (a live migration's
     /// handover, [`crate::handover`]): the next request opens a new one.
     pub fn let_go(&mut self) {
-        if self.table.inflight() == 0 && self.conn.take().is_some() {
-            self.conn_gen += 1;
+        if self.table.inflight() == 0 {
+            self.close_session(false);
         }
     }
 
@@ -388,6 +461,7 @@ impl QueueEngine {
             return Ok(false);
         }
         self.table.fit(queue.size());
+        self.leave_down_path();
         if self.table.log_unread() {
             used |= self.resubmit(queue, mem)?;
         }
@@ -420,6 +494,7 @@ impl QueueEngine {
         if self.conn.is_none() && self.table.inflight() > 0 {
             used |= self.recover(queue, mem)?;
         }
+        self.arm_heartbeat();
         Ok(used)
     }
 
@@ -480,6 +555,8 @@ impl QueueEngine {
         {
             used |= self.flush_tx(queue, mem)?;
         }
+        self.fail_back();
+        self.arm_heartbeat();
         Ok(used)
     }
 
@@ -490,6 +567,18 @@ impl QueueEngine {
     /// # Errors
     /// A guest memory error on the used ring.
     pub fn drain(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+        timeout: Duration,
+    ) -> Result<bool, virtio_queue::Error> {
+        self.draining = true;
+        let r = self.drain_until(queue, mem, timeout);
+        self.draining = false;
+        r
+    }
+
+    fn drain_until(
         &mut self,
         queue: &mut Queue,
         mem: &GuestMemoryRef,

@@ -84,12 +84,10 @@ impl Control {
 /// The lender's refusal or the connection error.
 pub fn open(target: &LenderTarget) -> Result<(Stream, devlend_fabric::HelloReply), ConnectError> {
     Reconnector::new(OPEN)
-        .run(&SystemClock, |_| {
-            match target.open(&target.hello(CONTROL_QUEUE)) {
-                Ok(v) => Attempt::Done(v),
-                Err(e) if is_busy(&e) => Attempt::Failed(e),
-                Err(e) => Attempt::Refused(e),
-            }
+        .run(&SystemClock, |_| match target.open_any(CONTROL_QUEUE, 0) {
+            Ok((s, r, _)) => Attempt::Done((s, r)),
+            Err(e) if is_busy(&e) => Attempt::Failed(e),
+            Err(e) => Attempt::Refused(e),
         })
         .map_err(|g| match g {
             GaveUp::Refused(e) | GaveUp::Deadline(e) => e,
@@ -201,6 +199,8 @@ fn watch(
 ) {
     let mut retry = Reconnector::new(REOPEN);
     retry.connected(Instant::now());
+    // With several paths, a lost holding session is opened again from the next path.
+    let mut path = 0;
     loop {
         // Nothing is ever sent on this session: a read returns only at its end.
         let mut sink = [0u8; 64];
@@ -231,8 +231,8 @@ fn watch(
             if stop.load(Ordering::Acquire) {
                 return Attempt::Stop;
             }
-            match target.open(&target.hello(CONTROL_QUEUE)) {
-                Ok((s, _)) => Attempt::Done(s),
+            match target.open_any(CONTROL_QUEUE, path + 1) {
+                Ok((s, _, p)) => Attempt::Done((s, p)),
                 Err(e) => {
                     let first = r.failures() == 0;
                     if is_busy(&e) {
@@ -248,8 +248,9 @@ fn watch(
             }
         });
         // Only a release ends the retries.
-        let Ok(s) = reopened else { return };
+        let Ok((s, p)) = reopened else { return };
         stream = s;
+        path = p;
         tracing::info!(attachment = %name, lender = %target.addr, "holding session re-established");
         *lock(&control.current) = stream.try_clone().ok();
         if control.is_paused() {

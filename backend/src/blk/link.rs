@@ -72,6 +72,16 @@ pub(crate) trait QueueLink {
         done: &mut Completer<'_>,
     ) -> Result<(), FabricFault>;
 
+    /// Sends a heartbeat ([`devlend_fabric::HEARTBEAT_FRAME`]) unless requests still
+    /// wait to be written (their bytes do its job), without blocking. A link that
+    /// carries none does nothing.
+    ///
+    /// # Errors
+    /// The session failed.
+    fn heartbeat(&mut self) -> Result<(), FabricFault> {
+        Ok(())
+    }
+
     /// vhost-user handed over a new memory map, `current` (the requests in `table`
     /// may still use older ones).
     ///

@@ -15,6 +15,8 @@
 //!   receive framing and its non-blocking send queue (`tx`); `rdma` (cargo feature
 //!   `rdma`): the RDMA link and the guest memory registered on it; `mr_cache`: which
 //!   regions are registered, and until when;
+//! - [`probe`]: with several paths to the lender, the thread that finds a path marked
+//!   down reachable again, so that its queues move back to it;
 //! - [`inflight`]: inflight I/O tracking (INFLIGHT_SHMFD), so that a restarted backend
 //!   resubmits what was in flight; [`resubmit`] turns its heads back into chains;
 //! - [`backend`]: the `vhost-user-backend` glue of a disk (features, config, its queues'
@@ -34,6 +36,7 @@ mod fake_link;
 pub mod holder;
 pub mod inflight;
 mod pending;
+pub mod probe;
 pub use devlend_fabric::latency;
 mod link;
 #[cfg(any(feature = "rdma", test))]

@@ -1,8 +1,8 @@
 //! The I/O counters of one block attachment, shared by its queues' engines.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
-use devlend_fabric::io_counters::{IoCounters, OpCounters};
+use devlend_fabric::io_counters::{IoCounters, OpCounters, PathState};
 use devlend_fabric::latency::LatencyHistogram;
 use devlend_fabric::Op;
 
@@ -25,6 +25,61 @@ pub struct QueueStats {
     pub(crate) inflight: AtomicI64,
     pub(crate) per_queue: Vec<AtomicU64>,
     pub(crate) latency: LatencyHistogram,
+    pub(crate) failovers: AtomicU64,
+    pub(crate) last_failover_us: AtomicU64,
+    /// One per path to the lender, when there are several.
+    pub(crate) paths: Vec<PathCell>,
+}
+
+/// The live state of one path to the lender, shared by the queues' engines.
+#[derive(Debug, Default)]
+pub(crate) struct PathCell {
+    addr: String,
+    /// Queue sessions open on it now.
+    sessions: AtomicI64,
+    /// Its last session was lost, or its last connect failed, and since then no
+    /// session opened on it and no probe reached it.
+    down: AtomicBool,
+    /// Sessions lost on it and connects that failed on it.
+    failures: AtomicU64,
+}
+
+impl PathCell {
+    /// A session opened on this path.
+    pub(crate) fn opened(&self) {
+        self.sessions.fetch_add(1, Ordering::Relaxed);
+        self.down.store(false, Ordering::Relaxed);
+    }
+
+    /// A session on this path ended; `failed`: it was lost (not closed by us).
+    pub(crate) fn closed(&self, failed: bool) {
+        self.sessions.fetch_sub(1, Ordering::Relaxed);
+        if failed {
+            self.failed();
+        }
+    }
+
+    /// Its address.
+    pub(crate) fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Not marked down: a session opened on it, or a probe reached it, since the last
+    /// failure on it.
+    pub(crate) fn is_up(&self) -> bool {
+        !self.down.load(Ordering::Relaxed)
+    }
+
+    /// A probe reached it ([`crate::blk::probe`]).
+    pub(crate) fn reachable(&self) {
+        self.down.store(false, Ordering::Relaxed);
+    }
+
+    /// A connect on this path failed, or its session was lost.
+    pub(crate) fn failed(&self) {
+        self.down.store(true, Ordering::Relaxed);
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// A copy of [`QueueStats`] at one instant: the counter set the compute agent's API
@@ -38,6 +93,27 @@ impl QueueStats {
             per_queue: (0..num_queues).map(|_| AtomicU64::new(0)).collect(),
             ..Default::default()
         }
+    }
+
+    /// Counters for a device reached on several paths, `addrs` in path order (one
+    /// address: no path states are kept).
+    pub fn with_paths(mut self, addrs: impl IntoIterator<Item = String>) -> Self {
+        let paths: Vec<PathCell> = addrs
+            .into_iter()
+            .map(|addr| PathCell {
+                addr,
+                ..PathCell::default()
+            })
+            .collect();
+        if paths.len() > 1 {
+            self.paths = paths;
+        }
+        self
+    }
+
+    /// The state of path `i`, if several paths are kept.
+    pub(crate) fn path(&self, i: usize) -> Option<&PathCell> {
+        self.paths.get(i)
     }
 
     /// Reads every counter.
@@ -56,6 +132,18 @@ impl QueueStats {
             inflight: self.inflight.load(Ordering::Relaxed).max(0) as u64,
             per_queue: self.per_queue.iter().map(g).collect(),
             latency: self.latency.snapshot().into(),
+            failovers: g(&self.failovers),
+            last_failover_us: g(&self.last_failover_us),
+            paths: self
+                .paths
+                .iter()
+                .map(|p| PathState {
+                    addr: p.addr.clone(),
+                    sessions: p.sessions.load(Ordering::Relaxed).max(0) as u64,
+                    up: !p.down.load(Ordering::Relaxed),
+                    failures: g(&p.failures),
+                })
+                .collect(),
             ..StatsSnapshot::from(self.ops.snapshot())
         }
     }

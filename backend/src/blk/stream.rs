@@ -123,6 +123,15 @@ impl QueueLink for StreamLink {
         !self.tx.is_empty()
     }
 
+    fn heartbeat(&mut self) -> Result<(), FabricFault> {
+        if !self.tx.is_empty() {
+            return Ok(());
+        }
+        self.tx.push(devlend_fabric::HEARTBEAT_FRAME, 0, 0);
+        let fd = self.stream.as_raw_fd();
+        self.tx.write(fd, |_| &[]).map_err(FabricFault::Io)
+    }
+
     fn wants_write(&self) -> bool {
         self.tx.blocked()
     }

@@ -6,8 +6,13 @@ use std::time::Duration;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LenderTarget {
     /// `HOST:PORT` of the lender (with [`Transport::Tcp`]'s `relay`, of the local
-    /// cluster gateway).
+    /// cluster gateway): its first path.
     pub addr: String,
+    /// More addresses of the same lender (`HOST:PORT`: other NICs, other networks),
+    /// paths 1, 2, ... after `addr`. With any, every session is opened on one path and
+    /// moves to the next when it fails, sessions carry heartbeats, and a path that
+    /// drops silently is left within [`PATH_USER_TIMEOUT`] (`docs/faults.md`, "Paths").
+    pub alt_addrs: Vec<String>,
     /// Device name on the lender.
     pub device: String,
     /// The attachment's identity, sent in every hello: the lender lends a device to one
@@ -107,6 +112,7 @@ impl LenderTarget {
     pub fn direct(addr: impl Into<String>, device: impl Into<String>, borrower: [u8; 16]) -> Self {
         LenderTarget {
             addr: addr.into(),
+            alt_addrs: Vec::new(),
             device: device.into(),
             borrower,
             token: Vec::new(),
@@ -118,8 +124,32 @@ impl LenderTarget {
         }
     }
 
+    /// How many paths reach the lender: `addr` and every one of `alt_addrs`.
+    pub fn path_count(&self) -> usize {
+        1 + self.alt_addrs.len()
+    }
+
+    /// The address of path `i` (counted modulo [`Self::path_count`]).
+    pub fn path_addr(&self, i: usize) -> &str {
+        match i % self.path_count() {
+            0 => &self.addr,
+            k => &self.alt_addrs[k - 1],
+        }
+    }
+
+    /// This target with path `i` first (`addr`), the others after it in their order:
+    /// what a session opened on that path is opened with.
+    pub fn on_path(&self, i: usize) -> LenderTarget {
+        let n = self.path_count();
+        let mut t = self.clone();
+        t.addr = self.path_addr(i).to_owned();
+        t.alt_addrs = (1..n).map(|k| self.path_addr(i + k).to_owned()).collect();
+        t
+    }
+
     /// Opens a TCP session (TLS if configured, through the gateway if routed) with
-    /// `hello`, each step bounded by [`CONNECT_TIMEOUT`].
+    /// `hello` on `addr`, each step bounded by [`CONNECT_TIMEOUT`]. With several paths,
+    /// the session's `TCP_USER_TIMEOUT` is [`PATH_USER_TIMEOUT`].
     ///
     /// # Errors
     /// The connect, relay, TLS or handshake failure.
@@ -130,15 +160,67 @@ impl LenderTarget {
         (devlend_fabric::conn::Stream, devlend_fabric::HelloReply),
         devlend_fabric::tcp::ConnectError,
     > {
-        let (stream, reply) = devlend_fabric::tcp::open_via(
-            &self.addr,
-            self.transport.relay(),
-            hello,
-            CONNECT_TIMEOUT,
-            self.tls.as_ref(),
-        )?;
+        let (stream, reply) = if self.path_count() > 1 {
+            devlend_fabric::tcp::open_path(
+                &self.addr,
+                self.transport.relay(),
+                hello,
+                CONNECT_TIMEOUT,
+                self.tls.as_ref(),
+                PATH_USER_TIMEOUT,
+            )?
+        } else {
+            devlend_fabric::tcp::open_via(
+                &self.addr,
+                self.transport.relay(),
+                hello,
+                CONNECT_TIMEOUT,
+                self.tls.as_ref(),
+            )?
+        };
         self.check_lender(hello, &reply)?;
         Ok((stream, reply))
+    }
+
+    /// Opens the session of `queue` on the first path that takes it, trying each once
+    /// from path `start` on; returns it with the path it is on.
+    ///
+    /// # Errors
+    /// Every path failed: the first refusal ([`ConnectError::is_permanent`]) if a path
+    /// gave one, else the first busy answer (retried as such), else the first path's
+    /// error.
+    ///
+    /// [`ConnectError::is_permanent`]: devlend_fabric::tcp::ConnectError::is_permanent
+    pub fn open_any(
+        &self,
+        queue: u16,
+        start: usize,
+    ) -> Result<
+        (
+            devlend_fabric::conn::Stream,
+            devlend_fabric::HelloReply,
+            usize,
+        ),
+        devlend_fabric::tcp::ConnectError,
+    > {
+        let n = self.path_count();
+        let mut first: Option<devlend_fabric::tcp::ConnectError> = None;
+        for k in 0..n {
+            let path = (start + k) % n;
+            let t = self.on_path(path);
+            match t.open(&t.hello(queue)) {
+                Ok((s, r)) => return Ok((s, r, path)),
+                Err(e) => {
+                    if first.as_ref().is_none_or(|f| rank(&e) > rank(f)) {
+                        first = Some(e);
+                    }
+                }
+            }
+        }
+        Err(first.unwrap_or(devlend_fabric::tcp::ConnectError::Resolve {
+            addr: self.addr.clone(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no path"),
+        }))
     }
 
     /// Checks that the lender that answered `hello` proved [`LenderTarget::lender_key`]
@@ -172,6 +254,10 @@ impl LenderTarget {
             | devlend_fabric::net::FEATURE_NET_OFFLOAD
             | devlend_fabric::FEATURE_CREDIT
             | devlend_fabric::FEATURE_THROTTLE_NOTE;
+        if self.path_count() > 1 {
+            // Each path's liveness rides on its TCP acknowledgements (heartbeats).
+            h.features |= devlend_fabric::FEATURE_HEARTBEAT;
+        }
         h.borrower = self.borrower;
         h.token = match self.mint.as_ref().map(Mint::token) {
             Some(Ok(t)) => t,
@@ -182,6 +268,16 @@ impl LenderTarget {
         }
         h.holder = holder(&h.token, self.holder.as_ref(), self.lender_key);
         h
+    }
+}
+
+/// How much an error of one path says about the lender, for [`LenderTarget::open_any`]:
+/// a refusal, then a busy answer, then a path that failed.
+fn rank(e: &devlend_fabric::tcp::ConnectError) -> u8 {
+    match e {
+        _ if e.is_permanent() => 2,
+        devlend_fabric::tcp::ConnectError::Refused { .. } => 1,
+        _ => 0,
     }
 }
 
@@ -222,10 +318,29 @@ pub fn new_borrower_id() -> [u8; 16] {
 /// Timeout of one connect + handshake attempt to the lender.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// With several paths, how long data sent on a session may stay unacknowledged by the
+/// lender's TCP before the session is declared lost (`TCP_USER_TIMEOUT`; one path
+/// rides out a cut for 15 s instead, since it has nowhere else to go).
+pub const PATH_USER_TIMEOUT: Duration = Duration::from_millis(300);
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use devlend_fabric::lease_token::{LeaseClaims, LeaseToken, TokenSigner};
+
+    #[test]
+    fn paths_rotate_and_only_several_ask_for_heartbeats() {
+        let mut t = LenderTarget::direct("a:1", "disk0", [1; 16]);
+        assert_eq!(t.path_count(), 1);
+        assert_eq!(t.hello(0).features & devlend_fabric::FEATURE_HEARTBEAT, 0);
+        t.alt_addrs = vec!["b:1".into(), "c:1".into()];
+        assert_eq!(t.path_count(), 3);
+        assert_eq!((t.path_addr(1), t.path_addr(5)), ("b:1", "c:1"));
+        let p = t.on_path(2);
+        assert_eq!(p.addr, "c:1");
+        assert_eq!(p.alt_addrs, vec!["a:1".to_owned(), "b:1".to_owned()]);
+        assert_ne!(p.hello(0).features & devlend_fabric::FEATURE_HEARTBEAT, 0);
+    }
 
     #[test]
     fn every_hello_carries_a_freshly_minted_token_bound_to_the_key() {

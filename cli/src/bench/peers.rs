@@ -198,6 +198,7 @@ fn devlend(dir: &Path, image: &Path, setup: &Setup<'_>) -> Result<Target> {
     client.attach(&AttachRequest {
         id: Some("bench".into()),
         lender: addr,
+        paths: Vec::new(),
         device: "disk0".into(),
         socket: socket.clone(),
         queues: setup.queues,

@@ -155,6 +155,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoSummary> {
     let attached = rig.client.attach(&AttachRequest {
         id: Some("demo".into()),
         lender: claimed.grant.lease.fabric_address.clone(),
+        paths: Vec::new(),
         device: claimed.grant.lease.device.clone(),
         socket: socket.clone(),
         queues: 1,

@@ -34,6 +34,9 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
     if let Some(ms) = list.iter().find_map(|a| a.pool_unreachable_since_ms) {
         out.push_str(&pool_unreachable_line(ms, std::time::SystemTime::now()));
     }
+    for (a, b) in &disks {
+        out.push_str(&paths_line(&a.id, &b.counters));
+    }
     for a in list {
         let throttled = a
             .block()
@@ -58,6 +61,37 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
         }
     }
     out
+}
+
+/// The line of a disk with several paths to its lender: each path's state, the
+/// failovers and how long the last one took; empty with one path.
+pub(super) fn paths_line(id: &str, c: &devlend_compute_agent::api::IoCounters) -> String {
+    if c.paths.is_empty() {
+        return String::new();
+    }
+    let paths: Vec<String> = c
+        .paths
+        .iter()
+        .map(|p| {
+            format!(
+                "{} {} ({} sessions, {} failures)",
+                p.addr,
+                if p.up { "up" } else { "DOWN" },
+                p.sessions,
+                p.failures
+            )
+        })
+        .collect();
+    let last = if c.failovers > 0 {
+        format!(", the last took {} ms", c.last_failover_us.div_ceil(1000))
+    } else {
+        String::new()
+    };
+    format!(
+        "{id}: paths {}; {} failovers{last}\n",
+        paths.join(", "),
+        c.failovers
+    )
 }
 
 /// The line `devlend status` prints while the agent cannot reach its device pool.

@@ -318,3 +318,35 @@ fn status_json_has_each_kinds_own_fields() {
     assert_eq!(v[2]["counters"]["guest_written_bytes"], 2 << 10);
     assert!(v[2].get("serial").is_none() && v[2].get("queues").is_none());
 }
+
+#[test]
+fn a_disk_with_several_paths_shows_each_and_its_failovers() {
+    use devlend_fabric::io_counters::PathState;
+    let mut a = block();
+    let KindInfo::Block(b) = &mut a.part else {
+        unreachable!()
+    };
+    // One path: no line.
+    assert_eq!(super::status::paths_line("disk0", &b.counters), "");
+    b.counters.paths = vec![
+        PathState {
+            addr: "10.0.0.2:7700".into(),
+            sessions: 0,
+            up: false,
+            failures: 2,
+        },
+        PathState {
+            addr: "10.0.1.2:7700".into(),
+            sessions: 2,
+            up: true,
+            failures: 0,
+        },
+    ];
+    b.counters.failovers = 3;
+    b.counters.last_failover_us = 1_500;
+    let out = status_table(&[a]);
+    assert!(
+        out.contains("disk0: paths 10.0.0.2:7700 DOWN (0 sessions, 2 failures), 10.0.1.2:7700 up (2 sessions, 0 failures); 3 failovers, the last took 2 ms"),
+        "{out}"
+    );
+}

@@ -80,6 +80,7 @@ impl Registry {
                 "a lender in another cluster is reached through the gateways over TCP: transport rdma cannot be relayed".into(),
             ));
         }
+        check_paths(req, &resolved).map_err(RegistryError::BadRequest)?;
         let tls = self.tls_target(req, &resolved)?;
         let incoming = match (&req.handover_token, &restore) {
             (Some(t), None) => Some(handover::incoming(t, &resolved.device, checked.is_some())?),
@@ -134,6 +135,7 @@ impl Registry {
             socket: req.socket.clone(),
             lender: LenderTarget {
                 addr: resolved.addr.clone(),
+                alt_addrs: req.paths.clone(),
                 device: resolved.device.clone(),
                 borrower,
                 token: token.clone(),
@@ -241,4 +243,41 @@ impl Registry {
         tracing::info!(id = %out.id, kind = %out.kind(), device = %out.device, lender = %out.lender, socket = %out.socket.display(), restored, "attached");
         Ok(out)
     }
+}
+
+/// Most addresses in a request's `paths` (beside `lender`).
+pub const MAX_EXTRA_PATHS: usize = 7;
+
+/// Checks a request's further paths: `HOST:PORT` each, distinct, at most
+/// [`MAX_EXTRA_PATHS`], for a lender reached directly and not a PCIe function.
+fn check_paths(req: &crate::api::AttachRequest, resolved: &Resolved) -> Result<(), String> {
+    if req.paths.is_empty() {
+        return Ok(());
+    }
+    if resolved.relay.is_some() {
+        return Err("paths are addresses of a lender reached directly: not with a lender reached through a gateway".into());
+    }
+    if req.kind == crate::api::AttachKind::Pci {
+        return Err("paths are not supported for a PCIe function (kind pci) yet".into());
+    }
+    if req.paths.len() > MAX_EXTRA_PATHS {
+        return Err(format!(
+            "{} paths: at most {MAX_EXTRA_PATHS} beside the lender address",
+            req.paths.len()
+        ));
+    }
+    let mut seen = vec![resolved.addr.as_str()];
+    for p in &req.paths {
+        let ok = p.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && port.parse::<u16>().is_ok_and(|n| n > 0)
+        });
+        if !ok || p.contains('/') {
+            return Err(format!("path {p:?} is not HOST:PORT"));
+        }
+        if seen.contains(&p.as_str()) {
+            return Err(format!("path {p} is given twice"));
+        }
+        seen.push(p);
+    }
+    Ok(())
 }

@@ -82,3 +82,37 @@ fn a_vm_is_refused_for_other_kinds_and_when_malformed() {
         }
     }
 }
+
+/// Further paths are `HOST:PORT` addresses of a lender reached directly, distinct, at
+/// most seven: anything else is refused before anything starts.
+#[test]
+fn paths_that_cannot_be_a_lenders_addresses_are_refused() {
+    let attach = |paths: serde_json::Value, lender: &str, kind: &str| {
+        let req: AttachRequest = serde_json::from_value(serde_json::json!({
+            "lender": lender, "device": "d", "socket": "/nonexistent/devlend-test.sock",
+            "paths": paths, "kind": kind,
+        }))
+        .unwrap();
+        match Registry::default().attach(req) {
+            Err(RegistryError::BadRequest(m)) => m,
+            other => panic!("paths {paths}: {:?}", other.map(|i| i.id)),
+        }
+    };
+    let direct = "10.0.0.1:7700";
+    for (paths, want) in [
+        (serde_json::json!(["10.0.1.1"]), "not HOST:PORT"),
+        (serde_json::json!(["10.0.1.1:0"]), "not HOST:PORT"),
+        (serde_json::json!(["c/l:1"]), "not HOST:PORT"),
+        (serde_json::json!([direct]), "twice"),
+        (serde_json::json!(["a:1", "a:1"]), "twice"),
+        (
+            serde_json::json!(["a:1", "a:2", "a:3", "a:4", "a:5", "a:6", "a:7", "a:8"]),
+            "at most 7",
+        ),
+    ] {
+        let m = attach(paths.clone(), direct, "device");
+        assert!(m.contains(want), "{paths}: {m}");
+    }
+    let m = attach(serde_json::json!(["a:1"]), direct, "pci");
+    assert!(m.contains("PCIe"), "{m}");
+}

@@ -525,6 +525,7 @@ fn attach_and_detach_through_the_registry_use_the_api() {
     let req = |id: &str| AttachRequest {
         id: Some(id.into()),
         lender: lender.local_addr().to_string(),
+        paths: Vec::new(),
         device: "d".into(),
         socket: socket.clone(),
         queues: 2,

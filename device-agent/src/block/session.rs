@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use devlend_fabric::conn::Stream;
-use devlend_fabric::{Credit, HelloStatus, FEATURE_CREDIT, FEATURE_THROTTLE_NOTE};
+use devlend_fabric::{
+    Credit, HelloStatus, FEATURE_CREDIT, FEATURE_HEARTBEAT, FEATURE_THROTTLE_NOTE,
+};
 
 use crate::block::io::{DeviceIo, SessionIo, Throttled};
 use crate::block::tcp::engine::Terms;
@@ -139,6 +141,8 @@ struct Tcp<'a> {
     credit: bool,
     /// Set when a newer session of its queue fences it.
     fence: Arc<AtomicBool>,
+    /// The borrower was granted heartbeats.
+    heartbeat: bool,
 }
 
 /// Opens a block session over TCP: its device I/O, the throttle note and, to a
@@ -150,14 +154,17 @@ pub(super) fn open_tcp<'a>(
 ) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
     let io = BlockIo::open(block, at, TCP_RING_ENTRIES, true)?;
     let credit = (at.hello.features & FEATURE_CREDIT != 0).then(session_credit);
+    // A borrower with several paths sends heartbeats on each; this engine reads them.
+    let heartbeat = at.hello.features & FEATURE_HEARTBEAT != 0;
     Ok(Opened {
-        features: io.features(),
+        features: io.features() | if heartbeat { FEATURE_HEARTBEAT } else { 0 },
         credit,
         session: Box::new(Tcp {
             frame_timeout: at.options.frame_timeout,
             poll: at.options.poll,
             credit: credit.is_some(),
             fence: at.fence.clone().unwrap_or_default(),
+            heartbeat,
             io,
         }),
     })
@@ -171,6 +178,7 @@ impl TcpSession for Tcp<'_> {
             poll,
             credit,
             fence,
+            heartbeat,
         } = *self;
         tracing::debug!(%peer, "session serving");
         io.run(TcpRun {
@@ -181,6 +189,7 @@ impl TcpSession for Tcp<'_> {
                 credit,
                 poll,
                 fence: &fence,
+                heartbeat,
             },
         })
     }

@@ -53,7 +53,7 @@ impl QueueEngine {
             warn,
             attachment = %self.name,
             queue = self.index,
-            lender = %self.target.addr,
+            lender = %self.target.path_addr(self.path),
             device = %self.target.device,
             inflight = self.table.inflight(),
             error = %DisplayChain(&fault),
@@ -70,7 +70,7 @@ impl QueueEngine {
     /// Forgets the session: what was sent on it is outstanding nowhere now (every
     /// request still in flight is resent on the next one, [`Self::queue_resend`]).
     pub(super) fn drop_session(&mut self) {
-        self.conn = None;
+        self.close_session(true);
         self.table.forget_session();
         self.retry.lost(Instant::now());
     }
@@ -86,18 +86,27 @@ impl QueueEngine {
             Ok(()) => {
                 self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
                 self.failure_logged = None;
+                self.refused_in_row = 0;
                 devlend_fabric::limited!(
                     info,
                     attachment = %self.name,
                     queue = self.index,
-                    lender = %self.target.addr,
+                    lender = %self.target.path_addr(self.path),
                     "fabric session re-established",
                 );
                 Reconnect::Connected
             }
             Err(e) => {
                 self.retry.failed(now);
-                let permanent = e.is_permanent();
+                // With several paths, one path's refusal (a wrong address, a lender
+                // there that is not this one) is not the lender's: the others are tried
+                // first, and the requests fail only once every path refused in a row.
+                self.refused_in_row = if e.is_permanent() {
+                    self.refused_in_row + 1
+                } else {
+                    0
+                };
+                let permanent = self.refused_in_row >= self.target.path_count();
                 if permanent
                     || self
                         .failure_logged
@@ -238,6 +247,8 @@ impl QueueEngine {
         if let Some(t) = self.timer.as_mut() {
             t.clear();
         }
+        // A heartbeat it was armed for is not sent: the next request arms another.
+        self.heartbeat_armed = false;
     }
 
     /// The reconnect timer fired: drains it and tries to recover. Returns whether
@@ -254,9 +265,17 @@ impl QueueEngine {
             t.clear();
         }
         if self.conn.is_none() && self.table.inflight() > 0 {
-            self.recover(queue, mem)
-        } else {
-            Ok(false)
+            let used = self.recover(queue, mem)?;
+            self.arm_heartbeat();
+            return Ok(used);
         }
+        if !std::mem::take(&mut self.heartbeat_armed) || self.table.inflight() == 0 {
+            return Ok(false);
+        }
+        // A heartbeat: what the lender's TCP must acknowledge within the path's user
+        // timeout, or the socket fails and the queue moves to the next path.
+        let used = self.with_link(queue, mem, |link, _, _| link.heartbeat())?;
+        self.arm_heartbeat();
+        Ok(used)
     }
 }

@@ -368,3 +368,146 @@ fn a_drain_fails_what_the_lender_does_not_answer_by_its_deadline() {
     );
     assert_eq!(e.fabric_fd().0, None, "the session cannot go on after them");
 }
+
+#[test]
+fn a_lost_session_moves_to_the_next_path_and_comes_back_when_its_own_is_up() {
+    let kinds = [Kind::Write; 3];
+    let heads: Vec<u16> = (0..kinds.len()).map(|i| head_of(&kinds, i)).collect();
+    let l = lender(Lender::default());
+    let (mut e, stats, opened) = two_path_engine(&l);
+    let (mem, mut queue) = guest(&kinds);
+    e.process_avail(&mut queue, &mem).expect("avail");
+    let paths = |s: &QueueStats| {
+        let p = s.snapshot().paths;
+        p.iter().map(|p| (p.up, p.sessions)).collect::<Vec<_>>()
+    };
+    assert_eq!(paths(&stats), [(true, 1), (true, 0)]);
+    // Path 1 drops the session: the queue opens the next one on path 2 and resends.
+    lock(&l).cut = true;
+    e.process_responses(&mut queue, &mem).expect("lost");
+    e.on_timer(&mut queue, &mem).expect("timer");
+    assert_eq!(*opened.lock().unwrap(), ["fake:1", "fake:2"]);
+    assert_eq!(
+        lock(&l).heads_on(2),
+        heads,
+        "every request resent on path 2"
+    );
+    assert_eq!(paths(&stats), [(false, 0), (true, 1)]);
+    let snap = stats.snapshot();
+    assert_eq!((snap.failovers, snap.paths[0].failures), (1, 1));
+    assert!(snap.last_failover_us > 0);
+    // Path 1 answers again (the probe's finding) and the queue falls idle past
+    // FAILBACK_AFTER: it moves back to its own path.
+    stats.paths[0].reachable();
+    e.away_since = Some(Instant::now() - FAILBACK_AFTER);
+    for h in &heads {
+        lock(&l).answer(*h, Status::Ok);
+    }
+    // The first try finds path 1 refusing after all: the queue keeps its session.
+    lock(&l).down = true;
+    e.process_responses(&mut queue, &mem).expect("responses");
+    assert_eq!(e.inflight(), 0);
+    assert!(e.fabric_fd().0.is_some(), "still on path 2");
+    assert_eq!(paths(&stats), [(false, 0), (true, 1)]);
+    // The next, a while later, moves it.
+    lock(&l).down = false;
+    stats.paths[0].reachable();
+    e.away_since = Some(Instant::now() - FAILBACK_AFTER);
+    e.process_responses(&mut queue, &mem).expect("idle");
+    assert_eq!(
+        *opened.lock().unwrap(),
+        ["fake:1", "fake:2", "fake:1", "fake:1"]
+    );
+    assert_eq!(paths(&stats), [(true, 1), (true, 0)]);
+    assert_eq!(
+        stats.snapshot().failovers,
+        1,
+        "a failback is not a failover"
+    );
+}
+
+#[test]
+fn an_idle_queue_leaves_a_path_another_queue_found_down_before_sending() {
+    let l = lender(Lender::default());
+    let (mut e, stats, opened) = two_path_engine(&l);
+    // Another queue's session on path 1 was lost.
+    stats.paths[0].failed();
+    let kinds = [Kind::Write];
+    let (mem, mut queue) = guest(&kinds);
+    e.process_avail(&mut queue, &mem).expect("avail");
+    assert_eq!(*opened.lock().unwrap(), ["fake:1", "fake:2"]);
+    assert_eq!(
+        lock(&l).heads_on(2),
+        [head_of(&kinds, 0)],
+        "sent on path 2 only"
+    );
+    assert!(lock(&l).heads_on(1).is_empty());
+    assert_eq!(stats.snapshot().failovers, 1);
+}
+
+/// A connected engine for queue 0 of a lender with two paths (`fake:1`, `fake:2`),
+/// its sessions going to `lender`; with its path counters and the address of every
+/// session it opened, in order.
+fn two_path_engine(
+    lender: &SharedLender,
+) -> (QueueEngine, Arc<QueueStats>, Arc<Mutex<Vec<String>>>) {
+    two_path_engine_refusing(lender, None)
+}
+
+/// As [`two_path_engine`]; a session opened on `refusing` is refused for good (the
+/// lender there denies this borrower).
+fn two_path_engine_refusing(
+    lender: &SharedLender,
+    refusing: Option<&'static str>,
+) -> (QueueEngine, Arc<QueueStats>, Arc<Mutex<Vec<String>>>) {
+    let limits = Arc::new(DeviceLimits::from_device_info(&fake_link::geometry()));
+    let mut target = LenderTarget::direct("fake:1", "disk", [1; 16]);
+    target.alt_addrs = vec!["fake:2".into()];
+    let stats = Arc::new(QueueStats::new(1).with_paths(["fake:1".into(), "fake:2".into()]));
+    let mut e = QueueEngine::new(0, target, limits, Arc::clone(&stats));
+    let opened = Arc::new(Mutex::new(Vec::<String>::new()));
+    let mut inner = fake_link::opener(Arc::clone(lender));
+    let log = Arc::clone(&opened);
+    e.opener = Box::new(move |t, q| {
+        log.lock().unwrap().push(t.addr.clone());
+        if refusing == Some(t.addr.as_str()) {
+            return Err(ConnectError::Refused {
+                addr: t.addr.clone(),
+                device: t.device.clone(),
+                status: devlend_fabric::HelloStatus::Denied,
+                message: "not this borrower".into(),
+            });
+        }
+        inner(t, q)
+    });
+    e.retry = Reconnector::new(
+        Policy::backoff(Duration::ZERO, Duration::ZERO).deadline(Duration::from_secs(30)),
+    );
+    e.connect().expect("the fake lender is up");
+    (e, stats, opened)
+}
+
+#[test]
+fn one_path_refusing_for_good_does_not_fail_the_requests_while_another_takes_them() {
+    let kinds = [Kind::Write; 2];
+    let heads: Vec<u16> = (0..kinds.len()).map(|i| head_of(&kinds, i)).collect();
+    let l = lender(Lender::default());
+    // Path 2 leads to a lender that denies this borrower (a wrong address).
+    let (mut e, stats, opened) = two_path_engine_refusing(&l, Some("fake:2"));
+    let (mem, mut queue) = guest(&kinds);
+    e.process_avail(&mut queue, &mem).expect("avail");
+    lock(&l).cut = true;
+    e.process_responses(&mut queue, &mem).expect("lost");
+    e.on_timer(&mut queue, &mem).expect("path 2 refuses");
+    assert_eq!(e.inflight(), 2, "nothing failed: {:?}", status(&mem, 0));
+    e.on_timer(&mut queue, &mem).expect("path 1 takes them");
+    assert_eq!(*opened.lock().unwrap(), ["fake:1", "fake:2", "fake:1"]);
+    assert_eq!(
+        lock(&l).heads_on(2),
+        heads,
+        "resent on path 1's new session"
+    );
+    assert_eq!(stats.snapshot().errors_fabric, 0);
+    // A refusal is the lender's answer: the path itself is not marked down.
+    assert!(stats.snapshot().paths[1].up);
+}

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use devlend_fabric::conn::Stream;
-use devlend_fabric::wire::REQUEST_HEADER_LEN;
+use devlend_fabric::wire::{HEARTBEAT_FRAME, OP_HEARTBEAT, REQUEST_HEADER_LEN};
 use devlend_fabric::{BlockRequest, Op, RequestHeader};
 
 use super::budget::RequestBudget;
@@ -106,6 +106,8 @@ struct TcpEngine<'a, I: DeviceIo> {
     fence: &'a AtomicBool,
     /// The fence was seen.
     fenced: bool,
+    /// The borrower was granted heartbeats: [`HEARTBEAT_FRAME`]s are read and dropped.
+    heartbeat: bool,
 }
 
 /// What a session runs under, beside its device I/O and socket.
@@ -118,6 +120,8 @@ pub(crate) struct Terms<'a> {
     pub(crate) poll: Duration,
     /// Set when a newer session of the same queue fences this one.
     pub(crate) fence: &'a AtomicBool,
+    /// The borrower was granted heartbeats ([`devlend_fabric::FEATURE_HEARTBEAT`]).
+    pub(crate) heartbeat: bool,
 }
 
 /// Serves requests on an open session until the peer leaves or breaks the protocol;
@@ -134,6 +138,7 @@ pub(crate) fn run<I: DeviceIo>(
         credit,
         poll,
         fence,
+        heartbeat,
     } = terms;
     if let Err(e) = sock.set_nonblocking(true) {
         return End::Socket(e);
@@ -163,6 +168,7 @@ pub(crate) fn run<I: DeviceIo>(
         last_work: Instant::now(),
         fence,
         fenced: false,
+        heartbeat,
     };
     s.run_loop()
 }
@@ -291,6 +297,15 @@ impl<I: DeviceIo> TcpEngine<'_, I> {
         }
         let mut hb = [0u8; REQUEST_HEADER_LEN];
         hb.copy_from_slice(&data[..REQUEST_HEADER_LEN]);
+        if self.heartbeat && hb[0] == OP_HEARTBEAT {
+            // Its TCP acknowledgement was all it asked for.
+            if hb != HEARTBEAT_FRAME {
+                return Err(End::Protocol("malformed heartbeat frame".to_owned()));
+            }
+            self.rx.consume(REQUEST_HEADER_LEN);
+            self.frame_since = None;
+            return Ok(Some(true));
+        }
         let h = RequestHeader::decode(&hb).map_err(|e| End::Protocol(e.to_string()))?;
         let need = check_framing(&h.request).map_err(|e| End::Protocol(e.to_string()))?;
         let Some(mut req) = self.budget.acquire(need) else {

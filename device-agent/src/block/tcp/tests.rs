@@ -51,6 +51,7 @@ fn reordered_completions_answer_their_own_requests() {
         let engine = s.spawn(move || {
             // Polling on: the same answers from a thread that spins before it sleeps.
             let poll = Duration::from_micros(50);
+            let heartbeat = false;
             super::engine::run(
                 io,
                 dev_ref,
@@ -61,6 +62,7 @@ fn reordered_completions_answer_their_own_requests() {
                     credit: false,
                     poll,
                     fence: &AtomicBool::new(false),
+                    heartbeat,
                 },
             )
         });
@@ -117,10 +119,10 @@ fn flushes(n: usize) -> Vec<u8> {
         .collect()
 }
 
-/// Runs the engine (`credit` as granted) on a session whose borrower sent `frames`
-/// before the engine started, its device I/O finishing only when the engine waits;
-/// `answered` responses are read, then the borrower stops writing.
-fn budget_session(credit: bool, frames: &[u8], answered: usize) -> End {
+/// Runs the engine (`credit` and `heartbeat` as granted) on a session whose borrower
+/// sent `frames` before the engine started, its device I/O finishing only when the
+/// engine waits; `answered` responses are read, then the borrower stops writing.
+fn session_with(credit: bool, heartbeat: bool, frames: &[u8], answered: usize) -> End {
     let dir = tempfile::tempdir().expect("tempdir");
     let dev = device(&dir);
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -143,6 +145,7 @@ fn budget_session(credit: bool, frames: &[u8], answered: usize) -> End {
                     credit,
                     poll: Duration::ZERO,
                     fence: &AtomicBool::new(false),
+                    heartbeat,
                 },
             )
         });
@@ -161,6 +164,10 @@ fn budget_session(credit: bool, frames: &[u8], answered: usize) -> End {
     })
 }
 
+fn budget_session(credit: bool, frames: &[u8], answered: usize) -> End {
+    session_with(credit, false, frames, answered)
+}
+
 #[test]
 fn a_borrower_with_credit_beyond_the_budget_breaks_the_protocol() {
     let end = budget_session(
@@ -176,4 +183,31 @@ fn a_borrower_without_credit_is_read_as_the_budget_frees() {
     let n = crate::MAX_IN_FLIGHT + 5;
     let end = budget_session(false, &flushes(n), n);
     assert!(matches!(end, End::PeerClosed), "{end}");
+}
+
+#[test]
+fn heartbeats_take_no_credit_and_get_no_response() {
+    use devlend_fabric::HEARTBEAT_FRAME;
+    // A heartbeat before every flush, and more after the budget's worth of them: a
+    // borrower with credit stays within it, and no heartbeat is answered (the session
+    // ends at the borrower's close, after exactly the flushes' responses).
+    let n = crate::MAX_IN_FLIGHT;
+    let mut frames = Vec::new();
+    for id in 0..n as u64 {
+        frames.extend_from_slice(&HEARTBEAT_FRAME);
+        frames.extend(frame(id, BlockRequest::Flush, &[]));
+    }
+    for _ in 0..5 {
+        frames.extend_from_slice(&HEARTBEAT_FRAME);
+    }
+    let end = session_with(true, true, &frames, n);
+    assert!(matches!(end, End::PeerClosed), "{end}");
+    // Not granted: an unknown operation, which ends the session.
+    let end = session_with(true, false, &HEARTBEAT_FRAME, 0);
+    assert!(matches!(end, End::Protocol(_)), "{end}");
+    // Granted, but not the frame: a protocol error too.
+    let mut bad = HEARTBEAT_FRAME;
+    bad[8] = 1;
+    let end = session_with(true, true, &bad, 0);
+    assert!(matches!(end, End::Protocol(_)), "{end}");
 }

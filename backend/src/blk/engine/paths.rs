@@ -1,0 +1,164 @@
+//! A queue's paths to the lender, when it has several: which path its session is on,
+//! moving on to the next when the session is lost (a failover, counted), back to its
+//! own when that is up again and the queue is idle (a failback), and the heartbeats
+//! that turn a silent cut into a socket error (`docs/faults.md`, "Paths").
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::QueueEngine;
+use crate::lender::DisplayChain;
+
+/// With several paths, how long a queue stays on the path it failed over to before it
+/// moves back to its own, once that is up again and the queue has nothing in flight.
+pub const FAILBACK_AFTER: Duration = Duration::from_secs(1);
+
+/// With several paths, how often a session with requests in flight sends a heartbeat:
+/// with [`crate::lender::target::PATH_USER_TIMEOUT`], a path that drops silently is
+/// left at most this plus that after the drop.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(100);
+
+impl QueueEngine {
+    /// A session opened on `self.path`; `heartbeat`: it carries heartbeats. Counts a
+    /// failover when the session lost before was on another path.
+    pub(super) fn opened_on_path(&mut self, heartbeat: bool) {
+        self.heartbeat = heartbeat;
+        self.heartbeat_armed = false;
+        if let Some(p) = self.stats.path(self.path) {
+            p.opened();
+        }
+        self.away_since = (self.path != self.home).then(Instant::now);
+        if let Some((since, from)) = self.lost.take() {
+            if from != self.path {
+                self.stats.failovers.fetch_add(1, Ordering::Relaxed);
+                // At least 1: 0 says there was none.
+                let us = since.elapsed().as_micros().clamp(1, u128::from(u64::MAX)) as u64;
+                self.stats.last_failover_us.store(us, Ordering::Relaxed);
+                devlend_fabric::limited!(
+                    info,
+                    attachment = %self.name,
+                    queue = self.index,
+                    from = %self.target.path_addr(from),
+                    to = %self.target.path_addr(self.path),
+                    took_us = us,
+                    "queue failed over to another path",
+                );
+            }
+        }
+    }
+
+    /// The session ends; `failed`: it was lost. With several paths, a lost session's
+    /// queue moves on to the next path.
+    pub(super) fn close_session(&mut self, failed: bool) {
+        if self.conn.take().is_none() {
+            return;
+        }
+        self.conn_gen += 1;
+        self.heartbeat_armed = false;
+        if let Some(t) = self.timer.as_mut() {
+            t.disarm();
+        }
+        if let Some(p) = self.stats.path(self.path) {
+            p.closed(failed);
+        }
+        if failed && self.target.path_count() > 1 {
+            // A failover only when requests wait for it (an idle session's loss is
+            // not one the guest could see).
+            if self.table.inflight() > 0 {
+                self.lost = Some((Instant::now(), self.path));
+            }
+            self.path = self.next_path(self.path);
+        }
+    }
+
+    /// Moves the queue back to its own path when it is away from it, idle, has been
+    /// away [`FAILBACK_AFTER`] (or that long since a failed try), and its path is up
+    /// again (a session of another queue opened on it, or the probe reached it). The new
+    /// session fences this one on the lender, which has nothing of it to finish.
+    pub(super) fn fail_back(&mut self) {
+        let due = self
+            .away_since
+            .is_some_and(|t| t.elapsed() >= FAILBACK_AFTER);
+        if !due
+            || self.draining
+            || self.stopping
+            || self.conn.is_none()
+            || self.table.inflight() > 0
+            || !self.stats.path(self.home).is_some_and(|p| p.is_up())
+        {
+            return;
+        }
+        // The new session is opened before the one it replaces is closed: a home path
+        // that does not take it costs the queue nothing but the attempt.
+        match self.open_on(self.home) {
+            Ok((link, reply)) => {
+                self.close_session(false);
+                self.path = self.home;
+                self.install(link, reply);
+                devlend_fabric::limited!(
+                    info,
+                    attachment = %self.name,
+                    queue = self.index,
+                    path = %self.target.path_addr(self.home),
+                    "queue moved back to its own path",
+                );
+            }
+            Err(e) => {
+                // Tried again at an idle moment a while later.
+                self.away_since = Some(Instant::now());
+                devlend_fabric::limited!(
+                    warn,
+                    attachment = %self.name,
+                    queue = self.index,
+                    path = %self.target.path_addr(self.home),
+                    error = %DisplayChain(&e),
+                    "cannot move the queue back to its own path; it stays where it is",
+                );
+            }
+        }
+    }
+
+    /// Leaves the path before sending anything on it when another queue found it down
+    /// and this one is idle: its own session there would take the user timeout to
+    /// fail. The next session opens on the next path (a failover, counted).
+    pub(super) fn leave_down_path(&mut self) {
+        if self.target.path_count() == 1
+            || self.draining
+            || self.conn.is_none()
+            || self.table.inflight() > 0
+            || self.stats.path(self.path).is_none_or(|p| p.is_up())
+        {
+            return;
+        }
+        let from = self.path;
+        self.close_session(false);
+        self.table.forget_session();
+        self.retry.lost(Instant::now());
+        self.path = self.next_path(from);
+        self.lost = Some((Instant::now(), from));
+    }
+
+    /// The path after `from` to open the next session on: the first after it not
+    /// marked down, else simply the next.
+    pub(super) fn next_path(&self, from: usize) -> usize {
+        let n = self.target.path_count();
+        (1..n)
+            .map(|k| (from + k) % n)
+            .find(|&p| self.stats.path(p).is_some_and(|c| c.is_up()))
+            .unwrap_or((from + 1) % n)
+    }
+
+    /// Arms the heartbeat when the session has requests in flight and heartbeats.
+    pub(super) fn arm_heartbeat(&mut self) {
+        if self.heartbeat
+            && !self.heartbeat_armed
+            && self.conn.is_some()
+            && self.table.inflight() > 0
+        {
+            if let Some(t) = self.timer.as_mut() {
+                t.arm(HEARTBEAT_EVERY);
+                self.heartbeat_armed = true;
+            }
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! The paths of a disk with several: a thread that finds the paths marked down
+//! reachable again, so that queues move back to them ([`PathProbe`]).
+
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::blk::stats::QueueStats;
+
+/// How often the paths marked down are tried, and how long a try may take.
+pub const PROBE_EVERY: Duration = Duration::from_millis(500);
+
+/// Tries a TCP connect to every path marked down, every [`PROBE_EVERY`], and marks the
+/// ones that answer up (only a connect: the lender sees a connection closed before its
+/// hello, which it does not log above debug). Stops when dropped.
+pub struct PathProbe {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PathProbe {
+    /// Starts probing the paths of `stats` (none to probe with one path: `None`).
+    ///
+    /// # Errors
+    /// The thread cannot be started.
+    pub fn start(name: &str, stats: Arc<QueueStats>) -> std::io::Result<Option<Self>> {
+        if stats.paths.is_empty() {
+            return Ok(None);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name(format!("paths-{name}"))
+                .spawn(move || probe(&stats, &stop))?
+        };
+        Ok(Some(PathProbe {
+            stop,
+            thread: Some(thread),
+        }))
+    }
+}
+
+impl Drop for PathProbe {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn probe(stats: &QueueStats, stop: &AtomicBool) {
+    while !stop.load(Ordering::Acquire) {
+        for p in &stats.paths {
+            if p.is_up() || stop.load(Ordering::Acquire) {
+                continue;
+            }
+            let answered = p
+                .addr()
+                .to_socket_addrs()
+                .is_ok_and(|mut a| a.any(|a| TcpStream::connect_timeout(&a, PROBE_EVERY).is_ok()));
+            if answered {
+                p.reachable();
+            }
+        }
+        std::thread::sleep(PROBE_EVERY);
+    }
+}

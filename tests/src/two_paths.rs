@@ -1,0 +1,74 @@
+//! A lender reached over two paths: its own network namespace joined to this one by
+//! two veth links (two subnets), the lender listening on both addresses, and either
+//! link cut silently on demand.
+
+use std::path::Path;
+
+use anyhow::Result;
+
+use crate::agents::{bin, spawn_in, wait_listening, Proc};
+use crate::netns::{BlackHole, HostLink, Netns};
+
+/// The lender of `disk0` (a file) in namespace number `n`, on `0.0.0.0:7700` there.
+pub struct TwoPathLender {
+    /// Link 0 is the namespace's own veth.
+    pub ns: Netns,
+    /// Link 1.
+    pub link2: HostLink,
+    _black_hole: BlackHole,
+    /// The lender.
+    pub lender: Proc,
+    /// `HOST:PORT` of the lender on link 0 and on link 1.
+    pub paths: [String; 2],
+}
+
+impl TwoPathLender {
+    /// Starts the lender of `img` as `disk0` (with `--insecure`: direct mode beyond
+    /// loopback) and waits until it answers on both paths.
+    ///
+    /// # Errors
+    /// `ip` fails (not root), or the lender does not start.
+    pub fn start(n: u8, dir: &Path, img: &Path) -> Result<Self> {
+        let ns = Netns::new(n)?;
+        let link2 = ns.second_link()?;
+        // A cut path answers nothing, not even through the default route.
+        let black_hole = BlackHole::new(&[&ns.ns_ip, &link2.ns_ip])?;
+        let paths = [
+            format!("{}:7700", ns.ns_ip),
+            format!("{}:7700", link2.ns_ip),
+        ];
+        let mut lender = spawn_in(
+            Some(&ns.name),
+            "device-agent",
+            &bin("devlend-device-agent")?,
+            &[
+                "--listen".into(),
+                "0.0.0.0:7700".into(),
+                "--device".into(),
+                format!("disk0={}", img.display()),
+                "--insecure".into(),
+            ],
+            dir,
+        )?;
+        wait_listening(&mut lender, &paths[0])?;
+        wait_listening(&mut lender, &paths[1])?;
+        Ok(TwoPathLender {
+            ns,
+            link2,
+            _black_hole: black_hole,
+            lender,
+            paths,
+        })
+    }
+
+    /// Takes link `i` (0 or 1) down — a silent cut: no reset, packets dropped — or up.
+    ///
+    /// # Errors
+    /// `ip` fails.
+    pub fn set_link(&self, i: usize, up: bool) -> Result<()> {
+        match i {
+            0 => self.ns.set_link(up),
+            _ => self.link2.set_link(up),
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! Two paths to one lender: the lender in its own network namespace, reached over two
+//! veth links (two addresses), the attachment given both. The `blkio` crate's
+//! vhost-user-blk frontend rewrites the same blocks with increasing generations on two
+//! virtqueues (one per path) while each link is cut in turn (the host's end set down:
+//! no reset, a silent cut) and brought back, three rounds: no request fails, no batch
+//! waits a second, each queue goes back to its own path once both are up, and the
+//! lender's file holds every block at its last generation.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use devlend_cli::blk_client::{BlkClient, BlkOp};
+use devlend_tests::agents::{free_port, sparse_file, Borrower};
+use devlend_tests::two_paths::TwoPathLender;
+use devlend_tests::{metric_value, scrape_metrics};
+
+const MIB: u64 = 1 << 20;
+const DISK: u64 = 16 * MIB;
+/// Blocks rewritten, each this long.
+const BLOCKS: u64 = 8;
+const BLOCK: usize = 64 << 10;
+
+/// The lender on both of the namespace's addresses, and a borrower attached with both.
+struct Rig {
+    dir: tempfile::TempDir,
+    lender: TwoPathLender,
+    borrower: Borrower,
+    paths: [String; 2],
+    /// The compute agent's metrics address.
+    metrics: String,
+}
+
+fn rig(n: u8) -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk0.img");
+    sparse_file(&img, DISK).unwrap();
+    let lender = TwoPathLender::start(n, dir.path(), &img).unwrap();
+    let paths = lender.paths.clone();
+    let metrics = format!("127.0.0.1:{}", free_port().unwrap());
+    let borrower =
+        Borrower::start_with(dir.path(), &["--metrics-listen".into(), metrics.clone()]).unwrap();
+    let sock = dir.path().join("disk0.sock").display().to_string();
+    borrower
+        .cli_json(&[
+            "attach", "--lender", &paths[0], "--lender", &paths[1], "--device", "disk0",
+            "--socket", &sock, "--queues", "2",
+        ])
+        .unwrap();
+    Rig {
+        dir,
+        lender,
+        borrower,
+        paths,
+        metrics,
+    }
+}
+
+fn counters(b: &Borrower) -> serde_json::Value {
+    b.cli_json(&["status"]).unwrap()[0]["counters"].clone()
+}
+
+/// Rewrites the blocks with generation 1, 2, ... (each batch on the other queue, all
+/// blocks in flight at once; every 4th batch reads them back and checks them) until
+/// `stop`; returns the last generation acknowledged and the longest batch.
+fn rewrite(c: &mut BlkClient, stop: &AtomicBool) -> (u64, Duration) {
+    let mut gen = 0u64;
+    let mut longest = Duration::ZERO;
+    while !stop.load(Ordering::Relaxed) {
+        gen += 1;
+        let q = (gen % 2) as usize;
+        let mut ops = Vec::new();
+        for b in 0..BLOCKS {
+            let at = b as usize * BLOCK;
+            let fill = block_bytes(b, gen);
+            c.buffer()[at..at + BLOCK].copy_from_slice(&fill);
+            ops.push(BlkOp::Write {
+                offset: b * BLOCK as u64,
+                buf: at,
+                len: BLOCK,
+            });
+        }
+        let t = Instant::now();
+        let r = c.run(q, &ops).unwrap();
+        longest = longest.max(t.elapsed());
+        assert!(
+            r.iter().all(|&s| s == 0),
+            "generation {gen}: statuses {r:?}"
+        );
+        if gen.is_multiple_of(4) {
+            let reads: Vec<BlkOp> = (0..BLOCKS)
+                .map(|b| BlkOp::Read {
+                    offset: b * BLOCK as u64,
+                    buf: b as usize * BLOCK,
+                    len: BLOCK,
+                })
+                .collect();
+            let t = Instant::now();
+            let r = c.run(1 - q, &reads).unwrap();
+            longest = longest.max(t.elapsed());
+            assert!(r.iter().all(|&s| s == 0), "read-back of {gen}: {r:?}");
+            for b in 0..BLOCKS {
+                let at = b as usize * BLOCK;
+                assert!(
+                    c.buffer()[at..at + BLOCK] == block_bytes(b, gen)[..],
+                    "block {b} is not at generation {gen}"
+                );
+            }
+        }
+    }
+    (gen, longest)
+}
+
+/// The content of block `b` at generation `gen`.
+fn block_bytes(b: u64, gen: u64) -> Vec<u8> {
+    let mut v = vec![0u8; BLOCK];
+    for (i, w) in v.chunks_mut(16).enumerate() {
+        w[..8].copy_from_slice(&gen.to_le_bytes());
+        w[8..].copy_from_slice(&(b << 32 | i as u64).to_le_bytes());
+    }
+    v
+}
+
+#[test]
+fn silent_cuts_of_either_path_cost_under_a_second_and_no_error() {
+    let r = rig(40);
+    let sock = r.dir.path().join("disk0.sock");
+    let mut c = BlkClient::connect(&sock, 2, BLOCKS as usize * BLOCK).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let out = rewrite(&mut c, &stop);
+            (out, c)
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    let s = counters(&r.borrower);
+    let paths = s["paths"].as_array().expect("two paths shown").clone();
+    assert_eq!(paths.len(), 2, "{s}");
+    for (p, want) in paths.iter().zip(&r.paths) {
+        assert_eq!(p["addr"], want.as_str());
+        assert_eq!(p["up"], true, "{s}");
+        // One queue on each: both paths carry I/O while both are up.
+        assert_eq!(p["sessions"], 1, "{s}");
+    }
+    for round in 0..3 {
+        for link in 0..2 {
+            let cut = |up| r.lender.set_link(link, up);
+            cut(false).unwrap();
+            std::thread::sleep(Duration::from_secs(2));
+            let during = counters(&r.borrower);
+            assert_eq!(
+                during["paths"][link]["sessions"], 0,
+                "round {round}: every queue left cut path {link}: {during}"
+            );
+            cut(true).unwrap();
+            std::thread::sleep(Duration::from_millis(800));
+        }
+    }
+    // Failback: both links up again, each queue goes back to its own path (the probe
+    // finds the path reachable; the queue moves at an idle moment, a second or more
+    // after it left).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = counters(&r.borrower);
+        let back = (0..2).all(|i| s["paths"][i]["up"] == true && s["paths"][i]["sessions"] == 1);
+        if back {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no failback: {s}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let ((gen, longest), _c) = writer.join().expect("no request failed");
+    eprintln!("{gen} generations; the longest batch took {longest:?}");
+    let s = counters(&r.borrower);
+    eprintln!("{s}");
+    assert!(
+        longest < Duration::from_secs(1),
+        "a batch waited {longest:?} across a cut"
+    );
+    assert_eq!(s["errors"], 0, "{s}");
+    assert!(
+        s["failovers"].as_u64().unwrap() >= 6,
+        "each of the six cuts moved a busy queue: {s}"
+    );
+    assert!(s["last_failover_us"].as_u64().unwrap() > 0, "{s}");
+    let text = scrape_metrics(&r.metrics).unwrap();
+    let failovers = metric_value(&text, "devlend_attachment_failovers_total{");
+    assert_eq!(failovers, s["failovers"].as_f64(), "{text}");
+    for p in &r.paths {
+        let up = text.lines().find(|l| {
+            l.starts_with("devlend_attachment_path_up{") && l.contains(&format!("path=\"{p}\""))
+        });
+        assert!(up.is_some_and(|l| l.ends_with(" 1")), "{p}: {text}");
+    }
+    // Every block at its last generation, on the lender's own file.
+    let img = std::fs::read(r.dir.path().join("disk0.img")).unwrap();
+    for b in 0..BLOCKS {
+        let at = b as usize * BLOCK;
+        assert!(
+            img[at..at + BLOCK] == block_bytes(b, gen)[..],
+            "block {b} on the lender's file is not at generation {gen}"
+        );
+    }
+}
