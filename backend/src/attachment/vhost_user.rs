@@ -120,7 +120,7 @@ impl Attachment {
 
     /// A lent NIC on vhost-user-net: `num_queues` counts queue pairs.
     fn start_nic(
-        config: AttachmentConfig,
+        mut config: AttachmentConfig,
         hold: Option<Holder>,
         shared: Arc<Serving>,
         listener: Listener,
@@ -133,7 +133,6 @@ impl Attachment {
         }
         // A NIC's queue pairs use the first path only, as with one (no heartbeats
         // there, so no short user timeout either); the holding session keeps them all.
-        let mut config = config;
         config.lender.alt_addrs.clear();
         let link = nic.link();
         crate::net::spec::check_link(&link).map_err(AttachmentError::BadLink)?;

@@ -131,9 +131,7 @@ impl QueueEngine {
             return;
         }
         let from = self.path;
-        self.close_session(false);
-        self.table.forget_session();
-        self.retry.lost(Instant::now());
+        self.end_session(false);
         self.path = self.next_path(from);
         self.lost = Some((Instant::now(), from));
     }

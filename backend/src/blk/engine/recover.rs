@@ -70,7 +70,13 @@ impl QueueEngine {
     /// Forgets the session: what was sent on it is outstanding nowhere now (every
     /// request still in flight is resent on the next one, [`Self::queue_resend`]).
     pub(super) fn drop_session(&mut self) {
-        self.close_session(true);
+        self.end_session(true);
+    }
+
+    /// Ends the session (`failed`: it was lost) and forgets what was sent on it; the
+    /// reconnector counts from now.
+    pub(super) fn end_session(&mut self, failed: bool) {
+        self.close_session(failed);
         self.table.forget_session();
         self.retry.lost(Instant::now());
     }
