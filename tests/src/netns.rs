@@ -218,7 +218,10 @@ impl BlackHole {
     /// # Errors
     /// `ip` fails, or an address is not IPv4.
     pub fn new(addrs: &[&str]) -> Result<Self> {
-        let dev = format!("dlbh{}", std::process::id() % 100_000);
+        // One per rig: tests of one binary run side by side in one process.
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 100;
+        let dev = format!("dlbh{}x{k}", std::process::id() % 100_000);
         let _ = ip(&["link", "del", &dev]);
         ip(&[
             "link",

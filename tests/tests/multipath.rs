@@ -32,6 +32,11 @@ struct Rig {
 }
 
 fn rig(n: u8) -> Rig {
+    rig_with(n, &[])
+}
+
+/// As [`rig`], with `extra` arguments to `devlend attach`.
+fn rig_with(n: u8, extra: &[&str]) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("disk0.img");
     sparse_file(&img, DISK).unwrap();
@@ -41,12 +46,12 @@ fn rig(n: u8) -> Rig {
     let borrower =
         Borrower::start_with(dir.path(), &["--metrics-listen".into(), metrics.clone()]).unwrap();
     let sock = dir.path().join("disk0.sock").display().to_string();
-    borrower
-        .cli_json(&[
-            "attach", "--lender", &paths[0], "--lender", &paths[1], "--device", "disk0",
-            "--socket", &sock, "--queues", "2",
-        ])
-        .unwrap();
+    let mut args = vec![
+        "attach", "--lender", &paths[0], "--lender", &paths[1], "--device", "disk0", "--socket",
+        &sock, "--queues", "2",
+    ];
+    args.extend_from_slice(extra);
+    borrower.cli_json(&args).unwrap();
     Rig {
         dir,
         lender,
@@ -204,4 +209,62 @@ fn silent_cuts_of_either_path_cost_under_a_second_and_no_error() {
             "block {b} on the lender's file is not at generation {gen}"
         );
     }
+}
+
+/// A path cut before the frontend connects costs its start one path connect timeout
+/// (1 s), not one per queue; with every path cut, requests fail at the reconnect
+/// deadline, not a connect timeout per path tried later; and they flow again once a
+/// path is back.
+#[test]
+fn a_cut_path_delays_neither_the_frontend_start_nor_the_deadline() {
+    let r = rig_with(42, &["--reconnect-deadline", "2"]);
+    let sock = r.dir.path().join("disk0.sock");
+    // Link 0 is cut before the frontend connects: the backend opens queue 0 (whose
+    // path it is) on path 1 after one attempt, and queue 1 on path 1 at once.
+    r.lender.set_link(0, false).unwrap();
+    let t = Instant::now();
+    let mut c = BlkClient::connect(&sock, 2, BLOCKS as usize * BLOCK).unwrap();
+    let start = t.elapsed();
+    eprintln!("the frontend started in {start:?} with path 0 cut");
+    assert!(
+        start < Duration::from_millis(2_500),
+        "the frontend waited {start:?} for a cut path"
+    );
+    let write = |c: &mut BlkClient, q: usize| {
+        c.buffer()[..BLOCK].fill(q as u8 + 1);
+        c.run(
+            q,
+            &[BlkOp::Write {
+                offset: 0,
+                buf: 0,
+                len: BLOCK,
+            }],
+        )
+        .unwrap()[0]
+    };
+    for q in 0..2 {
+        assert_eq!(write(&mut c, q), 0, "queue {q} over path 1");
+    }
+    let s = counters(&r.borrower);
+    assert_eq!(s["paths"][0]["up"], false, "{s}");
+    assert_eq!(s["paths"][1]["sessions"], 2, "{s}");
+    // Both links cut: a write waits for the 2 s deadline, then fails.
+    r.lender.set_link(1, false).unwrap();
+    let t = Instant::now();
+    let status = write(&mut c, 1);
+    let waited = t.elapsed();
+    eprintln!("with every path cut, the write failed after {waited:?}");
+    assert_ne!(status, 0, "no path, yet the write succeeded");
+    assert!(
+        waited >= Duration::from_secs(2) && waited < Duration::from_millis(3_600),
+        "IOERR after {waited:?} with a 2 s deadline"
+    );
+    // A path back: the writes flow again.
+    r.lender.set_link(1, true).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while write(&mut c, 1) != 0 {
+        assert!(Instant::now() < deadline, "no path came back");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    r.lender.set_link(0, true).unwrap();
 }

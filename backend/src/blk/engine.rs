@@ -252,20 +252,52 @@ impl QueueEngine {
     /// Opens the fabric session to the lender for this queue (TCP connect, TLS if the
     /// target asks for it, handshake; or RDMA).
     ///
+    /// With several paths it starts at the queue's path, or at the first path after it
+    /// not marked down when its own is, and tries each path not marked down once, in
+    /// order, until one takes the session: a path that fails (and is marked down) costs
+    /// one connect timeout, never one per queue. When every path is marked down it tries
+    /// the one path it is at. Permanent refusals are counted in
+    /// [`Self::refused_in_row`](QueueEngine) across calls.
+    ///
     /// # Errors
-    /// The connect error, or a device whose capacity changed since attach.
+    /// The connect error of the last path tried (a refusal in preference), or a device
+    /// whose capacity changed since attach.
     pub fn connect(&mut self) -> Result<(), ConnectError> {
-        match self.open_on(self.path) {
-            Ok((link, reply)) => {
-                self.install(link, reply);
-                Ok(())
-            }
-            Err(e) => {
-                // The next attempt goes to the next path.
-                self.path = self.next_path(self.path);
-                Err(e)
+        let n = self.target.path_count();
+        if let Some(up) = (0..n)
+            .map(|k| (self.path + k) % n)
+            .find(|&p| self.path_up(p))
+        {
+            self.path = up;
+        }
+        let mut tried = 0;
+        loop {
+            tried += 1;
+            match self.open_on(self.path) {
+                Ok((link, reply)) => {
+                    self.refused_in_row = 0;
+                    self.install(link, reply);
+                    return Ok(());
+                }
+                Err(e) => {
+                    self.refused_in_row = if e.is_permanent() {
+                        self.refused_in_row + 1
+                    } else {
+                        0
+                    };
+                    // The next attempt goes to the next path.
+                    self.path = self.next_path(self.path);
+                    if tried >= n || !self.path_up(self.path) {
+                        return Err(e);
+                    }
+                }
             }
         }
+    }
+
+    /// Whether path `path` is not marked down (always, with one path).
+    fn path_up(&self, path: usize) -> bool {
+        self.stats.path(path).is_none_or(|p| p.is_up())
     }
 
     /// Opens a session for this queue on path `path` (marked down if that fails).
@@ -275,10 +307,14 @@ impl QueueEngine {
         } else {
             (self.opener)(&self.target.on_path(path), self.index)
         };
-        // The path failed, unless the lender answered on it (a refusal, busy).
+        // The path failed, unless the lender answered on it: a busy answer says
+        // nothing against it, a refusal for good that the lender there is not this
+        // one (a wrong address) for a while ([`REFUSED_PATH_RESTS`]).
         if let Err(e) = &opened {
-            if !matches!(e, ConnectError::Refused { .. }) {
-                if let Some(p) = self.stats.path(path) {
+            if let Some(p) = self.stats.path(path) {
+                if e.is_permanent() {
+                    p.refused();
+                } else if !matches!(e, ConnectError::Refused { .. }) {
                     p.failed();
                 }
             }

@@ -240,7 +240,7 @@ fn watch(
                     } else if first && matches!(e, ConnectError::Tls { .. }) && e.is_permanent() {
                         tracing::error!(attachment = %name, error = %DisplayChain(&e), "TLS with the lender is refused; retrying");
                     } else if first && e.is_permanent() {
-                        tracing::error!(attachment = %name, error = %DisplayChain(&e), "the lender refuses this attachment (its lease ended?); retrying");
+                        tracing::error!(attachment = %name, error = %DisplayChain(&e), "a lender refuses this attachment (its lease ended, or, with several paths, this path leads to another lender); retrying");
                     }
                     // Retried all the same: see the module doc.
                     Attempt::Failed(e)

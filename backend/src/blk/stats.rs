@@ -1,6 +1,8 @@
 //! The I/O counters of one block attachment, shared by its queues' engines.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use devlend_fabric::io_counters::{IoCounters, OpCounters, PathState};
 use devlend_fabric::latency::LatencyHistogram;
@@ -42,12 +44,33 @@ pub(crate) struct PathCell {
     down: AtomicBool,
     /// Sessions lost on it and connects that failed on it.
     failures: AtomicU64,
+    /// When the lender there last refused a session for good, in ms since
+    /// [`epoch`] plus one (0: never): the probe leaves it down for
+    /// [`REFUSED_PATH_RESTS`] after that.
+    refused_at: AtomicU64,
+}
+
+/// How long a path whose lender refused a session for good (a wrong address: another
+/// lender, or one without this device) stays marked down: the probe, which only
+/// connects, cannot tell it from a good path, and queues would try it at every
+/// failback.
+pub const REFUSED_PATH_RESTS: Duration = Duration::from_secs(30);
+
+/// The instant path refusals are counted from.
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn since_epoch_ms(t: Instant) -> u64 {
+    t.saturating_duration_since(epoch()).as_millis() as u64
 }
 
 impl PathCell {
     /// A session opened on this path.
     pub(crate) fn opened(&self) {
         self.sessions.fetch_add(1, Ordering::Relaxed);
+        self.refused_at.store(0, Ordering::Relaxed);
         self.down.store(false, Ordering::Relaxed);
     }
 
@@ -70,9 +93,25 @@ impl PathCell {
         !self.down.load(Ordering::Relaxed)
     }
 
-    /// A probe reached it ([`crate::blk::probe`]).
+    /// A probe reached it ([`crate::blk::probe`]): up again, unless its lender
+    /// refused a session for good less than [`REFUSED_PATH_RESTS`] ago.
     pub(crate) fn reachable(&self) {
-        self.down.store(false, Ordering::Relaxed);
+        let refused = self.refused_at.load(Ordering::Relaxed);
+        if refused == 0
+            || since_epoch_ms(Instant::now()).saturating_sub(refused - 1)
+                >= REFUSED_PATH_RESTS.as_millis() as u64
+        {
+            self.down.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// The lender on this path refused a session for good: it is marked down (counted
+    /// as a failure) and stays so for [`REFUSED_PATH_RESTS`], unless a session opens
+    /// on it.
+    pub(crate) fn refused(&self) {
+        self.refused_at
+            .store(since_epoch_ms(Instant::now()) + 1, Ordering::Relaxed);
+        self.failed();
     }
 
     /// A connect on this path failed, or its session was lost.

@@ -149,7 +149,8 @@ impl LenderTarget {
 
     /// Opens a TCP session (TLS if configured, through the gateway if routed) with
     /// `hello` on `addr`, each step bounded by [`CONNECT_TIMEOUT`]. With several paths,
-    /// the session's `TCP_USER_TIMEOUT` is [`PATH_USER_TIMEOUT`].
+    /// each step is bounded by [`PATH_CONNECT_TIMEOUT`] instead and the session's
+    /// `TCP_USER_TIMEOUT` is [`PATH_USER_TIMEOUT`].
     ///
     /// # Errors
     /// The connect, relay, TLS or handshake failure.
@@ -165,7 +166,7 @@ impl LenderTarget {
                 &self.addr,
                 self.transport.relay(),
                 hello,
-                CONNECT_TIMEOUT,
+                PATH_CONNECT_TIMEOUT,
                 self.tls.as_ref(),
                 PATH_USER_TIMEOUT,
             )?
@@ -317,6 +318,11 @@ pub fn new_borrower_id() -> [u8; 16] {
 
 /// Timeout of one connect + handshake attempt to the lender.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// With several paths, the timeout of each step of opening a session on one (connect,
+/// TLS, hello): a path cut silently costs a queue this before it tries the next, and
+/// it is marked down for the others.
+pub const PATH_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// With several paths, how long data sent on a session may stay unacknowledged by the
 /// lender's TCP before the session is declared lost (`TCP_USER_TIMEOUT`; one path

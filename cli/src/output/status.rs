@@ -74,11 +74,11 @@ pub(super) fn paths_line(id: &str, c: &devlend_compute_agent::api::IoCounters) -
         .iter()
         .map(|p| {
             format!(
-                "{} {} ({} sessions, {} failures)",
+                "{} {} ({}, {})",
                 p.addr,
                 if p.up { "up" } else { "DOWN" },
-                p.sessions,
-                p.failures
+                counted(p.sessions, "session"),
+                counted(p.failures, "failure")
             )
         })
         .collect();
@@ -88,10 +88,19 @@ pub(super) fn paths_line(id: &str, c: &devlend_compute_agent::api::IoCounters) -
         String::new()
     };
     format!(
-        "{id}: paths {}; {} failovers{last}\n",
+        "{id}: paths {}; {}{last}\n",
         paths.join(", "),
-        c.failovers
+        counted(c.failovers, "failover")
     )
+}
+
+/// `n` and `noun`, plural unless `n` is 1.
+fn counted(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
 }
 
 /// The line `devlend status` prints while the agent cannot reach its device pool.

@@ -337,16 +337,20 @@ fn a_disk_with_several_paths_shows_each_and_its_failovers() {
         },
         PathState {
             addr: "10.0.1.2:7700".into(),
-            sessions: 2,
+            sessions: 1,
             up: true,
-            failures: 0,
+            failures: 1,
         },
     ];
     b.counters.failovers = 3;
     b.counters.last_failover_us = 1_500;
+    let mut one = b.counters.clone();
+    one.failovers = 1;
+    let line = super::status::paths_line("disk0", &one);
+    assert!(line.contains("; 1 failover, the last"), "{line}");
     let out = status_table(&[a]);
     assert!(
-        out.contains("disk0: paths 10.0.0.2:7700 DOWN (0 sessions, 2 failures), 10.0.1.2:7700 up (2 sessions, 0 failures); 3 failovers, the last took 2 ms"),
+        out.contains("disk0: paths 10.0.0.2:7700 DOWN (0 sessions, 2 failures), 10.0.1.2:7700 up (1 session, 1 failure); 3 failovers, the last took 2 ms"),
         "{out}"
     );
 }

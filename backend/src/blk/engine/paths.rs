@@ -146,6 +146,11 @@ impl QueueEngine {
             .unwrap_or((from + 1) % n)
     }
 
+    /// With several paths, whether one is not marked down.
+    pub(super) fn another_path_up(&self) -> bool {
+        self.target.path_count() > 1 && self.stats.paths.iter().any(|p| p.is_up())
+    }
+
     /// Arms the heartbeat when the session has requests in flight and heartbeats.
     pub(super) fn arm_heartbeat(&mut self) {
         if self.heartbeat

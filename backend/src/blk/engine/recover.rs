@@ -92,7 +92,6 @@ impl QueueEngine {
             Ok(()) => {
                 self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
                 self.failure_logged = None;
-                self.refused_in_row = 0;
                 devlend_fabric::limited!(
                     info,
                     attachment = %self.name,
@@ -103,15 +102,14 @@ impl QueueEngine {
                 Reconnect::Connected
             }
             Err(e) => {
+                // The attempt may have taken a connect timeout per path tried: the
+                // backoff and the log's rate limit count from its end.
+                let now = Instant::now();
                 self.retry.failed(now);
                 // With several paths, one path's refusal (a wrong address, a lender
                 // there that is not this one) is not the lender's: the others are tried
-                // first, and the requests fail only once every path refused in a row.
-                self.refused_in_row = if e.is_permanent() {
-                    self.refused_in_row + 1
-                } else {
-                    0
-                };
+                // first, and the requests fail only once every path refused in a row
+                // ([`Self::connect`] counts them).
                 let permanent = self.refused_in_row >= self.target.path_count();
                 if permanent
                     || self
@@ -155,7 +153,19 @@ impl QueueEngine {
         }
         let now = Instant::now();
         self.retry.waiting(now);
-        match self.reconnect() {
+        let mut outcome = self.reconnect();
+        if matches!(outcome, Reconnect::Later)
+            && self.retry.expired(Instant::now())
+            && self.another_path_up()
+        {
+            // At the deadline, a path that came back while this queue was trying
+            // others (the probe found it) is tried before any request fails.
+            if self.connect().is_ok() {
+                self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+                outcome = Reconnect::Connected;
+            }
+        }
+        match outcome {
             Reconnect::Connected => {
                 if let Some(t) = self.timer.as_mut() {
                     t.disarm();
@@ -165,7 +175,10 @@ impl QueueEngine {
                 Ok(self.flush_tx(queue, mem)? | used)
             }
             Reconnect::Refused => self.give_up(queue, mem),
-            Reconnect::Later if self.retry.expired(now) => {
+            // The clock is read again: the attempt may have blocked in connects (up to
+            // a connect timeout per path tried), and the deadline is the guest's.
+            Reconnect::Later if self.retry.expired(Instant::now()) => {
+                let now = Instant::now();
                 if self
                     .give_up_logged
                     .is_none_or(|t| now.duration_since(t) >= FAILURE_LOG_EVERY)
@@ -183,6 +196,7 @@ impl QueueEngine {
                 self.give_up(queue, mem)
             }
             Reconnect::Later => {
+                let now = Instant::now();
                 let next = self
                     .retry
                     .next_event()

@@ -460,31 +460,153 @@ fn two_path_engine_refusing(
     lender: &SharedLender,
     refusing: Option<&'static str>,
 ) -> (QueueEngine, Arc<QueueStats>, Arc<Mutex<Vec<String>>>) {
+    let stats = Arc::new(QueueStats::new(1).with_paths(["fake:1".into(), "fake:2".into()]));
+    let (mut e, opened) = path_engine(0, lender, &stats, move |addr| {
+        (refusing == Some(addr)).then(|| ConnectError::Refused {
+            addr: addr.into(),
+            device: "disk".into(),
+            status: devlend_fabric::HelloStatus::Denied,
+            message: "not this borrower".into(),
+        })
+    });
+    e.connect().expect("the fake lender is up");
+    (e, stats, opened)
+}
+
+/// A disconnected engine for queue `index` of a lender with two paths (`fake:1`,
+/// `fake:2`) counted in `stats`, its sessions going to `lender` unless `rule` fails
+/// one (given the path's address); with the address of every session it opened, in
+/// order.
+fn path_engine(
+    index: u16,
+    lender: &SharedLender,
+    stats: &Arc<QueueStats>,
+    rule: impl Fn(&str) -> Option<ConnectError> + Send + 'static,
+) -> (QueueEngine, Arc<Mutex<Vec<String>>>) {
     let limits = Arc::new(DeviceLimits::from_device_info(&fake_link::geometry()));
     let mut target = LenderTarget::direct("fake:1", "disk", [1; 16]);
     target.alt_addrs = vec!["fake:2".into()];
-    let stats = Arc::new(QueueStats::new(1).with_paths(["fake:1".into(), "fake:2".into()]));
-    let mut e = QueueEngine::new(0, target, limits, Arc::clone(&stats));
+    let mut e = QueueEngine::new(index, target, limits, Arc::clone(stats));
     let opened = Arc::new(Mutex::new(Vec::<String>::new()));
     let mut inner = fake_link::opener(Arc::clone(lender));
     let log = Arc::clone(&opened);
     e.opener = Box::new(move |t, q| {
         log.lock().unwrap().push(t.addr.clone());
-        if refusing == Some(t.addr.as_str()) {
-            return Err(ConnectError::Refused {
-                addr: t.addr.clone(),
-                device: t.device.clone(),
-                status: devlend_fabric::HelloStatus::Denied,
-                message: "not this borrower".into(),
-            });
+        if let Some(e) = rule(&t.addr) {
+            return Err(e);
         }
         inner(t, q)
     });
     e.retry = Reconnector::new(
         Policy::backoff(Duration::ZERO, Duration::ZERO).deadline(Duration::from_secs(30)),
     );
-    e.connect().expect("the fake lender is up");
-    (e, stats, opened)
+    (e, opened)
+}
+
+/// What a silently cut path answers a connect with, after `wait`.
+fn cut_path(addr: &str, wait: Duration) -> ConnectError {
+    std::thread::sleep(wait);
+    ConnectError::Connect {
+        addr: addr.into(),
+        source: std::io::Error::from(std::io::ErrorKind::TimedOut),
+    }
+}
+
+#[test]
+fn a_queue_whose_path_is_cut_opens_on_the_next_and_later_queues_skip_it() {
+    let l = lender(Lender::default());
+    let stats = Arc::new(QueueStats::new(3).with_paths(["fake:1".into(), "fake:2".into()]));
+    let rule = |a: &str| (a == "fake:1").then(|| cut_path(a, Duration::ZERO));
+    // Queue 0 belongs on path 1, which is cut: its first open takes path 2 at once.
+    let (mut q0, opened0) = path_engine(0, &l, &stats, rule);
+    q0.connect().expect("path 2 takes it");
+    assert_eq!(*opened0.lock().unwrap(), ["fake:1", "fake:2"]);
+    // Queue 2 belongs on path 1 too: it does not try the path found down.
+    let (mut q2, opened2) = path_engine(2, &l, &stats, rule);
+    q2.connect().expect("path 2 takes it");
+    assert_eq!(*opened2.lock().unwrap(), ["fake:2"]);
+    let snap = stats.snapshot();
+    assert_eq!(
+        snap.paths
+            .iter()
+            .map(|p| (p.up, p.sessions))
+            .collect::<Vec<_>>(),
+        [(false, 0), (true, 2)]
+    );
+}
+
+#[test]
+fn the_deadline_counts_the_time_a_reconnect_blocked() {
+    let kinds = [Kind::Write, Kind::Flush];
+    let l = lender(Lender::default());
+    let mut e = engine(&l);
+    e.retry.set_deadline(Some(Duration::from_millis(100)));
+    // Every connect hangs 300 ms before it fails, as on a path cut silently.
+    let mut inner = fake_link::opener(Arc::clone(&l));
+    let gate = Arc::clone(&l);
+    e.opener = Box::new(move |t, q| {
+        if lock(&gate).down {
+            return Err(cut_path(&t.addr, Duration::from_millis(300)));
+        }
+        inner(t, q)
+    });
+    let (mem, mut queue) = guest(&kinds);
+    e.process_avail(&mut queue, &mem).expect("avail");
+    {
+        let mut l = lock(&l);
+        l.cut = true;
+        l.down = true;
+    }
+    // The one attempt ends past the deadline: the requests fail then, not one
+    // attempt later.
+    assert!(e.process_responses(&mut queue, &mem).expect("lost"));
+    assert_eq!(e.inflight(), 0);
+    assert_eq!([status(&mem, 0), status(&mem, 1)], [S_IOERR, S_IOERR]);
+}
+
+#[test]
+fn a_path_back_while_a_connect_hangs_on_another_takes_the_requests_before_the_deadline() {
+    let kinds = [Kind::Write; 2];
+    let heads: Vec<u16> = (0..kinds.len()).map(|i| head_of(&kinds, i)).collect();
+    let l = lender(Lender::default());
+    let stats = Arc::new(QueueStats::new(1).with_paths(["fake:1".into(), "fake:2".into()]));
+    // Path 1 is cut for good; path 2 is cut until the probe finds it back, which it
+    // does while a connect on path 1 hangs.
+    let cut2 = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let rule = {
+        let cut2 = Arc::clone(&cut2);
+        let stats = Arc::clone(&stats);
+        move |a: &str| match a {
+            "fake:1" if cut2.load(Ordering::Relaxed) => {
+                let e = cut_path(a, Duration::from_millis(300));
+                cut2.store(false, Ordering::Relaxed);
+                stats.paths[1].reachable();
+                Some(e)
+            }
+            "fake:2" if cut2.load(Ordering::Relaxed) => Some(cut_path(a, Duration::ZERO)),
+            _ => None,
+        }
+    };
+    let (mut e, opened) = path_engine(0, &l, &stats, rule);
+    e.connect().expect("path 1 is up");
+    e.retry.set_deadline(Some(Duration::from_millis(100)));
+    let (mem, mut queue) = guest(&kinds);
+    e.process_avail(&mut queue, &mem).expect("avail");
+    // Both paths drop: path 2 is found down first (another queue's session there).
+    cut2.store(true, Ordering::Relaxed);
+    stats.paths[1].failed();
+    lock(&l).cut = true;
+    e.process_responses(&mut queue, &mem).expect("lost");
+    // The queue's next path is 2, down: it tries path 1 (every path down), which hangs
+    // past the deadline while path 2 comes back; path 2 takes the requests.
+    e.on_timer(&mut queue, &mem).expect("timer");
+    assert_eq!(e.inflight(), 2, "nothing failed");
+    assert_eq!(stats.snapshot().errors_fabric, 0);
+    assert_eq!(lock(&l).heads_on(2), heads, "resent on path 2");
+    assert_eq!(
+        opened.lock().unwrap().last().map(String::as_str),
+        Some("fake:2")
+    );
 }
 
 #[test]
@@ -508,6 +630,10 @@ fn one_path_refusing_for_good_does_not_fail_the_requests_while_another_takes_the
         "resent on path 1's new session"
     );
     assert_eq!(stats.snapshot().errors_fabric, 0);
-    // A refusal is the lender's answer: the path itself is not marked down.
-    assert!(stats.snapshot().paths[1].up);
+    // The path that refused is marked down, and the probe, which only connects, does
+    // not mark it up again for a while: queues do not try it at every failback.
+    assert!(!stats.snapshot().paths[1].up);
+    stats.paths[1].reachable();
+    assert!(!stats.snapshot().paths[1].up, "rests after a refusal");
+    assert_eq!(stats.snapshot().paths[1].failures, 1);
 }
