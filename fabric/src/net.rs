@@ -42,6 +42,11 @@ pub const OFFLOAD_DATA_VALID: u8 = 2;
 /// [`FEATURE_NET_OFFLOAD`] was granted. Sent first on a session and again when the
 /// guest's features change; until then the guest takes none.
 pub const KIND_OFFLOADS: u8 = 0x23;
+/// Message kind: a heartbeat, no payload (borrower → lender only, after
+/// [`crate::FEATURE_HEARTBEAT`] was granted). The lender drops it; its TCP
+/// acknowledgement is what a borrower with several paths checks the path with
+/// (`docs/protocol.md`, "Paths and heartbeats").
+pub const KIND_HEARTBEAT: u8 = 0x24;
 /// Length of a [`KIND_OFFLOADS`] payload.
 pub const OFFLOADS_LEN: usize = 4;
 /// [`KIND_OFFLOADS`] bit: frames with NEEDS_CSUM or DATA_VALID (the guest acked
@@ -267,6 +272,13 @@ pub enum NetMessage<'a> {
     OffloadFrame(Offload, &'a [u8]),
     /// The offloaded frames the guest takes ([`KIND_OFFLOADS`] bits).
     Offloads(u32),
+    /// A heartbeat ([`KIND_HEARTBEAT`]): nothing to do.
+    Heartbeat,
+}
+
+/// Appends a [`KIND_HEARTBEAT`] message to `out`.
+pub fn encode_heartbeat(out: &mut Vec<u8>) {
+    out.extend_from_slice(&header(KIND_HEARTBEAT, 0));
 }
 
 /// Appends a [`KIND_OFFLOADS`] message (`RX_*` bits) to `out`.
@@ -328,6 +340,11 @@ pub fn decode(buf: &[u8]) -> Result<Option<(NetMessage<'_>, usize)>, WireError> 
                 return Err(WireError::Invalid("offloads message length"));
             }
         }
+        KIND_HEARTBEAT => {
+            if len != 0 {
+                return Err(WireError::Invalid("heartbeat message length"));
+            }
+        }
         _ => return Err(WireError::Invalid("frame message kind")),
     }
     let Ok(payload) = r.bytes(len) else {
@@ -350,6 +367,7 @@ pub fn decode(buf: &[u8]) -> Result<Option<(NetMessage<'_>, usize)>, WireError> 
             }
             NetMessage::Offloads(bits)
         }
+        KIND_HEARTBEAT => NetMessage::Heartbeat,
         _ => NetMessage::Link(LinkState::decode(payload)?),
     };
     Ok(Some((msg, total)))
@@ -358,6 +376,20 @@ pub fn decode(buf: &[u8]) -> Result<Option<(NetMessage<'_>, usize)>, WireError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_heartbeat_is_an_empty_message_and_one_with_a_payload_is_refused() {
+        let mut b = Vec::new();
+        encode_heartbeat(&mut b);
+        assert_eq!(b.len(), NET_HEADER_LEN);
+        assert_eq!(
+            decode(&b).unwrap(),
+            Some((NetMessage::Heartbeat, NET_HEADER_LEN))
+        );
+        let mut bad = header(KIND_HEARTBEAT, 4).to_vec();
+        bad.extend_from_slice(&[0; 4]);
+        assert!(decode(&bad).is_err());
+    }
 
     #[test]
     fn frames_and_link_round_trip_in_one_buffer() {

@@ -323,6 +323,7 @@ fn net_messages(data: &[u8]) {
                 net::encode_offload_frame(&o, f, &mut out);
             }
             NetMessage::Offloads(bits) => net::encode_offloads(bits, &mut out),
+            NetMessage::Heartbeat => net::encode_heartbeat(&mut out),
         }
         assert_eq!(out, &buf[..n], "message does not re-encode");
         at += n;

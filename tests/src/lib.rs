@@ -122,3 +122,23 @@ pub fn with_host_binaries(
     }
     b
 }
+
+/// A guest shell function, `now_ms`, that sets `ms` to the kernel's monotonic clock in
+/// milliseconds: `now at` in /proc/timer_list (in ns, read by the shell's own `read`,
+/// no process started for it), or /proc/uptime (10 ms) where that is missing. Sets
+/// `clock` to which one it uses. Put it in a guest script before its first `now_ms`.
+pub const GUEST_NOW_MS: &str = r#"
+clock=uptime
+if { read -r _; read -r _; read -r a b _; } < /proc/timer_list 2>/dev/null && [ "$a $b" = "now at" ]; then
+  clock=timer_list
+fi
+now_ms() {
+  if [ $clock = timer_list ]; then
+    { read -r _; read -r _; read -r _ _ ns _; } < /proc/timer_list
+    ms=$((ns / 1000000))
+  else
+    read -r up _ < /proc/uptime
+    ms=$(( ${up%.*} * 1000 + 1${up#*.} * 10 - 1000 ))
+  fi
+}
+"#;

@@ -7,9 +7,11 @@ use std::path::Path;
 use anyhow::Result;
 
 use crate::agents::{bin, spawn_in, wait_listening, Proc};
+use crate::lan::PeerLan;
 use crate::netns::{BlackHole, HostLink, Netns};
 
-/// The lender of `disk0` (a file) in namespace number `n`, on `0.0.0.0:7700` there.
+/// The lender of `disk0` (a file) or `nic0` in namespace number `n`, on `0.0.0.0:7700`
+/// there.
 pub struct TwoPathLender {
     /// Link 0 is the namespace's own veth.
     pub ns: Netns,
@@ -20,6 +22,8 @@ pub struct TwoPathLender {
     pub lender: Proc,
     /// `HOST:PORT` of the lender on link 0 and on link 1.
     pub paths: [String; 2],
+    /// The wire of the NIC it lends, with its peer host ([`Self::start_nic`]).
+    pub lan: Option<PeerLan>,
 }
 
 impl TwoPathLender {
@@ -29,6 +33,28 @@ impl TwoPathLender {
     /// # Errors
     /// `ip` fails (not root), or the lender does not start.
     pub fn start(n: u8, dir: &Path, img: &Path) -> Result<Self> {
+        Self::start_lending(n, dir, |_| Ok((format!("disk0={}", img.display()), None)))
+    }
+
+    /// Starts the lender of `nic0`: one end of a veth pair in its namespace, whose
+    /// other end is a peer host at `peer_cidr` ([`PeerLan`], tagged `tag`).
+    ///
+    /// # Errors
+    /// `ip` fails (not root), or the lender does not start.
+    pub fn start_nic(n: u8, dir: &Path, tag: &str, peer_cidr: &str) -> Result<Self> {
+        Self::start_lending(n, dir, |ns| {
+            let lan = PeerLan::new(tag, &ns.name, peer_cidr, 1500)?;
+            Ok((format!("nic0=net:{}", lan.lent_if), Some(lan)))
+        })
+    }
+
+    /// Starts the lender of the device `device` makes in the lender's namespace (its
+    /// `--device` value, and the peer's wire of a NIC).
+    fn start_lending(
+        n: u8,
+        dir: &Path,
+        device: impl FnOnce(&Netns) -> Result<(String, Option<PeerLan>)>,
+    ) -> Result<Self> {
         let ns = Netns::new(n)?;
         let link2 = ns.second_link()?;
         // A cut path answers nothing, not even through the default route.
@@ -37,6 +63,7 @@ impl TwoPathLender {
             format!("{}:7700", ns.ns_ip),
             format!("{}:7700", link2.ns_ip),
         ];
+        let (device, lan) = device(&ns)?;
         let mut lender = spawn_in(
             Some(&ns.name),
             "device-agent",
@@ -45,7 +72,7 @@ impl TwoPathLender {
                 "--listen".into(),
                 "0.0.0.0:7700".into(),
                 "--device".into(),
-                format!("disk0={}", img.display()),
+                device,
                 "--insecure".into(),
             ],
             dir,
@@ -58,6 +85,7 @@ impl TwoPathLender {
             _black_hole: black_hole,
             lender,
             paths,
+            lan,
         })
     }
 

@@ -37,21 +37,8 @@ const MAX_SECONDS: u64 = 150;
 const SCRIPT: &str = r#"
 devlend-wait-for /dev/vda 30
 echo "DEVLEND-RESULT hw_queues=$(ls /sys/block/vda/mq | wc -l)"
-clock=uptime
-if { read -r _; read -r _; read -r a b _; } < /proc/timer_list 2>/dev/null && [ "$a $b" = "now at" ]; then
-  clock=timer_list
-fi
+NOW_MS
 echo "DEVLEND-RESULT clock=$clock"
-# Sets ms: the monotonic clock in milliseconds.
-now_ms() {
-  if [ $clock = timer_list ]; then
-    { read -r _; read -r _; read -r _ _ ns _; } < /proc/timer_list
-    ms=$((ns / 1000000))
-  else
-    read -r up _ < /proc/uptime
-    ms=$(( ${up%.*} * 1000 + 1${up#*.} * 10 - 1000 ))
-  fi
-}
 g=0; bad=0; max=0; max_gen=0; min=999999; total=0
 now_ms; start=$ms
 echo "DEVLEND-RESULT workload=started"
@@ -170,6 +157,7 @@ fn a_guest_rides_out_silent_cuts_of_either_path_without_a_pause_of_a_second() ->
     ])?;
 
     let script = SCRIPT
+        .replace("NOW_MS", devlend_tests::GUEST_NOW_MS)
         .replace("STOP_MARK", STOP)
         .replace("STOP_BLOCK", &(STOP_AT / 4096).to_string())
         .replace("BLOCKS", &BLOCKS.to_string())

@@ -120,7 +120,7 @@ impl Attachment {
 
     /// A lent NIC on vhost-user-net: `num_queues` counts queue pairs.
     fn start_nic(
-        mut config: AttachmentConfig,
+        config: AttachmentConfig,
         hold: Option<Holder>,
         shared: Arc<Serving>,
         listener: Listener,
@@ -131,9 +131,6 @@ impl Attachment {
         if config.num_queues > MAX_QUEUE_PAIRS {
             return Err(AttachmentError::QueuePairs(config.num_queues));
         }
-        // A NIC's queue pairs use the first path only, as with one (no heartbeats
-        // there, so no short user timeout either); the holding session keeps them all.
-        config.lender.alt_addrs.clear();
         let link = nic.link();
         crate::net::spec::check_link(&link).map_err(AttachmentError::BadLink)?;
         let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));

@@ -324,6 +324,11 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// it is marked down for the others.
 pub const PATH_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// With several paths, how often a session sends a heartbeat (a disk's while requests
+/// are in flight, a NIC's always): with [`PATH_USER_TIMEOUT`], a path that drops
+/// silently is left at most this plus that after the drop.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(100);
+
 /// With several paths, how long data sent on a session may stay unacknowledged by the
 /// lender's TCP before the session is declared lost (`TCP_USER_TIMEOUT`; one path
 /// rides out a cut for 15 s instead, since it has nowhere else to go).

@@ -12,6 +12,10 @@
 //!
 //! A lost connection is retried at once, then every 100 ms doubling to 2 s, from the
 //! worker's timer; the lender's link messages set the link state seen by the agent.
+//! With several paths to the lender, pair *i* starts on path *i mod n*, sends a
+//! heartbeat every 100 ms (the session's 300 ms `TCP_USER_TIMEOUT` turns a silent cut
+//! into an error), and a lost session reopens on the next path (`docs/faults.md`,
+//! "Paths").
 //!
 //! The transmit side is in `tx`; a frame into the guest's receive buffers (or held for
 //! them) in `recv`; the counters in [`crate::net::stats`].
@@ -29,6 +33,7 @@ use devlend_fabric::reconnect::{Policy, Reconnector};
 use virtio_queue::{Queue, QueueT};
 
 use crate::guest::GuestMemory;
+use crate::lender::target::HEARTBEAT_EVERY;
 use crate::lender::{DisplayChain, LenderTarget, RetryTimer};
 use crate::net::rx::{deliver, Delivery};
 use crate::net::spec::NET_HDR_LEN;
@@ -103,6 +108,12 @@ pub struct PairEngine {
     /// No session is opened (the guest does not run the pair yet, or a live
     /// migration's source let the NIC go): [`Self::resume`] ends it.
     paused: bool,
+    /// The path the session is on, or the next opens on (of
+    /// [`LenderTarget::path_count`]); pairs start spread over the paths.
+    path: usize,
+    /// The session was granted heartbeats (several paths): one goes out every
+    /// [`HEARTBEAT_EVERY`], at this instant next.
+    heartbeat_at: Option<Instant>,
 }
 
 impl PairEngine {
@@ -117,6 +128,7 @@ impl PairEngine {
         stats: Arc<NetStats>,
     ) -> io::Result<Self> {
         let vq = index.saturating_mul(2);
+        let target_paths = target.path_count();
         Ok(PairEngine {
             rx_broken: BrokenQueue::new(name.clone(), vq),
             tx_broken: BrokenQueue::new(name.clone(), vq.saturating_add(1)),
@@ -137,6 +149,8 @@ impl PairEngine {
             offload: false,
             accept: 0,
             paused: false,
+            path: usize::from(index) % target_paths,
+            heartbeat_at: None,
         })
     }
 
@@ -285,9 +299,23 @@ impl PairEngine {
     /// # Errors
     /// The connection or handshake failed, or the lender's device is not a NIC.
     pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
+        let r = self.open();
+        if r.is_err() {
+            // The next attempt goes to the next path.
+            self.path = (self.path + 1) % self.target.path_count();
+        }
+        r
+    }
+
+    /// Opens the fabric session on [`Self::path`](PairEngine).
+    fn open(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
         let mut hello = self.target.hello(self.index);
         hello.features |= FEATURE_NET;
-        let (stream, reply) = (self.opener)(&self.target, &hello)?;
+        let (stream, reply) = if self.target.path_count() == 1 {
+            (self.opener)(&self.target, &hello)?
+        } else {
+            (self.opener)(&self.target.on_path(self.path), &hello)?
+        };
         let Some(nic) = reply.nic().filter(|_| reply.features & FEATURE_NET != 0) else {
             return Err(devlend_fabric::tcp::ConnectError::Refused {
                 addr: self.target.addr.clone(),
@@ -312,6 +340,9 @@ impl PairEngine {
             });
         }
         self.offload = reply.features & FEATURE_NET_OFFLOAD != 0;
+        self.heartbeat_at = (self.target.path_count() > 1
+            && reply.features & devlend_fabric::FEATURE_HEARTBEAT != 0)
+            .then(|| Instant::now() + HEARTBEAT_EVERY);
         self.stats.link_up.store(link.up, Ordering::Relaxed);
         self.stats.mtu.store(link.mtu, Ordering::Relaxed);
         if self.generation > 0 {
@@ -328,7 +359,9 @@ impl PairEngine {
         // The backoff is reset only once the session has lived (see `lose`): a lender
         // that takes the hello and then fails at once is retried with backoff too.
         self.retry.connected(Instant::now());
-        devlend_fabric::limited!(info, attachment = %self.name, pair = self.index, "fabric session open");
+        devlend_fabric::limited!(info, attachment = %self.name, pair = self.index, path = %self.target.path_addr(self.path), "fabric session open");
+        // The first heartbeat's wake-up.
+        self.arm_timer();
         Ok(())
     }
 
@@ -336,6 +369,10 @@ impl PairEngine {
         if self.conn.take().is_none() {
             return;
         }
+        self.heartbeat_at = None;
+        // With several paths the next session opens on the next one (the lender fences
+        // this one when it does).
+        self.path = (self.path + 1) % self.target.path_count();
         self.stats.disconnected();
         self.retry.lost(Instant::now());
         tracing::warn!(attachment = %self.name, pair = self.index, reason = why, "fabric session lost; frames are dropped until it is back");
@@ -355,6 +392,9 @@ impl PairEngine {
     fn arm_timer(&mut self) {
         let now = Instant::now();
         let mut next = self.retry.retry_at();
+        if let Some(at) = self.heartbeat_at {
+            next = Some(next.map_or(at, |n| n.min(at)));
+        }
         if let Some((t, _, _)) = self.held.front() {
             let expiry = *t + HOLD;
             next = Some(next.map_or(expiry, |n| n.min(expiry)));
@@ -397,6 +437,7 @@ impl PairEngine {
                 self.schedule_retry();
             }
         }
+        self.send_heartbeat();
         let used = match rxq {
             Some(q) => self.deliver_held(q, mem)?,
             None => false,
@@ -404,6 +445,22 @@ impl PairEngine {
         self.expire_held();
         self.arm_timer();
         Ok(used)
+    }
+
+    /// Sends a heartbeat when one is due (several paths): what the lender's TCP must
+    /// acknowledge within the path's user timeout, or the session fails and the pair
+    /// moves to the next path. Not while frames wait to be written: they are checked
+    /// the same way.
+    fn send_heartbeat(&mut self) {
+        let now = Instant::now();
+        if self.conn.is_none() || self.heartbeat_at.is_none_or(|at| now < at) {
+            return;
+        }
+        self.heartbeat_at = Some(now + HEARTBEAT_EVERY);
+        if self.out.is_empty() {
+            net::encode_heartbeat(&mut self.out);
+            self.flush();
+        }
     }
 
     fn expire_held(&mut self) {
@@ -551,6 +608,11 @@ impl PairEngine {
                     Ok(Some((NetMessage::Offloads(_), _))) => {
                         self.pstats().errors.fetch_add(1, Ordering::Relaxed);
                         self.lose("protocol error: an offloads message from the lender");
+                        return Ok(used);
+                    }
+                    Ok(Some((NetMessage::Heartbeat, _))) => {
+                        self.pstats().errors.fetch_add(1, Ordering::Relaxed);
+                        self.lose("protocol error: a heartbeat from the lender");
                         return Ok(used);
                     }
                     Ok(Some((NetMessage::Link(l), len))) => {

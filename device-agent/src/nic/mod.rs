@@ -215,6 +215,8 @@ impl crate::kind::LentKind for Nic {
     ) -> Result<Opened<Box<dyn TcpSession + 'a>>, Refused> {
         use devlend_fabric::net::{FEATURE_NET, FEATURE_NET_OFFLOAD};
         let offload = at.hello.features & FEATURE_NET_OFFLOAD;
+        // Heartbeat messages are read (and dropped) on every queue-pair session.
+        let heartbeat = at.hello.features & devlend_fabric::FEATURE_HEARTBEAT;
         let session: Box<dyn TcpSession + 'a> =
             if at.hello.queue_index == crate::holding::CONTROL_QUEUE {
                 Box::new(crate::session::open::Holding)
@@ -229,7 +231,7 @@ impl crate::kind::LentKind for Nic {
                 })
             };
         Ok(Opened {
-            features: FEATURE_NET | offload,
+            features: FEATURE_NET | offload | heartbeat,
             credit: None,
             session,
         })
@@ -246,6 +248,13 @@ impl crate::kind::LentKind for Nic {
 
     fn resource_class(&self) -> String {
         "NIC".into()
+    }
+
+    /// A queue pair's new session (another path, after a silent cut) ends the old one:
+    /// its packet socket would otherwise take half the pair's received frames into a
+    /// dead connection until the lender's keepalive noticed.
+    fn fences_earlier_sessions(&self) -> bool {
+        true
     }
 
     fn view(&self) -> crate::kind_view::KindView {

@@ -303,6 +303,9 @@ impl Pump<'_> {
                         self.accept = bits;
                         at += len;
                     }
+                    // Its TCP acknowledgement was the point (a borrower with several
+                    // paths checks the path with it); nothing to do.
+                    Ok(Some((NetMessage::Heartbeat, len))) => at += len,
                     Ok(Some((NetMessage::Link(_), _))) => {
                         return Some(End::Protocol("link message from the borrower".into()))
                     }

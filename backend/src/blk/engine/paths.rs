@@ -13,10 +13,7 @@ use crate::lender::DisplayChain;
 /// moves back to its own, once that is up again and the queue has nothing in flight.
 pub const FAILBACK_AFTER: Duration = Duration::from_secs(1);
 
-/// With several paths, how often a session with requests in flight sends a heartbeat:
-/// with [`crate::lender::target::PATH_USER_TIMEOUT`], a path that drops silently is
-/// left at most this plus that after the drop.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(100);
+pub use crate::lender::target::HEARTBEAT_EVERY;
 
 impl QueueEngine {
     /// A session opened on `self.path`; `heartbeat`: it carries heartbeats. Counts a

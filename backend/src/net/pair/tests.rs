@@ -37,6 +37,8 @@ struct Lender {
     sessions: u32,
     down: bool,
     ends: Vec<UnixStream>,
+    /// The address each session was opened on, in order.
+    addrs: Vec<String>,
 }
 
 type Shared = Arc<Mutex<Lender>>;
@@ -48,7 +50,7 @@ fn lock(l: &Shared) -> std::sync::MutexGuard<'_, Lender> {
 /// Sessions to `lender`: a unix socket pair, the pair's end in a `Stream`, the reply a
 /// lender of a 1500-byte link that is up gives.
 fn opener(lender: Shared) -> PairOpener {
-    Box::new(move |target, _hello| {
+    Box::new(move |target, hello| {
         let mut l = lock(&lender);
         if l.down {
             return Err(ConnectError::Connect {
@@ -61,13 +63,15 @@ fn opener(lender: Shared) -> PairOpener {
             .expect("timeout");
         l.sessions += 1;
         l.ends.push(far);
+        l.addrs.push(target.addr.clone());
         let link = LinkState {
             up: true,
             mtu: 1500,
             mac: [2, 0, 0, 0, 0, 1],
         };
         let mut reply = HelloReply::ok(NicLink::new(&link, 0));
-        reply.features = FEATURE_NET;
+        // Heartbeats, when asked for (a target with several paths).
+        reply.features = FEATURE_NET | (hello.features & devlend_fabric::FEATURE_HEARTBEAT);
         Ok((Stream::Tls(near), reply))
     })
 }
@@ -352,4 +356,51 @@ fn a_full_socket_leaves_the_transmitq_alone_until_it_drains() {
     assert!(got.iter().all(|g| *g == f), "every frame whole");
     let s = snapshot(&stats);
     assert_eq!((s.tx_packets, s.tx_drops), (u64::from(n), 0));
+}
+
+#[test]
+fn with_two_paths_a_pair_sends_heartbeats_and_reopens_on_the_next_path() {
+    let lender = Arc::new(Mutex::new(Lender::default()));
+    let stats = Arc::new(NetStats::new(2, true, 1500));
+    let mut target = LenderTarget::direct("fake:1", "nic", [1; 16]);
+    target.alt_addrs = vec!["fake:2".into()];
+    // Pair 1 starts on path 2: pairs spread over the paths.
+    let mut e = PairEngine::new(1, "nic".into(), target, Arc::clone(&stats)).expect("timerfd");
+    e.opener = opener(Arc::clone(&lender));
+    e.retry = Reconnector::new(Policy::backoff(Duration::ZERO, Duration::ZERO));
+    e.connect().expect("the fake lender is up");
+    assert_eq!(lock(&lender).addrs, ["fake:2"]);
+    let mem = memory();
+    // A heartbeat message is due every HEARTBEAT_EVERY, on an idle session too.
+    std::thread::sleep(HEARTBEAT_EVERY);
+    e.on_timer(None, &mem).expect("rings");
+    let mut end = far(&lender);
+    let mut got = [0u8; net::NET_HEADER_LEN];
+    end.read_exact(&mut got).expect("a heartbeat");
+    assert_eq!(
+        net::decode(&got).expect("well-formed"),
+        Some((NetMessage::Heartbeat, net::NET_HEADER_LEN))
+    );
+    // The session drops: the next opens on the other path.
+    drop(end);
+    lock(&lender).ends.clear();
+    assert!(!e.on_fabric(None, &mem).expect("rings"));
+    assert!(e.fabric_fd().0.is_none());
+    e.on_timer(None, &mem).expect("rings");
+    assert!(e.fabric_fd().0.is_some(), "reconnected");
+    assert_eq!(lock(&lender).addrs, ["fake:2", "fake:1"]);
+}
+
+#[test]
+fn with_one_path_a_pair_sends_no_heartbeat() {
+    let lender = Arc::new(Mutex::new(Lender::default()));
+    let (mut e, _) = pair(&lender);
+    let mem = memory();
+    std::thread::sleep(HEARTBEAT_EVERY);
+    e.on_timer(None, &mem).expect("rings");
+    let mut end = far(&lender);
+    end.set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("timeout");
+    let mut got = [0u8; 1];
+    assert!(end.read(&mut got).is_err(), "nothing sent");
 }
