@@ -20,7 +20,7 @@ impl Attachment {
     pub(super) fn start_vhost(config: AttachmentConfig) -> Result<Self, AttachmentError> {
         // This session holds the device on the lender for the attachment's lifetime
         // (a device is lent to one borrower at a time); it carries no I/O.
-        let (hold, reply) =
+        let (hold, reply, hold_path) =
             crate::blk::holder::open(&config.lender).map_err(AttachmentError::Lender)?;
         let lent = match &reply.device {
             Some(DeviceDescription::Block(g)) => Lent::Block(g),
@@ -54,7 +54,7 @@ impl Attachment {
         // An RDMA attachment fails now, with the reason, when RDMA cannot work (no
         // device, no route, the lender not serving it), not later at the first request.
         crate::blk::engine::probe_transport(&config.lender).map_err(AttachmentError::Lender)?;
-        let holder = Holder::start(&config.id, config.lender.clone(), hold)
+        let holder = Holder::start(&config.id, config.lender.clone(), hold, hold_path)
             .map_err(AttachmentError::Thread)?;
         let shared = Arc::new(Serving {
             handover: Arc::new(crate::handover::Handover::new(Some(holder.control()))),

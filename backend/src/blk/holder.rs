@@ -78,14 +78,17 @@ impl Control {
     }
 }
 
-/// Opens the holding session, retrying "busy" for [`BUSY_RETRY`].
+/// Opens the holding session, retrying "busy" for [`BUSY_RETRY`]; returns it with the
+/// path it opened on (of [`LenderTarget::path_count`]).
 ///
 /// # Errors
 /// The lender's refusal or the connection error.
-pub fn open(target: &LenderTarget) -> Result<(Stream, devlend_fabric::HelloReply), ConnectError> {
+pub fn open(
+    target: &LenderTarget,
+) -> Result<(Stream, devlend_fabric::HelloReply, usize), ConnectError> {
     Reconnector::new(OPEN)
         .run(&SystemClock, |_| match target.open_any(CONTROL_QUEUE, 0) {
-            Ok((s, r, _)) => Attempt::Done((s, r)),
+            Ok(opened) => Attempt::Done(opened),
             Err(e) if is_busy(&e) => Attempt::Failed(e),
             Err(e) => Attempt::Refused(e),
         })
@@ -133,12 +136,17 @@ fn lock(m: &Mutex<Option<Stream>>) -> std::sync::MutexGuard<'_, Option<Stream>> 
 }
 
 impl Holder {
-    /// Watches `stream` (an open holding session) on a thread, re-establishing it when
-    /// it drops.
+    /// Watches `stream` (an open holding session, on path `path`) on a thread,
+    /// re-establishing it when it drops (from the path after `path`).
     ///
     /// # Errors
     /// The thread or a socket handle could not be created.
-    pub fn start(name: &str, target: LenderTarget, stream: Stream) -> std::io::Result<Holder> {
+    pub fn start(
+        name: &str,
+        target: LenderTarget,
+        stream: Stream,
+        path: usize,
+    ) -> std::io::Result<Holder> {
         let stop = Arc::new(AtomicBool::new(false));
         let control = Arc::new(Control::default());
         *lock(&control.current) = Some(stream.try_clone()?);
@@ -146,7 +154,7 @@ impl Holder {
             let (stop, control, name) = (stop.clone(), control.clone(), name.to_owned());
             std::thread::Builder::new()
                 .name(format!("hold-{name}"))
-                .spawn(move || watch(&name, &target, stream, &stop, &control))?
+                .spawn(move || watch(&name, &target, stream, path, &stop, &control))?
         };
         Ok(Holder {
             stop,
@@ -194,13 +202,13 @@ fn watch(
     name: &str,
     target: &LenderTarget,
     mut stream: Stream,
+    mut path: usize,
     stop: &AtomicBool,
     control: &Control,
 ) {
     let mut retry = Reconnector::new(REOPEN);
     retry.connected(Instant::now());
     // With several paths, a lost holding session is opened again from the next path.
-    let mut path = 0;
     loop {
         // Nothing is ever sent on this session: a read returns only at its end.
         let mut sink = [0u8; 64];
