@@ -48,9 +48,10 @@ pub enum MigrateCmd {
         /// The token `devlend migrate handover` printed on the source.
         #[arg(long, value_name = "TOKEN")]
         handover_token: String,
-        /// Lender address, HOST:PORT (as on the source).
-        #[arg(long)]
-        lender: String,
+        /// Lender address, HOST:PORT (as on the source). Given again, more paths to the
+        /// same lender, as the source's `--lender`s (the handover prints them all).
+        #[arg(long, required = true)]
+        lender: Vec<String>,
         /// Device name on the lender.
         #[arg(long)]
         device: String,
@@ -166,7 +167,11 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
                     KindInfo::Pci(_) => String::new(),
                 })
                 .unwrap_or_default();
-            println!("on the destination (and --lender-key, --reconnect-deadline as on this host):\n  devlend migrate prepare --handover-token {} --lender {} --device {}{pool} --id {id}{queues} --socket <path>", h.handover_token, h.lender, h.device);
+            let lenders: String = std::iter::once(&h.lender)
+                .chain(&h.paths)
+                .map(|l| format!(" --lender {l}"))
+                .collect();
+            println!("on the destination (and --lender-key, --reconnect-deadline as on this host):\n  devlend migrate prepare --handover-token {}{lenders} --device {}{pool} --id {id}{queues} --socket <path>", h.handover_token, h.device);
         }
         MigrateCmd::Prepare {
             handover_token,
@@ -200,10 +205,11 @@ pub fn run(api: &Path, cmd: MigrateCmd) -> Result<()> {
                     None,
                 )
             };
+            let mut lender = lender.into_iter();
             let a = client.attach(&AttachRequest {
                 id,
-                lender,
-                paths: Vec::new(),
+                lender: lender.next().unwrap_or_default(),
+                paths: lender.collect(),
                 device,
                 socket,
                 queues,

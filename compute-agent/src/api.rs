@@ -136,6 +136,10 @@ pub struct HandoverInfo {
     pub attachment: String,
     /// Lender address.
     pub lender: String,
+    /// More paths to the same lender (`HOST:PORT` each), as the source was attached with:
+    /// the destination attaches with them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<String>,
     /// Device name on the lender.
     pub device: String,
     /// The token the destination attaches with (`handover_token`; unpadded base64url).

@@ -200,6 +200,16 @@ fn silent_cuts_of_either_path_cost_under_a_second_and_no_error() {
         });
         assert!(up.is_some_and(|l| l.ends_with(" 1")), "{p}: {text}");
     }
+    // A live migration's handover names every path, and tells the destination to
+    // attach with them all.
+    let out = r.borrower.cli(&["migrate", "handover", "disk0"]).unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let both = format!("--lender {} --lender {} ", r.paths[0], r.paths[1]);
+    assert!(text.contains(&both), "{text}");
+    r.borrower
+        .cli_json(&["migrate", "cancel", "disk0"])
+        .unwrap();
     // Every block at its last generation, on the lender's own file.
     let img = std::fs::read(r.dir.path().join("disk0.img")).unwrap();
     for b in 0..BLOCKS {

@@ -419,6 +419,7 @@ fn the_openapi_document_describes_the_requests() {
     let info = HandoverInfo {
         attachment: "a0".into(),
         lender: "l".into(),
+        paths: vec!["m:1".into()],
         device: "d".into(),
         handover_token: "t".into(),
         lease: "00".repeat(16),

@@ -150,7 +150,7 @@ impl Registry {
                 .map(|k| k.to_bytes());
             (
                 e.attachment.config().lender.device.clone(),
-                e.request.lender.clone(),
+                (e.request.lender.clone(), e.request.paths.clone()),
                 e.borrower,
                 own,
                 pool,
@@ -224,7 +224,8 @@ impl Registry {
         tracing::info!(id, to = %lease, "handover asked: the device is let go when the VM stops");
         Ok(HandoverInfo {
             attachment: id.to_owned(),
-            lender,
+            lender: lender.0,
+            paths: lender.1,
             device,
             handover_token: token,
             lease,
