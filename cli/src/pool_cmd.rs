@@ -403,7 +403,12 @@ pub fn providers_table(providers: &[Provider], now_ms: u64) -> String {
             vec![
                 short(&p.id),
                 p.name.clone(),
-                p.fabric_address.clone(),
+                // The first address, then the further paths.
+                std::iter::once(&p.fabric_address)
+                    .chain(&p.fabric_paths)
+                    .map(String::as_str)
+                    .collect::<Vec<_>>()
+                    .join(","),
                 p.transports.join(","),
                 if p.available {
                     "available"
@@ -443,6 +448,7 @@ mod tests {
             provider: "lender-a".into(),
             provider_id: uuid::Uuid::nil(),
             fabric_address: "a:7700".into(),
+            fabric_paths: vec![],
             name: "disk0".into(),
             resource_class: "BLOCK".into(),
             capacity_bytes: 10 << 30,
@@ -464,5 +470,23 @@ mod tests {
         );
         assert!(lines[1].contains("available"), "{t}");
         assert_eq!(devices_table(&[]), "no devices\n");
+    }
+
+    #[test]
+    fn providers_table_lists_every_address() {
+        let p = Provider {
+            id: uuid::Uuid::nil(),
+            name: "lender-a".into(),
+            fabric_address: "a:7700".into(),
+            fabric_paths: vec!["b:7700".into(), "c:7700".into()],
+            transports: vec!["tcp".into()],
+            heartbeat_ttl_ms: 6000,
+            generation: 1,
+            available: true,
+            last_heartbeat_ms: 0,
+            devices: vec![],
+        };
+        let t = providers_table(&[p], 0);
+        assert!(t.contains("a:7700,b:7700,c:7700"), "{t}");
     }
 }

@@ -46,7 +46,8 @@ pub struct AttachRequest {
     /// carries heartbeats, and moves to the next path within about 400 ms when its own
     /// drops, the lender fencing the old one before the requests are resent
     /// (`docs/faults.md`, "Paths"). At most 7; direct `lender` only (not through a
-    /// gateway); not with `kind` `pci`. Default: none.
+    /// gateway); not with `kind` `pci`. Default: none; with `lease`, the further
+    /// addresses its lender registered with the pool (`fabric_paths`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub paths: Vec<String>,
     /// Device name on the lender, or with an empty `lender` a device address

@@ -259,6 +259,12 @@ impl CheckedLease {
         &self.lender
     }
 
+    /// The lender's further fabric addresses, as the pool gave them with the lease;
+    /// none when restored offline (the saved attachment keeps the paths it had).
+    pub fn paths(&self) -> &[String] {
+        self.lease.as_ref().map_or(&[], |l| &l.fabric_paths)
+    }
+
     /// Binds the lease (claimed → bound) and renews it on a new thread until
     /// [`LeaseKeeper::release`].
     ///
@@ -473,6 +479,7 @@ mod tests {
             device: "disk0".into(),
             provider: "devsrv".into(),
             fabric_address: "10.0.0.2:7700".into(),
+            fabric_paths: vec![],
             consumer: "vm1".into(),
             compute_host: "computehost".into(),
             state: LeaseState::Claimed,

@@ -85,6 +85,8 @@ type Started = (
     Option<LeaseKeeper>,
     [u8; 16],
     Vec<u8>,
+    // The paths beside the lender's address: the request's, or its lease's.
+    Vec<String>,
 );
 
 /// Lifetime of a direct-mode handover token (10 years): the destination presents it

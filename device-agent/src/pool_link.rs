@@ -304,6 +304,7 @@ impl Drop for PoolLink {
 fn registration(s: &PoolSession, inventory: &InventoryView) -> RegisterProvider {
     RegisterProvider {
         fabric_address: s.advertise.clone(),
+        fabric_paths: s.config.advertise_paths.clone(),
         transports: vec!["tcp".into()],
         heartbeat_ttl_ms: s.config.heartbeat_interval_ms * MISSED_HEARTBEATS,
         devices: inventory

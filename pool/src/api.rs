@@ -28,6 +28,8 @@ pub const MAX_HEARTBEAT_TTL_MS: u64 = 3_600_000;
 pub const MAX_CAPACITY_BYTES: u64 = 1 << 60;
 /// Most devices one provider may register.
 pub const MAX_DEVICES_PER_PROVIDER: usize = 4096;
+/// Most further fabric addresses (`fabric_paths`) one provider may register.
+pub const MAX_FABRIC_PATHS: usize = 7;
 /// Most traits one device (or one request) may carry.
 pub const MAX_TRAITS: usize = 64;
 /// Longest name, consumer, compute host, address, trait or class, in bytes (the lease
@@ -125,6 +127,11 @@ pub struct SigningKey {
 pub struct RegisterProvider {
     /// Where borrowers reach the lender's fabric server, `HOST:PORT`.
     pub fabric_address: String,
+    /// Further addresses of the same fabric server (another network or NIC), `HOST:PORT`
+    /// each, no wildcard, distinct, at most 7: a leased block device is attached over
+    /// all of them (docs/faults.md, "Paths").
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fabric_paths: Vec<String>,
     /// Fabric transports the lender serves (`tcp`, `rdma`), lower case.
     #[serde(default)]
     pub transports: Vec<String>,
@@ -169,6 +176,9 @@ pub struct Provider {
     pub name: String,
     /// `HOST:PORT` of its fabric server.
     pub fabric_address: String,
+    /// Its further fabric addresses, as registered.
+    #[serde(default)]
+    pub fabric_paths: Vec<String>,
     /// Transports it serves.
     pub transports: Vec<String>,
     /// Heartbeat time to live, in ms.
@@ -208,6 +218,9 @@ pub struct Device {
     pub provider_id: Uuid,
     /// `HOST:PORT` of the provider's fabric server.
     pub fabric_address: String,
+    /// The provider's further fabric addresses.
+    #[serde(default)]
+    pub fabric_paths: Vec<String>,
     /// Device name on the lender.
     pub name: String,
     /// `BLOCK`, `NIC` or `PCI_<vendor>_<device>`.
@@ -374,6 +387,10 @@ pub struct Lease {
     pub provider: String,
     /// `HOST:PORT` of the lender's fabric server.
     pub fabric_address: String,
+    /// The lender's further fabric addresses when the lease was granted: the
+    /// attachment's further paths (a block device's; not a PCIe function's).
+    #[serde(default)]
+    pub fabric_paths: Vec<String>,
     /// Holder (a VM's id).
     pub consumer: String,
     /// The compute host the holder runs on.

@@ -1,7 +1,7 @@
 //! Syntax and bounds of what clients send, checked before anything reaches the database.
 
 use crate::api::{
-    DeviceSpec, RegisterProvider, MAX_CAPACITY_BYTES, MAX_DEVICES_PER_PROVIDER,
+    DeviceSpec, RegisterProvider, MAX_CAPACITY_BYTES, MAX_DEVICES_PER_PROVIDER, MAX_FABRIC_PATHS,
     MAX_HEARTBEAT_TTL_MS, MAX_LEASE_TTL_MS, MAX_NAME_LEN, MAX_TRAITS, MIN_HEARTBEAT_TTL_MS,
     MIN_LEASE_TTL_MS,
 };
@@ -106,6 +106,41 @@ pub fn address(v: &str) -> Result<()> {
     }
 }
 
+/// A provider's further fabric addresses beside `primary`: at most
+/// [`MAX_FABRIC_PATHS`], each an [`address`] that is not a wildcard, all distinct.
+pub fn fabric_paths(primary: &str, paths: &[String]) -> Result<()> {
+    if paths.len() > MAX_FABRIC_PATHS {
+        return Err(Error::invalid(format!(
+            "{} fabric_paths given, at most {MAX_FABRIC_PATHS} beside fabric_address",
+            paths.len()
+        )));
+    }
+    let mut seen = vec![primary];
+    for p in paths {
+        address(p)?;
+        if p.contains('/') {
+            return Err(Error::invalid(format!(
+                "fabric_paths address {p:?} is not HOST:PORT"
+            )));
+        }
+        let wildcard = p
+            .rsplit_once(':')
+            .is_some_and(|(host, _)| matches!(host, "0.0.0.0" | "[::]" | "::" | "*"));
+        if wildcard {
+            return Err(Error::invalid(format!(
+                "fabric_paths address {p:?} is a wildcard: give one borrowers can reach"
+            )));
+        }
+        if seen.contains(&p.as_str()) {
+            return Err(Error::invalid(format!(
+                "fabric address {p:?} is given twice"
+            )));
+        }
+        seen.push(p);
+    }
+    Ok(())
+}
+
 /// A capacity in bytes: at most [`MAX_CAPACITY_BYTES`].
 pub fn capacity(what: &str, v: u64) -> Result<()> {
     if v > MAX_CAPACITY_BYTES {
@@ -135,6 +170,7 @@ pub fn generation(v: u64) -> Result<i64> {
 pub fn registration(name_: &str, r: &RegisterProvider) -> Result<Vec<DeviceSpec>> {
     name("provider name", name_)?;
     address(&r.fabric_address)?;
+    fabric_paths(&r.fabric_address, &r.fabric_paths)?;
     if r.transports.len() > 8
         || r.transports.iter().any(|t| {
             t.is_empty()
@@ -227,5 +263,30 @@ mod tests {
         for bad in ["", "devsrv", ":7700", "h:0", "h:99999", "h :1"] {
             assert!(address(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn further_fabric_addresses() {
+        let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(fabric_paths("a:1", &[]).is_ok());
+        assert!(fabric_paths("a:1", &v(&["b:1", "10.0.0.2:7700", "[fd00::2]:7700"])).is_ok());
+        let seven = v(&["b:1", "b:2", "b:3", "b:4", "b:5", "b:6", "b:7"]);
+        assert!(fabric_paths("a:1", &seven).is_ok());
+        let mut eight = seven.clone();
+        eight.push("b:8".into());
+        assert!(fabric_paths("a:1", &eight).is_err());
+        for bad in [
+            "0.0.0.0:7700",
+            "[::]:7700",
+            "b",
+            "b:0",
+            ":7700",
+            "b :1",
+            "b:1,c:1",
+            "a:1",
+        ] {
+            assert!(fabric_paths("a:1", &v(&[bad])).is_err(), "{bad}");
+        }
+        assert!(fabric_paths("a:1", &v(&["b:1", "b:1"])).is_err());
     }
 }

@@ -41,6 +41,7 @@ fn stranger(pool: &TestPool) -> PoolClient {
 fn registration(addr: &str) -> devlend_pool::api::RegisterProvider {
     devlend_pool::api::RegisterProvider {
         fabric_address: addr.into(),
+        fabric_paths: vec![],
         transports: vec!["tcp".into()],
         heartbeat_ttl_ms: 60_000,
         devices: vec![device("disk0", "BLOCK", GIB, &["FABRIC_TCP"])],
@@ -410,6 +411,7 @@ fn an_enrolled_key_cannot_join_as_another(backend: Backend) {
         "x",
         &devlend_pool::api::RegisterProvider {
             fabric_address: "not an address".into(),
+            fabric_paths: vec![],
             transports: vec![],
             heartbeat_ttl_ms: 1,
             devices: vec![],

@@ -80,7 +80,20 @@ impl Registry {
                 "a lender in another cluster is reached through the gateways over TCP: transport rdma cannot be relayed".into(),
             ));
         }
-        check_paths(req, &resolved).map_err(RegistryError::BadRequest)?;
+        // A leased attachment without paths of its own takes every further address its
+        // lender registered with the pool: not a PCIe function's (its sessions have one
+        // path yet), nor through a gateway. A NIC takes them and uses its first.
+        let paths = match &checked {
+            Some(c)
+                if req.paths.is_empty()
+                    && req.kind != crate::api::AttachKind::Pci
+                    && resolved.relay.is_none() =>
+            {
+                c.paths().to_vec()
+            }
+            _ => req.paths.clone(),
+        };
+        check_paths(&paths, req.kind, &resolved).map_err(RegistryError::BadRequest)?;
         let tls = self.tls_target(req, &resolved)?;
         let incoming = match (&req.handover_token, &restore) {
             (Some(t), None) => Some(handover::incoming(t, &resolved.device, checked.is_some())?),
@@ -135,7 +148,7 @@ impl Registry {
             socket: req.socket.clone(),
             lender: LenderTarget {
                 addr: resolved.addr.clone(),
-                alt_addrs: req.paths.clone(),
+                alt_addrs: paths.clone(),
                 device: resolved.device.clone(),
                 borrower,
                 token: token.clone(),
@@ -182,7 +195,7 @@ impl Registry {
                 }
             },
         };
-        Ok((attachment, plug, keeper, borrower, token))
+        Ok((attachment, plug, keeper, borrower, token, paths))
     }
 
     /// With `id` and the request's socket free: reserves them, starts the attachment
@@ -201,7 +214,9 @@ impl Registry {
         // Lock order everywhere: entries, then pending.
         let mut entries = self.lock();
         self.lock_pending().retain(|(i, _)| *i != id);
-        let (attachment, plug, lease, borrower, token) = result?;
+        let (attachment, plug, lease, borrower, token, paths) = result?;
+        // Saved with the paths it runs on: a restore while the pool is away has them.
+        let req = AttachRequest { paths, ..req };
         let link_watch = match &plug {
             Some(VmmPlug {
                 target: VmmTarget::Qemu { qmp },
@@ -248,26 +263,30 @@ impl Registry {
 /// Most addresses in a request's `paths` (beside `lender`).
 pub const MAX_EXTRA_PATHS: usize = 7;
 
-/// Checks a request's further paths: `HOST:PORT` each, distinct, at most
+/// Checks an attachment's further paths: `HOST:PORT` each, distinct, at most
 /// [`MAX_EXTRA_PATHS`], for a lender reached directly and not a PCIe function.
-fn check_paths(req: &crate::api::AttachRequest, resolved: &Resolved) -> Result<(), String> {
-    if req.paths.is_empty() {
+fn check_paths(
+    paths: &[String],
+    kind: crate::api::AttachKind,
+    resolved: &Resolved,
+) -> Result<(), String> {
+    if paths.is_empty() {
         return Ok(());
     }
     if resolved.relay.is_some() {
         return Err("paths are addresses of a lender reached directly: not with a lender reached through a gateway".into());
     }
-    if req.kind == crate::api::AttachKind::Pci {
+    if kind == crate::api::AttachKind::Pci {
         return Err("paths are not supported for a PCIe function (kind pci) yet".into());
     }
-    if req.paths.len() > MAX_EXTRA_PATHS {
+    if paths.len() > MAX_EXTRA_PATHS {
         return Err(format!(
             "{} paths: at most {MAX_EXTRA_PATHS} beside the lender address",
-            req.paths.len()
+            paths.len()
         ));
     }
     let mut seen = vec![resolved.addr.as_str()];
-    for p in &req.paths {
+    for p in paths {
         let ok = p.rsplit_once(':').is_some_and(|(host, port)| {
             !host.is_empty() && port.parse::<u16>().is_ok_and(|n| n > 0)
         });

@@ -5,6 +5,7 @@
 //! added, and replaces a file device of the same name. Within the file, and within the
 //! flags, a device name may appear once.
 
+mod pool;
 mod spec;
 mod spec_file;
 mod spec_flag;
@@ -17,6 +18,7 @@ use devlend_fabric::lease_token::TokenSigner;
 use devlend_daemon::logging::LogFormat;
 use serde::{Deserialize, Serialize};
 
+pub use self::pool::{PoolConfig, MAX_ADVERTISE_PATHS};
 pub(crate) use self::spec::check_unique;
 pub use self::spec::{
     parse_mac, valid_bdf, BlockSpec, Coherence, DeviceSpec, KindSpec, NetSpec, PciSpec, PfSpec,
@@ -76,6 +78,12 @@ pub struct Cli {
     /// listen address, which must then not be a wildcard].
     #[arg(long, value_name = "HOST:PORT")]
     pub advertise: Option<String>,
+    /// A further address borrowers reach this lender at (another network or NIC),
+    /// registered with the pool beside `--advertise`: a leased block device is attached
+    /// over all of them (docs/faults.md, "Paths"). Repeatable, at most 7; replaces
+    /// `[pool] advertise_paths`.
+    #[arg(long = "advertise-path", value_name = "HOST:PORT")]
+    pub advertise_paths: Vec<String>,
     /// This lender's own key (overrides `key_file`): it signs the lender's pool requests
     /// and proves the lender's identity in every handshake that asks; made (0600) at
     /// first start [default: /var/lib/devlend/device-agent/identity.key].
@@ -147,42 +155,8 @@ pub const MAX_SESSIONS_LIMIT: u32 = 65536;
 /// The largest `poll_us` taken: 1 ms.
 pub const MAX_POLL_US: u32 = 1000;
 
-/// The `[pool]` table: register with a device pool and enforce its leases.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct PoolConfig {
-    /// The pool's base URL, e.g. `http://pool.example:7400`.
-    pub url: String,
-    /// This lender's provider name (default: the host name).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub provider: Option<String>,
-    /// `HOST:PORT` registered as this lender's fabric address (default: `listen`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub advertise: Option<String>,
-    /// Milliseconds between heartbeats (500..=60000, default 2000); the pool marks the
-    /// lender unavailable after three missed ones.
-    #[serde(default = "default_heartbeat_ms")]
-    pub heartbeat_interval_ms: u64,
-    /// The pool's public key (unpadded base64url), pinned: the lender refuses to start
-    /// if the pool presents another. Default: trust the key the pool presents at start.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub public_key: Option<String>,
-    /// A one-time join token (`devlend pool enroll --role lender --name PROVIDER`) that
-    /// enrolls the key at start. Harmless once used: an enrolled key is not asked again.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub join_token: Option<String>,
-    /// CA certificates (PEM) an `https://` pool's certificate must chain to. Default:
-    /// the system's trust store.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ca_file: Option<PathBuf>,
-}
-
 /// Where the lender keeps its own key by default.
 pub const DEFAULT_KEY_FILE: &str = "/var/lib/devlend/device-agent/identity.key";
-
-fn default_heartbeat_ms() -> u64 {
-    2000
-}
 
 /// The config file: `listen = "ADDR:PORT"` and `[[device]]` tables ([`DeviceSpec`]).
 /// Unknown keys are refused.
@@ -414,69 +388,7 @@ impl Config {
         if devices.is_empty() {
             return Err(Error::NoDevices);
         }
-        let mut pool = file.pool;
-        if let Some(url) = &cli.pool {
-            pool = Some(PoolConfig {
-                url: url.clone(),
-                ..pool.unwrap_or(PoolConfig {
-                    url: String::new(),
-                    provider: None,
-                    advertise: None,
-                    heartbeat_interval_ms: default_heartbeat_ms(),
-                    public_key: None,
-                    join_token: None,
-                    ca_file: None,
-                })
-            });
-        }
-        if let Some(p) = pool.as_mut() {
-            if cli.pool_join_token.is_some() {
-                p.join_token = cli.pool_join_token.clone();
-            }
-            if cli.pool_ca.is_some() {
-                p.ca_file = cli.pool_ca.clone();
-            }
-            if cli.provider.is_some() {
-                p.provider = cli.provider.clone();
-            }
-            if cli.advertise.is_some() {
-                p.advertise = cli.advertise.clone();
-            }
-            if !(500..=60_000).contains(&p.heartbeat_interval_ms) {
-                return Err(Error::BadPool(format!(
-                    "heartbeat_interval_ms {} is outside 500..=60000",
-                    p.heartbeat_interval_ms
-                )));
-            }
-            if p.provider.is_none() {
-                p.provider = Some(devlend_daemon::host_name());
-            }
-            if let Some(a) = &p.advertise {
-                if a.starts_with("0.0.0.0:") || a.starts_with("[::]:") || !a.contains(':') {
-                    return Err(Error::BadPool(format!(
-                        "advertise address {a} must be HOST:PORT that borrowers can reach, not a wildcard"
-                    )));
-                }
-            }
-            if p.advertise.is_none() {
-                if listen.starts_with("0.0.0.0:") || listen.starts_with("[::]:") {
-                    return Err(Error::BadPool(format!(
-                        "listen address {listen} is a wildcard: give the address borrowers reach this lender at with --advertise or [pool] advertise"
-                    )));
-                }
-                p.advertise = Some(listen.clone());
-            }
-        } else if cli.provider.is_some()
-            || cli.advertise.is_some()
-            || cli.pool_join_token.is_some()
-            || cli.pool_ca.is_some()
-        {
-            return Err(Error::BadPool(
-                "--provider, --advertise, --pool-join-token and --pool-ca need a pool \
-                 (--pool URL or [pool] url)"
-                    .into(),
-            ));
-        }
+        let pool = self::pool::resolve(cli, file.pool, &listen)?;
         let mut auth_keys = file.auth_keys;
         auth_keys.extend(cli.auth_keys.iter().cloned());
         for k in &auth_keys {

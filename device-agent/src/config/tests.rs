@@ -121,6 +121,63 @@ fn the_shipped_example_config_parses_with_and_without_its_commented_pool() {
     let p = f.pool.expect("the [pool] table");
     assert_eq!(p.url, "http://pool.example:7400");
     assert_eq!(p.advertise.as_deref(), Some("devsrv-01:7700"));
+    assert_eq!(p.advertise_paths, ["devsrv-01-b:7700"]);
+}
+
+#[test]
+fn advertise_paths_come_from_file_or_flags_checked_as_advertise() {
+    let f = write_config(
+        "listen = \"0.0.0.0:7700\"\n[pool]\nurl = \"http://p:1\"\nadvertise = \"a:7700\"\n\
+         advertise_paths = [\"b:7700\"]\n[[device]]\nname = \"d\"\npath = \"/x\"\n",
+    );
+    let path = f.path().to_str().unwrap();
+    let config = |extra: &[&str]| {
+        let mut args = vec!["x", "--config", path];
+        args.extend_from_slice(extra);
+        Config::from_cli(&Cli::parse_from(args))
+    };
+    let p = config(&[]).unwrap().pool.unwrap();
+    assert_eq!(p.advertise_paths, ["b:7700"]);
+    // The flags replace the file's list.
+    let p = config(&[
+        "--advertise-path",
+        "c:7700",
+        "--advertise-path",
+        "10.0.0.4:7700",
+    ])
+    .unwrap()
+    .pool
+    .unwrap();
+    assert_eq!(p.advertise_paths, ["c:7700", "10.0.0.4:7700"]);
+    let eight: Vec<String> = (1..=8).map(|i| format!("h{i}:7700")).collect();
+    let mut too_many = Vec::new();
+    for a in &eight {
+        too_many.extend(["--advertise-path", a.as_str()]);
+    }
+    assert!(config(&too_many[..14]).is_ok(), "seven are taken");
+    for bad in [
+        &["--advertise-path", "0.0.0.0:7700"][..],
+        &["--advertise-path", "[::]:7700"],
+        &["--advertise-path", "c"],
+        &["--advertise-path", "c:0"],
+        &["--advertise-path", "a:7700"],
+        &["--advertise-path", "c:1", "--advertise-path", "c:1"],
+        &too_many,
+    ] {
+        let e = config(bad).unwrap_err();
+        assert!(matches!(e, Error::BadPool(_)), "{bad:?}: {e}");
+    }
+    // Without a pool they mean nothing: refused.
+    let cli = Cli::parse_from([
+        "x",
+        "--listen",
+        "127.0.0.1:1",
+        "--device",
+        "d=/x",
+        "--advertise-path",
+        "c:1",
+    ]);
+    assert!(matches!(Config::from_cli(&cli), Err(Error::BadPool(_))));
 }
 
 #[test]

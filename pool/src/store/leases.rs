@@ -22,13 +22,13 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::providers::DeviceRow;
-use super::{get_u64, get_uuid, Store};
+use super::{get_u64, get_uuid, split_list, Store};
 use crate::api::{codes, Lease, LeaseFilter, LeaseState};
 use crate::error::{Error, Result};
 
 const LEASE_SELECT: &str = "SELECT id, device_id, device_name, provider_name, \
-    fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
-    generation, qos, successor_of, epoch FROM leases";
+    fabric_address, fabric_paths, consumer, compute_host, state, created_ms, expires_at_ms, \
+    ttl_ms, generation, qos, successor_of, epoch FROM leases";
 
 fn lease_from_row(r: &AnyRow, now: i64) -> Result<Lease> {
     let state: String = r.try_get("state")?;
@@ -46,6 +46,7 @@ fn lease_from_row(r: &AnyRow, now: i64) -> Result<Lease> {
         device: r.try_get("device_name")?,
         provider: r.try_get("provider_name")?,
         fabric_address: r.try_get("fabric_address")?,
+        fabric_paths: split_list(&r.try_get::<String, _>("fabric_paths")?),
         consumer: r.try_get("consumer")?,
         compute_host: r.try_get("compute_host")?,
         state,
@@ -144,8 +145,8 @@ impl Store {
         sqlx::query(
             "INSERT INTO leases (id, device_id, device_name, provider_id, provider_name, \
              fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
-             generation, qos, epoch) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'claimed', $9, $10, $11, 1, $12, $13)",
+             generation, qos, epoch, fabric_paths) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'claimed', $9, $10, $11, 1, $12, $13, $14)",
         )
         .bind(id.to_string())
         .bind(dev.id.to_string())
@@ -160,6 +161,7 @@ impl Store {
         .bind(new.ttl_ms)
         .bind(new.qos.as_ref().and_then(|q| serde_json::to_string(q).ok()))
         .bind(epoch)
+        .bind(dev.fabric_paths.join(","))
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -367,9 +369,9 @@ impl Store {
         sqlx::query(
             "INSERT INTO leases (id, device_id, device_name, provider_id, provider_name, \
              fabric_address, consumer, compute_host, state, created_ms, expires_at_ms, ttl_ms, \
-             generation, qos, successor_of, epoch) SELECT $1, device_id, device_name, \
-             provider_id, provider_name, fabric_address, consumer, $2, 'claimed', $3, \
-             $3 + ttl_ms, ttl_ms, 1, qos, id, $5 FROM leases WHERE id = $4",
+             generation, qos, successor_of, epoch, fabric_paths) SELECT $1, device_id, \
+             device_name, provider_id, provider_name, fabric_address, consumer, $2, 'claimed', \
+             $3, $3 + ttl_ms, ttl_ms, 1, qos, id, $5, fabric_paths FROM leases WHERE id = $4",
         )
         .bind(id.to_string())
         .bind(compute_host)

@@ -48,6 +48,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "lease_epochs",
         include_str!("../../migrations/0005_lease_epochs.sql"),
     ),
+    (
+        6,
+        "fabric_paths",
+        include_str!("../../migrations/0006_fabric_paths.sql"),
+    ),
 ];
 
 /// Which database a [`Store`] runs on.

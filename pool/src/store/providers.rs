@@ -25,6 +25,8 @@ pub struct DeviceRow {
     pub provider: String,
     /// Provider's fabric address.
     pub fabric_address: String,
+    /// Provider's further fabric addresses.
+    pub fabric_paths: Vec<String>,
     /// Device name.
     pub name: String,
     /// Resource class.
@@ -55,11 +57,13 @@ impl DeviceRow {
         let last: i64 = row.try_get("last_heartbeat_ms")?;
         let listed: i64 = row.try_get("listed")?;
         let traits: String = row.try_get("traits")?;
+        let paths: String = row.try_get("fabric_paths")?;
         Ok(DeviceRow {
             id: get_uuid(row, "id")?,
             provider_id: get_uuid(row, "provider_id")?,
             provider: row.try_get("provider")?,
             fabric_address: row.try_get("fabric_address")?,
+            fabric_paths: split_list(&paths),
             name: row.try_get("name")?,
             resource_class: row.try_get("resource_class")?,
             capacity_bytes: get_u64(row, "capacity_bytes")?,
@@ -90,6 +94,7 @@ impl DeviceRow {
             provider: self.provider.clone(),
             provider_id: self.provider_id,
             fabric_address: self.fabric_address.clone(),
+            fabric_paths: self.fabric_paths.clone(),
             name: self.name.clone(),
             resource_class: self.resource_class.clone(),
             capacity_bytes: self.capacity_bytes,
@@ -121,7 +126,8 @@ const DEVICE_SELECT: &str = "SELECT d.id AS id, d.name AS name, \
     d.resource_class AS resource_class, d.capacity_bytes AS capacity_bytes, \
     d.traits AS traits, d.listed AS listed, d.lease_id AS lease_id, \
     d.generation AS generation, p.id AS provider_id, p.name AS provider, \
-    p.fabric_address AS fabric_address, p.heartbeat_ttl_ms AS heartbeat_ttl_ms, \
+    p.fabric_address AS fabric_address, p.fabric_paths AS fabric_paths, \
+    p.heartbeat_ttl_ms AS heartbeat_ttl_ms, \
     p.last_heartbeat_ms AS last_heartbeat_ms, l.state AS lease_state, \
     l.expires_at_ms AS lease_expires_at_ms \
     FROM devices d JOIN providers p ON p.id = d.provider_id \
@@ -174,7 +180,7 @@ impl Store {
     /// [`Error::Database`].
     pub async fn providers(&self, now: i64) -> Result<Vec<Provider>> {
         let rows = sqlx::query(
-            "SELECT id, name, fabric_address, transports, heartbeat_ttl_ms, \
+            "SELECT id, name, fabric_address, fabric_paths, transports, heartbeat_ttl_ms, \
              last_heartbeat_ms, generation FROM providers ORDER BY name",
         )
         .fetch_all(self.pool())
@@ -192,10 +198,12 @@ impl Store {
                 let ttl: i64 = r.try_get("heartbeat_ttl_ms")?;
                 let last: i64 = r.try_get("last_heartbeat_ms")?;
                 let transports: String = r.try_get("transports")?;
+                let paths: String = r.try_get("fabric_paths")?;
                 Ok(Provider {
                     id,
                     name: r.try_get("name")?,
                     fabric_address: r.try_get("fabric_address")?,
+                    fabric_paths: split_list(&paths),
                     transports: split_list(&transports),
                     heartbeat_ttl_ms: get_u64(r, "heartbeat_ttl_ms")?,
                     generation: get_u64(r, "generation")?,
@@ -221,7 +229,7 @@ impl Store {
     }
 
     /// Registers provider `name` with `devices` (validated, traits sorted) at `now`.
-    /// Creates it, or updates its address, transports, TTL and inventory; counts as a
+    /// Creates it, or updates its addresses, transports, TTL and inventory; counts as a
     /// heartbeat. The provider's generation moves when anything but the heartbeat
     /// changed; a device's when its class, capacity, traits or listing changed.
     /// Devices no longer listed are deleted, unless a live lease holds them: those stay
@@ -240,12 +248,15 @@ impl Store {
         transports.sort();
         transports.dedup();
         let transports = transports.join(",");
+        // Validated: no address holds a comma.
+        let paths = req.fabric_paths.join(",");
         let new_id = Uuid::new_v4().to_string();
         let mut tx = self.pool().begin().await?;
         // First statement writes: SQLite takes the write lock here.
         sqlx::query(
             "INSERT INTO providers (id, name, fabric_address, transports, heartbeat_ttl_ms, \
-             last_heartbeat_ms, generation, created_ms) VALUES ($1, $2, $3, $4, $5, $6, 1, $6) \
+             last_heartbeat_ms, generation, created_ms, fabric_paths) \
+             VALUES ($1, $2, $3, $4, $5, $6, 1, $6, $7) \
              ON CONFLICT (name) DO UPDATE SET last_heartbeat_ms = excluded.last_heartbeat_ms",
         )
         .bind(&new_id)
@@ -254,11 +265,12 @@ impl Store {
         .bind(&transports)
         .bind(db_i64(req.heartbeat_ttl_ms))
         .bind(now)
+        .bind(&paths)
         .execute(&mut *tx)
         .await?;
         let p = sqlx::query(
-            "SELECT id, fabric_address, transports, heartbeat_ttl_ms FROM providers \
-             WHERE name = $1",
+            "SELECT id, fabric_address, fabric_paths, transports, heartbeat_ttl_ms \
+             FROM providers WHERE name = $1",
         )
         .bind(name)
         .fetch_one(&mut *tx)
@@ -267,19 +279,22 @@ impl Store {
         let created = pid == new_id;
         let mut changed = false;
         let old_addr: String = p.try_get("fabric_address")?;
+        let old_paths: String = p.try_get("fabric_paths")?;
         let old_tr: String = p.try_get("transports")?;
         let old_ttl: i64 = p.try_get("heartbeat_ttl_ms")?;
         if old_addr != req.fabric_address
+            || old_paths != paths
             || old_tr != transports
             || old_ttl != db_i64(req.heartbeat_ttl_ms)
         {
             sqlx::query(
                 "UPDATE providers SET fabric_address = $1, transports = $2, \
-                 heartbeat_ttl_ms = $3 WHERE id = $4",
+                 heartbeat_ttl_ms = $3, fabric_paths = $4 WHERE id = $5",
             )
             .bind(&req.fabric_address)
             .bind(&transports)
             .bind(db_i64(req.heartbeat_ttl_ms))
+            .bind(&paths)
             .bind(&pid)
             .execute(&mut *tx)
             .await?;

@@ -182,6 +182,7 @@ pub fn register(
             name,
             &RegisterProvider {
                 fabric_address: format!("{name}.example:7700"),
+                fabric_paths: vec![],
                 transports: vec!["tcp".into()],
                 heartbeat_ttl_ms: ttl_ms,
                 devices,
