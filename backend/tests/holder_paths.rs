@@ -78,3 +78,28 @@ fn a_lost_holding_session_reopens_from_the_path_after_its_own() {
     let next = rx.recv_timeout(Duration::from_secs(10)).expect("reopened");
     assert_eq!(next.0, 2, "reopened on path {} first", next.0);
 }
+
+/// A lender that fences an earlier session of the queue answers the hello only once
+/// that ended (up to 2 s): with several paths the session still opens, and its path
+/// is not given up after the shorter connect timeout of a path.
+#[test]
+fn a_path_waits_for_a_hello_answered_late() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let mut s = s.unwrap();
+            if Hello::read_from(&mut s).is_err() {
+                continue;
+            }
+            std::thread::sleep(Duration::from_millis(1_600));
+            HelloReply::ok(info()).write_to(&mut s).unwrap();
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    });
+    let mut target = LenderTarget::direct(addr, "disk0", [7; 16]);
+    target.alt_addrs = vec!["127.0.0.1:9".into()];
+    target
+        .open(&target.hello(0))
+        .expect("the late answer is waited for");
+}

@@ -189,7 +189,7 @@ fn connect_once(
     hello: &Hello,
     timeout: Duration,
 ) -> Result<(TcpStream, HelloReply), ConnectError> {
-    let mut stream = connect_tcp(addr, timeout)?;
+    let mut stream = connect_tcp(addr, timeout, timeout)?;
     let reply = exchange_hello(addr, hello, &mut stream, |e| e)?;
     clear_timeouts(addr, &stream)?;
     Ok((stream, reply))
@@ -235,10 +235,13 @@ pub fn open_via(
     timeout: Duration,
     tls: Option<&TlsTarget>,
 ) -> Result<(Stream, HelloReply), ConnectError> {
-    open_with(addr, relay, hello, timeout, tls, None)
+    open_with(addr, relay, hello, (timeout, timeout), tls, None)
 }
 
-/// As [`open_via`], for one of several paths to the lender: once the session is open,
+/// As [`open_via`], for one of several paths to the lender: the TCP connect is bounded
+/// by `connect_timeout` (a silently cut path costs only that), each later step (relay,
+/// TLS, hello) by `timeout` (a lender that fences an earlier session answers the hello
+/// only once that ended). Once the session is open,
 /// data it sent may stay unacknowledged for `user_timeout` only (`TCP_USER_TIMEOUT`,
 /// instead of [`USER_TIMEOUT_MS`]) before the socket fails, so that a path that dropped
 /// silently is left for another within that bound (with heartbeats,
@@ -250,24 +253,32 @@ pub fn open_path(
     addr: &str,
     relay: Option<&crate::relay::Route>,
     hello: &Hello,
-    timeout: Duration,
+    (connect_timeout, timeout): (Duration, Duration),
     tls: Option<&TlsTarget>,
     user_timeout: Duration,
 ) -> Result<(Stream, HelloReply), ConnectError> {
-    open_with(addr, relay, hello, timeout, tls, Some(user_timeout))
+    open_with(
+        addr,
+        relay,
+        hello,
+        (connect_timeout, timeout),
+        tls,
+        Some(user_timeout),
+    )
 }
 
+/// `timeouts`: of the TCP connect, and of every later step.
 fn open_with(
     addr: &str,
     relay: Option<&crate::relay::Route>,
     hello: &Hello,
-    timeout: Duration,
+    timeouts: (Duration, Duration),
     tls: Option<&TlsTarget>,
     user_timeout: Option<Duration>,
 ) -> Result<(Stream, HelloReply), ConnectError> {
-    match open_once(addr, relay, hello, timeout, tls, user_timeout) {
+    match open_once(addr, relay, hello, timeouts, tls, user_timeout) {
         Err(e) if falls_back(hello, &e) => {
-            open_once(addr, relay, &v1_hello(hello), timeout, tls, user_timeout)
+            open_once(addr, relay, &v1_hello(hello), timeouts, tls, user_timeout)
         }
         r => r,
     }
@@ -277,11 +288,11 @@ fn open_once(
     addr: &str,
     relay: Option<&crate::relay::Route>,
     hello: &Hello,
-    timeout: Duration,
+    (connect, timeout): (Duration, Duration),
     tls: Option<&TlsTarget>,
     user_timeout: Option<Duration>,
 ) -> Result<(Stream, HelloReply), ConnectError> {
-    let mut tcp = connect_tcp(addr, timeout)?;
+    let mut tcp = connect_tcp(addr, connect, timeout)?;
     if let Some(route) = relay {
         request_relay(addr, route, &mut tcp)?;
     }
@@ -359,7 +370,13 @@ fn request_relay(
 
 /// Resolves `addr` and connects to the first address that answers; sets
 /// `TCP_NODELAY`, the liveness options, and `timeout` as read and write timeout.
-fn connect_tcp(addr: &str, timeout: Duration) -> Result<TcpStream, ConnectError> {
+/// Connects to `addr` within `connect`; reads and writes on the stream then time out
+/// after `timeout`.
+fn connect_tcp(
+    addr: &str,
+    connect: Duration,
+    timeout: Duration,
+) -> Result<TcpStream, ConnectError> {
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|source| ConnectError::Resolve {
@@ -370,7 +387,7 @@ fn connect_tcp(addr: &str, timeout: Duration) -> Result<TcpStream, ConnectError>
     let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
     let mut stream = None;
     for a in addrs {
-        match TcpStream::connect_timeout(&a, timeout) {
+        match TcpStream::connect_timeout(&a, connect) {
             Ok(s) => {
                 stream = Some(s);
                 break;

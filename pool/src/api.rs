@@ -128,8 +128,8 @@ pub struct RegisterProvider {
     /// Where borrowers reach the lender's fabric server, `HOST:PORT`.
     pub fabric_address: String,
     /// Further addresses of the same fabric server (another network or NIC), `HOST:PORT`
-    /// each, no wildcard, distinct, at most 7: a leased block device is attached over
-    /// all of them (docs/faults.md, "Paths").
+    /// each, no wildcard, distinct, at most 7: a leased block device or NIC is attached
+    /// over all of them (docs/faults.md, "Paths").
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fabric_paths: Vec<String>,
     /// Fabric transports the lender serves (`tcp`, `rdma`), lower case.

@@ -260,8 +260,8 @@ impl QueueEngine {
     /// [`Self::refused_in_row`](QueueEngine) across calls.
     ///
     /// # Errors
-    /// The connect error of the last path tried (a refusal in preference), or a device
-    /// whose capacity changed since attach.
+    /// The connect error of the last path tried, or a device whose capacity changed
+    /// since attach.
     pub fn connect(&mut self) -> Result<(), ConnectError> {
         let n = self.target.path_count();
         if let Some(up) = (0..n)

@@ -149,7 +149,9 @@ impl LenderTarget {
 
     /// Opens a TCP session (TLS if configured, through the gateway if routed) with
     /// `hello` on `addr`, each step bounded by [`CONNECT_TIMEOUT`]. With several paths,
-    /// each step is bounded by [`PATH_CONNECT_TIMEOUT`] instead and the session's
+    /// the TCP connect is bounded by [`PATH_CONNECT_TIMEOUT`] instead (the later steps
+    /// keep [`CONNECT_TIMEOUT`]: a lender fencing an earlier session of the queue
+    /// answers the hello only once it ended, up to 2 s) and the session's
     /// `TCP_USER_TIMEOUT` is [`PATH_USER_TIMEOUT`].
     ///
     /// # Errors
@@ -166,7 +168,7 @@ impl LenderTarget {
                 &self.addr,
                 self.transport.relay(),
                 hello,
-                PATH_CONNECT_TIMEOUT,
+                (PATH_CONNECT_TIMEOUT, CONNECT_TIMEOUT),
                 self.tls.as_ref(),
                 PATH_USER_TIMEOUT,
             )?
@@ -319,9 +321,10 @@ pub fn new_borrower_id() -> [u8; 16] {
 /// Timeout of one connect + handshake attempt to the lender.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// With several paths, the timeout of each step of opening a session on one (connect,
-/// TLS, hello): a path cut silently costs a queue this before it tries the next, and
-/// it is marked down for the others.
+/// With several paths, the timeout of the TCP connect of a session on one: a path cut
+/// silently costs a queue this before it tries the next, and it is marked down for the
+/// others. TLS and the hello keep [`CONNECT_TIMEOUT`], above the lender's 2 s wait for
+/// a fenced session to end.
 pub const PATH_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// With several paths, how often a session sends a heartbeat (a disk's while requests

@@ -82,7 +82,7 @@ impl Registry {
         }
         // A leased attachment without paths of its own takes every further address its
         // lender registered with the pool: not a PCIe function's (its sessions have one
-        // path yet), nor through a gateway. A NIC takes them and uses its first.
+        // path yet), nor through a gateway. A NIC's queue pairs spread over them too.
         let paths = match &checked {
             Some(c)
                 if req.paths.is_empty()

@@ -79,8 +79,8 @@ pub struct Cli {
     #[arg(long, value_name = "HOST:PORT")]
     pub advertise: Option<String>,
     /// A further address borrowers reach this lender at (another network or NIC),
-    /// registered with the pool beside `--advertise`: a leased block device is attached
-    /// over all of them (docs/faults.md, "Paths"). Repeatable, at most 7; replaces
+    /// registered with the pool beside `--advertise`: a leased block device or NIC is
+    /// attached over all of them (docs/faults.md, "Paths"). Repeatable, at most 7; replaces
     /// `[pool] advertise_paths`.
     #[arg(long = "advertise-path", value_name = "HOST:PORT")]
     pub advertise_paths: Vec<String>,

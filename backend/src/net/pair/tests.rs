@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use devlend_fabric::handshake::NicLink;
-use devlend_fabric::net::LinkState;
+use devlend_fabric::net::{LinkState, FEATURE_NET};
 use devlend_fabric::tcp::ConnectError;
 use devlend_fabric::HelloReply;
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
@@ -403,4 +403,28 @@ fn with_one_path_a_pair_sends_no_heartbeat() {
         .expect("timeout");
     let mut got = [0u8; 1];
     assert!(end.read(&mut got).is_err(), "nothing sent");
+}
+
+#[test]
+fn a_paused_pair_with_two_paths_leaves_its_timer_alone() {
+    let lender = Arc::new(Mutex::new(Lender::default()));
+    let stats = Arc::new(NetStats::new(1, true, 1500));
+    let mut target = LenderTarget::direct("fake:1", "nic", [1; 16]);
+    target.alt_addrs = vec!["fake:2".into()];
+    let mut e = PairEngine::new(0, "nic".into(), target, Arc::clone(&stats)).expect("timerfd");
+    e.opener = opener(Arc::clone(&lender));
+    e.connect().expect("the fake lender is up");
+    let mem = memory();
+    // A migration's source lets the NIC go: no session, so no heartbeat is due.
+    e.pause();
+    std::thread::sleep(HEARTBEAT_EVERY);
+    e.on_timer(None, &mem).expect("rings");
+    let mut pfd = libc::pollfd {
+        fd: e.timer_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: pfd is a valid pollfd for the duration of the call.
+    let ready = unsafe { libc::poll(&mut pfd, 1, 300) };
+    assert_eq!(ready, 0, "the timer fires while the pair is paused");
 }

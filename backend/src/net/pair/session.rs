@@ -1,0 +1,143 @@
+//! A queue pair's fabric session: opening it (on which path, with heartbeats or not),
+//! losing it, when to try again, and the heartbeats that check its path.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use devlend_fabric::net::{self, FEATURE_NET, FEATURE_NET_OFFLOAD};
+
+use super::recv::count_frames;
+use super::{PairEngine, HEARTBEAT_EVERY, HOLD};
+
+impl PairEngine {
+    /// Opens the fabric session.
+    ///
+    /// # Errors
+    /// The connection or handshake failed, or the lender's device is not a NIC.
+    pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
+        let r = self.open();
+        if r.is_err() {
+            // The next attempt goes to the next path.
+            self.path = (self.path + 1) % self.target.path_count();
+        }
+        r
+    }
+
+    /// Opens the fabric session on [`Self::path`](PairEngine).
+    pub(super) fn open(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
+        let mut hello = self.target.hello(self.index);
+        hello.features |= FEATURE_NET;
+        let (stream, reply) = if self.target.path_count() == 1 {
+            (self.opener)(&self.target, &hello)?
+        } else {
+            (self.opener)(&self.target.on_path(self.path), &hello)?
+        };
+        let Some(nic) = reply.nic().filter(|_| reply.features & FEATURE_NET != 0) else {
+            return Err(devlend_fabric::tcp::ConnectError::Refused {
+                addr: self.target.addr.clone(),
+                device: self.target.device.clone(),
+                status: devlend_fabric::HelloStatus::BadRequest,
+                message: "the lender's device is not a network interface".into(),
+            });
+        };
+        let link = nic.link();
+        if let Err(e) = stream.set_nonblocking(true) {
+            return Err(devlend_fabric::tcp::ConnectError::Connect {
+                addr: self.target.addr.clone(),
+                source: e,
+            });
+        }
+        if let Err(why) = crate::net::spec::check_link(&link) {
+            return Err(devlend_fabric::tcp::ConnectError::Refused {
+                addr: self.target.addr.clone(),
+                device: self.target.device.clone(),
+                status: devlend_fabric::HelloStatus::BadRequest,
+                message: format!("the lender's network interface is unusable: {why}"),
+            });
+        }
+        self.offload = reply.features & FEATURE_NET_OFFLOAD != 0;
+        self.heartbeat_at = (self.target.path_count() > 1
+            && reply.features & devlend_fabric::FEATURE_HEARTBEAT != 0)
+            .then(|| Instant::now() + HEARTBEAT_EVERY);
+        self.stats.link_up.store(link.up, Ordering::Relaxed);
+        self.stats.mtu.store(link.mtu, Ordering::Relaxed);
+        if self.generation > 0 {
+            self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+        }
+        self.stats.connected.fetch_add(1, Ordering::Relaxed);
+        self.conn = Some(stream);
+        self.generation += 1;
+        self.have = 0;
+        if self.offload {
+            // First on the session: what the guest takes (none until it acks any).
+            net::encode_offloads(self.accept, &mut self.out);
+        }
+        // The backoff is reset only once the session has lived (see `lose`): a lender
+        // that takes the hello and then fails at once is retried with backoff too.
+        self.retry.connected(Instant::now());
+        devlend_fabric::limited!(info, attachment = %self.name, pair = self.index, path = %self.target.path_addr(self.path), "fabric session open");
+        // The first heartbeat's wake-up.
+        self.arm_timer();
+        Ok(())
+    }
+
+    pub(super) fn lose(&mut self, why: &str) {
+        if self.conn.take().is_none() {
+            return;
+        }
+        self.heartbeat_at = None;
+        // With several paths the next session opens on the next one (the lender fences
+        // this one when it does).
+        self.path = (self.path + 1) % self.target.path_count();
+        self.stats.disconnected();
+        self.retry.lost(Instant::now());
+        tracing::warn!(attachment = %self.name, pair = self.index, reason = why, "fabric session lost; frames are dropped until it is back");
+        // Frames queued for the lender are lost with it.
+        let dropped = count_frames(&self.out);
+        self.pstats().tx_drops.fetch_add(dropped, Ordering::Relaxed);
+        self.out.clear();
+        self.have = 0;
+        self.arm_timer();
+    }
+
+    pub(super) fn schedule_retry(&mut self) {
+        self.retry.failed(Instant::now());
+        self.arm_timer();
+    }
+
+    pub(super) fn arm_timer(&mut self) {
+        let now = Instant::now();
+        let mut next = self.retry.retry_at();
+        if let Some(at) = self.heartbeat_at.filter(|_| self.conn.is_some()) {
+            next = Some(next.map_or(at, |n| n.min(at)));
+        }
+        if let Some((t, _, _)) = self.held.front() {
+            let expiry = *t + HOLD;
+            next = Some(next.map_or(expiry, |n| n.min(expiry)));
+        }
+        match next {
+            Some(at) => self.timer.arm(at.saturating_duration_since(now)),
+            None => self.timer.disarm(),
+        }
+    }
+
+    /// Sends a heartbeat when one is due (several paths): what the lender's TCP must
+    /// acknowledge within the path's user timeout, or the session fails and the pair
+    /// moves to the next path. Not while frames wait to be written: they are checked
+    /// the same way.
+    pub(super) fn send_heartbeat(&mut self) {
+        let now = Instant::now();
+        if self.conn.is_none() {
+            self.heartbeat_at = None;
+            return;
+        }
+        if self.heartbeat_at.is_none_or(|at| now < at) {
+            return;
+        }
+        self.heartbeat_at = Some(now + HEARTBEAT_EVERY);
+        if self.out.is_empty() {
+            net::encode_heartbeat(&mut self.out);
+            self.flush();
+        }
+    }
+}
