@@ -264,10 +264,7 @@ impl QueueEngine {
     /// since attach.
     pub fn connect(&mut self) -> Result<(), ConnectError> {
         let n = self.target.path_count();
-        if let Some(up) = (0..n)
-            .map(|k| (self.path + k) % n)
-            .find(|&p| self.path_up(p))
-        {
+        if let Some(up) = self.first_up(self.path, 0) {
             self.path = up;
         }
         let mut tried = 0;
@@ -293,11 +290,6 @@ impl QueueEngine {
                 }
             }
         }
-    }
-
-    /// Whether path `path` is not marked down (always, with one path).
-    fn path_up(&self, path: usize) -> bool {
-        self.stats.path(path).is_none_or(|p| p.is_up())
     }
 
     /// Opens a session for this queue on path `path` (marked down if that fails).

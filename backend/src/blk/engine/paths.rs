@@ -81,7 +81,7 @@ impl QueueEngine {
             || self.stopping
             || self.conn.is_none()
             || self.table.inflight() > 0
-            || !self.stats.path(self.home).is_some_and(|p| p.is_up())
+            || !self.path_up(self.home)
         {
             return;
         }
@@ -123,7 +123,7 @@ impl QueueEngine {
             || self.draining
             || self.conn.is_none()
             || self.table.inflight() > 0
-            || self.stats.path(self.path).is_none_or(|p| p.is_up())
+            || self.path_up(self.path)
         {
             return;
         }
@@ -136,11 +136,20 @@ impl QueueEngine {
     /// The path after `from` to open the next session on: the first after it not
     /// marked down, else simply the next.
     pub(super) fn next_path(&self, from: usize) -> usize {
+        self.first_up(from, 1)
+            .unwrap_or((from + 1) % self.target.path_count())
+    }
+
+    /// The first path not marked down among `from + skip`, `from + skip + 1`, ... up to
+    /// the path before `from` (modulo the path count).
+    pub(super) fn first_up(&self, from: usize, skip: usize) -> Option<usize> {
         let n = self.target.path_count();
-        (1..n)
-            .map(|k| (from + k) % n)
-            .find(|&p| self.stats.path(p).is_some_and(|c| c.is_up()))
-            .unwrap_or((from + 1) % n)
+        (skip..n).map(|k| (from + k) % n).find(|&p| self.path_up(p))
+    }
+
+    /// Whether path `path` is not marked down (always, with one path).
+    pub(super) fn path_up(&self, path: usize) -> bool {
+        self.stats.path(path).is_none_or(|p| p.is_up())
     }
 
     /// With several paths, whether one is not marked down.

@@ -18,7 +18,7 @@ impl PairEngine {
         let r = self.open();
         if r.is_err() {
             // The next attempt goes to the next path.
-            self.path = (self.path + 1) % self.target.path_count();
+            self.next_path();
         }
         r
     }
@@ -81,6 +81,11 @@ impl PairEngine {
         Ok(())
     }
 
+    /// Moves to the next path (with one, stays).
+    fn next_path(&mut self) {
+        self.path = (self.path + 1) % self.target.path_count();
+    }
+
     pub(super) fn lose(&mut self, why: &str) {
         if self.conn.take().is_none() {
             return;
@@ -88,7 +93,7 @@ impl PairEngine {
         self.heartbeat_at = None;
         // With several paths the next session opens on the next one (the lender fences
         // this one when it does).
-        self.path = (self.path + 1) % self.target.path_count();
+        self.next_path();
         self.stats.disconnected();
         self.retry.lost(Instant::now());
         tracing::warn!(attachment = %self.name, pair = self.index, reason = why, "fabric session lost; frames are dropped until it is back");
