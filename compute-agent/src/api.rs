@@ -25,7 +25,7 @@ mod kinds;
 
 pub use kinds::{
     BlockInfo, CoherenceMode, DeviceKind, IoCounters, KindInfo, Latency, NetCounters, NicInfo,
-    PciCounters, PciInfo, Rates,
+    PathState, PciCounters, PciInfo, Rates,
 };
 
 /// Ask to attach a lent block device on a new vhost-user socket.

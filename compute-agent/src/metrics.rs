@@ -16,7 +16,9 @@
 //! - a NIC: `devlend_attachment_nic_frames_total{dir}` and
 //!   `devlend_attachment_nic_bytes_total{dir}` (`rx`: to the guest, `tx`: from it),
 //!   `devlend_attachment_nic_drops_total{dir}`, `devlend_attachment_nic_errors_total`,
-//!   `devlend_attachment_nic_reconnects_total`, `devlend_attachment_nic_link_up`;
+//!   `devlend_attachment_nic_reconnects_total`, `devlend_attachment_nic_link_up`; with
+//!   several paths, the same path series as a block device (a path's sessions are
+//!   queue pair sessions);
 //! - a PCIe function: `devlend_attachment_pci_region_accesses_total{op}` (`read`,
 //!   `write`), `devlend_attachment_pci_pages_total{dir}` (`push`, `pull`),
 //!   `devlend_attachment_pci_irqs_total`, `devlend_attachment_pci_dma_mapped_bytes`,
@@ -31,7 +33,7 @@ use devlend_daemon::metrics::{
     counter, gauge, histogram, Collector, DescriptorEncoder, HistogramSeries, Labels,
 };
 
-use crate::api::{AttachmentInfo, BlockInfo, DeviceKind, KindInfo, NicInfo, PciInfo};
+use crate::api::{AttachmentInfo, BlockInfo, DeviceKind, KindInfo, NicInfo, PathState, PciInfo};
 use crate::registry::Registry;
 
 /// Reads a registry at each scrape.
@@ -113,16 +115,7 @@ impl Series {
         self.reconnects.push((labels(a, &[]), c.reconnects));
         self.resent.push((labels(a, &[]), c.resent));
         self.throttled.push((labels(a, &[]), c.throttled));
-        if !c.paths.is_empty() {
-            self.failovers.push((labels(a, &[]), c.failovers));
-            self.last_failover
-                .push((labels(a, &[]), c.last_failover_us as f64 / 1e6));
-            for p in &c.paths {
-                let l = labels(a, &[("path", &p.addr)]);
-                self.path_up.push((l.clone(), i64::from(p.up)));
-                self.path_sessions.push((l, p.sessions as i64));
-            }
-        }
+        self.paths(a, &c.paths, c.failovers, c.last_failover_us);
         self.lat.push(HistogramSeries {
             labels: labels(a, &[]),
             sum: c.latency.sum_ns as f64 / 1e9,
@@ -137,7 +130,29 @@ impl Series {
         });
     }
 
+    /// The path series of an attachment with several paths (`last_failover_us`: µs).
+    fn paths(
+        &mut self,
+        a: &AttachmentInfo,
+        paths: &[PathState],
+        failovers: u64,
+        last_failover_us: u64,
+    ) {
+        if paths.is_empty() {
+            return;
+        }
+        self.failovers.push((labels(a, &[]), failovers));
+        self.last_failover
+            .push((labels(a, &[]), last_failover_us as f64 / 1e6));
+        for p in paths {
+            let l = labels(a, &[("path", &p.addr)]);
+            self.path_up.push((l.clone(), i64::from(p.up)));
+            self.path_sessions.push((l, p.sessions as i64));
+        }
+    }
+
     fn nic(&mut self, a: &AttachmentInfo, n: &NicInfo) {
+        self.paths(a, &n.paths, n.failovers, n.last_failover_us);
         let c = &n.counters;
         for (dir, frames, bytes, drops) in [
             ("rx", c.rx_packets, c.rx_bytes, c.rx_drops),

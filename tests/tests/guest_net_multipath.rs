@@ -10,9 +10,10 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use devlend_tests::agents::Borrower;
+use devlend_tests::agents::{free_port, Borrower};
 use devlend_tests::guest::Guest;
 use devlend_tests::two_paths::TwoPathLender;
+use devlend_tests::{metric_value, scrape_metrics};
 
 const GUEST_IP: &str = "10.78.0.1";
 const PEER_IP: &str = "10.78.0.2";
@@ -55,7 +56,8 @@ fn a_lent_nic_rides_out_silent_cuts_of_either_path() -> Result<()> {
     let tag = format!("dm{}", std::process::id() % 100_000);
     let rig = TwoPathLender::start_nic(43, dir.path(), &tag, &format!("{PEER_IP}/24"))?;
     let paths = rig.paths.clone();
-    let borrower = Borrower::start(dir.path())?;
+    let metrics = format!("127.0.0.1:{}", free_port()?);
+    let borrower = Borrower::start_with(dir.path(), &["--metrics-listen".into(), metrics.clone()])?;
     let sock = dir.path().join("nic0.sock");
     let sock_s = sock.display().to_string();
     let info = borrower.cli_json(&[
@@ -124,6 +126,53 @@ fn a_lent_nic_rides_out_silent_cuts_of_either_path() -> Result<()> {
         "before {before}\nafter {status}"
     );
     assert_eq!(status["link_up"], true, "{status}");
+    // Each cut moved the pair to the other path: two failovers, each within the 2 s
+    // bound, and both paths up again (the probe reached the one cut last) with the
+    // pair's session on one of them.
+    assert_eq!(status["failovers"], 2, "{status}");
+    let last_us = status["last_failover_us"].as_u64().unwrap_or(0);
+    assert!(last_us > 0 && last_us < 2_000_000, "{status}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        let s = borrower.cli_json(&["status"])?[0].clone();
+        let up = s["paths"]
+            .as_array()
+            .map_or(0, |p| p.iter().filter(|p| p["up"] == true).count());
+        if up == 2 || Instant::now() > deadline {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let p = status["paths"].as_array().context("paths in status")?;
+    assert_eq!(p.len(), 2, "{status}");
+    for (i, path) in p.iter().enumerate() {
+        assert_eq!(path["addr"], paths[i], "{status}");
+        assert_eq!(path["up"], true, "{status}");
+        assert!(
+            path["failures"].as_u64() >= Some(1),
+            "each link was cut: {status}"
+        );
+    }
+    let sessions: u64 = p.iter().filter_map(|p| p["sessions"].as_u64()).sum();
+    assert_eq!(sessions, 1, "one queue pair, one session: {status}");
+    let table = borrower.cli(&["status"])?;
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.contains(&format!("paths {} up", paths[0])) && table.contains("2 failovers"),
+        "{table}"
+    );
+    let text = scrape_metrics(&metrics)?;
+    assert_eq!(
+        metric_value(&text, "devlend_attachment_failovers_total{"),
+        Some(2.0),
+        "{text}"
+    );
+    for p in &paths {
+        let up = text.lines().find(|l| {
+            l.starts_with("devlend_attachment_path_up{") && l.contains(&format!("path=\"{p}\""))
+        });
+        assert!(up.is_some_and(|l| l.ends_with(" 1")), "{p}: {text}");
+    }
     let lender_log = rig.lender.log();
     assert!(
         lender_log.contains("earlier session of this queue fenced"),

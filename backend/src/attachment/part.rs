@@ -10,6 +10,7 @@ use devlend_fabric::DeviceKind;
 
 use crate::blk::engine::{QueueStats, StatsSnapshot};
 use crate::blk::request::DeviceLimits;
+use crate::lender::path_probe::PathProbe;
 use crate::net::{NetStats, NetStatsSnapshot};
 use crate::pci::PciHandle;
 
@@ -39,7 +40,7 @@ pub struct BlockPart {
     pub(super) limits: Arc<DeviceLimits>,
     pub(super) stats: Arc<QueueStats>,
     /// With several paths: probes the ones marked down (stops with the attachment).
-    pub(super) _probe: Option<crate::blk::probe::PathProbe>,
+    pub(super) _probe: Option<PathProbe>,
 }
 
 impl BlockPart {
@@ -58,6 +59,8 @@ impl BlockPart {
 pub struct NicPart {
     pub(super) net: Arc<NetStats>,
     pub(super) link: LinkState,
+    /// With several paths: probes the ones marked down (stops with the attachment).
+    pub(super) _probe: Option<PathProbe>,
 }
 
 impl NicPart {

@@ -5,6 +5,7 @@ use devlend_fabric::DeviceDescription;
 
 use super::frontends::Frontends;
 use super::*;
+use crate::lender::path_probe::PathProbe;
 use crate::net::NetBackend;
 
 /// What the lender lends, of what vhost-user serves.
@@ -84,13 +85,9 @@ impl Attachment {
             }
         };
         let limits = Arc::new(DeviceLimits::from_device_info(geometry));
-        let lender = &config.lender;
-        let stats = Arc::new(
-            QueueStats::new(config.num_queues)
-                .with_paths((0..lender.path_count()).map(|i| lender.path_addr(i).to_owned())),
-        );
-        let probe = crate::blk::probe::PathProbe::start(&config.id, stats.clone())
-            .map_err(AttachmentError::Thread)?;
+        let stats =
+            Arc::new(QueueStats::new(config.num_queues).with_paths(config.lender.path_addrs()));
+        let probe = PathProbe::start(&config.id, stats.clone()).map_err(AttachmentError::Thread)?;
         let thread = {
             let (config, limits, stats, shared) = (
                 config.clone(),
@@ -133,7 +130,11 @@ impl Attachment {
         }
         let link = nic.link();
         crate::net::spec::check_link(&link).map_err(AttachmentError::BadLink)?;
-        let net = Arc::new(NetStats::new(config.num_queues, link.up, link.mtu));
+        let net = Arc::new(
+            NetStats::new(config.num_queues, link.up, link.mtu)
+                .with_paths(config.lender.path_addrs()),
+        );
+        let probe = PathProbe::start(&config.id, net.clone()).map_err(AttachmentError::Thread)?;
         let thread = {
             let (config, net, shared) = (config.clone(), net.clone(), shared.clone());
             let wake = wake.try_clone().map_err(AttachmentError::Thread)?;
@@ -173,7 +174,11 @@ impl Attachment {
         };
         Ok(Attachment {
             hold,
-            part: Part::Nic(NicPart { net, link }),
+            part: Part::Nic(NicPart {
+                net,
+                link,
+                _probe: probe,
+            }),
             config,
             shared,
             wake,

@@ -36,7 +36,6 @@ mod fake_link;
 pub mod holder;
 pub mod inflight;
 mod pending;
-pub mod probe;
 pub use devlend_fabric::latency;
 mod link;
 #[cfg(any(feature = "rdma", test))]

@@ -137,6 +137,13 @@ impl LenderTarget {
         }
     }
 
+    /// Every path's address, in path order.
+    pub fn path_addrs(&self) -> impl Iterator<Item = String> + '_ {
+        std::iter::once(&self.addr)
+            .chain(&self.alt_addrs)
+            .map(String::clone)
+    }
+
     /// This target with path `i` first (`addr`), the others after it in their order:
     /// what a session opened on that path is opened with.
     pub fn on_path(&self, i: usize) -> LenderTarget {

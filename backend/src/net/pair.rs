@@ -115,6 +115,9 @@ pub struct PairEngine {
     /// The session was granted heartbeats (several paths): one goes out every
     /// [`HEARTBEAT_EVERY`], at this instant next.
     heartbeat_at: Option<Instant>,
+    /// When the session was lost, and on which path, until one opens again (several
+    /// paths: a session that then opens on another path is a failover).
+    lost: Option<(Instant, usize)>,
 }
 
 impl PairEngine {
@@ -152,6 +155,7 @@ impl PairEngine {
             paused: false,
             path: usize::from(index) % target_paths,
             heartbeat_at: None,
+            lost: None,
         })
     }
 
@@ -167,9 +171,14 @@ impl PairEngine {
         // No session, no heartbeat (the timer would fire for it at once, again and
         // again).
         self.heartbeat_at = None;
+        // Closed by us: no failover to count when it opens again.
+        self.lost = None;
         if let Some(c) = self.conn.take() {
             drop(c);
             self.stats.disconnected();
+            if let Some(p) = self.stats.path(self.path) {
+                p.closed(false);
+            }
             let dropped = count_frames(&self.out);
             self.pstats().tx_drops.fetch_add(dropped, Ordering::Relaxed);
             self.out.clear();

@@ -2,6 +2,10 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
+use devlend_fabric::io_counters::PathState;
+
+use crate::lender::path_cell::{Failovers, PathCell};
+
 /// Counters of one queue pair.
 #[derive(Debug, Default)]
 pub struct PairStats {
@@ -28,6 +32,10 @@ pub struct NetStats {
     /// handover let the NIC go. They are not expected to be connected.
     pub(super) paused: AtomicU32,
     pub(super) mtu: AtomicU32,
+    /// Pair sessions that reopened on another path after theirs was lost.
+    pub(super) failovers: Failovers,
+    /// One per path to the lender, when there are several.
+    pub(super) paths: Vec<PathCell>,
 }
 
 /// A copy of the counters of one queue pair, or of all summed: the fabric's
@@ -51,6 +59,14 @@ pub struct NetStatsSnapshot {
     pub lender_link_up: bool,
     /// The lender's MTU as last reported.
     pub mtu: u32,
+    /// Queue pair sessions that reopened on another path after theirs was lost (a NIC
+    /// with several paths to its lender).
+    pub failovers: u64,
+    /// How long the last failover took, µs: from the loss of the pair's session to its
+    /// session on the next path. 0 before the first.
+    pub last_failover_us: u64,
+    /// The paths to the lender, in order (empty with one path).
+    pub paths: Vec<PathState>,
 }
 
 impl NetStats {
@@ -63,7 +79,21 @@ impl NetStats {
             connected: AtomicU32::new(0),
             paused: AtomicU32::new(0),
             mtu: AtomicU32::new(mtu),
+            failovers: Failovers::default(),
+            paths: Vec::new(),
         }
+    }
+
+    /// Counters for a NIC reached on several paths, `addrs` in path order (one
+    /// address: no path states are kept).
+    pub fn with_paths(mut self, addrs: impl IntoIterator<Item = String>) -> Self {
+        self.paths = PathCell::for_addrs(addrs);
+        self
+    }
+
+    /// The state of path `i`, if several paths are kept.
+    pub(super) fn path(&self, i: usize) -> Option<&PathCell> {
+        self.paths.get(i)
     }
 
     /// A copy of the counters.
@@ -104,6 +134,9 @@ impl NetStats {
             link_up: self.link_up(),
             lender_link_up: self.link_up.load(Ordering::Relaxed),
             mtu: self.mtu.load(Ordering::Relaxed),
+            failovers: self.failovers.count(),
+            last_failover_us: self.failovers.last_us(),
+            paths: self.paths.iter().map(PathCell::snapshot).collect(),
             pairs,
         }
     }
@@ -136,5 +169,11 @@ impl NetStats {
         let _ = self
             .paused
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+}
+
+impl crate::lender::path_probe::WithPaths for NetStats {
+    fn paths(&self) -> &[PathCell] {
+        &self.paths
     }
 }

@@ -1,7 +1,7 @@
 //! The `devlend status` tables, one per kind of attachment.
 
 use devlend_compute_agent::api::{
-    AttachmentInfo, BlockInfo, CoherenceMode, HandoverState, KindInfo, NicInfo, PciInfo,
+    AttachmentInfo, BlockInfo, CoherenceMode, HandoverState, KindInfo, NicInfo, PathState, PciInfo,
 };
 
 use super::human_bytes;
@@ -35,7 +35,21 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
         out.push_str(&pool_unreachable_line(ms, std::time::SystemTime::now()));
     }
     for (a, b) in &disks {
-        out.push_str(&paths_line(&a.id, &b.counters));
+        let c = &b.counters;
+        out.push_str(&paths_line(
+            &a.id,
+            &c.paths,
+            c.failovers,
+            c.last_failover_us,
+        ));
+    }
+    for (a, n) in &nics {
+        out.push_str(&paths_line(
+            &a.id,
+            &n.paths,
+            n.failovers,
+            n.last_failover_us,
+        ));
     }
     for a in list {
         let throttled = a
@@ -63,14 +77,19 @@ pub fn status_table(list: &[AttachmentInfo]) -> String {
     out
 }
 
-/// The line of a disk with several paths to its lender: each path's state, the
-/// failovers and how long the last one took; empty with one path.
-pub(super) fn paths_line(id: &str, c: &devlend_compute_agent::api::IoCounters) -> String {
-    if c.paths.is_empty() {
+/// The line of a disk or NIC with several paths to its lender: each path's state,
+/// the failovers and how long the last one took (`last_failover_us`, µs); empty with
+/// one path.
+pub(super) fn paths_line(
+    id: &str,
+    paths: &[PathState],
+    failovers: u64,
+    last_failover_us: u64,
+) -> String {
+    if paths.is_empty() {
         return String::new();
     }
-    let paths: Vec<String> = c
-        .paths
+    let paths: Vec<String> = paths
         .iter()
         .map(|p| {
             format!(
@@ -82,15 +101,15 @@ pub(super) fn paths_line(id: &str, c: &devlend_compute_agent::api::IoCounters) -
             )
         })
         .collect();
-    let last = if c.failovers > 0 {
-        format!(", the last took {} ms", c.last_failover_us.div_ceil(1000))
+    let last = if failovers > 0 {
+        format!(", the last took {} ms", last_failover_us.div_ceil(1000))
     } else {
         String::new()
     };
     format!(
         "{id}: paths {}; {}{last}\n",
         paths.join(", "),
-        counted(c.failovers, "failover")
+        counted(failovers, "failover")
     )
 }
 

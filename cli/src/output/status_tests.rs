@@ -84,6 +84,7 @@ fn nic() -> AttachmentInfo {
                 ..NetCounters::default()
             },
             pairs: Vec::new(),
+            ..NicInfo::default()
         }),
     )
 }
@@ -327,7 +328,10 @@ fn a_disk_with_several_paths_shows_each_and_its_failovers() {
         unreachable!()
     };
     // One path: no line.
-    assert_eq!(super::status::paths_line("disk0", &b.counters), "");
+    assert_eq!(
+        super::status::paths_line("disk0", &b.counters.paths, 0, 0),
+        ""
+    );
     b.counters.paths = vec![
         PathState {
             addr: "10.0.0.2:7700".into(),
@@ -344,13 +348,42 @@ fn a_disk_with_several_paths_shows_each_and_its_failovers() {
     ];
     b.counters.failovers = 3;
     b.counters.last_failover_us = 1_500;
-    let mut one = b.counters.clone();
-    one.failovers = 1;
-    let line = super::status::paths_line("disk0", &one);
+    let line = super::status::paths_line("disk0", &b.counters.paths, 1, 1_500);
     assert!(line.contains("; 1 failover, the last"), "{line}");
     let out = status_table(&[a]);
     assert!(
         out.contains("disk0: paths 10.0.0.2:7700 DOWN (0 sessions, 2 failures), 10.0.1.2:7700 up (1 session, 1 failure); 3 failovers, the last took 2 ms"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_nic_with_several_paths_shows_each_and_its_failovers() {
+    use devlend_fabric::io_counters::PathState;
+    let mut a = nic();
+    assert!(!status_table(std::slice::from_ref(&a)).contains("paths"));
+    let KindInfo::Nic(n) = &mut a.part else {
+        unreachable!()
+    };
+    n.paths = vec![
+        PathState {
+            addr: "10.0.0.2:7700".into(),
+            sessions: 2,
+            up: true,
+            failures: 1,
+        },
+        PathState {
+            addr: "10.0.1.2:7700".into(),
+            sessions: 0,
+            up: false,
+            failures: 3,
+        },
+    ];
+    n.failovers = 1;
+    n.last_failover_us = 420_001;
+    let out = status_table(&[a]);
+    assert!(
+        out.contains("nic0: paths 10.0.0.2:7700 up (2 sessions, 1 failure), 10.0.1.2:7700 DOWN (0 sessions, 3 failures); 1 failover, the last took 421 ms"),
         "{out}"
     );
 }

@@ -131,6 +131,22 @@ fn a_nic_attachment_shows_its_link_and_frame_counters_and_no_block_fields() {
         reconnects: 1,
         counters: pair,
         pairs: vec![pair, NetCounters::default()],
+        failovers: 2,
+        last_failover_us: 350_000,
+        paths: vec![
+            PathState {
+                addr: "10.0.0.2:7700".into(),
+                sessions: 2,
+                up: true,
+                failures: 0,
+            },
+            PathState {
+                addr: "10.0.1.2:7700".into(),
+                sessions: 0,
+                up: false,
+                failures: 2,
+            },
+        ],
     }));
     let v = round_trip(&a);
     assert_keys(
@@ -145,9 +161,17 @@ fn a_nic_attachment_shows_its_link_and_frame_counters_and_no_block_fields() {
             "reconnects",
             "counters",
             "pairs",
+            "failovers",
+            "last_failover_us",
+            "paths",
         ],
     );
     assert_eq!(v["kind"], "nic");
+    assert_eq!(v["failovers"], 2);
+    assert_eq!(v["last_failover_us"], 350_000);
+    assert_eq!(v["paths"][1]["addr"], "10.0.1.2:7700");
+    assert_eq!(v["paths"][1]["up"], false);
+    assert_eq!(v["paths"][0]["sessions"], 2);
     assert_eq!(v["queue_pairs"], 2);
     assert_eq!(v["queue_size"], 512);
     assert_eq!(v["mac"], "52:54:00:12:34:56");
@@ -302,6 +326,7 @@ fn the_openapi_document_describes_every_kind_exactly() {
             reconnects: 0,
             counters: NetCounters::default(),
             pairs: vec![NetCounters::default()],
+            ..NicInfo::default()
         }),
         KindInfo::Pci(PciInfo {
             bdf: "0000:03:00.0".into(),

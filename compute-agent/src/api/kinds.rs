@@ -93,6 +93,18 @@ pub struct NicInfo {
     pub counters: NetCounters,
     /// Frame counters per queue pair.
     pub pairs: Vec<NetCounters>,
+    /// Queue pair sessions that reopened on another path after theirs was lost (a NIC
+    /// with several paths to its lender).
+    #[serde(default)]
+    pub failovers: u64,
+    /// How long the last failover took, in µs: from the loss of the pair's session to
+    /// its session on the next path. 0 before the first.
+    #[serde(default)]
+    pub last_failover_us: u64,
+    /// The paths to the lender, in order (empty with one path); `sessions` counts
+    /// queue pair sessions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<PathState>,
 }
 
 /// How the guest memory a PCIe function reaches by DMA is kept coherent with the
@@ -171,7 +183,7 @@ pub use devlend_fabric::io_counters::{IoCounters, Latency};
 
 /// Counters of one queue pair of a lent NIC, or of all of them summed: the backend's
 /// pair snapshot, declared once in the fabric crate.
-pub use devlend_fabric::io_counters::NetCounters;
+pub use devlend_fabric::io_counters::{NetCounters, PathState};
 
 /// Recent I/O rates of an attachment.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]

@@ -103,6 +103,9 @@ impl ServedKind for NicPart {
             reconnects: n.reconnects,
             counters: n.total,
             pairs: n.pairs,
+            failovers: n.failovers,
+            last_failover_us: n.last_failover_us,
+            paths: n.paths,
         })
     }
 

@@ -3,7 +3,6 @@
 //! own when that is up again and the queue is idle (a failback), and the heartbeats
 //! that turn a silent cut into a socket error (`docs/faults.md`, "Paths").
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::QueueEngine;
@@ -27,10 +26,7 @@ impl QueueEngine {
         self.away_since = (self.path != self.home).then(Instant::now);
         if let Some((since, from)) = self.lost.take() {
             if from != self.path {
-                self.stats.failovers.fetch_add(1, Ordering::Relaxed);
-                // At least 1: 0 says there was none.
-                let us = since.elapsed().as_micros().clamp(1, u128::from(u64::MAX)) as u64;
-                self.stats.last_failover_us.store(us, Ordering::Relaxed);
+                let us = self.stats.failovers.record(since);
                 devlend_fabric::limited!(
                     info,
                     attachment = %self.name,

@@ -23,8 +23,47 @@ impl PairEngine {
         r
     }
 
-    /// Opens the fabric session on [`Self::path`](PairEngine).
+    /// Opens the fabric session on [`Self::path`](PairEngine), and keeps the path's
+    /// state (several paths): a failure marks it down (a refusal for good, for a
+    /// while: [`REFUSED_PATH_RESTS`]; a busy answer says nothing against it); a
+    /// session opened after a loss on another path is a failover.
+    ///
+    /// [`REFUSED_PATH_RESTS`]: crate::lender::path_cell::REFUSED_PATH_RESTS
     pub(super) fn open(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
+        let opened = self.open_session();
+        let Some(p) = self.stats.path(self.path) else {
+            return opened;
+        };
+        match &opened {
+            Ok(()) => {
+                p.opened();
+                if let Some((since, from)) = self.lost.take() {
+                    if from != self.path {
+                        self.count_failover(since, from);
+                    }
+                }
+            }
+            Err(e) if e.is_permanent() => p.refused(),
+            Err(devlend_fabric::tcp::ConnectError::Refused { .. }) => {}
+            Err(_) => p.failed(),
+        }
+        opened
+    }
+
+    fn count_failover(&self, since: Instant, from: usize) {
+        let us = self.stats.failovers.record(since);
+        devlend_fabric::limited!(
+            info,
+            attachment = %self.name,
+            pair = self.index,
+            from = %self.target.path_addr(from),
+            to = %self.target.path_addr(self.path),
+            took_us = us,
+            "queue pair failed over to another path",
+        );
+    }
+
+    fn open_session(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
         let mut hello = self.target.hello(self.index);
         hello.features |= FEATURE_NET;
         let (stream, reply) = if self.target.path_count() == 1 {
@@ -91,6 +130,11 @@ impl PairEngine {
             return;
         }
         self.heartbeat_at = None;
+        if let Some(p) = self.stats.path(self.path) {
+            p.closed(true);
+        }
+        // The first loss, until a session opens again.
+        self.lost.get_or_insert((Instant::now(), self.path));
         // With several paths the next session opens on the next one (the lender fences
         // this one when it does).
         self.next_path();

@@ -361,15 +361,26 @@ fn a_full_socket_leaves_the_transmitq_alone_until_it_drains() {
 #[test]
 fn with_two_paths_a_pair_sends_heartbeats_and_reopens_on_the_next_path() {
     let lender = Arc::new(Mutex::new(Lender::default()));
-    let stats = Arc::new(NetStats::new(2, true, 1500));
     let mut target = LenderTarget::direct("fake:1", "nic", [1; 16]);
     target.alt_addrs = vec!["fake:2".into()];
+    let stats = Arc::new(NetStats::new(2, true, 1500).with_paths(target.path_addrs()));
     // Pair 1 starts on path 2: pairs spread over the paths.
     let mut e = PairEngine::new(1, "nic".into(), target, Arc::clone(&stats)).expect("timerfd");
     e.opener = opener(Arc::clone(&lender));
     e.retry = Reconnector::new(Policy::backoff(Duration::ZERO, Duration::ZERO));
     e.connect().expect("the fake lender is up");
     assert_eq!(lock(&lender).addrs, ["fake:2"]);
+    let paths = |s: &NetStats| {
+        s.snapshot()
+            .paths
+            .iter()
+            .map(|p| (p.addr.clone(), p.up, p.sessions, p.failures))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        paths(&stats),
+        [("fake:1".into(), true, 0, 0), ("fake:2".into(), true, 1, 0)]
+    );
     let mem = memory();
     // A heartbeat message is due every HEARTBEAT_EVERY, on an idle session too.
     std::thread::sleep(HEARTBEAT_EVERY);
@@ -389,6 +400,47 @@ fn with_two_paths_a_pair_sends_heartbeats_and_reopens_on_the_next_path() {
     e.on_timer(None, &mem).expect("rings");
     assert!(e.fabric_fd().0.is_some(), "reconnected");
     assert_eq!(lock(&lender).addrs, ["fake:2", "fake:1"]);
+    // The lost path is down until a session opens on it or a probe reaches it; the
+    // move to the other one is a failover.
+    assert_eq!(
+        paths(&stats),
+        [
+            ("fake:1".into(), true, 1, 0),
+            ("fake:2".into(), false, 0, 1)
+        ]
+    );
+    let snap = stats.snapshot();
+    assert_eq!(snap.failovers, 1);
+    assert!(snap.last_failover_us > 0, "{snap:?}");
+    // The lender refuses: the connect fails on path 1, which is marked down too.
+    drop(far(&lender));
+    lock(&lender).ends.clear();
+    lock(&lender).down = true;
+    assert!(!e.on_fabric(None, &mem).expect("rings"));
+    e.on_timer(None, &mem).expect("rings");
+    assert!(e.fabric_fd().0.is_none());
+    assert_eq!(
+        paths(&stats),
+        [
+            ("fake:1".into(), false, 0, 1),
+            ("fake:2".into(), false, 0, 2)
+        ]
+    );
+    // It is back: the pair reopens, which was lost on path 1, on path 1 again (after
+    // path 2 failed): no failover. A pause closes the session without a failure.
+    lock(&lender).down = false;
+    e.on_timer(None, &mem).expect("rings");
+    assert!(e.fabric_fd().0.is_some(), "reconnected");
+    assert_eq!(lock(&lender).addrs, ["fake:2", "fake:1", "fake:1"]);
+    e.pause();
+    assert_eq!(
+        paths(&stats),
+        [
+            ("fake:1".into(), true, 0, 1),
+            ("fake:2".into(), false, 0, 2)
+        ]
+    );
+    assert_eq!(stats.snapshot().failovers, 1);
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! The paths of a disk with several: a thread that finds the paths marked down
-//! reachable again, so that queues move back to them ([`PathProbe`]).
+//! The paths of an attachment with several: a thread that finds the paths marked down
+//! reachable again ([`PathProbe`]), so that a disk's queues move back to them and
+//! `devlend status` shows them up.
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -7,7 +8,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::blk::stats::QueueStats;
+use crate::lender::path_cell::PathCell;
+
+/// Counters that keep the state of an attachment's paths (a disk's, a NIC's).
+pub(crate) trait WithPaths: Send + Sync + 'static {
+    /// One cell per path; empty with one path.
+    fn paths(&self) -> &[PathCell];
+}
 
 /// How often the paths marked down are tried, and how long a try may take.
 pub const PROBE_EVERY: Duration = Duration::from_millis(500);
@@ -25,8 +32,8 @@ impl PathProbe {
     ///
     /// # Errors
     /// The thread cannot be started.
-    pub fn start(name: &str, stats: Arc<QueueStats>) -> std::io::Result<Option<Self>> {
-        if stats.paths.is_empty() {
+    pub(crate) fn start<S: WithPaths>(name: &str, stats: Arc<S>) -> std::io::Result<Option<Self>> {
+        if stats.paths().is_empty() {
             return Ok(None);
         }
         let stop = Arc::new(AtomicBool::new(false));
@@ -34,7 +41,7 @@ impl PathProbe {
             let stop = stop.clone();
             std::thread::Builder::new()
                 .name(format!("paths-{name}"))
-                .spawn(move || probe(&stats, &stop))?
+                .spawn(move || probe(stats.paths(), &stop))?
         };
         Ok(Some(PathProbe {
             stop,
@@ -52,9 +59,9 @@ impl Drop for PathProbe {
     }
 }
 
-fn probe(stats: &QueueStats, stop: &AtomicBool) {
+fn probe(paths: &[PathCell], stop: &AtomicBool) {
     while !stop.load(Ordering::Acquire) {
-        for p in &stats.paths {
+        for p in paths {
             if p.is_up() || stop.load(Ordering::Acquire) {
                 continue;
             }
