@@ -2,7 +2,8 @@
 //! leases that bind one device to one borrower for a time, and placement.
 //!
 //! Features:
-//! - `client`: [`api`] (the request and answer types) and [`client`] (a blocking HTTP
+//! - `client`: [`api`] (the request and answer types), [`rules`] (the name and address
+//!   rules the pool applies, for lenders to check first) and [`client`] (a blocking HTTP
 //!   client, plain HTTP or HTTPS: [`https`]). Light: serde, reqwest and rustls. Lenders, borrowers and the CLI use this.
 //! - `server` (default, implies `client`): the service itself: [`store`] (sqlx over
 //!   SQLite or PostgreSQL, with migrations), [`placement`], [`tokens`] (the signing
@@ -19,6 +20,7 @@ pub mod auth;
 pub mod client;
 #[cfg(feature = "client")]
 pub mod https;
+pub mod rules;
 
 #[cfg(feature = "server")]
 pub mod enroll;

@@ -121,6 +121,17 @@ fn malformed_paths_are_refused(backend: Backend) {
             other => panic!("{bad:?}: expected a refusal, got {other:?}"),
         }
     }
+    // The main address is one borrowers are given too: not a wildcard either.
+    for wild in ["0.0.0.0:7700", "[::]:7700", "*:7700"] {
+        let mut r = registration(&[]);
+        r.fabric_address = wild.into();
+        match pool.client.register_provider("lender-a", &r) {
+            Err(ClientError::Api { status, code, .. }) => {
+                assert_eq!((status, code.as_str()), (422, "invalid_value"), "{wild}")
+            }
+            other => panic!("{wild}: expected a refusal, got {other:?}"),
+        }
+    }
     assert!(pool.client.providers().unwrap().is_empty());
     // Seven are taken.
     let p = pool

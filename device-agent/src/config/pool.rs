@@ -5,11 +5,14 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use devlend_pool::rules;
+
 use super::Cli;
 use crate::Error;
 
-/// Most further addresses (`advertise_paths`) a lender registers beside `advertise`.
-pub const MAX_ADVERTISE_PATHS: usize = 7;
+/// Most further addresses (`advertise_paths`) a lender registers beside `advertise`:
+/// what the pool takes.
+pub const MAX_ADVERTISE_PATHS: usize = devlend_pool::api::MAX_FABRIC_PATHS;
 
 /// The `[pool]` table: register with a device pool and enforce its leases.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
@@ -97,22 +100,26 @@ pub(super) fn resolve(
         if p.provider.is_none() {
             p.provider = Some(devlend_daemon::host_name());
         }
+        // What the pool would refuse at every registration fails here, at once.
+        if let Some(name) = &p.provider {
+            rules::name("provider name", name).map_err(Error::BadPool)?;
+        }
         if let Some(a) = &p.advertise {
-            if a.starts_with("0.0.0.0:") || a.starts_with("[::]:") || !a.contains(':') {
-                return Err(Error::BadPool(format!(
-                    "advertise address {a} must be HOST:PORT that borrowers can reach, not a wildcard"
-                )));
-            }
+            rules::reachable_address(a)
+                .map_err(|why| Error::BadPool(format!("advertise address: {why}")))?;
         }
         if p.advertise.is_none() {
-            if listen.starts_with("0.0.0.0:") || listen.starts_with("[::]:") {
+            if let Err(why) = rules::reachable_address(listen) {
                 return Err(Error::BadPool(format!(
-                    "listen address {listen} is a wildcard: give the address borrowers reach this lender at with --advertise or [pool] advertise"
+                    "the listen address cannot be registered ({why}): give the address borrowers reach this lender at with --advertise or [pool] advertise"
                 )));
             }
             p.advertise = Some(listen.to_owned());
         }
-        check_paths(p)?;
+        if let Some(a) = &p.advertise {
+            rules::fabric_paths(a, &p.advertise_paths)
+                .map_err(|why| Error::BadPool(format!("advertise paths: {why}")))?;
+        }
     } else if cli.provider.is_some()
         || cli.advertise.is_some()
         || !cli.advertise_paths.is_empty()
@@ -126,44 +133,4 @@ pub(super) fn resolve(
         ));
     }
     Ok(pool)
-}
-
-/// A further address registered for borrowers to reach: `HOST:PORT` as the pool takes
-/// it, not a wildcard.
-fn check_advertised(what: &str, a: &str) -> Result<(), Error> {
-    let ok = a
-        .rsplit_once(':')
-        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|n| n > 0));
-    if !ok
-        || a.starts_with("0.0.0.0:")
-        || a.starts_with("[::]:")
-        || a.contains(|c: char| c == ',' || c == '/' || c.is_whitespace())
-    {
-        return Err(Error::BadPool(format!(
-            "{what} {a} must be HOST:PORT that borrowers can reach, not a wildcard"
-        )));
-    }
-    Ok(())
-}
-
-/// The further addresses: each as `advertise`, distinct and not `advertise`, at most
-/// [`MAX_ADVERTISE_PATHS`].
-fn check_paths(p: &PoolConfig) -> Result<(), Error> {
-    if p.advertise_paths.len() > MAX_ADVERTISE_PATHS {
-        return Err(Error::BadPool(format!(
-            "{} advertise paths: at most {MAX_ADVERTISE_PATHS} beside the advertise address",
-            p.advertise_paths.len()
-        )));
-    }
-    let mut seen: Vec<&str> = p.advertise.iter().map(String::as_str).collect();
-    for a in &p.advertise_paths {
-        check_advertised("advertise path", a)?;
-        if seen.contains(&a.as_str()) {
-            return Err(Error::BadPool(format!(
-                "advertise address {a} is given twice"
-            )));
-        }
-        seen.push(a);
-    }
-    Ok(())
 }

@@ -155,6 +155,9 @@ fn advertise_paths_come_from_file_or_flags_checked_as_advertise() {
         too_many.extend(["--advertise-path", a.as_str()]);
     }
     assert!(config(&too_many[..14]).is_ok(), "seven are taken");
+    let long = format!("{}:1", "h".repeat(300));
+    let long_name = "n".repeat(300);
+    assert!(config(&["--provider", "devsrv-01.example"]).is_ok());
     for bad in [
         &["--advertise-path", "0.0.0.0:7700"][..],
         &["--advertise-path", "[::]:7700"],
@@ -163,6 +166,16 @@ fn advertise_paths_come_from_file_or_flags_checked_as_advertise() {
         &["--advertise-path", "a:7700"],
         &["--advertise-path", "c:1", "--advertise-path", "c:1"],
         &too_many,
+        // What the pool refuses, the agent refuses before it starts: a control
+        // character, an over-long host, a `*` or `::` wildcard, a path.
+        &["--advertise-path", "c\u{1}:1"],
+        &["--advertise-path", &long],
+        &["--advertise-path", "*:7700"],
+        &["--advertise", "*:7700"],
+        &["--advertise", "0.0.0.0:7700"],
+        &["--advertise-path", "c/x:1"],
+        &["--provider", "dev srv"],
+        &["--provider", &long_name],
     ] {
         let e = config(bad).unwrap_err();
         assert!(matches!(e, Error::BadPool(_)), "{bad:?}: {e}");
