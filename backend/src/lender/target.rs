@@ -334,6 +334,11 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// a fenced session to end.
 pub const PATH_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// With several paths, how long a session stays on the path it failed over to before it
+/// moves back to its own, once that is up again (a disk's queue waits for an idle
+/// moment too).
+pub const FAILBACK_AFTER: Duration = Duration::from_secs(1);
+
 /// With several paths, how often a session sends a heartbeat (a disk's while requests
 /// are in flight, a NIC's always): with [`PATH_USER_TIMEOUT`], a path that drops
 /// silently is left at most this plus that after the drop.

@@ -33,7 +33,7 @@ use devlend_fabric::reconnect::{Policy, Reconnector};
 use virtio_queue::{Queue, QueueT};
 
 use crate::guest::GuestMemory;
-use crate::lender::target::HEARTBEAT_EVERY;
+use crate::lender::target::{FAILBACK_AFTER, HEARTBEAT_EVERY};
 use crate::lender::{DisplayChain, LenderTarget, RetryTimer};
 use crate::net::rx::{deliver, Delivery};
 use crate::net::spec::NET_HDR_LEN;
@@ -118,6 +118,9 @@ pub struct PairEngine {
     /// When the session was lost, and on which path, until one opens again (several
     /// paths: a session that then opens on another path is a failover).
     lost: Option<(Instant, usize)>,
+    /// Since when the session is on another path than the pair's own (*index mod n*):
+    /// it moves back once that is up and this is [`FAILBACK_AFTER`] old.
+    away_since: Option<Instant>,
 }
 
 impl PairEngine {
@@ -156,6 +159,7 @@ impl PairEngine {
             path: usize::from(index) % target_paths,
             heartbeat_at: None,
             lost: None,
+            away_since: None,
         })
     }
 
@@ -339,6 +343,7 @@ impl PairEngine {
                 self.schedule_retry();
             }
         }
+        self.fail_back();
         self.send_heartbeat();
         let used = match rxq {
             Some(q) => self.deliver_held(q, mem)?,

@@ -3,16 +3,12 @@
 //! own when that is up again and the queue is idle (a failback), and the heartbeats
 //! that turn a silent cut into a socket error (`docs/faults.md`, "Paths").
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::QueueEngine;
 use crate::lender::DisplayChain;
 
-/// With several paths, how long a queue stays on the path it failed over to before it
-/// moves back to its own, once that is up again and the queue has nothing in flight.
-pub const FAILBACK_AFTER: Duration = Duration::from_secs(1);
-
-pub use crate::lender::target::HEARTBEAT_EVERY;
+pub use crate::lender::target::{FAILBACK_AFTER, HEARTBEAT_EVERY};
 
 impl QueueEngine {
     /// A session opened on `self.path`; `heartbeat`: it carries heartbeats. Counts a

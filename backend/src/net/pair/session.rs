@@ -7,7 +7,8 @@ use std::time::Instant;
 use devlend_fabric::net::{self, FEATURE_NET, FEATURE_NET_OFFLOAD};
 
 use super::recv::count_frames;
-use super::{PairEngine, HEARTBEAT_EVERY, HOLD};
+use super::{PairEngine, FAILBACK_AFTER, HEARTBEAT_EVERY, HOLD};
+use crate::lender::DisplayChain;
 
 impl PairEngine {
     /// Opens the fabric session.
@@ -37,6 +38,7 @@ impl PairEngine {
         match &opened {
             Ok(()) => {
                 p.opened();
+                self.away_since = (self.path != self.home()).then(Instant::now);
                 if let Some((since, from)) = self.lost.take() {
                     if from != self.path {
                         self.count_failover(since, from);
@@ -118,6 +120,68 @@ impl PairEngine {
         // The first heartbeat's wake-up.
         self.arm_timer();
         Ok(())
+    }
+
+    /// The pair's own path: pairs are spread over the paths, *index mod n*.
+    fn home(&self) -> usize {
+        usize::from(self.index) % self.target.path_count()
+    }
+
+    /// Moves the pair back to its own path when its session has been on another for
+    /// [`FAILBACK_AFTER`] (or that long since a failed try) and its own is up again (a
+    /// session of another pair opened on it, or the probe reached it). The new session
+    /// opens before the one it replaces is closed (the lender fences that one when the
+    /// hello arrives): a home path that does not take it costs the pair the attempt,
+    /// nothing more. Frames the lender sent on the old session and the pair had not
+    /// read yet are lost, as in a failover.
+    pub(super) fn fail_back(&mut self) {
+        let home = self.home();
+        let due = self
+            .away_since
+            .is_some_and(|t| t.elapsed() >= FAILBACK_AFTER);
+        // Not while frames wait to be written: the old session keeps them, whole.
+        if !due
+            || self.paused
+            || self.conn.is_none()
+            || !self.out.is_empty()
+            || self.path == home
+            || !self.stats.path(home).is_some_and(|p| p.is_up())
+        {
+            return;
+        }
+        let from = self.path;
+        let old = self.conn.take();
+        self.path = home;
+        match self.open() {
+            Ok(()) => {
+                drop(old);
+                self.stats.disconnected();
+                if let Some(p) = self.stats.path(from) {
+                    p.closed(false);
+                }
+                devlend_fabric::limited!(
+                    info,
+                    attachment = %self.name,
+                    pair = self.index,
+                    path = %self.target.path_addr(home),
+                    "queue pair moved back to its own path",
+                );
+            }
+            Err(e) => {
+                self.path = from;
+                self.conn = old;
+                // Tried again a while later.
+                self.away_since = Some(Instant::now());
+                devlend_fabric::limited!(
+                    warn,
+                    attachment = %self.name,
+                    pair = self.index,
+                    path = %self.target.path_addr(home),
+                    error = %DisplayChain(&e),
+                    "cannot move the queue pair back to its own path; it stays where it is",
+                );
+            }
+        }
     }
 
     /// Moves to the next path (with one, stays).

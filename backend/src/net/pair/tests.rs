@@ -480,3 +480,51 @@ fn a_paused_pair_with_two_paths_leaves_its_timer_alone() {
     let ready = unsafe { libc::poll(&mut pfd, 1, 300) };
     assert_eq!(ready, 0, "the timer fires while the pair is paused");
 }
+
+#[test]
+fn a_pair_moves_back_to_its_own_path_once_it_is_up_again() {
+    let lender = Arc::new(Mutex::new(Lender::default()));
+    let mut target = LenderTarget::direct("fake:1", "nic", [1; 16]);
+    target.alt_addrs = vec!["fake:2".into()];
+    let stats = Arc::new(NetStats::new(1, true, 1500).with_paths(target.path_addrs()));
+    let mut e = PairEngine::new(0, "nic".into(), target, Arc::clone(&stats)).expect("timerfd");
+    e.opener = opener(Arc::clone(&lender));
+    e.retry = Reconnector::new(Policy::backoff(Duration::ZERO, Duration::ZERO));
+    e.connect().expect("the fake lender is up");
+    let mem = memory();
+    // Its own path fails: the session moves to path 2.
+    drop(far(&lender));
+    lock(&lender).ends.clear();
+    assert!(!e.on_fabric(None, &mem).expect("rings"));
+    e.on_timer(None, &mem).expect("rings");
+    assert_eq!(lock(&lender).addrs, ["fake:1", "fake:2"]);
+    // Path 1 is still down: the pair stays, however long.
+    std::thread::sleep(FAILBACK_AFTER);
+    e.on_timer(None, &mem).expect("rings");
+    assert_eq!(lock(&lender).addrs.len(), 2, "moved to a path marked down");
+    // It answers again but does not take the session: the pair keeps the one it has.
+    stats.paths[0].reachable();
+    lock(&lender).down = true;
+    e.on_timer(None, &mem).expect("rings");
+    assert!(e.fabric_fd().0.is_some(), "the old session was kept");
+    let mut end = far(&lender);
+    lock(&lender).down = false;
+    // A failed try waits FAILBACK_AFTER again.
+    stats.paths[0].reachable();
+    e.on_timer(None, &mem).expect("rings");
+    assert_eq!(lock(&lender).addrs.len(), 2, "tried again at once");
+    std::thread::sleep(FAILBACK_AFTER);
+    e.on_timer(None, &mem).expect("rings");
+    assert_eq!(lock(&lender).addrs, ["fake:1", "fake:2", "fake:1"]);
+    // The old session is closed, the new one is on path 1; a move back is no failover.
+    end.set_read_timeout(Some(Duration::from_millis(500)))
+        .expect("timeout");
+    // Heartbeats it sent, then its end.
+    let mut sent = Vec::new();
+    end.read_to_end(&mut sent).expect("the old session's end");
+    let snap = stats.snapshot();
+    let on: Vec<u64> = snap.paths.iter().map(|p| p.sessions).collect();
+    assert_eq!(on, [1, 0]);
+    assert!(snap.paths.iter().all(|p| p.up), "{snap:?}");
+    assert_eq!(snap.failovers, 1);
+}
