@@ -121,6 +121,25 @@ pub struct PairEngine {
     /// Since when the session is on another path than the pair's own (*index mod n*):
     /// it moves back once that is up and this is [`FAILBACK_AFTER`] old.
     away_since: Option<Instant>,
+    /// How long the pair stays away before it tries to move back: [`FAILBACK_AFTER`],
+    /// doubled after each failed try up to [`FAILBACK_MAX`].
+    failback_wait: Duration,
+}
+
+/// The longest wait between two tries to move a pair back to its own path.
+pub const FAILBACK_MAX: Duration = Duration::from_secs(30);
+
+impl Drop for PairEngine {
+    /// A new backend per frontend connection starts its own pair engines: this one's
+    /// session no longer counts on its path (`connected` was reset by
+    /// [`NetStats::new_backend`]).
+    fn drop(&mut self) {
+        if self.conn.take().is_some() {
+            if let Some(p) = self.stats.path(self.path) {
+                p.closed(false);
+            }
+        }
+    }
 }
 
 impl PairEngine {
@@ -160,6 +179,7 @@ impl PairEngine {
             heartbeat_at: None,
             lost: None,
             away_since: None,
+            failback_wait: FAILBACK_AFTER,
         })
     }
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 use devlend_fabric::net::{self, FEATURE_NET, FEATURE_NET_OFFLOAD};
 
 use super::recv::count_frames;
-use super::{PairEngine, FAILBACK_AFTER, HEARTBEAT_EVERY, HOLD};
+use super::{PairEngine, FAILBACK_AFTER, FAILBACK_MAX, HEARTBEAT_EVERY, HOLD};
 use crate::lender::DisplayChain;
 
 impl PairEngine {
@@ -16,7 +16,7 @@ impl PairEngine {
     /// # Errors
     /// The connection or handshake failed, or the lender's device is not a NIC.
     pub fn connect(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
-        let r = self.open();
+        let r = self.open(true);
         if r.is_err() {
             // The next attempt goes to the next path.
             self.next_path();
@@ -30,8 +30,14 @@ impl PairEngine {
     /// session opened after a loss on another path is a failover.
     ///
     /// [`REFUSED_PATH_RESTS`]: crate::lender::path_cell::REFUSED_PATH_RESTS
-    pub(super) fn open(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
-        let opened = self.open_session();
+    ///
+    /// `reconnect`: a session after the first counts in `reconnects` (not a move back
+    /// to the pair's own path).
+    pub(super) fn open(
+        &mut self,
+        reconnect: bool,
+    ) -> Result<(), devlend_fabric::tcp::ConnectError> {
+        let opened = self.open_session(reconnect);
         let Some(p) = self.stats.path(self.path) else {
             return opened;
         };
@@ -65,7 +71,7 @@ impl PairEngine {
         );
     }
 
-    fn open_session(&mut self) -> Result<(), devlend_fabric::tcp::ConnectError> {
+    fn open_session(&mut self, reconnect: bool) -> Result<(), devlend_fabric::tcp::ConnectError> {
         let mut hello = self.target.hello(self.index);
         hello.features |= FEATURE_NET;
         let (stream, reply) = if self.target.path_count() == 1 {
@@ -102,7 +108,7 @@ impl PairEngine {
             .then(|| Instant::now() + HEARTBEAT_EVERY);
         self.stats.link_up.store(link.up, Ordering::Relaxed);
         self.stats.mtu.store(link.mtu, Ordering::Relaxed);
-        if self.generation > 0 {
+        if reconnect && self.generation > 0 {
             self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
         }
         self.stats.connected.fetch_add(1, Ordering::Relaxed);
@@ -128,7 +134,8 @@ impl PairEngine {
     }
 
     /// Moves the pair back to its own path when its session has been on another for
-    /// [`FAILBACK_AFTER`] (or that long since a failed try) and its own is up again (a
+    /// [`FAILBACK_AFTER`] (after a failed try, twice as long as before, up to
+    /// [`FAILBACK_MAX`]) and its own is up again (a
     /// session of another pair opened on it, or the probe reached it). The new session
     /// opens before the one it replaces is closed (the lender fences that one when the
     /// hello arrives): a home path that does not take it costs the pair the attempt,
@@ -138,7 +145,7 @@ impl PairEngine {
         let home = self.home();
         let due = self
             .away_since
-            .is_some_and(|t| t.elapsed() >= FAILBACK_AFTER);
+            .is_some_and(|t| t.elapsed() >= self.failback_wait);
         // Not while frames wait to be written: the old session keeps them, whole.
         if !due
             || self.paused
@@ -152,13 +159,10 @@ impl PairEngine {
         let from = self.path;
         let old = self.conn.take();
         self.path = home;
-        match self.open() {
+        match self.open(false) {
             Ok(()) => {
-                drop(old);
-                self.stats.disconnected();
-                if let Some(p) = self.stats.path(from) {
-                    p.closed(false);
-                }
+                self.close_replaced(old, from);
+                self.failback_wait = FAILBACK_AFTER;
                 devlend_fabric::limited!(
                     info,
                     attachment = %self.name,
@@ -168,10 +172,10 @@ impl PairEngine {
                 );
             }
             Err(e) => {
-                self.path = from;
-                self.conn = old;
-                // Tried again a while later.
+                // Tried again a while later, each time later.
                 self.away_since = Some(Instant::now());
+                self.failback_wait = (self.failback_wait * 2).min(FAILBACK_MAX);
+                self.path = from;
                 devlend_fabric::limited!(
                     warn,
                     attachment = %self.name,
@@ -180,6 +184,29 @@ impl PairEngine {
                     error = %DisplayChain(&e),
                     "cannot move the queue pair back to its own path; it stays where it is",
                 );
+                if before_hello(&e) {
+                    self.conn = old;
+                } else {
+                    // The lender may have taken the hello, and fenced the old session,
+                    // before it refused or the answer was lost: reopened on the path it
+                    // was on, as after a loss but without counting one.
+                    self.close_replaced(old, from);
+                    self.heartbeat_at = None;
+                    self.have = 0;
+                    self.retry.lost(Instant::now());
+                }
+            }
+        }
+    }
+
+    /// Closes `old`, the session on path `from` that a move back replaced (or may
+    /// have: [`Self::fail_back`]), as the pair's own doing: no failure counted.
+    fn close_replaced(&mut self, old: Option<devlend_fabric::conn::Stream>, from: usize) {
+        if old.is_some() {
+            drop(old);
+            self.stats.disconnected();
+            if let Some(p) = self.stats.path(from) {
+                p.closed(false);
             }
         }
     }
@@ -197,6 +224,8 @@ impl PairEngine {
         if let Some(p) = self.stats.path(self.path) {
             p.closed(true);
         }
+        // A new cut: a move back is tried FAILBACK_AFTER after the next session opens.
+        self.failback_wait = FAILBACK_AFTER;
         // The first loss, until a session opens again.
         self.lost.get_or_insert((Instant::now(), self.path));
         // With several paths the next session opens on the next one (the lender fences
@@ -253,4 +282,15 @@ impl PairEngine {
             self.flush();
         }
     }
+}
+
+/// Whether the open failed before the hello could reach the lender (so that it cannot
+/// have fenced the pair's session on another path): no address, no connection, no TLS
+/// session, no relay.
+fn before_hello(e: &devlend_fabric::tcp::ConnectError) -> bool {
+    use devlend_fabric::tcp::ConnectError as E;
+    matches!(
+        e,
+        E::Resolve { .. } | E::Connect { .. } | E::Tls { .. } | E::Relay { .. }
+    )
 }

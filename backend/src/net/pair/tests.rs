@@ -36,6 +36,8 @@ const BUF_GAP: u64 = 0x1_0000;
 struct Lender {
     sessions: u32,
     down: bool,
+    /// Takes the hello, then answers busy (as a lender whose fence wait ran out).
+    busy: bool,
     ends: Vec<UnixStream>,
     /// The address each session was opened on, in order.
     addrs: Vec<String>,
@@ -56,6 +58,14 @@ fn opener(lender: Shared) -> PairOpener {
             return Err(ConnectError::Connect {
                 addr: target.addr.clone(),
                 source: io::Error::from(io::ErrorKind::ConnectionRefused),
+            });
+        }
+        if l.busy {
+            return Err(ConnectError::Refused {
+                addr: target.addr.clone(),
+                device: target.device.clone(),
+                status: devlend_fabric::HelloStatus::Busy,
+                message: "busy".into(),
             });
         }
         let (near, far) = UnixStream::pair().expect("socketpair");
@@ -481,23 +491,29 @@ fn a_paused_pair_with_two_paths_leaves_its_timer_alone() {
     assert_eq!(ready, 0, "the timer fires while the pair is paused");
 }
 
-#[test]
-fn a_pair_moves_back_to_its_own_path_once_it_is_up_again() {
-    let lender = Arc::new(Mutex::new(Lender::default()));
+/// Pair 0 with two paths whose session was lost on its own path (1) and reopened on
+/// path 2, reconnecting without backoff.
+fn failed_over(lender: &Shared) -> (PairEngine, Arc<NetStats>, GuestMemory) {
     let mut target = LenderTarget::direct("fake:1", "nic", [1; 16]);
     target.alt_addrs = vec!["fake:2".into()];
     let stats = Arc::new(NetStats::new(1, true, 1500).with_paths(target.path_addrs()));
     let mut e = PairEngine::new(0, "nic".into(), target, Arc::clone(&stats)).expect("timerfd");
-    e.opener = opener(Arc::clone(&lender));
+    e.opener = opener(Arc::clone(lender));
     e.retry = Reconnector::new(Policy::backoff(Duration::ZERO, Duration::ZERO));
     e.connect().expect("the fake lender is up");
     let mem = memory();
-    // Its own path fails: the session moves to path 2.
-    drop(far(&lender));
-    lock(&lender).ends.clear();
+    drop(far(lender));
+    lock(lender).ends.clear();
     assert!(!e.on_fabric(None, &mem).expect("rings"));
     e.on_timer(None, &mem).expect("rings");
-    assert_eq!(lock(&lender).addrs, ["fake:1", "fake:2"]);
+    assert_eq!(lock(lender).addrs, ["fake:1", "fake:2"]);
+    (e, stats, mem)
+}
+
+#[test]
+fn a_pair_moves_back_to_its_own_path_once_it_is_up_again() {
+    let lender = Arc::new(Mutex::new(Lender::default()));
+    let (mut e, stats, mem) = failed_over(&lender);
     // Path 1 is still down: the pair stays, however long.
     std::thread::sleep(FAILBACK_AFTER);
     e.on_timer(None, &mem).expect("rings");
@@ -509,10 +525,15 @@ fn a_pair_moves_back_to_its_own_path_once_it_is_up_again() {
     assert!(e.fabric_fd().0.is_some(), "the old session was kept");
     let mut end = far(&lender);
     lock(&lender).down = false;
-    // A failed try waits FAILBACK_AFTER again.
+    // A failed try waits twice as long before the next.
     stats.paths[0].reachable();
+    std::thread::sleep(FAILBACK_AFTER);
     e.on_timer(None, &mem).expect("rings");
-    assert_eq!(lock(&lender).addrs.len(), 2, "tried again at once");
+    assert_eq!(
+        lock(&lender).addrs.len(),
+        2,
+        "tried again after FAILBACK_AFTER"
+    );
     std::thread::sleep(FAILBACK_AFTER);
     e.on_timer(None, &mem).expect("rings");
     assert_eq!(lock(&lender).addrs, ["fake:1", "fake:2", "fake:1"]);
@@ -526,5 +547,41 @@ fn a_pair_moves_back_to_its_own_path_once_it_is_up_again() {
     let on: Vec<u64> = snap.paths.iter().map(|p| p.sessions).collect();
     assert_eq!(on, [1, 0]);
     assert!(snap.paths.iter().all(|p| p.up), "{snap:?}");
+    assert_eq!(snap.failovers, 1);
+    // A move back is no reconnect: only the failover's counts.
+    assert_eq!(stats.snapshot().reconnects, 1);
+    // The engine goes (a new frontend connection makes new ones): its session no
+    // longer counts on its path.
+    drop(e);
+    let on: Vec<u64> = stats.snapshot().paths.iter().map(|p| p.sessions).collect();
+    assert_eq!(on, [0, 0]);
+}
+
+#[test]
+fn a_move_back_refused_after_the_hello_reopens_where_the_pair_was() {
+    let lender = Arc::new(Mutex::new(Lender::default()));
+    let (mut e, stats, mem) = failed_over(&lender);
+    // Path 1 answers again; the lender takes the hello there (and so may have fenced
+    // the session on path 2) but answers busy: that session is not trusted any more.
+    stats.paths[0].reachable();
+    lock(&lender).busy = true;
+    std::thread::sleep(FAILBACK_AFTER);
+    e.on_timer(None, &mem).expect("rings");
+    assert!(
+        e.fabric_fd().0.is_none(),
+        "kept a session the lender may have fenced"
+    );
+    lock(&lender).busy = false;
+    e.on_timer(None, &mem).expect("rings");
+    assert!(e.fabric_fd().0.is_some(), "reopened");
+    assert_eq!(lock(&lender).addrs, ["fake:1", "fake:2", "fake:2"]);
+    // Neither a failure of path 2 nor a failover: the pair closed that session itself.
+    let snap = stats.snapshot();
+    let state: Vec<(bool, u64, u64)> = snap
+        .paths
+        .iter()
+        .map(|p| (p.up, p.sessions, p.failures))
+        .collect();
+    assert_eq!(state, [(true, 0, 1), (true, 1, 0)]);
     assert_eq!(snap.failovers, 1);
 }
