@@ -368,10 +368,9 @@ fn request_relay(
     Ok(())
 }
 
-/// Resolves `addr` and connects to the first address that answers; sets
-/// `TCP_NODELAY`, the liveness options, and `timeout` as read and write timeout.
-/// Connects to `addr` within `connect`; reads and writes on the stream then time out
-/// after `timeout`.
+/// Resolves `addr` and connects to the first address that answers, each try bounded
+/// by `connect`; sets `TCP_NODELAY`, the liveness options, and `timeout` as read and
+/// write timeout.
 fn connect_tcp(
     addr: &str,
     connect: Duration,

@@ -299,17 +299,8 @@ impl QueueEngine {
         } else {
             (self.opener)(&self.target.on_path(path), self.index)
         };
-        // The path failed, unless the lender answered on it: a busy answer says
-        // nothing against it, a refusal for good that the lender there is not this
-        // one (a wrong address) for a while ([`REFUSED_PATH_RESTS`]).
-        if let Err(e) = &opened {
-            if let Some(p) = self.stats.path(path) {
-                if e.is_permanent() {
-                    p.refused();
-                } else if !matches!(e, ConnectError::Refused { .. }) {
-                    p.failed();
-                }
-            }
+        if let (Err(e), Some(p)) = (&opened, self.stats.path(path)) {
+            p.open_failed(e);
         }
         opened
     }

@@ -118,6 +118,18 @@ impl PathCell {
         self.failed();
     }
 
+    /// Opening a session on this path failed with `e`: the path failed, unless the
+    /// lender answered on it. A busy answer says nothing against it; a refusal for
+    /// good says the lender there is not this one (a wrong address) for a while
+    /// ([`Self::refused`]).
+    pub(crate) fn open_failed(&self, e: &devlend_fabric::tcp::ConnectError) {
+        if e.is_permanent() {
+            self.refused();
+        } else if !matches!(e, devlend_fabric::tcp::ConnectError::Refused { .. }) {
+            self.failed();
+        }
+    }
+
     /// A connect on this path failed, or its session was lost.
     pub(crate) fn failed(&self) {
         self.down.store(true, Ordering::Relaxed);

@@ -51,9 +51,7 @@ impl PairEngine {
                     }
                 }
             }
-            Err(e) if e.is_permanent() => p.refused(),
-            Err(devlend_fabric::tcp::ConnectError::Refused { .. }) => {}
-            Err(_) => p.failed(),
+            Err(e) => p.open_failed(e),
         }
         opened
     }
