@@ -260,11 +260,11 @@ impl Registry {
     }
 }
 
-/// Most addresses in a request's `paths` (beside `lender`).
-pub const MAX_EXTRA_PATHS: usize = 7;
-
-/// Checks an attachment's further paths: `HOST:PORT` each, distinct, at most
-/// [`MAX_EXTRA_PATHS`], for a lender reached directly and not a PCIe function.
+/// Checks an attachment's further paths, for a lender reached directly and not a PCIe
+/// function: the pool's rule for a lender's further fabric addresses
+/// ([`devlend_pool::rules::fabric_paths`]: at most
+/// [`devlend_pool::api::MAX_FABRIC_PATHS`], `HOST:PORT`
+/// each, no wildcard, distinct, none the lender address).
 fn check_paths(
     paths: &[String],
     kind: crate::api::AttachKind,
@@ -279,24 +279,5 @@ fn check_paths(
     if kind == crate::api::AttachKind::Pci {
         return Err("paths are not supported for a PCIe function (kind pci) yet".into());
     }
-    if paths.len() > MAX_EXTRA_PATHS {
-        return Err(format!(
-            "{} paths: at most {MAX_EXTRA_PATHS} beside the lender address",
-            paths.len()
-        ));
-    }
-    let mut seen = vec![resolved.addr.as_str()];
-    for p in paths {
-        let ok = p.rsplit_once(':').is_some_and(|(host, port)| {
-            !host.is_empty() && port.parse::<u16>().is_ok_and(|n| n > 0)
-        });
-        if !ok || p.contains('/') {
-            return Err(format!("path {p:?} is not HOST:PORT"));
-        }
-        if seen.contains(&p.as_str()) {
-            return Err(format!("path {p} is given twice"));
-        }
-        seen.push(p);
-    }
-    Ok(())
+    devlend_pool::rules::fabric_paths(&resolved.addr, paths).map_err(|e| format!("paths: {e}"))
 }

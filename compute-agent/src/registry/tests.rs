@@ -83,8 +83,9 @@ fn a_vm_is_refused_for_other_kinds_and_when_malformed() {
     }
 }
 
-/// Further paths are `HOST:PORT` addresses of a lender reached directly, distinct, at
-/// most seven: anything else is refused before anything starts.
+/// Further paths are `HOST:PORT` addresses of a lender reached directly, not wildcards,
+/// distinct, at most seven (the pool's rule for a lender's further addresses): anything
+/// else is refused before anything starts.
 #[test]
 fn paths_that_cannot_be_a_lenders_addresses_are_refused() {
     let attach = |paths: serde_json::Value, lender: &str, kind: &str| {
@@ -103,6 +104,10 @@ fn paths_that_cannot_be_a_lenders_addresses_are_refused() {
         (serde_json::json!(["10.0.1.1"]), "not HOST:PORT"),
         (serde_json::json!(["10.0.1.1:0"]), "not HOST:PORT"),
         (serde_json::json!(["c/l:1"]), "not HOST:PORT"),
+        (serde_json::json!(["h x:1"]), "not HOST:PORT"),
+        (serde_json::json!(["a,b:1"]), "not HOST:PORT"),
+        (serde_json::json!(["0.0.0.0:7700"]), "wildcard"),
+        (serde_json::json!(["[::]:7700"]), "wildcard"),
         (serde_json::json!([direct]), "twice"),
         (serde_json::json!(["a:1", "a:1"]), "twice"),
         (
