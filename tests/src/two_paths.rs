@@ -33,7 +33,18 @@ impl TwoPathLender {
     /// # Errors
     /// `ip` fails (not root), or the lender does not start.
     pub fn start(n: u8, dir: &Path, img: &Path) -> Result<Self> {
-        Self::start_lending(n, dir, |_| Ok((format!("disk0={}", img.display()), None)))
+        Self::start_limited(n, dir, img, "")
+    }
+
+    /// As [`Self::start`], with `options` after the device's path (`,iops_read=200`:
+    /// the lender's own limits, `docs/qos.md`).
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub fn start_limited(n: u8, dir: &Path, img: &Path, options: &str) -> Result<Self> {
+        Self::start_lending(n, dir, |_| {
+            Ok((format!("disk0={}{options}", img.display()), None))
+        })
     }
 
     /// Starts the lender of `nic0`: one end of a veth pair in its namespace, whose

@@ -5,6 +5,8 @@
 //! no reset, a silent cut) and brought back, three rounds: no request fails, no batch
 //! waits a second, each queue goes back to its own path once both are up, and the
 //! lender's file holds every block at its last generation.
+//! A queue kept busy all along still goes back to its own path; a path cut while idle
+//! shows down.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -37,10 +39,15 @@ fn rig(n: u8) -> Rig {
 
 /// As [`rig`], with `extra` arguments to `devlend attach`.
 fn rig_with(n: u8, extra: &[&str]) -> Rig {
+    rig_lending(n, "", extra)
+}
+
+/// As [`rig_with`], the lender's device given `options` after its path.
+fn rig_lending(n: u8, options: &str, extra: &[&str]) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("disk0.img");
     sparse_file(&img, DISK).unwrap();
-    let lender = TwoPathLender::start(n, dir.path(), &img).unwrap();
+    let lender = TwoPathLender::start_limited(n, dir.path(), &img, options).unwrap();
     let paths = lender.paths.clone();
     let metrics = format!("127.0.0.1:{}", free_port().unwrap());
     let borrower =
@@ -277,4 +284,183 @@ fn a_cut_path_delays_neither_the_frontend_start_nor_the_deadline() {
         std::thread::sleep(Duration::from_millis(100));
     }
     r.lender.set_link(0, true).unwrap();
+}
+
+/// Requests of queue 0 kept in flight at once by [`busy`].
+const BUSY_DEPTH: usize = 4;
+/// Each of them: a read this long.
+const BUSY_READ: usize = 64 << 10;
+/// The lender's limit on reads a second: each read waits its turn there (5 ms apart),
+/// so the queue's requests complete one by one and it never falls idle by chance.
+const BUSY_IOPS: u32 = 200;
+
+/// Keeps [`BUSY_DEPTH`] reads in flight on queue 0 of `c`, each completion replaced at
+/// once, until `stop`: the queue is never idle. Returns the reads completed; records
+/// the longest wait for a completion in `longest` (which the caller may reset).
+fn busy(c: &mut BlkClient, stop: &AtomicBool, longest: &std::sync::Mutex<Duration>) -> u64 {
+    let mut qs = c.queue_ios();
+    let q = &mut qs[0];
+    let slots = (q.buffer_len() / BUSY_READ).min(BUSY_DEPTH);
+    assert_eq!(slots, BUSY_DEPTH, "buffer too small");
+    let read = |i: usize, n: u64| BlkOp::Read {
+        offset: (n * BUSY_READ as u64) % DISK,
+        buf: i * BUSY_READ,
+        len: BUSY_READ,
+    };
+    let mut sent = 0u64;
+    for i in 0..BUSY_DEPTH {
+        q.submit(&read(i, sent), i).unwrap();
+        sent += 1;
+    }
+    let mut done = 0u64;
+    let mut comps = Vec::new();
+    let mut last = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        comps.clear();
+        q.complete(1, Duration::from_secs(30), &mut comps).unwrap();
+        let gap = last.elapsed();
+        last = Instant::now();
+        {
+            let mut l = longest.lock().unwrap();
+            *l = (*l).max(gap);
+        }
+        for &(slot, ret) in &comps {
+            assert_eq!(ret, 0, "read {done} failed");
+            done += 1;
+            q.submit(&read(slot, sent), slot).unwrap();
+            sent += 1;
+        }
+    }
+    // What is still in flight completes before the client goes.
+    let mut left = BUSY_DEPTH;
+    while left > 0 {
+        comps.clear();
+        q.complete(1, Duration::from_secs(30), &mut comps).unwrap();
+        left -= comps.len();
+    }
+    done
+}
+
+/// A queue that never falls idle still goes back to its own path once that is up again:
+/// it holds new requests back while those in flight complete (at most 50 ms), then
+/// moves; the guest's requests wait for that and the new session, not for a second.
+/// Then a path cut while idle shows down (the probe tries the paths that are up too),
+/// and the idle queue on it leaves it before it sends there.
+#[test]
+fn a_busy_queue_moves_back_to_its_own_path_without_a_pause() {
+    let r = rig_lending(44, &format!(",iops_read={BUSY_IOPS}"), &[]);
+    let sock = r.dir.path().join("disk0.sock");
+    let mut c = BlkClient::connect(&sock, 2, 2 * BUSY_DEPTH * BUSY_READ).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let longest = Arc::new(std::sync::Mutex::new(Duration::ZERO));
+    let reader = {
+        let (stop, longest) = (stop.clone(), longest.clone());
+        std::thread::spawn(move || {
+            let done = busy(&mut c, &stop, &longest);
+            (done, c)
+        })
+    };
+    let sessions = |s: &serde_json::Value| [0, 1].map(|i| s["paths"][i]["sessions"].clone());
+    std::thread::sleep(Duration::from_millis(500));
+    // Queue 0 lives on path 0; its link cut, it fails over to path 1.
+    r.lender.set_link(0, false).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let s = counters(&r.borrower);
+    assert_eq!(sessions(&s), [0, 2], "queue 0 failed over: {s}");
+    r.lender.set_link(0, true).unwrap();
+    *longest.lock().unwrap() = Duration::ZERO;
+    let back = Instant::now();
+    let deadline = back + Duration::from_secs(8);
+    loop {
+        let s = counters(&r.borrower);
+        if sessions(&s) == [1, 1] {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the busy queue did not move back to its own path: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "queue 0 moved back {:?} after its link came back",
+        back.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let (done, mut c) = reader.join().expect("no read failed");
+    let pause = *longest.lock().unwrap();
+    let s = counters(&r.borrower);
+    eprintln!(
+        "{done} reads; the longest wait for a completion across the failback: {pause:?}; {s}"
+    );
+    assert!(
+        pause < Duration::from_millis(300),
+        "the failback paused the queue {pause:?}"
+    );
+    assert_eq!(s["errors"], 0, "{s}");
+    assert_eq!(s["failovers"], 1, "a failback is not a failover: {s}");
+
+    // Link 1 cut while nothing is in flight on it (queue 1 idle there): the probe shows
+    // it down, within 5 s and a 1 s connect timeout, without counting a failure.
+    let failures = s["paths"][1]["failures"].clone();
+    r.lender.set_link(1, false).unwrap();
+    let cut = Instant::now();
+    let shown = loop {
+        let s = counters(&r.borrower);
+        if s["paths"][1]["up"] == false {
+            break s;
+        }
+        assert!(
+            cut.elapsed() < Duration::from_secs(8),
+            "a path cut while idle still shows up: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("idle path 1 shown down {:?} after its cut", cut.elapsed());
+    assert_eq!(shown["paths"][1]["failures"], failures, "{shown}");
+    // Queue 1 leaves it before sending its next request there: no session lost.
+    c.buffer()[..4096].fill(7);
+    let t = Instant::now();
+    let st = c.run(
+        1,
+        &[BlkOp::Write {
+            offset: 0,
+            buf: 0,
+            len: 4096,
+        }],
+    );
+    assert_eq!(st.unwrap(), [0]);
+    let s = counters(&r.borrower);
+    eprintln!("queue 1's write took {:?} with its path cut", t.elapsed());
+    assert_eq!(sessions(&s), [2, 0], "{s}");
+    assert_eq!(
+        s["paths"][1]["failures"], failures,
+        "left before sending: {s}"
+    );
+    // Back: the probe shows it up again.
+    r.lender.set_link(1, true).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counters(&r.borrower)["paths"][1]["up"] != true {
+        assert!(Instant::now() < deadline, "path 1 not shown up again");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Queue 1 stays on path 0 (an idle queue gets no completion to move back at): no
+    // session is on path 1 now, so only the probe can see it cut again.
+    let s = counters(&r.borrower);
+    assert_eq!(sessions(&s), [2, 0], "{s}");
+    r.lender.set_link(1, false).unwrap();
+    let cut = Instant::now();
+    while counters(&r.borrower)["paths"][1]["up"] != false {
+        assert!(
+            cut.elapsed() < Duration::from_secs(8),
+            "a path without sessions, cut, still shows up"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "path 1, without sessions, shown down {:?} after its cut",
+        cut.elapsed()
+    );
+    r.lender.set_link(1, true).unwrap();
 }

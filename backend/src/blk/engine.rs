@@ -17,7 +17,8 @@
 //! `engine/chain.rs` turns popped chains into requests (and resubmits what an earlier
 //! backend left in flight); `engine/recover.rs` loses and regains the session;
 //! `engine/paths.rs` moves it between the lender's paths when it has several, and paces
-//! their heartbeats; `engine/tests.rs` drives it through a fake lender (`fake_link.rs`).
+//! their heartbeats; `engine/drain.rs` waits for what is in flight before the frontend
+//! takes the virtqueue back; `engine/tests.rs` drives it through a fake lender (`fake_link.rs`).
 //!
 //! **A lost session costs the guest a delay, not an error.** When the connection fails
 //! (the lender restarts, the network drops it), the requests in flight stay in their
@@ -52,7 +53,7 @@ use crate::guest::{GuestMemoryRef, HostIov};
 use crate::lender::{DisplayChain, LenderTarget, RetryTimer, Transport};
 
 pub use crate::blk::stats::{QueueStats, StatsSnapshot};
-pub use paths::{FAILBACK_AFTER, HEARTBEAT_EVERY};
+pub use paths::{FAILBACK_AFTER, FAILBACK_HOLD, HEARTBEAT_EVERY};
 
 /// The state of one virtqueue of one attachment.
 pub struct QueueEngine {
@@ -99,6 +100,10 @@ pub struct QueueEngine {
     draining: bool,
     /// When the session last opened away from `home`.
     away_since: Option<Instant>,
+    /// Since when a failback waits for the requests in flight to complete: no chain is
+    /// taken from the avail ring meanwhile, for at most [`FAILBACK_HOLD`]
+    /// (`engine/paths.rs`).
+    holding: Option<Instant>,
     /// With several paths: when the session was lost, and on which path, until a new
     /// one opens (a failover, when on another path).
     lost: Option<(Instant, usize)>,
@@ -123,6 +128,7 @@ const RETRY: Policy = Policy::backoff(Duration::from_millis(100), Duration::from
     .deadline(DEFAULT_RECONNECT_DEADLINE);
 
 mod chain;
+mod drain;
 mod paths;
 mod recover;
 #[cfg(test)]
@@ -221,6 +227,7 @@ impl QueueEngine {
             path: usize::from(index) % target.path_count(),
             home: usize::from(index) % target.path_count(),
             away_since: None,
+            holding: None,
             refused_in_row: 0,
             draining: false,
             lost: None,
@@ -476,7 +483,7 @@ impl QueueEngine {
         mem: &GuestMemoryRef,
     ) -> Result<bool, virtio_queue::Error> {
         let mut used = false;
-        if self.stopping || self.broken.is_some() {
+        if self.stopping || self.broken.is_some() || self.held() {
             return Ok(false);
         }
         self.table.fit(queue.size());
@@ -574,82 +581,8 @@ impl QueueEngine {
         {
             used |= self.flush_tx(queue, mem)?;
         }
-        self.fail_back();
+        used |= self.fail_back(queue, mem)?;
         self.arm_heartbeat();
-        Ok(used)
-    }
-
-    /// Waits up to `timeout` for every request in flight to complete (GET_VRING_BASE,
-    /// detach); whatever is still in flight then completes with IOERR. Returns whether
-    /// used-ring entries were added.
-    ///
-    /// # Errors
-    /// A guest memory error on the used ring.
-    pub fn drain(
-        &mut self,
-        queue: &mut Queue,
-        mem: &GuestMemoryRef,
-        timeout: Duration,
-    ) -> Result<bool, virtio_queue::Error> {
-        self.draining = true;
-        let r = self.drain_until(queue, mem, timeout);
-        self.draining = false;
-        r
-    }
-
-    fn drain_until(
-        &mut self,
-        queue: &mut Queue,
-        mem: &GuestMemoryRef,
-        timeout: Duration,
-    ) -> Result<bool, virtio_queue::Error> {
-        let deadline = Instant::now() + timeout;
-        let mut used = false;
-        let leave = self.handoff && self.table.has_log();
-        while self.table.inflight() > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            let Some(fd) = self.conn.as_ref().map(|l| l.fd()) else {
-                if leave {
-                    break;
-                }
-                used |= self.recover(queue, mem)?;
-                if self.conn.is_none() && self.table.inflight() > 0 {
-                    std::thread::sleep(left.min(Duration::from_millis(50)));
-                }
-                continue;
-            };
-            let mut pfd = libc::pollfd {
-                fd,
-                events: libc::POLLIN | if self.wants_write() { libc::POLLOUT } else { 0 },
-                revents: 0,
-            };
-            let ms = left.as_millis().min(100) as libc::c_int;
-            // SAFETY: pfd is a valid pollfd for the duration of the call.
-            unsafe { libc::poll(&mut pfd, 1, ms) };
-            used |= self.process_responses(queue, mem)?;
-        }
-        if self.table.inflight() > 0 && leave {
-            tracing::info!(
-                attachment = %self.name,
-                queue = self.index,
-                inflight = self.table.inflight(),
-                "leaving the requests that cannot complete now to the next compute agent (they stay in the inflight buffer)",
-            );
-        } else if self.table.inflight() > 0 {
-            tracing::warn!(
-                attachment = %self.name,
-                queue = self.index,
-                inflight = self.table.inflight(),
-                "requests still in flight at drain deadline; failing them",
-            );
-            // Their responses may still come, and a write may be half sent: the
-            // session cannot go on after them.
-            self.drop_session();
-            used |= self.fail_all(queue, mem)?;
-        }
         Ok(used)
     }
 }

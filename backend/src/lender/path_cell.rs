@@ -109,6 +109,13 @@ impl PathCell {
         }
     }
 
+    /// A probe did not reach it ([`crate::lender::path_probe`]): marked down, not
+    /// counted as a failure (no session or connect of the attachment failed). An idle
+    /// queue whose session is on it then leaves it before it sends anything there.
+    pub(crate) fn unreachable(&self) {
+        self.down.store(true, Ordering::Relaxed);
+    }
+
     /// The lender on this path refused a session for good: it is marked down (counted
     /// as a failure) and stays so for [`REFUSED_PATH_RESTS`], unless a session opens
     /// on it.

@@ -1,14 +1,22 @@
 //! A queue's paths to the lender, when it has several: which path its session is on,
 //! moving on to the next when the session is lost (a failover, counted), back to its
-//! own when that is up again and the queue is idle (a failback), and the heartbeats
+//! own when that is up again, once what is in flight completes (a failback), and the heartbeats
 //! that turn a silent cut into a socket error (`docs/faults.md`, "Paths").
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use virtio_queue::Queue;
 
 use super::QueueEngine;
+use crate::guest::GuestMemoryRef;
 use crate::lender::DisplayChain;
 
 pub use crate::lender::target::{FAILBACK_AFTER, HEARTBEAT_EVERY};
+
+/// How long a busy queue that is due to move back to its own path holds new requests
+/// back while those in flight complete (50 ms): the longest pause a failback may cost
+/// its guest, besides the new session's open.
+pub const FAILBACK_HOLD: Duration = Duration::from_millis(50);
 
 impl QueueEngine {
     /// A session opened on `self.path`; `heartbeat`: it carries heartbeats. Counts a
@@ -60,22 +68,59 @@ impl QueueEngine {
         }
     }
 
-    /// Moves the queue back to its own path when it is away from it, idle, has been
-    /// away [`FAILBACK_AFTER`] (or that long since a failed try), and its path is up
-    /// again (a session of another queue opened on it, or the probe reached it). The new
-    /// session fences this one on the lender, which has nothing of it to finish.
-    pub(super) fn fail_back(&mut self) {
+    /// Moves the queue back to its own path when it is away from it, has been away
+    /// [`FAILBACK_AFTER`] (or that long since a failed try), and its path is up again (a
+    /// session of another queue opened on it, or the probe reached it). A session moves
+    /// only with nothing in flight: the new session fences this one on the lender, which
+    /// then has nothing of it to finish. A busy queue **holds**: it takes no new chain
+    /// from the avail ring until what is in flight completes, then moves; if that takes
+    /// longer than [`FAILBACK_HOLD`] it stops holding and tries again [`FAILBACK_AFTER`]
+    /// later. Returns whether used-ring entries were added (chains held back are taken
+    /// once the hold ends).
+    ///
+    /// # Errors
+    /// A guest memory error on the rings.
+    pub(super) fn fail_back(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemoryRef,
+    ) -> Result<bool, virtio_queue::Error> {
+        if self.hold_for_failback() {
+            return Ok(false);
+        }
+        if self.holding.take().is_none() || self.draining {
+            // Nothing held back; or a drain, which takes no new chain (they stay on
+            // the avail ring for whoever runs the queue next).
+            return Ok(false);
+        }
+        self.process_avail(queue, mem)
+    }
+
+    /// Whether the queue holds new chains back for a failback now; moves it back when
+    /// it is due and idle.
+    fn hold_for_failback(&mut self) -> bool {
         let due = self
             .away_since
             .is_some_and(|t| t.elapsed() >= FAILBACK_AFTER);
-        if !due
-            || self.draining
-            || self.stopping
-            || self.conn.is_none()
-            || self.table.inflight() > 0
-            || !self.path_up(self.home)
+        if !due || self.draining || self.stopping || self.conn.is_none() || !self.path_up(self.home)
         {
-            return;
+            return false;
+        }
+        if self.table.inflight() > 0 {
+            let since = *self.holding.get_or_insert_with(Instant::now);
+            if since.elapsed() < FAILBACK_HOLD {
+                return true;
+            }
+            // What is in flight takes too long to wait for: tried again later.
+            self.away_since = Some(Instant::now());
+            devlend_fabric::limited!(
+                debug,
+                attachment = %self.name,
+                queue = self.index,
+                inflight = self.table.inflight(),
+                "the queue stays away from its own path: its requests in flight did not complete within the failback hold",
+            );
+            return false;
         }
         // The new session is opened before the one it replaces is closed: a home path
         // that does not take it costs the queue nothing but the attempt.
@@ -93,7 +138,7 @@ impl QueueEngine {
                 );
             }
             Err(e) => {
-                // Tried again at an idle moment a while later.
+                // Tried again a while later.
                 self.away_since = Some(Instant::now());
                 devlend_fabric::limited!(
                     warn,
@@ -105,6 +150,13 @@ impl QueueEngine {
                 );
             }
         }
+        false
+    }
+
+    /// Whether new chains stay on the avail ring for now: a failback holds them while
+    /// the requests in flight on the session it leaves complete.
+    pub(super) fn held(&self) -> bool {
+        self.holding.is_some() && self.conn.is_some() && self.table.inflight() > 0
     }
 
     /// Leaves the path before sending anything on it when another queue found it down

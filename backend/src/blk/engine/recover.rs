@@ -284,17 +284,16 @@ impl QueueEngine {
         if let Some(t) = self.timer.as_mut() {
             t.clear();
         }
+        let mut used = false;
         if self.conn.is_none() && self.table.inflight() > 0 {
-            let used = self.recover(queue, mem)?;
-            self.arm_heartbeat();
-            return Ok(used);
+            used |= self.recover(queue, mem)?;
+        } else if std::mem::take(&mut self.heartbeat_armed) && self.table.inflight() > 0 {
+            // A heartbeat: what the lender's TCP must acknowledge within the path's user
+            // timeout, or the socket fails and the queue moves to the next path.
+            used |= self.with_link(queue, mem, |link, _, _| link.heartbeat())?;
         }
-        if !std::mem::take(&mut self.heartbeat_armed) || self.table.inflight() == 0 {
-            return Ok(false);
-        }
-        // A heartbeat: what the lender's TCP must acknowledge within the path's user
-        // timeout, or the socket fails and the queue moves to the next path.
-        let used = self.with_link(queue, mem, |link, _, _| link.heartbeat())?;
+        // A failback's hold ends when the session it waited on is lost.
+        used |= self.fail_back(queue, mem)?;
         self.arm_heartbeat();
         Ok(used)
     }
