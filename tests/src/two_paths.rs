@@ -42,9 +42,25 @@ impl TwoPathLender {
     /// # Errors
     /// As [`Self::start`].
     pub fn start_limited(n: u8, dir: &Path, img: &Path, options: &str) -> Result<Self> {
-        Self::start_lending(n, dir, |_| {
-            Ok((format!("disk0={}{options}", img.display()), None))
-        })
+        Self::start_lending(
+            n,
+            dir,
+            |_| Ok((format!("disk0={}{options}", img.display()), None)),
+            &[],
+        )
+    }
+
+    /// As [`Self::start`], the lender given `args` too (`--tls-cert ...`).
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub fn start_with_args(n: u8, dir: &Path, img: &Path, args: &[String]) -> Result<Self> {
+        Self::start_lending(
+            n,
+            dir,
+            |_| Ok((format!("disk0={}", img.display()), None)),
+            args,
+        )
     }
 
     /// Starts the lender of `nic0`: one end of a veth pair in its namespace, whose
@@ -53,18 +69,24 @@ impl TwoPathLender {
     /// # Errors
     /// `ip` fails (not root), or the lender does not start.
     pub fn start_nic(n: u8, dir: &Path, tag: &str, peer_cidr: &str) -> Result<Self> {
-        Self::start_lending(n, dir, |ns| {
-            let lan = PeerLan::new(tag, &ns.name, peer_cidr, 1500)?;
-            Ok((format!("nic0=net:{}", lan.lent_if), Some(lan)))
-        })
+        Self::start_lending(
+            n,
+            dir,
+            |ns| {
+                let lan = PeerLan::new(tag, &ns.name, peer_cidr, 1500)?;
+                Ok((format!("nic0=net:{}", lan.lent_if), Some(lan)))
+            },
+            &[],
+        )
     }
 
     /// Starts the lender of the device `device` makes in the lender's namespace (its
-    /// `--device` value, and the peer's wire of a NIC).
+    /// `--device` value, and the peer's wire of a NIC), with `extra` arguments.
     fn start_lending(
         n: u8,
         dir: &Path,
         device: impl FnOnce(&Netns) -> Result<(String, Option<PeerLan>)>,
+        extra: &[String],
     ) -> Result<Self> {
         let ns = Netns::new(n)?;
         let link2 = ns.second_link()?;
@@ -75,17 +97,19 @@ impl TwoPathLender {
             format!("{}:7700", link2.ns_ip),
         ];
         let (device, lan) = device(&ns)?;
+        let mut args = vec![
+            "--listen".to_owned(),
+            "0.0.0.0:7700".into(),
+            "--device".into(),
+            device,
+            "--insecure".into(),
+        ];
+        args.extend_from_slice(extra);
         let mut lender = spawn_in(
             Some(&ns.name),
             "device-agent",
             &bin("devlend-device-agent")?,
-            &[
-                "--listen".into(),
-                "0.0.0.0:7700".into(),
-                "--device".into(),
-                device,
-                "--insecure".into(),
-            ],
+            &args,
             dir,
         )?;
         wait_listening(&mut lender, &paths[0])?;

@@ -6,7 +6,7 @@
 //! waits a second, each queue goes back to its own path once both are up, and the
 //! lender's file holds every block at its last generation.
 //! A queue kept busy all along still goes back to its own path; a path cut while idle
-//! shows down.
+//! shows down. Under TLS every path is verified as the first.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use devlend_cli::blk_client::{BlkClient, BlkOp};
 use devlend_tests::agents::{free_port, sparse_file, Borrower};
+use devlend_tests::certs::Certs;
 use devlend_tests::two_paths::TwoPathLender;
 use devlend_tests::{metric_value, scrape_metrics};
 
@@ -463,4 +464,105 @@ fn a_busy_queue_moves_back_to_its_own_path_without_a_pause() {
         cut.elapsed()
     );
     r.lender.set_link(1, true).unwrap();
+}
+
+/// Under TLS every path is verified as the first: with link 0 cut, an attach whose
+/// server name the lender's certificate does not carry is refused on path 1 too; with
+/// the right name the rewrite runs over TLS sessions only (the lender refuses
+/// plaintext) across a silent cut of each link, without an error or a pause of a
+/// second, and every block ends at its last generation.
+#[test]
+fn under_tls_every_path_is_verified_and_a_cut_of_either_is_ridden_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = Certs::make(&dir.path().join("certs")).unwrap();
+    let img = dir.path().join("disk0.img");
+    sparse_file(&img, DISK).unwrap();
+    let lender =
+        TwoPathLender::start_with_args(46, dir.path(), &img, &certs.lender_args(false)).unwrap();
+    let paths = lender.paths.clone();
+    let borrower = Borrower::start_with(dir.path(), &certs.borrower_args("ca.crt", None)).unwrap();
+    let attach = |name: &str, sock: &str| {
+        borrower
+            .cli(&[
+                "attach",
+                "--lender",
+                &paths[0],
+                "--lender",
+                &paths[1],
+                "--device",
+                "disk0",
+                "--socket",
+                sock,
+                "--queues",
+                "2",
+                "--tls",
+                "--tls-server-name",
+                name,
+                "--json",
+            ])
+            .unwrap()
+    };
+    lender.set_link(0, false).unwrap();
+    let wrong = dir.path().join("wrong.sock").display().to_string();
+    let out = attach("not-the-lender", &wrong);
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("attach with a wrong server name over path 1: {err}");
+    assert!(
+        !out.status.success(),
+        "path 1 took a certificate without the name"
+    );
+    assert!(err.contains("certificate"), "{err}");
+    lender.set_link(0, true).unwrap();
+
+    let sock = dir.path().join("disk0.sock");
+    let out = attach("localhost", &sock.display().to_string());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed = borrower.cli_json(&["status"]).unwrap();
+    assert_eq!(listed[0]["transport"], "tcp+tls", "{listed}");
+    let mut c = BlkClient::connect(&sock, 2, BLOCKS as usize * BLOCK).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let out = rewrite(&mut c, &stop);
+            (out, c)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    for link in 0..2 {
+        lender.set_link(link, false).unwrap();
+        std::thread::sleep(Duration::from_secs(2));
+        let during = counters(&borrower);
+        lender.set_link(link, true).unwrap();
+        assert_eq!(
+            during["paths"][link]["sessions"], 0,
+            "every queue left cut path {link}: {during}"
+        );
+        assert_eq!(during["paths"][1 - link]["sessions"], 2, "{during}");
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let ((gen, longest), _c) = writer.join().expect("no request failed");
+    let s = counters(&borrower);
+    eprintln!("under TLS: {gen} generations; the longest batch took {longest:?}; {s}");
+    assert!(
+        longest < Duration::from_secs(1),
+        "a batch waited {longest:?} across a cut"
+    );
+    assert_eq!(s["errors"], 0, "{s}");
+    assert!(s["failovers"].as_u64().unwrap() >= 2, "{s}");
+    let log = lender.lender.log();
+    assert!(!log.contains("plaintext connection refused"), "{log}");
+    let file = std::fs::read(&img).unwrap();
+    for b in 0..BLOCKS {
+        let at = b as usize * BLOCK;
+        assert!(
+            file[at..at + BLOCK] == block_bytes(b, gen)[..],
+            "block {b} on the lender's file is not at generation {gen}"
+        );
+    }
 }
