@@ -458,8 +458,9 @@ fn exchange_hello(
 }
 
 /// Checks that the lender at `addr` that answered `hello` with `reply` proved the key
-/// `expected` (nothing to check without one): the borrower's side of
-/// [`crate::lender_proof`], for every kind of session.
+/// `expected`; without one, that a proof it gave anyway verifies with the key it names
+/// (nothing to check without either): the borrower's side of [`crate::lender_proof`],
+/// for every kind of session.
 ///
 /// # Errors
 /// [`ConnectError::WrongLender`].
@@ -469,7 +470,9 @@ pub fn check_lender(
     hello: &Hello,
     reply: &HelloReply,
 ) -> Result<(), ConnectError> {
-    let Some(key) = expected else {
+    // A proof given without one expected must still verify with the key it names: that
+    // key may be pinned for the sessions that follow (several paths).
+    let Some(key) = expected.or(reply.proof.as_ref().map(|p| &p.key)) else {
         return Ok(());
     };
     hello
@@ -489,8 +492,9 @@ fn clear_timeouts(addr: &str, stream: &TcpStream) -> Result<(), ConnectError> {
     stream.set_write_timeout(None).map_err(hs)
 }
 
-/// Seconds of silence before the borrower probes a session (TCP keepalive), then
-/// seconds between probes, and unanswered probes before the session is declared lost.
+/// Seconds of silence before either end probes a session (TCP keepalive: the borrower,
+/// and the lender on the sessions it accepts), then seconds between probes, and
+/// unanswered probes before the session is declared lost.
 pub const KEEPALIVE: (u32, u32, u32) = (5, 2, 3);
 
 /// Milliseconds sent data may stay unacknowledged before the session is declared lost

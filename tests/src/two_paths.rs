@@ -124,6 +124,33 @@ impl TwoPathLender {
         })
     }
 
+    /// Starts another lender in the same namespace, listening on link 2's address at
+    /// `port` only, lending `device` (a `--device` value) with its own key (made in
+    /// `dir`): what a path given by mistake may lead to.
+    ///
+    /// # Errors
+    /// The lender does not start.
+    pub fn start_other(&self, dir: &Path, port: u16, device: &str) -> Result<(Proc, String)> {
+        let addr = format!("{}:{port}", self.link2.ns_ip);
+        let mut other = spawn_in(
+            Some(&self.ns.name),
+            "other-device-agent",
+            &bin("devlend-device-agent")?,
+            &[
+                "--listen".into(),
+                addr.clone(),
+                "--device".into(),
+                device.into(),
+                "--key-file".into(),
+                dir.join("other-identity.key").display().to_string(),
+                "--insecure".into(),
+            ],
+            dir,
+        )?;
+        wait_listening(&mut other, &addr)?;
+        Ok((other, addr))
+    }
+
     /// Takes link `i` (0 or 1) down — a silent cut: no reset, packets dropped — or up.
     ///
     /// # Errors

@@ -566,3 +566,141 @@ fn under_tls_every_path_is_verified_and_a_cut_of_either_is_ridden_out() {
         );
     }
 }
+
+/// A borrower that vanishes without a word (its host cut off: no FIN, no RST) holds the
+/// device on the lender only until the lender's keepalive finds it gone (probes after
+/// 5 s of silence, 3 unanswered 2 s apart: about 11 s); then another borrower, reaching
+/// the lender over the other link, gets it. (It took about 2 minutes with the lender's
+/// keepalive of before: 60 s idle, 6 probes 10 s apart.)
+#[test]
+fn a_device_held_by_a_vanished_borrower_is_free_again_within_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk0.img");
+    sparse_file(&img, DISK).unwrap();
+    let lender = TwoPathLender::start(48, dir.path(), &img).unwrap();
+    let paths = lender.paths.clone();
+    let start = |name: &str| {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        Borrower::start(&d).unwrap()
+    };
+    let (a, b) = (start("a"), start("b"));
+    let attach = |who: &Borrower, path: &str, name: &str| {
+        let sock = dir
+            .path()
+            .join(format!("{name}.sock"))
+            .display()
+            .to_string();
+        who.cli(&[
+            "attach", "--lender", path, "--device", "disk0", "--socket", &sock, "--json",
+        ])
+        .unwrap()
+    };
+    let out = attach(&a, &paths[0], "a");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = attach(&b, &paths[1], "b");
+    let err = String::from_utf8_lossy(&out.stderr).to_lowercase();
+    assert!(
+        !out.status.success() && err.contains("busy"),
+        "b attached beside a: {err}"
+    );
+    // A's host vanishes from the lender's sight: link 0 cut for good.
+    lender.set_link(0, false).unwrap();
+    let cut = Instant::now();
+    loop {
+        let out = attach(&b, &paths[1], "b");
+        if out.status.success() {
+            break;
+        }
+        let err = String::from_utf8_lossy(&out.stderr).to_lowercase();
+        assert!(err.contains("busy"), "{err}");
+        assert!(
+            cut.elapsed() < Duration::from_secs(25),
+            "the lender still holds the device for a borrower gone {:?}: {err}",
+            cut.elapsed()
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    eprintln!(
+        "another borrower got the device {:?} after its holder vanished",
+        cut.elapsed()
+    );
+}
+
+/// A path given by mistake that leads to another lender (another machine's key, a
+/// device of the same name and size there) takes none of the guest's I/O, with no lender
+/// key given: the holding session pins the key of the lender it reached, every other
+/// session must prove it, and the queue whose own path that is works over the good one.
+/// The wrong path stays marked down (30 s) instead of being tried at every failback.
+#[test]
+fn a_path_to_another_lender_takes_none_of_the_io() {
+    const ONE: usize = 64 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk0.img");
+    sparse_file(&img, DISK).unwrap();
+    let lender = TwoPathLender::start(50, dir.path(), &img).unwrap();
+    let other_img = dir.path().join("other.img");
+    sparse_file(&other_img, DISK).unwrap();
+    let (_other, other_addr) = lender
+        .start_other(dir.path(), 7800, &format!("disk0={}", other_img.display()))
+        .unwrap();
+    let borrower = Borrower::start(dir.path()).unwrap();
+    let sock = dir.path().join("disk0.sock");
+    let sock_s = sock.display().to_string();
+    borrower
+        .cli_json(&[
+            "attach",
+            "--lender",
+            &lender.paths[0],
+            "--lender",
+            &other_addr,
+            "--device",
+            "disk0",
+            "--socket",
+            &sock_s,
+            "--queues",
+            "2",
+        ])
+        .unwrap();
+    let mut c = BlkClient::connect(&sock, 2, ONE).unwrap();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        for q in 0..2usize {
+            let at = q as u64 * ONE as u64;
+            c.buffer().fill(q as u8 + 1);
+            let st = c.run(
+                q,
+                &[BlkOp::Write {
+                    offset: at,
+                    buf: 0,
+                    len: ONE,
+                }],
+            );
+            assert_eq!(st.unwrap(), [0], "queue {q}");
+        }
+    }
+    let s = counters(&borrower);
+    eprintln!("{s}");
+    assert_eq!(s["paths"][1]["up"], false, "{s}");
+    assert_eq!(
+        s["paths"][0]["sessions"], 2,
+        "both queues on the good path: {s}"
+    );
+    assert_eq!(s["paths"][1]["failures"], 1, "tried once, then rested: {s}");
+    assert!(
+        std::fs::read(&other_img).unwrap().iter().all(|&b| b == 0),
+        "the other lender's disk was written"
+    );
+    let file = std::fs::read(&img).unwrap();
+    for q in 0..2usize {
+        let at = q * ONE;
+        assert!(
+            file[at..at + ONE].iter().all(|&b| b == q as u8 + 1),
+            "queue {q}'s write is not on the lender's file"
+        );
+    }
+}

@@ -18,11 +18,20 @@ enum Lent<'r> {
 impl Attachment {
     /// The vhost-user part of [`Attachment::start`]: the device is whatever the lender's
     /// handshake reply says, a block device or a NIC.
-    pub(super) fn start_vhost(config: AttachmentConfig) -> Result<Self, AttachmentError> {
+    pub(super) fn start_vhost(mut config: AttachmentConfig) -> Result<Self, AttachmentError> {
         // This session holds the device on the lender for the attachment's lifetime
         // (a device is lent to one borrower at a time); it carries no I/O.
         let (hold, reply, hold_path) =
             crate::blk::holder::open(&config.lender).map_err(AttachmentError::Lender)?;
+        // With several paths, every session from now on must reach the lender that
+        // answered this one.
+        if config.lender.pin_lender(&reply) {
+            tracing::info!(
+                attachment = %config.id,
+                path = %config.lender.path_addr(hold_path),
+                "every path must prove the key of the lender that answered the holding session",
+            );
+        }
         let lent = match &reply.device {
             Some(DeviceDescription::Block(g)) => Lent::Block(g),
             Some(DeviceDescription::Nic(n)) => Lent::Nic(n),

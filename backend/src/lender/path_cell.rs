@@ -127,12 +127,22 @@ impl PathCell {
 
     /// Opening a session on this path failed with `e`: the path failed, unless the
     /// lender answered on it. A busy answer says nothing against it; a refusal for
-    /// good says the lender there is not this one (a wrong address) for a while
-    /// ([`Self::refused`]).
+    /// good, a lender that does not prove the attachment's lender key, or a peer that
+    /// does not speak the protocol say the path leads elsewhere (a wrong address) for a
+    /// while ([`Self::refused`]): the probe, which only connects, cannot tell.
     pub(crate) fn open_failed(&self, e: &devlend_fabric::tcp::ConnectError) {
-        if e.is_permanent() {
+        use devlend_fabric::tcp::ConnectError;
+        let elsewhere = matches!(
+            e,
+            ConnectError::WrongLender { .. }
+                | ConnectError::Handshake {
+                    source: devlend_fabric::WireError::BadMagic(_),
+                    ..
+                }
+        );
+        if e.is_permanent() || elsewhere {
             self.refused();
-        } else if !matches!(e, devlend_fabric::tcp::ConnectError::Refused { .. }) {
+        } else if !matches!(e, ConnectError::Refused { .. }) {
             self.failed();
         }
     }

@@ -246,6 +246,20 @@ impl LenderTarget {
         devlend_fabric::tcp::check_lender(&self.addr, self.lender_key.as_ref(), hello, reply)
     }
 
+    /// With several paths and no lender key given: takes the key the lender proved in
+    /// `reply` (the holding session's) as the one every later session of the attachment
+    /// must prove, on any path. A path that leads to another lender (another key) is
+    /// then refused like a lender that cannot prove itself, instead of taking part of
+    /// the guest's I/O. A lender without a key proves none: nothing is pinned then.
+    /// Returns whether a key was pinned.
+    pub fn pin_lender(&mut self, reply: &devlend_fabric::HelloReply) -> bool {
+        if self.lender_key.is_some() || self.path_count() < 2 {
+            return false;
+        }
+        self.lender_key = reply.proof.as_ref().map(|p| p.key);
+        self.lender_key.is_some()
+    }
+
     /// Whether the token is a live migration's handover token (it names a lease this
     /// one takes the device over from): the attachment is a migration's destination.
     pub fn is_successor(&self) -> bool {
@@ -275,6 +289,11 @@ impl LenderTarget {
         };
         if let Some(k) = &self.lender_key {
             h.ask_proof_of(k);
+        } else if self.path_count() > 1 {
+            // Several paths and no key given: the holding session learns the key of the
+            // lender that answers it, and every other session must prove that one
+            // (`Self::pin_lender`), so a path to another lender is refused.
+            h.ask_proof();
         }
         h.holder = holder(&h.token, self.holder.as_ref(), self.lender_key);
         h
