@@ -5,6 +5,18 @@
 
 use crate::api::{MAX_FABRIC_PATHS, MAX_NAME_LEN};
 
+/// Most characters of a refused value an error message quotes.
+const QUOTED: usize = 64;
+
+/// `v` quoted for an error message: at most [`QUOTED`] characters of it, then how long
+/// it was, so that a huge value costs its sender a short answer, not an echo.
+fn quoted(v: &str) -> String {
+    match v.char_indices().nth(QUOTED) {
+        None => format!("{v:?}"),
+        Some((end, _)) => format!("{:?}... ({} bytes)", &v[..end], v.len()),
+    }
+}
+
 /// A provider or device name: `[A-Za-z0-9._:-]`, 1..=[`MAX_NAME_LEN`] bytes.
 ///
 /// # Errors
@@ -18,7 +30,8 @@ pub fn name(what: &str, v: &str) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "{what} {v:?} is not a name: use 1 to {MAX_NAME_LEN} of A-Z a-z 0-9 . _ : -"
+            "{what} {} is not a name: use 1 to {MAX_NAME_LEN} of A-Z a-z 0-9 . _ : -",
+            quoted(v)
         ))
     }
 }
@@ -39,7 +52,7 @@ pub fn address(v: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!("fabric address {v:?} is not HOST:PORT"))
+        Err(format!("fabric address {} is not HOST:PORT", quoted(v)))
     }
 }
 
@@ -51,14 +64,15 @@ pub fn address(v: &str) -> Result<(), String> {
 pub fn reachable_address(v: &str) -> Result<(), String> {
     address(v)?;
     if v.contains('/') {
-        return Err(format!("fabric address {v:?} is not HOST:PORT"));
+        return Err(format!("fabric address {} is not HOST:PORT", quoted(v)));
     }
     let wildcard = v
         .rsplit_once(':')
         .is_some_and(|(host, _)| matches!(host, "0.0.0.0" | "[::]" | "::" | "*"));
     if wildcard {
         return Err(format!(
-            "fabric address {v:?} is a wildcard: give one borrowers can reach"
+            "fabric address {} is a wildcard: give one borrowers can reach",
+            quoted(v)
         ));
     }
     Ok(())
@@ -81,7 +95,7 @@ pub fn fabric_paths(primary: &str, paths: &[String]) -> Result<(), String> {
     for p in paths {
         reachable_address(p)?;
         if seen.contains(&p.as_str()) {
-            return Err(format!("fabric address {p:?} is given twice"));
+            return Err(format!("fabric address {} is given twice", quoted(p)));
         }
         seen.push(p);
     }
@@ -91,6 +105,19 @@ pub fn fabric_paths(primary: &str, paths: &[String]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_huge_value_is_quoted_short() {
+        let huge = "x".repeat(1 << 20);
+        for e in [address(&huge), name("provider", &huge)] {
+            let e = e.unwrap_err();
+            assert!(e.len() < 200, "{} bytes", e.len());
+            assert!(e.contains("1048576 bytes"), "{e}");
+        }
+        assert_eq!(quoted("a:1"), "\"a:1\"");
+        // Cut on a character boundary.
+        assert!(quoted(&"é".repeat(100)).contains("200 bytes"));
+    }
 
     #[test]
     fn addresses() {

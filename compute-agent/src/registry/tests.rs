@@ -120,4 +120,11 @@ fn paths_that_cannot_be_a_lenders_addresses_are_refused() {
     }
     let m = attach(serde_json::json!(["a:1"]), direct, "pci");
     assert!(m.contains("PCIe"), "{m}");
+    // A huge value costs its sender a short answer, not an echo.
+    let m = attach(serde_json::json!(["x".repeat(1 << 20)]), direct, "device");
+    assert!(
+        m.len() < 300 && m.contains("not HOST:PORT"),
+        "{} bytes",
+        m.len()
+    );
 }
