@@ -35,6 +35,7 @@ pub mod rdma;
 pub mod reconnect;
 pub mod relay;
 pub mod tcp;
+pub mod text;
 pub mod tls;
 pub mod transport;
 pub mod units;

@@ -286,13 +286,9 @@ impl RelayReply {
     /// A refusal with a message (truncated to [`MAX_RELAY_MESSAGE`] bytes on a character
     /// boundary).
     pub fn refuse(status: RelayStatus, message: &str) -> Self {
-        let mut end = message.len().min(MAX_RELAY_MESSAGE);
-        while !message.is_char_boundary(end) {
-            end -= 1;
-        }
         RelayReply {
             status,
-            message: message[..end].to_owned(),
+            message: crate::text::prefix(message, MAX_RELAY_MESSAGE).to_owned(),
         }
     }
 

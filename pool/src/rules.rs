@@ -5,15 +5,20 @@
 
 use crate::api::{MAX_FABRIC_PATHS, MAX_NAME_LEN};
 
-/// Most characters of a refused value an error message quotes.
+/// Most bytes of a refused value an error message quotes.
 const QUOTED: usize = 64;
 
-/// `v` quoted for an error message: at most [`QUOTED`] characters of it, then how long
-/// it was, so that a huge value costs its sender a short answer, not an echo.
+/// `v` quoted for an error message: at most [`QUOTED`] bytes of it (cut on a character
+/// boundary), then how long it was ([`devlend_fabric::text::shortened`]).
 fn quoted(v: &str) -> String {
-    match v.char_indices().nth(QUOTED) {
-        None => format!("{v:?}"),
-        Some((end, _)) => format!("{:?}... ({} bytes)", &v[..end], v.len()),
+    if v.len() <= QUOTED {
+        format!("{v:?}")
+    } else {
+        format!(
+            "{:?}... ({} bytes)",
+            devlend_fabric::text::prefix(v, QUOTED),
+            v.len()
+        )
     }
 }
 

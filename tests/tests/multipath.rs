@@ -124,6 +124,18 @@ fn rewrite(c: &mut BlkClient, stop: &AtomicBool) -> (u64, Duration) {
     (gen, longest)
 }
 
+/// Checks that every block on the lender's file `img` is at generation `gen`.
+fn assert_blocks_at(img: &std::path::Path, gen: u64) {
+    let file = std::fs::read(img).unwrap();
+    for b in 0..BLOCKS {
+        let at = b as usize * BLOCK;
+        assert!(
+            file[at..at + BLOCK] == block_bytes(b, gen)[..],
+            "block {b} on the lender's file is not at generation {gen}"
+        );
+    }
+}
+
 /// The content of block `b` at generation `gen`.
 fn block_bytes(b: u64, gen: u64) -> Vec<u8> {
     let mut v = vec![0u8; BLOCK];
@@ -218,15 +230,7 @@ fn silent_cuts_of_either_path_cost_under_a_second_and_no_error() {
     r.borrower
         .cli_json(&["migrate", "cancel", "disk0"])
         .unwrap();
-    // Every block at its last generation, on the lender's own file.
-    let img = std::fs::read(r.dir.path().join("disk0.img")).unwrap();
-    for b in 0..BLOCKS {
-        let at = b as usize * BLOCK;
-        assert!(
-            img[at..at + BLOCK] == block_bytes(b, gen)[..],
-            "block {b} on the lender's file is not at generation {gen}"
-        );
-    }
+    assert_blocks_at(&r.dir.path().join("disk0.img"), gen);
 }
 
 /// A path cut before the frontend connects costs its start one path connect timeout
@@ -557,14 +561,7 @@ fn under_tls_every_path_is_verified_and_a_cut_of_either_is_ridden_out() {
     assert!(s["failovers"].as_u64().unwrap() >= 2, "{s}");
     let log = lender.lender.log();
     assert!(!log.contains("plaintext connection refused"), "{log}");
-    let file = std::fs::read(&img).unwrap();
-    for b in 0..BLOCKS {
-        let at = b as usize * BLOCK;
-        assert!(
-            file[at..at + BLOCK] == block_bytes(b, gen)[..],
-            "block {b} on the lender's file is not at generation {gen}"
-        );
-    }
+    assert_blocks_at(&img, gen);
 }
 
 /// A borrower that vanishes without a word (its host cut off: no FIN, no RST) holds the

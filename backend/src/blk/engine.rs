@@ -18,7 +18,8 @@
 //! backend left in flight); `engine/recover.rs` loses and regains the session;
 //! `engine/paths.rs` moves it between the lender's paths when it has several, and paces
 //! their heartbeats; `engine/drain.rs` waits for what is in flight before the frontend
-//! takes the virtqueue back; `engine/tests.rs` drives it through a fake lender (`fake_link.rs`).
+//! takes the virtqueue back; `engine/tests.rs` drives it through a fake lender
+//! (`fake_link.rs`).
 //!
 //! **A lost session costs the guest a delay, not an error.** When the connection fails
 //! (the lender restarts, the network drops it), the requests in flight stay in their

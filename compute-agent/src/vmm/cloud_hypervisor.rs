@@ -402,14 +402,7 @@ fn shorten(text: &str) -> String {
     if t.is_empty() {
         return "(empty body)".to_owned();
     }
-    if t.len() <= MAX_BODY_IN_ERROR {
-        return t.to_owned();
-    }
-    let mut end = MAX_BODY_IN_ERROR;
-    while !t.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}... ({} bytes)", &t[..end], t.len())
+    devlend_fabric::text::shortened(t, MAX_BODY_IN_ERROR)
 }
 
 #[cfg(test)]

@@ -236,10 +236,6 @@ impl HelloReply {
     /// A refusal, with a message for the borrower's operator (truncated to
     /// [`MAX_MESSAGE_LEN`] bytes on a character boundary).
     pub fn refuse(status: HelloStatus, message: &str) -> Self {
-        let mut end = message.len().min(MAX_MESSAGE_LEN);
-        while !message.is_char_boundary(end) {
-            end -= 1;
-        }
         HelloReply {
             version: PROTOCOL_VERSION,
             status,
@@ -248,7 +244,7 @@ impl HelloReply {
             credit: None,
             proof: None,
             nonce: None,
-            message: message[..end].to_owned(),
+            message: crate::text::prefix(message, MAX_MESSAGE_LEN).to_owned(),
         }
     }
 

@@ -78,15 +78,11 @@ impl Message {
 
     /// A refusal of a request of `kind`, with `reason` as payload (cut to 1024 bytes).
     pub fn refusal(kind: u8, status: PciStatus, reason: &str) -> Self {
-        let mut end = reason.len().min(1024);
-        while !reason.is_char_boundary(end) {
-            end -= 1;
-        }
         Message {
             kind: kind | REPLY,
             status,
             flags: 0,
-            payload: reason.as_bytes()[..end].to_vec(),
+            payload: crate::text::prefix(reason, 1024).as_bytes().to_vec(),
         }
     }
 

@@ -1,7 +1,7 @@
 //! A queue's paths to the lender, when it has several: which path its session is on,
 //! moving on to the next when the session is lost (a failover, counted), back to its
-//! own when that is up again, once what is in flight completes (a failback), and the heartbeats
-//! that turn a silent cut into a socket error (`docs/faults.md`, "Paths").
+//! own when that is up again, once what is in flight completes (a failback), and the
+//! heartbeats that turn a silent cut into a socket error (`docs/faults.md`, "Paths").
 
 use std::time::{Duration, Instant};
 
